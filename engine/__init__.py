@@ -1,0 +1,1 @@
+"""The host engine: build warm snapshots, fork copy-on-write QEMU microVMs, branch them."""

@@ -1,0 +1,187 @@
+"""Cutting images into page-granular chunks, compressing them, and reading them back.
+
+* Flat layers: the image is read in 2 MiB aligned regions; all-zero regions
+  are skipped, and a region's non-zero pages are packed into one chunk. Equal
+  regions give equal chunks, so a compacted layer shares every unchanged
+  region with its base (stored once).
+* Diff layers: only pages that differ from the parent's assembled image are
+  kept, packed 512 to a chunk; pages that became zero are listed, not stored.
+* Every chunk is one independent zstd frame; decompression is bounded by the
+  size the map declares, so a decompression bomb cannot allocate more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import zstandard
+
+from forkd import digest as dg
+from forkd.errors import IntegrityError, InvalidInput
+from forkd.pack.imagemap import (
+    CHUNK_PAGES,
+    CHUNK_SIZE,
+    PAGE_SIZE,
+    ChunkRef,
+    Extent,
+    ImageMap,
+    runs,
+)
+from forkd.store.blobs import BlobStore
+
+ZSTD_LEVEL = 1
+ZERO_PAGE = bytes(PAGE_SIZE)
+ZERO_REGION = bytes(CHUNK_SIZE)
+
+Progress = Callable[[int], None]  # called with bytes processed since the last call
+
+
+@dataclass
+class RawChunk:
+    data: bytes
+    extents: list[Extent]
+
+
+def compress(data: bytes) -> bytes:
+    result: bytes = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(
+        data
+    )
+    return result
+
+
+def decompress(blob: bytes, expected_size: int, what: str) -> bytes:
+    """Decompress one chunk, never producing more than ``expected_size`` bytes."""
+    try:
+        params = zstandard.get_frame_parameters(blob)
+        if params.content_size not in (expected_size, zstandard.CONTENTSIZE_UNKNOWN):
+            raise IntegrityError(
+                f"{what}: frame declares {params.content_size} bytes, the map {expected_size}; "
+                "refusing it (corrupt or hostile pack)"
+            )
+        data: bytes = zstandard.ZstdDecompressor().decompress(
+            blob, max_output_size=expected_size
+        )
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"{what}: not a valid zstd chunk ({exc})") from exc
+    if len(data) != expected_size:
+        raise IntegrityError(f"{what}: decompressed to {len(data)} bytes, expected {expected_size}")
+    return data
+
+
+def _nonzero_pages(region: bytes, first_page: int) -> list[int]:
+    mv = memoryview(region)
+    return [
+        first_page + i
+        for i in range(len(region) // PAGE_SIZE)
+        if mv[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] != ZERO_PAGE
+    ]
+
+
+def _pack(region: bytes, region_first: int, pages: list[int]) -> bytes:
+    if len(pages) * PAGE_SIZE == len(region):
+        return region
+    mv = memoryview(region)
+    return b"".join(
+        mv[(p - region_first) * PAGE_SIZE : (p - region_first + 1) * PAGE_SIZE] for p in pages
+    )
+
+
+def image_size(f: BinaryIO, what: str) -> int:
+    size = os.fstat(f.fileno()).st_size
+    if size <= 0 or size % PAGE_SIZE:
+        raise InvalidInput(
+            f"{what} is {size} bytes; an image must be a non-empty multiple of {PAGE_SIZE} bytes"
+        )
+    return size
+
+
+def flat_chunks(f: BinaryIO, size: int, progress: Progress | None = None) -> Iterator[RawChunk]:
+    """Chunks of a whole image: per 2 MiB region, its non-zero pages."""
+    f.seek(0)
+    for offset in range(0, size, CHUNK_SIZE):
+        region = f.read(min(CHUNK_SIZE, size - offset))
+        if progress:
+            progress(len(region))
+        if region == ZERO_REGION[: len(region)]:
+            continue
+        first = offset // PAGE_SIZE
+        pages = _nonzero_pages(region, first)
+        yield RawChunk(_pack(region, first, pages), runs(pages))
+
+
+def diff_chunks(
+    f: BinaryIO, parent: BinaryIO, size: int, zero: list[Extent],
+    progress: Progress | None = None,
+) -> Iterator[RawChunk]:
+    """Chunks of the pages of ``f`` that differ from ``parent``; zeroed pages go to ``zero``."""
+    f.seek(0)
+    parent.seek(0)
+
+    def changed() -> Iterator[tuple[int, bytes]]:
+        for offset in range(0, size, CHUNK_SIZE):
+            region = f.read(min(CHUNK_SIZE, size - offset))
+            base = parent.read(len(region))
+            if progress:
+                progress(len(region))
+            if region == base:
+                continue
+            mv, bv = memoryview(region), memoryview(base)
+            first = offset // PAGE_SIZE
+            for i in range(len(region) // PAGE_SIZE):
+                page = mv[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
+                if page != bv[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]:
+                    yield first + i, bytes(page)
+
+    yield from page_chunks(changed(), zero)
+
+
+def page_chunks(pages: Iterable[tuple[int, bytes]], zero: list[Extent]) -> Iterator[RawChunk]:
+    """Pack (page index, bytes) pairs, in increasing page order, 512 pages to a chunk."""
+    zero_pages: list[int] = []
+    batch: list[bytes] = []
+    indexes: list[int] = []
+    last = -1
+    for index, page in pages:
+        if index <= last:
+            raise InvalidInput(f"pages must come in increasing order (page {index} after {last})")
+        if len(page) != PAGE_SIZE:
+            raise InvalidInput(f"page {index} is {len(page)} bytes, expected {PAGE_SIZE}")
+        last = index
+        if page == ZERO_PAGE:
+            zero_pages.append(index)
+            continue
+        batch.append(page)
+        indexes.append(index)
+        if len(batch) == CHUNK_PAGES:
+            yield RawChunk(b"".join(batch), runs(indexes))
+            batch, indexes = [], []
+    if batch:
+        yield RawChunk(b"".join(batch), runs(indexes))
+    zero.extend(runs(zero_pages))
+
+
+def store_chunk(blobs: BlobStore, raw: RawChunk) -> ChunkRef:
+    """Compress one chunk and store it (once: equal chunks have equal digests)."""
+    packed = compress(raw.data)
+    digest = blobs.put_bytes(packed, dg.of_bytes(packed))
+    return ChunkRef(
+        digest=digest,
+        blake3=dg.blake3_of(raw.data),
+        size=len(raw.data),
+        stored=len(packed),
+        extents=tuple(raw.extents),
+    )
+
+
+def build_map(
+    blobs: BlobStore, kind: str, size: int, chunks: Iterable[RawChunk], zero: list[Extent]
+) -> ImageMap:
+    """Store every chunk and return the layer's image map (zero extents filled by ``chunks``)."""
+    refs = tuple(store_chunk(blobs, raw) for raw in chunks)
+    imap = ImageMap(kind="flat" if kind == "flat" else "diff", size=size, chunks=refs,
+                    zero=tuple(zero))
+    imap.validate()
+    return imap

@@ -1,0 +1,1 @@
+"""The local content-addressed store: blobs by digest, tags, assembled-image cache."""

@@ -1,0 +1,163 @@
+"""Content-addressed blob storage on a local file system.
+
+Layout (owned by this module; nothing else computes these paths)::
+
+    ROOT/
+      sha256/ab/ab12…ef      one file per blob, named by its sha256 hex, mode 0444
+      tmp/                   in-flight writes (same file system, so rename is atomic)
+
+A blob is written to ``tmp/``, hashed while written, fsynced, checked against
+the expected digest and size, then renamed into place and the directory
+fsynced. Two writers of the same content both succeed; one copy remains.
+Readers check the digest before they use the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from forkd import digest as dg
+from forkd.errors import IntegrityError, InvalidInput, NotFound
+
+COPY_SIZE = 1 << 20
+
+
+class BlobStore(Protocol):
+    """What the hub and the engine need from any blob backend."""
+
+    def has(self, digest: str) -> bool: ...
+    def size(self, digest: str) -> int: ...
+    def put_bytes(self, data: bytes, expected: str | None = None) -> str: ...
+    def put_stream(
+        self, chunks: Iterable[bytes], expected: str | None = None, expected_size: int | None = None
+    ) -> str: ...
+    def read(self, digest: str, max_size: int, what: str = "blob") -> bytes: ...
+    def delete(self, digest: str) -> None: ...
+    def digests(self) -> Iterator[str]: ...
+
+
+class FsBlobStore:
+    """Blobs as read-only files addressed by sha256."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp = root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        (root / "sha256").mkdir(exist_ok=True)
+
+    # -- layout -------------------------------------------------------------
+    def path(self, digest: str) -> Path:
+        hexd = dg.hex_part(digest)
+        return self.root / "sha256" / hexd[:2] / hexd
+
+    # -- queries ------------------------------------------------------------
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def size(self, digest: str) -> int:
+        try:
+            return self.path(digest).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} is not in the store") from None
+
+    def digests(self) -> Iterator[str]:
+        base = self.root / "sha256"
+        for sub in sorted(base.iterdir()):
+            if sub.is_dir():
+                for f in sorted(sub.iterdir()):
+                    yield f"sha256:{f.name}"
+
+    def mtime(self, digest: str) -> float:
+        return self.path(digest).stat().st_mtime
+
+    # -- writes -------------------------------------------------------------
+    def put_bytes(self, data: bytes, expected: str | None = None) -> str:
+        return self.put_stream([data], expected, len(data) if expected else None)
+
+    def put_file(self, f: BinaryIO, expected: str | None = None, expected_size: int | None = None,
+                 ) -> str:
+        return self.put_stream(iter(lambda: f.read(COPY_SIZE), b""), expected, expected_size)
+
+    def put_stream(
+        self, chunks: Iterable[bytes], expected: str | None = None, expected_size: int | None = None
+    ) -> str:
+        """Store a blob from an iterable of byte strings; verify, then publish atomically."""
+        if expected is not None:
+            dg.validate(expected)
+            if self.has(expected):
+                # Content addressed: the bytes are already here. Drain nothing.
+                return expected
+        fd, tmp_name = tempfile.mkstemp(dir=self.tmp, prefix="blob-")
+        try:
+            h = dg.Sha256()
+            written = 0
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    written += len(chunk)
+                    if expected_size is not None and written > expected_size:
+                        raise IntegrityError(
+                            f"blob {expected or ''} is larger than its declared size "
+                            f"{expected_size}; refusing it"
+                        )
+                    h.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            if expected_size is not None and written != expected_size:
+                raise IntegrityError(
+                    f"blob {expected or ''} is truncated: got {written} bytes, "
+                    f"declared {expected_size}"
+                )
+            actual = h.digest()
+            if expected is not None:
+                dg.check(expected, actual, "blob")
+            final = self.path(actual)
+            final.parent.mkdir(exist_ok=True)
+            os.chmod(tmp_name, 0o444)
+            os.replace(tmp_name, final)
+            _fsync_dir(final.parent)
+            return actual
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+
+    def delete(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(digest).unlink()
+
+    # -- reads --------------------------------------------------------------
+    def read(self, digest: str, max_size: int, what: str = "blob") -> bytes:
+        """Read a whole blob, refusing one over ``max_size``, verified against its digest."""
+        path = self.path(digest)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_size:
+                    raise InvalidInput(
+                        f"{what} {digest} is {size} bytes, over the limit of {max_size}; refusing it"
+                    )
+                data = f.read(max_size + 1)
+        except FileNotFoundError:
+            raise NotFound(f"{what} {digest} is missing from the store") from None
+        dg.check(digest, dg.of_bytes(data), f"{what} {digest}")
+        return data
+
+    def open(self, digest: str) -> BinaryIO:
+        """Open a blob for streaming; the caller verifies while reading."""
+        try:
+            return open(self.path(digest), "rb")
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} is missing from the store") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""The hub: an OCI Distribution registry and catalog for snapshot packs."""
