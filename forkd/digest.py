@@ -87,8 +87,10 @@ def of_file(f: BinaryIO) -> str:
 
 def blake3_of(data: bytes | memoryview) -> str:
     """blake3 hex of a byte string (multi-threaded for large inputs)."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO) if len(data) >= (1 << 22) else (
-        blake3.blake3()
+    hasher = (
+        blake3.blake3(max_threads=blake3.blake3.AUTO)
+        if len(data) >= (1 << 22)
+        else (blake3.blake3())
     )
     hasher.update(data)
     result: str = hasher.hexdigest()

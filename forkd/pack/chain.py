@@ -26,7 +26,9 @@ class Link:
 
 
 def walk(
-    head: str, load: Callable[[str], Manifest], max_depth: int = MAX_CHAIN_DEPTH,
+    head: str,
+    load: Callable[[str], Manifest],
+    max_depth: int = MAX_CHAIN_DEPTH,
     name: str = "",
 ) -> list[Link]:
     """The chain from ``head`` to its base, newest first; refuses cycles and over-deep chains."""

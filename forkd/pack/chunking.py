@@ -61,9 +61,7 @@ def decompress(blob: bytes, expected_size: int, what: str) -> bytes:
                 f"{what}: frame declares {params.content_size} bytes, the map {expected_size}; "
                 "refusing it (corrupt or hostile pack)"
             )
-        data: bytes = zstandard.ZstdDecompressor().decompress(
-            blob, max_output_size=expected_size
-        )
+        data: bytes = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected_size)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{what}: not a valid zstd chunk ({exc})") from exc
     if len(data) != expected_size:
@@ -113,7 +111,10 @@ def flat_chunks(f: BinaryIO, size: int, progress: Progress | None = None) -> Ite
 
 
 def diff_chunks(
-    f: BinaryIO, parent: BinaryIO, size: int, zero: list[Extent],
+    f: BinaryIO,
+    parent: BinaryIO,
+    size: int,
+    zero: list[Extent],
     progress: Progress | None = None,
 ) -> Iterator[RawChunk]:
     """Chunks of the pages of ``f`` that differ from ``parent``; zeroed pages go to ``zero``."""
@@ -181,7 +182,8 @@ def build_map(
 ) -> ImageMap:
     """Store every chunk and return the layer's image map (zero extents filled by ``chunks``)."""
     refs = tuple(store_chunk(blobs, raw) for raw in chunks)
-    imap = ImageMap(kind="flat" if kind == "flat" else "diff", size=size, chunks=refs,
-                    zero=tuple(zero))
+    imap = ImageMap(
+        kind="flat" if kind == "flat" else "diff", size=size, chunks=refs, zero=tuple(zero)
+    )
     imap.validate()
     return imap

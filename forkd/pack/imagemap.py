@@ -142,7 +142,9 @@ class ImageMap:
                 raise IntegrityError(f"{what}: page {first} is provided twice")
             end = first + n
         if end > self.pages:
-            raise IntegrityError(f"{what}: extent ends at page {end}, past the image's {self.pages}")
+            raise IntegrityError(
+                f"{what}: extent ends at page {end}, past the image's {self.pages}"
+            )
 
 
 def _int(value: object) -> int:

@@ -26,8 +26,11 @@ class Descriptor:
     annotations: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest,
-                               "size": self.size}
+        doc: dict[str, Any] = {
+            "mediaType": self.media_type,
+            "digest": self.digest,
+            "size": self.size,
+        }
         if self.annotations:
             doc["annotations"] = dict(self.annotations)
         return doc
@@ -111,7 +114,9 @@ class Manifest:
             )
         config = Descriptor.from_json(raw.get("config"), f"{what} config")
         if config.media_type != mt.CONFIG:
-            raise IntegrityError(f"{what}: config media type {config.media_type!r} is not {mt.CONFIG}")
+            raise IntegrityError(
+                f"{what}: config media type {config.media_type!r} is not {mt.CONFIG}"
+            )
         layers = raw.get("layers")
         if not isinstance(layers, list):
             raise IntegrityError(f"{what}: layers must be a list")

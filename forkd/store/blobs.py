@@ -19,7 +19,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import IO, BinaryIO, Protocol
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
@@ -79,8 +79,12 @@ class FsBlobStore:
     def put_bytes(self, data: bytes, expected: str | None = None) -> str:
         return self.put_stream([data], expected, len(data) if expected else None)
 
-    def put_file(self, f: BinaryIO, expected: str | None = None, expected_size: int | None = None,
-                 ) -> str:
+    def put_file(
+        self,
+        f: IO[bytes],
+        expected: str | None = None,
+        expected_size: int | None = None,
+    ) -> str:
         return self.put_stream(iter(lambda: f.read(COPY_SIZE), b""), expected, expected_size)
 
     def put_stream(
@@ -139,7 +143,8 @@ class FsBlobStore:
                 size = os.fstat(f.fileno()).st_size
                 if size > max_size:
                     raise InvalidInput(
-                        f"{what} {digest} is {size} bytes, over the limit of {max_size}; refusing it"
+                        f"{what} {digest} is {size} bytes, over the limit of {max_size}; "
+                        "refusing it"
                     )
                 data = f.read(max_size + 1)
         except FileNotFoundError:

@@ -139,8 +139,9 @@ class Store:
         d = manifest.maps.get(role)
         if d is None:
             return None
-        imap = ImageMap.from_bytes(self.blobs.read(d.digest, d.size, f"{what} {role} map"),
-                                   f"{what} {role} map")
+        imap = ImageMap.from_bytes(
+            self.blobs.read(d.digest, d.size, f"{what} {role} map"), f"{what} {role} map"
+        )
         manifest.check_map(role, imap, what)
         return imap
 
@@ -171,9 +172,16 @@ class Store:
     ) -> LayerInfo:
         """A layer from raw files; with ``parent`` only pages that differ are stored."""
         return self._import(
-            ref, ImageSource(path=memory), vmstate=vmstate,
-            disk=ImageSource(path=disk) if disk else None, parent=parent, compat=compat,
-            files=files or {}, description=description, recipe=recipe, force=force,
+            ref,
+            ImageSource(path=memory),
+            vmstate=vmstate,
+            disk=ImageSource(path=disk) if disk else None,
+            parent=parent,
+            compat=compat,
+            files=files or {},
+            description=description,
+            recipe=recipe,
+            force=force,
             progress=progress,
         )
 
@@ -191,15 +199,33 @@ class Store:
     ) -> LayerInfo:
         """A diff layer from changed pages (``(page index, 4096 bytes)``, increasing order)."""
         return self._import(
-            ref, ImageSource(pages=pages), vmstate=vmstate,
-            disk=ImageSource(path=disk) if disk else None, parent=parent, compat=compat,
-            files={}, description=description, recipe=None, force=force, progress=None,
+            ref,
+            ImageSource(pages=pages),
+            vmstate=vmstate,
+            disk=ImageSource(path=disk) if disk else None,
+            parent=parent,
+            compat=compat,
+            files={},
+            description=description,
+            recipe=None,
+            force=force,
+            progress=None,
         )
 
     def _import(
-        self, ref: str, memory: ImageSource, *, vmstate: Path | None, disk: ImageSource | None,
-        parent: str | None, compat: Compat | None, files: Mapping[str, Path], description: str,
-        recipe: dict[str, Any] | None, force: bool, progress: Progress | None,
+        self,
+        ref: str,
+        memory: ImageSource,
+        *,
+        vmstate: Path | None,
+        disk: ImageSource | None,
+        parent: str | None,
+        compat: Compat | None,
+        files: Mapping[str, Path],
+        description: str,
+        recipe: dict[str, Any] | None,
+        force: bool,
+        progress: Progress | None,
     ) -> LayerInfo:
         target = parse_ref(ref)
         parent_ref = parse_ref(parent) if parent else None
@@ -242,28 +268,34 @@ class Store:
                 parent_digest=parent_chain[0].digest if parent_chain else None,
                 depth=depth,
                 memory_size=memory_map.size,
-                disk_size=disk_map.size if disk_map else (parent_cfg.disk_size if parent_cfg
-                                                          else None),
+                disk_size=disk_map.size
+                if disk_map
+                else (parent_cfg.disk_size if parent_cfg else None),
                 page_size=PAGE_SIZE,
                 compat=compat or (parent_cfg.compat if parent_cfg else None),
                 created_at=_now(),
                 description=description,
                 recipe=recipe,
             )
-            digest = self._write_manifest(cfg, memory_map, disk_map, file_descs,
-                                          parent_chain[0] if parent_chain else None)
+            digest = self._write_manifest(
+                cfg, memory_map, disk_map, file_descs, parent_chain[0] if parent_chain else None
+            )
             compacted = False
             if depth > self.auto_compact_depth:
                 assert parent_ref is not None and parent_cfg is not None
-                provenance = Provenance(str(parent_ref), parent_chain[0].digest, parent_cfg.depth,
-                                        "auto-depth")
+                provenance = Provenance(
+                    str(parent_ref), parent_chain[0].digest, parent_cfg.depth, "auto-depth"
+                )
                 digest = self._compact(digest, str(target), provenance)
                 compacted = True
             self._set_tag(target, digest, force)
         return self._layer_info(target, digest, compacted)
 
     def _image_map(
-        self, role: str, source: ImageSource, parent_image: Path | None,
+        self,
+        role: str,
+        source: ImageSource,
+        parent_image: Path | None,
         progress: Progress | None,
     ) -> ImageMap:
         zero: list[Extent] = []
@@ -274,7 +306,7 @@ class Store:
             return build_map(self.blobs, "diff", size, page_chunks(source.pages, zero), zero)
         assert source.path is not None
         try:
-            f = open(source.path, "rb")
+            f = open(source.path, "rb")  # noqa: SIM115 - closed by the `with` below
         except OSError as exc:
             raise InvalidInput(f"cannot read {role} image {source.path}: {exc.strerror}") from None
         with f:
@@ -303,8 +335,12 @@ class Store:
         return Descriptor(mt.FILE_ROLES[role], digest, size)
 
     def _write_manifest(
-        self, cfg: SnapshotConfig, memory_map: ImageMap, disk_map: ImageMap | None,
-        files: dict[str, Descriptor], parent: Link | None,
+        self,
+        cfg: SnapshotConfig,
+        memory_map: ImageMap,
+        disk_map: ImageMap | None,
+        files: dict[str, Descriptor],
+        parent: Link | None,
         extra_annotations: dict[str, str] | None = None,
     ) -> str:
         config_bytes = cfg.to_bytes()
@@ -336,8 +372,10 @@ class Store:
     def _set_tag(self, ref: Ref, digest: str, force: bool) -> None:
         def change(tags: dict[str, str]) -> None:
             if not force and tags.get(str(ref), digest) != digest:
-                raise Conflict(f"tag {ref} was created meanwhile by another process; "
-                               "pass --force to replace it")
+                raise Conflict(
+                    f"tag {ref} was created meanwhile by another process; "
+                    "pass --force to replace it"
+                )
             tags[str(ref)] = digest
 
         self.tags.update(change)
@@ -347,8 +385,9 @@ class Store:
         ref = parse_ref(str(ref))
         return self.assemble_digest(self.resolve(ref), str(ref), progress)
 
-    def assemble_digest(self, digest: str, name: str = "",
-                        progress: Progress | None = None) -> Assembled:
+    def assemble_digest(
+        self, digest: str, name: str = "", progress: Progress | None = None
+    ) -> Assembled:
         """Images of a chain head, from the cache or written once from the flattened maps."""
         name = name or digest
         chain = self.chain(digest, name)
@@ -359,22 +398,25 @@ class Store:
                 files[role] = self.blobs.path(d.digest)
         for role, path in files.items():
             if not path.is_file():
-                raise NotFound(f"{name}: the {role} blob {path.name} is missing from the store; "
-                               "pull or import the pack again")
+                raise NotFound(
+                    f"{name}: the {role} blob {path.name} is missing from the store; "
+                    "pull or import the pack again"
+                )
         cache = self.cache_dir / dg.hex_part(digest)
         images: dict[str, Path] = {}
         for role in ("memory", "disk"):
-            maps = self._chain_maps(chain, role, name)
-            if not maps:
+            if not any(role in link.manifest.maps for link in chain):
                 continue
             target = cache / f"{role}.img"
             if not target.exists():
+                maps = self._chain_maps(chain, role, name)
                 self._write_image(chain, role, maps, target, name, progress)
             images[role] = target
         if "memory" not in images:
             raise IntegrityError(f"{name}: the chain provides no memory image")
-        return Assembled(digest, config, images["memory"], images.get("disk"),
-                         files.pop("vmstate", None), files)
+        return Assembled(
+            digest, config, images["memory"], images.get("disk"), files.pop("vmstate", None), files
+        )
 
     def _chain_maps(self, chain: list[Link], role: str, name: str) -> list[ImageMap]:
         maps: list[ImageMap] = []
@@ -390,7 +432,12 @@ class Store:
         return maps
 
     def _write_image(
-        self, chain: list[Link], role: str, maps: list[ImageMap], target: Path, name: str,
+        self,
+        chain: list[Link],
+        role: str,
+        maps: list[ImageMap],
+        target: Path,
+        name: str,
         progress: Progress | None,
     ) -> None:
         plan = flatten(maps, f"{name} {role}")
@@ -412,8 +459,11 @@ class Store:
                     raise IntegrityError(f"{what}: {exc}") from exc
                 data = memoryview(decompress(blob, chunk.size, what))
                 for p in pieces:
-                    os.pwrite(fd, data[p.chunk_page * PAGE_SIZE:(p.chunk_page + p.count)
-                                       * PAGE_SIZE], p.page * PAGE_SIZE)
+                    os.pwrite(
+                        fd,
+                        data[p.chunk_page * PAGE_SIZE : (p.chunk_page + p.count) * PAGE_SIZE],
+                        p.page * PAGE_SIZE,
+                    )
                 if progress:
                     progress(chunk.size)
 
@@ -438,8 +488,9 @@ class Store:
         with self.writing():
             digest = self.resolve(source)
             cfg = self.config(digest)
-            new = self._compact(digest, str(target),
-                                Provenance(str(source), digest, cfg.depth, "manual"))
+            new = self._compact(
+                digest, str(target), Provenance(str(source), digest, cfg.depth, "manual")
+            )
             self._set_tag(target, new, force)
         return self._layer_info(target, new, True)
 
@@ -453,14 +504,28 @@ class Store:
             with open(path, "rb") as f:
                 size = image_size(f, f"assembled {role} image")
                 maps[role] = build_map(self.blobs, "flat", size, flat_chunks(f, size), [])
-        files = {role: Descriptor(mt.FILE_ROLES[role], dg.validate(f"sha256:{p.name}"),
-                                  p.stat().st_size)
-                 for role, p in [*asm.files.items(), *([("vmstate", asm.vmstate)]
-                                                       if asm.vmstate else [])]}
-        cfg = replace(asm.config, tag=tag, parent_tag=None, parent_digest=None, depth=0,
-                      created_at=_now(), compacted_from=provenance)
+        files = {
+            role: Descriptor(mt.FILE_ROLES[role], dg.validate(f"sha256:{p.name}"), p.stat().st_size)
+            for role, p in [
+                *asm.files.items(),
+                *([("vmstate", asm.vmstate)] if asm.vmstate else []),
+            ]
+        }
+        cfg = replace(
+            asm.config,
+            tag=tag,
+            parent_tag=None,
+            parent_digest=None,
+            depth=0,
+            created_at=_now(),
+            compacted_from=provenance,
+        )
         new = self._write_manifest(
-            cfg, maps["memory"], maps.get("disk"), files, None,
+            cfg,
+            maps["memory"],
+            maps.get("disk"),
+            files,
+            None,
             {mt.ANNOTATION_COMPACTED_FROM: f"{provenance.from_tag}@{provenance.from_digest}"},
         )
         # Same bytes by construction: the head's cached images serve the new digest too.
@@ -482,12 +547,21 @@ class Store:
         cfg = self.config(digest)
         imap = self.image_map(m, "memory", str(ref))
         assert imap is not None
-        return LayerInfo(str(ref), digest, cfg.depth, cfg.memory_size,
-                         sum(d.size for d in m.blobs()), imap.provided_pages, compacted)
+        return LayerInfo(
+            str(ref),
+            digest,
+            cfg.depth,
+            cfg.memory_size,
+            sum(d.size for d in m.blobs()),
+            imap.provided_pages,
+            compacted,
+        )
 
     def images(self) -> list[LayerInfo]:
-        return [self._layer_info(parse_ref(name), digest, False)
-                for name, digest in sorted(self.tags.read().items())]
+        return [
+            self._layer_info(parse_ref(name), digest, False)
+            for name, digest in sorted(self.tags.read().items())
+        ]
 
     def inspect(self, ref: str) -> dict[str, Any]:
         key = parse_ref(ref)
@@ -501,8 +575,15 @@ class Store:
             own = sum(d.size for d in link.manifest.blobs())
             for d in link.manifest.blobs():
                 unique[d.digest] = d.size
-            layers.append({"position": i, "tag": link_cfg.tag, "digest": link.digest,
-                           "depth": link_cfg.depth, "stored_bytes": own})
+            layers.append(
+                {
+                    "position": i,
+                    "tag": link_cfg.tag,
+                    "digest": link.digest,
+                    "depth": link_cfg.depth,
+                    "stored_bytes": own,
+                }
+            )
         logical = cfg.memory_size + (cfg.disk_size or 0)
         stored = sum(unique.values())
         m = chain[0].manifest
@@ -510,8 +591,9 @@ class Store:
             "ref": str(key),
             "digest": digest,
             "config": _asdict(cfg),
-            "layers": [d.to_json() for d in [m.config, *m.maps.values(), *m.chunks,
-                                             *m.files.values()]],
+            "layers": [
+                d.to_json() for d in [m.config, *m.maps.values(), *m.chunks, *m.files.values()]
+            ],
             "chain": layers,
             "logical_bytes": logical,
             "stored_bytes": stored,
@@ -524,9 +606,8 @@ class Store:
         digest = tags.get(str(ref))
         out = []
         for name, head in tags.items():
-            if name != str(ref) and head != digest:
-                if any(link.digest == digest for link in self.chain(head, name)):
-                    out.append(name)
+            if name != str(ref) and any(link.digest == digest for link in self.chain(head, name)):
+                out.append(name)
         return sorted(out)
 
     def remove(self, ref: str, cascade: bool = False) -> list[str]:

@@ -1,0 +1,45 @@
+"""The `forkd` command: parse, call the core/engine/hub, print. Errors → messages + exit codes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from forkd.cli import demo_cmds, engine_cmds, hub_cmds, store_cmds
+
+from forkd import __version__
+from forkd.errors import ForkdError
+
+
+class ForkdGroup(click.Group):
+    """Turns forkd errors into one line on stderr and the error family's exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ForkdError as exc:
+            click.echo(f"forkd: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("forkd: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=ForkdGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="forkd")
+def cli() -> None:
+    """forkd: fork copy-on-write microVMs from warm snapshots; share them as packs.
+
+    The local store lives in $FORKD_HOME (default ~/.local/share/forkd).
+    """
+
+
+store_cmds.register(cli)
+demo_cmds.register(cli)
+engine_cmds.register(cli)
+hub_cmds.register(cli)
+
+
+def main() -> None:
+    cli(prog_name="forkd")
