@@ -67,8 +67,10 @@ def main() -> None:
             images.append(work / f"l{d}.mem")
             write_diff(images[d - 1], images[d], share=args.share, seed=d)
 
-        print(f"\n{'depth':>5} {'import s':>8} {'stored MiB':>10} {'changed MiB':>11} "
-              f"{'first ms':>9} {'cached ms':>9} {'naive ms':>9} {'naive/first':>11}")
+        print(
+            f"\n{'depth':>5} {'import s':>8} {'stored MiB':>10} {'changed MiB':>11} "
+            f"{'first ms':>9} {'cached ms':>9} {'naive ms':>9} {'naive/first':>11}"
+        )
         rows = []
         for d, image in enumerate(images):
             parent = f"l{d - 1}" if d else None
@@ -84,21 +86,29 @@ def main() -> None:
             first_ms = timed(first, args.repeat)
             cached_ms = timed(lambda tag=f"l{d}": store.assemble(tag), args.repeat * 3)
             out = work / "naive.out"
-            naive_ms = timed(lambda links=images[: d + 1]: naive_spawn(links, out), args.repeat)
+            naive_ms = timed(
+                lambda links=images[: d + 1], out=out: naive_spawn(links, out), args.repeat
+            )
             changed = info.new_pages * 4096 / (1 << 20)
             stored = info.stored_bytes / (1 << 20)
             rows.append((d, first_ms, cached_ms, naive_ms))
-            print(f"{d:>5} {import_s:>8.2f} {stored:>10.1f} {changed:>11.1f} {first_ms:>9.0f} "
-                  f"{cached_ms:>9.1f} {naive_ms:>9.0f} {naive_ms / first_ms:>10.1f}x")
+            print(
+                f"{d:>5} {import_s:>8.2f} {stored:>10.1f} {changed:>11.1f} {first_ms:>9.0f} "
+                f"{cached_ms:>9.1f} {naive_ms:>9.0f} {naive_ms / first_ms:>10.1f}x"
+            )
             assert store.assemble(f"l{d}").memory.read_bytes() == image.read_bytes()
 
         base_first, base_cached = rows[0][1], rows[0][2]
         d3 = rows[min(3, len(rows) - 1)]
-        print(f"\ndepth {d3[0]} vs depth 0: first assembly {d3[1] / base_first:.2f}x "
-              f"(target <= 1.5x), cached {d3[2] / base_cached:.2f}x (target <= 1.1x); "
-              f"naive depth {d3[0]} vs naive depth 0: {d3[3] / rows[0][3]:.2f}x")
-        print("stored bytes of a diff layer are its changed pages (compressed), "
-              "not the full image (see the stored/changed columns)")
+        print(
+            f"\ndepth {d3[0]} vs depth 0: first assembly {d3[1] / base_first:.2f}x "
+            f"(target <= 1.5x), cached {d3[2] / base_cached:.2f}x (target <= 1.1x); "
+            f"naive depth {d3[0]} vs naive depth 0: {d3[3] / rows[0][3]:.2f}x"
+        )
+        print(
+            "stored bytes of a diff layer are its changed pages (compressed), "
+            "not the full image (see the stored/changed columns)"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -19,8 +19,13 @@ LAYERS = ("base", "plus-pandas", "plus-sklearn", "plus-agent")
 
 
 @click.command()
-@click.option("--size-mib", default=256, show_default=True, type=click.IntRange(1, 8192),
-              help="Size of the synthetic memory image.")
+@click.option(
+    "--size-mib",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1, 8192),
+    help="Size of the synthetic memory image.",
+)
 @click.option("--namespace", default="demo", show_default=True, help="Name prefix of the tags.")
 def demo(size_mib: int, namespace: str) -> None:
     """Import a synthetic base and three diff layers, show the chain, assemble, compact."""
@@ -39,17 +44,21 @@ def demo(size_mib: int, namespace: str) -> None:
             tag = f"{namespace}/{layer}:v1"
             start = time.perf_counter()
             info = store.import_layer(tag, memory=image, parent=parent, force=True)
-            click.echo(f"imported {tag:<28} depth {info.depth}  {info.new_pages:>6} pages  "
-                       f"{human(info.stored_bytes):>10} stored  "
-                       f"({time.perf_counter() - start:.2f} s)")
+            click.echo(
+                f"imported {tag:<28} depth {info.depth}  {info.new_pages:>6} pages  "
+                f"{human(info.stored_bytes):>10} stored  "
+                f"({time.perf_counter() - start:.2f} s)"
+            )
             parent, previous = tag, image
         assert parent is not None and previous is not None
         report = store.inspect(parent)
         click.echo(f"\nchain of {parent} (head first):")
         for link in report["chain"]:
             click.echo(f"  {link['tag']:<28} {dg.short(link['digest'])}  depth {link['depth']}")
-        click.echo(f"logical {human(report['logical_bytes'])}, stored "
-                   f"{human(report['stored_bytes'])} ({report['dedup_ratio']}x)")
+        click.echo(
+            f"logical {human(report['logical_bytes'])}, stored "
+            f"{human(report['stored_bytes'])} ({report['dedup_ratio']}x)"
+        )
         for attempt in ("first", "cached"):
             start = time.perf_counter()
             asm = store.assemble(parent)
@@ -60,8 +69,10 @@ def demo(size_mib: int, namespace: str) -> None:
         flat = f"{namespace}/compacted:v1"
         info = store.compact(parent, flat, force=True)
         same = filecmp.cmp(store.assemble(flat).memory, previous, shallow=False)
-        click.echo(f"compacted into {flat}: depth {info.depth}, {human(info.stored_bytes)} "
-                   f"referenced, bytes identical: {same}")
+        click.echo(
+            f"compacted into {flat}: depth {info.depth}, {human(info.stored_bytes)} "
+            f"referenced, bytes identical: {same}"
+        )
         if not same:
             raise IntegrityError("compacted image differs from the chain head")
 

@@ -6,9 +6,9 @@ import sys
 from typing import Any
 
 import click
-from forkd.cli import demo_cmds, engine_cmds, hub_cmds, store_cmds
 
 from forkd import __version__
+from forkd.cli import demo_cmds, engine_cmds, hub_cmds, store_cmds
 from forkd.errors import ForkdError
 
 

@@ -11,9 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from forkd.cli.output import emit_json, human, progress_bar
 
 from forkd import digest as dg
+from forkd.cli.output import emit_json, human, progress_bar
 from forkd.errors import InvalidInput
 from forkd.store.packfile import export_pack, import_pack
 from forkd.store.store import LayerInfo, Store

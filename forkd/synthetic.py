@@ -15,8 +15,9 @@ from forkd.pack.imagemap import PAGE_SIZE
 ZERO_PAGE = bytes(PAGE_SIZE)
 
 
-def write_base(path: Path, size: int, seed: int = 0, random_share: float = 0.2,
-               repeated_share: float = 0.1) -> None:
+def write_base(
+    path: Path, size: int, seed: int = 0, random_share: float = 0.2, repeated_share: float = 0.1
+) -> None:
     """A ``size``-byte image: ``random_share`` random pages, ``repeated_share`` of one pattern."""
     rnd = random.Random(seed)
     pattern = rnd.randbytes(PAGE_SIZE)

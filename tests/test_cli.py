@@ -11,14 +11,29 @@ import pytest
 
 from forkd.errors import ChainError, Conflict, InvalidInput, NotFound
 
-STORE_COMMANDS = ["import", "images", "inspect", "assemble", "export", "compact", "rmi", "gc",
-                  "demo"]
+STORE_COMMANDS = [
+    "import",
+    "images",
+    "inspect",
+    "assemble",
+    "export",
+    "compact",
+    "rmi",
+    "gc",
+    "demo",
+]
 
 
 def forkd(home: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FORKD_HOME": str(home)}
-    proc = subprocess.run(["forkd", *args], env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=300)
+    proc = subprocess.run(
+        ["forkd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -37,11 +52,19 @@ def test_import_inspect_assemble_compact_flow(home: Path, images: list[Path], tm
         forkd(home, "import", "--tag", f"d{i}", "--memory", str(images[i]), "--parent", parent)
     rows = json.loads(forkd(home, "images", "--json").stdout)
     assert [(r["ref"], r["depth"]) for r in rows] == [
-        ("base:latest", 0), ("d1:latest", 1), ("d2:latest", 2), ("d3:latest", 3)]
+        ("base:latest", 0),
+        ("d1:latest", 1),
+        ("d2:latest", 2),
+        ("d3:latest", 3),
+    ]
     assert "DEPTH" in forkd(home, "images").stdout
     info = json.loads(forkd(home, "inspect", "d3", "--json").stdout)
-    assert [link["tag"] for link in info["chain"]] == ["d3:latest", "d2:latest", "d1:latest",
-                                                       "base:latest"]
+    assert [link["tag"] for link in info["chain"]] == [
+        "d3:latest",
+        "d2:latest",
+        "d1:latest",
+        "base:latest",
+    ]
     assert info["logical_bytes"] == images[0].stat().st_size
     assert info["stored_bytes"] < info["logical_bytes"]
     assert "chain (head first)" in forkd(home, "inspect", "d3").stdout
@@ -73,18 +96,28 @@ def test_import_inspect_assemble_compact_flow(home: Path, images: list[Path], tm
     "args,code,message",
     [
         (["inspect", "nothing"], NotFound.exit_code, "no tag nothing:latest"),
-        (["import", "--tag", "../x", "--memory", "{img}"], InvalidInput.exit_code,
-         "invalid repository name"),
-        (["import", "--tag", "x", "--memory", "{img}", "--parent", "ghost"], NotFound.exit_code,
-         "ghost"),
-        (["import", "--tag", "x", "--memory", "{img}", "--parent", "x"], ChainError.exit_code,
-         "own parent"),
+        (
+            ["import", "--tag", "../x", "--memory", "{img}"],
+            InvalidInput.exit_code,
+            "invalid repository name",
+        ),
+        (
+            ["import", "--tag", "x", "--memory", "{img}", "--parent", "ghost"],
+            NotFound.exit_code,
+            "ghost",
+        ),
+        (
+            ["import", "--tag", "x", "--memory", "{img}", "--parent", "x"],
+            ChainError.exit_code,
+            "own parent",
+        ),
         (["import", "--tag", "x"], InvalidInput.exit_code, "needs --tag and --memory"),
         (["assemble", "nothing", "--out", "{tmp}/o"], NotFound.exit_code, "forkd images"),
     ],
 )
-def test_bad_input_exit_codes(home: Path, images: list[Path], tmp_path: Path,
-                              args: list[str], code: int, message: str):
+def test_bad_input_exit_codes(
+    home: Path, images: list[Path], tmp_path: Path, args: list[str], code: int, message: str
+):
     args = [a.format(img=images[0], tmp=tmp_path) for a in args]
     proc = forkd(home, *args, ok=False)
     assert proc.returncode == code, proc.stderr
@@ -93,8 +126,9 @@ def test_bad_input_exit_codes(home: Path, images: list[Path], tmp_path: Path,
     assert not (tmp_path / "o").exists()
 
 
-def test_tampered_blob_fails_assemble_with_tag_and_layer(home: Path, images: list[Path],
-                                                         tmp_path: Path):
+def test_tampered_blob_fails_assemble_with_tag_and_layer(
+    home: Path, images: list[Path], tmp_path: Path
+):
     forkd(home, "import", "--tag", "base", "--memory", str(images[0]))
     forkd(home, "import", "--tag", "d1", "--memory", str(images[1]), "--parent", "base")
     info = json.loads(forkd(home, "inspect", "d1", "--json").stdout)
@@ -114,5 +148,4 @@ def test_demo_runs_the_main_job(home: Path):
     assert "byte-identical" in out
     assert "bytes identical: True" in out
     rows = json.loads(forkd(home, "images", "--json").stdout)
-    assert {r["ref"] for r in rows} >= {"demo/base:v1", "demo/plus-agent:v1",
-                                         "demo/compacted:v1"}
+    assert {r["ref"] for r in rows} >= {"demo/base:v1", "demo/plus-agent:v1", "demo/compacted:v1"}

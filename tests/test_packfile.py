@@ -35,8 +35,9 @@ def _rewrite(pack: Path, out: Path, change) -> None:  # type: ignore[no-untyped-
             dst.addfile(info, io.BytesIO(new))
 
 
-def test_export_import_round_trip(store: Store, chain: list[str], images: list[Path],
-                                  tmp_path: Path):
+def test_export_import_round_trip(
+    store: Store, chain: list[str], images: list[Path], tmp_path: Path
+):
     pack = tmp_path / "d3.pack"
     export_pack(store, "d3", pack)
     other = _fresh(tmp_path, "other")
@@ -122,17 +123,44 @@ def _bomb_pack(store: Store, tmp_path: Path, payload: bytes) -> Path:
         return d
 
     chunk_digest = put(payload)
-    imap = {"version": 1, "kind": "flat", "size": CHUNK_SIZE, "page_size": 4096, "zero": [],
-            "chunks": [{"digest": chunk_digest, "blake3": "0" * 64, "size": 4096,
-                        "stored": len(payload), "extents": [[0, 1]]}]}
+    imap = {
+        "version": 1,
+        "kind": "flat",
+        "size": CHUNK_SIZE,
+        "page_size": 4096,
+        "zero": [],
+        "chunks": [
+            {
+                "digest": chunk_digest,
+                "blake3": "0" * 64,
+                "size": 4096,
+                "stored": len(payload),
+                "extents": [[0, 1]],
+            }
+        ],
+    }
     map_bytes = json.dumps(imap).encode()
-    cfg = {"schema": 1, "tag": "bomb:latest", "parent_tag": None, "parent_digest": None,
-           "depth": 0, "memory_size": CHUNK_SIZE, "disk_size": None, "page_size": 4096,
-           "compat": None, "created_at": "2026-01-01T00:00:00Z", "description": "",
-           "recipe": None, "compacted_from": None, "extra": {}}
+    cfg = {
+        "schema": 1,
+        "tag": "bomb:latest",
+        "parent_tag": None,
+        "parent_digest": None,
+        "depth": 0,
+        "memory_size": CHUNK_SIZE,
+        "disk_size": None,
+        "page_size": 4096,
+        "compat": None,
+        "created_at": "2026-01-01T00:00:00Z",
+        "description": "",
+        "recipe": None,
+        "compacted_from": None,
+        "extra": {},
+    }
     cfg_bytes = json.dumps(cfg).encode()
     manifest = {
-        "schemaVersion": 2, "mediaType": mt.OCI_MANIFEST, "artifactType": mt.ARTIFACT_TYPE,
+        "schemaVersion": 2,
+        "mediaType": mt.OCI_MANIFEST,
+        "artifactType": mt.ARTIFACT_TYPE,
         "config": {"mediaType": mt.CONFIG, "digest": put(cfg_bytes), "size": len(cfg_bytes)},
         "layers": [
             {"mediaType": mt.MEMORY_MAP, "digest": put(map_bytes), "size": len(map_bytes)},
@@ -141,13 +169,23 @@ def _bomb_pack(store: Store, tmp_path: Path, payload: bytes) -> Path:
     }
     man_bytes = json.dumps(manifest).encode()
     man_digest = put(man_bytes)
-    index = {"schemaVersion": 2, "manifests": [
-        {"mediaType": mt.OCI_MANIFEST, "digest": man_digest, "size": len(man_bytes),
-         "annotations": {mt.ANNOTATION_REF_NAME: "bomb:latest"}}]}
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": mt.OCI_MANIFEST,
+                "digest": man_digest,
+                "size": len(man_bytes),
+                "annotations": {mt.ANNOTATION_REF_NAME: "bomb:latest"},
+            }
+        ],
+    }
     pack = tmp_path / "bomb.pack"
     with tarfile.open(pack, "w") as tar:
-        for name, data in [("index.json", json.dumps(index).encode()),
-                           *((f"blobs/sha256/{dg.hex_part(d)}", b) for d, b in blobs.items())]:
+        for name, data in [
+            ("index.json", json.dumps(index).encode()),
+            *((f"blobs/sha256/{dg.hex_part(d)}", b) for d, b in blobs.items()),
+        ]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -185,9 +223,22 @@ def test_oversized_manifest_refused():
     ],
 )
 def test_image_map_validation(change, message):  # type: ignore[no-untyped-def]
-    doc = {"version": 1, "kind": "flat", "size": CHUNK_SIZE, "page_size": 4096, "zero": [],
-           "chunks": [{"digest": dg.of_bytes(b"x"), "blake3": "0" * 64, "size": 4096,
-                       "stored": 10, "extents": [[0, 1]]}]}
+    doc = {
+        "version": 1,
+        "kind": "flat",
+        "size": CHUNK_SIZE,
+        "page_size": 4096,
+        "zero": [],
+        "chunks": [
+            {
+                "digest": dg.of_bytes(b"x"),
+                "blake3": "0" * 64,
+                "size": 4096,
+                "stored": 10,
+                "extents": [[0, 1]],
+            }
+        ],
+    }
     ImageMap.from_bytes(json.dumps(doc).encode())
     change(doc)
     with pytest.raises((IntegrityError, InvalidInput), match=message):
@@ -195,9 +246,21 @@ def test_image_map_validation(change, message):  # type: ignore[no-untyped-def]
 
 
 def test_overlapping_extents_refused():
-    doc = {"version": 1, "kind": "diff", "size": CHUNK_SIZE, "page_size": 4096,
-           "zero": [[1, 1]],
-           "chunks": [{"digest": dg.of_bytes(b"x"), "blake3": "0" * 64, "size": 8192,
-                       "stored": 10, "extents": [[0, 2]]}]}
+    doc = {
+        "version": 1,
+        "kind": "diff",
+        "size": CHUNK_SIZE,
+        "page_size": 4096,
+        "zero": [[1, 1]],
+        "chunks": [
+            {
+                "digest": dg.of_bytes(b"x"),
+                "blake3": "0" * 64,
+                "size": 8192,
+                "stored": 10,
+                "extents": [[0, 2]],
+            }
+        ],
+    }
     with pytest.raises(IntegrityError, match="provided twice"):
         ImageMap.from_bytes(json.dumps(doc).encode())

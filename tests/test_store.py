@@ -89,8 +89,7 @@ def test_vmstate_disk_and_files_round_trip(store: Store, images: list[Path], tmp
     kernel.write_bytes(b"kernel" * 1000)
     disk = tmp_path / "root.img"
     write_base(disk, 2 * CHUNK_SIZE, seed=9)
-    store.import_layer("full", memory=images[0], vmstate=state, disk=disk,
-                       files={"kernel": kernel})
+    store.import_layer("full", memory=images[0], vmstate=state, disk=disk, files={"kernel": kernel})
     disk2 = tmp_path / "root2.img"
     write_diff(disk, disk2, share=0.05, seed=1)
     state2 = tmp_path / "state2"
@@ -187,8 +186,10 @@ def _import_same(home: str, image: str, tag: str) -> None:
 
 def test_concurrent_writers_store_one_copy(home: Path, images: list[Path]):
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_import_same, args=(str(home), str(images[0]), f"t{i}"))
-             for i in range(3)]
+    procs = [
+        ctx.Process(target=_import_same, args=(str(home), str(images[0]), f"t{i}"))
+        for i in range(3)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -200,8 +201,7 @@ def test_concurrent_writers_store_one_copy(home: Path, images: list[Path]):
     manifests = [store.manifest(i.digest) for i in store.images()]
     assert len({m.maps["memory"].digest for m in manifests}) == 1
     chunks = {d.digest for d in manifests[0].chunks}
-    blob_files = {f"sha256:{p.name}" for p in (home / "blobs" / "sha256").rglob("*")
-                  if p.is_file()}
+    blob_files = {f"sha256:{p.name}" for p in (home / "blobs" / "sha256").rglob("*") if p.is_file()}
     assert len(blob_files) == len(chunks) + 1 + 3 * 2  # chunks, map, 3x (config, manifest)
     for digest in blob_files:
         assert dg.of_bytes(store.blobs.path(digest).read_bytes()) == digest
@@ -209,8 +209,7 @@ def test_concurrent_writers_store_one_copy(home: Path, images: list[Path]):
 
 
 @pytest.mark.parametrize("damage", ["tamper", "truncate", "delete"])
-def test_damaged_chunk_fails_naming_tag_and_layer(store: Store, chain, damage: str,
-                                                  tmp_path: Path):
+def test_damaged_chunk_fails_naming_tag_and_layer(store: Store, chain, damage: str, tmp_path: Path):
     victim = _chunk_files(store, "d2")[0]
     os.chmod(victim, 0o644)
     if damage == "tamper":
@@ -270,8 +269,9 @@ def test_walk_refuses_cycles_and_deep_chains(store: Store, chain: list[str]):
     from dataclasses import replace
 
     looped = dict(real)
-    looped[base] = replace(real[base], subject=real[store.resolve("d1")].subject.__class__(
-        mt.OCI_MANIFEST, head, 10))
+    looped[base] = replace(
+        real[base], subject=real[store.resolve("d1")].subject.__class__(mt.OCI_MANIFEST, head, 10)
+    )
     with pytest.raises(ChainError, match="cycle"):
         walk(head, looped.__getitem__, name="d3")
     with pytest.raises(ChainError, match="deeper than the cap of 2"):
