@@ -12,6 +12,7 @@ Layout of ``$FORKD_HOME`` (default ``~/.local/share/forkd``; this module owns it
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -393,13 +394,11 @@ class Store:
         chain = self.chain(digest, name)
         config = self.config(digest)
         files: dict[str, Path] = {}
-        for link in reversed(chain):  # newest wins
-            for role, d in link.manifest.files.items():
-                files[role] = self.blobs.path(d.digest)
-        for role, path in files.items():
-            if not path.is_file():
+        for role, d in chain_files(chain).items():
+            files[role] = self.blobs.path(d.digest)
+            if not files[role].is_file():
                 raise NotFound(
-                    f"{name}: the {role} blob {path.name} is missing from the store; "
+                    f"{name}: the {role} blob {d.digest} is missing from the store; "
                     "pull or import the pack again"
                 )
         cache = self.cache_dir / dg.hex_part(digest)
@@ -504,13 +503,7 @@ class Store:
             with open(path, "rb") as f:
                 size = image_size(f, f"assembled {role} image")
                 maps[role] = build_map(self.blobs, "flat", size, flat_chunks(f, size), [])
-        files = {
-            role: Descriptor(mt.FILE_ROLES[role], dg.validate(f"sha256:{p.name}"), p.stat().st_size)
-            for role, p in [
-                *asm.files.items(),
-                *([("vmstate", asm.vmstate)] if asm.vmstate else []),
-            ]
-        }
+        files = chain_files(self.chain(digest))
         cfg = replace(
             asm.config,
             tag=tag,
@@ -590,7 +583,7 @@ class Store:
         return {
             "ref": str(key),
             "digest": digest,
-            "config": _asdict(cfg),
+            "config": json.loads(cfg.to_bytes()),
             "layers": [
                 d.to_json() for d in [m.config, *m.maps.values(), *m.chunks, *m.files.values()]
             ],
@@ -656,8 +649,9 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _asdict(cfg: SnapshotConfig) -> dict[str, Any]:
-    import json
-
-    result: dict[str, Any] = json.loads(cfg.to_bytes())
-    return result
+def chain_files(chain: list[Link]) -> dict[str, Descriptor]:
+    """The whole-file blobs (vmstate, kernel, initrd) of a chain: the newest layer's wins."""
+    files: dict[str, Descriptor] = {}
+    for link in reversed(chain):
+        files.update(link.manifest.files)
+    return files
