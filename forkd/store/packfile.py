@@ -23,11 +23,10 @@ from forkd import digest as dg
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.names import Ref, parse_ref
 from forkd.pack import mediatypes as mt
-from forkd.pack.chain import MAX_CHAIN_DEPTH, walk
-from forkd.pack.chunking import decompress
-from forkd.pack.config import SnapshotConfig
-from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
-from forkd.store.store import MAX_FILE_BLOB, Store
+from forkd.pack.chain import MAX_CHAIN_DEPTH
+from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.store.fetch import Want, fetch_chain
+from forkd.store.store import Store
 
 _BLOB_NAME = re.compile(r"^blobs/sha256/([a-f0-9]{64})$")
 MAX_INDEX_BYTES = 4 << 20
@@ -117,51 +116,29 @@ def import_pack(
             if (match := _BLOB_NAME.match(name))
         }
 
-        def fetch(digest: str, what: str, limit: int) -> None:
-            if store.blobs.has(digest):
-                return
-            info = blob_members.get(digest)
-            if info is None:
-                raise IntegrityError(f"{path}: {what} {digest} is missing from the pack")
-            if info.size > limit:
-                raise IntegrityError(f"{path}: {what} {digest} is {info.size} bytes, over {limit}")
-            f = tar.extractfile(info)
-            assert f is not None
-            try:
-                store.blobs.put_file(f, digest, info.size)
-            except IntegrityError as exc:
-                raise IntegrityError(f"{path}: {what}: {exc}") from exc
-            if progress:
-                progress(info.size)
-
-        def load(digest: str) -> Manifest:
-            fetch(digest, "manifest", MAX_MANIFEST_BYTES)
-            return store.manifest(digest)
+        def fetch(wants: list[Want]) -> None:
+            for want in wants:
+                info = blob_members.get(want.digest)
+                if info is None:
+                    raise IntegrityError(f"{path}: {want.what} is missing from the pack")
+                if info.size > want.limit or want.size not in (None, info.size):
+                    raise IntegrityError(
+                        f"{path}: {want.what} is {info.size} bytes, expected "
+                        f"{want.size if want.size is not None else f'at most {want.limit}'}"
+                    )
+                f = tar.extractfile(info)
+                assert f is not None
+                try:
+                    store.blobs.put_file(f, want.digest, info.size)
+                except IntegrityError as exc:
+                    raise IntegrityError(f"{path}: {want.what}: {exc}") from exc
+                if progress:
+                    progress(info.size)
 
         count = 0
         for name, head in heads:
-            for i, link in enumerate(walk(head, load, MAX_CHAIN_DEPTH, str(name))):
-                what = f"{name} layer {i} ({dg.short(link.digest)})"
-                m = link.manifest
-                fetch(m.config.digest, f"{what} config", m.config.size)
-                SnapshotConfig.from_bytes(
-                    store.blobs.read(m.config.digest, m.config.size, f"{what} config"),
-                    f"{what} config",
-                )
-                for role in m.files:
-                    fetch(m.files[role].digest, f"{what} {role}", MAX_FILE_BLOB)
-                for role, d in m.maps.items():
-                    fetch(d.digest, f"{what} {role} map", d.size)
-                    imap = store.image_map(m, role, what)
-                    assert imap is not None
-                    for c in imap.chunks:
-                        chunk_what = f"{what} {role} chunk {c.digest}"
-                        fetch(c.digest, chunk_what, c.stored)
-                        raw = decompress(
-                            store.blobs.read(c.digest, c.stored, chunk_what), c.size, chunk_what
-                        )
-                        dg.check(f"blake3:{c.blake3}", f"blake3:{dg.blake3_of(raw)}", chunk_what)
-                        count += 1
+            for link in fetch_chain(store, head, str(name), fetch):
+                count += sum(1 for _ in link.manifest.chunks)
         return _tag(store, heads, force, count)
 
 
