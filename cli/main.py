@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from forkd import __version__
-from forkd.cli import demo_cmds, engine_cmds, hub_cmds, store_cmds
+from forkd.cli import demo_cmds, engine_cmds, hub_cmds, remote_cmds, store_cmds
 from forkd.errors import ForkdError
 
 
@@ -37,6 +37,7 @@ def cli() -> None:
 
 store_cmds.register(cli)
 demo_cmds.register(cli)
+remote_cmds.register(cli)
 engine_cmds.register(cli)
 hub_cmds.register(cli)
 

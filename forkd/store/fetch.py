@@ -32,6 +32,7 @@ class Want:
     size: int | None
     limit: int
     what: str
+    kind: str = "blob"  # "manifest" or "blob": registries serve them from different routes
 
 
 Fetcher = Callable[[list[Want]], None]
@@ -46,7 +47,7 @@ def fetch_chain(store: Store, head: str, name: str, fetch: Fetcher) -> list[Link
             fetch(missing)
 
     def load(digest: str) -> Manifest:
-        need([Want(digest, None, MAX_MANIFEST_BYTES, f"{name} manifest {digest}")])
+        need([Want(digest, None, MAX_MANIFEST_BYTES, f"{name} manifest {digest}", "manifest")])
         return store.manifest(digest)
 
     chain = walk(head, load, MAX_CHAIN_DEPTH, name)

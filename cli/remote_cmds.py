@@ -1,0 +1,101 @@
+"""`forkd login/logout/push/pull`: talk to a hub or any OCI registry."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+import click
+
+from forkd.cli.output import emit_json, human, progress_bar
+from forkd.errors import InvalidInput
+from forkd.registry import credentials
+from forkd.registry.client import RegistryClient
+from forkd.registry.reference import RemoteRef, parse_hub, parse_remote
+from forkd.registry.transfer import TransferResult, pull, push
+from forkd.store.store import Store
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+def _client(hub_text: str | None, remote_text: str) -> tuple[RegistryClient, RemoteRef]:
+    remote = parse_remote(remote_text, parse_hub(hub_text) if hub_text else None)
+    return RegistryClient(remote.hub, credentials.load(remote.hub.host)), remote
+
+
+def _report(result: TransferResult, verb: str, seconds: float, as_json: bool) -> None:
+    if as_json:
+        emit_json({**asdict(result), "seconds": round(seconds, 3)})
+        return
+    click.echo(
+        f"{verb} {result.ref} ({result.layers} layers): {result.blobs_sent} blobs, "
+        f"{human(result.bytes_sent)} transferred, {result.blobs_skipped} already there "
+        f"({seconds:.2f} s)"
+    )
+
+
+@click.command()
+@click.argument("hub")
+@click.option("--username", "-u", prompt=True, help="User or robot name.")
+@click.option("--password-stdin", is_flag=True, help="Read the password or token from stdin.")
+def login(hub: str, username: str, password_stdin: bool) -> None:
+    """Check credentials against HUB and store them (mode 0600) for push and pull."""
+    target = parse_hub(hub)
+    if password_stdin:
+        secret = sys.stdin.readline().rstrip("\n")
+    else:
+        secret = click.prompt("Password", hide_input=True)
+    if not secret:
+        raise InvalidInput("empty password; pass it on stdin with --password-stdin")
+    cred = credentials.Credential(username, secret)
+    with RegistryClient(target, cred) as client:
+        client.ping()
+    path = credentials.save(target.host, cred)
+    click.echo(f"logged in to {target.host} as {username} (credentials in {path})")
+
+
+@click.command()
+@click.argument("hub")
+def logout(hub: str) -> None:
+    """Forget the stored credentials of HUB."""
+    target = parse_hub(hub)
+    if credentials.forget(target.host):
+        click.echo(f"logged out of {target.host}")
+    else:
+        click.echo(f"no credentials stored for {target.host}")
+
+
+@click.command("push")
+@click.argument("tag")
+@click.argument("remote")
+@click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
+@json_option
+def push_cmd(tag: str, remote: str, hub: str | None, as_json: bool) -> None:
+    """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent."""
+    client, ref = _client(hub, remote)
+    store = Store.open()
+    start = time.perf_counter()
+    with client, progress_bar(f"pushing {tag}", None) as advance:
+        result = push(store, tag, ref, client, progress=advance)
+    _report(result, "pushed", time.perf_counter() - start, as_json)
+
+
+@click.command("pull")
+@click.argument("remote")
+@click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
+@click.option("--tag", "local", help="Local tag (default: NS/NAME:TAG as pulled).")
+@json_option
+def pull_cmd(remote: str, hub: str | None, local: str | None, as_json: bool) -> None:
+    """Pull [HUB/]NS/NAME[:TAG] with its whole chain; every blob is verified before tagging."""
+    client, ref = _client(hub, remote)
+    store = Store.open()
+    start = time.perf_counter()
+    with client, progress_bar(f"pulling {remote}", None) as advance:
+        result = pull(store, ref, client, local, progress=advance)
+    _report(result, "pulled", time.perf_counter() - start, as_json)
+
+
+def register(cli: click.Group) -> None:
+    for command in (login, logout, push_cmd, pull_cmd):
+        cli.add_command(command)

@@ -1,0 +1,310 @@
+"""A small OCI Distribution v1.1 client (httpx): blobs, uploads, manifests, token auth.
+
+Auth follows the registry token flow: a 401 with ``WWW-Authenticate: Bearer
+realm=…,service=…,scope=…`` sends the stored credential (Basic) to the realm
+and retries with the token; a ``Basic`` challenge is answered directly.
+Tokens are cached per scope. Errors carry the registry's OCI error code.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+
+from forkd import digest as dg
+from forkd.errors import ForkdError, IntegrityError, NotFound
+from forkd.pack import mediatypes as mt
+from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import Hub
+
+MANIFEST_ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX])
+UPLOAD_CHUNK = 16 << 20
+_CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+class RegistryError(ForkdError):
+    """The registry refused a request or could not be reached."""
+
+    exit_code = 7
+
+
+class AuthError(RegistryError):
+    """Credentials are missing, wrong, or lack the scope."""
+
+    exit_code = 8
+
+
+class RegistryClient:
+    def __init__(
+        self, hub: Hub, credential: Credential | None = None, timeout: float = 120.0
+    ) -> None:
+        self.hub = hub
+        self.credential = credential
+        self.http = httpx.Client(
+            base_url=hub.url,
+            timeout=timeout,
+            follow_redirects=True,
+            limits=httpx.Limits(max_connections=16),
+        )
+        self._tokens: dict[str, str] = {}
+        self._basic = False
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport and auth -------------------------------------------------
+    def request(
+        self,
+        method: str,
+        url: str,
+        scope: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        stream: bool = False,
+        headers: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """Send a request, answering one auth challenge; raise unless the status is in ``ok``."""
+        for attempt in (1, 2):
+            req = self.http.build_request(
+                method, url, headers={**(headers or {}), **self._auth_header(scope)}, **kwargs
+            )
+            try:
+                resp = self.http.send(req, stream=stream)
+            except httpx.HTTPError as exc:
+                raise RegistryError(
+                    f"{self.hub}: {method} {url} failed: {exc}; is the hub running and reachable?"
+                ) from exc
+            if resp.status_code == 401 and attempt == 1:
+                resp.read()
+                self._authenticate(resp.headers.get("www-authenticate", ""), scope)
+                continue
+            if resp.status_code not in ok:
+                resp.read()
+                raise self._error(method, url, resp)
+            return resp
+        raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
+
+    def _auth_header(self, scope: str) -> dict[str, str]:
+        with self._lock:
+            token = self._tokens.get(scope)
+        if token:
+            return {"Authorization": f"Bearer {token}"}
+        if self._basic and self.credential:
+            pair = f"{self.credential.username}:{self.credential.secret}".encode()
+            return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
+        return {}
+
+    def _authenticate(self, challenge: str, scope: str) -> None:
+        kind = challenge.split(" ", 1)[0].lower()
+        if kind == "basic":
+            if not self.credential:
+                raise AuthError(f"{self.hub} needs a login: run `forkd login {self.hub}`")
+            self._basic = True
+            return
+        if kind != "bearer":
+            raise AuthError(f"{self.hub}: unsupported authentication challenge {challenge!r}")
+        params = dict(_CHALLENGE_RE.findall(challenge))
+        realm = params.get("realm")
+        if not realm:
+            raise AuthError(f"{self.hub}: bearer challenge without a realm")
+        query = {"service": params.get("service", "")}
+        query["scope"] = params.get("scope") or scope
+        auth = (
+            httpx.BasicAuth(self.credential.username, self.credential.secret)
+            if self.credential
+            else None
+        )
+        try:
+            resp = self.http.get(realm, params=query, auth=auth or httpx.USE_CLIENT_DEFAULT)
+        except httpx.HTTPError as exc:
+            raise AuthError(f"{self.hub}: token endpoint {realm} unreachable: {exc}") from exc
+        if resp.status_code in (401, 403):
+            hint = (
+                "check the username and password (forkd login)"
+                if self.credential
+                else f"run `forkd login {self.hub}`"
+            )
+            raise AuthError(f"{self.hub}: token request for {query['scope']} refused; {hint}")
+        if resp.status_code != 200:
+            raise self._error("GET", realm, resp)
+        body = resp.json()
+        token = body.get("token") or body.get("access_token")
+        if not isinstance(token, str):
+            raise AuthError(f"{self.hub}: token endpoint answered without a token")
+        with self._lock:
+            self._tokens[scope] = token
+
+    def _error(self, method: str, url: str, resp: httpx.Response) -> RegistryError:
+        detail = ""
+        try:
+            errors = resp.json().get("errors") or []
+            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+        except (ValueError, AttributeError):
+            detail = resp.text[:200]
+        msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
+        if resp.status_code in (401, 403):
+            return AuthError(f"{msg}; log in with `forkd login {self.hub}` or ask for the scope")
+        if resp.status_code == 404:
+            return RegistryNotFound(msg)
+        return RegistryError(msg)
+
+    # -- API ----------------------------------------------------------------
+    @staticmethod
+    def pull_scope(repo: str) -> str:
+        return f"repository:{repo}:pull"
+
+    @staticmethod
+    def push_scope(repo: str) -> str:
+        return f"repository:{repo}:pull,push"
+
+    def ping(self) -> None:
+        self.request("GET", "/v2/", "registry:catalog:*", ok=(200,))
+
+    def has_blob(self, repo: str, digest: str, scope: str | None = None) -> bool:
+        resp = self.request(
+            "HEAD", f"/v2/{repo}/blobs/{digest}", scope or self.pull_scope(repo), ok=(200, 404)
+        )
+        return resp.status_code == 200
+
+    def get_blob(
+        self,
+        repo: str,
+        digest: str,
+        size: int | None,
+        limit: int,
+        sink: Callable[[Iterator[bytes]], None],
+    ) -> None:
+        """Stream a blob into ``sink`` (which verifies it), refusing more than ``limit`` bytes."""
+        resp = self.request("GET", f"/v2/{repo}/blobs/{digest}", self.pull_scope(repo), stream=True)
+        try:
+            declared = resp.headers.get("content-length")
+            if declared is not None and (
+                int(declared) > limit or (size is not None and int(declared) != size)
+            ):
+                raise IntegrityError(
+                    f"{repo}@{digest}: registry sends {declared} bytes, "
+                    f"expected {size if size is not None else limit}"
+                )
+            sink(resp.iter_bytes(1 << 20))
+        finally:
+            resp.close()
+
+    def mount_blob(self, repo: str, digest: str, source: str) -> bool:
+        resp = self.request(
+            "POST",
+            f"/v2/{repo}/blobs/uploads/",
+            f"{self.push_scope(repo)} {self.pull_scope(source)}",
+            params={"mount": digest, "from": source},
+            ok=(201, 202),
+        )
+        if resp.status_code == 202:
+            self._cancel(repo, resp)
+        return resp.status_code == 201
+
+    def put_blob(
+        self, repo: str, digest: str, size: int, read: Callable[[int, int], bytes]
+    ) -> None:
+        """Upload a blob: monolithic when small, else in chunks (PATCH with Content-Range)."""
+        scope = self.push_scope(repo)
+        resp = self.request(
+            "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
+        )
+        location = resp.headers["location"]
+        if size <= UPLOAD_CHUNK:
+            self.request(
+                "PUT",
+                _with_digest(location, digest),
+                scope,
+                ok=(201,),
+                content=read(0, size),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            return
+        offset = 0
+        while offset < size:
+            data = read(offset, min(UPLOAD_CHUNK, size - offset))
+            resp = self.request(
+                "PATCH",
+                location,
+                scope,
+                ok=(202,),
+                content=data,
+                headers={
+                    "Content-Type": "application/octet-stream",
+                    "Content-Range": f"{offset}-{offset + len(data) - 1}",
+                    "Content-Length": str(len(data)),
+                },
+            )
+            location = resp.headers.get("location", location)
+            offset += len(data)
+        self.request(
+            "PUT",
+            _with_digest(location, digest),
+            scope,
+            ok=(201,),
+            headers={"Content-Length": "0"},
+        )
+
+    def _cancel(self, repo: str, resp: httpx.Response) -> None:
+        location = resp.headers.get("location")
+        if location:
+            self.request("DELETE", location, self.push_scope(repo), ok=(204, 404))
+
+    def get_manifest(self, repo: str, reference: str) -> tuple[bytes, str]:
+        """Manifest bytes and their digest, checked against a digest reference when given."""
+        resp = self.request(
+            "GET",
+            f"/v2/{repo}/manifests/{reference}",
+            self.pull_scope(repo),
+            headers={"Accept": MANIFEST_ACCEPT},
+            stream=True,
+        )
+        try:
+            data = b""
+            for block in resp.iter_bytes(1 << 16):
+                data += block
+                if len(data) > MAX_MANIFEST_BYTES:
+                    raise IntegrityError(
+                        f"{repo}:{reference}: manifest over {MAX_MANIFEST_BYTES} bytes; refusing it"
+                    )
+        finally:
+            resp.close()
+        digest = dg.of_bytes(data)
+        if reference.startswith("sha256:"):
+            dg.check(reference, digest, f"{repo}@{reference} manifest")
+        return data, digest
+
+    def put_manifest(self, repo: str, reference: str, data: bytes) -> str:
+        resp = self.request(
+            "PUT",
+            f"/v2/{repo}/manifests/{reference}",
+            self.push_scope(repo),
+            ok=(201,),
+            content=data,
+            headers={"Content-Type": mt.OCI_MANIFEST},
+        )
+        return resp.headers.get("docker-content-digest", dg.of_bytes(data))
+
+
+def _with_digest(location: str, digest: str) -> str:
+    """An upload location with ``digest=`` added to whatever query it already carries."""
+    url = httpx.URL(location)
+    return str(url.copy_merge_params({"digest": digest}))
+
+
+class RegistryNotFound(RegistryError, NotFound):
+    exit_code = 3

@@ -1,0 +1,131 @@
+"""Push a chain to a registry and pull one into the store: only missing blobs, in parallel.
+
+Push goes ancestors first: each layer's missing blobs (a HEAD tells), then its
+manifest by digest; the head's manifest last, by tag. Pull fetches the head
+manifest by tag, then lets ``fetch_chain`` ask for whatever the store lacks
+(manifests by digest through ``subject``, blobs in per-layer batches), all
+verified, and tags the head only at the end. Re-running either after an
+interruption skips what already arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from forkd.errors import IntegrityError
+from forkd.names import parse_ref
+from forkd.pack.manifest import MAX_MANIFEST_BYTES, Descriptor
+from forkd.registry.client import RegistryClient
+from forkd.registry.reference import RemoteRef
+from forkd.store.fetch import Want, fetch_chain
+from forkd.store.store import Store
+
+Progress = Callable[[int], None]
+WORKERS = 8
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    ref: str
+    digest: str
+    layers: int
+    blobs_sent: int  # or fetched
+    bytes_sent: int  # or fetched
+    blobs_skipped: int
+
+
+def push(
+    store: Store,
+    local: str,
+    remote: RemoteRef,
+    client: RegistryClient,
+    progress: Progress | None = None,
+    workers: int = WORKERS,
+) -> TransferResult:
+    head = store.resolve(local)
+    chain = store.chain(head, str(parse_ref(local)))
+    repo = remote.name
+    sent = skipped = sent_bytes = 0
+
+    def upload(d: Descriptor) -> int:
+        path = store.blobs.path(d.digest)
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            client.put_blob(repo, d.digest, d.size, lambda off, n: os.pread(fd, n, off))
+        if progress:
+            progress(d.size)
+        return d.size
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i, link in enumerate(reversed(chain)):
+            blobs = link.manifest.blobs()
+            present = list(pool.map(lambda d: client.has_blob(repo, d.digest), blobs))
+            missing = [d for d, have in zip(blobs, present, strict=True) if not have]
+            for d in blobs:
+                if d not in missing and progress:
+                    progress(d.size)
+            sent_bytes += sum(pool.map(upload, missing))
+            sent, skipped = sent + len(missing), skipped + len(blobs) - len(missing)
+            data = store.blobs.read(link.digest, MAX_MANIFEST_BYTES, "manifest")
+            is_head = i == len(chain) - 1
+            client.put_manifest(repo, remote.tag if is_head else link.digest, data)
+            sent_bytes += len(data)
+    return TransferResult(str(remote), head, len(chain), sent, sent_bytes, skipped)
+
+
+def pull(
+    store: Store,
+    remote: RemoteRef,
+    client: RegistryClient,
+    local: str | None = None,
+    progress: Progress | None = None,
+    workers: int = WORKERS,
+) -> TransferResult:
+    """Pull ``remote`` with its whole chain; tag it locally as ``local`` (default NAME:TAG)."""
+    repo = remote.name
+    target = parse_ref(local or f"{remote.name}:{remote.tag}")
+    fetched = [0, 0]  # blobs, bytes
+    lock = threading.Lock()
+
+    def fetch_one(want: Want) -> None:
+        try:
+            if want.kind == "manifest":
+                data, _ = client.get_manifest(repo, want.digest)
+                store.blobs.put_bytes(data, want.digest)
+                size = len(data)
+            else:
+
+                def sink(blocks: Iterator[bytes]) -> None:
+                    store.blobs.put_stream(blocks, want.digest, want.size)
+
+                client.get_blob(repo, want.digest, want.size, want.limit, sink)
+                size = want.size or store.blobs.size(want.digest)
+        except IntegrityError as exc:
+            raise IntegrityError(f"{remote}: {want.what}: {exc}") from exc
+        with lock:
+            fetched[0] += 1
+            fetched[1] += size
+        if progress:
+            progress(size)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool, store.writing():
+        data, head = client.get_manifest(repo, remote.tag)
+        store.blobs.put_bytes(data, head)
+
+        def fetch(wants: list[Want]) -> None:
+            list(pool.map(fetch_one, wants))
+
+        chain = fetch_chain(store, head, str(remote), fetch)
+
+        def change(tags: dict[str, str]) -> None:
+            tags[str(target)] = head
+
+        store.tags.update(change)
+    total_blobs = sum(len(link.manifest.blobs()) + 1 for link in chain)
+    return TransferResult(
+        str(target), head, len(chain), fetched[0], fetched[1], total_blobs - fetched[0]
+    )
