@@ -14,7 +14,7 @@ import click
 
 from forkd import digest as dg
 from forkd.cli.output import emit_json, human, progress_bar
-from forkd.errors import InvalidInput
+from forkd.errors import IntegrityError, InvalidInput
 from forkd.store.packfile import export_pack, import_pack
 from forkd.store.store import LayerInfo, Store
 
@@ -298,6 +298,21 @@ def gc(as_json: bool) -> None:
         click.echo(f"removed {count} blobs, freed {human(freed)}")
 
 
+@click.command()
+@json_option
+def verify(as_json: bool) -> None:
+    """Re-check every blob's digest and every tag's chain; exit 4 when anything is damaged."""
+    problems = _store().verify()
+    if as_json:
+        emit_json({"ok": not problems, "problems": problems})
+    else:
+        for problem in problems:
+            click.echo(problem)
+        click.echo("store is intact" if not problems else f"{len(problems)} problems found")
+    if problems:
+        raise SystemExit(IntegrityError.exit_code)
+
+
 def register(cli: click.Group) -> None:
-    for command in (import_cmd, images, inspect, assemble, export, compact, rmi, gc):
+    for command in (import_cmd, images, inspect, assemble, export, compact, rmi, gc, verify):
         cli.add_command(command)

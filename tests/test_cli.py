@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.errors import ChainError, Conflict, InvalidInput, NotFound
+from forkd.errors import ChainError, Conflict, IntegrityError, InvalidInput, NotFound
 
 STORE_COMMANDS = [
     "import",
@@ -20,7 +20,12 @@ STORE_COMMANDS = [
     "compact",
     "rmi",
     "gc",
+    "verify",
     "demo",
+    "login",
+    "logout",
+    "push",
+    "pull",
 ]
 
 
@@ -131,11 +136,15 @@ def test_tampered_blob_fails_assemble_with_tag_and_layer(
 ):
     forkd(home, "import", "--tag", "base", "--memory", str(images[0]))
     forkd(home, "import", "--tag", "d1", "--memory", str(images[1]), "--parent", "base")
+    assert json.loads(forkd(home, "verify", "--json").stdout) == {"ok": True, "problems": []}
     info = json.loads(forkd(home, "inspect", "d1", "--json").stdout)
     chunk = next(d for d in info["layers"] if d["mediaType"].endswith("chunk.v1+zstd"))
     path = home / "blobs" / "sha256" / chunk["digest"][7:9] / chunk["digest"][7:]
     path.chmod(0o644)
     path.write_bytes(path.read_bytes()[:-1] + b"!")
+    verify = forkd(home, "verify", "--json", ok=False)
+    assert verify.returncode == IntegrityError.exit_code
+    assert any(chunk["digest"] in p for p in json.loads(verify.stdout)["problems"])
     out = tmp_path / "out.mem"
     proc = forkd(home, "assemble", "d1", "--out", str(out), ok=False)
     assert proc.returncode != 0

@@ -620,6 +620,28 @@ class Store:
         self.tags.update(change)
         return gone
 
+    def verify(self) -> list[str]:
+        """Problems found re-reading everything: each blob's sha256, each tag's chain and maps."""
+        problems: list[str] = []
+        for digest in self.blobs.digests():
+            try:
+                with self.blobs.open(digest) as f:
+                    dg.check(digest, dg.of_file(f), f"blob {digest}")
+            except ForkdError as exc:
+                problems.append(str(exc))
+        for name, head in sorted(self.tags.read().items()):
+            try:
+                for i, link in enumerate(self.chain(head, name)):
+                    self.config(link.digest)
+                    for role in link.manifest.maps:
+                        self.image_map(link.manifest, role, f"{name} layer {i}")
+                    for d in link.manifest.blobs():
+                        if not self.blobs.has(d.digest):
+                            problems.append(f"{name} layer {i}: blob {d.digest} is missing")
+            except ForkdError as exc:
+                problems.append(f"{name}: {exc}")
+        return problems
+
     def gc(self, on_remove: Callable[[str, int], None] | None = None) -> tuple[int, int]:
         """Remove every blob and cached image no tag reaches; returns (blobs, bytes)."""
         with flock(self._gc_lock, exclusive=True):
