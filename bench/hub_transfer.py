@@ -1,0 +1,241 @@
+"""Push and pull throughput on loopback: forkd vs skopeo, against the same registry, one run.
+
+A synthetic pack (default 512 MiB of guest memory) and a 3-layer chain are
+pushed and pulled by forkd, and the same manifests and blobs are copied by
+skopeo, against Debian's docker-registry (and the forkd hub when
+``--hub-cmd`` starts one). Prints throughput, the ratio of forkd to skopeo,
+the bytes a re-push sends when the registry already has the base, and the
+manifest GET latency under concurrent clients.
+
+    python bench/hub_transfer.py [--size-mib 512] [--clients 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from forkd.pack import mediatypes as mt
+from forkd.registry.client import RegistryClient
+from forkd.registry.reference import Hub, parse_remote
+from forkd.registry.transfer import pull, push
+from forkd.store.store import Store
+from forkd.synthetic import write_base, write_diff
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def docker_registry(root: Path) -> Iterator[Hub]:
+    port = free_port()
+    root.mkdir(parents=True)
+    config = root / "config.yml"
+    config.write_text(
+        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {root}/data\n"
+        f"http:\n  addr: 127.0.0.1:{port}\nlog:\n  level: error\n"
+    )
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v2/")
+        yield Hub(f"127.0.0.1:{port}", "http")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextmanager
+def forkd_hub(root: Path, command: str) -> Iterator[Hub]:
+    port = free_port()
+    args = command.format(data=root, port=port).split()
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v2/")
+        yield Hub(f"127.0.0.1:{port}", "http")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code in (200, 401):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def skopeo_copy(src: str, dst: str) -> None:
+    subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--src-tls-verify=false",
+            "--dest-tls-verify=false",
+            src,
+            dst,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def manifest_latency(hub: Hub, repo: str, tag: str, clients: int, seconds: float) -> list[float]:
+    """Per-request latencies of manifest GETs from ``clients`` threads for ``seconds``."""
+    samples: list[float] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    url = f"{hub.url}/v2/{repo}/manifests/{tag}"
+
+    def worker() -> None:
+        mine = []
+        with httpx.Client(timeout=30) as http:
+            while time.monotonic() < stop:
+                start = time.perf_counter()
+                http.get(url, headers={"Accept": mt.OCI_MANIFEST}).raise_for_status()
+                mine.append(time.perf_counter() - start)
+        with lock:
+            samples.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return samples
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100)[98] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of the load run")
+    ap.add_argument(
+        "--hub-cmd",
+        default="forkd hub serve --data {data} --listen 127.0.0.1:{port}",
+        help="command starting a forkd hub ('' to skip the hub)",
+    )
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="forkd-hub-bench-"))
+    try:
+        run(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path, args: argparse.Namespace) -> None:
+    store = Store(work / "home")
+    size = args.size_mib << 20
+    print(f"generating a {args.size_mib} MiB pack and a 3-layer chain in {work}")
+    images = [work / "l0.mem", work / "l1.mem", work / "l2.mem"]
+    write_base(images[0], size, seed=1, random_share=0.15, repeated_share=0.1)
+    write_diff(images[0], images[1], 0.05, seed=1)
+    write_diff(images[1], images[2], 0.05, seed=2)
+    store.import_layer("bench/base", memory=images[0])
+    store.import_layer("bench/l1", memory=images[1], parent="bench/base")
+    head = store.import_layer("bench/l2", memory=images[2], parent="bench/l1")
+    chain = store.chain(head.digest)
+    stored = sum(d.size for link in chain for d in link.manifest.blobs())
+    print(f"chain: {len(chain)} layers, {stored / (1 << 20):.1f} MiB of blobs\n")
+
+    targets: list[tuple[str, Callable[[Path], object]]] = [("docker-registry", docker_registry)]
+    if args.hub_cmd and shutil.which(args.hub_cmd.split()[0]):
+        targets.append(("forkd hub", lambda root: forkd_hub(root, args.hub_cmd)))
+    latencies: dict[str, float] = {}
+    for label, start in targets:
+        with start(work / label.replace(" ", "-")) as hub:  # type: ignore[attr-defined]
+            measure(label, hub, store, chain, stored, work, args, latencies)
+    if len(latencies) == 2:
+        print(
+            f"\nmanifest GET p99, forkd hub / docker-registry: "
+            f"{latencies['forkd hub'] / latencies['docker-registry']:.2f}x (target <= 1.5x)"
+        )
+
+
+def measure(
+    label: str,
+    hub: Hub,
+    store: Store,
+    chain: list,
+    stored: int,  # type: ignore[type-arg]
+    work: Path,
+    args: argparse.Namespace,
+    latencies: dict[str, float],
+) -> None:
+    mib = stored / (1 << 20)
+    with RegistryClient(hub) as client:
+        base_ref = parse_remote(f"{hub}/bench/chain:base")
+        push_base = timed(lambda: push(store, "bench/base", base_ref, client))
+        head_ref = parse_remote(f"{hub}/bench/chain:head")
+        repush = push(store, "bench/l2", head_ref, client)
+        delta = sum(d.size for link in chain[:2] for d in link.manifest.blobs())
+        fresh = Store(work / f"pull-{label.replace(' ', '-')}")
+        pull_s = timed(lambda: pull(fresh, head_ref, client))
+    # skopeo: the same manifests (each layer of the chain, by digest) registry -> OCI dir.
+    oci = work / f"skopeo-{label.replace(' ', '-')}"
+    skopeo_s = timed(
+        lambda: [
+            skopeo_copy(f"docker://{hub}/bench/chain@{link.digest}", f"oci:{oci}:l{i}")
+            for i, link in enumerate(chain)
+        ]
+    )
+    print(
+        f"[{label}] push base {push_base:.2f} s; pull chain {pull_s:.2f} s "
+        f"({mib / pull_s:.0f} MiB/s, verification included) vs skopeo copy {skopeo_s:.2f} s "
+        f"({mib / skopeo_s:.0f} MiB/s): forkd/skopeo {pull_s / skopeo_s:.2f}x (target <= 1x)"
+    )
+    print(
+        f"[{label}] re-push of the chain with the base already there: "
+        f"{repush.bytes_sent / (1 << 20):.1f} MiB sent for {delta / (1 << 20):.1f} MiB of new "
+        f"layers ({repush.bytes_sent / delta:.2f}x, target <= 1.1x)"
+    )
+    samples = manifest_latency(hub, "bench/chain", "head", args.clients, args.seconds)
+    latencies[label] = p99(samples)
+    print(
+        f"[{label}] manifest GET with {args.clients} clients: {len(samples)} requests, "
+        f"p50 {statistics.median(samples) * 1000:.1f} ms, p99 {latencies[label]:.1f} ms"
+    )
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()
