@@ -8,7 +8,14 @@ from typing import Any
 import click
 
 from forkd import __version__
-from forkd.cli import demo_cmds, engine_cmds, hub_cmds, remote_cmds, store_cmds
+from forkd.cli import (
+    controller_cmds,
+    demo_cmds,
+    engine_cmds,
+    hub_cmds,
+    remote_cmds,
+    store_cmds,
+)
 from forkd.errors import ForkdError
 
 
@@ -40,6 +47,7 @@ demo_cmds.register(cli)
 remote_cmds.register(cli)
 engine_cmds.register(cli)
 hub_cmds.register(cli)
+controller_cmds.register(cli)
 
 
 def main() -> None:

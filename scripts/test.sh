@@ -10,4 +10,4 @@ python3 -m ruff check .
 echo "== mypy"
 (cd / && python3 -m mypy --config-file "$top/pyproject.toml" -p forkd)
 echo "== pytest"
-python3 -m pytest -q -ra --durations=15 "$@"
+python3 -P -m pytest -q -ra --durations=15 "$@"

@@ -1,0 +1,1 @@
+"""The controller: `forkd serve` (a REST daemon owning a host's store and sandboxes) and the SDK."""

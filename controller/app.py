@@ -1,0 +1,347 @@
+"""The controller's REST API (Litestar): snapshots and sandboxes of this host, v1.
+
+Served on a Unix socket (access by file mode) and optionally on TCP, where
+every route but ``/healthz`` needs ``Authorization: Bearer <token>``. Errors
+are ``{"error": {"type", "message", "exit_code"}}`` with an HTTP status from
+the error family. Every write and every refused token goes to the audit log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import Litestar, Request, Response, delete, get, post, put
+from litestar.connection import ASGIConnection
+from litestar.di import Provide
+from litestar.exceptions import NotAuthorizedException
+from litestar.handlers import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+import forkd
+from forkd.audit import AuditLog
+from forkd.controller.backend import Backend, unb64
+from forkd.errors import (
+    ChainError,
+    Conflict,
+    ForkdError,
+    IntegrityError,
+    InvalidInput,
+    NotFound,
+)
+
+STATUS: list[tuple[type[ForkdError], int]] = [
+    (InvalidInput, 400),
+    (NotFound, 404),
+    (Conflict, 409),
+    (IntegrityError, 422),
+    (ChainError, 422),
+]
+MAX_FILE_BYTES = 64 << 20
+
+
+@dataclass
+class ControllerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.requests = Counter(
+            "forkd_controller_requests",
+            "API requests",
+            ["method", "status"],
+            registry=self.registry,
+        )
+        self.spawned = Counter(
+            "forkd_controller_sandboxes_spawned", "sandboxes started", registry=self.registry
+        )
+        self.spawn_seconds = Histogram(
+            "forkd_controller_spawn_seconds",
+            "time to get N sandboxes ready",
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "forkd_controller_sandboxes_running", "sandboxes running", registry=self.registry
+        )
+
+
+@dataclass
+class Controller:
+    backend: Backend
+    audit: AuditLog
+    metrics: ControllerMetrics
+    token: str | None  # required on this listener when set
+
+
+# -- request bodies -----------------------------------------------------------
+@dataclass
+class SpawnRequest:
+    tag: str
+    n: int = 1
+    memory_limit_mib: int | None = None
+    netns: bool = False
+
+
+@dataclass
+class ExecRequest:
+    argv: list[str]
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    stdin_b64: str | None = None
+    timeout: float | None = None
+
+
+@dataclass
+class EvalRequest:
+    code: str
+    timeout: float = 300.0
+
+
+@dataclass
+class BranchRequest:
+    tag: str
+
+
+@dataclass
+class CompactRequest:
+    ref: str
+    to: str
+
+
+# -- auth and audit -----------------------------------------------------------
+def require_token(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    ctl: Controller = connection.app.state.controller
+    if ctl.token is None:
+        return
+    header = connection.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), ctl.token.encode()):
+        client = connection.client.host if connection.client else "-"
+        ctl.audit.record("-", client, "auth", connection.url.path, "denied")
+        raise NotAuthorizedException(
+            "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
+        )
+
+
+def audited(
+    request: Request[Any, Any, Any],
+    ctl: Controller,
+    action: str,
+    target: str,
+    result: str,
+    **detail: Any,
+) -> None:
+    client = request.client.host if request.client else "-"
+    actor = "token" if ctl.token else "unix-socket"
+    ctl.audit.record(actor, client, action, target, result, **detail)
+
+
+def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    ctl: Controller = request.app.state.controller
+    if isinstance(exc, NotAuthorizedException):
+        return Response(
+            {"error": {"type": "Unauthorized", "message": exc.detail, "exit_code": 8}},
+            status_code=401,
+            headers=exc.headers,
+        )
+    if not isinstance(exc, ForkdError):
+        status = getattr(exc, "status_code", 500)
+        message = getattr(exc, "detail", str(exc)) if status < 500 else "internal error"
+        return Response(
+            {"error": {"type": "HTTPError", "message": message, "exit_code": 1}}, status_code=status
+        )
+    family = next(((cls, code) for cls, code in STATUS if isinstance(exc, cls)), None)
+    status = family[1] if family else 500
+    if request.method != "GET":
+        audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
+    kind = family[0].__name__ if family else type(exc).__name__
+    return Response(
+        {"error": {"type": kind, "message": str(exc), "exit_code": exc.exit_code}},
+        status_code=status,
+    )
+
+
+def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
+    controller: Controller = request.app.state.controller
+    return controller
+
+
+# -- routes -------------------------------------------------------------------
+@get("/healthz", sync_to_thread=False)
+def healthz() -> dict[str, str]:
+    return {"status": "ok", "version": forkd.__version__}
+
+
+@get(
+    "/metrics", media_type="text/plain; version=0.0.4", guards=[require_token], sync_to_thread=True
+)
+def metrics_endpoint(ctl: Controller) -> bytes:
+    ctl.metrics.running.set(sum(1 for s in ctl.backend.sandboxes() if s["status"] == "running"))
+    return generate_latest(ctl.metrics.registry)
+
+
+@get("/v1/snapshots", guards=[require_token], sync_to_thread=True)
+def list_snapshots(ctl: Controller) -> list[dict[str, Any]]:
+    return ctl.backend.snapshots()
+
+
+@get("/v1/snapshots/{ref:path}", guards=[require_token], sync_to_thread=True)
+def get_snapshot(ctl: Controller, ref: str) -> dict[str, Any]:
+    return ctl.backend.snapshot(ref.lstrip("/"))
+
+
+@delete("/v1/snapshots/{ref:path}", guards=[require_token], status_code=200, sync_to_thread=True)
+def delete_snapshot(
+    request: Request[Any, Any, Any], ctl: Controller, ref: str, cascade: bool = False
+) -> dict[str, Any]:
+    removed = ctl.backend.delete_snapshot(ref.lstrip("/"), cascade)
+    audited(request, ctl, "snapshot.delete", ref, "ok", removed=removed)
+    return {"removed": removed}
+
+
+@post("/v1/compact", guards=[require_token], status_code=201, sync_to_thread=True)
+def compact(
+    request: Request[Any, Any, Any], ctl: Controller, data: CompactRequest
+) -> dict[str, Any]:
+    result = ctl.backend.compact(data.ref, data.to)
+    audited(request, ctl, "snapshot.compact", data.ref, "ok", to=data.to)
+    return result
+
+
+@post("/v1/sandboxes", guards=[require_token], status_code=201, sync_to_thread=True)
+def spawn(request: Request[Any, Any, Any], ctl: Controller, data: SpawnRequest) -> dict[str, Any]:
+    start = time.perf_counter()
+    result = ctl.backend.spawn(data.tag, data.n, data.memory_limit_mib, data.netns)
+    ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
+    ctl.metrics.spawned.inc(len(result["sandboxes"]))
+    audited(
+        request, ctl, "sandbox.create", data.tag, "ok", ids=[s["id"] for s in result["sandboxes"]]
+    )
+    return result
+
+
+@get("/v1/sandboxes", guards=[require_token], sync_to_thread=True)
+def list_sandboxes(ctl: Controller) -> list[dict[str, Any]]:
+    return ctl.backend.sandboxes()
+
+
+@get("/v1/sandboxes/{sandbox_id:str}", guards=[require_token], sync_to_thread=True)
+def get_sandbox(ctl: Controller, sandbox_id: str) -> dict[str, Any]:
+    return ctl.backend.sandbox(sandbox_id)
+
+
+@delete(
+    "/v1/sandboxes/{sandbox_id:str}", guards=[require_token], status_code=200, sync_to_thread=True
+)
+def kill_sandbox(
+    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str
+) -> dict[str, Any]:
+    result = ctl.backend.kill(sandbox_id)
+    audited(request, ctl, "sandbox.delete", sandbox_id, "ok")
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/exec",
+    guards=[require_token],
+    status_code=200,
+    sync_to_thread=True,
+)
+def exec_in(
+    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: ExecRequest
+) -> dict[str, Any]:
+    stdin = unb64(data.stdin_b64, "stdin_b64") if data.stdin_b64 is not None else None
+    result = ctl.backend.exec(sandbox_id, data.argv, data.env, data.cwd, stdin, data.timeout)
+    audited(request, ctl, "sandbox.exec", sandbox_id, "ok", argv=data.argv[:8])
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/eval",
+    guards=[require_token],
+    status_code=200,
+    sync_to_thread=True,
+)
+def eval_in(
+    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: EvalRequest
+) -> dict[str, Any]:
+    result = ctl.backend.eval(sandbox_id, data.code, data.timeout)
+    audited(request, ctl, "sandbox.eval", sandbox_id, "ok")
+    return result
+
+
+@put(
+    "/v1/sandboxes/{sandbox_id:str}/files",
+    guards=[require_token],
+    status_code=204,
+    sync_to_thread=True,
+    request_max_body_size=MAX_FILE_BYTES,
+)
+def write_file(
+    request: Request[Any, Any, Any],
+    ctl: Controller,
+    sandbox_id: str,
+    path: str,
+    body: bytes,
+    mode: int = 0o644,
+) -> None:
+    ctl.backend.write_file(sandbox_id, path, body, mode)
+    audited(request, ctl, "sandbox.file.write", sandbox_id, "ok", path=path, bytes=len(body))
+
+
+@get(
+    "/v1/sandboxes/{sandbox_id:str}/files",
+    guards=[require_token],
+    sync_to_thread=True,
+    media_type="application/octet-stream",
+)
+def read_file(ctl: Controller, sandbox_id: str, path: str) -> bytes:
+    return ctl.backend.read_file(sandbox_id, path)
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/branch",
+    guards=[require_token],
+    status_code=201,
+    sync_to_thread=True,
+)
+def branch(
+    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: BranchRequest
+) -> dict[str, Any]:
+    result = ctl.backend.branch(sandbox_id, data.tag)
+    audited(request, ctl, "sandbox.branch", sandbox_id, "ok", tag=data.tag)
+    return result
+
+
+def create_app(
+    backend: Backend, audit: AuditLog, metrics: ControllerMetrics, token: str | None
+) -> Litestar:
+    """One listener's app; the Unix-socket app has no token, the TCP app requires one."""
+    app = Litestar(
+        route_handlers=[
+            healthz,
+            metrics_endpoint,
+            list_snapshots,
+            get_snapshot,
+            delete_snapshot,
+            compact,
+            spawn,
+            list_sandboxes,
+            get_sandbox,
+            kill_sandbox,
+            exec_in,
+            eval_in,
+            write_file,
+            read_file,
+            branch,
+        ],
+        dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
+        exception_handlers={Exception: error_response},
+        openapi_config=OpenAPIConfig(title="forkd controller", version="1", path="/schema"),
+        debug=False,
+    )
+    app.state.controller = Controller(backend, audit, metrics, token)
+    return app

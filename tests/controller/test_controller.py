@@ -1,0 +1,231 @@
+"""The controller daemon and the SDK against real VMs: `forkd serve` in a subprocess."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from forkd import Controller, Sandbox
+from forkd.controller.client import RemoteBackend
+from forkd.errors import InvalidInput, NotFound
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "test-token-0123456789"
+pytestmark = pytest.mark.vm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("VM tests need root")
+    base = tmp_path_factory.mktemp("controller")
+    values = {
+        "FORKD_HOME": str(base / "home"),
+        "FORKD_RUN": str(base / "run"),
+        "FORKD_CONTROLLER_TOKEN": TOKEN,
+    }
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield values
+    finally:
+        from forkd.engine import children as ch
+
+        ch.kill_all()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def tiny(env: dict[str, str]) -> str:
+    proc = subprocess.run(
+        ["forkd", "build", str(REPO / "recipes" / "tiny.toml"), "--tag", "tiny:ctl"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return "tiny:ctl"
+
+
+@pytest.fixture(scope="module")
+def daemon(env: dict[str, str], tiny: str) -> Iterator[str]:
+    port = _free_port()
+    log = open(Path(env["FORKD_HOME"]) / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        ["forkd", "serve", "--listen", f"127.0.0.1:{port}"],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "forkd serve did not start"
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+        assert not Path(env["FORKD_RUN"], "controller.sock").exists()
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_every_route_needs_the_token_on_tcp(daemon: str):
+    routes = [
+        ("GET", "/metrics"),
+        ("GET", "/v1/snapshots"),
+        ("GET", "/v1/snapshots/tiny:ctl"),
+        ("DELETE", "/v1/snapshots/tiny:ctl"),
+        ("POST", "/v1/compact"),
+        ("POST", "/v1/sandboxes"),
+        ("GET", "/v1/sandboxes"),
+        ("GET", "/v1/sandboxes/x-1"),
+        ("DELETE", "/v1/sandboxes/x-1"),
+        ("POST", "/v1/sandboxes/x-1/exec"),
+        ("POST", "/v1/sandboxes/x-1/eval"),
+        ("PUT", "/v1/sandboxes/x-1/files?path=/x"),
+        ("GET", "/v1/sandboxes/x-1/files?path=/x"),
+        ("POST", "/v1/sandboxes/x-1/branch"),
+    ]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            resp = httpx.request(method, daemon + path, headers=headers, json={})
+            assert resp.status_code == 401, (method, path, headers, resp.text)
+            assert resp.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(f"{daemon}/healthz").json()["status"] == "ok"
+    assert "openapi" in httpx.get(f"{daemon}/schema/openapi.json").text
+
+
+def test_rest_round_trip_with_token(daemon: str, env: dict[str, str]):
+    with httpx.Client(base_url=daemon, headers=_auth(), timeout=300) as http:
+        snaps = http.get("/v1/snapshots").json()
+        assert "tiny:ctl" in [s["ref"] for s in snaps]
+        info = http.get("/v1/snapshots/tiny:ctl").json()
+        assert info["chain"][0]["tag"] == "tiny:ctl"
+        assert http.get("/v1/snapshots/nothing:here").status_code == 404
+        made = http.post("/v1/sandboxes", json={"tag": "tiny:ctl", "n": 2})
+        assert made.status_code == 201, made.text
+        ids = [s["id"] for s in made.json()["sandboxes"]]
+        assert len(ids) == 2
+        listed = {s["id"]: s for s in http.get("/v1/sandboxes").json()}
+        assert set(ids) <= set(listed) and listed[ids[0]]["status"] == "running"
+        assert http.get(f"/v1/sandboxes/{ids[0]}").json()["ref"] == "tiny:ctl"
+        run = http.post(
+            f"/v1/sandboxes/{ids[0]}/exec",
+            json={
+                "argv": ["/bin/sh", "-c", "cat; echo $X"],
+                "env": {"X": "y"},
+                "stdin_b64": base64.b64encode(b"in-").decode(),
+            },
+        ).json()
+        assert run["exit_code"] == 0 and run["stdout"] == "in-y\n"
+        value = http.post(f"/v1/sandboxes/{ids[0]}/eval", json={"code": "WARM['recipe']"})
+        assert value.json()["value"] == "tiny"
+        put = http.put(
+            f"/v1/sandboxes/{ids[1]}/files", params={"path": "/tmp/f"}, content=b"\x00\x01data"
+        )
+        assert put.status_code == 204
+        got = http.get(f"/v1/sandboxes/{ids[1]}/files", params={"path": "/tmp/f"})
+        assert got.content == b"\x00\x01data"
+        assert (
+            http.get(f"/v1/sandboxes/{ids[0]}/files", params={"path": "/tmp/f"}).status_code >= 400
+        )  # isolated
+        branched = http.post(f"/v1/sandboxes/{ids[1]}/branch", json={"tag": "tiny:branched"})
+        assert branched.status_code == 201, branched.text
+        assert branched.json()["depth"] == 1
+        compacted = http.post("/v1/compact", json={"ref": "tiny:branched", "to": "tiny:flat"})
+        assert compacted.status_code == 201 and compacted.json()["depth"] == 0
+        refused = http.delete("/v1/snapshots/tiny:ctl")
+        assert refused.status_code == 409 and "cascade" in refused.json()["error"]["message"]
+        assert (
+            http.delete("/v1/snapshots/tiny:flat").json()["removed"] == ["tiny:flat:latest"]
+            or http.get("/v1/snapshots/tiny:flat").status_code == 404
+        )
+        for sid in ids:
+            assert http.delete(f"/v1/sandboxes/{sid}").status_code == 200
+        assert http.get(f"/v1/sandboxes/{ids[0]}").status_code == 404
+        assert http.post("/v1/sandboxes", json={"tag": "tiny:ctl", "n": 0}).status_code == 400
+        assert http.post("/v1/sandboxes", json={"tag": "ghost"}).status_code == 404
+        metrics = http.get("/metrics").text
+        assert "forkd_controller_sandboxes_spawned_total 2.0" in metrics
+    audit = Path(env["FORKD_HOME"], "controller-audit.log").read_text()
+    assert '"action":"sandbox.create"' in audit and '"result":"denied"' in audit
+
+
+def test_sdk_over_the_daemon(daemon: str):
+    ctl = Controller(url=daemon, token=TOKEN)
+    assert ctl.remote
+    sandboxes = ctl.spawn_sandboxes("tiny:ctl", 2)
+    try:
+        a, b = sandboxes
+        assert a.eval("import os; os.urandom(16).hex()") != b.eval(
+            "import os; os.urandom(16).hex()"
+        )
+        result = a.commands.run("echo hello >&2; exit 3")
+        assert (result.exit_code, result.stderr) == (3, "hello\n")
+        a.files.write("/tmp/note", "from the sdk")
+        assert a.files.read("/tmp/note") == b"from the sdk"
+        branch = ctl.branch_sandbox(a.id, "tiny:sdk-branch")
+        assert branch["depth"] == 1
+        with Sandbox("tiny:sdk-branch", controller=ctl) as child:
+            assert child.files.read("/tmp/note") == b"from the sdk"
+            gone = child.id
+        assert gone not in [s.id for s in ctl.sandboxes()]
+    finally:
+        for sb in sandboxes:
+            sb.kill()
+    with pytest.raises(NotFound):
+        Sandbox(controller=ctl, sandbox_id="nope-1").eval("1")
+    with pytest.raises(InvalidInput):
+        ctl.spawn_sandboxes("tiny:ctl", 0)
+
+
+def test_sdk_without_a_daemon_runs_locally(env: dict[str, str], tiny: str, tmp_path: Path):
+    ctl = Controller(socket=tmp_path / "none.sock")
+    assert not ctl.remote
+    with Sandbox(tiny, controller=ctl) as sb:
+        assert sb.eval("1 + 1") == 2
+        assert sb.commands.run(["/bin/echo", "x"]).stdout == "x\n"
+
+
+def test_cli_talks_to_the_unix_socket(daemon: str, env: dict[str, str]):
+    backend = RemoteBackend(socket=Path(env["FORKD_RUN"]) / "controller.sock")
+    try:
+        assert backend.alive()
+        assert any(
+            s["ref"] == "tiny:ctl:latest" or s["ref"] == "tiny:ctl" for s in backend.snapshots()
+        )
+    finally:
+        backend.close()
