@@ -15,10 +15,11 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, delete, get, post, put
 from litestar.connection import ASGIConnection
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath, FromQuery, JSONBody, RawBody
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
@@ -42,6 +43,7 @@ STATUS: list[tuple[type[ForkdError], int]] = [
     (ChainError, 422),
 ]
 MAX_FILE_BYTES = 64 << 20
+OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
 
 
 @dataclass
@@ -74,6 +76,10 @@ class Controller:
     audit: AuditLog
     metrics: ControllerMetrics
     token: str | None  # required on this listener when set
+
+
+Ctl = NamedDependency[Controller]
+Req = Request[Any, Any, Any]
 
 
 # -- request bodies -----------------------------------------------------------
@@ -117,7 +123,7 @@ def require_token(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHa
     if ctl.token is None:
         return
     header = connection.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
+    scheme, _sep, value = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), ctl.token.encode()):
         client = connection.client.host if connection.client else "-"
         ctl.audit.record("-", client, "auth", connection.url.path, "denied")
@@ -128,7 +134,7 @@ def require_token(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHa
 
 def audited(
     request: Request[Any, Any, Any],
-    ctl: Controller,
+    ctl: Ctl,
     action: str,
     target: str,
     result: str,
@@ -178,24 +184,27 @@ def healthz() -> dict[str, str]:
 @get(
     "/metrics", media_type="text/plain; version=0.0.4", guards=[require_token], sync_to_thread=True
 )
-def metrics_endpoint(ctl: Controller) -> bytes:
+def metrics_endpoint(ctl: Ctl) -> bytes:
     ctl.metrics.running.set(sum(1 for s in ctl.backend.sandboxes() if s["status"] == "running"))
     return generate_latest(ctl.metrics.registry)
 
 
 @get("/v1/snapshots", guards=[require_token], sync_to_thread=True)
-def list_snapshots(ctl: Controller) -> list[dict[str, Any]]:
+def list_snapshots(ctl: Ctl) -> list[dict[str, Any]]:
     return ctl.backend.snapshots()
 
 
 @get("/v1/snapshots/{ref:path}", guards=[require_token], sync_to_thread=True)
-def get_snapshot(ctl: Controller, ref: str) -> dict[str, Any]:
+def get_snapshot(ctl: Ctl, ref: FromPath[str]) -> dict[str, Any]:
     return ctl.backend.snapshot(ref.lstrip("/"))
 
 
 @delete("/v1/snapshots/{ref:path}", guards=[require_token], status_code=200, sync_to_thread=True)
 def delete_snapshot(
-    request: Request[Any, Any, Any], ctl: Controller, ref: str, cascade: bool = False
+    request: Request[Any, Any, Any],
+    ctl: Ctl,
+    ref: FromPath[str],
+    cascade: FromQuery[bool] = False,
 ) -> dict[str, Any]:
     removed = ctl.backend.delete_snapshot(ref.lstrip("/"), cascade)
     audited(request, ctl, "snapshot.delete", ref, "ok", removed=removed)
@@ -204,7 +213,9 @@ def delete_snapshot(
 
 @post("/v1/compact", guards=[require_token], status_code=201, sync_to_thread=True)
 def compact(
-    request: Request[Any, Any, Any], ctl: Controller, data: CompactRequest
+    request: Request[Any, Any, Any],
+    ctl: Ctl,
+    data: JSONBody[CompactRequest],
 ) -> dict[str, Any]:
     result = ctl.backend.compact(data.ref, data.to)
     audited(request, ctl, "snapshot.compact", data.ref, "ok", to=data.to)
@@ -212,7 +223,7 @@ def compact(
 
 
 @post("/v1/sandboxes", guards=[require_token], status_code=201, sync_to_thread=True)
-def spawn(request: Request[Any, Any, Any], ctl: Controller, data: SpawnRequest) -> dict[str, Any]:
+def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> dict[str, Any]:
     start = time.perf_counter()
     result = ctl.backend.spawn(data.tag, data.n, data.memory_limit_mib, data.netns)
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
@@ -224,21 +235,19 @@ def spawn(request: Request[Any, Any, Any], ctl: Controller, data: SpawnRequest) 
 
 
 @get("/v1/sandboxes", guards=[require_token], sync_to_thread=True)
-def list_sandboxes(ctl: Controller) -> list[dict[str, Any]]:
+def list_sandboxes(ctl: Ctl) -> list[dict[str, Any]]:
     return ctl.backend.sandboxes()
 
 
 @get("/v1/sandboxes/{sandbox_id:str}", guards=[require_token], sync_to_thread=True)
-def get_sandbox(ctl: Controller, sandbox_id: str) -> dict[str, Any]:
+def get_sandbox(ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
     return ctl.backend.sandbox(sandbox_id)
 
 
 @delete(
     "/v1/sandboxes/{sandbox_id:str}", guards=[require_token], status_code=200, sync_to_thread=True
 )
-def kill_sandbox(
-    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str
-) -> dict[str, Any]:
+def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
     result = ctl.backend.kill(sandbox_id)
     audited(request, ctl, "sandbox.delete", sandbox_id, "ok")
     return result
@@ -251,7 +260,10 @@ def kill_sandbox(
     sync_to_thread=True,
 )
 def exec_in(
-    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: ExecRequest
+    request: Request[Any, Any, Any],
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    data: JSONBody[ExecRequest],
 ) -> dict[str, Any]:
     stdin = unb64(data.stdin_b64, "stdin_b64") if data.stdin_b64 is not None else None
     result = ctl.backend.exec(sandbox_id, data.argv, data.env, data.cwd, stdin, data.timeout)
@@ -266,7 +278,10 @@ def exec_in(
     sync_to_thread=True,
 )
 def eval_in(
-    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: EvalRequest
+    request: Request[Any, Any, Any],
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    data: JSONBody[EvalRequest],
 ) -> dict[str, Any]:
     result = ctl.backend.eval(sandbox_id, data.code, data.timeout)
     audited(request, ctl, "sandbox.eval", sandbox_id, "ok")
@@ -282,11 +297,11 @@ def eval_in(
 )
 def write_file(
     request: Request[Any, Any, Any],
-    ctl: Controller,
-    sandbox_id: str,
-    path: str,
-    body: bytes,
-    mode: int = 0o644,
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    path: FromQuery[str],
+    body: RawBody,
+    mode: FromQuery[int] = 0o644,
 ) -> None:
     ctl.backend.write_file(sandbox_id, path, body, mode)
     audited(request, ctl, "sandbox.file.write", sandbox_id, "ok", path=path, bytes=len(body))
@@ -298,7 +313,7 @@ def write_file(
     sync_to_thread=True,
     media_type="application/octet-stream",
 )
-def read_file(ctl: Controller, sandbox_id: str, path: str) -> bytes:
+def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> bytes:
     return ctl.backend.read_file(sandbox_id, path)
 
 
@@ -309,39 +324,55 @@ def read_file(ctl: Controller, sandbox_id: str, path: str) -> bytes:
     sync_to_thread=True,
 )
 def branch(
-    request: Request[Any, Any, Any], ctl: Controller, sandbox_id: str, data: BranchRequest
+    request: Request[Any, Any, Any],
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    data: JSONBody[BranchRequest],
 ) -> dict[str, Any]:
     result = ctl.backend.branch(sandbox_id, data.tag)
     audited(request, ctl, "sandbox.branch", sandbox_id, "ok", tag=data.tag)
     return result
 
 
+ROUTES = [
+    healthz,
+    metrics_endpoint,
+    list_snapshots,
+    get_snapshot,
+    delete_snapshot,
+    compact,
+    spawn,
+    list_sandboxes,
+    get_sandbox,
+    kill_sandbox,
+    exec_in,
+    eval_in,
+    write_file,
+    read_file,
+    branch,
+]
+
+
 def create_app(
-    backend: Backend, audit: AuditLog, metrics: ControllerMetrics, token: str | None
+    backend: Backend | None,
+    audit: AuditLog | None,
+    metrics: ControllerMetrics | None,
+    token: str | None,
 ) -> Litestar:
     """One listener's app; the Unix-socket app has no token, the TCP app requires one."""
     app = Litestar(
-        route_handlers=[
-            healthz,
-            metrics_endpoint,
-            list_snapshots,
-            get_snapshot,
-            delete_snapshot,
-            compact,
-            spawn,
-            list_sandboxes,
-            get_sandbox,
-            kill_sandbox,
-            exec_in,
-            eval_in,
-            write_file,
-            read_file,
-            branch,
-        ],
+        route_handlers=ROUTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
-        openapi_config=OpenAPIConfig(title="forkd controller", version="1", path="/schema"),
+        openapi_config=OPENAPI,
         debug=False,
     )
-    app.state.controller = Controller(backend, audit, metrics, token)
+    if backend is not None and audit is not None and metrics is not None:
+        app.state.controller = Controller(backend, audit, metrics, token)
     return app
+
+
+def openapi_document() -> dict[str, Any]:
+    """The API's OpenAPI schema (what /schema/openapi.json serves), without a running daemon."""
+    schema: dict[str, Any] = create_app(None, None, None, None).openapi_schema.to_schema()
+    return schema

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from litestar import Litestar
 
 from forkd.audit import AuditLog
 from forkd.controller.app import ControllerMetrics, create_app
@@ -99,13 +100,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _server(app: object) -> uvicorn.Server:
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        lifespan="on",  # type: ignore[arg-type]
-        timeout_graceful_shutdown=5,
-    )
+def _server(app: Litestar) -> uvicorn.Server:
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return _Server(config)
 
 

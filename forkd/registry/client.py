@@ -297,7 +297,8 @@ class RegistryClient:
             content=data,
             headers={"Content-Type": mt.OCI_MANIFEST},
         )
-        return resp.headers.get("docker-content-digest", dg.of_bytes(data))
+        digest: str = resp.headers.get("docker-content-digest") or dg.of_bytes(data)
+        return digest
 
 
 def _with_digest(location: str, digest: str) -> str:
