@@ -13,6 +13,7 @@ from forkd.cli import (
     demo_cmds,
     engine_cmds,
     hub_cmds,
+    quickstart_cmds,
     remote_cmds,
     store_cmds,
 )
@@ -48,6 +49,7 @@ remote_cmds.register(cli)
 engine_cmds.register(cli)
 hub_cmds.register(cli)
 controller_cmds.register(cli)
+quickstart_cmds.register(cli)
 
 
 def main() -> None:

@@ -1,0 +1,89 @@
+"""`forkd quickstart` (the main job end to end) and `forkd setup` (host prerequisites only)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from forkd.cli.output import emit_json
+
+
+def bundled_recipe(name: str) -> Path:
+    path = Path(str(resources.files("forkd.recipes").joinpath(f"{name}.toml")))
+    if not path.is_file():
+        raise click.BadParameter(f"no bundled recipe {name!r}; pass --recipe FILE")
+    return path
+
+
+@click.command()
+@click.option("--yes", "-y", is_flag=True, help="Install missing host packages without asking.")
+def setup(yes: bool) -> None:
+    """Install the Debian packages the engine needs (QEMU, qemu-img, debootstrap, …)."""
+    from forkd.controller.quickstart import install_packages, missing_prerequisites
+
+    missing = missing_prerequisites()
+    if not missing:
+        click.echo("host prerequisites are present")
+        return
+    if not yes:
+        click.confirm(f"install {' '.join(missing)} with apt-get?", abort=True)
+    install_packages(missing, lambda m: click.echo(m, err=True))
+    click.echo(f"installed {' '.join(missing)}")
+
+
+@click.command()
+@click.option("--yes", "-y", is_flag=True, help="Install missing host packages without asking.")
+@click.option(
+    "--recipe",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Recipe of the base (default: the bundled python-numpy recipe).",
+)
+@click.option("-n", "count", type=int, default=10, show_default=True, help="Children to fork.")
+@click.option(
+    "--eval",
+    "code",
+    default="import numpy; numpy.zeros(5).tolist()",
+    show_default=True,
+    help="Code to evaluate in every child.",
+)
+@click.option("--keep", is_flag=True, help="Leave the children running (forkd ls, forkd kill).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def quickstart(
+    yes: bool, recipe: Path | None, count: int, code: str, keep: bool, as_json: bool
+) -> None:
+    """From a fresh machine to N warm forks: prerequisites, hub, build, push, pull, fork, eval."""
+    from forkd.controller.quickstart import run
+
+    start = time.perf_counter()
+    report = run(
+        recipe_path=recipe or bundled_recipe("python-numpy"),
+        n=count,
+        code=code,
+        yes=yes,
+        keep=keep,
+        confirm=lambda q: click.confirm(q, default=True),
+        say=lambda m: click.echo(m, err=True),
+    )
+    if as_json:
+        emit_json(asdict(report))
+        return
+    click.echo(
+        f"\nforked {len(report.children)} children of {report.tag} in {report.fork_ms:.0f} ms:"
+    )
+    click.echo(f"  {'CHILD':<28} {'READY ms':>9} {'EVAL ms':>8}  VALUE")
+    for c in report.children:
+        click.echo(f"  {c.id:<28} {c.ready_ms:>9.0f} {c.eval_ms:>8.1f}  {c.value!r}")
+    click.echo(f"\ncatalog: {report.catalog_url}")
+    click.echo(
+        f"done in {time.perf_counter() - start:.1f} s"
+        + (" (children kept: forkd ls)" if keep else "")
+    )
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(setup)
+    cli.add_command(quickstart)

@@ -1,0 +1,272 @@
+"""`forkd quickstart`: from a fresh machine to ten warm forks, through a local hub.
+
+Steps (each reuses what an earlier run left, so a second run takes seconds):
+1. host prerequisites (Debian packages) — installed after asking, or with ``--yes``;
+2. a hub: ``$FORKD_HUB`` when set (with stored credentials), else an embedded
+   one started in the background with its data in ``$FORKD_HOME/quickstart/hub``;
+3. the base snapshot: built from the recipe (cached by recipe content), or
+   pulled from the hub when the hub has it and this store does not;
+4. push it to the hub (only missing blobs travel);
+5. pull it into a second, separate store (``$FORKD_HOME/quickstart/pulled``),
+   verified — the path a teammate's machine takes;
+6. fork N children from the pulled store, evaluate code in each, print
+   per-child timings and the catalog URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from forkd.errors import ForkdError, InvalidInput, NotFound
+from forkd.registry import credentials
+from forkd.registry.client import RegistryClient, RegistryNotFound
+from forkd.registry.reference import Hub, default_hub, parse_remote
+from forkd.registry.transfer import pull, push
+from forkd.store.store import Store
+
+# (tool, Debian package) the engine needs on the host: the one list of host prerequisites.
+HOST_PREREQUISITES: list[tuple[str, str]] = [
+    ("qemu-system-x86_64", "qemu-system-x86"),
+    ("qemu-img", "qemu-utils"),
+    ("debootstrap", "debootstrap"),
+    ("busybox", "busybox-static"),
+    ("cpio", "cpio"),
+    ("mkfs.ext4", "e2fsprogs"),
+]
+HUB_USER = "forkd"  # the embedded hub's admin; the base goes to its namespace
+Say = Callable[[str], None]
+
+
+class QuickstartError(ForkdError):
+    """A quickstart step failed; the message names the step and what to do."""
+
+
+def missing_prerequisites() -> list[str]:
+    return sorted({pkg for tool, pkg in HOST_PREREQUISITES if shutil.which(tool) is None})
+
+
+def install_packages(packages: list[str], say: Say) -> None:
+    if not packages:
+        return
+    if os.geteuid() != 0:
+        raise QuickstartError(
+            f"installing {' '.join(packages)} needs root: run "
+            f"`sudo apt-get install -y {' '.join(packages)}` and try again"
+        )
+    say(f"installing Debian packages: {' '.join(packages)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+    ):
+        proc = subprocess.run(
+            argv, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+        if proc.returncode != 0:
+            raise QuickstartError(f"`{' '.join(argv)}` failed:\n{proc.stderr[-2000:]}")
+
+
+@dataclass
+class EmbeddedHub:
+    """A hub this tool started: its data directory, address and admin credential."""
+
+    data: Path
+    hub: Hub
+    password: str
+    started: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.hub.url
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/", timeout=2).status_code in (200, 401)
+    except httpx.HTTPError:
+        return False
+
+
+def embedded_hub(root: Path, say: Say) -> EmbeddedHub:
+    """Reuse the hub a previous run started, or start one in the background."""
+    root.mkdir(parents=True, exist_ok=True)
+    state_file = root / "state.json"
+    state: dict[str, Any] = {}
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+    password_file = root / "admin-password"
+    if not password_file.exists():
+        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(18))
+    password = password_file.read_text().strip()
+    if state.get("listen") and _answers(f"http://{state['listen']}"):
+        say(f"hub: reusing the embedded hub at http://{state['listen']}")
+        return EmbeddedHub(root, Hub(state["listen"], "http"), password)
+    listen = state.get("listen") or f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "FORKD_HUB_ADMIN_USER": HUB_USER, "FORKD_HUB_ADMIN_PASSWORD": password}
+    log = open(root / "hub.log", "ab")  # noqa: SIM115 - handed to the child process
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "hub",
+            "serve",
+            "--data",
+            str(root / "data"),
+            "--listen",
+            listen,
+        ],
+        env=env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while not _answers(f"http://{listen}"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise QuickstartError(f"the embedded hub did not start; see {root / 'hub.log'}")
+        time.sleep(0.2)
+    state_file.write_text(json.dumps({"listen": listen, "pid": proc.pid}))
+    say(f"hub: started an embedded hub at http://{listen} (pid {proc.pid}, data in {root})")
+    return EmbeddedHub(root, Hub(listen, "http"), password, started=True)
+
+
+@dataclass
+class ChildReport:
+    id: str
+    ready_ms: float
+    eval_ms: float
+    value: Any
+
+
+@dataclass
+class QuickstartReport:
+    hub: str
+    tag: str
+    built: bool
+    pulled_from_hub: bool
+    push_blobs: int
+    pull_blobs: int
+    fork_ms: float
+    children: list[ChildReport] = field(default_factory=list)
+    catalog_url: str = ""
+    seconds: float = 0.0
+
+
+def run(
+    *,
+    recipe_path: Path,
+    n: int,
+    code: str,
+    yes: bool,
+    keep: bool,
+    confirm: Callable[[str], bool],
+    say: Say,
+) -> QuickstartReport:
+    from forkd.engine import children as ch
+    from forkd.engine import recipe as recipes
+    from forkd.engine.build import build
+
+    if n <= 0:
+        raise InvalidInput(f"number of children must be positive, got {n}")
+    start = time.perf_counter()
+    missing = missing_prerequisites()
+    if missing:
+        if not yes and not confirm(f"install the Debian packages {' '.join(missing)}?"):
+            raise QuickstartError(f"forkd needs {' '.join(missing)}; install them or pass --yes")
+        install_packages(missing, say)
+    else:
+        say("host: prerequisites present")
+
+    store = Store.open()
+    root = store.home / "quickstart"
+    hub = default_hub()
+    if hub is None:
+        embedded = embedded_hub(root / "hub", say)
+        hub = embedded.hub
+        credentials.save(hub.host, credentials.Credential(HUB_USER, embedded.password))
+    else:
+        say(f"hub: using FORKD_HUB={hub.host}")
+    recipe = recipes.load(recipe_path)
+    repository = f"{HUB_USER}/{recipe.name}"
+    remote = parse_remote(f"{hub.host}/{repository}:latest", hub)
+    tag = f"{repository}:latest"
+
+    built = pulled = False
+    with RegistryClient(hub, credentials.load(hub.host)) as client:
+        try:
+            store.resolve(tag)
+        except NotFound:
+            try:
+                result = pull(store, remote, client)
+                pulled = True
+                say(f"base: pulled {remote} ({result.blobs_sent} blobs)")
+            except RegistryNotFound:
+                pass
+        if not pulled:
+            t0 = time.perf_counter()
+            res = build(store, recipe, tag, progress=lambda m: say(f"  {m}"))
+            built = True
+            say(f"base: {res.ref} ready in {time.perf_counter() - t0:.1f} s")
+        pushed = push(store, tag, remote, client)
+        say(f"push: {pushed.blobs_sent} blobs sent, {pushed.blobs_skipped} already on the hub")
+        fresh = Store(root / "pulled")
+        got = pull(fresh, remote, client)
+        say(
+            f"pull into a fresh store: {got.blobs_sent} blobs fetched and verified, "
+            f"{got.blobs_skipped} already there"
+        )
+
+    t0 = time.perf_counter()
+    forked = ch.fork(fresh, got.ref, n)
+    fork_ms = (time.perf_counter() - t0) * 1000
+    report = QuickstartReport(
+        hub.host, got.ref, built, pulled, pushed.blobs_sent, got.blobs_sent, fork_ms
+    )
+    try:
+        for child in forked.children:
+            t1 = time.perf_counter()
+            reply = ch.eval_in(child.id, code)
+            if reply.get("error"):
+                raise QuickstartError(f"eval in {child.id} failed: {reply['error']}")
+            report.children.append(
+                ChildReport(
+                    child.id,
+                    child.timings_ms.get("ready", 0.0),
+                    (time.perf_counter() - t1) * 1000,
+                    reply.get("value"),
+                )
+            )
+    finally:
+        if not keep:
+            for child in forked.children:
+                ch.kill(child.id)
+    if forked.errors:
+        raise QuickstartError("some children failed to start:\n" + "\n".join(forked.errors))
+    report.catalog_url = f"{hub.url}/{repository}"
+    report.seconds = time.perf_counter() - start
+    return report
