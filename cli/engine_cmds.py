@@ -1,7 +1,222 @@
-"""`forkd` commands of the engine (registered by forkd.cli.main)."""
+"""`forkd` commands of the engine (registered by forkd.cli.main).
+
+doctor, build, fork, ls, exec, eval, kill, branch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
 
 import click
+
+from forkd.cli.output import emit_json, human
+from forkd.errors import InvalidInput
+from forkd.store.store import Store
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+def _store() -> Store:
+    return Store.open()
+
+
+def _say(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+@click.command()
+@json_option
+@click.option("--no-store", is_flag=True, help="Skip re-verifying every blob of the store.")
+def doctor(as_json: bool, no_store: bool) -> None:
+    """Check QEMU, the accelerator (probe: kvm or tcg), cgroups, tools, kernel, store."""
+    from forkd.engine import doctor as doc
+
+    checks = doc.run(check_store=not no_store)
+    ok = doc.verdict(checks)
+    if as_json:
+        accel = next((c.detail.split(":", 1)[0] for c in checks if c.name == "accelerator"), None)
+        emit_json({"ok": ok, "accelerator": accel, "checks": [c.to_dict() for c in checks]})
+    else:
+        for c in checks:
+            mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "info": "info"}[c.status]
+            click.echo(f"[{mark}] {c.name:13} {c.detail}")
+            if c.hint and c.status in ("warn", "fail"):
+                click.echo(f"       {'':13} fix: {c.hint}")
+        click.echo("verdict: " + ("ready" if ok else "not ready (see FAIL lines)"))
+    if not ok:
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tag", "-t", required=True, help="Tag of the snapshot, NAME[:TAG].")
+@click.option("--force", is_flag=True, help="Rebuild even if cached; replace the tag.")
+@json_option
+def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
+    """Build a warm snapshot from a TOML RECIPE and store it as a base layer."""
+    from forkd.engine import recipe as rc
+    from forkd.engine.build import build as do_build
+
+    r = rc.load(recipe)
+    t0 = time.monotonic()
+    res = do_build(_store(), r, tag, force=force,
+                   progress=lambda m: _say(f"[{time.monotonic() - t0:6.1f}s] {m}"))
+    if as_json:
+        emit_json(asdict(res))
+        return
+    if res.cached:
+        click.echo(f"{res.ref} {res.digest[7:19]} (cached, {res.total_s:.1f} s)")
+    else:
+        click.echo(f"built {res.ref} {res.digest[7:19]}: boot {res.boot_s:.2f} s, warm-up "
+                   f"{res.warmup_s:.2f} s, snapshot {res.snapshot_ms:.1f} ms, "
+                   f"{human(res.stored_bytes)} stored, total {res.total_s:.1f} s ({res.accel})")
+
+
+@click.command()
+@click.argument("tag")
+@click.option("-n", "count", type=int, default=1, show_default=True, help="Number of children.")
+@click.option("--memory-limit-mib", type=int, default=None, help="cgroup memory limit per child.")
+@click.option("--netns", is_flag=True, help="Give each child a network namespace + tap.")
+@click.option("--no-sandbox", is_flag=True, help="Run QEMU without -sandbox on.")
+@json_option
+def fork(tag: str, count: int, memory_limit_mib: int | None, netns: bool, no_sandbox: bool,
+         as_json: bool) -> None:
+    """Fork COUNT copy-on-write children of snapshot TAG; they keep running after exit."""
+    from forkd.engine import children as ch
+
+    if count <= 0:
+        raise InvalidInput(f"-n must be at least 1, got {count}")
+    res = ch.fork(_store(), tag, count, memory_limit_mib=memory_limit_mib, with_netns=netns,
+                  sandbox=not no_sandbox, progress=_say if not as_json else lambda _m: None)
+    if as_json:
+        emit_json({"children": [asdict(c) for c in res.children], "assemble_ms": res.assemble_ms,
+                   "total_ms": res.total_ms, "errors": res.errors})
+    else:
+        for c in res.children:
+            t = c.timings_ms
+            click.echo(f"{c.id}  pid {c.pid}  running {t.get('running', 0):.0f} ms  "
+                       f"ready {t.get('ready', 0):.0f} ms")
+        click.echo(f"{len(res.children)} children of {tag} ready in {res.total_ms:.0f} ms "
+                   f"(assemble {res.assemble_ms:.0f} ms)")
+        for e in res.errors:
+            click.echo(f"failed: {e}", err=True)
+    if res.errors:
+        sys.exit(1)
+
+
+@click.command("ls")
+@json_option
+def ls_cmd(as_json: bool) -> None:
+    """List children (running, or crashed if their QEMU died)."""
+    from forkd.engine import children as ch
+
+    kids = ch.list_children()
+    if as_json:
+        emit_json([asdict(c) for c in kids])
+        return
+    if not kids:
+        click.echo("no children")
+        return
+    click.echo(f"{'ID':22} {'STATUS':8} {'PID':>8} {'AGE':>7}  SNAPSHOT")
+    for c in kids:
+        click.echo(f"{c.id:22} {c.status:8} {c.pid:>8} {time.time() - c.created:6.0f}s  {c.ref}")
+
+
+@click.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("child_id")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=None, help="Kill the command after SECONDS.")
+@click.option("--cwd", default=None, help="Working directory in the guest.")
+@click.option("--env", "-e", multiple=True, help="KEY=VALUE for the command's environment.")
+@click.option("--stdin", "use_stdin", is_flag=True, help="Pass this command's stdin along.")
+@json_option
+def exec_cmd(child_id: str, argv: tuple[str, ...], timeout: float | None, cwd: str | None,
+             env: tuple[str, ...], use_stdin: bool, as_json: bool) -> None:
+    """Run a command in child CHILD_ID: forkd exec ID -- CMD ARGS..."""
+    from forkd.engine import children as ch
+
+    envd = {}
+    for kv in env:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise InvalidInput(f"--env {kv!r}: expected KEY=VALUE")
+        envd[k] = v
+    data = sys.stdin.buffer.read() if use_stdin else None
+    r = ch.exec_in(child_id, list(argv), timeout=timeout, cwd=cwd, env=envd or None, stdin=data)
+    if as_json:
+        emit_json(r)
+        return
+    sys.stdout.write(r["stdout"])
+    sys.stderr.write(r["stderr"])
+    if r.get("timed_out"):
+        click.echo(f"forkd: command timed out after {timeout} s", err=True)
+    code = int(r["exit_code"])
+    sys.exit(code & 0xFF if code >= 0 else 128 + (-code & 0x7F))  # killed by signal N → 128+N
+
+
+@click.command("eval")
+@click.argument("child_id")
+@click.argument("code")
+@json_option
+def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
+    """Evaluate Python CODE in child CHILD_ID's warm interpreter."""
+    from forkd.engine import children as ch
+
+    r = ch.eval_in(child_id, code)
+    if as_json:
+        emit_json(r)
+    else:
+        sys.stdout.write(r["stdout"])
+        sys.stderr.write(r["stderr"])
+        if r.get("repr") is not None:
+            click.echo(r["repr"])
+    if r.get("error"):
+        if not as_json:
+            click.echo(r["error"].get("traceback") or r["error"]["message"], err=True)
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("child_ids", nargs=-1)
+@click.option("--all", "kill_all", is_flag=True, help="Kill every child.")
+@json_option
+def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
+    """Stop children and remove everything they had (sockets, disks, cgroups)."""
+    from forkd.engine import children as ch
+
+    if not child_ids and not kill_all:
+        raise InvalidInput("name children to kill or pass --all")
+    done = ch.kill_all() if kill_all else [ch.kill(i) for i in child_ids]
+    if as_json:
+        emit_json([{"id": c.id, "was": c.status} for c in done])
+    else:
+        for c in done:
+            click.echo(f"{c.id} {'killed' if c.status == 'killed' else 'cleaned up (crashed)'}")
+
+
+@click.command()
+@click.argument("child_id")
+@click.option("--tag", "-t", required=True, help="Tag of the new diff layer, NAME[:TAG].")
+@click.option("--force", is_flag=True, help="Replace the tag if it exists.")
+@json_option
+def branch(child_id: str, tag: str, force: bool, as_json: bool) -> None:
+    """Snapshot a running child as a diff layer (its copied-on-write pages)."""
+    from forkd.engine.branch import branch as do_branch
+
+    res = do_branch(_store(), child_id, tag, force=force)
+    if as_json:
+        emit_json(asdict(res))
+        return
+    click.echo(f"branched {child_id} → {res.ref} {res.digest[7:19]}: pause {res.pause_ms:.1f} ms, "
+               f"diff {res.diff_pages} pages ({human(res.diff_bytes)}), "
+               f"{human(res.stored_bytes)} stored, depth {res.depth}"
+               + (" (auto-compacted)" if res.compacted else ""))
 
 
 def register(cli: click.Group) -> None:
     """Add the engine's commands to the top-level group."""
+    for command in (doctor, build, fork, ls_cmd, exec_cmd, eval_cmd, kill, branch):
+        cli.add_command(command)

@@ -45,6 +45,7 @@ HOST_PREREQUISITES: list[tuple[str, str]] = [
     ("busybox", "busybox-static"),
     ("cpio", "cpio"),
     ("mkfs.ext4", "e2fsprogs"),
+    ("lz4", "lz4"),
 ]
 HUB_USER = "forkd"  # the embedded hub's admin; the base goes to its namespace
 Say = Callable[[str], None]
@@ -127,8 +128,10 @@ def embedded_hub(root: Path, say: Say) -> EmbeddedHub:
     env = {**os.environ, "FORKD_HUB_ADMIN_USER": HUB_USER, "FORKD_HUB_ADMIN_PASSWORD": password}
     log = open(root / "hub.log", "ab")  # noqa: SIM115 - handed to the child process
     proc = subprocess.Popen(
+        # -P and cwd: the installed forkd, never a checkout's forkd/ folder in the cwd
         [
             sys.executable,
+            "-P",
             "-m",
             "forkd.cli",
             "hub",
@@ -143,6 +146,7 @@ def embedded_hub(root: Path, say: Say) -> EmbeddedHub:
         stderr=log,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        cwd=root,
     )
     log.close()
     deadline = time.monotonic() + 60
@@ -230,8 +234,11 @@ def run(
         if not pulled:
             t0 = time.perf_counter()
             res = build(store, recipe, tag, progress=lambda m: say(f"  {m}"))
-            built = True
-            say(f"base: {res.ref} ready in {time.perf_counter() - t0:.1f} s")
+            built = not res.cached
+            say(
+                f"base: {res.ref} {'cached' if res.cached else 'built'} in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         pushed = push(store, tag, remote, client)
         say(f"push: {pushed.blobs_sent} blobs sent, {pushed.blobs_skipped} already on the hub")
         fresh = Store(root / "pulled")

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Cold-boot N VMs vs fork N children of the same warm python-numpy snapshot, in one run.
+
+Prints, for N in --ns: time until all N answer an eval (cold boot includes the warm-up
+import of numpy, fork includes restore + entropy fixup), first eval, warm eval round trip,
+host memory per child (QEMU PSS, and guest copy-on-write = `Anonymous` of the RAM
+mapping in smaps), and branch pause / diff size with ~20 MiB dirty. Ratios are against
+the cold-boot baseline measured in the same run. Needs root; not a pass/fail test.
+
+usage: sudo python bench/fork_fanout.py [--ns 1,10,50] [--cold-ns 1,10,50] [--recipe PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from forkd.engine import children as ch
+from forkd.engine import image, recipe
+from forkd.engine.agent_client import AgentClient
+from forkd.engine.branch import anon_kib, branch
+from forkd.engine.build import build
+from forkd.engine.qemu import QemuVM, VMConfig, create_overlay, kernel_cmdline
+from forkd.store.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+def cold_boot(n: int, r: recipe.Recipe, accel: str, work: Path) -> dict[str, float]:
+    """Boot n fresh VMs concurrently; each is ready when numpy is warm and it answered."""
+    g = image.build_guest(r)
+    vms: list[QemuVM] = []
+    first: list[float] = []
+    errors: list[str] = []
+    t0 = time.monotonic()
+
+    def one(i: int) -> None:
+        d = work / f"cold{i}"
+        d.mkdir()
+        disk = d / "disk.qcow2"
+        create_overlay(disk, g.root, "raw")
+        vm = QemuVM(d / "vm", VMConfig(memory_mib=r.memory_mib, vcpus=r.vcpus, accel=accel,
+                                        mem_path=d / "mem", share=False, disk=disk,
+                                        kernel=g.kernel.vmlinux, initrd=g.initrd,
+                                        cmdline=kernel_cmdline(accel)))
+        vms.append(vm)
+        try:
+            vm.launch(qmp_timeout=120)
+            a = AgentClient(vm.dir / "agent.sock", alive=vm.alive)
+            a.wait_hello(600, vm.alive)
+            a.eval(r.warmup, timeout=600)
+            t = time.monotonic()
+            a.eval("1+1")
+            first.append((time.monotonic() - t) * 1000)
+            a.close()
+        except Exception as e:
+            errors.append(str(e)[:200])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    all_ready = time.monotonic() - t0
+    for vm in vms:
+        vm.shutdown(timeout=3)
+    return {"all_ready_s": all_ready, "first_eval_ms": statistics.median(first) if first else -1,
+            "errors": len(errors)}
+
+
+def fork_n(store: Store, tag: str, n: int) -> dict[str, float]:
+    # all ready = every child restored, fixed up, and answered an agent request
+    res = ch.fork(store, tag, n)
+    all_ready = res.total_ms / 1000
+    firsts = []
+    for c in res.children:
+        t = time.monotonic()
+        ch.eval_in(c.id, "np.zeros(5).tolist()")
+        firsts.append((time.monotonic() - t) * 1000)
+    c0 = res.children[0]
+    warm = []
+    with ch.agent(c0.id) as a:
+        for _ in range(20):
+            t = time.monotonic()
+            a.eval("np.zeros(5).tolist()")
+            warm.append((time.monotonic() - t) * 1000)
+    time.sleep(1.0)  # let the children go idle before measuring memory
+    pss = [pss_kib(c.pid) / 1024 for c in res.children]
+    cow = [anon_kib(c.pid, Path(c.memory)) / 1024 for c in res.children]
+    out = {"all_ready_s": all_ready,
+           "first_eval_ms": statistics.median(firsts), "warm_eval_ms": statistics.median(warm),
+           "pss_mib_per_child": statistics.median(pss), "cow_mib_per_child": statistics.median(cow),
+           "errors": len(res.errors)}
+    for c in res.children:
+        ch.kill(c.id)
+    return out
+
+
+def branch_bench(store: Store, tag: str, rounds: int) -> dict[str, float]:
+    c = ch.fork(store, tag, 1).children[0]
+    pauses, diffs = [], []
+    try:
+        ch.eval_in(c.id, "A = np.ones((20 << 20) // 8)")  # ~20 MiB dirty
+        for k in range(rounds):
+            ch.eval_in(c.id, f"A[:] = {k + 2}")
+            res = branch(store, c.id, f"bench-branch:r{k}", force=True)
+            pauses.append(res.pause_ms)
+            diffs.append(res.diff_bytes / 2**20)
+    finally:
+        ch.kill(c.id)
+    return {"pause_ms_p50": statistics.median(pauses), "pause_ms_max": max(pauses),
+            "diff_mib": statistics.median(diffs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--ns", default="1,10,50")
+    ap.add_argument("--cold-ns", default=None, help="N values for cold boot (default: --ns)")
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "python-numpy.toml")
+    ap.add_argument("--branch-rounds", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    o = ap.parse_args()
+    ns = [int(x) for x in o.ns.split(",")]
+    cold_ns = [int(x) for x in (o.cold_ns or o.ns).split(",")]
+    work = Path(tempfile.mkdtemp(prefix="forkd-bench-", dir="/dev/shm"))
+    os.environ.setdefault("FORKD_HOME", str(work / "home"))
+    os.environ.setdefault("FORKD_RUN", str(work / "run"))
+    store = Store.open()
+    r = recipe.load(o.recipe)
+    tag = f"bench-{r.name}:{secrets.token_hex(2)}"
+    results: dict[str, object] = {}
+    try:
+        b = build(store, r, tag)
+        results["build"] = {"boot_s": b.boot_s, "snapshot_ms": b.snapshot_ms, "accel": b.accel}
+        print(f"built {tag}: cold boot to agent {b.boot_s:.2f} s, snapshot {b.snapshot_ms:.1f} ms "
+              f"({b.accel})", flush=True)
+        t = time.monotonic()
+        store.assemble(tag)  # once per snapshot, cached by digest for every later fork
+        print(f"assembled the memory image once: {time.monotonic() - t:.2f} s", flush=True)
+        for n in sorted(set(ns) | set(cold_ns)):
+            row: dict[str, object] = {}
+            if n in ns:
+                row["fork"] = fork_n(store, tag, n)
+            if n in cold_ns:
+                cw = work / f"cold-{n}"
+                cw.mkdir()
+                row["cold"] = cold_boot(n, r, b.accel, cw)
+                shutil.rmtree(cw, ignore_errors=True)
+            results[f"n={n}"] = row
+            f, c = row.get("fork"), row.get("cold")
+            line = f"N={n:3}:"
+            if isinstance(c, dict):
+                line += f" cold all-ready {c['all_ready_s']:7.2f} s |"
+            if isinstance(f, dict):
+                line += (f" fork all-ready {f['all_ready_s']:6.2f} s, first eval "
+                         f"{f['first_eval_ms']:5.1f} ms, warm eval {f['warm_eval_ms']:4.2f} ms, "
+                         f"PSS {f['pss_mib_per_child']:5.1f} MiB/child, guest CoW "
+                         f"{f['cow_mib_per_child']:4.2f} MiB/child")
+            if isinstance(c, dict) and isinstance(f, dict):
+                ratio = c["all_ready_s"] / f["all_ready_s"]
+                row["speedup"] = ratio
+                line += f" | fork {ratio:5.1f}x faster"
+            print(line, flush=True)
+        br = branch_bench(store, tag, o.branch_rounds)
+        results["branch"] = br
+        print(f"branch: pause p50 {br['pause_ms_p50']:.1f} ms (max {br['pause_ms_max']:.1f}) with "
+              f"{br['diff_mib']:.1f} MiB diff; forkd anchor: ~200 ms diff / 56 ms live (KVM) → "
+              f"{200 / br['pause_ms_p50']:.1f}x / {56 / br['pause_ms_p50']:.1f}x", flush=True)
+        if o.json:
+            print(json.dumps(results, indent=1))
+    finally:
+        ch.kill_all()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""`forkd branch`: a diff layer from a running child's copied-on-write pages.
+
+pause (QMP stop) → scan /proc/PID/pagemap of the guest-RAM mapping: present and
+not file-backed = a page the child wrote → copy those pages with
+process_vm_readv into a pre-touched buffer → save device state → copy the
+child's disk overlay → resume. Then, with the child running again, store the
+pages as a diff layer whose parent is the child's snapshot.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd.engine import children as ch
+from forkd.engine.build import scratch_dir
+from forkd.engine.errors import EngineError, HostError, VMMError
+from forkd.engine.qemu import QEMU_IMG
+from forkd.engine.qmp import QMP
+from forkd.errors import Conflict
+from forkd.names import parse_ref
+from forkd.store.store import Store
+
+PAGE = 4096
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
+_IOV_MAX = 1024
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+@dataclass(frozen=True)
+class BranchResult:
+    ref: str
+    digest: str
+    parent: str
+    pause_ms: float
+    scan_ms: float
+    read_ms: float
+    devstate_ms: float
+    diff_pages: int
+    diff_bytes: int
+    stored_bytes: int
+    store_ms: float
+    depth: int
+    compacted: bool
+
+
+def ram_mapping(pid: int, mem_path: Path) -> tuple[int, int, int]:
+    """(start, end, file offset) of the guest-RAM mapping of mem_path in the process."""
+    real = str(mem_path.resolve())
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == real:
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                return a, b, int(parts[2], 16)
+    raise HostError(f"process {pid} has no mapping of {real}; is it a forkd child?")
+
+
+def anon_kib(pid: int, mem_path: Path) -> int:
+    """`Anonymous` kB of the RAM mapping (the copy-on-write cost of the child)."""
+    real = str(mem_path.resolve())
+    cur = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                cur = line.rstrip().endswith(real)
+            elif cur and first == "Anonymous:":
+                return int(line.split()[1])
+    return 0
+
+
+def dirty_pages(pid: int, start: int, end: int) -> list[int]:
+    """Indices of pages in [start, end) that are private copies (written by the guest)."""
+    n = (end - start) // PAGE
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        f.seek(start // PAGE * 8)
+        a = array.array("Q")
+        a.frombytes(f.read(n * 8))
+    return [i for i, e in enumerate(a) if e & (_PRESENT | _SWAPPED) and not e & _FILE]
+
+
+def _runs(idx: list[int]) -> Iterator[tuple[int, int]]:
+    if not idx:
+        return
+    first = prev = idx[0]
+    for i in idx[1:]:
+        if i != prev + 1:
+            yield first, prev - first + 1
+            first = i
+        prev = i
+    yield first, prev - first + 1
+
+
+def read_pages(pid: int, start: int, idx: list[int], buf: ctypes.Array[ctypes.c_char]) -> None:
+    """process_vm_readv the pages into buf, in idx order."""
+    base = ctypes.addressof(buf)
+    runs = list(_runs(idx))
+    off = 0
+    for k in range(0, len(runs), _IOV_MAX):
+        part = runs[k:k + _IOV_MAX]
+        local = (_IoVec * len(part))()
+        remote = (_IoVec * len(part))()
+        total = 0
+        for j, (i, c) in enumerate(part):
+            local[j].iov_base = base + off
+            local[j].iov_len = c * PAGE
+            remote[j].iov_base = start + i * PAGE
+            remote[j].iov_len = c * PAGE
+            off += c * PAGE
+            total += c * PAGE
+        got = _libc.process_vm_readv(pid, local, len(part), remote, len(part), 0)
+        if got != total:
+            err = ctypes.get_errno()
+            raise HostError(f"process_vm_readv read {got} of {total} bytes: {os.strerror(err)} "
+                            "(needs root or CAP_SYS_PTRACE)")
+
+
+def save_device_state(q: QMP, path: Path) -> None:
+    """xen-save-devices-state into a file the host opens and hands over as an fd set
+    (QEMU may run as an unprivileged user that cannot create files in our work dir)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        added = q.command("add-fd", fds=[fd])
+    finally:
+        os.close(fd)
+    fdset = int(added["fdset-id"])
+    try:
+        q.command("xen-save-devices-state", {"filename": f"/dev/fdset/{fdset}", "live": False})
+    finally:
+        with contextlib.suppress(VMMError):
+            q.command("remove-fd", {"fdset-id": fdset})
+
+
+def branch(store: Store, child_id: str, tag: str, *, force: bool = False) -> BranchResult:
+    ref = str(parse_ref(tag))
+    info = ch.get(child_id)
+    ch._require_running(info)
+    if store.resolve(info.ref) != info.digest:
+        raise Conflict(f"tag {info.ref} has moved since child {child_id} was forked from it; "
+                       "the diff would have the wrong parent. Re-tag the old digest first.")
+    mem = Path(info.memory)
+    work = scratch_dir("forkd-branch")
+    try:
+        with ch.locked(info), ch.qmp(info) as q:
+            start, end, off = ram_mapping(info.pid, mem)
+            if off != 0:
+                raise HostError(f"unexpected RAM mapping offset {off} in child {child_id}")
+            # pre-touch a buffer for the copy, sized from the current CoW estimate + slack
+            est = anon_kib(info.pid, mem) * 1024 + (16 << 20)
+            buf = ctypes.create_string_buffer(est)
+            ctypes.memset(buf, 1, est)
+            devstate = work / "vmstate"
+            overlay_copy = work / "disk.qcow2"
+            t0 = time.monotonic()
+            q.command("stop")
+            try:
+                idx = dirty_pages(info.pid, start, end)
+                t_scan = time.monotonic()
+                need = len(idx) * PAGE
+                if need > est:
+                    buf = ctypes.create_string_buffer(need)
+                read_pages(info.pid, start, idx, buf)
+                t_read = time.monotonic()
+                save_device_state(q, devstate)
+                t_dev = time.monotonic()
+                # the overlay holds the child's writes; QEMU flushed it on stop
+                shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
+            finally:
+                q.command("cont")
+            t_cont = time.monotonic()
+        disk_raw = work / "disk.raw"
+        p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(overlay_copy),
+                            str(disk_raw)], capture_output=True, text=True, check=False,
+                           stdin=subprocess.DEVNULL)
+        if p.returncode != 0:
+            raise VMMError(f"qemu-img convert of child {child_id}'s disk failed: "
+                           f"{p.stderr.strip()}")
+        view = memoryview(buf).cast("B")
+        pages = ((i, bytes(view[k * PAGE:(k + 1) * PAGE])) for k, i in enumerate(idx))
+        t_store = time.monotonic()
+        try:
+            layer = store.import_pages(ref, parent=info.ref, pages=pages, vmstate=devstate,
+                                       disk=disk_raw, description=f"branch of {child_id}",
+                                       force=force)
+        except EngineError:
+            raise
+        store_ms = (time.monotonic() - t_store) * 1000
+        return BranchResult(
+            ref=ref, digest=layer.digest, parent=info.ref,
+            pause_ms=(t_cont - t0) * 1000, scan_ms=(t_scan - t0) * 1000,
+            read_ms=(t_read - t_scan) * 1000, devstate_ms=(t_dev - t_read) * 1000,
+            diff_pages=len(idx), diff_bytes=len(idx) * PAGE, stored_bytes=layer.stored_bytes,
+            store_ms=store_ms, depth=layer.depth, compacted=layer.compacted)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(work)

@@ -1,0 +1,186 @@
+"""`forkd build`: boot a template from a recipe, warm it, snapshot it into the store."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd import digest
+from forkd.engine import image, netns
+from forkd.engine.accel import cached_probe
+from forkd.engine.agent_client import PROTOCOL, AgentClient
+from forkd.engine.errors import AgentError, GuestBuildError, HostError, VMMError
+from forkd.engine.paths import cache_dir, work_dir
+from forkd.engine.qemu import (
+    CPU_MODEL,
+    MACHINE,
+    QEMU_IMG,
+    QemuVM,
+    VMConfig,
+    create_overlay,
+    kernel_cmdline,
+    qemu_version,
+)
+from forkd.engine.recipe import Recipe
+from forkd.names import parse_ref
+from forkd.pack.config import Compat
+from forkd.store.store import Store
+
+Progress = Callable[[str], None]
+BOOT_TIMEOUT = 180.0
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    ref: str
+    digest: str
+    cached: bool
+    accel: str
+    boot_s: float
+    warmup_s: float
+    snapshot_ms: float
+    total_s: float
+    stored_bytes: int
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A private work directory, on tmpfs when there is one (memory files are written there)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else work_dir()
+    d = base / f"{prefix}-{secrets.token_hex(4)}"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _cache_file(key: str) -> Path:
+    d = cache_dir() / "builds"
+    d.mkdir(exist_ok=True)
+    return d / f"{digest.hex_part(key)[:32]}.json"
+
+
+def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
+          progress: Progress = _noop) -> BuildResult:
+    t_start = time.monotonic()
+    ref = str(parse_ref(tag))
+    verdict = cached_probe()
+    key = recipe.content_digest(image.guest_code_digest() + verdict.accel + qemu_version())
+    cf = _cache_file(key)
+    if cf.exists() and not force:
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            prev = json.loads(cf.read_text())
+            prev_ref, prev_digest = prev["ref"], prev["digest"]
+            try:
+                cur = store.resolve(prev_ref)
+            except Exception:
+                cur = None
+            if cur == prev_digest:
+                if prev_ref == ref:
+                    progress(f"cached: {ref} is already built from this recipe")
+                    return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
+                                       time.monotonic() - t_start, 0)
+                progress(f"cached: re-tagging the snapshot of {prev_ref} as {ref}")
+                asm = store.assemble(prev_ref)
+                info = store.import_layer(ref, memory=asm.memory, vmstate=asm.vmstate,
+                                          disk=asm.disk, compat=asm.config.compat,
+                                          files=asm.files, description=recipe.description,
+                                          recipe=recipe.to_dict(), force=True)
+                return BuildResult(ref, info.digest, True, verdict.accel, 0, 0, 0,
+                                   time.monotonic() - t_start, info.stored_bytes)
+    progress(f"accelerator: {verdict.accel} ({verdict.reason})")
+    guest = image.build_guest(recipe, progress)
+    work = scratch_dir("forkd-build")
+    try:
+        mem = work / "memory.img"
+        tpl_disk = work / "template.qcow2"
+        create_overlay(tpl_disk, guest.root, "raw")
+        ns_name: str | None = None
+        extra_cmdline = ""
+        if recipe.network:
+            why = netns.available()
+            if why:
+                raise HostError(f"recipe {recipe.name} wants a network device but {why}")
+            ns_name = f"{netns.PREFIX}build-{secrets.token_hex(3)}"
+            netns.create(ns_name)
+            extra_cmdline = f"forkd.ip={netns.TEMPLATE_IP}/{netns.GW_PREFIX} forkd.gw={netns.GW_IP}"
+        cfg = VMConfig(memory_mib=recipe.memory_mib, vcpus=recipe.vcpus, accel=verdict.accel,
+                       mem_path=mem, share=True, disk=tpl_disk, disk_cache="unsafe",
+                       kernel=guest.kernel.vmlinux, initrd=guest.initrd,
+                       cmdline=kernel_cmdline(verdict.accel, extra_cmdline),
+                       tap="tap0" if recipe.network else None, mac=netns.TEMPLATE_MAC)
+        vm = QemuVM(work / "vm", cfg, netns=ns_name)
+        try:
+            progress(f"booting the template ({recipe.memory_mib} MiB, {verdict.accel})")
+            t0 = time.monotonic()
+            vm.launch()
+            agent = AgentClient(vm.dir / "agent.sock", alive=vm.alive)
+            try:
+                agent.wait_hello(BOOT_TIMEOUT, vm.alive)
+            except AgentError as e:
+                raise GuestBuildError(f"template did not boot: {e}\n{vm.log_tail()}") from e
+            agent.ping()
+            boot_s = time.monotonic() - t0
+            progress(f"agent ready after {boot_s:.2f} s; warming up")
+            t1 = time.monotonic()
+            if recipe.warmup.strip():
+                r = agent.eval(recipe.warmup, timeout=900)
+                if r.get("error"):
+                    raise GuestBuildError("the recipe's warm-up code failed in the guest:\n"
+                                          + str(r["error"].get("traceback", r["error"])))
+            # move the warm objects out of the collector's reach: a GC pass in a child would
+            # otherwise touch (and copy-on-write) every page holding a Python object
+            agent.eval("import gc as _gc\n_gc.collect()\n_gc.freeze()", timeout=120)
+            agent.request("sync", timeout=60)
+            warm_s = time.monotonic() - t1
+            assert vm.qmp is not None
+            t2 = time.monotonic()
+            vm.qmp.command("stop")
+            vm.qmp.command("xen-save-devices-state",
+                           {"filename": str(work / "vmstate"), "live": False})
+            snap_ms = (time.monotonic() - t2) * 1000
+            progress(f"snapshot taken in {snap_ms:.1f} ms")
+            agent.close()
+        finally:
+            vm.shutdown()  # the template never runs again after its snapshot
+            if ns_name is not None:
+                netns.remove(ns_name)
+        raw = work / "disk.raw"
+        p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(tpl_disk),
+                            str(raw)], capture_output=True, text=True, check=False,
+                           stdin=subprocess.DEVNULL)
+        if p.returncode != 0:
+            raise VMMError(f"qemu-img convert of the template disk failed: {p.stderr.strip()}")
+        compat = Compat(vmm="qemu", vmm_version=qemu_version(), machine=MACHINE,
+                        cpu_model=CPU_MODEL, accelerators=[verdict.accel],
+                        vcpus=recipe.vcpus, memory_mib=recipe.memory_mib,
+                        kernel_digest=guest.kernel.digest, agent_protocol=PROTOCOL)
+        progress("storing the base layer (chunked, compressed)")
+        info = store.import_layer(ref, memory=mem, vmstate=work / "vmstate", disk=raw,
+                                  compat=compat,
+                                  files={"kernel": guest.kernel.vmlinux, "initrd": guest.initrd},
+                                  description=recipe.description, recipe=recipe.to_dict(),
+                                  force=force or _tag_is_ours(store, ref, cf))
+        cf.write_text(json.dumps({"ref": ref, "digest": info.digest}))
+        return BuildResult(ref, info.digest, False, verdict.accel, boot_s, warm_s, snap_ms,
+                           time.monotonic() - t_start, info.stored_bytes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tag_is_ours(store: Store, ref: str, cf: Path) -> bool:
+    """Rebuilding a tag we built earlier from an older recipe replaces it."""
+    with contextlib.suppress(ValueError, KeyError, OSError):
+        prev = json.loads(cf.read_text())
+        return bool(prev["ref"] == ref)
+    return False

@@ -1,0 +1,301 @@
+"""Guest image build: debootstrap rootfs, Debian cloud kernel as PVH vmlinux, initramfs.
+
+Everything is cached under $FORKD_CACHE (see paths.py) keyed by the inputs, so a
+second build of the same recipe reuses the rootfs, kernel and images.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from forkd import digest
+from forkd.engine.errors import GuestBuildError, HostError
+from forkd.engine.paths import cache_dir
+from forkd.engine.recipe import Recipe
+
+Progress = Callable[[str], None]
+
+KERNEL_PACKAGE = "linux-image-cloud-amd64"
+# Loaded in this order by the initramfs (paths under lib/modules/<ver>/kernel/).
+VIRTIO_MODULES = (
+    "drivers/virtio/virtio_ring",
+    "drivers/virtio/virtio",
+    "drivers/virtio/virtio_mmio",
+    "drivers/char/virtio_console",
+    "drivers/block/virtio_blk",
+    "drivers/char/hw_random/virtio-rng",
+    "net/core/failover",
+    "drivers/net/net_failover",
+    "drivers/net/virtio_net",
+)
+AGENT_GUEST_PATH = "/opt/forkd/agent.py"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    version: str
+    vmlinux: Path
+    modules: Path  # .../lib/modules/<version>/kernel
+    digest: str  # sha256 of vmlinux
+
+
+@dataclass(frozen=True)
+class GuestImage:
+    kernel: Kernel
+    initrd: Path
+    root: Path  # raw ext4 image
+    key: str
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def _run(argv: list[str], what: str, *, cwd: Path | None = None, timeout: float = 1800,
+         env: dict[str, str] | None = None) -> str:
+    try:
+        p = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=timeout, env=env, check=False)
+    except FileNotFoundError as e:
+        raise HostError(f"{what}: {argv[0]} is not installed; run `forkd doctor` for the apt "
+                        "packages the engine needs") from e
+    except subprocess.TimeoutExpired as e:
+        raise GuestBuildError(f"{what}: {argv[0]} did not finish within {timeout:.0f} s") from e
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-15:]
+        raise GuestBuildError(f"{what} failed (exit {p.returncode}): {' '.join(argv[:6])}...\n"
+                              + "\n".join(tail))
+    return p.stdout
+
+
+def agent_source() -> bytes:
+    return resources.files("forkd.engine").joinpath("guest/agent.py").read_bytes()
+
+
+def init_source() -> bytes:
+    return resources.files("forkd.engine").joinpath("guest/init").read_bytes()
+
+
+def guest_code_digest() -> str:
+    """Changes whenever the guest agent or init changes (part of every build cache key)."""
+    return digest.of_bytes(agent_source() + b"\0" + init_source())
+
+
+# ---------------------------------------------------------------- debs
+def _apt_download(package: str, progress: Progress) -> Path:
+    """`apt-get download` the candidate version of a package into the cache (once)."""
+    debs = cache_dir() / "debs"
+    debs.mkdir(exist_ok=True)
+    out = _run(["apt-cache", "show", "--no-all-versions", package], f"apt-cache show {package}")
+    m = re.search(r"^Version: (\S+)$", out, re.M)
+    if not m:
+        raise GuestBuildError(f"apt knows no package {package!r}; run `apt-get update` and retry")
+    version = m.group(1)
+    for f in debs.glob(f"{package}_*.deb"):
+        if f.name.startswith(f"{package}_{version.replace(':', '%3a')}_"):
+            return f
+    progress(f"downloading {package} {version}")
+    _run(["apt-get", "download", f"{package}={version}"], f"apt-get download {package}", cwd=debs)
+    for f in debs.glob(f"{package}_*.deb"):
+        if f.name.startswith(f"{package}_{version.replace(':', '%3a')}_"):
+            return f
+    raise GuestBuildError(f"apt-get download {package} produced no .deb in {debs}")
+
+
+def _extract_deb(deb: Path, dest: Path) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _run(["dpkg-deb", "-x", str(deb), str(tmp)], f"dpkg-deb -x {deb.name}")
+    tmp.rename(dest)
+
+
+# ---------------------------------------------------------------- kernel
+def _pvh_vmlinux_from_bzimage(bz: bytes) -> bytes:
+    """Pull the uncompressed ELF (which carries the PVH note) out of a bzImage."""
+    candidates: list[tuple[int, str]] = []
+    for magic, kind in ((b"\x02\x21\x4c\x18", "lz4"), (b"\xfd7zXZ\x00", "xz"),
+                        (b"\x28\xb5\x2f\xfd", "zstd"), (b"\x1f\x8b\x08", "gzip")):
+        i = bz.find(magic)
+        if i >= 0:
+            candidates.append((i, kind))
+    for off, kind in sorted(candidates):
+        data = bz[off:]
+        out = b""
+        try:
+            if kind == "lz4":
+                p = subprocess.run(["lz4", "-dc"], input=data, capture_output=True, check=False)
+                out = p.stdout
+            elif kind == "xz":
+                out = lzma.LZMADecompressor().decompress(data)
+            elif kind == "gzip":
+                out = gzip.GzipFile(fileobj=__import__("io").BytesIO(data)).read()
+            else:
+                import zstandard
+
+                out = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except FileNotFoundError as e:
+            raise HostError("the kernel is LZ4-compressed and `lz4` is missing: "
+                            "apt-get install -y lz4") from e
+        except Exception:
+            continue
+        if out.startswith(b"\x7fELF"):
+            return out
+    raise GuestBuildError("could not find an ELF vmlinux inside the bzImage "
+                          "(unknown compression); report the kernel package version")
+
+
+def fetch_kernel(progress: Progress = _noop) -> Kernel:
+    """Debian's cloud kernel: the metapackage's dependency, downloaded and unpacked once."""
+    out = _run(["apt-cache", "depends", KERNEL_PACKAGE], f"apt-cache depends {KERNEL_PACKAGE}")
+    m = re.search(r"Depends: (linux-image-[0-9][\w.\-]*-cloud-amd64)\b", out)
+    if not m:
+        raise GuestBuildError(f"{KERNEL_PACKAGE} has no linux-image dependency in apt's lists; "
+                              "run `apt-get update` (bookworm main must be in sources)")
+    deb = _apt_download(m.group(1), progress)
+    kdir = cache_dir() / "kernel" / digest.hex_part(digest.of_file(deb.open("rb")))[:16]
+    vmlinux = kdir / "vmlinux"
+    if not vmlinux.exists():
+        progress(f"extracting {deb.name}")
+        shutil.rmtree(kdir, ignore_errors=True)
+        kdir.mkdir(parents=True)
+        _extract_deb(deb, kdir / "x")
+        bzs = sorted((kdir / "x" / "boot").glob("vmlinuz-*"))
+        if not bzs:
+            raise GuestBuildError(f"{deb.name} contains no boot/vmlinuz-*")
+        tmp = kdir / "vmlinux.tmp"
+        tmp.write_bytes(_pvh_vmlinux_from_bzimage(bzs[0].read_bytes()))
+        tmp.rename(vmlinux)
+    bzs = sorted((kdir / "x" / "boot").glob("vmlinuz-*"))
+    version = bzs[0].name.removeprefix("vmlinuz-")
+    with vmlinux.open("rb") as f:
+        kd = digest.of_file(f)
+    return Kernel(version, vmlinux, kdir / "x" / "lib" / "modules" / version / "kernel", kd)
+
+
+# ---------------------------------------------------------------- initramfs
+def build_initrd(kernel: Kernel, progress: Progress = _noop) -> Path:
+    bb_deb = _apt_download("busybox-static", progress)
+    with bb_deb.open("rb") as f:
+        key = digest.hex_part(digest.of_chunks([kernel.digest.encode(), digest.of_file(f).encode(),
+                                                init_source()]))[:16]
+    out = cache_dir() / "images" / f"initrd-{key}.img"
+    if out.exists():
+        return out
+    progress("building initramfs")
+    work = cache_dir() / "images" / f"initrd-{key}.d"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    _extract_deb(bb_deb, work / "bb")
+    tree = work / "tree"
+    for d in ("bin", "sbin", "dev", "proc", "sys", "lib/modules", "newroot", "tmp"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(work / "bb" / "bin" / "busybox", tree / "bin" / "busybox")
+    applets = _run([str(tree / "bin" / "busybox"), "--list"], "busybox --list").split()
+    for a in applets:
+        if a != "busybox":
+            (tree / "bin" / a).symlink_to("busybox")
+    for m in VIRTIO_MODULES:
+        src = kernel.modules / f"{m}.ko"
+        if not src.exists():
+            raise GuestBuildError(f"kernel {kernel.version} lacks module {m}.ko")
+        shutil.copy2(src, tree / "lib" / "modules" / src.name)
+    (tree / "init").write_bytes(init_source())
+    (tree / "init").chmod(0o755)
+    files = sorted(str(p.relative_to(tree)) for p in tree.rglob("*"))
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        p = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=tree,
+                           input=("\n".join([".", *files]) + "\n").encode(), stdout=f,
+                           stderr=subprocess.PIPE, check=False)
+    if p.returncode != 0:
+        raise GuestBuildError(f"cpio failed: {p.stderr.decode(errors='replace')}")
+    tmp.rename(out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------- rootfs
+def _rootfs_key(r: Recipe) -> str:
+    body = json.dumps({"suite": r.suite, "mirror": r.mirror, "apt": sorted(r.apt),
+                       "pip": sorted(r.pip)}, sort_keys=True)
+    return digest.hex_part(digest.of_bytes(body.encode()))[:16]
+
+
+def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
+    """debootstrap (minbase + the recipe's apt packages, then pip), cached by those inputs."""
+    if os.geteuid() != 0:
+        raise HostError("building a guest root filesystem needs root (debootstrap, chroot); "
+                        "run `sudo forkd build ...`")
+    base = cache_dir() / "rootfs" / _rootfs_key(r)
+    root = base / "root"
+    if (base / "ok").exists():
+        return root
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    progress(f"debootstrap {r.suite} minbase + {', '.join(r.apt)} (takes a minute or more)")
+    pkgs = list(r.apt) + (["python3-pip"] if r.pip else [])
+    _run(["debootstrap", "--variant=minbase", f"--include={','.join(pkgs)}", r.suite, str(root),
+          r.mirror], "debootstrap", timeout=3600)
+    if r.pip:
+        progress(f"pip install {' '.join(r.pip)}")
+        _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
+              "--break-system-packages", *r.pip], "pip install in the guest rootfs", timeout=3600)
+    _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean")
+    (base / "ok").write_text("ok\n")
+    return root
+
+
+def build_root_image(r: Recipe, rootfs: Path, progress: Progress = _noop) -> Path:
+    """ext4 image of a copy of the rootfs plus the agent and the recipe's files."""
+    key = digest.hex_part(digest.of_chunks([_rootfs_key(r).encode(),
+                                            r.content_digest(guest_code_digest()).encode()]))[:16]
+    out = cache_dir() / "images" / f"root-{key}.raw"
+    if out.exists():
+        return out
+    progress("building root disk image")
+    stage = cache_dir() / "images" / f"root-{key}.d"
+    shutil.rmtree(stage, ignore_errors=True)
+    _run(["cp", "-a", "--reflink=auto", str(rootfs), str(stage)], "copy rootfs")
+    try:
+        agent = stage / AGENT_GUEST_PATH.lstrip("/")
+        agent.parent.mkdir(parents=True, exist_ok=True)
+        agent.write_bytes(agent_source())
+        for gf in r.files:
+            dst = stage / gf.path.lstrip("/")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(gf.content)
+            dst.chmod(gf.mode)
+        (stage / "etc" / "hostname").write_text("forkd\n")
+        _run(["chroot", str(stage), "python3", "-m", "compileall", "-q", "/opt/forkd"],
+             "precompile the agent")
+        for p in (stage / "var" / "lib" / "apt" / "lists").glob("*_Packages"):
+            p.unlink()
+        used = int(_run(["du", "-sm", str(stage)], "du").split()[0])
+        size = used + max(r.disk_free_mib, 8) + used // 8
+        tmp = out.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        _run(["mkfs.ext4", "-q", "-F", "-L", "forkdroot", "-E", "root_owner=0:0",
+              "-d", str(stage), str(tmp), f"{size}M"], "mkfs.ext4")
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def build_guest(r: Recipe, progress: Progress = _noop) -> GuestImage:
+    kernel = fetch_kernel(progress)
+    initrd = build_initrd(kernel, progress)
+    rootfs = build_rootfs(r, progress)
+    root = build_root_image(r, rootfs, progress)
+    return GuestImage(kernel, initrd, root, root.stem.removeprefix("root-"))

@@ -1,0 +1,132 @@
+"""A network namespace + tap per VM (pyroute2), the same host side in every namespace.
+
+Every namespace `forkd-<id>` holds `tap0` with the same gateway MAC and address
+(GW_MAC, GW_IP/16): the guest's cached ARP entry for its gateway stays valid
+after a restore, children cannot reach each other or the host's networks by
+construction. The guest gets its own MAC and IP from the agent's `fixup` (see
+docs/agent-protocol.md); the host reaches it through sockets opened by a thread
+that entered the namespace (`entered()`).
+
+Namespaces are per *thread* here: setns(CLONE_NEWNET) switches only the calling
+thread, a process started from that thread (QEMU) is born inside, and pyroute2
+IPRoute objects stay bound to the namespace they were opened in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import ipaddress
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from forkd.engine.errors import HostError
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
+PREFIX = "forkd-"
+GW_IP, GW_PREFIX, GW_MAC = "10.200.0.1", 16, "02:00:0a:c8:00:01"
+TEMPLATE_IP, TEMPLATE_MAC = "10.200.0.2", "52:54:00:c8:00:02"
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def available() -> str | None:
+    """None when netns + tap can be used here, else the reason."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not Path("/dev/net/tun").exists():
+        return "/dev/net/tun is missing (modprobe tun)"
+    try:
+        importlib.import_module("pyroute2")
+    except ImportError:
+        return "pyroute2 is not installed (pip install pyroute2)"
+    return None
+
+
+def child_identity(child_id: str) -> tuple[str, str]:
+    """(MAC, IP/prefix) for a child: locally administered MAC, address in 10.200/16."""
+    h = zlib.crc32(child_id.encode())
+    mac = "02:c1:" + ":".join(f"{(h >> s) & 255:02x}" for s in (24, 16, 8, 0))
+    host = 256 + h % (65536 - 512)  # never .0.x (gateway, template) nor the broadcast
+    ip = ipaddress.ip_address(GW_IP) - 1 + host
+    return mac, f"{ip}/{GW_PREFIX}"
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise HostError(f"setns(CLONE_NEWNET) failed: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def entered(name: str) -> Iterator[None]:
+    """Run the block with the calling thread inside netns `name`."""
+    saved = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        os.close(saved)
+        raise HostError(f"network namespace {name} does not exist") from e
+    try:
+        _setns(fd)
+        yield
+    finally:
+        _setns(saved)
+        os.close(saved)
+        os.close(fd)
+
+
+def create(name: str) -> None:
+    """Namespace `name` with lo up and tap0 (GW_MAC, GW_IP/16, up); IPv6 off."""
+    if not name.startswith(PREFIX):
+        raise HostError(f"refusing to manage namespace {name!r} (not {PREFIX}*)")
+    IPRoute = importlib.import_module("pyroute2").IPRoute
+    netns = importlib.import_module("pyroute2.netns")
+
+    saved = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            raise HostError(f"unshare(CLONE_NEWNET): {os.strerror(ctypes.get_errno())}")
+        NETNS_DIR.mkdir(parents=True, exist_ok=True)
+        netns.attach(name, "thread-self")
+        for k in ("default", "all"):
+            with contextlib.suppress(OSError):
+                Path(f"/proc/sys/net/ipv6/conf/{k}/disable_ipv6").write_text("1")
+        ipr = IPRoute()
+        try:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            ipr.link("add", ifname="tap0", kind="tuntap", mode="tap")
+            tap = ipr.link_lookup(ifname="tap0")[0]
+            ipr.link("set", index=tap, address=GW_MAC)
+            ipr.link("set", index=tap, state="up")
+            ipr.addr("add", index=tap, address=GW_IP, prefixlen=GW_PREFIX)
+        finally:
+            ipr.close()
+    except BaseException:
+        _setns(saved)
+        with contextlib.suppress(Exception):
+            remove(name)
+        raise
+    finally:
+        _setns(saved)
+        os.close(saved)
+
+
+def exists(name: str) -> bool:
+    return (NETNS_DIR / name).exists()
+
+
+def remove(name: str) -> None:
+    """Remove the namespace (its tap goes with it). Idempotent."""
+    if not exists(name):
+        return
+    netns = importlib.import_module("pyroute2.netns")
+
+    try:
+        netns.remove(name)
+    except OSError as e:
+        if exists(name):
+            raise HostError(f"cannot remove network namespace {name}: {e}") from e

@@ -1,0 +1,51 @@
+"""Where the engine keeps things on the host (one owner of the layout).
+
+```
+$FORKD_CACHE (default ~/.cache/forkd)      build inputs, safe to delete
+  debs/<pkg>_<ver>.deb                      apt-get download results
+  kernel/<deb sha256[:16]>/vmlinux|modules/ extracted guest kernel
+  rootfs/<key>/root/ + ok                   debootstrap trees (key = suite+packages)
+  images/<key>/root.raw, initrd.img         root disk and initramfs per recipe content
+  builds/<recipe digest>.json               build cache: recipe content -> tag/digest
+$FORKD_RUN (default /run/forkd, else $XDG_RUNTIME_DIR/forkd)
+  children/<id>/                            one per running child VM
+     child.json qmp.sock agent.sock serial.log qemu.log disk.qcow2 lock
+  work/                                     temporary template/branch work dirs
+```
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FORKD_CACHE")
+    base = Path(env) if env else Path.home() / ".cache" / "forkd"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def run_dir() -> Path:
+    env = os.environ.get("FORKD_RUN")
+    if env:
+        base = Path(env)
+    elif os.geteuid() == 0:
+        base = Path("/run/forkd")
+    else:
+        base = Path(os.environ.get("XDG_RUNTIME_DIR", f"/tmp/forkd-{os.getuid()}")) / "forkd"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return base
+
+
+def children_dir() -> Path:
+    d = run_dir() / "children"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def work_dir() -> Path:
+    d = run_dir() / "work"
+    d.mkdir(parents=True, exist_ok=True)
+    return d

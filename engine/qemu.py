@@ -1,0 +1,278 @@
+"""The QEMU process: argv, launch, shutdown, kill (construct ≠ launch).
+
+One QemuVM owns one QEMU process and its files in one directory. A VM may
+outlive the Python object that launched it (fork children do): `attach` finds
+it again by pid and directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkd.engine.errors import HostError, VMMError
+from forkd.engine.qmp import QMP
+
+QEMU = os.environ.get("FORKD_QEMU", "qemu-system-x86_64")
+QEMU_IMG = "qemu-img"
+MACHINE = "microvm"
+MACHINE_OPTS = "x-option-roms=off,rtc=on,pit=on,pic=on,isa-serial=on"
+CPU_MODEL = "max"
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# With -runas QEMU drops to the user *after* installing the seccomp filter, so set*id must stay
+# allowed; once it runs as that user there is no privilege left to elevate.
+SANDBOX_RUNAS = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"
+
+
+@functools.cache
+def qemu_version() -> str:
+    try:
+        out = subprocess.run([QEMU, "--version"], capture_output=True, text=True, timeout=20,
+                             stdin=subprocess.DEVNULL, check=False).stdout
+    except FileNotFoundError as e:
+        raise HostError(f"{QEMU} not found: apt-get install -y qemu-system-x86") from e
+    m = re.search(r"version (\d+\.\d+(?:\.\d+)?)", out)
+    if not m:
+        raise HostError(f"cannot read the QEMU version from {out!r}")
+    return m.group(1)
+
+
+def host_tsc_khz() -> int | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    return None
+
+
+@dataclass(frozen=True)
+class VMConfig:
+    """Everything that shapes the QEMU command line of a template or a child."""
+
+    memory_mib: int
+    vcpus: int
+    accel: str
+    mem_path: Path
+    share: bool  # True: template writes RAM into mem_path; False: copy-on-write child
+    disk: Path  # qcow2 image
+    disk_cache: str = "unsafe"
+    kernel: Path | None = None  # cold boot only
+    initrd: Path | None = None
+    cmdline: str = ""
+    incoming: bool = False  # child: wait for the device state
+    sandbox: bool = False
+    runas: str | None = None  # drop to this user after start-up (-runas)
+    tap: str | None = None  # tap interface name (already in QEMU's netns)
+    mac: str | None = None
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+
+def kernel_cmdline(accel: str, extra: str = "") -> str:
+    parts = ["console=ttyS0", "quiet", "panic=-1", "ipv6.disable=1", "forkd.root=/dev/vda"]
+    if accel == "tcg":
+        # microvm has no HPET/PM timer: PIT calibration hangs ~15% of TCG cold boots.
+        khz = host_tsc_khz()
+        if khz:
+            parts.append(f"tsc_early_khz={khz}")
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)
+
+
+DISK_FDSET = 9
+
+
+def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[str]:
+    """The command line; with disk_fd the disk is opened by the host and passed in an fd set
+    (an unprivileged QEMU re-opens its disk read-write when an incoming migration completes,
+    and may not be able to reach the host path)."""
+    accel = cfg.accel
+    disk = f"/dev/fdset/{DISK_FDSET}" if disk_fds else str(cfg.disk)
+    argv = [
+        QEMU, "-accel", accel, "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
+        "-cpu", CPU_MODEL, "-m", f"{cfg.memory_mib}M", "-smp", str(cfg.vcpus),
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-object", (f"memory-backend-file,id=mem,size={cfg.memory_mib}M,"
+                    f"mem-path={cfg.mem_path},share={'on' if cfg.share else 'off'}"),
+        "-serial", f"file:{d / 'serial.log'}",
+        "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=agent,path={d / 'agent.sock'},server=on,wait=off",
+        "-device", "virtserialport,chardev=agent,name=agent",
+        "-drive", f"id=d0,file={disk},format=qcow2,if=none,cache={cfg.disk_cache}",
+        "-device", "virtio-blk-device,drive=d0",
+        "-device", "virtio-rng-device",
+        # device-state-only streams (xen-save-devices-state) carry no configuration section
+        "-global", "migration.send-configuration=off",
+    ]
+    if cfg.tap:
+        argv += ["-netdev", f"tap,id=n0,ifname={cfg.tap},script=no,downscript=no",
+                 "-device", f"virtio-net-device,netdev=n0,mac={cfg.mac or '52:54:00:12:34:56'}"]
+    if cfg.kernel is not None:
+        argv += ["-kernel", str(cfg.kernel)]
+        if cfg.initrd is not None:
+            argv += ["-initrd", str(cfg.initrd)]
+        argv += ["-append", cfg.cmdline]
+    if cfg.incoming:
+        argv += ["-incoming", "defer"]
+    if cfg.sandbox:
+        argv += ["-sandbox", SANDBOX_RUNAS if cfg.runas else SANDBOX]
+    if cfg.runas:
+        argv += ["-runas", cfg.runas]
+    for fd in disk_fds:  # QEMU picks the fd whose access mode matches each open
+        argv += ["-add-fd", f"fd={fd},set={DISK_FDSET},opaque=disk"]
+    argv += list(cfg.extra)
+    return argv
+
+
+def create_overlay(path: Path, backing: Path, backing_fmt: str) -> None:
+    """A qcow2 overlay on an absolute backing path (never move the backing file)."""
+    p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", str(backing.resolve()),
+                        "-F", backing_fmt, str(path)], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, check=False)
+    if p.returncode != 0:
+        raise VMMError(f"qemu-img create {path} failed: {p.stderr.strip()}")
+
+
+def unprivileged_user() -> str | None:
+    """The user children's QEMU drops to: $FORKD_QEMU_USER (empty = none), else nobody (root)."""
+    import pwd
+
+    name = os.environ.get("FORKD_QEMU_USER", "nobody")
+    if not name or os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return None
+    return name
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def pid_matches(pid: int, d: Path) -> bool:
+    """The pid is still the QEMU we started in directory d (guards against pid reuse)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(d).encode() in cmd
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+class QemuVM:
+    """One QEMU process in its own directory. launch() starts it; shutdown()/kill() end it."""
+
+    def __init__(self, d: Path, cfg: VMConfig, *, detach: bool = False,
+                 netns: str | None = None) -> None:
+        self.dir = d
+        self.netns = netns
+        self.cfg = cfg
+        self.detach = detach
+        self.argv = build_argv(cfg, d)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self.qmp: QMP | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "qemu.log"
+
+    def launch(self, *, qmp_timeout: float = 30.0) -> None:
+        if self.pid is not None:
+            raise VMMError("VM already launched")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for f in ("qmp.sock", "agent.sock"):
+            (self.dir / f).unlink(missing_ok=True)
+        disk_fds: tuple[int, ...] = ()
+        if self.cfg.runas:
+            disk_fds = (os.open(self.cfg.disk, os.O_RDONLY), os.open(self.cfg.disk, os.O_RDWR))
+            self.argv = build_argv(self.cfg, self.dir, disk_fds)
+        enter = contextlib.nullcontext()
+        if self.netns is not None:
+            from forkd.engine.netns import entered
+
+            enter = entered(self.netns)  # type: ignore[assignment]
+        try:
+            with self.log_path.open("ab") as log, enter:
+                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, close_fds=True,
+                                             pass_fds=disk_fds,
+                                             start_new_session=self.detach)
+        except FileNotFoundError as e:
+            raise HostError(f"{QEMU} not found: apt-get install -y qemu-system-x86") from e
+        finally:
+            for fd in disk_fds:
+                os.close(fd)
+        self.pid = self.proc.pid
+        try:
+            self.qmp = QMP(self.dir / "qmp.sock", timeout=qmp_timeout, alive=self.alive)
+        except VMMError as e:
+            self.kill()
+            raise VMMError(f"QEMU failed to start: {e}\n{self.log_tail()}") from e
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is not None and pid_alive(self.pid)
+
+    def log_tail(self, n: int = 12) -> str:
+        out = []
+        for p in (self.log_path, self.dir / "serial.log"):
+            with contextlib.suppress(OSError):
+                lines = p.read_text(errors="replace").splitlines()[-n:]
+                if lines:
+                    out.append(f"--- {p.name}:\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """QMP quit → wait → SIGKILL → wait. Safe to call twice."""
+        if self.pid is None:
+            return
+        if self.alive() and self.qmp is not None:
+            with contextlib.suppress(VMMError):
+                self.qmp.command("quit", timeout=timeout)
+        self._wait(timeout)
+        self.kill()
+
+    def _wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def kill(self) -> None:
+        if self.qmp is not None:
+            self.qmp.close()
+            self.qmp = None
+        if self.pid is None:
+            return
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        else:
+            self._wait(10)
+            _reap(self.pid)

@@ -1,0 +1,1 @@
+"""Recipes shipped with forkd (TOML files, see docs/recipes.md)."""
