@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 
@@ -12,6 +13,7 @@ from forkd.cli.output import emit_json, human, progress_bar
 from forkd.errors import InvalidInput
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
+from forkd.registry.readme import read_readme, set_readme
 from forkd.registry.reference import RemoteRef, parse_hub, parse_remote
 from forkd.registry.transfer import TransferResult, pull, push
 from forkd.store.store import Store
@@ -70,14 +72,21 @@ def logout(hub: str) -> None:
 @click.argument("tag")
 @click.argument("remote")
 @click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
+@click.option("--readme", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Markdown file to publish as the pack's README (forkd hub only).")
+@click.option("--description", help="One-line description shown in the catalog (forkd hub only).")
 @json_option
-def push_cmd(tag: str, remote: str, hub: str | None, as_json: bool) -> None:
+def push_cmd(tag: str, remote: str, hub: str | None, readme: Path | None,
+             description: str | None, as_json: bool) -> None:
     """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent."""
     client, ref = _client(hub, remote)
+    text = read_readme(readme) if readme else None  # bad input fails before any upload
     store = Store.open()
     start = time.perf_counter()
     with client, progress_bar(f"pushing {tag}", None) as advance:
         result = push(store, tag, ref, client, progress=advance)
+        if text is not None or description is not None:
+            set_readme(client, ref.name, text, description)
     _report(result, "pushed", time.perf_counter() - start, as_json)
 
 

@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
-# Installs what forkd needs on a fresh Debian bookworm machine (as root): the Debian
-# packages listed in scripts/apt-packages.txt, then forkd itself (editable) with pip.
-#   scripts/install-deps.sh          runtime only
-#   scripts/install-deps.sh --test   also the test tools and test-only packages
+# Installs what forkd needs on a fresh Debian bookworm machine (as root): forkd itself
+# (editable, with pip), then the host prerequisites of the engine (`forkd setup --yes`:
+# QEMU, qemu-img, debootstrap, busybox-static, cpio, e2fsprogs, lz4).
+#   scripts/install-deps.sh          run time only
+#   scripts/install-deps.sh --test   also the test tools (pip extra "test") and the Debian
+#                                    packages in scripts/apt-packages-test.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+# The engine's build uses `apt-get download`, which needs current package lists.
+apt-get update -qq
 extras=""
-lists=(scripts/apt-packages.txt)
 if [[ "${1:-}" == "--test" ]]; then
     extras="[test]"
-    lists+=(scripts/apt-packages-test.txt)
+    mapfile -t wanted < <(sed 's/#.*//' scripts/apt-packages-test.txt | xargs -r -n1 | sort -u)
+    if ((${#wanted[@]})); then
+        apt-get install -y -qq --no-install-recommends "${wanted[@]}" >/dev/null
+    fi
 fi
-mapfile -t wanted < <(cat "${lists[@]}" | sed 's/#.*//' | xargs -r -n1 | sort -u)
-missing=()
-for pkg in "${wanted[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    echo "installing Debian packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
-# strict editable mode: the hub/, engine/ and cli/ folders install as forkd.hub, forkd.engine,
-# forkd.cli through a link tree, so imports and mypy see the same package as a real install.
+# strict editable mode: the hub/, engine/, cli/, controller/ folders install as forkd.hub,
+# forkd.engine, … through a link tree, so imports and mypy see what a real install has.
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
     -e ".${extras}" --config-settings editable_mode=strict
+python3 -P -m forkd.cli setup --yes
