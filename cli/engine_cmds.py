@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,11 +17,21 @@ from forkd.cli.output import emit_json, human
 from forkd.errors import InvalidInput
 from forkd.store.store import Store
 
+if TYPE_CHECKING:
+    from forkd.controller.backend import Backend
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 
 
 def _store() -> Store:
     return Store.open()
+
+
+def _backend() -> Backend:
+    """The daemon's API when `forkd serve` answers on its socket, else the engine in-process."""
+    from forkd.controller.sdk import Controller
+
+    return Controller().backend
 
 
 def _say(msg: str) -> None:
@@ -62,17 +73,24 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
 
     r = rc.load(recipe)
     t0 = time.monotonic()
-    res = do_build(_store(), r, tag, force=force,
-                   progress=lambda m: _say(f"[{time.monotonic() - t0:6.1f}s] {m}"))
+    res = do_build(
+        _store(),
+        r,
+        tag,
+        force=force,
+        progress=lambda m: _say(f"[{time.monotonic() - t0:6.1f}s] {m}"),
+    )
     if as_json:
         emit_json(asdict(res))
         return
     if res.cached:
         click.echo(f"{res.ref} {res.digest[7:19]} (cached, {res.total_s:.1f} s)")
     else:
-        click.echo(f"built {res.ref} {res.digest[7:19]}: boot {res.boot_s:.2f} s, warm-up "
-                   f"{res.warmup_s:.2f} s, snapshot {res.snapshot_ms:.1f} ms, "
-                   f"{human(res.stored_bytes)} stored, total {res.total_s:.1f} s ({res.accel})")
+        click.echo(
+            f"built {res.ref} {res.digest[7:19]}: boot {res.boot_s:.2f} s, warm-up "
+            f"{res.warmup_s:.2f} s, snapshot {res.snapshot_ms:.1f} ms, "
+            f"{human(res.stored_bytes)} stored, total {res.total_s:.1f} s ({res.accel})"
+        )
 
 
 @click.command()
@@ -82,28 +100,36 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
 @click.option("--netns", is_flag=True, help="Give each child a network namespace + tap.")
 @click.option("--no-sandbox", is_flag=True, help="Run QEMU without -sandbox on.")
 @json_option
-def fork(tag: str, count: int, memory_limit_mib: int | None, netns: bool, no_sandbox: bool,
-         as_json: bool) -> None:
+def fork(
+    tag: str, count: int, memory_limit_mib: int | None, netns: bool, no_sandbox: bool, as_json: bool
+) -> None:
     """Fork COUNT copy-on-write children of snapshot TAG; they keep running after exit."""
-    from forkd.engine import children as ch
-
     if count <= 0:
         raise InvalidInput(f"-n must be at least 1, got {count}")
-    res = ch.fork(_store(), tag, count, memory_limit_mib=memory_limit_mib, with_netns=netns,
-                  sandbox=not no_sandbox, progress=_say if not as_json else lambda _m: None)
+    res = _backend().spawn(tag, count, memory_limit_mib, netns, sandbox=not no_sandbox)
     if as_json:
-        emit_json({"children": [asdict(c) for c in res.children], "assemble_ms": res.assemble_ms,
-                   "total_ms": res.total_ms, "errors": res.errors})
+        emit_json(
+            {
+                "children": res["sandboxes"],
+                "assemble_ms": res["assemble_ms"],
+                "total_ms": res["total_ms"],
+                "errors": res["errors"],
+            }
+        )
     else:
-        for c in res.children:
-            t = c.timings_ms
-            click.echo(f"{c.id}  pid {c.pid}  running {t.get('running', 0):.0f} ms  "
-                       f"ready {t.get('ready', 0):.0f} ms")
-        click.echo(f"{len(res.children)} children of {tag} ready in {res.total_ms:.0f} ms "
-                   f"(assemble {res.assemble_ms:.0f} ms)")
-        for e in res.errors:
+        for c in res["sandboxes"]:
+            t = c["timings_ms"]
+            click.echo(
+                f"{c['id']}  pid {c['pid']}  running {t.get('running', 0):.0f} ms  "
+                f"ready {t.get('ready', 0):.0f} ms"
+            )
+        click.echo(
+            f"{len(res['sandboxes'])} children of {tag} ready in {res['total_ms']:.0f} ms "
+            f"(assemble {res['assemble_ms']:.0f} ms)"
+        )
+        for e in res["errors"]:
             click.echo(f"failed: {e}", err=True)
-    if res.errors:
+    if res["errors"]:
         sys.exit(1)
 
 
@@ -111,18 +137,19 @@ def fork(tag: str, count: int, memory_limit_mib: int | None, netns: bool, no_san
 @json_option
 def ls_cmd(as_json: bool) -> None:
     """List children (running, or crashed if their QEMU died)."""
-    from forkd.engine import children as ch
-
-    kids = ch.list_children()
+    kids = _backend().sandboxes()
     if as_json:
-        emit_json([asdict(c) for c in kids])
+        emit_json(kids)
         return
     if not kids:
         click.echo("no children")
         return
     click.echo(f"{'ID':22} {'STATUS':8} {'PID':>8} {'AGE':>7}  SNAPSHOT")
     for c in kids:
-        click.echo(f"{c.id:22} {c.status:8} {c.pid:>8} {time.time() - c.created:6.0f}s  {c.ref}")
+        click.echo(
+            f"{c['id']:22} {c['status']:8} {c['pid']:>8} "
+            f"{time.time() - c['created']:6.0f}s  {c['ref']}"
+        )
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True})
@@ -133,11 +160,16 @@ def ls_cmd(as_json: bool) -> None:
 @click.option("--env", "-e", multiple=True, help="KEY=VALUE for the command's environment.")
 @click.option("--stdin", "use_stdin", is_flag=True, help="Pass this command's stdin along.")
 @json_option
-def exec_cmd(child_id: str, argv: tuple[str, ...], timeout: float | None, cwd: str | None,
-             env: tuple[str, ...], use_stdin: bool, as_json: bool) -> None:
+def exec_cmd(
+    child_id: str,
+    argv: tuple[str, ...],
+    timeout: float | None,
+    cwd: str | None,
+    env: tuple[str, ...],
+    use_stdin: bool,
+    as_json: bool,
+) -> None:
     """Run a command in child CHILD_ID: forkd exec ID -- CMD ARGS..."""
-    from forkd.engine import children as ch
-
     envd = {}
     for kv in env:
         k, sep, v = kv.partition("=")
@@ -145,7 +177,7 @@ def exec_cmd(child_id: str, argv: tuple[str, ...], timeout: float | None, cwd: s
             raise InvalidInput(f"--env {kv!r}: expected KEY=VALUE")
         envd[k] = v
     data = sys.stdin.buffer.read() if use_stdin else None
-    r = ch.exec_in(child_id, list(argv), timeout=timeout, cwd=cwd, env=envd or None, stdin=data)
+    r = _backend().exec(child_id, list(argv), envd or None, cwd, data, timeout)
     if as_json:
         emit_json(r)
         return
@@ -163,9 +195,7 @@ def exec_cmd(child_id: str, argv: tuple[str, ...], timeout: float | None, cwd: s
 @json_option
 def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
     """Evaluate Python CODE in child CHILD_ID's warm interpreter."""
-    from forkd.engine import children as ch
-
-    r = ch.eval_in(child_id, code)
+    r = _backend().eval(child_id, code)
     if as_json:
         emit_json(r)
     else:
@@ -185,16 +215,18 @@ def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
 @json_option
 def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
     """Stop children and remove everything they had (sockets, disks, cgroups)."""
-    from forkd.engine import children as ch
-
     if not child_ids and not kill_all:
         raise InvalidInput("name children to kill or pass --all")
-    done = ch.kill_all() if kill_all else [ch.kill(i) for i in child_ids]
+    backend = _backend()
+    if kill_all:
+        child_ids = tuple(c["id"] for c in backend.sandboxes())
+    done = [backend.kill(i) for i in child_ids]
     if as_json:
-        emit_json([{"id": c.id, "was": c.status} for c in done])
+        emit_json([{"id": c["id"], "was": c["status"]} for c in done])
     else:
         for c in done:
-            click.echo(f"{c.id} {'killed' if c.status == 'killed' else 'cleaned up (crashed)'}")
+            state = "killed" if c["status"] == "killed" else "cleaned up (crashed)"
+            click.echo(f"{c['id']} {state}")
 
 
 @click.command()
@@ -204,16 +236,16 @@ def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
 @json_option
 def branch(child_id: str, tag: str, force: bool, as_json: bool) -> None:
     """Snapshot a running child as a diff layer (its copied-on-write pages)."""
-    from forkd.engine.branch import branch as do_branch
-
-    res = do_branch(_store(), child_id, tag, force=force)
+    res = _backend().branch(child_id, tag, force=force)
     if as_json:
-        emit_json(asdict(res))
+        emit_json(res)
         return
-    click.echo(f"branched {child_id} → {res.ref} {res.digest[7:19]}: pause {res.pause_ms:.1f} ms, "
-               f"diff {res.diff_pages} pages ({human(res.diff_bytes)}), "
-               f"{human(res.stored_bytes)} stored, depth {res.depth}"
-               + (" (auto-compacted)" if res.compacted else ""))
+    click.echo(
+        f"branched {child_id} → {res['ref']} {res['digest'][7:19]}: pause "
+        f"{res['pause_ms']:.1f} ms, diff {res['diff_pages']} pages "
+        f"({human(res['diff_bytes'])}), {human(res['stored_bytes'])} stored, "
+        f"depth {res['depth']}" + (" (auto-compacted)" if res["compacted"] else "")
+    )
 
 
 def register(cli: click.Group) -> None:

@@ -89,6 +89,7 @@ class SpawnRequest:
     n: int = 1
     memory_limit_mib: int | None = None
     netns: bool = False
+    sandbox: bool = True  # QEMU's -sandbox on
 
 
 @dataclass
@@ -109,6 +110,7 @@ class EvalRequest:
 @dataclass
 class BranchRequest:
     tag: str
+    force: bool = False
 
 
 @dataclass
@@ -225,7 +227,7 @@ def compact(
 @post("/v1/sandboxes", guards=[require_token], status_code=201, sync_to_thread=True)
 def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> dict[str, Any]:
     start = time.perf_counter()
-    result = ctl.backend.spawn(data.tag, data.n, data.memory_limit_mib, data.netns)
+    result = ctl.backend.spawn(data.tag, data.n, data.memory_limit_mib, data.netns, data.sandbox)
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
     ctl.metrics.spawned.inc(len(result["sandboxes"]))
     audited(
@@ -329,7 +331,7 @@ def branch(
     sandbox_id: FromPath[str],
     data: JSONBody[BranchRequest],
 ) -> dict[str, Any]:
-    result = ctl.backend.branch(sandbox_id, data.tag)
+    result = ctl.backend.branch(sandbox_id, data.tag, data.force)
     audited(request, ctl, "sandbox.branch", sandbox_id, "ok", tag=data.tag)
     return result
 

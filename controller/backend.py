@@ -24,7 +24,12 @@ class Backend(Protocol):
     def delete_snapshot(self, ref: str, cascade: bool = False) -> list[str]: ...
     def compact(self, ref: str, to: str) -> dict[str, Any]: ...
     def spawn(
-        self, tag: str, n: int = 1, memory_limit_mib: int | None = None, netns: bool = False
+        self,
+        tag: str,
+        n: int = 1,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
     ) -> dict[str, Any]: ...
     def sandboxes(self) -> list[dict[str, Any]]: ...
     def sandbox(self, sandbox_id: str) -> dict[str, Any]: ...
@@ -41,7 +46,7 @@ class Backend(Protocol):
     def eval(self, sandbox_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]: ...
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
     def read_file(self, sandbox_id: str, path: str) -> bytes: ...
-    def branch(self, sandbox_id: str, tag: str) -> dict[str, Any]: ...
+    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]: ...
 
 
 def sandbox_view(info: ch.ChildInfo) -> dict[str, Any]:
@@ -69,9 +74,16 @@ class LocalBackend:
         return asdict(self.store.compact(ref, to))
 
     def spawn(
-        self, tag: str, n: int = 1, memory_limit_mib: int | None = None, netns: bool = False
+        self,
+        tag: str,
+        n: int = 1,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
     ) -> dict[str, Any]:
-        result = ch.fork(self.store, tag, n, memory_limit_mib=memory_limit_mib, with_netns=netns)
+        result = ch.fork(
+            self.store, tag, n, memory_limit_mib=memory_limit_mib, with_netns=netns, sandbox=sandbox
+        )
         return {
             "sandboxes": [sandbox_view(c) for c in result.children],
             "assemble_ms": round(result.assemble_ms, 1),
@@ -114,8 +126,8 @@ class LocalBackend:
         with ch.agent(sandbox_id) as agent:
             return agent.get(path)
 
-    def branch(self, sandbox_id: str, tag: str) -> dict[str, Any]:
-        return asdict(branch_child(self.store, sandbox_id, tag))
+    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]:
+        return asdict(branch_child(self.store, sandbox_id, tag, force=force))
 
 
 def b64(data: bytes) -> str:

@@ -107,12 +107,23 @@ class RemoteBackend:
         return result
 
     def spawn(
-        self, tag: str, n: int = 1, memory_limit_mib: int | None = None, netns: bool = False
+        self,
+        tag: str,
+        n: int = 1,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
     ) -> dict[str, Any]:
         result: dict[str, Any] = self._json(
             "POST",
             "/v1/sandboxes",
-            json={"tag": tag, "n": n, "memory_limit_mib": memory_limit_mib, "netns": netns},
+            json={
+                "tag": tag,
+                "n": n,
+                "memory_limit_mib": memory_limit_mib,
+                "netns": netns,
+                "sandbox": sandbox,
+            },
         )
         return result
 
@@ -160,8 +171,8 @@ class RemoteBackend:
     def read_file(self, sandbox_id: str, path: str) -> bytes:
         return self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}).content
 
-    def branch(self, sandbox_id: str, tag: str) -> dict[str, Any]:
+    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]:
         result: dict[str, Any] = self._json(
-            "POST", f"/v1/sandboxes/{sandbox_id}/branch", json={"tag": tag}
+            "POST", f"/v1/sandboxes/{sandbox_id}/branch", json={"tag": tag, "force": force}
         )
         return result

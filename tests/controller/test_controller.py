@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import socket
 import subprocess
@@ -229,3 +230,49 @@ def test_cli_talks_to_the_unix_socket(daemon: str, env: dict[str, str]):
         )
     finally:
         backend.close()
+
+
+def test_cli_goes_through_a_running_daemon(daemon: str, env: dict[str, str]):
+    run_env = {**os.environ, **env}
+    proc = subprocess.run(
+        ["forkd", "fork", "tiny:ctl", "-n", "1", "--json"],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    child = json.loads(proc.stdout)["children"][0]["id"]
+    listed = subprocess.run(
+        ["forkd", "ls", "--json"],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
+    assert child in [c["id"] for c in json.loads(listed.stdout)]
+    out = subprocess.run(
+        ["forkd", "exec", child, "--", "cat", "/etc/forkd-recipe"],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
+    assert out.stdout == "tiny\n"
+    killed = subprocess.run(
+        ["forkd", "kill", child],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
+    assert killed.returncode == 0, killed.stderr
+    audit = Path(env["FORKD_HOME"], "controller-audit.log").read_text().splitlines()
+    entries = [json.loads(line) for line in audit]
+    mine = [e for e in entries if child in (e["target"], *e.get("ids", []))]
+    assert {e["action"] for e in mine} >= {"sandbox.create", "sandbox.exec", "sandbox.delete"}
+    assert all(e["actor"] == "unix-socket" for e in mine)
