@@ -298,6 +298,16 @@ def gc(as_json: bool) -> None:
         click.echo(f"removed {count} blobs, freed {human(freed)}")
 
 
+@click.command("tag")
+@click.argument("source")
+@click.argument("target")
+@click.option("--force", is_flag=True, help="Replace TARGET if it exists.")
+def tag_cmd(source: str, target: str, force: bool) -> None:
+    """Give the snapshot SOURCE (a tag or a sha256 digest) another tag TARGET."""
+    digest = _store().tag(target, source, force=force)
+    click.echo(f"tagged {dg.short(digest)} as {target}")
+
+
 @click.command()
 @json_option
 def verify(as_json: bool) -> None:
@@ -314,5 +324,16 @@ def verify(as_json: bool) -> None:
 
 
 def register(cli: click.Group) -> None:
-    for command in (import_cmd, images, inspect, assemble, export, compact, rmi, gc, verify):
+    for command in (
+        import_cmd,
+        images,
+        inspect,
+        assemble,
+        export,
+        compact,
+        rmi,
+        gc,
+        verify,
+        tag_cmd,
+    ):
         cli.add_command(command)

@@ -90,14 +90,10 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                     progress(f"cached: {ref} is already built from this recipe")
                     return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
                                        time.monotonic() - t_start, 0)
-                progress(f"cached: re-tagging the snapshot of {prev_ref} as {ref}")
-                asm = store.assemble(prev_ref)
-                info = store.import_layer(ref, memory=asm.memory, vmstate=asm.vmstate,
-                                          disk=asm.disk, compat=asm.config.compat,
-                                          files=asm.files, description=recipe.description,
-                                          recipe=recipe.to_dict(), force=True)
-                return BuildResult(ref, info.digest, True, verdict.accel, 0, 0, 0,
-                                   time.monotonic() - t_start, info.stored_bytes)
+                progress(f"cached: tagging the snapshot of {prev_ref} as {ref}")
+                store.tag(ref, prev_digest, force=True)
+                return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
+                                   time.monotonic() - t_start, 0)
     progress(f"accelerator: {verdict.accel} ({verdict.reason})")
     guest = image.build_guest(recipe, progress)
     work = scratch_dir("forkd-build")

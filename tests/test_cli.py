@@ -21,6 +21,7 @@ STORE_COMMANDS = [
     "rmi",
     "gc",
     "verify",
+    "tag",
     "demo",
     "login",
     "logout",

@@ -283,3 +283,16 @@ def test_corrupt_tags_file_is_reported(store: Store, chain: list[str]):
     store.tags.path.write_text(json.dumps({"../evil": "sha256:" + "0" * 64}))
     with pytest.raises((IntegrityError, InvalidInput)):
         store.images()
+
+
+def test_tag_existing_snapshot(store: Store, chain: list[str]):
+    digest = store.tag("again", "d2")
+    assert digest == store.resolve("d2") == store.resolve("again")
+    assert store.tag("by-digest", digest) == digest
+    with pytest.raises(Conflict):
+        store.tag("again", "d3")
+    assert store.tag("again", "d3", force=True) == store.resolve("d3")
+    with pytest.raises(NotFound):
+        store.tag("x", "sha256:" + "0" * 64)
+    with pytest.raises(InvalidInput):
+        store.tag("x", "sha256:nothex")

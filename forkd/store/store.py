@@ -370,6 +370,16 @@ class Store:
         manifest = Manifest(config, maps, tuple(chunks), files, subject, annotations)
         return self.blobs.put_bytes(manifest.to_bytes())
 
+    def tag(self, ref: str, source: str, force: bool = False) -> str:
+        """Point tag ``ref`` at what ``source`` (a tag or a manifest digest) names."""
+        target = parse_ref(ref)
+        digest = source if source.startswith("sha256:") else self.resolve(source)
+        self.chain(dg.validate(digest), str(target))  # the manifest and its chain must be here
+        if not force and self.tags.read().get(str(target), digest) != digest:
+            raise Conflict(f"tag {target} exists; pick another tag or pass --force to replace it")
+        self._set_tag(target, digest, force)
+        return digest
+
     def _set_tag(self, ref: Ref, digest: str, force: bool) -> None:
         def change(tags: dict[str, str]) -> None:
             if not force and tags.get(str(ref), digest) != digest:
