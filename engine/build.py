@@ -30,6 +30,7 @@ from forkd.engine.qemu import (
     qemu_version,
 )
 from forkd.engine.recipe import Recipe
+from forkd.errors import ForkdError
 from forkd.names import parse_ref
 from forkd.pack.config import Compat
 from forkd.store.store import Store
@@ -77,23 +78,19 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
     verdict = cached_probe()
     key = recipe.content_digest(image.guest_code_digest() + verdict.accel + qemu_version())
     cf = _cache_file(key)
+    # The build cache maps recipe content to the snapshot it produced. Any store that holds
+    # that snapshot (the cache is shared by every store of this user) just tags it.
     if cf.exists() and not force:
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            prev = json.loads(cf.read_text())
-            prev_ref, prev_digest = prev["ref"], prev["digest"]
-            try:
-                cur = store.resolve(prev_ref)
-            except Exception:
-                cur = None
-            if cur == prev_digest:
-                if prev_ref == ref:
-                    progress(f"cached: {ref} is already built from this recipe")
-                    return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
-                                       time.monotonic() - t_start, 0)
-                progress(f"cached: tagging the snapshot of {prev_ref} as {ref}")
+        with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
+            prev_digest = json.loads(cf.read_text())["digest"]
+            store.chain(prev_digest)  # the manifest and its chain are in this store
+            if store.tags.read().get(ref) == prev_digest:
+                progress(f"cached: {ref} is already built from this recipe")
+            else:
+                progress(f"cached: tagging the snapshot built from this recipe as {ref}")
                 store.tag(ref, prev_digest, force=True)
-                return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
-                                   time.monotonic() - t_start, 0)
+            return BuildResult(ref, prev_digest, True, verdict.accel, 0, 0, 0,
+                               time.monotonic() - t_start, 0)
     progress(f"accelerator: {verdict.accel} ({verdict.reason})")
     guest = image.build_guest(recipe, progress)
     work = scratch_dir("forkd-build")
@@ -166,17 +163,9 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                                   compat=compat,
                                   files={"kernel": guest.kernel.vmlinux, "initrd": guest.initrd},
                                   description=recipe.description, recipe=recipe.to_dict(),
-                                  force=force or _tag_is_ours(store, ref, cf))
+                                  force=True)  # a build replaces the tag, like `docker build -t`
         cf.write_text(json.dumps({"ref": ref, "digest": info.digest}))
         return BuildResult(ref, info.digest, False, verdict.accel, boot_s, warm_s, snap_ms,
                            time.monotonic() - t_start, info.stored_bytes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _tag_is_ours(store: Store, ref: str, cf: Path) -> bool:
-    """Rebuilding a tag we built earlier from an older recipe replaces it."""
-    with contextlib.suppress(ValueError, KeyError, OSError):
-        prev = json.loads(cf.read_text())
-        return bool(prev["ref"] == ref)
-    return False
