@@ -1,7 +1,430 @@
-"""`forkd` commands of the hub (registered by forkd.cli.main)."""
+"""`forkd hub …`: serve, migrate, shell administration (registered by forkd.cli.main)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import ForkdError
+
+T = TypeVar("T")
+
+data_option = click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="FORKD_HUB_DATA",
+    default="./hub-data",
+    show_default=True,
+    help="Data directory: SQLite database, blobs, uploads (env FORKD_HUB_DATA).",
+)
+CONFIG_KEY = "forkd.hub.config"
+database_url_option = click.option(
+    "--database-url",
+    envvar="FORKD_HUB_DATABASE_URL",
+    default="",
+    help="postgresql://USER:PASS@HOST/DB (default: SQLite in the data directory).",
+)
+
+
+def _remember_config(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    ctx.meta[CONFIG_KEY] = value
+
+
+config_option = click.option(
+    "--config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="FORKD_HUB_CONFIG",
+    expose_value=False,
+    callback=_remember_config,
+    help="TOML file of hub settings; options and FORKD_HUB_* variables override it.",
+)
+
+
+def db_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--database-url`` and ``--config`` (every command reaches the same database)."""
+    return config_option(database_url_option(f))
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """ForkdError → a one-line message and the error's exit code."""
+    try:
+        yield
+    except ForkdError as exc:
+        err = click.ClickException(str(exc))
+        err.exit_code = exc.exit_code
+        raise err from exc
+
+
+def _given(name: str) -> bool:
+    """Whether option ``name`` came from the command line or the environment."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source is not ParameterSource.DEFAULT
+
+
+def _settings(data_dir: Path, database_url: str, **extra: Any) -> Any:
+    """Settings: defaults ← --config file ← FORKD_HUB_* environment ← options given."""
+    from forkd.hub.settings import HubSettings, load_config
+
+    config = click.get_current_context().meta.get(CONFIG_KEY)
+    return HubSettings.from_env(
+        data_dir if _given("data_dir") else None,
+        base=load_config(config) if config else None,
+        database_url=database_url or None,
+        **extra,
+    )
+
+
+def _admin(data_dir: Path, database_url: str, op: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """Run one administrative operation in a transaction, after migrating the schema."""
+    from forkd.hub.db import Database
+
+    with _errors():
+        settings = _settings(data_dir, database_url)
+
+    async def go() -> T:
+        db = Database(settings.database_url)
+        try:
+            await db.migrate()
+            async with db.transaction() as session:
+                return await op(session)
+        finally:
+            await db.close()
+
+    with _errors():
+        return asyncio.run(go())
+
+
+@click.group("hub")
+def hub() -> None:
+    """Run and administer the hub (OCI registry for packs)."""
+
+
+@hub.command("serve")
+@data_option
+@db_option
+@click.option("--listen", default="127.0.0.1:5000", show_default=True, help="HOST:PORT to bind.")
+@click.option(
+    "--public-url",
+    envvar="FORKD_HUB_PUBLIC_URL",
+    default="",
+    help="Base URL clients use (token realm); default: from each request.",
+)
+def serve(data_dir: Path, database_url: str, listen: str, public_url: str) -> None:
+    """Serve the hub; migrations are applied on start."""
+    import uvicorn
+
+    from forkd.hub.app import create_app
+    from forkd.hub.settings import parse_listen
+
+    with _errors():
+        host, port = parse_listen(listen) if _given("listen") else (None, None)
+        settings = _settings(
+            data_dir, database_url, host=host, port=port, public_url=public_url or None
+        )
+        app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+
+
+@hub.command("migrate")
+@data_option
+@db_option
+@click.option("--revision", default="head", show_default=True)
+def migrate(data_dir: Path, database_url: str, revision: str) -> None:
+    """Apply the database migrations (Alembic) up to REVISION."""
+    from forkd.hub.db import run_migrations
+
+    with _errors():
+        run_migrations(_settings(data_dir, database_url).database_url, revision)
+    click.echo(f"database at revision {revision}")
+
+
+@hub.command("gc")
+@data_option
+@db_option
+@click.option(
+    "--grace-minutes",
+    type=click.IntRange(min=0),
+    default=60,
+    show_default=True,
+    help="Spare blobs stored or linked more recently than this.",
+)
+@click.option(
+    "--upload-ttl-hours",
+    type=click.IntRange(min=0),
+    default=24,
+    show_default=True,
+    help="Drop upload sessions idle for longer than this.",
+)
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
+def gc(
+    data_dir: Path, database_url: str, grace_minutes: int, upload_ttl_hours: int, dry_run: bool
+) -> None:
+    """Remove blobs no manifest references, orphan files and stale uploads (safe while
+    the hub serves: pushes in flight keep their blobs)."""
+    from forkd.hub.gc import collect
+    from forkd.hub.services import Hub
+
+    with _errors():
+        settings = _settings(data_dir, database_url)
+
+    async def go() -> Any:
+        hub_ = Hub.build(settings)
+        try:
+            await hub_.db.migrate()
+            report = await collect(
+                hub_.db,
+                hub_.blobs,
+                hub_.uploads,
+                grace=timedelta(minutes=grace_minutes),
+                upload_ttl=timedelta(hours=upload_ttl_hours),
+                dry_run=dry_run,
+            )
+            if not dry_run:
+                hub_.audit.record(
+                    "-",
+                    "cli",
+                    "gc",
+                    "-",
+                    "ok",
+                    blobs=len(report.blobs),
+                    bytes=report.bytes,
+                    orphans=len(report.orphan_files),
+                    uploads=len(report.uploads),
+                )
+            return report
+        finally:
+            await hub_.close()
+
+    with _errors():
+        report = asyncio.run(go())
+    verb = "would remove" if dry_run else "removed"
+    click.echo(
+        f"{verb} {len(report.blobs)} blobs ({report.bytes} bytes), "
+        f"{len(report.orphan_files)} orphan files, {len(report.uploads)} stale uploads"
+    )
+
+
+@hub.group("user")
+def user() -> None:
+    """Manage users."""
+
+
+@user.command("add")
+@data_option
+@db_option
+@click.argument("name")
+@click.option("--admin", is_flag=True, help="Site administrator (every action everywhere).")
+@click.option("--robot", is_flag=True, help="Robot account: no password, API tokens only.")
+@click.option("--password-stdin", is_flag=True, help="Read the password from standard input.")
+def user_add(
+    data_dir: Path, database_url: str, name: str, admin: bool, robot: bool, password_stdin: bool
+) -> None:
+    """Create user NAME (with a personal namespace NAME unless --robot)."""
+    from forkd.hub import accounts
+
+    password: str | None = None
+    generated = False
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    elif not robot:
+        password, generated = secrets.token_urlsafe(18), True
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.create_user(session, name, password, admin=admin, robot=robot)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"created {'robot' if robot else 'user'} {name}")
+    if generated:
+        click.echo(f"password: {password}")
+
+
+@user.command("list")
+@data_option
+@db_option
+def user_list(data_dir: Path, database_url: str) -> None:
+    """List users and robots."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> list[str]:
+        return [
+            f"{u.name}\t{'robot' if u.is_robot else 'admin' if u.is_admin else 'user'}\t"
+            f"{u.created_at:%Y-%m-%d %H:%M}"
+            for u in await accounts.list_users(session)
+        ]
+
+    for line in _admin(data_dir, database_url, op):
+        click.echo(line)
+
+
+@user.command("remove")
+@data_option
+@db_option
+@click.argument("name")
+def user_remove(data_dir: Path, database_url: str, name: str) -> None:
+    """Remove user NAME, their memberships and tokens (their repositories stay)."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.remove_user(session, name)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"removed user {name}")
+
+
+@hub.group("token")
+def token() -> None:
+    """Manage API tokens."""
+
+
+@token.command("create")
+@data_option
+@db_option
+@click.option("--user", "username", required=True, help="User or robot the token acts as.")
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    required=True,
+    help="NAMESPACE:pull|push|admin ('*' for any namespace); repeatable.",
+)
+@click.option("--name", default="cli", show_default=True, help="Label for the token.")
+@click.option("--expires-days", type=click.IntRange(min=1), default=None)
+def token_create(
+    data_dir: Path,
+    database_url: str,
+    username: str,
+    scopes: tuple[str, ...],
+    name: str,
+    expires_days: int | None,
+) -> None:
+    """Create an API token and print it once (it is stored hashed)."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> str:
+        return await accounts.create_token(
+            session,
+            username,
+            name,
+            " ".join(scopes),
+            expires_in=timedelta(days=expires_days) if expires_days else None,
+        )
+
+    click.echo(_admin(data_dir, database_url, op))
+
+
+@token.command("list")
+@data_option
+@db_option
+@click.option("--user", "username", required=True)
+def token_list(data_dir: Path, database_url: str, username: str) -> None:
+    """List a user's tokens (ids, names, scopes, expiry; never the secrets)."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> list[str]:
+        return [
+            f"{t.id}\t{t.name}\t{t.scopes}\t"
+            f"{f'expires {t.expires_at:%Y-%m-%d}' if t.expires_at else 'no expiry'}"
+            for t in await accounts.list_tokens(session, username)
+        ]
+
+    for line in _admin(data_dir, database_url, op):
+        click.echo(line)
+
+
+@token.command("revoke")
+@data_option
+@db_option
+@click.argument("token_id", type=int)
+def token_revoke(data_dir: Path, database_url: str, token_id: int) -> None:
+    """Revoke token TOKEN_ID; it stops working at once."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.revoke_token(session, token_id)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"revoked token {token_id}")
+
+
+@hub.group("org")
+def org() -> None:
+    """Manage organisations (shared namespaces)."""
+
+
+@org.command("add")
+@data_option
+@db_option
+@click.argument("name")
+@click.option("--member", "members", multiple=True, help="USER=pull|push|admin; repeatable.")
+def org_add(data_dir: Path, database_url: str, name: str, members: tuple[str, ...]) -> None:
+    """Create organisation NAME with members."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.create_org(session, name)
+        for member in members:
+            username, _, role = member.partition("=")
+            await accounts.set_member(session, name, username, role)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"created organisation {name}")
+
+
+@org.command("member")
+@data_option
+@db_option
+@click.argument("name")
+@click.argument("username")
+@click.argument("role", type=click.Choice(["pull", "push", "admin", "remove"]))
+def org_member(data_dir: Path, database_url: str, name: str, username: str, role: str) -> None:
+    """Give USERNAME a ROLE in organisation NAME, or remove them."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        if role == "remove":
+            await accounts.remove_member(session, name, username)
+        else:
+            await accounts.set_member(session, name, username, role)
+
+    _admin(data_dir, database_url, op)
+    click.echo(
+        f"{username} removed from {name}" if role == "remove" else f"{username}: {role} in {name}"
+    )
+
+
+@hub.group("repo")
+def repo() -> None:
+    """Manage repositories."""
+
+
+@repo.command("visibility")
+@data_option
+@db_option
+@click.argument("name")
+@click.argument("visibility", type=click.Choice(["public", "private"]))
+def repo_visibility(data_dir: Path, database_url: str, name: str, visibility: str) -> None:
+    """Make repository NAME public (anonymous pull) or private."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.set_visibility(session, name, visibility == "public")
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"{name} is {visibility}")
 
 
 def register(cli: click.Group) -> None:
     """Add the hub's commands to the top-level group."""
+    cli.add_command(hub)

@@ -1,0 +1,363 @@
+"""Users, namespaces (personal and organisations), memberships, API tokens, permissions.
+
+Roles and token scopes are ordered: ``pull`` < ``push`` < ``admin``. On a
+repository they grant registry actions: pull → {pull}; push → {pull, push};
+admin → {pull, push, delete}. A repository belongs to the namespace named by
+the first component of its name. Site admins hold every action; a public
+repository grants pull to anyone. An API token narrows its user's rights to
+its scopes (``NAMESPACE:ROLE``, ``*`` for any namespace).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import anyio
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import Conflict, InvalidInput
+from forkd.hub.models import ROLES, ApiToken, Membership, Namespace, Repository, User, utcnow
+from forkd.names import NAME_COMPONENT
+
+ROLE_ACTIONS: dict[str, frozenset[str]] = {
+    "pull": frozenset({"pull"}),
+    "push": frozenset({"pull", "push"}),
+    "admin": frozenset({"pull", "push", "delete"}),
+}
+ALL_ACTIONS = ROLE_ACTIONS["admin"]
+USER_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?$")
+NAMESPACE_RE = re.compile(rf"^{NAME_COMPONENT}$")
+TOKEN_PREFIX = "fkd_"
+_hasher = PasswordHasher()
+# Verified against when a user does not exist, so timing does not reveal which names exist.
+_DUMMY_HASH = _hasher.hash("forkd-no-such-user")
+
+
+def validate_username(name: str) -> str:
+    if not isinstance(name, str) or not USER_RE.match(name) or "__" in name:
+        raise InvalidInput(
+            f"invalid user name {str(name)[:80]!r}: use 1-64 lowercase letters, digits, '-' or "
+            "'_', starting and ending with a letter or digit"
+        )
+    return name
+
+
+def validate_namespace(name: str) -> str:
+    if not isinstance(name, str) or len(name) > 255 or not NAMESPACE_RE.match(name):
+        raise InvalidInput(
+            f"invalid namespace {str(name)[:80]!r}: one repository-name component "
+            "(lowercase letters, digits, '.', '_', '-')"
+        )
+    return name
+
+
+def namespace_of(repository: str) -> str:
+    return repository.split("/", 1)[0]
+
+
+def hash_password(password: str) -> str:
+    if len(password) < 8:
+        raise InvalidInput("password too short: use at least 8 characters")
+    return _hasher.hash(password)
+
+
+def verify_password(stored: str | None, password: str) -> bool:
+    try:
+        return _hasher.verify(stored or _DUMMY_HASH, password) and stored is not None
+    except (VerifyMismatchError, VerificationError, InvalidHashError):
+        return False
+
+
+def hash_token(secret: str) -> str:
+    """Tokens are 256-bit random: a plain sha256 is a sound way to store them."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_scopes(text: str) -> dict[str, str]:
+    """``"ns:push other:pull"`` → {"ns": "push", "other": "pull"}; ``*`` means any namespace."""
+    scopes: dict[str, str] = {}
+    for item in text.split():
+        ns, sep, role = item.partition(":")
+        if not sep or role not in ROLES:
+            raise InvalidInput(f"invalid token scope {item!r}: use NAMESPACE:pull|push|admin")
+        if ns != "*":
+            validate_namespace(ns)
+        scopes[ns] = role
+    if not scopes:
+        raise InvalidInput("a token needs at least one scope, e.g. myorg:push")
+    return scopes
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking: a user (maybe through an API token, which narrows), or nobody."""
+
+    user_id: int | None = None
+    name: str = ""
+    is_admin: bool = False
+    token_scopes: dict[str, str] | None = None  # None: not narrowed by an API token
+    token_id: int | None = None
+
+    @property
+    def anonymous(self) -> bool:
+        return self.user_id is None
+
+
+ANONYMOUS = Principal()
+
+
+# -- lookups -------------------------------------------------------------------
+async def get_user(session: AsyncSession, name: str) -> User | None:
+    return (await session.scalars(select(User).where(User.name == name))).first()
+
+
+async def get_namespace(session: AsyncSession, name: str) -> Namespace | None:
+    return (await session.scalars(select(Namespace).where(Namespace.name == name))).first()
+
+
+async def get_repository(session: AsyncSession, name: str) -> Repository | None:
+    return (await session.scalars(select(Repository).where(Repository.name == name))).first()
+
+
+async def principal_for_user(session: AsyncSession, user_id: int) -> Principal | None:
+    user = await session.get(User, user_id)
+    if user is None:
+        return None
+    return Principal(user.id, user.name, user.is_admin)
+
+
+async def authenticate_password(
+    session: AsyncSession, username: str, password: str
+) -> Principal | None:
+    """Check a user's password, or an API token given as the password. None when wrong."""
+    user = await get_user(session, username) if USER_RE.match(username or "") else None
+    if password.startswith(TOKEN_PREFIX):
+        token = (
+            await session.scalars(
+                select(ApiToken).where(ApiToken.token_hash == hash_token(password))
+            )
+        ).first()
+        if token is None or user is None or token.user_id != user.id:
+            return None
+        if token.expires_at is not None and _aware(token.expires_at) <= utcnow():
+            return None
+        return Principal(user.id, user.name, user.is_admin, parse_scopes(token.scopes), token.id)
+    # argon2 takes tens of milliseconds of CPU by design: keep it off the event loop.
+    stored = user.password_hash if user else None
+    if not await anyio.to_thread.run_sync(verify_password, stored, password) or user is None:
+        return None
+    return Principal(user.id, user.name, user.is_admin)
+
+
+async def token_principal(
+    session: AsyncSession, user_id: int, token_id: int | None
+) -> Principal | None:
+    """Re-resolve a bearer token's subject now (revoked users and tokens stop working)."""
+    user = await session.get(User, user_id)
+    if user is None:
+        return None
+    if token_id is None:
+        return Principal(user.id, user.name, user.is_admin)
+    token = await session.get(ApiToken, token_id)
+    if token is None or token.user_id != user.id:
+        return None
+    if token.expires_at is not None and _aware(token.expires_at) <= utcnow():
+        return None
+    return Principal(user.id, user.name, user.is_admin, parse_scopes(token.scopes), token.id)
+
+
+async def repository_actions(
+    session: AsyncSession, principal: Principal, repository: str
+) -> frozenset[str]:
+    """The registry actions ``principal`` holds on ``repository`` (which may not exist yet)."""
+    return (await access(session, principal, repository))[1]
+
+
+async def access(
+    session: AsyncSession, principal: Principal, repository: str
+) -> tuple[Repository | None, frozenset[str]]:
+    """The repository (None if it does not exist yet) and the actions ``principal`` holds."""
+    repo = await get_repository(session, repository)
+    public = frozenset({"pull"}) if repo is not None and repo.is_public else frozenset()
+    if principal.anonymous:
+        return repo, public
+    if principal.is_admin:
+        held = ALL_ACTIONS
+    else:
+        ns = await get_namespace(session, namespace_of(repository))
+        role = None
+        if ns is not None:
+            member = await session.get(Membership, (ns.id, principal.user_id))
+            role = member.role if member else None
+        held = ROLE_ACTIONS[role] if role else frozenset()
+    if principal.token_scopes is not None:
+        scope = principal.token_scopes.get(namespace_of(repository)) or principal.token_scopes.get(
+            "*"
+        )
+        held = held & ROLE_ACTIONS[scope] if scope else frozenset()
+    return repo, held | public
+
+
+# -- administration ------------------------------------------------------------
+async def create_user(
+    session: AsyncSession,
+    name: str,
+    password: str | None,
+    *,
+    admin: bool = False,
+    robot: bool = False,
+) -> User:
+    """A user with a personal namespace of the same name (admin role in it)."""
+    validate_username(name)
+    if await get_user(session, name) is not None:
+        raise Conflict(f"user {name!r} already exists")
+    if robot and password:
+        raise InvalidInput("robot accounts log in with tokens only, not passwords")
+    user = User(
+        name=name,
+        password_hash=hash_password(password) if password else None,
+        is_admin=admin,
+        is_robot=robot,
+    )
+    session.add(user)
+    await session.flush()
+    if not robot:
+        ns = await get_namespace(session, name)
+        if ns is not None:
+            raise Conflict(f"namespace {name!r} already exists (an organisation?)")
+        ns = Namespace(name=name, kind="user")
+        session.add(ns)
+        await session.flush()
+        session.add(Membership(namespace_id=ns.id, user_id=user.id, role="admin"))
+    return user
+
+
+async def create_org(session: AsyncSession, name: str) -> Namespace:
+    validate_namespace(name)
+    if await get_namespace(session, name) is not None:
+        raise Conflict(f"namespace {name!r} already exists")
+    ns = Namespace(name=name, kind="org")
+    session.add(ns)
+    await session.flush()
+    return ns
+
+
+async def set_member(session: AsyncSession, namespace: str, username: str, role: str) -> None:
+    if role not in ROLES:
+        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+    ns = await get_namespace(session, namespace)
+    user = await get_user(session, username)
+    if ns is None or user is None:
+        raise InvalidInput(f"no such namespace {namespace!r} or user {username!r}")
+    member = await session.get(Membership, (ns.id, user.id))
+    if member is None:
+        session.add(Membership(namespace_id=ns.id, user_id=user.id, role=role))
+    else:
+        member.role = role
+
+
+async def create_token(
+    session: AsyncSession,
+    username: str,
+    name: str,
+    scopes: str,
+    *,
+    expires_in: timedelta | None = None,
+) -> str:
+    """A new API token for ``username``; returns the secret (shown once, stored hashed)."""
+    user = await get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {username!r}")
+    parsed = parse_scopes(scopes)
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        ApiToken(
+            user_id=user.id,
+            name=name[:64] or "token",
+            token_hash=hash_token(secret),
+            scopes=" ".join(f"{ns}:{role}" for ns, role in sorted(parsed.items())),
+            expires_at=utcnow() + expires_in if expires_in else None,
+        )
+    )
+    await session.flush()
+    return secret
+
+
+async def create_repository(
+    session: AsyncSession, name: str, *, public: bool, admin_may_create_namespace: bool
+) -> Repository:
+    ns_name = namespace_of(name)
+    ns = await get_namespace(session, ns_name)
+    if ns is None:
+        if not admin_may_create_namespace:
+            raise InvalidInput(f"namespace {ns_name!r} does not exist")
+        ns = Namespace(name=ns_name, kind="org")
+        session.add(ns)
+        await session.flush()
+    repo = Repository(name=name, namespace_id=ns.id, is_public=public)
+    session.add(repo)
+    await session.flush()
+    return repo
+
+
+async def set_visibility(session: AsyncSession, name: str, public: bool) -> None:
+    repo = await get_repository(session, name)
+    if repo is None:
+        raise InvalidInput(f"no such repository {name!r}")
+    repo.is_public = public
+
+
+async def list_users(session: AsyncSession) -> list[User]:
+    return list((await session.scalars(select(User).order_by(User.name))).all())
+
+
+async def remove_user(session: AsyncSession, name: str) -> None:
+    """Remove a user with their memberships and tokens; their namespace and its
+    repositories stay (a site admin still manages them)."""
+    user = await get_user(session, name)
+    if user is None:
+        raise InvalidInput(f"no such user {name!r}")
+    await session.execute(delete(Membership).where(Membership.user_id == user.id))
+    await session.execute(delete(ApiToken).where(ApiToken.user_id == user.id))
+    await session.delete(user)
+
+
+async def list_tokens(session: AsyncSession, username: str) -> list[ApiToken]:
+    user = await get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {username!r}")
+    query = select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)
+    return list((await session.scalars(query)).all())
+
+
+async def revoke_token(session: AsyncSession, token_id: int) -> None:
+    token = await session.get(ApiToken, token_id)
+    if token is None:
+        raise InvalidInput(f"no token with id {token_id}")
+    await session.delete(token)
+
+
+async def remove_member(session: AsyncSession, namespace: str, username: str) -> None:
+    ns = await get_namespace(session, namespace)
+    user = await get_user(session, username)
+    member = await session.get(Membership, (ns.id, user.id)) if ns and user else None
+    if member is None:
+        raise InvalidInput(f"{username!r} is not a member of {namespace!r}")
+    await session.delete(member)
+
+
+async def has_users(session: AsyncSession) -> bool:
+    return (await session.scalars(select(User.id).limit(1))).first() is not None
+
+
+def _aware(ts: datetime) -> datetime:
+    from datetime import UTC
+
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)

@@ -1,0 +1,119 @@
+"""``create_app``: all wiring of the hub in one place."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from litestar import Litestar, get
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import HTTPException
+from litestar.logging import LoggingConfig
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Scope
+
+import forkd
+from forkd.hub import accounts
+from forkd.hub.auth import token_endpoint
+from forkd.hub.catalog import CatalogController, LineageController
+from forkd.hub.errors import RegistryError, registry_error_handler
+from forkd.hub.observability import MetricsMiddleware
+from forkd.hub.oci.router import api_version, dispatch
+from forkd.hub.pulls import FLUSH_INTERVAL_S
+from forkd.hub.services import Hub
+from forkd.hub.settings import HubSettings
+from forkd.hub.tokens_api import TokenController
+from forkd.hub.ui import ui_router
+
+log = logging.getLogger("forkd.hub")
+
+
+async def bootstrap_admin(hub: Hub) -> None:
+    """On an empty database, create the first admin (from settings, else a generated password)."""
+    async with hub.db.transaction() as session:
+        if await accounts.has_users(session):
+            return
+        name = hub.settings.admin_user or "admin"
+        password = hub.settings.admin_password or secrets.token_urlsafe(18)
+        await accounts.create_user(session, name, password, admin=True)
+    if not hub.settings.admin_password:
+        # Shown once, on the terminal that started the hub; never logged to files.
+        print(f"forkd hub: created admin user {name!r} with password {password}", file=sys.stderr)
+    log.info("created admin user %s", name)
+
+
+async def log_unexpected(exc: Exception, scope: Scope) -> None:
+    """Registry errors are answers; anything else is a bug worth a traceback."""
+    if not isinstance(exc, RegistryError | HTTPException):
+        log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+
+
+async def flush_pulls(hub: Hub) -> None:
+    while True:
+        await anyio.sleep(FLUSH_INTERVAL_S)
+        try:
+            await hub.pulls.flush(hub.db)
+        except Exception:  # a busy or restarting database: the counts wait for next time
+            log.warning("could not write pull counts", exc_info=True)
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4")
+async def metrics(hub: NamedDependency[Hub]) -> bytes:
+    """Prometheus text exposition."""
+    return await hub.metrics.render(hub.db)
+
+
+@get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+def create_app(settings: HubSettings) -> Litestar:
+    settings = settings.validated()
+    hub = Hub.build(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        if settings.migrate_on_start:
+            await hub.db.migrate()
+        await bootstrap_admin(hub)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(flush_pulls, hub)
+            try:
+                yield
+            finally:
+                tasks.cancel_scope.cancel()
+        await hub.close()
+
+    def provide_hub() -> Hub:
+        return hub
+
+    app = Litestar(
+        route_handlers=[
+            api_version,
+            dispatch,
+            token_endpoint,
+            healthz,
+            metrics,
+            CatalogController,
+            LineageController,
+            TokenController,
+            ui_router(hub),
+        ],
+        openapi_config=OpenAPIConfig(
+            title="forkd hub", version=forkd.__version__, path="/api/schema"
+        ),
+        middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
+        dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
+        exception_handlers={RegistryError: registry_error_handler},
+        lifespan=[lifespan],
+        # Log through the "litestar" logger only; the root logger belongs to the process.
+        logging_config=LoggingConfig(configure_root_logger=False),
+        after_exception=[log_unexpected],
+    )
+    app.state.hub = hub
+    return app

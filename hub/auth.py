@@ -1,0 +1,220 @@
+"""Request authentication and the registry token flow.
+
+Clients send either ``Authorization: Basic`` (user + password, or user + API
+token) or ``Authorization: Bearer`` with a short-lived token from ``GET /token``
+(the registry token spec: Basic credentials or none in, ``{"token": …}`` out).
+Bearer tokens are HMAC-SHA256-signed JSON: subject, API token id, granted access,
+expiry. At each request the subject's rights are re-read from the database, so a
+removed user or token stops working at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from dataclasses import dataclass
+
+from litestar import Request, Response, get
+from litestar.datastructures import State
+from litestar.di import NamedDependency
+
+from forkd.errors import InvalidInput
+from forkd.hub import accounts
+from forkd.hub.accounts import ANONYMOUS, Principal
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import Repository
+from forkd.hub.services import Hub
+from forkd.hub.tokens import Grant
+from forkd.names import validate_name
+
+SCOPE_RE = re.compile(r"^repository:([^:]+):([a-z*,]+)$")
+REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
+
+
+# -- per-request authentication ------------------------------------------------
+@dataclass(frozen=True)
+class Caller:
+    principal: Principal
+    grant: Grant | None  # set when authenticated by a bearer token
+
+
+def client_ip(request: Request[object, object, State]) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def _basic(header: str) -> tuple[str, str] | None:
+    try:
+        raw = base64.b64decode(header, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, password = raw.partition(":")
+    return (user, password) if sep else None
+
+
+def realm(hub: Hub, request: Request[object, object, State]) -> str:
+    base = hub.settings.public_url or str(request.base_url).rstrip("/")
+    return f"{base}/token"
+
+
+def challenge(
+    hub: Hub, request: Request[object, object, State], scope: str = "", error: str = ""
+) -> RegistryError:
+    value = f'Bearer realm="{realm(hub, request)}",service="{hub.settings.service}"'
+    if scope:
+        value += f',scope="{scope}"'
+    if error:
+        value += f',error="{error}"'
+    return RegistryError(Code.UNAUTHORIZED, headers={"WWW-Authenticate": value})
+
+
+async def login(
+    hub: Hub, request: Request[object, object, State], user: str, password: str
+) -> Principal:
+    """Check Basic credentials, counting failures; raise 429 or 401 on refusal."""
+    host = client_ip(request)
+    cache_key = hub.verified.key(user, password)
+    cached = hub.verified.get(cache_key)
+    if cached is not None:
+        async with hub.db.reading() as session:
+            again = await accounts.token_principal(session, *cached)
+        if again is not None:
+            return again
+    keys = [f"ip:{host}", f"user:{user[:64]}"]
+    wait = hub.limiter.retry_after(keys)
+    if wait:
+        hub.audit.record(user[:64], host, "login", "-", "rate-limited")
+        raise RegistryError(
+            Code.TOOMANYREQUESTS,
+            "too many failed logins; try again later",
+            headers={"Retry-After": str(wait)},
+        )
+    async with hub.db.reading() as session:
+        principal = await accounts.authenticate_password(session, user, password)
+    if principal is None:
+        hub.limiter.failed(keys)
+        hub.metrics.auth_failures.inc()
+        hub.audit.record(user[:64], host, "login", "-", "denied")
+        raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
+    assert principal.user_id is not None
+    hub.verified.put(cache_key, principal.user_id, principal.token_id)
+    return principal
+
+
+async def authenticate(hub: Hub, request: Request[object, object, State]) -> Caller:
+    """Who sent this request. Bad credentials → 401 (or 429 when rate-limited)."""
+    header = request.headers.get("authorization", "")
+    kind, _, value = header.partition(" ")
+    kind = kind.lower()
+    if not header:
+        return Caller(ANONYMOUS, None)
+    if kind == "basic":
+        creds = _basic(value.strip())
+        if creds is None:
+            raise challenge(hub, request, error="invalid_request")
+        return Caller(await login(hub, request, *creds), None)
+    if kind == "bearer":
+        grant = hub.signer.verify(value.strip())
+        if grant is None:
+            hub.metrics.auth_failures.inc()
+            raise challenge(hub, request, error="invalid_token")
+        if grant.user_id is None:
+            return Caller(ANONYMOUS, grant)
+        async with hub.db.reading() as session:
+            principal = await accounts.token_principal(session, grant.user_id, grant.token_id)
+        if principal is None:
+            raise challenge(hub, request, error="invalid_token")
+        return Caller(principal, grant)
+    raise challenge(hub, request, error="invalid_request")
+
+
+async def authorize(
+    hub: Hub, request: Request[object, object, State], caller: Caller, repository: str, action: str
+) -> Repository | None:
+    """Raise unless ``caller`` may do ``action`` on ``repository``; return the repository
+    as read for the check (None if it does not exist yet), so handlers need not read it again.
+
+    Anonymous callers get the 401 challenge; a bearer token that lacks an
+    action its subject holds gets 403 with a challenge naming the scope to ask
+    for (RFC 6750 insufficient_scope); otherwise a repository the caller cannot
+    see is NAME_UNKNOWN (404) and one it can see is DENIED (403).
+    """
+    async with hub.db.reading() as session:
+        repo, held = await accounts.access(session, caller.principal, repository)
+    granted = held
+    if caller.grant is not None:
+        granted = held & caller.grant.access.get(repository, frozenset())
+    if action in granted:
+        return repo
+    hub.audit.record(caller.principal.name, client_ip(request), action, repository, "denied")
+    scope_actions = "pull" if action == "pull" else f"pull,{action}"
+    scope = f"repository:{repository}:{scope_actions}"
+    if caller.principal.anonymous:
+        raise challenge(hub, request, scope)
+    if caller.grant is not None and action in held:
+        # RFC 6750 §3.1: a token short of scope is 403 with a challenge naming the scope.
+        error = challenge(hub, request, scope, "insufficient_scope")
+        raise RegistryError(
+            Code.DENIED, f"token lacks {action} on {repository}", headers=error.headers
+        )
+    if "pull" in held:
+        raise RegistryError(Code.DENIED, f"{action} access to {repository} is denied")
+    raise RegistryError(Code.NAME_UNKNOWN, f"repository {repository} not found")
+
+
+def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
+    wanted: dict[str, frozenset[str]] = {}
+    for scope in scopes:
+        for item in scope.split(" "):
+            m = SCOPE_RE.match(item)
+            if not m:
+                continue  # unknown scope types (registry:catalog:*) are granted nothing
+            try:
+                name = validate_name(m.group(1))
+            except InvalidInput:
+                continue
+            actions = frozenset(m.group(2).split(",")) & REQUESTABLE
+            if "*" in actions:
+                actions = accounts.ALL_ACTIONS
+            wanted[name] = wanted.get(name, frozenset()) | actions
+    return wanted
+
+
+@get("/token")
+async def token_endpoint(
+    request: Request[object, object, State], hub: NamedDependency[Hub]
+) -> Response[object]:
+    """Registry token endpoint: Basic credentials (or none) in, a bearer token out."""
+    caller = await authenticate(hub, request)
+    if caller.grant is not None:
+        raise RegistryError(Code.UNAUTHORIZED, "use Basic credentials to obtain a token")
+    service = request.query_params.get("service")
+    if service is not None and service != hub.settings.service:
+        raise RegistryError(Code.DENIED, f"unknown service {service!r}")
+    wanted = _requested(request.query_params.getall("scope", []))
+    access: dict[str, frozenset[str]] = {}
+    async with hub.db.reading() as session:
+        for name, actions in wanted.items():
+            held = await accounts.repository_actions(session, caller.principal, name)
+            granted = actions & held
+            if granted:
+                access[name] = granted
+    token, issued = hub.signer.issue(caller.principal, access)
+    hub.audit.record(
+        caller.principal.name,
+        client_ip(request),
+        "token",
+        " ".join(sorted(access)) or "-",
+        "ok",
+        granted={name: sorted(actions) for name, actions in access.items()},
+    )
+    issued_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(issued))
+    return Response(
+        {
+            "token": token,
+            "access_token": token,
+            "expires_in": hub.signer.ttl,
+            "issued_at": issued_at,
+        }
+    )

@@ -1,0 +1,360 @@
+"""Hub API ``/api/v1``: search, list and describe the repositories a caller can see.
+
+Only repositories the caller may pull are listed or described (public ones, those
+in namespaces the caller belongs to, everything for site admins), narrowed by an
+API token's scopes; a repository the caller cannot see is 404, as on ``/v2/``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, ClassVar
+
+from litestar import Controller, Request, get
+from litestar.datastructures import State
+from litestar.di import NamedDependency
+from litestar.exceptions import NotFoundException, ValidationException
+from litestar.params import FromPath, Parameter
+from sqlalchemy import ColumnElement, Select, false, func, or_, select, true
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import IntegrityError, InvalidInput, NotFound
+from forkd.hub import accounts
+from forkd.hub.auth import authenticate
+from forkd.hub.models import Manifest, Membership, Namespace, Repository, Tag
+from forkd.hub.services import Hub
+from forkd.names import validate_name, validate_tag
+from forkd.pack import mediatypes as mt
+
+MAX_CHAIN = 256
+SORTS: dict[str, ColumnElement[Any]] = {
+    "updated": Repository.updated_at.desc(),
+    "pulls": Repository.pull_count.desc(),
+    "name": Repository.name.asc(),
+}
+
+
+@dataclass
+class RepositorySummary:
+    name: str
+    namespace: str
+    public: bool
+    pulls: int
+    tags: int
+    updated_at: datetime
+
+
+@dataclass
+class RepositoryPage:
+    items: list[RepositorySummary]
+    page: int
+    per_page: int
+    total: int
+
+
+@dataclass
+class TagInfo:
+    name: str
+    digest: str
+    media_type: str
+    artifact_type: str | None
+    size: int  # manifest plus every blob it references directly
+    chain_depth: int  # how many ancestors through ``subject`` (0: a base)
+    parent: str | None
+    pushed_at: datetime
+
+
+@dataclass
+class RepositoryDetail:
+    name: str
+    namespace: str
+    public: bool
+    pulls: int
+    created_at: datetime
+    updated_at: datetime
+    tags: list[TagInfo]
+
+
+async def visible(session: AsyncSession, principal: accounts.Principal) -> ColumnElement[bool]:
+    """A filter on Repository: what ``principal`` may pull."""
+    public = Repository.is_public.is_(True)
+    if principal.anonymous:
+        return public
+    scopes = principal.token_scopes
+    if principal.is_admin:
+        if scopes is None or "*" in scopes:
+            return true()
+        names = list(scopes)
+    else:
+        query = (
+            select(Namespace.name)
+            .join(Membership, Membership.namespace_id == Namespace.id)
+            .where(Membership.user_id == principal.user_id)
+        )
+        names = list((await session.scalars(query)).all())
+        if scopes is not None and "*" not in scopes:
+            names = [n for n in names if n in scopes]
+    member_of = (
+        Repository.namespace_id.in_(select(Namespace.id).where(Namespace.name.in_(names)))
+        if names
+        else false()
+    )
+    return or_(public, member_of)
+
+
+async def _principal(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
+    return (await authenticate(hub, request)).principal
+
+
+class CatalogController(Controller):
+    path = "/api/v1"
+    tags: ClassVar[list[str]] = ["catalog"]  # type: ignore[misc]
+
+    @get("/repositories")
+    async def list_repositories(
+        self,
+        request: Request[object, object, State],
+        hub: NamedDependency[Hub],
+        q: Annotated[str | None, Parameter(max_length=255)] = None,
+        namespace: Annotated[str | None, Parameter(max_length=255)] = None,
+        sort: Annotated[str, Parameter(pattern="^(updated|pulls|name)$")] = "updated",
+        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
+        per_page: Annotated[int, Parameter(ge=1, le=100)] = 20,
+    ) -> RepositoryPage:
+        """Search (substring of the name) and list repositories, newest or most pulled first."""
+        principal = await _principal(hub, request)
+        await hub.pulls.flush(hub.db)  # counts are batched: make them current first
+        async with hub.db.reading() as session:
+            where = [await visible(session, principal)]
+            if q:
+                where.append(Repository.name.like(f"%{_escape(q)}%", escape="\\"))
+            if namespace:
+                where.append(Repository.name.like(f"{_escape(namespace)}/%", escape="\\"))
+            total = await session.scalar(select(func.count()).select_from(Repository).where(*where))
+            tag_count = (
+                select(func.count())
+                .where(Tag.repository_id == Repository.id)
+                .correlate(Repository)
+                .scalar_subquery()
+            )
+            query: Select[Any] = (
+                select(Repository, tag_count)
+                .where(*where)
+                .order_by(SORTS[sort], Repository.name)
+                .offset((page - 1) * per_page)
+                .limit(per_page)
+            )
+            rows = (await session.execute(query)).all()
+        items = [
+            RepositorySummary(
+                name=repo.name,
+                namespace=accounts.namespace_of(repo.name),
+                public=repo.is_public,
+                pulls=repo.pull_count,
+                tags=count,
+                updated_at=repo.updated_at,
+            )
+            for repo, count in rows
+        ]
+        return RepositoryPage(items=items, page=page, per_page=per_page, total=total or 0)
+
+    @get("/repositories/{name:path}")
+    async def get_repository(
+        self,
+        request: Request[object, object, State],
+        hub: NamedDependency[Hub],
+        name: FromPath[str],
+    ) -> RepositoryDetail:
+        """A repository with its tags: size, chain depth, parent and push time of each."""
+        name = name.strip("/")
+        try:
+            validate_name(name)
+        except InvalidInput as exc:
+            raise ValidationException(str(exc)) from exc
+        principal = await _principal(hub, request)
+        await hub.pulls.flush(hub.db)  # counts are batched: make them current first
+        async with hub.db.reading() as session:
+            repo = (
+                await session.scalars(
+                    select(Repository).where(
+                        Repository.name == name, await visible(session, principal)
+                    )
+                )
+            ).first()
+            if repo is None:
+                raise NotFoundException(f"repository {name} not found")
+            rows = (
+                await session.execute(
+                    select(Tag, Manifest)
+                    .join(
+                        Manifest,
+                        (Manifest.repository_id == Tag.repository_id)
+                        & (Manifest.digest == Tag.manifest_digest),
+                    )
+                    .where(Tag.repository_id == repo.id)
+                    .order_by(Tag.name)
+                )
+            ).all()
+            subjects = dict(
+                (
+                    await session.execute(
+                        select(Manifest.digest, Manifest.subject_digest).where(
+                            Manifest.repository_id == repo.id
+                        )
+                    )
+                ).all()
+            )
+        tags = [
+            TagInfo(
+                name=tag.name,
+                digest=manifest.digest,
+                media_type=manifest.media_type,
+                artifact_type=manifest.artifact_type,
+                size=_total_size(hub, manifest),
+                chain_depth=_depth(subjects, manifest.digest),
+                parent=manifest.subject_digest,
+                pushed_at=tag.updated_at,
+            )
+            for tag, manifest in rows
+        ]
+        return RepositoryDetail(
+            name=repo.name,
+            namespace=accounts.namespace_of(repo.name),
+            public=repo.is_public,
+            pulls=repo.pull_count,
+            created_at=repo.created_at,
+            updated_at=repo.updated_at,
+            tags=tags,
+        )
+
+
+@dataclass
+class LineageNode:
+    digest: str
+    tags: list[str]
+    parent: str | None  # subject digest
+    parent_tag: str | None  # dev.forkd.parent.tag annotation
+    compacted_from: str | None  # dev.forkd.compacted.from annotation
+    depth: int  # distance from the asked-for manifest (ancestors and descendants)
+
+
+@dataclass
+class Lineage:
+    repository: str
+    tag: str
+    head: LineageNode
+    ancestors: list[LineageNode]  # nearest first
+    descendants: list[LineageNode]  # breadth first
+
+
+class LineageController(Controller):
+    path = "/api/v1/lineage"
+    tags: ClassVar[list[str]] = ["catalog"]  # type: ignore[misc]
+
+    @get("/{name:path}")
+    async def lineage(
+        self,
+        request: Request[object, object, State],
+        hub: NamedDependency[Hub],
+        name: FromPath[str],
+        tag: Annotated[str, Parameter(max_length=128)],
+    ) -> Lineage:
+        """Ancestors (through ``subject``) and descendants (through referrers) of a tag."""
+        name = name.strip("/")
+        try:
+            validate_name(name)
+            validate_tag(tag)
+        except InvalidInput as exc:
+            raise ValidationException(str(exc)) from exc
+        principal = await _principal(hub, request)
+        async with hub.db.reading() as session:
+            repo = (
+                await session.scalars(
+                    select(Repository).where(
+                        Repository.name == name, await visible(session, principal)
+                    )
+                )
+            ).first()
+            if repo is None:
+                raise NotFoundException(f"repository {name} not found")
+            manifests = {
+                m.digest: m
+                for m in (
+                    await session.scalars(select(Manifest).where(Manifest.repository_id == repo.id))
+                ).all()
+            }
+            tags_of: dict[str, list[str]] = {}
+            head_digest = None
+            for tag_row in (
+                await session.scalars(
+                    select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
+                )
+            ).all():
+                tags_of.setdefault(tag_row.manifest_digest, []).append(tag_row.name)
+                if tag_row.name == tag:
+                    head_digest = tag_row.manifest_digest
+        if head_digest is None or head_digest not in manifests:
+            raise NotFoundException(f"tag {tag} not found in {name}")
+
+        def node(digest: str, depth: int) -> LineageNode:
+            m = manifests.get(digest)
+            notes = json.loads(m.annotations) if m is not None and m.annotations else {}
+            return LineageNode(
+                digest=digest,
+                tags=tags_of.get(digest, []),
+                parent=m.subject_digest if m is not None else None,
+                parent_tag=notes.get(mt.ANNOTATION_PARENT_TAG),
+                compacted_from=notes.get(mt.ANNOTATION_COMPACTED_FROM),
+                depth=depth,
+            )
+
+        ancestors: list[LineageNode] = []
+        seen = {head_digest}
+        current = manifests[head_digest].subject_digest
+        while current is not None and current not in seen and len(ancestors) < MAX_CHAIN:
+            seen.add(current)
+            ancestors.append(node(current, len(ancestors) + 1))
+            parent = manifests.get(current)
+            current = parent.subject_digest if parent is not None else None
+        children: dict[str, list[str]] = {}
+        for m in manifests.values():
+            if m.subject_digest is not None:
+                children.setdefault(m.subject_digest, []).append(m.digest)
+        descendants: list[LineageNode] = []
+        frontier, depth, visited = [head_digest], 0, {head_digest}
+        while frontier and depth < MAX_CHAIN:
+            depth += 1
+            nxt = []
+            for parent_digest in frontier:
+                for child in sorted(children.get(parent_digest, [])):
+                    if child not in visited:
+                        visited.add(child)
+                        descendants.append(node(child, depth))
+                        nxt.append(child)
+            frontier = nxt
+        return Lineage(name, tag, node(head_digest, 0), ancestors, descendants)
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _depth(subjects: dict[str, str | None], digest: str) -> int:
+    depth, seen = 0, {digest}
+    current = subjects.get(digest)
+    while current is not None and current not in seen and depth < MAX_CHAIN:
+        depth += 1
+        seen.add(current)
+        current = subjects.get(current)
+    return depth
+
+
+def _total_size(hub: Hub, manifest: Manifest) -> int:
+    try:
+        doc = json.loads(hub.blobs.read(manifest.digest, hub.settings.manifest_max_bytes))
+    except (NotFound, IntegrityError, InvalidInput, ValueError):
+        return manifest.size
+    descriptors = [doc.get("config") or {}, *(doc.get("layers") or [])]
+    return manifest.size + sum(int(d.get("size", 0)) for d in descriptors if isinstance(d, dict))

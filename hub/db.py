@@ -1,0 +1,164 @@
+"""Database engine, sessions and migrations (Alembic, applied through the app's engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Connection, event, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.sql.dml import Insert
+
+import forkd.migrations
+
+SQLITE_BUSY_TIMEOUT_S = 30
+GC_LOCK = 0x666F726B64  # "forkd": the advisory lock key between blob writers and GC
+
+
+def migrations_dir() -> Path:
+    return Path(forkd.migrations.__file__).parent
+
+
+def alembic_config(connection: Connection | None = None, url: str = "") -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+class Database:
+    """The async engine(s) and session factories: ``transaction`` for writes, ``reading``
+    for read-only work (on SQLite a second engine whose transactions do not take the
+    write lock, so readers run alongside each other and alongside one writer)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            Path(url.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+            args = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+            self.engine: AsyncEngine = create_async_engine(url, connect_args=args)
+            _sqlite_setup(self.engine, begin="BEGIN IMMEDIATE")
+            self.read_engine = create_async_engine(url, connect_args=args)
+            _sqlite_setup(self.read_engine, begin="BEGIN")
+        else:
+            self.engine = create_async_engine(url, pool_pre_ping=True)
+            self.read_engine = self.engine
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self.read_sessions = async_sessionmaker(self.read_engine, expire_on_commit=False)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """A session inside one transaction: committed on success, rolled back on error."""
+        async with self.sessions() as session, session.begin():
+            yield session
+
+    @asynccontextmanager
+    async def reading(self) -> AsyncIterator[AsyncSession]:
+        """A read-only transaction (one consistent snapshot); nothing it does is committed."""
+        async with self.read_sessions() as session:
+            try:
+                yield session
+            finally:
+                session.expunge_all()  # loaded objects stay usable after the rollback
+                await session.rollback()
+
+    async def migrate(self, revision: str = "head") -> None:
+        """Bring the schema to ``revision`` with Alembic."""
+
+        def upgrade(connection: Connection) -> None:
+            command.upgrade(alembic_config(connection), revision)
+
+        async with self.engine.begin() as conn:
+            await conn.run_sync(upgrade)
+
+    async def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        def current(connection: Connection) -> str | None:
+            return MigrationContext.configure(connection).get_current_revision()
+
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(current)
+
+    def insert_ignore(self, table: Any) -> Insert:
+        """``INSERT … ON CONFLICT DO NOTHING`` for this dialect (safe under concurrency)."""
+        if self.is_sqlite:
+            return sqlite.insert(table).on_conflict_do_nothing()
+        return postgresql.insert(table).on_conflict_do_nothing()
+
+    def upsert_link(
+        self, table: Any, values: dict[str, Any], keys: list[str], touch: str
+    ) -> Insert:
+        """Insert, or on conflict set column ``touch`` to the new value (a "last linked" time)."""
+        if self.is_sqlite:
+            lite = sqlite.insert(table).values(**values)
+            return lite.on_conflict_do_update(index_elements=keys, set_={touch: values[touch]})
+        pg = postgresql.insert(table).values(**values)
+        return pg.on_conflict_do_update(index_elements=keys, set_={touch: values[touch]})
+
+    async def lock_for_write(self, session: AsyncSession) -> None:
+        """Writers that link or reference blobs take this; GC takes ``lock_for_gc``.
+
+        SQLite already serialises write transactions (BEGIN IMMEDIATE); on PostgreSQL a
+        shared transaction-scoped advisory lock lets writers run together but never
+        alongside a GC sweep.
+        """
+        if not self.is_sqlite:
+            await session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK})
+
+    async def lock_for_gc(self, session: AsyncSession) -> None:
+        if not self.is_sqlite:
+            await session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": GC_LOCK})
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+        if self.read_engine is not self.engine:
+            await self.read_engine.dispose()
+
+
+def _sqlite_setup(engine: AsyncEngine, begin: str) -> None:
+    """WAL, foreign keys, and explicit transactions: ``BEGIN IMMEDIATE`` for writers so
+    concurrent writers wait instead of failing; plain ``BEGIN`` for readers."""
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # WAL + NORMAL: never corrupt; a power cut may undo the last commits (blob files are
+        # fsynced by the store, so at worst a push must be repeated).
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql(begin)
+
+
+def run_migrations(url: str, revision: str = "head") -> None:
+    """Synchronous entry point for the CLI."""
+
+    async def go() -> None:
+        db = Database(url)
+        try:
+            await db.migrate(revision)
+        finally:
+            await db.close()
+
+    asyncio.run(go())

@@ -1,0 +1,64 @@
+"""OCI Distribution error codes and the one place they become HTTP responses.
+
+Every failure of a ``/v2/`` route raises ``RegistryError`` with a code from the
+spec's table; ``registry_error_handler`` renders the JSON body
+``{"errors": [{"code", "message", "detail"}]}`` with the code's status.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from litestar import Request, Response
+from litestar.datastructures import State
+
+
+class Code(Enum):
+    """The spec's error codes with their default HTTP status and message."""
+
+    BLOB_UNKNOWN = (404, "blob unknown to registry")
+    BLOB_UPLOAD_INVALID = (400, "blob upload invalid")
+    BLOB_UPLOAD_UNKNOWN = (404, "blob upload unknown to registry")
+    DIGEST_INVALID = (400, "provided digest did not match uploaded content")
+    MANIFEST_BLOB_UNKNOWN = (400, "manifest references a manifest or blob unknown to registry")
+    MANIFEST_INVALID = (400, "manifest invalid")
+    MANIFEST_UNKNOWN = (404, "manifest unknown to registry")
+    NAME_INVALID = (400, "invalid repository name")
+    NAME_UNKNOWN = (404, "repository name not known to registry")
+    SIZE_INVALID = (400, "provided length did not match content length")
+    UNAUTHORIZED = (401, "authentication required")
+    DENIED = (403, "requested access to the resource is denied")
+    UNSUPPORTED = (415, "the operation is unsupported")
+    TOOMANYREQUESTS = (429, "too many requests")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+    @property
+    def message(self) -> str:
+        return self.value[1]
+
+
+class RegistryError(Exception):
+    """A failure of a registry request, rendered as the spec's error body."""
+
+    def __init__(
+        self,
+        code: Code,
+        detail: str = "",
+        *,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(f"{code.name}: {detail}" if detail else code.name)
+        self.code = code
+        self.detail = detail
+        self.status = status or code.status
+        self.headers = headers or {}
+
+
+def registry_error_handler(_: Request[object, object, State], exc: Exception) -> Response[object]:
+    assert isinstance(exc, RegistryError)
+    body = {"errors": [{"code": exc.code.name, "message": exc.code.message, "detail": exc.detail}]}
+    return Response(body, status_code=exc.status, headers=exc.headers)

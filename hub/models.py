@@ -1,0 +1,169 @@
+"""The hub's database tables (SQLAlchemy 2). Alembic migrations in migrations/ create them.
+
+Blob bytes live in the shared blob store, once per digest; ``blobs`` records what
+the store holds and ``repository_blobs`` links a blob into a repository (the
+per-repository linked store). Manifest bytes are blobs too; ``manifests`` keeps
+what the routes need without reading them (media type, artifact type, subject).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+DIGEST_LEN = 71  # "sha256:" + 64 hex
+ROLES = ("pull", "push", "admin")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    is_robot: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Namespace(Base):
+    """A user's own namespace (kind ``user``) or an organisation's (kind ``org``)."""
+
+    __tablename__ = "namespaces"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Membership(Base):
+    """A user's role (pull / push / admin) in a namespace."""
+
+    __tablename__ = "memberships"
+
+    namespace_id: Mapped[int] = mapped_column(
+        ForeignKey("namespaces.id", ondelete="CASCADE"), primary_key=True
+    )
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
+    )
+    role: Mapped[str] = mapped_column(String(8))
+
+
+class ApiToken(Base):
+    """A long-lived secret for a user or robot; only its sha256 is stored."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[str] = mapped_column(Text)  # space-separated NAMESPACE:ROLE, '*' = any
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Repository(Base):
+    __tablename__ = "repositories"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id", ondelete="CASCADE"))
+    is_public: Mapped[bool] = mapped_column(Boolean, default=False)
+    pull_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    description: Mapped[str] = mapped_column(String(300), default="", server_default="")
+    readme: Mapped[str] = mapped_column(Text, default="", server_default="")
+
+
+class Blob(Base):
+    """A blob present in the blob store (global, once per digest)."""
+
+    __tablename__ = "blobs"
+
+    digest: Mapped[str] = mapped_column(String(DIGEST_LEN), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RepositoryBlob(Base):
+    """A blob linked into a repository: what ``/v2/NAME/blobs/DIGEST`` may serve."""
+
+    __tablename__ = "repository_blobs"
+
+    repository_id: Mapped[int] = mapped_column(
+        ForeignKey("repositories.id", ondelete="CASCADE"), primary_key=True
+    )
+    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Manifest(Base):
+    __tablename__ = "manifests"
+    __table_args__ = (UniqueConstraint("repository_id", "digest"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
+    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"))
+    media_type: Mapped[str] = mapped_column(String(255))
+    artifact_type: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    subject_digest: Mapped[str | None] = mapped_column(
+        String(DIGEST_LEN), nullable=True, index=True
+    )
+    annotations: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ManifestReference(Base):
+    """A digest a manifest keeps alive: its config, layers, child manifests and subject."""
+
+    __tablename__ = "manifest_references"
+
+    manifest_id: Mapped[int] = mapped_column(
+        ForeignKey("manifests.id", ondelete="CASCADE"), primary_key=True
+    )
+    digest: Mapped[str] = mapped_column(String(DIGEST_LEN), primary_key=True, index=True)
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+
+    repository_id: Mapped[int] = mapped_column(
+        ForeignKey("repositories.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    manifest_digest: Mapped[str] = mapped_column(String(DIGEST_LEN))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Upload(Base):
+    """An upload session; its bytes so far are a file in the uploads area."""
+
+    __tablename__ = "uploads"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

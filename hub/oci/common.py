@@ -1,0 +1,114 @@
+"""What every OCI resource handler shares: the request context, repositories, blob links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from litestar import Request
+from litestar.datastructures import State
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd import digest as dg
+from forkd.errors import InvalidInput
+from forkd.hub import accounts
+from forkd.hub.auth import Caller, authorize, client_ip
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
+from forkd.hub.services import Hub
+
+HubRequest = Request[object, object, State]
+STREAM_CHUNK = 1 << 20
+
+
+@dataclass
+class Ctx:
+    """One registry request: the hub, the request, who sent it, the repository name."""
+
+    hub: Hub
+    request: HubRequest
+    caller: Caller
+    name: str
+    checked: Repository | None = None  # as read by ``allow`` (detached, read-only use)
+
+    async def allow(self, action: str) -> None:
+        self.checked = await authorize(self.hub, self.request, self.caller, self.name, action)
+
+    async def repository(self, session: AsyncSession) -> Repository:
+        """The existing repository (after ``allow``), else NAME_UNKNOWN."""
+        repo = self.checked or await accounts.get_repository(session, self.name)
+        if repo is None:
+            raise RegistryError(Code.NAME_UNKNOWN, f"repository {self.name} not found")
+        return repo
+
+    async def repository_for_push(self, session: AsyncSession) -> Repository:
+        """The repository, created on first push (after ``allow("push")``)."""
+        repo = await accounts.get_repository(session, self.name)
+        if repo is not None:
+            return repo
+        try:
+            # A savepoint: on PostgreSQL a concurrent first push may create it first.
+            async with session.begin_nested():
+                return await accounts.create_repository(
+                    session,
+                    self.name,
+                    public=self.hub.settings.default_visibility == "public",
+                    admin_may_create_namespace=self.caller.principal.is_admin,
+                )
+        except InvalidInput as exc:
+            raise RegistryError(Code.NAME_UNKNOWN, str(exc)) from exc
+        except sa_exc.IntegrityError:
+            repo = await accounts.get_repository(session, self.name)
+            if repo is None:
+                raise
+            return repo
+
+    def audit(self, action: str, target: str, result: str = "ok", **detail: object) -> None:
+        """Record a write in the audit log (who, from where, what, on which repository)."""
+        self.hub.audit.record(
+            self.caller.principal.name,
+            client_ip(self.request),
+            action,
+            f"{self.name}@{target}" if target else self.name,
+            result,
+            **detail,
+        )
+
+    def url(self, suffix: str) -> str:
+        return f"/v2/{self.name}/{suffix}"
+
+
+def parse_digest(text: str, code: Code = Code.DIGEST_INVALID) -> str:
+    try:
+        return dg.validate(text)
+    except InvalidInput as exc:
+        raise RegistryError(code, str(exc)) from exc
+
+
+async def linked_blob_size(session: AsyncSession, repo_id: int, digest: str) -> int | None:
+    """Size of a blob linked into the repository, or None."""
+    row = await session.execute(
+        select(Blob.size)
+        .join(RepositoryBlob, RepositoryBlob.digest == Blob.digest)
+        .where(RepositoryBlob.repository_id == repo_id, RepositoryBlob.digest == digest)
+    )
+    return row.scalar_one_or_none()
+
+
+async def link_blob(hub: Hub, session: AsyncSession, repo_id: int, digest: str, size: int) -> None:
+    """Record a stored blob and link it into a repository (idempotent, race-safe).
+
+    The link's time is refreshed on every push or mount, so GC's grace period counts
+    from the last time anyone uploaded the blob, not the first.
+    """
+    await hub.db.lock_for_write(session)
+    await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=size))
+    await session.execute(
+        hub.db.upsert_link(
+            RepositoryBlob,
+            {"repository_id": repo_id, "digest": digest, "created_at": utcnow()},
+            ["repository_id", "digest"],
+            "created_at",
+        )
+    )

@@ -1,0 +1,44 @@
+"""Catalog: ``GET /v2/_catalog?n=&last=`` lists the repositories the caller may pull,
+in lexical order, with ``Link`` pagination like the tags list."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+from litestar import Response
+from sqlalchemy import select
+
+from forkd.hub.auth import Caller, challenge
+from forkd.hub.catalog import visible
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import Repository
+from forkd.hub.oci.common import HubRequest
+from forkd.hub.services import Hub
+
+MAX_PAGE = 1000
+
+
+async def list_catalog(hub: Hub, request: HubRequest, caller: Caller) -> Response[object]:
+    if caller.principal.anonymous and caller.grant is None:
+        raise challenge(hub, request, "registry:catalog:*")
+    params = request.query_params
+    n_text, last = params.get("n"), params.get("last")
+    if n_text is not None and (not n_text.isdigit() or len(n_text) > 6):
+        raise RegistryError(
+            Code.UNSUPPORTED, f"n must be a non-negative integer, got {n_text!r}", status=400
+        )
+    n = min(int(n_text), MAX_PAGE) if n_text is not None else MAX_PAGE
+    async with hub.db.reading() as session:
+        query = select(Repository.name).where(await visible(session, caller.principal))
+        if last:
+            query = query.where(Repository.name > last)
+        names = (
+            list((await session.scalars(query.order_by(Repository.name).limit(n + 1))).all())
+            if n
+            else []
+        )
+    headers: dict[str, str] = {}
+    if len(names) > n:
+        names = names[:n]
+        headers["Link"] = f'</v2/_catalog?{urlencode({"n": n, "last": names[-1]})}>; rel="next"'
+    return Response({"repositories": names}, status_code=200, headers=headers)

@@ -1,0 +1,37 @@
+"""Tags: ``GET /v2/<name>/tags/list`` with ``n``/``last`` and ``Link`` pagination."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+from litestar import Response
+from sqlalchemy import select
+
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import Tag
+from forkd.hub.oci.common import Ctx
+
+MAX_PAGE = 10_000
+
+
+async def list_tags(ctx: Ctx) -> Response[object]:
+    await ctx.allow("pull")
+    params = ctx.request.query_params
+    n_text, last = params.get("n"), params.get("last")
+    if n_text is not None and (not n_text.isdigit() or len(n_text) > 6):
+        raise RegistryError(
+            Code.UNSUPPORTED, f"n must be a non-negative integer, got {n_text!r}", status=400
+        )
+    n = min(int(n_text), MAX_PAGE) if n_text is not None else MAX_PAGE
+    async with ctx.hub.db.reading() as session:
+        repo = await ctx.repository(session)
+        query = select(Tag.name).where(Tag.repository_id == repo.id).order_by(Tag.name)
+        if last:
+            query = query.where(Tag.name > last)
+        names = list((await session.scalars(query.limit(n + 1))).all()) if n else []
+    headers: dict[str, str] = {}
+    if len(names) > n:
+        names = names[:n]
+        query_string = urlencode({"n": n, "last": names[-1]})
+        headers["Link"] = f'<{ctx.url("tags/list")}?{query_string}>; rel="next"'
+    return Response({"name": ctx.name, "tags": names}, status_code=200, headers=headers)

@@ -1,0 +1,74 @@
+"""The uploads area: bytes of unfinished blob uploads, one file per session.
+
+Layout (owned by this module)::
+
+    DATA/uploads/<32 hex>     bytes received so far for that upload session
+
+Finished uploads go into the shared content-addressed store
+(``forkd.store.blobs.FsBlobStore``), which verifies the digest before the blob
+becomes visible; this module only keeps session bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from forkd.errors import InvalidInput, NotFound
+from forkd.store.blobs import BlobStore
+
+UPLOAD_ID_RE = re.compile(r"^[a-f0-9]{32}$")
+
+
+class ReadableBlobStore(BlobStore, Protocol):
+    """The shared BlobStore plus what FsBlobStore also offers: streaming reads, and the
+    modification time GC uses to spare fresh files."""
+
+    def open(self, digest: str) -> BinaryIO: ...
+    def mtime(self, digest: str) -> float: ...
+
+
+def validate_upload_id(upload_id: str) -> str:
+    if not UPLOAD_ID_RE.match(upload_id):
+        raise InvalidInput(f"invalid upload id {upload_id[:40]!r}")
+    return upload_id
+
+
+class UploadArea:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def new(self) -> str:
+        upload_id = uuid.uuid4().hex
+        self.path(upload_id).touch(mode=0o600, exist_ok=False)
+        return upload_id
+
+    def path(self, upload_id: str) -> Path:
+        return self.root / validate_upload_id(upload_id)
+
+    def size(self, upload_id: str) -> int:
+        try:
+            return self.path(upload_id).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} has no data file") from None
+
+    def open_append(self, upload_id: str) -> BinaryIO:
+        try:
+            return open(self.path(upload_id), "r+b")
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} has no data file") from None
+
+    def open_read(self, upload_id: str) -> BinaryIO:
+        try:
+            return open(self.path(upload_id), "rb")
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} has no data file") from None
+
+    def remove(self, upload_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(upload_id))

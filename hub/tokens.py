@@ -1,0 +1,147 @@
+"""Signed bearer tokens and the failed-login limiter (no I/O, no app state)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from forkd.hub.accounts import Principal
+
+BEARER_PREFIX = "fkb."
+
+
+# -- signed bearer tokens ------------------------------------------------------
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a bearer token carries."""
+
+    user_id: int | None
+    token_id: int | None
+    access: dict[str, frozenset[str]]  # repository → actions
+    expires: float
+
+
+class TokenSigner:
+    def __init__(self, key: bytes, service: str, ttl: int) -> None:
+        self._key = key
+        self.service = service
+        self.ttl = ttl
+
+    def issue(self, principal: Principal, access: dict[str, frozenset[str]]) -> tuple[str, int]:
+        now = int(time.time())
+        payload = {
+            "sub": principal.user_id,
+            "tid": principal.token_id,
+            "aud": self.service,
+            "iat": now,
+            "exp": now + self.ttl,
+            "access": [
+                {"type": "repository", "name": name, "actions": sorted(actions)}
+                for name, actions in sorted(access.items())
+            ],
+        }
+        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
+        sig = _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
+        return f"{BEARER_PREFIX}{body}.{sig}", now
+
+    def verify(self, token: str) -> Grant | None:
+        if not token.startswith(BEARER_PREFIX) or len(token) > 16384:
+            return None
+        body, _, sig = token[len(BEARER_PREFIX) :].partition(".")
+        want = _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
+        if not hmac.compare_digest(want, sig):
+            return None
+        try:
+            payload = json.loads(_unb64(body))
+            if payload["aud"] != self.service or payload["exp"] < time.time():
+                return None
+            access = {
+                str(item["name"]): frozenset(str(a) for a in item["actions"])
+                for item in payload["access"]
+            }
+            sub, tid = payload["sub"], payload["tid"]
+            return Grant(
+                sub if isinstance(sub, int) else None,
+                tid if isinstance(tid, int) else None,
+                access,
+                float(payload["exp"]),
+            )
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            return None
+
+
+# -- failed-login rate limit ---------------------------------------------------
+class LoginLimiter:
+    """At most ``limit`` failed logins per client address and per user name in ``window`` s."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._failures: dict[str, deque[float]] = {}
+
+    def _recent(self, key: str, now: float) -> deque[float]:
+        q = self._failures.setdefault(key, deque())
+        while q and q[0] <= now - self.window:
+            q.popleft()
+        return q
+
+    def retry_after(self, keys: list[str]) -> int:
+        """Seconds until a login may be tried again (0: allowed now)."""
+        now = time.monotonic()
+        wait = 0.0
+        for key in keys:
+            q = self._recent(key, now)
+            if len(q) >= self.limit:
+                wait = max(wait, q[0] + self.window - now)
+        return int(wait) + 1 if wait else 0
+
+    def failed(self, keys: list[str]) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._recent(key, now).append(now)
+        if len(self._failures) > 100_000:  # bound memory under a spray of names
+            self._failures = {k: v for k, v in self._failures.items() if self._recent(k, now)}
+
+
+class CredentialCache:
+    """Recently verified Basic credentials, so clients that send Basic on every request
+    do not pay an argon2 verification each time. Keys are sha256 of user and secret; the
+    subject is re-read from the database on every hit, so removals still apply at once."""
+
+    def __init__(self, ttl: float = 60.0, max_entries: int = 10_000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[int, int | None, float]] = {}
+
+    @staticmethod
+    def key(user: str, secret: str) -> str:
+        return hashlib.sha256(f"{user}\x00{secret}".encode()).hexdigest()
+
+    def get(self, key: str) -> tuple[int, int | None] | None:
+        hit = self._entries.get(key)
+        if hit is None or hit[2] < time.monotonic():
+            self._entries.pop(key, None)
+            return None
+        return hit[0], hit[1]
+
+    def put(self, key: str, user_id: int, token_id: int | None) -> None:
+        if len(self._entries) >= self.max_entries:
+            now = time.monotonic()
+            self._entries = {k: v for k, v in self._entries.items() if v[2] >= now}
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+        self._entries[key] = (user_id, token_id, time.monotonic() + self.ttl)

@@ -1,0 +1,130 @@
+"""Hub API ``/api/v1/tokens``: a user lists, creates and revokes their own API tokens.
+
+Creating a token needs the account's password (Basic) or a bearer token obtained
+with it: a token cannot mint tokens. A token never grants more than its user holds
+(its scopes only narrow), so a user may name any namespace in its scopes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from litestar import Controller, Request, delete, get, post
+from litestar.datastructures import State
+from litestar.di import NamedDependency
+from litestar.exceptions import (
+    NotAuthorizedException,
+    NotFoundException,
+    PermissionDeniedException,
+    ValidationException,
+)
+from litestar.params import FromPath, JSONBody
+from sqlalchemy import select
+
+from forkd.errors import InvalidInput
+from forkd.hub import accounts
+from forkd.hub.auth import authenticate, client_ip
+from forkd.hub.models import ApiToken
+from forkd.hub.services import Hub
+
+
+@dataclass
+class TokenInfo:
+    id: int
+    name: str
+    scopes: list[str]
+    created_at: datetime
+    expires_at: datetime | None
+
+
+@dataclass
+class TokenCreate:
+    name: str
+    scopes: list[str]
+    expires_days: int | None = None
+
+
+@dataclass
+class TokenCreated(TokenInfo):
+    token: str  # shown once
+
+
+async def _user(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
+    principal = (await authenticate(hub, request)).principal
+    if principal.anonymous:
+        raise NotAuthorizedException("log in with your user name and password")
+    return principal
+
+
+def _info(token: ApiToken) -> TokenInfo:
+    return TokenInfo(token.id, token.name, token.scopes.split(), token.created_at, token.expires_at)
+
+
+class TokenController(Controller):
+    path = "/api/v1/tokens"
+
+    @get("/")
+    async def list_tokens(
+        self, request: Request[object, object, State], hub: NamedDependency[Hub]
+    ) -> list[TokenInfo]:
+        principal = await _user(hub, request)
+        async with hub.db.reading() as session:
+            rows = await session.scalars(
+                select(ApiToken).where(ApiToken.user_id == principal.user_id).order_by(ApiToken.id)
+            )
+            return [_info(t) for t in rows.all()]
+
+    @post("/")
+    async def create_token(
+        self,
+        request: Request[object, object, State],
+        hub: NamedDependency[Hub],
+        data: JSONBody[TokenCreate],
+    ) -> TokenCreated:
+        principal = await _user(hub, request)
+        if principal.token_id is not None:
+            raise PermissionDeniedException("an API token cannot create tokens; use the password")
+        if data.expires_days is not None and not 1 <= data.expires_days <= 3650:
+            raise ValidationException("expires_days must be between 1 and 3650")
+        try:
+            async with hub.db.transaction() as session:
+                secret = await accounts.create_token(
+                    session,
+                    principal.name,
+                    data.name,
+                    " ".join(data.scopes),
+                    expires_in=timedelta(days=data.expires_days) if data.expires_days else None,
+                )
+                token = (
+                    await session.scalars(
+                        select(ApiToken).where(ApiToken.token_hash == accounts.hash_token(secret))
+                    )
+                ).one()
+        except InvalidInput as exc:
+            raise ValidationException(str(exc)) from exc
+        hub.audit.record(
+            principal.name,
+            client_ip(request),
+            "token.create",
+            token.name,
+            "ok",
+            scopes=token.scopes.split(),
+        )
+        info = _info(token)
+        return TokenCreated(**info.__dict__, token=secret)
+
+    @delete("/{token_id:int}")
+    async def revoke_token(
+        self,
+        request: Request[object, object, State],
+        hub: NamedDependency[Hub],
+        token_id: FromPath[int],
+    ) -> None:
+        principal = await _user(hub, request)
+        async with hub.db.transaction() as session:
+            token = await session.get(ApiToken, token_id)
+            if token is None or token.user_id != principal.user_id:
+                raise NotFoundException(f"no token {token_id}")
+            await session.delete(token)
+        hub.audit.record(principal.name, client_ip(request), "token.revoke", str(token_id), "ok")

@@ -1,0 +1,348 @@
+"""Sign in and out, personal and robot tokens, team membership, README editing (forms)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from litestar import Controller, Response, get, post
+from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency
+from litestar.exceptions import NotFoundException, PermissionDeniedException
+from litestar.params import FromPath
+from litestar.response import Redirect
+from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import Conflict, InvalidInput
+from forkd.hub import accounts
+from forkd.hub.auth import client_ip, login
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import ApiToken, Membership, Namespace, User
+from forkd.hub.services import Hub
+from forkd.hub.ui import queries
+from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
+from forkd.hub.ui.errors import HTML_ERRORS
+from forkd.hub.ui.session import COOKIE, SESSION_TTL, Viewer
+from forkd.hub.ui.text import set_text
+from forkd.names import validate_name
+
+FORM_MAX = 300 * 1024
+
+
+async def _form(request: HubRequest) -> FormMultiDict:
+    return await request.form()
+
+
+def _field(form: FormMultiDict, key: str, limit: int = 300) -> str:
+    value = form.get(key)
+    return str(value)[:limit].strip() if isinstance(value, str) else ""
+
+
+async def _signed_in(ui: UI, hub: Hub, request: HubRequest, form: FormMultiDict | None) -> Viewer:
+    """The viewer, who must be signed in; with ``form``, its CSRF token must match."""
+    who = await viewer(ui, hub, request)
+    if not who.signed_in:
+        raise PermissionDeniedException("sign in first")
+    if form is not None and not ui.sessions.check_csrf(
+        request.cookies.get(COOKIE, ""), _field(form, "csrf", 64)
+    ):
+        raise PermissionDeniedException("the form expired; reload the page and try again")
+    return who
+
+
+class AccountController(Controller):
+    exception_handlers = HTML_ERRORS
+    include_in_schema = False
+
+    # -- sign in / out -------------------------------------------------------
+    @get("/-/signin")
+    async def signin_form(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        nxt = local_path(request.query_params.get("next"))
+        return ui.renderer.page(
+            "signin.html", **base_context(ui, hub, request, who), error="", next=nxt, username=""
+        )
+
+    @post("/-/signin", request_max_body_size=FORM_MAX)
+    async def signin(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[Any]:
+        form = await _form(request)
+        username, password = _field(form, "username", 64), _field(form, "password", 1024)
+        nxt = local_path(_field(form, "next", 1000))
+        try:
+            principal = await login(hub, request, username, password)
+        except RegistryError as exc:
+            who = await viewer(ui, hub, request)
+            status = 429 if exc.code is Code.TOOMANYREQUESTS else 401
+            message = (
+                "Too many failed sign-ins; wait a few minutes."
+                if status == 429
+                else "Wrong user name or password."
+            )
+            return ui.renderer.page(
+                "signin.html",
+                status=status,
+                **base_context(ui, hub, request, who),
+                error=message,
+                next=nxt,
+                username=username,
+            )
+        hub.audit.record(principal.name, client_ip(request), "ui.signin", "-", "ok")
+        response: Response[Any] = Redirect(nxt, status_code=303)
+        response.set_cookie(
+            COOKIE,
+            ui.sessions.issue(principal),
+            max_age=SESSION_TTL,
+            path="/",
+            httponly=True,
+            samesite="lax",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    @post("/-/signout", request_max_body_size=FORM_MAX)
+    async def signout(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[Any]:
+        response: Response[Any] = Redirect("/", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    # -- tokens --------------------------------------------------------------
+    async def _tokens_page(
+        self,
+        request: HubRequest,
+        hub: Hub,
+        ui: UI,
+        who: Viewer,
+        created: str = "",
+        created_for: str = "",
+        error: str = "",
+        status: int = 200,
+    ) -> Response[str]:
+        async with hub.db.transaction() as session:
+            mine = (
+                await session.scalars(
+                    select(ApiToken)
+                    .where(ApiToken.user_id == who.principal.user_id)
+                    .order_by(ApiToken.id)
+                )
+            ).all()
+            namespaces = await queries.admin_namespaces(session, who.principal)
+            robots = await _robots(session, namespaces)
+        return ui.renderer.page(
+            "tokens.html",
+            status=status,
+            **base_context(ui, hub, request, who),
+            tokens=mine,
+            namespaces=namespaces,
+            robots=robots,
+            created=created,
+            created_for=created_for,
+            error=error,
+            roles=("pull", "push", "admin"),
+        )
+
+    @get("/-/settings/tokens")
+    async def tokens(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[Any]:
+        who = await viewer(ui, hub, request)
+        if not who.signed_in:
+            return Redirect("/-/signin?next=/-/settings/tokens", status_code=303)
+        return await self._tokens_page(request, hub, ui, who)
+
+    @post("/-/settings/tokens", request_max_body_size=FORM_MAX)
+    async def create_token(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[str]:
+        form = await _form(request)
+        who = await _signed_in(ui, hub, request, form)
+        if who.principal.token_id is not None:
+            raise PermissionDeniedException("signed in with a token: sign in with your password")
+        name = _field(form, "name", 64) or "web"
+        scopes = _field(form, "scopes", 1000)
+        days = _field(form, "expires_days", 8)
+        try:
+            expires = timedelta(days=int(days)) if days else None
+            if expires is not None and not 1 <= expires.days <= 3650:
+                raise InvalidInput("expiry must be 1-3650 days")
+            async with hub.db.transaction() as session:
+                secret = await accounts.create_token(
+                    session, who.principal.name, name, scopes, expires_in=expires
+                )
+        except (InvalidInput, ValueError) as exc:
+            return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
+        hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
+        return await self._tokens_page(request, hub, ui, who, created=secret, created_for=name)
+
+    @post("/-/settings/tokens/{token_id:int}/revoke", request_max_body_size=FORM_MAX)
+    async def revoke_token(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        token_id: FromPath[int],
+    ) -> Response[Any]:
+        form = await _form(request)
+        who = await _signed_in(ui, hub, request, form)
+        async with hub.db.transaction() as session:
+            token = await session.get(ApiToken, token_id)
+            allowed = token is not None and token.user_id == who.principal.user_id
+            if token is not None and not allowed:
+                managed = await queries.admin_namespaces(session, who.principal)
+                allowed = token.user_id in {r.user_id for r in await _robots(session, managed)}
+            if token is None or not allowed:
+                raise NotFoundException(f"no token {token_id}")
+            await session.delete(token)
+        hub.audit.record(
+            who.principal.name, client_ip(request), "token.revoke", str(token_id), "ok"
+        )
+        return Redirect("/-/settings/tokens", status_code=303)
+
+    @post("/-/settings/robots", request_max_body_size=FORM_MAX)
+    async def create_robot_token(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[str]:
+        """A token for a robot account that is a member of a namespace the viewer admins."""
+        form = await _form(request)
+        who = await _signed_in(ui, hub, request, form)
+        if who.principal.token_id is not None:
+            raise PermissionDeniedException("signed in with a token: sign in with your password")
+        ns_name, robot, role = (
+            _field(form, "namespace"),
+            _field(form, "robot", 64),
+            _field(form, "role", 8),
+        )
+        try:
+            accounts.validate_username(robot)
+            if role not in ("pull", "push", "admin"):
+                raise InvalidInput("role must be pull, push or admin")
+            async with hub.db.transaction() as session:
+                if ns_name not in await queries.admin_namespaces(session, who.principal):
+                    raise InvalidInput(f"you do not administer a namespace named {ns_name!r}")
+                user = await accounts.get_user(session, robot)
+                if user is None:
+                    user = await accounts.create_user(session, robot, None, robot=True)
+                elif not user.is_robot:
+                    raise Conflict(f"{robot!r} is a person's account, not a robot")
+                await accounts.set_member(session, ns_name, robot, role)
+                secret = await accounts.create_token(
+                    session, robot, f"{ns_name}-{role}", f"{ns_name}:{role}"
+                )
+        except (InvalidInput, Conflict) as exc:
+            return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
+        hub.audit.record(who.principal.name, client_ip(request), "robot.token", robot, "ok")
+        return await self._tokens_page(request, hub, ui, who, created=secret, created_for=robot)
+
+    # -- team membership -----------------------------------------------------
+    @post("/-/members/{namespace:str}", request_max_body_size=FORM_MAX)
+    async def set_member(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        namespace: FromPath[str],
+    ) -> Response[Any]:
+        form = await _form(request)
+        who = await _signed_in(ui, hub, request, form)
+        username, role = _field(form, "username", 64), _field(form, "role", 8)
+        try:
+            accounts.validate_namespace(namespace)
+            accounts.validate_username(username)
+        except InvalidInput as exc:
+            raise NotFoundException(str(exc)) from exc
+        async with hub.db.transaction() as session:
+            ns = await accounts.get_namespace(session, namespace)
+            if ns is None:
+                raise NotFoundException(f"no namespace {namespace}")
+            if await queries.role_in(session, who.principal, ns) != "admin":
+                raise PermissionDeniedException(f"only admins of {namespace} manage its team")
+            user = await accounts.get_user(session, username)
+            if user is None:
+                raise NotFoundException(f"no user {username}")
+            if role == "remove":
+                if user.id == who.principal.user_id:
+                    raise PermissionDeniedException("you cannot remove yourself")
+                await session.execute(
+                    delete(Membership).where(
+                        Membership.namespace_id == ns.id, Membership.user_id == user.id
+                    )
+                )
+            else:
+                try:
+                    await accounts.set_member(session, namespace, username, role)
+                except InvalidInput as exc:
+                    raise NotFoundException(str(exc)) from exc
+        hub.audit.record(
+            who.principal.name, client_ip(request), "member.set", f"{namespace}/{username}", role
+        )
+        return Redirect(f"/{namespace}", status_code=303)
+
+    # -- README and description ----------------------------------------------
+    @post("/-/edit/{name:path}", request_max_body_size=FORM_MAX)
+    async def edit_readme(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        name: FromPath[str],
+    ) -> Response[Any]:
+        form = await _form(request)
+        who = await _signed_in(ui, hub, request, form)
+        name = name.strip("/")
+        try:
+            validate_name(name)
+            async with hub.db.transaction() as session:
+                await set_text(
+                    session,
+                    who.principal,
+                    name,
+                    readme=_field(form, "readme", 256 * 1024),
+                    description=_field(form, "description", 300),
+                )
+        except InvalidInput as exc:
+            raise NotFoundException(str(exc)) from exc
+        hub.audit.record(who.principal.name, client_ip(request), "repo.readme", name, "ok")
+        return Redirect(f"/{name}", status_code=303)
+
+
+@dataclass
+class RobotRow:
+    user_id: int
+    name: str
+    tokens: list[ApiToken]
+
+
+async def _robots(session: AsyncSession, namespaces: list[str]) -> list[RobotRow]:
+    """Robot accounts that are members of ``namespaces``, with their tokens."""
+    if not namespaces:
+        return []
+    rows = (
+        (
+            await session.execute(
+                select(User)
+                .join(Membership, Membership.user_id == User.id)
+                .join(Namespace, Namespace.id == Membership.namespace_id)
+                .where(User.is_robot.is_(True), Namespace.name.in_(namespaces))
+                .distinct()
+                .order_by(User.name)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    out: list[RobotRow] = []
+    for user in rows:
+        tokens = (
+            await session.scalars(
+                select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)
+            )
+        ).all()
+        out.append(RobotRow(user.id, user.name, list(tokens)))
+    return out

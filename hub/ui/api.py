@@ -1,0 +1,91 @@
+"""Hub API ``/api/v1/readme/{name}``: read and set a repository's README and description.
+
+``GET`` needs pull (public repositories: anyone); ``PUT`` needs push, with the same
+credentials as ``/v2/`` (Basic, or a bearer token from ``/token`` whose scope grants
+push on the repository: ``forkd push --readme`` reuses its push token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from litestar import Controller, get, put
+from litestar.di import NamedDependency
+from litestar.exceptions import ValidationException
+from litestar.params import FromPath, JSONBody
+
+from forkd.errors import InvalidInput
+from forkd.hub import accounts
+from forkd.hub.auth import authenticate, authorize, client_ip
+from forkd.hub.services import Hub
+from forkd.hub.ui.common import HubRequest
+from forkd.hub.ui.text import set_text
+from forkd.names import validate_name
+
+BODY_MAX = 512 * 1024
+
+
+@dataclass
+class RepositoryText:
+    name: str
+    description: str
+    readme: str
+
+
+@dataclass
+class RepositoryTextUpdate:
+    readme: str | None = None
+    description: str | None = None
+
+
+def _name(raw: str) -> str:
+    try:
+        return validate_name(raw.strip("/"))
+    except InvalidInput as exc:
+        raise ValidationException(str(exc)) from exc
+
+
+class ReadmeController(Controller):
+    path = "/api/v1/readme"
+    tags: ClassVar[list[str]] = ["catalog"]  # type: ignore[misc]
+
+    @get("/{name:path}")
+    async def get_text(
+        self, request: HubRequest, hub: NamedDependency[Hub], name: FromPath[str]
+    ) -> RepositoryText:
+        """A repository's README (Markdown source) and description."""
+        name = _name(name)
+        caller = await authenticate(hub, request)
+        await authorize(hub, request, caller, name, "pull")
+        async with hub.db.transaction() as session:
+            repo = await accounts.get_repository(session, name)
+        assert repo is not None  # authorize answered NAME_UNKNOWN otherwise
+        return RepositoryText(repo.name, repo.description, repo.readme)
+
+    @put("/{name:path}", request_max_body_size=BODY_MAX)
+    async def put_text(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        name: FromPath[str],
+        data: JSONBody[RepositoryTextUpdate],
+    ) -> RepositoryText:
+        """Set the README and/or description (omitted or null fields are kept)."""
+        name = _name(name)
+        caller = await authenticate(hub, request)
+        await authorize(hub, request, caller, name, "push")
+        try:
+            async with hub.db.transaction() as session:
+                repo = await set_text(
+                    session,
+                    caller.principal,
+                    name,
+                    readme=data.readme,
+                    description=data.description,
+                )
+                result = RepositoryText(repo.name, repo.description, repo.readme)
+        except InvalidInput as exc:
+            raise ValidationException(str(exc)) from exc
+        hub.audit.record(caller.principal.name, client_ip(request), "repo.readme", name, "ok")
+        return result

@@ -1,0 +1,57 @@
+"""Errors of UI pages become pages (never stack traces or JSON)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Request, Response
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, NotFoundException
+
+from forkd.hub.ui.render import Renderer
+
+log = logging.getLogger("forkd.hub.ui")
+_renderer: Renderer | None = None
+
+TITLES = {400: "Bad request", 403: "Not allowed", 404: "Not found", 405: "Not allowed"}
+
+
+def _page(request: Request[Any, Any, State], status: int, title: str, detail: str) -> Response[str]:
+    global _renderer
+    if _renderer is None:
+        _renderer = Renderer()
+    signed_in = bool(request.cookies.get("forkd_session"))
+    return _renderer.page(
+        "error.html",
+        status=status,
+        title=title,
+        detail=detail,
+        status_code=status,
+        path=request.url.path,
+        maybe_private=status == 404 and not signed_in,
+        viewer=None,
+        hub_host="",
+        here=request.url.path,
+        q="",
+    )
+
+
+def http_error(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    detail = exc.detail if status < 500 else "something went wrong on the hub"
+    if isinstance(exc, NotFoundException) and not detail:
+        detail = "There is nothing here."
+    return _page(request, status, TITLES.get(status, "Error"), detail)
+
+
+def server_error(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
+    log.error("error rendering %s", request.url.path, exc_info=exc)
+    return _page(request, 500, "Hub error", "Something went wrong on the hub; it was logged.")
+
+
+HTML_ERRORS: dict[type[Exception] | int, Any] = {
+    HTTPException: http_error,
+    500: server_error,
+}

@@ -1,0 +1,236 @@
+"""Browsing: home, search, organisation/user pages, pack pages, tag pages."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from litestar import Controller, Response, get
+from litestar.di import NamedDependency
+from litestar.exceptions import NotFoundException, ValidationException
+from litestar.params import FromPath, Parameter
+from sqlalchemy import select
+
+from forkd import digest as dg
+from forkd.errors import InvalidInput
+from forkd.hub import accounts
+from forkd.hub.catalog import visible
+from forkd.hub.models import Repository
+from forkd.hub.services import Hub
+from forkd.hub.ui import queries
+from forkd.hub.ui.common import UI, HubRequest, base_context, checked_query, invalid, viewer
+from forkd.hub.ui.errors import HTML_ERRORS
+from forkd.hub.ui.render import render_markdown
+from forkd.names import validate_name, validate_tag
+
+PER_PAGE = 20
+FEATURED = 6
+VMMS = ("qemu", "firecracker")
+
+
+class BrowseController(Controller):
+    exception_handlers = HTML_ERRORS
+    include_in_schema = False
+
+    @get("/")
+    async def home(
+        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+    ) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        recent, total = await queries.search(
+            hub, ui.facts, who.principal, queries.Filters(sort="updated"), 1, FEATURED
+        )
+        popular, _ = await queries.search(
+            hub, ui.facts, who.principal, queries.Filters(sort="pulls"), 1, FEATURED
+        )
+        return ui.renderer.page(
+            "home.html",
+            **base_context(ui, hub, request, who),
+            recent=recent,
+            popular=popular,
+            total=total,
+        )
+
+    @get("/-/search")
+    async def search(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        q: Annotated[str | None, Parameter(max_length=100)] = None,
+        namespace: Annotated[str | None, Parameter(max_length=255)] = None,
+        vmm: Annotated[str | None, Parameter(max_length=32)] = None,
+        nokvm: Annotated[str | None, Parameter(max_length=8)] = None,
+        chain: Annotated[str | None, Parameter(max_length=8)] = None,
+        sort: Annotated[str | None, Parameter(max_length=16)] = None,
+        page: Annotated[int, Parameter(ge=1, le=10_000)] = 1,
+        per_page: Annotated[int, Parameter(ge=1, le=100)] = PER_PAGE,
+    ) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        text = checked_query(q)
+        ns = (namespace or "").strip()
+        if ns:
+            try:
+                accounts.validate_namespace(ns)
+            except InvalidInput as exc:
+                raise invalid(exc) from exc
+        if vmm and vmm not in VMMS:
+            raise ValidationException(f"unknown VMM {vmm[:32]!r}: use one of {', '.join(VMMS)}")
+        order = sort or "updated"
+        if order not in queries.SORTS:
+            raise ValidationException("sort by updated, pulls or name")
+        filters = queries.Filters(
+            q=text,
+            namespace=ns,
+            vmm=vmm or "",
+            without_kvm=bool(nokvm),
+            chain=bool(chain),
+            sort=order,
+        )
+        items, total = await queries.search(hub, ui.facts, who.principal, filters, page, per_page)
+        params: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "q": text,
+                "namespace": ns,
+                "vmm": filters.vmm,
+                "nokvm": "1" if filters.without_kvm else "",
+                "chain": "1" if filters.chain else "",
+                "sort": order if order != "updated" else "",
+                "per_page": per_page if per_page != PER_PAGE else "",
+            }.items()
+            if v
+        }
+        pages = max(1, -(-total // per_page))
+
+        def link(n: int) -> str:
+            return "/-/search?" + urlencode({**params, "page": n} if n > 1 else params)
+
+        context = base_context(ui, hub, request, who)
+        context["q"] = text
+        return ui.renderer.page(
+            "search.html",
+            **context,
+            filters=filters,
+            vmms=VMMS,
+            items=items,
+            total=total,
+            page=page,
+            pages=pages,
+            prev_link=link(page - 1) if page > 1 else "",
+            next_link=link(page + 1) if page < pages else "",
+        )
+
+    @get("/-/{path:path}")
+    async def unknown(self, path: FromPath[str]) -> Response[str]:
+        """Any other ``/-/`` address: a 404 page, not the API's JSON."""
+        raise NotFoundException(f"no page at /-/{path.strip('/')[:200]}")
+
+    @get("/{path:path}")
+    async def resource(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        path: FromPath[str],
+    ) -> Response[str]:
+        """``/NS`` (organisation or user), ``/NS/NAME`` (pack), ``/NS/NAME/-/tags/REF`` (tag)."""
+        path = path.strip("/")
+        name, sep, rest = path.partition("/-/")
+        try:
+            validate_name(name)
+        except InvalidInput as exc:
+            raise NotFoundException(f"no page at /{path[:200]}") from exc
+        if "/" not in name and not sep:
+            return await self._namespace(request, hub, ui, name)
+        if not sep:
+            return await self._pack(request, hub, ui, name)
+        kind, _, ref = rest.partition("/")
+        if kind == "tags" and ref:
+            return await self._tag(request, hub, ui, name, ref)
+        raise NotFoundException(f"no page at /{path[:200]}")
+
+    async def _namespace(self, request: HubRequest, hub: Hub, ui: UI, name: str) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        async with hub.db.transaction() as session:
+            ns = await accounts.get_namespace(session, name)
+            if ns is None:
+                raise NotFoundException(f"no user or organisation named {name}")
+            role = await queries.role_in(session, who.principal, ns)
+            members = await queries.namespace_members(session, ns) if role else []
+            rows = (
+                await session.execute(
+                    select(Repository, queries.tag_count())
+                    .where(
+                        Repository.namespace_id == ns.id,
+                        await visible(session, who.principal),
+                    )
+                    .order_by(Repository.updated_at.desc(), Repository.name)
+                )
+            ).all()
+        packs = [queries.summary(r, n) for r, n in rows]
+        return ui.renderer.page(
+            "namespace.html",
+            **base_context(ui, hub, request, who),
+            ns=ns,
+            role=role,
+            members=members,
+            packs=packs,
+            roles=("pull", "push", "admin"),
+        )
+
+    async def _pack(self, request: HubRequest, hub: Hub, ui: UI, name: str) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        detail = await queries.pack(hub, ui.facts, who.principal, name)
+        if detail is None:
+            raise NotFoundException(f"no pack named {name}")
+        featured = detail.featured
+        description = detail.repo.description
+        if not description and featured and featured.facts.config:
+            description = featured.facts.config.description
+        return ui.renderer.page(
+            "pack.html",
+            **base_context(ui, hub, request, who),
+            detail=detail,
+            repo=detail.repo,
+            featured=featured,
+            description=description,
+            readme_html=render_markdown(detail.repo.readme) if detail.repo.readme else "",
+            pull_tag=featured.name if featured else "latest",
+        )
+
+    async def _tag(
+        self, request: HubRequest, hub: Hub, ui: UI, name: str, ref: str
+    ) -> Response[str]:
+        who = await viewer(ui, hub, request)
+        try:
+            if ref.startswith("sha256:"):
+                dg.validate(ref)
+            else:
+                validate_tag(ref)
+        except InvalidInput as exc:
+            raise NotFoundException(f"no tag {ref[:130]!r} in {name}") from exc
+        detail = await queries.pack(hub, ui.facts, who.principal, name)
+        if detail is None:
+            raise NotFoundException(f"no pack named {name}")
+        row = next((t for t in detail.tags if t.name == ref), None)
+        digest = row.digest if row else ref
+        if digest not in detail.manifests:
+            raise NotFoundException(f"no tag {ref} in {name}")
+        layers = await queries.chain_layers(hub, ui.facts, detail, digest)
+        head = layers[0].facts
+        graph = queries.lineage(detail, digest)
+        return ui.renderer.page(
+            "tag.html",
+            **base_context(ui, hub, request, who),
+            detail=detail,
+            repo=detail.repo,
+            ref=ref,
+            digest=digest,
+            tags=detail.tags_of.get(digest, []),
+            head=head,
+            layers=layers,
+            chain_stored=sum(layer.facts.stored for layer in layers),
+            graph=graph,
+            pull_ref=f"{name}:{ref}" if row else f"{name}@{digest}",
+        )

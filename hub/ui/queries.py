@@ -1,0 +1,583 @@
+"""What the pages show, read through the hub's models and the pack format's own parsers.
+
+Repository visibility is the catalog's (``forkd.hub.catalog.visible``): a page never
+shows what ``/api/v1`` or ``/v2/`` would hide. What a layer *is* (its config, memory
+map, sizes) is read from its blobs with ``forkd.pack`` and cached by manifest digest:
+a digest names immutable bytes, so the cache never goes stale.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import anyio
+from sqlalchemy import ColumnElement, Select, exists, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import ForkdError
+from forkd.hub import accounts
+from forkd.hub.catalog import MAX_CHAIN, visible
+from forkd.hub.models import Manifest as ManifestRow
+from forkd.hub.models import Membership, Namespace, Repository, Tag, User
+from forkd.hub.services import Hub
+from forkd.pack import mediatypes as mt
+from forkd.pack.config import MAX_CONFIG_BYTES, SnapshotConfig
+from forkd.pack.imagemap import PAGE_SIZE, ImageMap
+from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.pack.manifest import Manifest as PackManifest
+
+FACTS_CACHE = 4096
+# Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
+FILTER_SCAN_LIMIT = 5000
+
+
+# -- facts about one layer (one manifest digest) --------------------------------
+@dataclass(frozen=True)
+class ImageFacts:
+    role: str  # "memory" or "disk"
+    kind: str  # "flat" or "diff"
+    size: int  # the image's full size
+    provided: int  # bytes of pages this layer defines
+    zero: int  # bytes of pages this layer sets to zero
+    stored: int  # compressed chunk bytes
+    chunks: int
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    digest: str
+    manifest_size: int
+    stored: int  # manifest + every blob it references, each once
+    config: SnapshotConfig | None  # None: not a forkd snapshot (another OCI artifact)
+    with_maps: bool  # whether ``images`` was read (tag pages need it, listings do not)
+    images: tuple[ImageFacts, ...] = ()
+    blobs: tuple[tuple[str, int, int], ...] = ()  # (kind, count, bytes) by layer media type
+    error: str = ""
+
+    @property
+    def memory(self) -> ImageFacts | None:
+        return next((i for i in self.images if i.role == "memory"), None)
+
+    @property
+    def vmm(self) -> str:
+        return self.config.compat.vmm if self.config and self.config.compat else ""
+
+    @property
+    def without_kvm(self) -> bool:
+        compat = self.config.compat if self.config else None
+        return compat is not None and "tcg" in compat.accelerators
+
+
+_KINDS = {
+    mt.CONFIG: "config",
+    mt.MEMORY_MAP: "memory map",
+    mt.MEMORY_CHUNK: "memory chunks",
+    mt.DISK_MAP: "disk map",
+    mt.DISK_CHUNK: "disk chunks",
+    mt.VMSTATE: "device state",
+    mt.KERNEL: "kernel",
+    mt.INITRD: "initramfs",
+}
+
+
+class FactsCache:
+    """LayerFacts by manifest digest, read from the blob store once (bounded LRU)."""
+
+    def __init__(self, limit: int = FACTS_CACHE) -> None:
+        self._limit = limit
+        self._items: OrderedDict[str, LayerFacts] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _read(self, hub: Hub, digest: str, size: int, maps: bool) -> LayerFacts:
+        try:
+            raw = hub.blobs.read(digest, MAX_MANIFEST_BYTES, "manifest")
+            manifest = PackManifest.from_bytes(raw, f"manifest {digest}")
+            cfg = SnapshotConfig.from_bytes(
+                hub.blobs.read(manifest.config.digest, MAX_CONFIG_BYTES, "config"),
+                f"config of {digest}",
+            )
+            images = []
+            for role, desc in manifest.maps.items() if maps else ():
+                imap = ImageMap.from_bytes(hub.blobs.read(desc.digest, desc.size, f"{role} map"))
+                images.append(
+                    ImageFacts(
+                        role,
+                        imap.kind,
+                        imap.size,
+                        imap.provided_pages * PAGE_SIZE,
+                        sum(n for _, n in imap.zero) * PAGE_SIZE,
+                        imap.stored_bytes,
+                        len(imap.chunks),
+                    )
+                )
+        except (ForkdError, ValueError) as exc:
+            return LayerFacts(digest, size, size, None, maps, error=str(exc)[:300])
+        unique = manifest.blobs()
+        kinds: dict[str, list[int]] = {}
+        for d in unique:
+            entry = kinds.setdefault(_KINDS.get(d.media_type, d.media_type), [0, 0])
+            entry[0] += 1
+            entry[1] += d.size
+        return LayerFacts(
+            digest,
+            size,
+            size + sum(d.size for d in unique),
+            cfg,
+            maps,
+            tuple(images),
+            tuple((k, v[0], v[1]) for k, v in kinds.items()),
+        )
+
+    def get(self, hub: Hub, digest: str, size: int, maps: bool = False) -> LayerFacts:
+        """Facts of one manifest; with ``maps``, also its image maps (bigger: tag pages only)."""
+        with self._lock:
+            hit = self._items.get(digest)
+            if hit is not None and (hit.with_maps or not maps):
+                self._items.move_to_end(digest)
+                return hit
+        facts = self._read(hub, digest, size, maps)
+        with self._lock:
+            self._items[digest] = facts
+            while len(self._items) > self._limit:
+                self._items.popitem(last=False)
+        return facts
+
+    async def many(
+        self, hub: Hub, wanted: Iterable[tuple[str, int]], maps: bool = False
+    ) -> dict[str, LayerFacts]:
+        """Facts for many manifests; blob reads happen in a worker thread."""
+        items = dict(wanted)
+
+        def load() -> dict[str, LayerFacts]:
+            return {d: self.get(hub, d, size, maps) for d, size in items.items()}
+
+        return await anyio.to_thread.run_sync(load)
+
+
+# -- listing --------------------------------------------------------------------
+@dataclass
+class PackSummary:
+    name: str
+    namespace: str
+    description: str
+    public: bool
+    pulls: int
+    tags: int
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class Filters:
+    q: str = ""
+    namespace: str = ""
+    vmm: str = ""
+    without_kvm: bool = False
+    chain: bool = False
+    sort: str = "updated"
+
+    @property
+    def needs_facts(self) -> bool:
+        return bool(self.vmm) or self.without_kvm
+
+    @property
+    def active(self) -> bool:
+        return bool(self.q or self.namespace or self.vmm or self.without_kvm or self.chain)
+
+
+SORTS: dict[str, tuple[ColumnElement[Any], ...]] = {
+    "updated": (Repository.updated_at.desc(), Repository.name.asc()),
+    "pulls": (Repository.pull_count.desc(), Repository.name.asc()),
+    "name": (Repository.name.asc(),),
+}
+
+
+def _like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def tag_count() -> Any:
+    return (
+        select(func.count())
+        .where(Tag.repository_id == Repository.id)
+        .correlate(Repository)
+        .scalar_subquery()
+    )
+
+
+def summary(repo: Repository, tags: int) -> PackSummary:
+    return PackSummary(
+        repo.name,
+        accounts.namespace_of(repo.name),
+        repo.description,
+        repo.is_public,
+        repo.pull_count,
+        tags,
+        repo.updated_at,
+    )
+
+
+async def search(
+    hub: Hub,
+    facts: FactsCache,
+    principal: accounts.Principal,
+    filters: Filters,
+    page: int,
+    per_page: int,
+) -> tuple[list[PackSummary], int]:
+    """One page of the packs ``principal`` may see that match ``filters``, and the total."""
+    await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
+    async with hub.db.transaction() as session:
+        where = [await visible(session, principal)]
+        if filters.q:
+            pattern = f"%{_like(filters.q)}%"
+            where.append(
+                or_(
+                    Repository.name.like(pattern, escape="\\"),
+                    Repository.description.like(pattern, escape="\\"),
+                )
+            )
+        if filters.namespace:
+            where.append(Repository.name.like(f"{_like(filters.namespace)}/%", escape="\\"))
+        if filters.chain:
+            where.append(
+                exists(
+                    select(Tag.name)
+                    .join(
+                        ManifestRow,
+                        (ManifestRow.repository_id == Tag.repository_id)
+                        & (ManifestRow.digest == Tag.manifest_digest),
+                    )
+                    .where(Tag.repository_id == Repository.id)
+                    .where(ManifestRow.subject_digest.is_not(None))
+                )
+            )
+        query: Select[Any] = select(Repository, tag_count()).where(*where)
+        query = query.order_by(*SORTS[filters.sort])
+        if not filters.needs_facts:
+            total = await session.scalar(select(func.count()).select_from(Repository).where(*where))
+            rows = (
+                await session.execute(query.offset((page - 1) * per_page).limit(per_page))
+            ).all()
+            return [summary(repo, n) for repo, n in rows], total or 0
+        rows = (await session.execute(query.limit(FILTER_SCAN_LIMIT))).all()
+        heads = (
+            await session.execute(
+                select(Tag.repository_id, ManifestRow.digest, ManifestRow.size)
+                .join(
+                    ManifestRow,
+                    (ManifestRow.repository_id == Tag.repository_id)
+                    & (ManifestRow.digest == Tag.manifest_digest),
+                )
+                .where(Tag.repository_id.in_([repo.id for repo, _ in rows]))
+            )
+        ).all()
+    known = await facts.many(hub, ((d, size) for _, d, size in heads))
+    matching: set[int] = set()
+    for repo_id, digest, _ in heads:
+        f = known[digest]
+        if filters.vmm and f.vmm != filters.vmm:
+            continue
+        if filters.without_kvm and not f.without_kvm:
+            continue
+        matching.add(repo_id)
+    hits = [summary(repo, n) for repo, n in rows if repo.id in matching]
+    return hits[(page - 1) * per_page : page * per_page], len(hits)
+
+
+# -- one repository ------------------------------------------------------------
+@dataclass
+class TagRow:
+    name: str
+    digest: str
+    pushed_at: datetime
+    depth: int
+    facts: LayerFacts
+
+
+@dataclass
+class PackDetail:
+    repo: Repository
+    namespace: str
+    tags: list[TagRow]
+    manifests: dict[str, ManifestRow]
+    tags_of: dict[str, list[str]]
+    can_push: bool
+
+    @property
+    def featured(self) -> TagRow | None:
+        """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
+        for row in self.tags:
+            if row.name == "latest":
+                return row
+        return max(self.tags, key=lambda r: r.pushed_at, default=None)
+
+
+def _depth(subjects: dict[str, str | None], digest: str) -> int:
+    depth, seen = 0, {digest}
+    current = subjects.get(digest)
+    while current is not None and current not in seen and depth < MAX_CHAIN:
+        depth += 1
+        seen.add(current)
+        current = subjects.get(current)
+    return depth
+
+
+async def pack(
+    hub: Hub, facts: FactsCache, principal: accounts.Principal, name: str
+) -> PackDetail | None:
+    """A repository with its tags; None when it does not exist or ``principal`` cannot see it."""
+    await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
+    async with hub.db.transaction() as session:
+        repo = (
+            await session.scalars(
+                select(Repository).where(Repository.name == name, await visible(session, principal))
+            )
+        ).first()
+        if repo is None:
+            return None
+        manifests = {
+            m.digest: m
+            for m in (
+                await session.scalars(
+                    select(ManifestRow).where(ManifestRow.repository_id == repo.id)
+                )
+            ).all()
+        }
+        tag_rows = (
+            await session.scalars(
+                select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
+            )
+        ).all()
+        can_push = "push" in await accounts.repository_actions(session, principal, name)
+    subjects = {d: m.subject_digest for d, m in manifests.items()}
+    tags_of: dict[str, list[str]] = {}
+    for t in tag_rows:
+        tags_of.setdefault(t.manifest_digest, []).append(t.name)
+    present = [t for t in tag_rows if t.manifest_digest in manifests]
+    known = await facts.many(
+        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in present)
+    )
+    rows = [
+        TagRow(
+            t.name,
+            t.manifest_digest,
+            t.updated_at,
+            _depth(subjects, t.manifest_digest),
+            known[t.manifest_digest],
+        )
+        for t in present
+    ]
+    return PackDetail(repo, accounts.namespace_of(name), rows, manifests, tags_of, can_push)
+
+
+# -- a tag: its chain and its lineage graph --------------------------------------
+@dataclass
+class ChainLayer:
+    digest: str
+    tags: list[str]
+    facts: LayerFacts
+
+
+@dataclass
+class GraphNode:
+    digest: str
+    label: str
+    tags: list[str]
+    level: int
+    current: bool
+    compacted: bool
+    x: int = 0
+    y: int = 0
+
+
+@dataclass
+class GraphEdge:
+    source: str
+    target: str
+    kind: str  # "parent" or "compaction"
+    x1: int = 0
+    y1: int = 0
+    x2: int = 0
+    y2: int = 0
+
+
+@dataclass
+class Graph:
+    nodes: list[GraphNode]
+    edges: list[GraphEdge]
+    width: int
+    height: int
+    ancestors: list[str] = field(default_factory=list)
+    descendants: list[str] = field(default_factory=list)
+    compactions: list[tuple[str, str]] = field(default_factory=list)
+
+
+NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 150, 34, 24, 40, 12
+
+
+def compacted_source(m: ManifestRow) -> str | None:
+    """The manifest digest a compacted layer was flattened from (its annotation)."""
+    if not m.annotations:
+        return None
+    try:
+        notes = json.loads(m.annotations)
+    except ValueError:
+        return None
+    value = notes.get(mt.ANNOTATION_COMPACTED_FROM) if isinstance(notes, dict) else None
+    if not isinstance(value, str) or "@" not in value:
+        return None
+    return value.rsplit("@", 1)[1]
+
+
+def chain_of(detail: PackDetail, head: str) -> list[str]:
+    """head → … → base through ``subject`` (bounded, cycle-safe)."""
+    out, seen = [head], {head}
+    current = detail.manifests[head].subject_digest
+    while current is not None and current not in seen and len(out) <= MAX_CHAIN:
+        out.append(current)
+        seen.add(current)
+        parent = detail.manifests.get(current)
+        current = parent.subject_digest if parent is not None else None
+    return out
+
+
+async def chain_layers(
+    hub: Hub, facts: FactsCache, detail: PackDetail, head: str
+) -> list[ChainLayer]:
+    digests = [d for d in chain_of(detail, head) if d in detail.manifests]
+    known = await facts.many(hub, ((d, detail.manifests[d].size) for d in digests), maps=True)
+    return [ChainLayer(d, detail.tags_of.get(d, []), known[d]) for d in digests]
+
+
+def lineage(detail: PackDetail, head: str) -> Graph:
+    """Ancestors, descendants and compaction links of ``head``, laid out for SVG."""
+    manifests = detail.manifests
+    children: dict[str, list[str]] = {}
+    compacted_into: dict[str, list[str]] = {}
+    for d, m in manifests.items():
+        if m.subject_digest is not None:
+            children.setdefault(m.subject_digest, []).append(d)
+        src = compacted_source(m)
+        if src is not None:
+            compacted_into.setdefault(src, []).append(d)
+    ancestors = chain_of(detail, head)[1:]
+    descendants: list[str] = []
+    frontier, seen = [head], {head, *ancestors}
+    while frontier and len(descendants) < MAX_CHAIN:
+        nxt = []
+        for parent in frontier:
+            for child in sorted(children.get(parent, [])):
+                if child not in seen:
+                    seen.add(child)
+                    descendants.append(child)
+                    nxt.append(child)
+        frontier = nxt
+    family = [*reversed(ancestors), head, *descendants]
+    compactions: list[tuple[str, str]] = []
+    for d in list(family):
+        for flat in sorted(compacted_into.get(d, [])):
+            compactions.append((d, flat))
+        src = compacted_source(manifests[d]) if d in manifests else None
+        if src is not None:
+            compactions.append((src, d))
+    # A compaction's other end comes with its own ancestors, so the flat layer's page shows
+    # the chain it replaced.
+    extra: list[str] = []
+    for pair in compactions:
+        for x in pair:
+            if x in seen or x not in manifests:
+                continue
+            for y in reversed(chain_of(detail, x)):
+                if y not in seen:
+                    seen.add(y)
+                    extra.append(y)
+    nodes_order = family + extra
+
+    subjects = {d: m.subject_digest for d, m in manifests.items()}
+    level: dict[str, int] = {}
+    for d in nodes_order:
+        level[d] = _depth(subjects, d)
+    for src, flat in compactions:  # a flat layer sits one row below what it came from
+        if flat in level and src in level and manifests.get(flat) and not subjects.get(flat):
+            level[flat] = max(level[flat], level[src] + 1)
+    rows: dict[int, list[str]] = {}
+    for d in nodes_order:
+        rows.setdefault(level[d], []).append(d)
+    width = max((len(r) for r in rows.values()), default=1) * (NODE_W + GAP_X) - GAP_X + 2 * PAD
+    nodes: dict[str, GraphNode] = {}
+    compacted_nodes = {flat for _, flat in compactions}
+    for row_index, lvl in enumerate(sorted(rows)):
+        for col, d in enumerate(rows[lvl]):
+            tags = detail.tags_of.get(d, [])
+            nodes[d] = GraphNode(
+                d,
+                tags[0] if tags else d.split(":", 1)[-1][:12],
+                tags,
+                lvl,
+                d == head,
+                d in compacted_nodes,
+                PAD + col * (NODE_W + GAP_X),
+                PAD + row_index * (NODE_H + GAP_Y),
+            )
+    edges: list[GraphEdge] = []
+    for d in nodes_order:
+        up = subjects.get(d)
+        if up is not None and up in nodes:
+            edges.append(GraphEdge(up, d, "parent"))
+    for src, flat in compactions:
+        if src in nodes and flat in nodes:
+            edges.append(GraphEdge(src, flat, "compaction"))
+    for e in edges:
+        a, b = nodes[e.source], nodes[e.target]
+        e.x1, e.y1 = a.x + NODE_W // 2, a.y + NODE_H
+        e.x2, e.y2 = b.x + NODE_W // 2, b.y
+    height = len(rows) * (NODE_H + GAP_Y) - GAP_Y + 2 * PAD
+    return Graph(list(nodes.values()), edges, width, height, ancestors, descendants, compactions)
+
+
+# -- namespaces, members, tokens ----------------------------------------------
+@dataclass
+class Member:
+    name: str
+    role: str
+    robot: bool
+
+
+async def namespace_members(session: AsyncSession, ns: Namespace) -> list[Member]:
+    rows = (
+        await session.execute(
+            select(User.name, Membership.role, User.is_robot)
+            .join(Membership, Membership.user_id == User.id)
+            .where(Membership.namespace_id == ns.id)
+            .order_by(User.name)
+        )
+    ).all()
+    return [Member(name, role, robot) for name, role, robot in rows]
+
+
+async def role_in(session: AsyncSession, principal: accounts.Principal, ns: Namespace) -> str:
+    """``principal``'s role in ``ns`` ('' when none); site admins count as admins."""
+    if principal.anonymous:
+        return ""
+    if principal.is_admin:
+        return "admin"
+    member = await session.get(Membership, (ns.id, principal.user_id))
+    return member.role if member else ""
+
+
+async def admin_namespaces(session: AsyncSession, principal: accounts.Principal) -> list[str]:
+    """Namespaces whose robots and members ``principal`` may manage."""
+    if principal.anonymous:
+        return []
+    query = select(Namespace.name).order_by(Namespace.name)
+    if not principal.is_admin:
+        query = query.join(Membership, Membership.namespace_id == Namespace.id).where(
+            Membership.user_id == principal.user_id, Membership.role == "admin"
+        )
+    return list((await session.scalars(query)).all())

@@ -1,0 +1,128 @@
+"""Templates (Jinja, autoescaped), safe Markdown, and the display filters the pages share.
+
+Pages are rendered here rather than through an app-wide template config, so the
+whole UI is one router that ``create_app`` mounts with one line.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import nh3
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from litestar import Response
+from litestar.enums import MediaType
+from markdown_it import MarkdownIt
+
+from forkd import digest as dg
+
+TEMPLATES = Path(__file__).parent / "templates"
+# No inline scripts or styles anywhere: the copy button's few lines live in /-/static/.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' https: data:; "
+    "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    # Pages depend on who is signed in: never from a shared cache.
+    "Cache-Control": "private, no-cache",
+}
+README_MAX = 256 * 1024
+# What a README may contain after Markdown rendering; everything else is dropped.
+README_TAGS = {
+    "a", "blockquote", "br", "code", "del", "em", "h1", "h2", "h3", "h4", "h5", "h6", "hr",
+    "img", "li", "ol", "p", "pre", "s", "strong", "table", "tbody", "td", "th", "thead", "tr",
+    "ul",
+}  # fmt: skip
+README_ATTRIBUTES = {"a": {"href", "title"}, "img": {"src", "alt", "title"}, "th": {"align"},
+                     "td": {"align"}}  # fmt: skip
+
+_markdown = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
+
+
+def render_markdown(text: str) -> str:
+    """README Markdown → HTML that cannot run script.
+
+    Two independent layers: markdown-it with raw HTML disabled (``<script>`` and
+    ``onerror=`` come out as text, ``javascript:`` links are refused), then nh3 (the
+    ammonia sanitizer) keeps only an allow-list of tags, attributes and URL schemes.
+    """
+    html = _markdown.render(text[:README_MAX])
+    return nh3.clean(
+        html,
+        tags=README_TAGS,
+        attributes=README_ATTRIBUTES,
+        url_schemes={"http", "https", "mailto"},
+        link_rel="nofollow noopener noreferrer",
+    )
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "—"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # unreachable
+
+
+def when(ts: datetime | None) -> str:
+    if ts is None:
+        return "—"
+    aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def iso(ts: datetime | None) -> str:
+    if ts is None:
+        return ""
+    aware = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+    return aware.astimezone(UTC).isoformat(timespec="seconds")
+
+
+def ratio(logical: int | None, stored: int | None) -> str:
+    if not logical or not stored:
+        return "—"
+    return f"{logical / stored:.1f}×"
+
+
+def _environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(bytes=human_bytes, when=when, iso=iso, short=dg.short, ratio=ratio)
+    return env
+
+
+class Renderer:
+    """One Jinja environment per app; ``page`` returns an HTML response with security headers."""
+
+    def __init__(self) -> None:
+        self.env = _environment()
+
+    def html(self, template: str, **context: Any) -> str:
+        return self.env.get_template(template).render(**context)
+
+    def page(
+        self,
+        template: str,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        **context: Any,
+    ) -> Response[str]:
+        return Response(
+            self.html(template, **context),
+            status_code=status,
+            media_type=MediaType.HTML,
+            headers={**SECURITY_HEADERS, **(headers or {})},
+        )

@@ -1,0 +1,1 @@
+"""Alembic environment and versions of the hub database (installed as forkd.migrations)."""

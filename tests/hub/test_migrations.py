@@ -1,0 +1,84 @@
+"""Alembic migrations on SQLite and on a real PostgreSQL; the models match the migrations."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from hub_support import ADMIN, HubServer, artifact
+from sqlalchemy import Connection, inspect
+
+from forkd.hub.db import Database, alembic_config
+from forkd.hub.models import Base
+from forkd.hub.settings import HubSettings
+
+HEAD = ScriptDirectory.from_config(alembic_config()).get_current_head()
+TABLES = {
+    "users",
+    "namespaces",
+    "memberships",
+    "api_tokens",
+    "repositories",
+    "blobs",
+    "repository_blobs",
+    "manifests",
+    "manifest_references",
+    "tags",
+    "uploads",
+}
+
+
+def _roundtrip(url: str) -> None:
+    async def go() -> None:
+        db = Database(url)
+        try:
+            await db.migrate()
+            assert await db.current_revision() == HEAD
+
+            def check(conn: Connection) -> None:
+                assert set(inspect(conn).get_table_names()) >= TABLES
+                diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+                assert diff == [], diff
+
+            async with db.engine.connect() as conn:
+                await conn.run_sync(check)
+
+            def downgrade(conn: Connection) -> None:
+                command.downgrade(alembic_config(conn), "base")
+
+            async with db.engine.begin() as conn:
+                await conn.run_sync(downgrade)
+            async with db.engine.connect() as conn:
+                names = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+            assert not names & TABLES
+            await db.migrate()  # and up again
+            assert await db.current_revision() == HEAD
+        finally:
+            await db.close()
+
+    asyncio.run(go())
+
+
+def test_migrations_on_sqlite(tmp_path: Path) -> None:
+    _roundtrip(HubSettings(tmp_path).validated().database_url)
+
+
+def test_migrations_on_postgresql(postgres_url: str) -> None:
+    _roundtrip(HubSettings(Path("."), database_url=postgres_url).validated().database_url)
+
+
+def test_hub_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
+    server = HubServer(tmp_path / "hub", {"database_url": postgres_url}).start()
+    try:
+        with server.client(auth=ADMIN) as c:
+            digest, body = artifact(c, "library/pg", os.urandom(1000), tag="v1")
+            assert c.get("/v2/library/pg/manifests/v1").content == body
+            assert c.get("/v2/library/pg/tags/list").json()["tags"] == ["v1"]
+            assert c.delete(f"/v2/library/pg/manifests/{digest}").status_code == 202
+    finally:
+        server.stop()
