@@ -26,7 +26,8 @@ from sqlalchemy import delete, exists, select, union
 
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Manifest, ManifestReference, RepositoryBlob, Upload, utcnow
-from forkd.hub.storage import UPLOAD_ID_RE, ReadableBlobStore, UploadArea
+from forkd.hub.storage import UPLOAD_ID_RE, UploadArea
+from forkd.store.blobs import BlobStore
 
 BATCH = 500
 
@@ -48,7 +49,7 @@ def _batches(items: list[str]) -> Iterator[list[str]]:
 
 async def collect(
     db: Database,
-    blobs: ReadableBlobStore,
+    blobs: BlobStore,
     uploads: UploadArea,
     *,
     grace: timedelta,

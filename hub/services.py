@@ -9,16 +9,16 @@ from forkd.hub.db import Database
 from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
 from forkd.hub.settings import HubSettings
-from forkd.hub.storage import ReadableBlobStore, UploadArea
+from forkd.hub.storage import UploadArea
 from forkd.hub.tokens import CredentialCache, LoginLimiter, TokenSigner
-from forkd.store.blobs import FsBlobStore
+from forkd.store.blobs import BlobStore, FsBlobStore
 
 
 @dataclass
 class Hub:
     settings: HubSettings
     db: Database
-    blobs: ReadableBlobStore
+    blobs: BlobStore
     uploads: UploadArea
     limiter: LoginLimiter
     verified: CredentialCache

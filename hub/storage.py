@@ -16,20 +16,11 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 
 from forkd.errors import InvalidInput, NotFound
-from forkd.store.blobs import BlobStore
 
 UPLOAD_ID_RE = re.compile(r"^[a-f0-9]{32}$")
-
-
-class ReadableBlobStore(BlobStore, Protocol):
-    """The shared BlobStore plus what FsBlobStore also offers: streaming reads, and the
-    modification time GC uses to spare fresh files."""
-
-    def open(self, digest: str) -> BinaryIO: ...
-    def mtime(self, digest: str) -> float: ...
 
 
 def validate_upload_id(upload_id: str) -> str:
