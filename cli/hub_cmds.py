@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,7 +14,7 @@ import click
 from click.core import ParameterSource
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from forkd.errors import ForkdError
+from forkd.cli.errors import ForkdGroup
 
 T = TypeVar("T")
 
@@ -56,17 +55,6 @@ def db_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return config_option(database_url_option(f))
 
 
-@contextmanager
-def _errors() -> Iterator[None]:
-    """ForkdError → a one-line message and the error's exit code."""
-    try:
-        yield
-    except ForkdError as exc:
-        err = click.ClickException(str(exc))
-        err.exit_code = exc.exit_code
-        raise err from exc
-
-
 def _given(name: str) -> bool:
     """Whether option ``name`` came from the command line or the environment."""
     source = click.get_current_context().get_parameter_source(name)
@@ -90,8 +78,7 @@ def _admin(data_dir: Path, database_url: str, op: Callable[[AsyncSession], Await
     """Run one administrative operation in a transaction, after migrating the schema."""
     from forkd.hub.db import Database
 
-    with _errors():
-        settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url)
 
     async def go() -> T:
         db = Database(settings.database_url)
@@ -102,11 +89,10 @@ def _admin(data_dir: Path, database_url: str, op: Callable[[AsyncSession], Await
         finally:
             await db.close()
 
-    with _errors():
-        return asyncio.run(go())
+    return asyncio.run(go())
 
 
-@click.group("hub")
+@click.group("hub", cls=ForkdGroup)
 def hub() -> None:
     """Run and administer the hub (OCI registry for packs)."""
 
@@ -128,12 +114,11 @@ def serve(data_dir: Path, database_url: str, listen: str, public_url: str) -> No
     from forkd.hub.app import create_app
     from forkd.hub.settings import parse_listen
 
-    with _errors():
-        host, port = parse_listen(listen) if _given("listen") else (None, None)
-        settings = _settings(
-            data_dir, database_url, host=host, port=port, public_url=public_url or None
-        )
-        app = create_app(settings)
+    host, port = parse_listen(listen) if _given("listen") else (None, None)
+    settings = _settings(
+        data_dir, database_url, host=host, port=port, public_url=public_url or None
+    )
+    app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
 
 
@@ -145,8 +130,7 @@ def migrate(data_dir: Path, database_url: str, revision: str) -> None:
     """Apply the database migrations (Alembic) up to REVISION."""
     from forkd.hub.db import run_migrations
 
-    with _errors():
-        run_migrations(_settings(data_dir, database_url).database_url, revision)
+    run_migrations(_settings(data_dir, database_url).database_url, revision)
     click.echo(f"database at revision {revision}")
 
 
@@ -176,8 +160,7 @@ def gc(
     from forkd.hub.gc import collect
     from forkd.hub.services import Hub
 
-    with _errors():
-        settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url)
 
     async def go() -> Any:
         hub_ = Hub.build(settings)
@@ -207,8 +190,7 @@ def gc(
         finally:
             await hub_.close()
 
-    with _errors():
-        report = asyncio.run(go())
+    report = asyncio.run(go())
     verb = "would remove" if dry_run else "removed"
     click.echo(
         f"{verb} {len(report.blobs)} blobs ({report.bytes} bytes), "

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import click
 
 from forkd import __version__
@@ -17,21 +14,7 @@ from forkd.cli import (
     remote_cmds,
     store_cmds,
 )
-from forkd.errors import ForkdError
-
-
-class ForkdGroup(click.Group):
-    """Turns forkd errors into one line on stderr and the error family's exit code."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except ForkdError as exc:
-            click.echo(f"forkd: error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("forkd: interrupted", err=True)
-            sys.exit(130)
+from forkd.cli.errors import ForkdGroup
 
 
 @click.group(cls=ForkdGroup, context_settings={"help_option_names": ["-h", "--help"]})
