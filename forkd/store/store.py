@@ -88,10 +88,17 @@ class ImageSource:
 
 
 class Store:
-    def __init__(self, home: Path, auto_compact_depth: int | None = None) -> None:
+    def __init__(
+        self,
+        home: Path,
+        auto_compact_depth: int | None = None,
+        blobs: FsBlobStore | None = None,
+    ) -> None:
+        """A store in ``home``; ``blobs`` puts its blobs elsewhere (the hub's compaction works
+        on the hub's own blob store this way, with tags and cache in a scratch ``home``)."""
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
-        self.blobs = FsBlobStore(home / "blobs")
+        self.blobs = blobs or FsBlobStore(home / "blobs")
         self.tags = TagIndex(home / "tags.json")
         self.cache_dir = home / "cache"
         self.cache_dir.mkdir(exist_ok=True)
