@@ -5,9 +5,14 @@ Prints, for N in --ns: time until all N answer an eval (cold boot includes the w
 import of numpy, fork includes restore + entropy fixup), first eval, warm eval round trip,
 host memory per child (QEMU PSS, and guest copy-on-write = `Anonymous` of the RAM
 mapping in smaps), and branch pause / diff size with ~20 MiB dirty. Ratios are against
-the cold-boot baseline measured in the same run. Needs root; not a pass/fail test.
+the cold-boot baseline measured in the same run. Then, per N, the same fork with a
+prewarmed pool of N waiting processes (engine/pool.py), filled before the clock starts, in
+both pool modes: "ahead" (restored, pinged and paused in the pool: a spawn does cont +
+fixup) and "incoming" (`-incoming defer`: a spawn does migrate-incoming + cont + fixup);
+ratio = fork without a pool / fork with one, same run. Needs root; not a pass/fail test.
 
 usage: sudo python bench/fork_fanout.py [--ns 1,10,50] [--cold-ns 1,10,50] [--recipe PATH]
+                                        [--pool-modes ahead,incoming] [--only-pool]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from forkd.engine import image, recipe
 from forkd.engine.agent_client import AgentClient
 from forkd.engine.branch import anon_kib, branch
 from forkd.engine.build import build
+from forkd.engine.pool import Pool
 from forkd.engine.qemu import QemuVM, VMConfig, create_overlay, kernel_cmdline
 from forkd.store.store import Store
 
@@ -111,6 +117,31 @@ def fork_n(store: Store, tag: str, n: int) -> dict[str, float]:
     return out
 
 
+def pool_fork_n(store: Store, tag: str, n: int, restore_ahead: bool) -> dict[str, float]:
+    """Fill a pool of n for tag (not timed), then fork n from it: all restored, fixed up and
+    answering. The pool is removed right after, so its refill does not disturb the rest."""
+    pool = Pool(store, restore_ahead=restore_ahead)
+    try:
+        t = time.monotonic()
+        pool.fill(tag, n, wait=True, timeout=600)
+        fill_s = time.monotonic() - t
+        res = ch.fork(store, tag, n, pool=pool)
+        all_ready = res.total_ms / 1000
+        pool.remove(tag)
+    finally:
+        pool.close()
+    firsts = []
+    for c in res.children:
+        t = time.monotonic()
+        ch.eval_in(c.id, "1 + 1")
+        firsts.append((time.monotonic() - t) * 1000)
+    pooled = sum(1 for c in res.children if "prestarted_ms" in c.timings_ms)
+    for c in res.children:
+        ch.kill(c.id)
+    return {"all_ready_s": all_ready, "fill_s": fill_s, "from_pool": pooled,
+            "first_eval_ms": statistics.median(firsts), "errors": len(res.errors)}
+
+
 def branch_bench(store: Store, tag: str, rounds: int) -> dict[str, float]:
     c = ch.fork(store, tag, 1).children[0]
     pauses, diffs = [], []
@@ -133,10 +164,15 @@ def main() -> None:
     ap.add_argument("--cold-ns", default=None, help="N values for cold boot (default: --ns)")
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "python-numpy.toml")
     ap.add_argument("--branch-rounds", type=int, default=5)
+    ap.add_argument("--pool-modes", default="ahead,incoming",
+                    help="pool modes to measure: ahead, incoming (empty: none)")
+    ap.add_argument("--only-pool", action="store_true",
+                    help="fork with and without a pool only (no cold boot, no branch)")
     ap.add_argument("--json", action="store_true")
     o = ap.parse_args()
     ns = [int(x) for x in o.ns.split(",")]
-    cold_ns = [int(x) for x in (o.cold_ns or o.ns).split(",")]
+    cold_ns = [int(x) for x in (o.cold_ns or o.ns).split(",")] if not o.only_pool else []
+    modes = [m for m in o.pool_modes.split(",") if m]
     work = Path(tempfile.mkdtemp(prefix="forkd-bench-", dir="/dev/shm"))
     os.environ.setdefault("FORKD_HOME", str(work / "home"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
@@ -176,6 +212,20 @@ def main() -> None:
                 row["speedup"] = ratio
                 line += f" | fork {ratio:5.1f}x faster"
             print(line, flush=True)
+            for mode in modes:
+                if n not in ns or not isinstance(f, dict):
+                    continue
+                pf = pool_fork_n(store, tag, n, restore_ahead=mode == "ahead")
+                pf["ratio"] = f["all_ready_s"] / pf["all_ready_s"]
+                row[f"pool_{mode}"] = pf
+                print(f"N={n:3}: pool ({mode:8}) of {n}: all-ready {pf['all_ready_s']:6.2f} s "
+                      f"({pf['from_pool']:.0f} from the pool, filled in {pf['fill_s']:.2f} s), "
+                      f"first eval {pf['first_eval_ms']:5.1f} ms | without a pool "
+                      f"{f['all_ready_s']:6.2f} s → {pf['ratio']:4.1f}x faster", flush=True)
+        if o.only_pool:
+            if o.json:
+                print(json.dumps(results, indent=1))
+            return
         br = branch_bench(store, tag, o.branch_rounds)
         results["branch"] = br
         print(f"branch: pause p50 {br['pause_ms_p50']:.1f} ms (max {br['pause_ms_max']:.1f}) with "

@@ -26,14 +26,27 @@ import click
     type=click.Path(dir_okay=False, path_type=Path),
     help="Append-only JSON audit log (default $FORKD_HOME/controller-audit.log).",
 )
+@click.option(
+    "--prewarm",
+    "prewarm",
+    multiple=True,
+    metavar="TAG=K",
+    help="Keep K QEMU processes started and waiting for TAG (repeatable); spawns of TAG "
+    "take them first and the pool refills in the background.",
+)
 def serve(
-    socket_path: Path | None, listen: str | None, token_file: Path | None, audit_log: Path | None
+    socket_path: Path | None,
+    listen: str | None,
+    token_file: Path | None,
+    audit_log: Path | None,
+    prewarm: tuple[str, ...],
 ) -> None:
     """Run the controller daemon: owns this host's store and sandboxes (docs/api.md)."""
     from forkd.controller import server
     from forkd.controller.client import default_socket
 
     token = token_file.read_text().strip() if token_file else None
+    pools = [_prewarm_arg(p) for p in prewarm]
     if listen:
         shown = token_file or server.token_path()
         click.echo(
@@ -41,7 +54,16 @@ def serve(
             err=True,
         )
     click.echo(f"forkd controller: unix socket {socket_path or default_socket()}", err=True)
-    server.serve(socket_path, listen, audit_log, token)
+    for tag, k in pools:
+        click.echo(f"forkd controller: prewarming {k} processes for {tag}", err=True)
+    server.serve(socket_path, listen, audit_log, token, pools)
+
+
+def _prewarm_arg(text: str) -> tuple[str, int]:
+    tag, sep, k = text.rpartition("=")
+    if not sep or not tag or not k.strip().isdigit():
+        raise click.BadParameter(f"{text!r}: expected TAG=K with K >= 0", param_hint="--prewarm")
+    return tag, int(k)
 
 
 def register(cli: click.Group) -> None:

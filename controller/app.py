@@ -25,7 +25,7 @@ from prometheus_client.exposition import generate_latest
 
 import forkd
 from forkd.audit import AuditLog
-from forkd.controller.backend import Backend, unb64
+from forkd.controller.backend import PoolBackend, unb64
 from forkd.errors import (
     ChainError,
     Conflict,
@@ -72,7 +72,7 @@ class ControllerMetrics:
 
 @dataclass
 class Controller:
-    backend: Backend
+    backend: PoolBackend
     audit: AuditLog
     metrics: ControllerMetrics
     token: str | None  # required on this listener when set
@@ -90,6 +90,17 @@ class SpawnRequest:
     memory_limit_mib: int | None = None
     netns: bool = False
     sandbox: bool = True  # QEMU's -sandbox on
+    prewarm: int | None = None  # after serving: keep this many processes waiting for the tag
+
+
+@dataclass
+class PoolRequest:
+    tag: str
+    k: int
+    memory_limit_mib: int | None = None
+    netns: bool = False
+    sandbox: bool = True
+    wait: bool = False  # answer once the k processes are started
 
 
 @dataclass
@@ -227,7 +238,9 @@ def compact(
 @post("/v1/sandboxes", guards=[require_token], status_code=201, sync_to_thread=True)
 def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> dict[str, Any]:
     start = time.perf_counter()
-    result = ctl.backend.spawn(data.tag, data.n, data.memory_limit_mib, data.netns, data.sandbox)
+    result = ctl.backend.spawn(
+        data.tag, data.n, data.memory_limit_mib, data.netns, data.sandbox, data.prewarm
+    )
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
     ctl.metrics.spawned.inc(len(result["sandboxes"]))
     audited(
@@ -336,6 +349,27 @@ def branch(
     return result
 
 
+@get("/v1/pools", guards=[require_token], sync_to_thread=True)
+def list_pools(ctl: Ctl) -> list[dict[str, Any]]:
+    return ctl.backend.pools()
+
+
+@post("/v1/pools", guards=[require_token], status_code=200, sync_to_thread=True)
+def fill_pool(request: Req, ctl: Ctl, data: JSONBody[PoolRequest]) -> dict[str, Any]:
+    result = ctl.backend.fill_pool(
+        data.tag, data.k, data.memory_limit_mib, data.netns, data.sandbox, data.wait
+    )
+    audited(request, ctl, "pool.fill", data.tag, "ok", k=data.k)
+    return result
+
+
+@delete("/v1/pools/{tag:path}", guards=[require_token], status_code=200, sync_to_thread=True)
+def remove_pool(request: Req, ctl: Ctl, tag: FromPath[str]) -> dict[str, Any]:
+    result = ctl.backend.remove_pool(tag.lstrip("/"))
+    audited(request, ctl, "pool.delete", tag, "ok")
+    return result
+
+
 ROUTES = [
     healthz,
     metrics_endpoint,
@@ -352,11 +386,14 @@ ROUTES = [
     write_file,
     read_file,
     branch,
+    list_pools,
+    fill_pool,
+    remove_pool,
 ]
 
 
 def create_app(
-    backend: Backend | None,
+    backend: PoolBackend | None,
     audit: AuditLog | None,
     metrics: ControllerMetrics | None,
     token: str | None,

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 from forkd.engine import children as ch
 from forkd.engine.branch import branch as branch_child
-from forkd.errors import InvalidInput
+from forkd.engine.pool import MAX_POOL, Pool
+from forkd.errors import InvalidInput, NotFound
 from forkd.store.store import Store
 
 
@@ -49,6 +50,32 @@ class Backend(Protocol):
     def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]: ...
 
 
+class PoolBackend(Backend, Protocol):
+    """What the daemon serves on top of Backend: spawns that (re)fill a prewarmed pool, and
+    the pools themselves (docs/api.md). Only a long-running process can keep a pool."""
+
+    def spawn(
+        self,
+        tag: str,
+        n: int = 1,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
+        prewarm: int | None = None,
+    ) -> dict[str, Any]: ...
+    def pools(self) -> list[dict[str, Any]]: ...
+    def fill_pool(
+        self,
+        tag: str,
+        k: int,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
+        wait: bool = False,
+    ) -> dict[str, Any]: ...
+    def remove_pool(self, tag: str) -> dict[str, Any]: ...
+
+
 def sandbox_view(info: ch.ChildInfo) -> dict[str, Any]:
     view = asdict(info)
     view["status"] = info.state() if info.status == "running" else info.status
@@ -58,8 +85,15 @@ def sandbox_view(info: ch.ChildInfo) -> dict[str, Any]:
 class LocalBackend:
     """The engine and the store in this process."""
 
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(self, store: Store | None = None, pool: Pool | None = None) -> None:
+        """pool: prewarmed processes per tag (the daemon has one; in-process use does not)."""
         self.store = store or Store.open()
+        self.pool = pool
+
+    def close(self) -> None:
+        """Drain the pool: every waiting QEMU killed, its files removed. Idempotent."""
+        if self.pool is not None:
+            self.pool.close()
 
     def snapshots(self) -> list[dict[str, Any]]:
         return [asdict(info) for info in self.store.images()]
@@ -80,10 +114,29 @@ class LocalBackend:
         memory_limit_mib: int | None = None,
         netns: bool = False,
         sandbox: bool = True,
+        prewarm: int | None = None,
     ) -> dict[str, Any]:
+        """prewarm=K: after serving, fill (or refill) the tag's pool to K in the background."""
+        if prewarm is not None:
+            self._check_prewarm(prewarm)
         result = ch.fork(
-            self.store, tag, n, memory_limit_mib=memory_limit_mib, with_netns=netns, sandbox=sandbox
+            self.store,
+            tag,
+            n,
+            memory_limit_mib=memory_limit_mib,
+            with_netns=netns,
+            sandbox=sandbox,
+            pool=self.pool,
         )
+        if prewarm is not None and self.pool is not None:
+            self.pool.fill(
+                tag,
+                prewarm,
+                memory_limit_mib=memory_limit_mib,
+                sandbox=sandbox,
+                with_netns=netns,
+                wait=False,
+            )
         return {
             "sandboxes": [sandbox_view(c) for c in result.children],
             "assemble_ms": round(result.assemble_ms, 1),
@@ -93,6 +146,38 @@ class LocalBackend:
 
     def sandboxes(self) -> list[dict[str, Any]]:
         return [sandbox_view(c) for c in ch.list_children()]
+
+    def _check_prewarm(self, k: int) -> Pool:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_POOL:
+            raise InvalidInput(f"prewarm must be between 0 and {MAX_POOL}, got {k!r}")
+        if self.pool is None:
+            raise InvalidInput(
+                "prewarm needs a long-running controller: start `forkd serve` "
+                "(an in-process engine exits with its command)"
+            )
+        return self.pool
+
+    def pools(self) -> list[dict[str, Any]]:
+        return self.pool.status() if self.pool is not None else []
+
+    def fill_pool(
+        self,
+        tag: str,
+        k: int,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
+        wait: bool = False,
+    ) -> dict[str, Any]:
+        pool = self._check_prewarm(k)
+        return pool.fill(
+            tag, k, memory_limit_mib=memory_limit_mib, sandbox=sandbox, with_netns=netns, wait=wait
+        )
+
+    def remove_pool(self, tag: str) -> dict[str, Any]:
+        if self.pool is None or not self.pool.remove(tag):
+            raise NotFound(f"no prewarmed pool for {tag}; GET /v1/pools lists them")
+        return {"tag": tag, "removed": True}
 
     def sandbox(self, sandbox_id: str) -> dict[str, Any]:
         return sandbox_view(ch.get(sandbox_id))

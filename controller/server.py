@@ -8,7 +8,7 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -19,7 +19,9 @@ from forkd.controller.app import ControllerMetrics, create_app
 from forkd.controller.backend import LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
 from forkd.engine.paths import run_dir
+from forkd.engine.pool import Pool
 from forkd.errors import Conflict, InvalidInput
+from forkd.store.store import Store
 
 
 def token_path() -> Path:
@@ -70,14 +72,34 @@ def serve(
     listen: str | None = None,
     audit_path: Path | None = None,
     token: str | None = None,
+    prewarm: Sequence[tuple[str, int]] = (),
 ) -> None:
-    """Serve until interrupted. Blocks."""
-    backend = LocalBackend()
+    """Serve until interrupted. Blocks. prewarm: (tag, K) pools filled in the background at
+    start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops."""
+    store = Store.open()
+    path = socket_path or default_socket()
+    unix = _unix_listener(path)
+    backend = LocalBackend(store, Pool(store))
+    try:
+        for tag, k in prewarm:
+            backend.fill_pool(tag, k)
+        _serve(backend, unix, listen, audit_path, token)
+    finally:
+        backend.close()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _serve(
+    backend: LocalBackend,
+    unix: socket.socket,
+    listen: str | None,
+    audit_path: Path | None,
+    token: str | None,
+) -> None:
     audit = AuditLog(audit_path or backend.store.home / "controller-audit.log")
     metrics = ControllerMetrics()
-    path = socket_path or default_socket()
     servers: list[tuple[uvicorn.Server, socket.socket]] = []
-    unix = _unix_listener(path)
     servers.append((_server(create_app(backend, audit, metrics, None)), unix))
     if listen:
         secret = token or load_or_create_token()
@@ -88,8 +110,6 @@ def serve(
         asyncio.run(_run(servers))
     finally:
         audit.close()
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 class _Server(uvicorn.Server):

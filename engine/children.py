@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from forkd.engine import netns
 from forkd.engine.accel import AccelVerdict, cached_probe
@@ -151,8 +151,9 @@ def _new_id(ref: str) -> str:
     return f"{base[:20] or 'vm'}-{secrets.token_hex(3)}"
 
 
-def restore(qmp: QMP, vmstate: Path, timeout: float = 60.0) -> None:
-    """Load device state (RAM is already mapped from the image) and run."""
+def prepare_incoming(qmp: QMP, vmstate: Path) -> None:
+    """Everything before the restore that does not need the state loaded: capabilities,
+    parameters, and the device-state file passed as an fd (a waiting process does this early)."""
     qmp.command("migrate-set-capabilities",
                 {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
     # no announcements of the template's MAC from every clone
@@ -162,10 +163,20 @@ def restore(qmp: QMP, vmstate: Path, timeout: float = 60.0) -> None:
         qmp.command("getfd", {"fdname": "vmstate"}, fds=[fd])
     finally:
         os.close(fd)
+
+
+def start_incoming(qmp: QMP, timeout: float = 60.0) -> None:
+    """Load the device state passed by prepare_incoming and run."""
     qmp.command("migrate-incoming", {"uri": "fd:vmstate"})
     st = qmp.wait_status({"paused", "running"}, timeout=timeout)
     if st == "paused":
         qmp.command("cont")
+
+
+def restore(qmp: QMP, vmstate: Path, timeout: float = 60.0) -> None:
+    """Load device state (RAM is already mapped from the image) and run."""
+    prepare_incoming(qmp, vmstate)
+    start_incoming(qmp, timeout)
 
 
 def fixup(agent: AgentClient, child_id: str, net: dict[str, str] | None = None,
@@ -182,14 +193,63 @@ def has_nic(vmstate: Path) -> bool:
     return b"virtio-net" in vmstate.read_bytes()
 
 
-def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
-               memory_limit_mib: int | None, sandbox: bool, with_netns: bool) -> ChildInfo:
+WAITING_FILE = "waiting.json"  # a pool's waiting process (not a child yet: `forkd ls` skips it)
+
+
+@dataclass
+class Waiting:
+    """A QEMU process started with `-incoming defer` on one snapshot, its overlay disk, cgroup
+    and netns in place, QMP and the agent socket connected and the device state passed:
+    `become_child` restores, fixes up and pings it. `discard` removes it (idempotent)."""
+
+    info: ChildInfo
+    vm: QemuVM
+    agent: AgentClient | None
+    cgroup: MemoryCgroup | None
+    net: dict[str, str] | None
+    memory_limit_mib: int | None
+    sandbox: bool
+    with_netns: bool
+    launch_ms: float
+    pooled: bool = False
+    stage: str = "incoming"  # "incoming": waits for the device state; "paused": restored ahead
+    discarded: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def alive(self) -> bool:
+        return not self.discarded and self.vm.alive()
+
+    def discard(self) -> None:
+        if self.discarded:
+            return
+        self.discarded = True
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        self.vm.kill()
+        if self.cgroup is not None:
+            with contextlib.suppress(EngineError):
+                self.cgroup.remove()
+        if self.info.netns is not None:
+            with contextlib.suppress(EngineError):
+                netns.remove(self.info.netns)
+        shutil.rmtree(self.info.path, ignore_errors=True)
+
+
+def launch_waiting(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
+                   memory_limit_mib: int | None, sandbox: bool, with_netns: bool, *,
+                   pooled: bool = False) -> Waiting:
+    """Start one QEMU waiting for the snapshot's device state (the process-start half of a
+    spawn). pooled: record it in waiting.json (owner = this process) instead of child.json,
+    so it is not a child until `become_child`."""
     assert asm.vmstate is not None and asm.disk is not None and asm.config.compat is not None
     c = asm.config.compat
     d = children_dir() / child_id
     d.mkdir(mode=0o700)
     t0 = time.monotonic()
-    timings: dict[str, float] = {}
     disk = d / "disk.qcow2"
     shutil.copyfile(overlay_tpl, disk)
     cfg = VMConfig(memory_mib=c.memory_mib, vcpus=c.vcpus, accel=c.accelerators[0],
@@ -199,67 +259,127 @@ def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
     info = ChildInfo(id=child_id, ref=ref, digest=asm.digest, pid=0, dir=str(d),
                      memory=str(asm.memory), disk_backing=str(asm.disk),
                      memory_mib=c.memory_mib, created=time.time())
-    net: dict[str, str] | None = None
     ns_name = f"{netns.PREFIX}{child_id}" if with_netns else None
     vm = QemuVM(d, cfg, detach=True, netns=ns_name)
-    cg: MemoryCgroup | None = None
+    w = Waiting(info=info, vm=vm, agent=None, cgroup=None, net=None,
+                memory_limit_mib=memory_limit_mib, sandbox=sandbox, with_netns=with_netns,
+                launch_ms=0.0, pooled=pooled)
+
+    def record() -> None:
+        if pooled:
+            tmp = d / (WAITING_FILE + ".tmp")
+            tmp.write_text(json.dumps({"owner": os.getpid(), **asdict(info)}, indent=1))
+            tmp.replace(d / WAITING_FILE)
+        else:
+            info.save()
+
     try:
         if ns_name is not None:
             info.netns = ns_name
             info.mac, info.ip = netns.child_identity(child_id)
-            net = {"ifname": "eth0", "mac": info.mac, "address": info.ip,
-                   "gateway": netns.GW_IP}
-            info.save()
+            w.net = {"ifname": "eth0", "mac": info.mac, "address": info.ip,
+                     "gateway": netns.GW_IP}
+            record()
             netns.create(ns_name)
         if memory_limit_mib is not None:
-            cg = MemoryCgroup.create(child_id, memory_limit_mib)
-            info.cgroup, info.cgroup_version = str(cg.path), cg.version
+            w.cgroup = MemoryCgroup.create(child_id, memory_limit_mib)
+            info.cgroup, info.cgroup_version = str(w.cgroup.path), w.cgroup.version
         vm.launch()
         assert vm.pid is not None and vm.qmp is not None
         info.pid = vm.pid
-        info.save()  # from here on `forkd kill` can find it
-        if cg is not None:
-            cg.add(vm.pid)
-        timings["qmp_up"] = (time.monotonic() - t0) * 1000
-        agent = AgentClient(d / "agent.sock", alive=vm.alive)  # connect before the restore
-        try:
-            restore(vm.qmp, asm.vmstate)
-            timings["running"] = (time.monotonic() - t0) * 1000
-            fixup(agent, child_id, net)
-            timings["fixed_up"] = (time.monotonic() - t0) * 1000
-            agent.ping()
-            timings["ready"] = (time.monotonic() - t0) * 1000
-        finally:
-            agent.close()
-        info.timings_ms = {k: round(v, 1) for k, v in timings.items()}
-        info.save()
-        vm.qmp.close()
-        return info
+        record()  # from here on `forkd kill` (or the pool's sweep) can find it
+        if w.cgroup is not None:
+            w.cgroup.add(vm.pid)
+        w.agent = AgentClient(d / "agent.sock", alive=vm.alive)  # connect before the restore
+        assert asm.vmstate is not None
+        prepare_incoming(vm.qmp, asm.vmstate)
+        w.launch_ms = (time.monotonic() - t0) * 1000
+        return w
     except BaseException as e:
         tail = vm.log_tail()
-        vm.kill()
-        if cg is not None:
-            with contextlib.suppress(EngineError):
-                cg.remove()
-        if ns_name is not None:
-            with contextlib.suppress(EngineError):
-                netns.remove(ns_name)
-        shutil.rmtree(d, ignore_errors=True)
+        w.discard()
         if isinstance(e, EngineError):
             raise type(e)(f"child {child_id}: {e}\n{tail}") from e
         raise
 
 
-def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
-         sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
-         parallel: int | None = None) -> ForkResult:
-    if not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
-        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+def restore_ahead(w: Waiting, timeout: float = 60.0) -> None:
+    """Restore a waiting process before it is needed, run one throwaway fixup in it (QEMU
+    translates the code of the restore and fixup paths now, not on the spawn's critical
+    path: ~3x less guest CPU per spawn under TCG) and pause it. Nothing sees the guest
+    before `become_child`'s fixup, which adds fresh host entropy, reseeds the CRNG and the
+    PRNGs and sets the clock and hostname again, so children stay unique (the throwaway
+    fixup only mixes in more entropy). On failure it is discarded."""
+    if w.discarded or w.stage != "incoming":
+        raise VMMError(f"child {w.id}: not waiting for its device state")
+    try:
+        assert w.vm.qmp is not None and w.agent is not None
+        start_incoming(w.vm.qmp, timeout)
+        fixup(w.agent, w.id, timeout=timeout)  # no network identity yet: only at the take
+        w.agent.ping(timeout)
+        w.vm.qmp.command("stop")
+        w.stage = "paused"
+    except BaseException as e:
+        tail = w.vm.log_tail()
+        w.discard()
+        if isinstance(e, EngineError):
+            raise type(e)(f"child {w.id}: {e}\n{tail}") from e
+        raise
+
+
+def become_child(w: Waiting) -> ChildInfo:
+    """Restore a waiting process, fix it up (clock, entropy, hostname, network) and ping it:
+    then it is a ready child (child.json written). On failure it is discarded."""
+    if w.discarded:
+        raise VMMError(f"child {w.id}: the waiting process was already discarded")
+    t0 = time.monotonic()
+    timings: dict[str, float] = {"qmp_up": w.launch_ms}
+    info = w.info
+    vm = w.vm
+    try:
+        assert vm.qmp is not None and w.agent is not None
+        if w.stage == "paused":
+            vm.qmp.command("cont")
+        else:
+            start_incoming(vm.qmp)
+        timings["running"] = w.launch_ms + (time.monotonic() - t0) * 1000
+        fixup(w.agent, info.id, w.net)
+        timings["fixed_up"] = w.launch_ms + (time.monotonic() - t0) * 1000
+        w.agent.ping()
+        timings["ready"] = w.launch_ms + (time.monotonic() - t0) * 1000
+        if w.pooled:  # it waited in a pool: what the caller waited for is the restore only
+            timings = {"prestarted_ms": w.launch_ms,
+                       **{k: v - w.launch_ms for k, v in timings.items() if k != "qmp_up"}}
+            info.created = time.time()
+        w.agent.close()
+        w.agent = None
+        info.timings_ms = {k: round(v, 1) for k, v in timings.items()}
+        info.save()
+        (info.path / WAITING_FILE).unlink(missing_ok=True)
+        vm.qmp.close()
+        vm.qmp = None
+        return info
+    except BaseException as e:
+        tail = vm.log_tail()
+        w.discard()
+        if isinstance(e, EngineError):
+            raise type(e)(f"child {info.id}: {e}\n{tail}") from e
+        raise
+
+
+def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
+               memory_limit_mib: int | None, sandbox: bool, with_netns: bool) -> ChildInfo:
+    w = launch_waiting(asm, ref, child_id, overlay_tpl, memory_limit_mib, sandbox, with_netns)
+    return become_child(w)
+
+
+def prepare(store: Store, ref: str, *, memory_limit_mib: int | None = None,
+            with_netns: bool = False, progress: Progress = _noop) -> tuple[Assembled, bool]:
+    """Assemble the snapshot, check it against this host and settle the network option:
+    (assembled images, whether each child gets a network namespace)."""
     if memory_limit_mib is not None and memory_limit_mib < 64:
         raise InvalidInput(f"--memory-limit-mib {memory_limit_mib} is too small (>= 64)")
-    t0 = time.monotonic()
     asm = store.assemble(ref)  # verifies chunks while writing the image: corrupt → no VM
-    asm_ms = (time.monotonic() - t0) * 1000
     check_compat(asm, cached_probe())
     assert asm.disk is not None and asm.config.compat is not None and asm.vmstate is not None
     nic = has_nic(asm.vmstate)
@@ -278,21 +398,57 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     if memory_limit_mib is not None and memory_limit_mib < asm.config.compat.memory_mib:
         progress(f"note: memory limit {memory_limit_mib} MiB is below the guest's "
                  f"{asm.config.compat.memory_mib} MiB")
-    ids = [_new_id(ref) for _ in range(n)]
-    tpl_dir = children_dir() / f".overlay-{secrets.token_hex(4)}"
-    tpl_dir.mkdir()
-    overlay = tpl_dir / "empty.qcow2"
+    return asm, with_netns
+
+
+class WaitingSource(Protocol):
+    """Where fork takes already started processes from first (engine/pool.py's Pool)."""
+
+    def take(self, ref: str, n: int, *, digest: str, memory_limit_mib: int | None,
+             sandbox: bool, with_netns: bool) -> list[Waiting]: ...
+
+    def refill(self, ref: str) -> None: ...
+
+
+def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
+         sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
+         parallel: int | None = None, pool: WaitingSource | None = None) -> ForkResult:
+    """N children of ref. With a pool, its waiting processes for ref are used first (only
+    restore + fixup remain for them); the pool refills in the background afterwards."""
+    if not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
+        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    t0 = time.monotonic()
+    asm, with_netns = prepare(store, ref, memory_limit_mib=memory_limit_mib,
+                              with_netns=with_netns, progress=progress)
+    asm_ms = (time.monotonic() - t0) * 1000
+    assert asm.disk is not None
+    taken: list[Waiting] = []
+    if pool is not None:
+        taken = pool.take(ref, n, digest=asm.digest, memory_limit_mib=memory_limit_mib,
+                          sandbox=sandbox, with_netns=with_netns)
+        if taken:
+            progress(f"{len(taken)} of {n} from the prewarmed pool")
+    ids = [w.id for w in taken] + [_new_id(ref) for _ in range(n - len(taken))]
     results: list[ChildInfo | None] = [None] * n
     errors: list[str] = []
+    tpl_dir: Path | None = None
     try:
-        create_overlay(overlay, asm.disk, "raw")
+        overlay = Path()
+        if len(taken) < n:
+            tpl_dir = children_dir() / f".overlay-{secrets.token_hex(4)}"
+            tpl_dir.mkdir()
+            overlay = tpl_dir / "empty.qcow2"
+            create_overlay(overlay, asm.disk, "raw")
         sem = threading.Semaphore(parallel or min(n, 64))
 
         def run(i: int) -> None:
             with sem:
                 try:
-                    info = _spawn_one(asm, ref, ids[i], overlay, memory_limit_mib, sandbox,
-                                      with_netns)
+                    if i < len(taken):
+                        info = become_child(taken[i])
+                    else:
+                        info = _spawn_one(asm, ref, ids[i], overlay, memory_limit_mib, sandbox,
+                                          with_netns)
                     results[i] = info
                     progress(f"{info.id} ready in {info.timings_ms['ready']:.0f} ms")
                 except Exception as e:
@@ -304,7 +460,13 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
         for t in threads:
             t.join()
     finally:
-        shutil.rmtree(tpl_dir, ignore_errors=True)
+        if tpl_dir is not None:
+            shutil.rmtree(tpl_dir, ignore_errors=True)
+        for i, w in enumerate(taken):
+            if results[i] is None:
+                w.discard()  # failed (already discarded) or interrupted before its turn
+        if pool is not None:  # tops up what was taken, or replaces stale processes
+            pool.refill(ref)
     ok = [r for r in results if r is not None]
     if errors and not ok:
         raise VMMError("no child started:\n" + "\n".join(errors[:5]))
