@@ -113,18 +113,45 @@ class RemoteBackend:
         memory_limit_mib: int | None = None,
         netns: bool = False,
         sandbox: bool = True,
+        prewarm: int | None = None,
     ) -> dict[str, Any]:
-        result: dict[str, Any] = self._json(
-            "POST",
-            "/v1/sandboxes",
-            json={
-                "tag": tag,
-                "n": n,
-                "memory_limit_mib": memory_limit_mib,
-                "netns": netns,
-                "sandbox": sandbox,
-            },
-        )
+        body = {
+            "tag": tag,
+            "n": n,
+            "memory_limit_mib": memory_limit_mib,
+            "netns": netns,
+            "sandbox": sandbox,
+            "prewarm": prewarm,
+        }
+        result: dict[str, Any] = self._json("POST", "/v1/sandboxes", json=body)
+        return result
+
+    def pools(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._json("GET", "/v1/pools")
+        return result
+
+    def fill_pool(
+        self,
+        tag: str,
+        k: int,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        sandbox: bool = True,
+        wait: bool = False,
+    ) -> dict[str, Any]:
+        body = {
+            "tag": tag,
+            "k": k,
+            "memory_limit_mib": memory_limit_mib,
+            "netns": netns,
+            "sandbox": sandbox,
+            "wait": wait,
+        }
+        result: dict[str, Any] = self._json("POST", "/v1/pools", json=body)
+        return result
+
+    def remove_pool(self, tag: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("DELETE", f"/v1/pools/{tag}")
         return result
 
     def sandboxes(self) -> list[dict[str, Any]]:

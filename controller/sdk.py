@@ -66,10 +66,32 @@ class Controller:
     def remote(self) -> bool:
         return isinstance(self.backend, RemoteBackend)
 
+    def prewarm(self, tag: str, k: int, *, wait: bool = True) -> dict[str, Any]:
+        """Keep ``k`` restored-ahead VMs of ``tag`` waiting in the daemon (spawns take them)."""
+        return self._daemon("prewarm").fill_pool(tag, k, wait=wait)
+
+    def pools(self) -> list[dict[str, Any]]:
+        return self._daemon("pools").pools()
+
+    def _daemon(self, what: str) -> RemoteBackend:
+        if not isinstance(self.backend, RemoteBackend):
+            raise ForkdError(f"{what} needs the controller daemon: start `forkd serve`")
+        return self.backend
+
     def spawn_sandboxes(
-        self, tag: str, n: int = 1, *, memory_limit_mib: int | None = None, netns: bool = False
+        self,
+        tag: str,
+        n: int = 1,
+        *,
+        memory_limit_mib: int | None = None,
+        netns: bool = False,
+        prewarm: int | None = None,
     ) -> list[Sandbox]:
-        result = self.backend.spawn(tag, n, memory_limit_mib, netns)
+        """Fork ``n`` sandboxes; with ``prewarm=K`` the daemon then keeps K more waiting."""
+        if prewarm is not None:
+            result = self._daemon("prewarm").spawn(tag, n, memory_limit_mib, netns, prewarm=prewarm)
+        else:
+            result = self.backend.spawn(tag, n, memory_limit_mib, netns)
         return [Sandbox(controller=self, sandbox_id=s["id"]) for s in result["sandboxes"]]
 
     def sandboxes(self) -> list[Sandbox]:

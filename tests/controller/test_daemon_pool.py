@@ -164,6 +164,18 @@ def test_daemon_pool_round_trip_and_clean_stop(env: dict[str, str], tiny: str):
             )
             for i in ids:
                 assert http.delete(f"/v1/sandboxes/{i}").status_code == 200
+            # the SDK drives the same pools over REST
+            from forkd import Controller
+
+            ctl = Controller(url=url, token=TOKEN)
+            ctl.prewarm(TAG, 2)
+            assert [p["waiting"] for p in ctl.pools() if p["tag"].startswith("tiny:pool")] == [2]
+            boxes = ctl.spawn_sandboxes(TAG, 2, prewarm=1)
+            try:
+                assert len({b.eval("import os; os.urandom(8).hex()") for b in boxes}) == 2
+            finally:
+                for b in boxes:
+                    b.kill()
         audit = Path(env["FORKD_HOME"], "controller-audit.log").read_text()
         assert '"action":"pool.fill"' in audit and '"action":"pool.delete"' in audit
     finally:
@@ -186,3 +198,11 @@ def test_prewarm_needs_the_daemon(env: dict[str, str], tiny: str):
     with pytest.raises(InvalidInput):
         backend.fill_pool(TAG, 1)
     assert backend.pools() == []
+
+
+def test_sdk_prewarm_needs_the_daemon(env: dict[str, str], tiny: str) -> None:
+    from forkd import Controller
+    from forkd.errors import ForkdError
+
+    with pytest.raises(ForkdError, match="forkd serve"):
+        Controller(local=True).prewarm(TAG, 1)
