@@ -18,6 +18,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from forkd.units import human_bytes
+
 console = Console(stderr=True)
 
 
@@ -26,14 +28,7 @@ def emit_json(data: Any) -> None:
 
 
 def human(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(n)
+    return human_bytes(n)
 
 
 @contextlib.contextmanager

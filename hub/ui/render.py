@@ -17,6 +17,7 @@ from litestar.enums import MediaType
 from markdown_it import MarkdownIt
 
 from forkd import digest as dg
+from forkd.units import human_bytes
 
 TEMPLATES = Path(__file__).parent / "templates"
 # No inline scripts or styles anywhere: the copy button's few lines live in /-/static/.
@@ -61,15 +62,8 @@ def render_markdown(text: str) -> str:
     )
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "—"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # unreachable
+def human_size(n: int | None) -> str:
+    return human_bytes(n, missing="—")
 
 
 def when(ts: datetime | None) -> str:
@@ -100,7 +94,7 @@ def _environment() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(bytes=human_bytes, when=when, iso=iso, short=dg.short, ratio=ratio)
+    env.filters.update(bytes=human_size, when=when, iso=iso, short=dg.short, ratio=ratio)
     return env
 
 

@@ -9,7 +9,7 @@ import ui_support  # noqa: F401  (makes forkd.hub importable under `python3 -m p
 
 from forkd.hub.accounts import Principal
 from forkd.hub.ui.common import local_path
-from forkd.hub.ui.render import human_bytes, ratio, render_markdown
+from forkd.hub.ui.render import human_size, ratio, render_markdown
 from forkd.hub.ui.session import Sessions
 
 
@@ -93,6 +93,6 @@ def test_redirects_stay_on_the_hub(target: str | None, expected: str) -> None:
 
 
 def test_display_filters() -> None:
-    assert human_bytes(None) == "—" and human_bytes(512) == "512 B"
-    assert human_bytes(8 << 20) == "8.0 MiB"
+    assert human_size(None) == "—" and human_size(512) == "512 B"
+    assert human_size(8 << 20) == "8.0 MiB"
     assert ratio(8 << 20, 2 << 20) == "4.0×" and ratio(1, 0) == "—"
