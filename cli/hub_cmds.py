@@ -74,6 +74,32 @@ def _settings(data_dir: Path, database_url: str, **extra: Any) -> Any:
     )
 
 
+def blob_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--blob-backend`` and the S3 options (``serve`` and ``gc`` reach the same blobs)."""
+    options = [
+        click.option(
+            "--blob-backend",
+            type=click.Choice(["fs", "s3"]),
+            default=None,
+            help="Where blobs live: fs (DATA/blobs, default) or s3 (env FORKD_HUB_BLOB_BACKEND).",
+        ),
+        click.option("--s3-bucket", default=None, help="S3 bucket (env FORKD_HUB_S3_BUCKET)."),
+        click.option(
+            "--s3-endpoint",
+            "s3_endpoint_url",
+            default=None,
+            help="S3 endpoint URL for MinIO, Ceph, … (default AWS; env FORKD_HUB_S3_ENDPOINT_URL).",
+        ),
+        click.option("--s3-region", default=None, help="S3 region (env FORKD_HUB_S3_REGION)."),
+        click.option(
+            "--s3-prefix", default=None, help="Key prefix in the bucket (env FORKD_HUB_S3_PREFIX)."
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def _admin(data_dir: Path, database_url: str, op: Callable[[AsyncSession], Awaitable[T]]) -> T:
     """Run one administrative operation in a transaction, after migrating the schema."""
     from forkd.hub.db import Database
@@ -107,7 +133,10 @@ def hub() -> None:
     default="",
     help="Base URL clients use (token realm); default: from each request.",
 )
-def serve(data_dir: Path, database_url: str, listen: str, public_url: str) -> None:
+@blob_options
+def serve(
+    data_dir: Path, database_url: str, listen: str, public_url: str, **blob: str | None
+) -> None:
     """Serve the hub; migrations are applied on start."""
     import uvicorn
 
@@ -116,7 +145,7 @@ def serve(data_dir: Path, database_url: str, listen: str, public_url: str) -> No
 
     host, port = parse_listen(listen) if _given("listen") else (None, None)
     settings = _settings(
-        data_dir, database_url, host=host, port=port, public_url=public_url or None
+        data_dir, database_url, host=host, port=port, public_url=public_url or None, **blob
     )
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
@@ -152,15 +181,21 @@ def migrate(data_dir: Path, database_url: str, revision: str) -> None:
     help="Drop upload sessions idle for longer than this.",
 )
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
+@blob_options
 def gc(
-    data_dir: Path, database_url: str, grace_minutes: int, upload_ttl_hours: int, dry_run: bool
+    data_dir: Path,
+    database_url: str,
+    grace_minutes: int,
+    upload_ttl_hours: int,
+    dry_run: bool,
+    **blob: str | None,
 ) -> None:
     """Remove blobs no manifest references, orphan files and stale uploads (safe while
     the hub serves: pushes in flight keep their blobs)."""
     from forkd.hub.gc import collect
     from forkd.hub.services import Hub
 
-    settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url, **blob)
 
     async def go() -> Any:
         hub_ = Hub.build(settings)

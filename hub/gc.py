@@ -24,6 +24,7 @@ from itertools import islice
 
 from sqlalchemy import delete, exists, select, union
 
+from forkd.errors import NotFound
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Manifest, ManifestReference, RepositoryBlob, Upload, utcnow
 from forkd.hub.storage import UPLOAD_ID_RE, UploadArea
@@ -45,6 +46,14 @@ def _batches(items: list[str]) -> Iterator[list[str]]:
     it = iter(items)
     while batch := list(islice(it, BATCH)):
         yield batch
+
+
+def _older_than(blobs: BlobStore, digest: str, ts: float) -> bool:
+    """Whether a stored blob was written before ``ts``; a blob gone meanwhile is not."""
+    try:
+        return blobs.mtime(digest) < ts
+    except NotFound:  # removed meanwhile
+        return False
 
 
 async def collect(
@@ -79,7 +88,7 @@ async def collect(
         report.orphan_files = [
             d
             for d in blobs.digests()
-            if d not in known and d not in doomed and blobs.mtime(d) < cutoff_ts
+            if d not in known and d not in doomed and _older_than(blobs, d, cutoff_ts)
         ]
         if not dry_run:
             for batch in _batches(report.blobs):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from forkd.audit import AuditLog
 from forkd.hub.db import Database
@@ -26,6 +28,9 @@ class Hub:
     metrics: Metrics
     audit: AuditLog
     pulls: PullCounter
+    # Called after a manifest PUT by tag with (repository, tag, digest, parsed manifest);
+    # must return at once (the retention rule's compaction queues a job: hub/compaction.py).
+    after_push: list[Callable[[str, str, str, dict[str, Any]], None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
@@ -33,7 +38,7 @@ class Hub:
         return cls(
             settings=settings,
             db=Database(settings.database_url),
-            blobs=FsBlobStore(settings.blobs_dir),
+            blobs=open_blob_store(settings),
             uploads=UploadArea(settings.uploads_dir),
             limiter=LoginLimiter(settings.login_fail_limit, settings.login_fail_window),
             verified=CredentialCache(),
@@ -47,3 +52,23 @@ class Hub:
         await self.pulls.flush(self.db)
         await self.db.close()
         self.audit.close()
+
+
+def open_blob_store(settings: HubSettings) -> BlobStore:
+    """The blob backend the settings name; an S3 bucket is checked here, at start."""
+    if settings.blob_backend == "s3":
+        from forkd.store.s3 import S3BlobStore, make_client
+
+        store = S3BlobStore(
+            make_client(
+                endpoint_url=settings.s3_endpoint_url,
+                region=settings.s3_region,
+                access_key_id=settings.s3_access_key_id,
+                secret_access_key=settings.s3_secret_access_key,
+            ),
+            settings.s3_bucket,
+            settings.s3_prefix,
+        )
+        store.check()
+        return store
+    return FsBlobStore(settings.blobs_dir)

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from s3_support import moto_server  # noqa: F401  (a session fixture: a real S3 API server)
 
 from forkd.store.store import Store
 from forkd.synthetic import write_base, write_diff

@@ -75,7 +75,10 @@ class FsBlobStore:
                     yield f"sha256:{f.name}"
 
     def mtime(self, digest: str) -> float:
-        return self.path(digest).stat().st_mtime
+        try:
+            return self.path(digest).stat().st_mtime
+        except FileNotFoundError:
+            raise NotFound(f"blob {digest} is not in the store") from None
 
     # -- writes -------------------------------------------------------------
     def put_bytes(self, data: bytes, expected: str | None = None) -> str:

@@ -134,7 +134,7 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
             raise RegistryError(Code.DIGEST_INVALID, str(exc)) from exc
         async with hub.db.transaction() as session:
             await link_blob(hub, session, repo_id, digest, size)
-            if not hub.blobs.has(digest):
+            if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
                 # A GC sweep removed an old unreferenced copy after we found it present;
                 # we hold the write lock now, so storing again cannot race another sweep.
                 size = await anyio.to_thread.run_sync(store)
@@ -160,7 +160,7 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
     async with ctx.hub.db.transaction() as session:
         src = (await session.scalars(select(Repository).where(Repository.name == source))).first()
         size = await linked_blob_size(session, src.id, digest) if src else None
-        if size is None or not ctx.hub.blobs.has(digest):
+        if size is None or not await anyio.to_thread.run_sync(ctx.hub.blobs.has, digest):
             return None
         await link_blob(ctx.hub, session, repo.id, digest, size)
     ctx.audit("blob.mount", digest, source=source)
