@@ -261,12 +261,43 @@ def export(tag: str, out: Path, as_json: bool) -> None:
 @click.argument("tag")
 @click.option("--to", "to", required=True, help="Tag of the new flat layer.")
 @click.option("--force", is_flag=True, help="Replace the target tag if it exists.")
+@click.option(
+    "--remote",
+    is_flag=True,
+    help="TAG is [HUB/]NS/NAME:TAG on a forkd hub: compact there, from the blobs the hub "
+    "holds (nothing is uploaded); TO is a tag in the same repository.",
+)
 @json_option
-def compact(tag: str, to: str, force: bool, as_json: bool) -> None:
+def compact(tag: str, to: str, force: bool, remote: bool, as_json: bool) -> None:
     """Flatten TAG's chain into one layer tagged TO (same bytes, provenance recorded)."""
     start = time.perf_counter()
+    if remote:
+        _compact_remote(tag, to, force, as_json, start)
+        return
     info = _store().compact(tag, to, force=force)
     _print_layer(info, "compacted into", as_json, time.perf_counter() - start)
+
+
+def _compact_remote(tag: str, to: str, force: bool, as_json: bool, start: float) -> None:
+    from forkd.registry import credentials
+    from forkd.registry.client import RegistryClient
+    from forkd.registry.compaction import compact_remote
+    from forkd.registry.reference import parse_remote
+
+    ref = parse_remote(tag)
+    with RegistryClient(ref.hub, credentials.load(ref.hub.host)) as client:
+        result = compact_remote(client, ref.name, ref.tag, to, force)
+    seconds = time.perf_counter() - start
+    if as_json:
+        emit_json({**result, "seconds": round(seconds, 3)})
+        return
+    source = result["compacted_from"]
+    click.echo(
+        f"compacted {ref} (depth {source['from_depth']}) into {ref.hub}/{ref.name}:{to} "
+        f"{dg.short(result['digest'])} on the hub: flat, {human(result['stored_bytes'])} "
+        f"stored, {result['new_blobs']} new blobs ({human(result['new_bytes'])}), "
+        f"nothing uploaded ({seconds:.2f} s)"
+    )
 
 
 @click.command()

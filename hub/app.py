@@ -20,6 +20,7 @@ import forkd
 from forkd.hub import accounts
 from forkd.hub.auth import token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
+from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.errors import RegistryError, registry_error_handler
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
@@ -75,6 +76,10 @@ async def healthz() -> dict[str, str]:
 def create_app(settings: HubSettings) -> Litestar:
     settings = settings.validated()
     hub = Hub.build(settings)
+    retention = None
+    if settings.compact_deeper_than:
+        retention = Retention(hub, settings.compact_deeper_than)
+        hub.after_push.append(retention.submit)
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -83,6 +88,8 @@ def create_app(settings: HubSettings) -> Litestar:
         await bootstrap_admin(hub)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(flush_pulls, hub)
+            if retention is not None:
+                await tasks.start(retention.run)  # queues from the first request on
             try:
                 yield
             finally:
@@ -101,6 +108,7 @@ def create_app(settings: HubSettings) -> Litestar:
             metrics,
             CatalogController,
             LineageController,
+            CompactionController,
             TokenController,
             ui_router(hub),
         ],

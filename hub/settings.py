@@ -11,11 +11,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from forkd.errors import InvalidInput
+from forkd.pack.chain import MAX_CHAIN_DEPTH
 
 MiB = 1 << 20
 SQLITE_PREFIX = "sqlite+aiosqlite:///"
 POSTGRES_PREFIX = "postgresql+asyncpg://"
 VISIBILITIES = ("public", "private")
+BLOB_BACKENDS = ("fs", "s3")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,19 @@ class HubSettings:
     manifest_max_bytes: int = 4 * MiB
     login_fail_limit: int = 10
     login_fail_window: float = 300.0
+    # Blob storage: "fs" (DATA/blobs) or "s3" (forkd.store.s3). S3 credentials left empty
+    # come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profile, role).
+    blob_backend: str = "fs"
+    s3_bucket: str = ""
+    s3_endpoint_url: str = ""  # empty: AWS; else e.g. http://minio:9000
+    s3_region: str = ""
+    s3_prefix: str = ""  # keys go under PREFIX/blobs/sha256/…
+    s3_access_key_id: str = field(default="", repr=False)
+    s3_secret_access_key: str = field(default="", repr=False)
     migrate_on_start: bool = True
+    # Retention: a tag pushed with a chain deeper than this is compacted on the hub into
+    # TAG-flat, in the background (hub/compaction.py); 0 turns the rule off.
+    compact_deeper_than: int = 0
 
     @classmethod
     def from_env(
@@ -80,6 +94,17 @@ class HubSettings:
             )
         if self.token_ttl <= 0 or self.manifest_max_bytes <= 0 or self.login_fail_limit <= 0:
             raise InvalidInput("token_ttl, manifest_max_bytes and login_fail_limit must be > 0")
+        if not 0 <= self.compact_deeper_than <= MAX_CHAIN_DEPTH:
+            raise InvalidInput(
+                f"compact_deeper_than must be 0 (off) to {MAX_CHAIN_DEPTH}, "
+                f"not {self.compact_deeper_than}"
+            )
+        if self.compact_deeper_than and self.blob_backend != "fs":
+            raise InvalidInput(
+                "compact_deeper_than needs the fs blob backend (server-side compaction reads "
+                "blob files); set it to 0 with the s3 backend"
+            )
+        self._check_blob_backend()
         if bool(self.admin_user) != bool(self.admin_password):
             raise InvalidInput(
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
@@ -99,8 +124,52 @@ class HubSettings:
             manifest_max_bytes=self.manifest_max_bytes,
             login_fail_limit=self.login_fail_limit,
             login_fail_window=self.login_fail_window,
+            blob_backend=self.blob_backend,
+            s3_bucket=self.s3_bucket,
+            s3_endpoint_url=self.s3_endpoint_url.rstrip("/"),
+            s3_region=self.s3_region,
+            s3_prefix=self.s3_prefix.strip("/"),
+            s3_access_key_id=self.s3_access_key_id,
+            s3_secret_access_key=self.s3_secret_access_key,
             migrate_on_start=self.migrate_on_start,
+            compact_deeper_than=self.compact_deeper_than,
         )
+
+    def _check_blob_backend(self) -> None:
+        """The blob backend's settings are complete and used (none silently ignored)."""
+        if self.blob_backend not in BLOB_BACKENDS:
+            raise InvalidInput(f"invalid blob backend {self.blob_backend!r}: use fs or s3")
+        s3_set = [
+            name
+            for name in ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_prefix")
+            if getattr(self, name)
+        ]
+        if self.s3_access_key_id or self.s3_secret_access_key:
+            s3_set.append("s3 credentials")
+        if self.blob_backend != "s3":
+            if s3_set:
+                raise InvalidInput(
+                    f"{', '.join(s3_set)} set but the blob backend is {self.blob_backend!r}: "
+                    'set blob_backend = "s3" (--blob-backend s3) or remove them'
+                )
+            return
+        if not self.s3_bucket:
+            raise InvalidInput(
+                "the s3 blob backend needs a bucket: --s3-bucket, FORKD_HUB_S3_BUCKET or s3_bucket"
+            )
+        if self.s3_endpoint_url:
+            parts = urlsplit(self.s3_endpoint_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise InvalidInput(
+                    f"invalid S3 endpoint {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]"
+                )
+        if ".." in self.s3_prefix.split("/"):
+            raise InvalidInput(f"invalid S3 prefix {self.s3_prefix!r}: no '..' components")
+        if bool(self.s3_access_key_id) != bool(self.s3_secret_access_key):
+            raise InvalidInput(
+                "set both s3_access_key_id and s3_secret_access_key, or neither (then the "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY environment or an AWS profile is used)"
+            )
 
     # -- layout of the data directory (owned here) ---------------------------
     @property
@@ -147,6 +216,11 @@ ENV_KEYS = {
     "admin_user": "FORKD_HUB_ADMIN_USER",
     "admin_password": "FORKD_HUB_ADMIN_PASSWORD",
     "default_visibility": "FORKD_HUB_DEFAULT_VISIBILITY",
+    "blob_backend": "FORKD_HUB_BLOB_BACKEND",
+    "s3_bucket": "FORKD_HUB_S3_BUCKET",
+    "s3_endpoint_url": "FORKD_HUB_S3_ENDPOINT_URL",
+    "s3_region": "FORKD_HUB_S3_REGION",
+    "s3_prefix": "FORKD_HUB_S3_PREFIX",
 }
 _TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),

@@ -504,11 +504,19 @@ class Store:
         with self.writing():
             digest = self.resolve(source)
             cfg = self.config(digest)
-            new = self._compact(
+            new = self.compact_digest(
                 digest, str(target), Provenance(str(source), digest, cfg.depth, "manual")
             )
             self._set_tag(target, new, force)
         return self._layer_info(target, new, True)
+
+    def compact_digest(self, digest: str, tag: str, provenance: Provenance) -> str:
+        """Flatten the chain headed by manifest ``digest`` into one flat layer created under
+        ``tag`` (``NAME:TAG``); write its blobs, set no tag, return its manifest digest.
+
+        The caller holds ``writing()`` when a ``gc`` of this store may run meanwhile. The
+        hub's server-side compaction calls this on a scratch store over the hub's blobs."""
+        return self._compact(digest, tag, provenance)
 
     def _compact(self, digest: str, tag: str, provenance: Provenance) -> str:
         """One flat layer with the head's assembled bytes; returns its manifest digest."""

@@ -16,12 +16,14 @@ from typing import Any
 import anyio
 from litestar import Response
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Manifest, ManifestReference, Repository, Tag, utcnow
 from forkd.hub.oci.common import Ctx, linked_blob_size, parse_digest
+from forkd.hub.services import Hub
 from forkd.names import validate_tag
 from forkd.pack import mediatypes as mt
 
@@ -143,11 +145,6 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
     digest = dg.of_bytes(body)
     if _is_digest(reference) and reference != digest:
         raise RegistryError(Code.DIGEST_INVALID, f"body digest is {digest}, not {reference}")
-    subject = doc.get("subject")
-    artifact_type = doc.get("artifactType")
-    if artifact_type is None and content_type in IMAGE_TYPES:
-        artifact_type = doc["config"]["mediaType"]
-    annotations = doc.get("annotations")
     hub = ctx.hub
     # One transaction checks the references, stores the bytes and records the manifest, so
     # a blob cannot be unlinked between the check and the insert, and a refused manifest
@@ -155,43 +152,72 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
     async with hub.db.transaction() as session:
         await hub.db.lock_for_write(session)
         repo = await ctx.repository_for_push(session)
-        await _check_references(session, repo, doc, content_type)
-        await anyio.to_thread.run_sync(hub.blobs.put_bytes, body, digest)
-        await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=len(body)))
-        await session.execute(
-            hub.db.insert_ignore(Manifest).values(
-                repository_id=repo.id,
-                digest=digest,
-                media_type=content_type,
-                artifact_type=artifact_type,
-                subject_digest=subject["digest"] if subject else None,
-                annotations=json.dumps(annotations) if annotations else None,
-                size=len(body),
-                created_at=utcnow(),
-            )
-        )
-        manifest_id = await session.scalar(
-            select(Manifest.id).where(Manifest.repository_id == repo.id, Manifest.digest == digest)
-        )
-        for ref in _referenced(doc, content_type):
-            await session.execute(
-                hub.db.insert_ignore(ManifestReference).values(manifest_id=manifest_id, digest=ref)
-            )
-        if not _is_digest(reference):
-            tag = await session.get(Tag, (repo.id, reference))
-            if tag is None:
-                session.add(Tag(repository_id=repo.id, name=reference, manifest_digest=digest))
-            else:
-                tag.manifest_digest = digest
-                tag.updated_at = utcnow()
-        await session.execute(
-            update(Repository).where(Repository.id == repo.id).values(updated_at=utcnow())
-        )
+        tag = None if _is_digest(reference) else reference
+        await register_manifest(hub, session, repo, body, content_type, doc, digest, tag)
     ctx.audit("manifest.push", reference, digest=digest)
     headers = {"Location": ctx.url(f"manifests/{digest}"), "Docker-Content-Digest": digest}
+    subject = doc.get("subject")
     if subject:
         headers["OCI-Subject"] = subject["digest"]
+    if not _is_digest(reference):
+        for hook in hub.after_push:  # e.g. the retention rule's compaction (hub/compaction.py)
+            hook(ctx.name, reference, digest, doc)
     return Response(b"", status_code=201, headers=headers)
+
+
+async def register_manifest(
+    hub: Hub,
+    session: AsyncSession,
+    repo: Repository,
+    body: bytes,
+    content_type: str,
+    doc: dict[str, Any],
+    digest: str,
+    tag: str | None,
+) -> None:
+    """Record a checked manifest (``parse_manifest``) in ``repo`` and point ``tag`` at it:
+    check its references, store its bytes, insert its row and GC references, set the tag.
+
+    The caller holds a transaction with ``lock_for_write``. A manifest ``PUT`` and the
+    server-side compaction (hub/compaction.py) both register manifests through here.
+    """
+    subject = doc.get("subject")
+    artifact_type = doc.get("artifactType")
+    if artifact_type is None and content_type in IMAGE_TYPES:
+        artifact_type = doc["config"]["mediaType"]
+    annotations = doc.get("annotations")
+    await _check_references(session, repo, doc, content_type)
+    await anyio.to_thread.run_sync(hub.blobs.put_bytes, body, digest)
+    await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=len(body)))
+    await session.execute(
+        hub.db.insert_ignore(Manifest).values(
+            repository_id=repo.id,
+            digest=digest,
+            media_type=content_type,
+            artifact_type=artifact_type,
+            subject_digest=subject["digest"] if subject else None,
+            annotations=json.dumps(annotations) if annotations else None,
+            size=len(body),
+            created_at=utcnow(),
+        )
+    )
+    manifest_id = await session.scalar(
+        select(Manifest.id).where(Manifest.repository_id == repo.id, Manifest.digest == digest)
+    )
+    for ref in _referenced(doc, content_type):
+        await session.execute(
+            hub.db.insert_ignore(ManifestReference).values(manifest_id=manifest_id, digest=ref)
+        )
+    if tag is not None:
+        row = await session.get(Tag, (repo.id, tag))
+        if row is None:
+            session.add(Tag(repository_id=repo.id, name=tag, manifest_digest=digest))
+        else:
+            row.manifest_digest = digest
+            row.updated_at = utcnow()
+    await session.execute(
+        update(Repository).where(Repository.id == repo.id).values(updated_at=utcnow())
+    )
 
 
 def _referenced(doc: dict[str, Any], content_type: str) -> set[str]:
@@ -259,7 +285,9 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
     if not head:
         hub.pulls.record(repo.id)
     try:
-        body = hub.blobs.read(manifest.digest, hub.settings.manifest_max_bytes, "manifest")
+        body = await anyio.to_thread.run_sync(  # off the event loop: S3 is a network read
+            hub.blobs.read, manifest.digest, hub.settings.manifest_max_bytes, "manifest"
+        )
     except (NotFound, IntegrityError, InvalidInput) as exc:
         raise RegistryError(Code.MANIFEST_UNKNOWN, str(exc)) from exc
     headers = {"Docker-Content-Digest": manifest.digest, "Content-Length": str(len(body))}

@@ -1,0 +1,405 @@
+"""Server-side compaction: a flat tag made on the hub from the blobs it already holds.
+
+``POST /api/v1/compact/<name>`` with ``{"tag", "to", "force"}`` flattens the chain
+that ``tag`` heads into one flat layer tagged ``to``. Nothing is uploaded: the core's
+compaction (``forkd.store.store.Store.compact_digest``) runs on a scratch store whose
+blobs are the hub's own blob store, so unchanged 2 MiB regions reuse the chunks the
+hub has and only the regions the diffs changed become new chunks. The new manifest
+carries ``dev.forkd.compacted.from: NAME:TAG@DIGEST`` (the lineage API shows it) and is
+registered exactly like a manifest ``PUT`` (``register_manifest``), then tagged and
+audited (``manifest.compact``).
+
+The retention rule (setting ``compact_deeper_than``, 0 = off) compacts a tag pushed with
+a chain deeper than the limit into ``TAG-flat``, in a background worker started with the
+app (one job at a time, off the request path).
+
+Layout: ``DATA/.compact-*/`` is the scratch store of a running compaction (assembled
+images, sparse), removed when it ends. Compaction reads blob files, so it needs the
+filesystem blob backend; with any other backend it answers 501.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+from litestar import Controller, post
+from litestar.di import NamedDependency
+from litestar.exceptions import ValidationException
+from litestar.params import FromPath, JSONBody
+from sqlalchemy import select
+
+from forkd import digest as dg
+from forkd.errors import ChainError, Conflict, ForkdError, InvalidInput, NotFound
+from forkd.hub import accounts
+from forkd.hub.auth import authenticate, authorize, client_ip
+from forkd.hub.errors import Code, RegistryError
+from forkd.hub.models import Manifest, Tag
+from forkd.hub.oci.common import HubRequest, link_blob
+from forkd.hub.oci.manifests import parse_manifest, register_manifest
+from forkd.hub.services import Hub
+from forkd.names import validate_name, validate_tag
+from forkd.pack import mediatypes as mt
+from forkd.pack.chain import MAX_CHAIN_DEPTH
+from forkd.pack.config import Provenance
+from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.store.blobs import FsBlobStore
+from forkd.store.store import Store
+
+log = logging.getLogger("forkd.hub.compaction")
+
+FLAT_SUFFIX = "-flat"
+RETENTION_ACTOR = "(retention)"  # not a valid user name: cannot be mistaken for one
+QUEUE_MAX = 1000
+
+
+@dataclass
+class CompactRequest:
+    tag: str  # the chain head to flatten
+    to: str  # the new tag (same repository)
+    force: bool = False  # replace ``to`` if it exists
+
+
+@dataclass
+class CompactionResult:
+    repository: str
+    tag: str  # the new tag
+    digest: str  # its manifest
+    depth: int  # 0: flat
+    memory_size: int
+    stored_bytes: int  # blobs the new manifest references (config, maps, chunks, files)
+    new_blobs: int  # of those, blobs the source chain did not have (written by the hub)
+    new_bytes: int
+    compacted_from: Provenance  # from_tag (NAME:TAG), from_digest, from_depth, reason
+
+
+@dataclass
+class _Flat:
+    """What the thread hands back: the new manifest and its blobs."""
+
+    digest: str
+    body: bytes
+    blobs: list[tuple[str, int]]
+    memory_size: int
+    provenance: Provenance
+    new_blobs: int
+    new_bytes: int
+
+
+class _Vanished(Exception):
+    """A GC sweep removed a blob between the compaction writing it and its registration."""
+
+
+def _fs_blobs(hub: Hub) -> FsBlobStore:
+    if not isinstance(hub.blobs, FsBlobStore):
+        raise RegistryError(
+            Code.UNSUPPORTED,
+            f"server-side compaction needs the filesystem blob backend; this hub stores blobs "
+            f"in {type(hub.blobs).__name__}: compact locally (forkd compact) and push instead",
+            status=501,
+        )
+    return hub.blobs
+
+
+def _chain(store: Store, head: str, what: str) -> list[str]:
+    """Digests of the chain ``head`` heads (head first), refusing what is no forkd pack."""
+    return [link.digest for link in store.chain(head, what)]
+
+
+def _flatten(store: Store, head: str, chain: list[str], tag: str, provenance: Provenance) -> _Flat:
+    """The CPU part (a thread): the core's compaction on the hub's blobs, nothing else."""
+    old: set[str] = set(chain)
+    for digest in chain:
+        old.update(d.digest for d in store.manifest(digest).blobs())
+    new = store.compact_digest(head, tag, provenance)
+    body = store.blobs.read(new, MAX_MANIFEST_BYTES, "manifest")
+    blobs = [(d.digest, d.size) for d in store.manifest(new).blobs()]
+    fresh = [(d, size) for d, size in blobs if d not in old]
+    return _Flat(
+        new,
+        body,
+        blobs,
+        store.config(new).memory_size,
+        provenance,
+        len(fresh),
+        sum(size for _, size in fresh),
+    )
+
+
+def _as_registry_error(exc: ForkdError, what: str) -> RegistryError:
+    if isinstance(exc, Conflict):
+        return RegistryError(Code.DENIED, str(exc), status=409)
+    if isinstance(exc, NotFound):
+        return RegistryError(Code.MANIFEST_BLOB_UNKNOWN, f"{what}: {exc}", status=500)
+    if isinstance(exc, ChainError | InvalidInput):
+        return RegistryError(Code.MANIFEST_INVALID, f"{what} cannot be compacted: {exc}")
+    return RegistryError(Code.MANIFEST_INVALID, f"{what}: {exc}", status=500)
+
+
+async def compact_tag(
+    hub: Hub,
+    name: str,
+    tag: str,
+    to: str,
+    *,
+    force: bool = False,
+    actor: str,
+    ip: str = "-",
+    reason: str = "manual",
+    expect: str | None = None,
+    deeper_than: int = -1,
+) -> CompactionResult | None:
+    """Flatten ``name:tag`` into ``name:to`` on the hub. The caller checked push access.
+
+    ``expect`` (a digest) and ``deeper_than`` serve the retention rule: it returns None,
+    doing nothing, when the tag has moved on or its chain is not deeper than the limit.
+    Raises RegistryError: 404 unknown tag, 409 existing ``to`` without ``force``.
+    """
+    blobs = _fs_blobs(hub)
+    source = f"{name}:{tag}"
+    async with hub.db.reading() as session:
+        repo = await accounts.get_repository(session, name)
+        if repo is None:
+            raise RegistryError(Code.NAME_UNKNOWN, f"repository {name} not found")
+        head_row = await session.get(Tag, (repo.id, tag))
+        if head_row is None:
+            raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {tag} not in {name}")
+        head = head_row.manifest_digest
+        if expect is not None and head != expect:
+            return None  # pushed again meanwhile: that push queued its own job
+        if not force and await session.get(Tag, (repo.id, to)) is not None:
+            raise _conflict(name, to)
+    for _attempt in range(2):
+        scratch = Path(tempfile.mkdtemp(dir=hub.settings.data_dir, prefix=".compact-"))
+        try:
+            store = Store(scratch, auto_compact_depth=MAX_CHAIN_DEPTH, blobs=blobs)
+            try:
+                chain = await anyio.to_thread.run_sync(_chain, store, head, source)
+            except ForkdError as exc:
+                raise _as_registry_error(exc, source) from exc
+            if len(chain) - 1 <= deeper_than:
+                return None
+            await _check_chain_in(hub, repo.id, name, chain)
+            provenance = Provenance(source, head, len(chain) - 1, reason)
+            try:
+                flat = await anyio.to_thread.run_sync(
+                    _flatten, store, head, chain, f"{name}:{to}", provenance
+                )
+            except ForkdError as exc:
+                raise _as_registry_error(exc, source) from exc
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the hub shuts down meanwhile
+                await anyio.to_thread.run_sync(shutil.rmtree, scratch, True)
+        try:
+            await _register(hub, name, to, flat, force)
+        except _Vanished:
+            log.warning("a gc sweep raced the compaction of %s; compacting again", source)
+            continue
+        hub.audit.record(
+            actor,
+            ip,
+            "manifest.compact",
+            f"{name}@{to}",
+            "ok",
+            digest=flat.digest,
+            source=f"{tag}@{head}",
+            reason=reason,
+            new_blobs=flat.new_blobs,
+            new_bytes=flat.new_bytes,
+        )
+        return CompactionResult(
+            repository=name,
+            tag=to,
+            digest=flat.digest,
+            depth=0,
+            memory_size=flat.memory_size,
+            stored_bytes=sum(size for _, size in flat.blobs),
+            new_blobs=flat.new_blobs,
+            new_bytes=flat.new_bytes,
+            compacted_from=flat.provenance,
+        )
+    raise RegistryError(
+        Code.MANIFEST_BLOB_UNKNOWN,
+        f"gc sweeps kept removing the new blobs of {name}:{to}; compact again",
+        status=503,
+    )
+
+
+def _conflict(name: str, to: str) -> RegistryError:
+    return RegistryError(
+        Code.DENIED, f"tag {to} exists in {name}; pick another tag or pass force", status=409
+    )
+
+
+async def _check_chain_in(hub: Hub, repo_id: int, name: str, chain: list[str]) -> None:
+    """Every layer of the chain must be a manifest of this repository: a pushed ``subject``
+    may name any digest, and compaction must not read another repository's layers."""
+    async with hub.db.reading() as session:
+        found = set(
+            (
+                await session.scalars(
+                    select(Manifest.digest).where(
+                        Manifest.repository_id == repo_id, Manifest.digest.in_(chain)
+                    )
+                )
+            ).all()
+        )
+    outside = [d for d in chain if d not in found]
+    if outside:
+        raise RegistryError(
+            Code.MANIFEST_BLOB_UNKNOWN,
+            f"layer {outside[0]} of the chain is not in {name}; push the whole chain first",
+        )
+
+
+async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> None:
+    """Link the new blobs into the repository and register the manifest like a ``PUT``."""
+    doc = parse_manifest(flat.body, mt.OCI_MANIFEST)
+    async with hub.db.transaction() as session:
+        await hub.db.lock_for_write(session)
+        repo = await accounts.get_repository(session, name)
+        if repo is None:
+            raise RegistryError(Code.NAME_UNKNOWN, f"repository {name} not found")
+        if not force and await session.get(Tag, (repo.id, to)) is not None:
+            raise _conflict(name, to)  # tagged meanwhile
+        for digest, size in flat.blobs:
+            await link_blob(hub, session, repo.id, digest, size)
+        # Under the write lock no sweep runs; one that ran before may have taken a blob.
+        if not all(hub.blobs.has(digest) for digest, _ in flat.blobs):
+            raise _Vanished
+        await register_manifest(
+            hub, session, repo, flat.body, mt.OCI_MANIFEST, doc, flat.digest, to
+        )
+
+
+# -- the route -----------------------------------------------------------------
+def _checked(name: str, req: CompactRequest) -> str:
+    try:
+        name = validate_name(name.strip("/"))
+        validate_tag(req.tag)
+        validate_tag(req.to)
+    except InvalidInput as exc:
+        raise ValidationException(str(exc)) from exc
+    return name
+
+
+class CompactionController(Controller):
+    path = "/api/v1/compact"
+    tags: ClassVar[list[str]] = ["compaction"]  # type: ignore[misc]
+
+    @post("/{name:path}", status_code=201)
+    async def compact(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        name: FromPath[str],
+        data: JSONBody[CompactRequest],
+    ) -> CompactionResult:
+        """Flatten ``tag``'s chain into a new flat tag ``to`` from the blobs the hub holds
+        (nothing is uploaded); needs push. 409 when ``to`` exists and ``force`` is false."""
+        name = _checked(name, data)
+        caller = await authenticate(hub, request)
+        await authorize(hub, request, caller, name, "push")
+        result = await compact_tag(
+            hub,
+            name,
+            data.tag,
+            data.to,
+            force=data.force,
+            actor=caller.principal.name,
+            ip=client_ip(request),
+        )
+        assert result is not None  # only the retention rule's conditions skip
+        return result
+
+
+# -- the retention rule ----------------------------------------------------------
+@dataclass(frozen=True)
+class _Job:
+    name: str
+    tag: str
+    digest: str
+
+
+class Retention:
+    """Compacts a tag pushed with a chain deeper than ``deeper_than`` into ``TAG-flat``.
+
+    ``submit`` is a ``Hub.after_push`` hook: it only queues. ``run`` (in the app's task
+    group) takes one job at a time. ``TAG-flat`` belongs to the rule: it is replaced
+    when the tag is pushed again. The pushed tag itself is never moved.
+    """
+
+    def __init__(self, hub: Hub, deeper_than: int) -> None:
+        self.hub = hub
+        self.deeper_than = deeper_than
+        self._send: MemoryObjectSendStream[_Job] | None = None
+
+    def submit(self, name: str, tag: str, digest: str, doc: dict[str, Any]) -> None:
+        if doc.get("artifactType") != mt.ARTIFACT_TYPE or not doc.get("subject"):
+            return  # not a forkd diff layer: nothing to flatten
+        if len(tag) + len(FLAT_SUFFIX) > 128:
+            log.warning("retention: %s:%s is too long a tag to add %s", name, tag, FLAT_SUFFIX)
+            return
+        if self._send is None:
+            log.warning("retention: worker not running; %s:%s not compacted", name, tag)
+            return
+        try:
+            self._send.send_nowait(_Job(name, tag, digest))
+        except anyio.WouldBlock:
+            log.warning("retention: queue full; %s:%s not compacted", name, tag)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        send, receive = anyio.create_memory_object_stream[_Job](QUEUE_MAX)
+        self._send = send
+        task_status.started()
+        try:
+            async with receive:
+                async for job in receive:
+                    await self._one(job)
+        finally:
+            self._send = None
+
+    async def _one(self, job: _Job) -> None:
+        to = job.tag + FLAT_SUFFIX
+        try:
+            result = await compact_tag(
+                self.hub,
+                job.name,
+                job.tag,
+                to,
+                force=True,
+                actor=RETENTION_ACTOR,
+                reason="auto-depth",
+                expect=job.digest,
+                deeper_than=self.deeper_than,
+            )
+        except RegistryError as exc:
+            log.warning("retention: compacting %s:%s failed: %s", job.name, job.tag, exc)
+            self.hub.audit.record(
+                RETENTION_ACTOR,
+                "-",
+                "manifest.compact",
+                f"{job.name}@{to}",
+                "failed",
+                source=f"{job.tag}@{job.digest}",
+                reason=str(exc),
+            )
+        except Exception:  # a bug or a database outage: log it, keep serving
+            log.exception("retention: compacting %s:%s failed", job.name, job.tag)
+        else:
+            if result is not None:
+                log.info(
+                    "retention: %s:%s (depth %d) compacted into %s %s",
+                    job.name,
+                    job.tag,
+                    result.compacted_from.from_depth,
+                    to,
+                    dg.short(result.digest),
+                )
