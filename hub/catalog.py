@@ -64,6 +64,7 @@ class TagInfo:
     chain_depth: int  # how many ancestors through ``subject`` (0: a base)
     parent: str | None
     pushed_at: datetime
+    pulls: int  # pulls of this tag (by tag, not by digest)
 
 
 @dataclass
@@ -216,6 +217,7 @@ class CatalogController(Controller):
                 chain_depth=_depth(subjects, manifest.digest),
                 parent=manifest.subject_digest,
                 pushed_at=tag.updated_at,
+                pulls=tag.pull_count,
             )
             for tag, manifest in rows
         ]

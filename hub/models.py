@@ -157,6 +157,7 @@ class Tag(Base):
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     manifest_digest: Mapped[str] = mapped_column(String(DIGEST_LEN))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    pull_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Upload(Base):

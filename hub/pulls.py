@@ -9,30 +9,42 @@ from collections import Counter
 from sqlalchemy import update
 
 from forkd.hub.db import Database
-from forkd.hub.models import Repository
+from forkd.hub.models import Repository, Tag
 
 FLUSH_INTERVAL_S = 5.0
 
 
 class PullCounter:
-    def __init__(self) -> None:
-        self._pending: Counter[int] = Counter()
+    """Counts per repository and, for pulls by tag, per (repository, tag)."""
 
-    def record(self, repository_id: int) -> None:
-        self._pending[repository_id] += 1
+    def __init__(self) -> None:
+        self._pending: Counter[tuple[int, str | None]] = Counter()
+
+    def record(self, repository_id: int, tag: str | None = None) -> None:
+        self._pending[(repository_id, tag)] += 1
 
     async def flush(self, db: Database) -> None:
         pending, self._pending = self._pending, Counter()
         if not pending:
             return
+        per_repo: Counter[int] = Counter()
+        for (repo_id, _tag), n in pending.items():
+            per_repo[repo_id] += n
         try:
             async with db.transaction() as session:
-                for repo_id, n in sorted(pending.items()):
+                for repo_id, n in sorted(per_repo.items()):
                     await session.execute(
                         update(Repository)
                         .where(Repository.id == repo_id)
                         .values(pull_count=Repository.pull_count + n)
                     )
+                for (repo_id, tag), n in sorted(pending.items(), key=str):
+                    if tag is not None:
+                        await session.execute(
+                            update(Tag)
+                            .where(Tag.repository_id == repo_id, Tag.name == tag)
+                            .values(pull_count=Tag.pull_count + n)
+                        )
         except BaseException:
             self._pending.update(pending)  # try again next time
             raise

@@ -283,7 +283,7 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
         repo = await ctx.repository(session)
         manifest = await _resolve(ctx, session, repo, reference)
     if not head:
-        hub.pulls.record(repo.id)
+        hub.pulls.record(repo.id, None if _is_digest(reference) else reference)
     try:
         body = await anyio.to_thread.run_sync(  # off the event loop: S3 is a network read
             hub.blobs.read, manifest.digest, hub.settings.manifest_max_bytes, "manifest"

@@ -298,6 +298,7 @@ class TagRow:
     pushed_at: datetime
     depth: int
     facts: LayerFacts
+    pulls: int
 
 
 @dataclass
@@ -370,6 +371,7 @@ async def pack(
             t.updated_at,
             _depth(subjects, t.manifest_digest),
             known[t.manifest_digest],
+            t.pull_count,
         )
         for t in present
     ]

@@ -55,6 +55,7 @@ def test_list_search_and_detail(fresh_hub: HubServer) -> None:
     expected = len(child_body) + layers["config"]["size"] + layers["layers"][0]["size"]
     assert tags["v2"]["size"] == expected
     assert tags["v2"]["artifact_type"] == "application/vnd.forkd.snapshot.v1"
+    assert tags["v2"]["pulls"] == 3 and tags["base"]["pulls"] == 0  # counted per tag too
 
     for auth in (None, bob):
         r = http.get(f"{fresh_hub.url}/api/v1/repositories/alice/private_one", auth=auth)

@@ -47,6 +47,7 @@ def test_home_pack_and_tag_pages(seeded: Seeded, page: Any) -> None:
     assert table["d2"][2] == "8.0 MiB"  # logical memory size
     assert [table[t][4].split()[0] for t in ("base", "d1", "d2", "flat")] == ["0", "1", "2", "0"]
     assert "compacted" in table["flat"][4]
+    assert [table[t][6] for t in ("base", "d1", "d2", "flat")] == ["0", "0", "3", "0"]  # pulls
     compat = page.get_by_test_id("compat").inner_text()
     for fact in ("qemu 8.2.2", "pc-q35-8.2", "max", "kvm, tcg", "runs without KVM", "8 MiB"):
         assert fact in compat
