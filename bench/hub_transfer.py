@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -29,6 +30,7 @@ import httpx
 
 from forkd.pack import mediatypes as mt
 from forkd.registry.client import RegistryClient
+from forkd.registry.credentials import Credential
 from forkd.registry.reference import Hub, parse_remote
 from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
@@ -67,10 +69,16 @@ def docker_registry(root: Path) -> Iterator[Hub]:
 
 @contextmanager
 def forkd_hub(root: Path, command: str) -> Iterator[Hub]:
+    """A hub whose admin is ``bench`` (password in BENCH_SECRET); pushes go to ``bench/…``."""
     port = free_port()
     args = command.format(data=root, port=port).split()
+    env = {**os.environ, "FORKD_HUB_ADMIN_USER": "bench", "FORKD_HUB_ADMIN_PASSWORD": BENCH_SECRET}
     proc = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env=env,
     )
     try:
         wait_ready(f"http://127.0.0.1:{port}/v2/")
@@ -78,6 +86,9 @@ def forkd_hub(root: Path, command: str) -> Iterator[Hub]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+BENCH_SECRET = secrets.token_urlsafe(16)
 
 
 def wait_ready(url: str) -> None:
@@ -202,9 +213,26 @@ def measure(
     latencies: dict[str, float],
 ) -> None:
     mib = stored / (1 << 20)
-    with RegistryClient(hub) as client:
+    credential = Credential("bench", BENCH_SECRET) if label == "forkd hub" else None
+    with RegistryClient(hub, credential) as client:
         base_ref = parse_remote(f"{hub}/bench/chain:base")
         push_base = timed(lambda: push(store, "bench/base", base_ref, client))
+        if label == "forkd hub":  # anonymous pulls (skopeo, the load run) like docker-registry's
+            subprocess.run(
+                [
+                    "forkd",
+                    "hub",
+                    "repo",
+                    "visibility",
+                    "bench/chain",
+                    "public",
+                    "--data",
+                    str(work / "forkd-hub"),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+            )
         head_ref = parse_remote(f"{hub}/bench/chain:head")
         repush = push(store, "bench/l2", head_ref, client)
         delta = sum(d.size for link in chain[:2] for d in link.manifest.blobs())
