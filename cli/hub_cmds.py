@@ -181,6 +181,12 @@ def migrate(data_dir: Path, database_url: str, revision: str) -> None:
     help="Drop upload sessions idle for longer than this.",
 )
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
+@click.option(
+    "--retention",
+    "with_retention",
+    is_flag=True,
+    help="First delete the tags the retention rules of the config file no longer keep.",
+)
 @blob_options
 def gc(
     data_dir: Path,
@@ -188,19 +194,38 @@ def gc(
     grace_minutes: int,
     upload_ttl_hours: int,
     dry_run: bool,
+    with_retention: bool,
     **blob: str | None,
 ) -> None:
     """Remove blobs no manifest references, orphan files and stale uploads (safe while
     the hub serves: pushes in flight keep their blobs)."""
+    from forkd.errors import InvalidInput
+    from forkd.hub import retention
     from forkd.hub.gc import collect
     from forkd.hub.services import Hub
 
     settings = _settings(data_dir, database_url, **blob)
+    if with_retention and not settings.retention:
+        raise InvalidInput(
+            "--retention: no retention rules configured; add [[retention]] tables to the "
+            "--config file"
+        )
 
     async def go() -> Any:
         hub_ = Hub.build(settings)
         try:
             await hub_.db.migrate()
+            if with_retention:
+                kept = await retention.sweep(
+                    hub_.db, settings.retention, hub_.audit, dry_run=dry_run
+                )
+                verb = "would delete" if dry_run else "deleted"
+                click.echo(
+                    f"retention: {verb} {len(kept.tags)} tags"
+                    + (f" ({', '.join(kept.tags)})" if kept.tags else "")
+                    + f", {len(kept.manifests)} untagged manifests; "
+                    f"{len(kept.protected)} tags kept as parents of kept tags"
+                )
             report = await collect(
                 hub_.db,
                 hub_.blobs,
@@ -419,6 +444,153 @@ def org_member(data_dir: Path, database_url: str, name: str, username: str, role
     click.echo(
         f"{username} removed from {name}" if role == "remove" else f"{username}: {role} in {name}"
     )
+
+
+@hub.group("team")
+def team() -> None:
+    """Manage an organisation's teams (members with one role on its repositories)."""
+
+
+@team.command("add")
+@data_option
+@db_option
+@click.argument("org")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["pull", "push", "admin"]), required=True)
+@click.option(
+    "--repositories",
+    default="",
+    help="Only repositories matching this glob on full names, e.g. 'acme/app-*' (default: all).",
+)
+@click.option("--member", "members", multiple=True, help="User to add; repeatable.")
+def team_add(
+    data_dir: Path,
+    database_url: str,
+    org: str,
+    name: str,
+    role: str,
+    repositories: str,
+    members: tuple[str, ...],
+) -> None:
+    """Create team NAME in organisation ORG with ROLE on its repositories."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.create_team(
+            session, org, name, role, repositories=repositories, members=members
+        )
+
+    _admin(data_dir, database_url, op)
+    click.echo(
+        f"created team {name} in {org}: {role}" + (f" on {repositories}" if repositories else "")
+    )
+
+
+@team.command("remove")
+@data_option
+@db_option
+@click.argument("org")
+@click.argument("name")
+def team_remove(data_dir: Path, database_url: str, org: str, name: str) -> None:
+    """Delete team NAME of organisation ORG."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.delete_team(session, org, name)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"removed team {name} from {org}")
+
+
+@team.command("member")
+@data_option
+@db_option
+@click.argument("org")
+@click.argument("name")
+@click.argument("username")
+@click.argument("action", type=click.Choice(["add", "remove"]))
+def team_member(
+    data_dir: Path, database_url: str, org: str, name: str, username: str, action: str
+) -> None:
+    """Add USERNAME to team NAME of ORG, or remove them."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> None:
+        if action == "add":
+            await accounts.add_team_member(session, org, name, username)
+        else:
+            await accounts.remove_team_member(session, org, name, username)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"{username} {'added to' if action == 'add' else 'removed from'} {org}/{name}")
+
+
+@team.command("list")
+@data_option
+@db_option
+@click.argument("org")
+def team_list(data_dir: Path, database_url: str, org: str) -> None:
+    """List the teams of ORG with their roles and members."""
+    from forkd.hub import accounts
+
+    async def op(session: AsyncSession) -> list[tuple[str, str, str, list[str]]]:
+        rows = await accounts.list_teams(session, org)
+        return [(t.name, t.role, t.repositories, m) for t, m in rows]
+
+    for name, role, repositories, members in _admin(data_dir, database_url, op):
+        click.echo(f"{name}\t{role}\t{repositories or '*'}\t{','.join(members)}")
+
+
+@hub.group("quota")
+def quota() -> None:
+    """Per-namespace storage quotas."""
+
+
+def _parse_bytes(text: str) -> int | None:
+    from forkd.errors import InvalidInput
+
+    if text.lower() in ("none", "off"):
+        return None
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    if not number.isdigit():
+        raise InvalidInput(f"invalid size {text!r}: use bytes (e.g. 1073741824, 10GiB) or none")
+    return int(number) * mult
+
+
+@quota.command("set")
+@data_option
+@db_option
+@click.argument("namespace")
+@click.argument("size")
+def quota_set(data_dir: Path, database_url: str, namespace: str, size: str) -> None:
+    """Limit NAMESPACE to SIZE bytes of blobs (e.g. 1073741824 or 10GiB; 'none' removes it)."""
+    from forkd.hub import quotas
+
+    limit = _parse_bytes(size)
+
+    async def op(session: AsyncSession) -> None:
+        await quotas.set_quota(session, namespace, limit)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"{namespace}: quota {'none' if limit is None else f'{limit} bytes'}")
+
+
+@quota.command("show")
+@data_option
+@db_option
+@click.argument("namespace")
+def quota_show(data_dir: Path, database_url: str, namespace: str) -> None:
+    """Show NAMESPACE's quota and the bytes it uses."""
+    from forkd.hub import quotas
+
+    async def op(session: AsyncSession) -> tuple[int | None, int]:
+        return await quotas.show(session, namespace)
+
+    limit, used = _admin(data_dir, database_url, op)
+    click.echo(f"{namespace}: {used} bytes used of {'no quota' if limit is None else limit}")
 
 
 @hub.group("repo")

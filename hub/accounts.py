@@ -6,6 +6,11 @@ admin → {pull, push, delete}. A repository belongs to the namespace named by
 the first component of its name. Site admins hold every action; a public
 repository grants pull to anyone. An API token narrows its user's rights to
 its scopes (``NAMESPACE:ROLE``, ``*`` for any namespace).
+
+Teams: an organisation's team gives its members one role on the organisation's
+repositories, all of them or those whose full name matches the team's glob
+(``fnmatch``, e.g. ``acme/app-*``). A user's effective role on a repository is the
+highest of their direct membership's role and the roles of their teams that cover it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from fnmatch import fnmatchcase
 
 import anyio
 from argon2 import PasswordHasher
@@ -23,7 +29,17 @@ from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub.models import ROLES, ApiToken, Membership, Namespace, Repository, User, utcnow
+from forkd.hub.models import (
+    ROLES,
+    ApiToken,
+    Membership,
+    Namespace,
+    Repository,
+    Team,
+    TeamMember,
+    User,
+    utcnow,
+)
 from forkd.names import NAME_COMPONENT
 
 ROLE_ACTIONS: dict[str, frozenset[str]] = {
@@ -32,6 +48,7 @@ ROLE_ACTIONS: dict[str, frozenset[str]] = {
     "admin": frozenset({"pull", "push", "delete"}),
 }
 ALL_ACTIONS = ROLE_ACTIONS["admin"]
+TEAM_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?$")
 USER_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?$")
 NAMESPACE_RE = re.compile(rf"^{NAME_COMPONENT}$")
 TOKEN_PREFIX = "fkd_"
@@ -193,9 +210,8 @@ async def access(
     else:
         ns = await get_namespace(session, namespace_of(repository))
         role = None
-        if ns is not None:
-            member = await session.get(Membership, (ns.id, principal.user_id))
-            role = member.role if member else None
+        if ns is not None and principal.user_id is not None:
+            role = await effective_role(session, ns.id, principal.user_id, repository)
         held = ROLE_ACTIONS[role] if role else frozenset()
     if principal.token_scopes is not None:
         scope = principal.token_scopes.get(namespace_of(repository)) or principal.token_scopes.get(
@@ -203,6 +219,183 @@ async def access(
         )
         held = held & ROLE_ACTIONS[scope] if scope else frozenset()
     return repo, held | public
+
+
+def max_role(*roles: str | None) -> str | None:
+    """The highest of ``roles`` (pull < push < admin); None when there is none."""
+    present = [r for r in roles if r]
+    return max(present, key=ROLES.index) if present else None
+
+
+def team_covers(team: Team, repository: str | None) -> bool:
+    """Whether ``team``'s role applies to ``repository`` (None: the organisation itself,
+    which only a team without a glob covers)."""
+    if not team.repositories:
+        return True
+    return repository is not None and fnmatchcase(repository, team.repositories)
+
+
+async def user_teams(session: AsyncSession, namespace_id: int, user_id: int) -> list[Team]:
+    query = (
+        select(Team)
+        .join(TeamMember, TeamMember.team_id == Team.id)
+        .where(Team.namespace_id == namespace_id, TeamMember.user_id == user_id)
+    )
+    return list((await session.scalars(query)).all())
+
+
+async def effective_role(
+    session: AsyncSession, namespace_id: int, user_id: int, repository: str | None
+) -> str | None:
+    """Max of the user's direct role in the namespace and their teams' roles that cover
+    ``repository`` (None: the namespace as a whole, e.g. to manage it)."""
+    member = await session.get(Membership, (namespace_id, user_id))
+    teams = await user_teams(session, namespace_id, user_id)
+    return max_role(
+        member.role if member else None,
+        *(t.role for t in teams if team_covers(t, repository)),
+    )
+
+
+async def namespace_role(session: AsyncSession, principal: Principal, namespace: str) -> str | None:
+    """``principal``'s role on the namespace as a whole (site admins: admin), narrowed by an
+    API token's scope."""
+    if principal.anonymous or principal.user_id is None:
+        return None
+    ns = await get_namespace(session, namespace)
+    if ns is None:
+        return None
+    role = (
+        "admin"
+        if principal.is_admin
+        else await effective_role(session, ns.id, principal.user_id, None)
+    )
+    if principal.token_scopes is not None:
+        scope = principal.token_scopes.get(namespace) or principal.token_scopes.get("*")
+        role = min(role, scope, key=ROLES.index) if role and scope else None
+    return role
+
+
+# -- teams ---------------------------------------------------------------------
+def validate_team(name: str) -> str:
+    if not isinstance(name, str) or not TEAM_RE.match(name):
+        raise InvalidInput(
+            f"invalid team name {str(name)[:80]!r}: use 1-64 lowercase letters, digits, '-' or "
+            "'_', starting and ending with a letter or digit"
+        )
+    return name
+
+
+async def _org(session: AsyncSession, org: str) -> Namespace:
+    ns = await get_namespace(session, org)
+    if ns is None or ns.kind != "org":
+        raise InvalidInput(f"no such organisation {org!r}")
+    return ns
+
+
+async def get_team(session: AsyncSession, org: str, team: str) -> Team:
+    ns = await _org(session, org)
+    row = (
+        await session.scalars(select(Team).where(Team.namespace_id == ns.id, Team.name == team))
+    ).first()
+    if row is None:
+        raise InvalidInput(f"no team {team!r} in {org!r}")
+    return row
+
+
+async def create_team(
+    session: AsyncSession,
+    org: str,
+    name: str,
+    role: str,
+    *,
+    repositories: str = "",
+    members: tuple[str, ...] | list[str] = (),
+) -> Team:
+    """A team of organisation ``org`` with ``role`` on its repositories (or those matching
+    the ``repositories`` glob, e.g. ``acme/app-*``)."""
+    validate_team(name)
+    if role not in ROLES:
+        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+    ns = await _org(session, org)
+    if repositories and (len(repositories) > 255 or not repositories.startswith(f"{org}/")):
+        raise InvalidInput(
+            f"invalid repository glob {repositories[:80]!r}: it must start with {org + '/'!r}"
+        )
+    exists_ = (
+        await session.scalars(select(Team.id).where(Team.namespace_id == ns.id, Team.name == name))
+    ).first()
+    if exists_ is not None:
+        raise Conflict(f"team {name!r} already exists in {org!r}")
+    team = Team(namespace_id=ns.id, name=name, role=role, repositories=repositories)
+    session.add(team)
+    await session.flush()
+    for member in members:
+        await add_team_member(session, org, name, member)
+    return team
+
+
+async def delete_team(session: AsyncSession, org: str, name: str) -> None:
+    team = await get_team(session, org, name)
+    await session.execute(delete(TeamMember).where(TeamMember.team_id == team.id))
+    await session.delete(team)
+
+
+async def add_team_member(session: AsyncSession, org: str, team_name: str, username: str) -> None:
+    team = await get_team(session, org, team_name)
+    user = await get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {username!r}")
+    await session.execute(
+        delete(TeamMember).where(TeamMember.team_id == team.id, TeamMember.user_id == user.id)
+    )
+    session.add(TeamMember(team_id=team.id, user_id=user.id))
+    await session.flush()
+
+
+async def remove_team_member(
+    session: AsyncSession, org: str, team_name: str, username: str
+) -> None:
+    team = await get_team(session, org, team_name)
+    user = await get_user(session, username)
+    row = await session.get(TeamMember, (team.id, user.id)) if user else None
+    if row is None:
+        raise InvalidInput(f"{username!r} is not in team {team_name!r} of {org!r}")
+    await session.delete(row)
+
+
+async def list_teams(session: AsyncSession, org: str) -> list[tuple[Team, list[str]]]:
+    """The organisation's teams with their members' names, by team name."""
+    ns = await _org(session, org)
+    teams = list(
+        await session.scalars(select(Team).where(Team.namespace_id == ns.id).order_by(Team.name))
+    )
+    rows = (
+        await session.execute(
+            select(TeamMember.team_id, User.name)
+            .join(User, User.id == TeamMember.user_id)
+            .where(TeamMember.team_id.in_([t.id for t in teams]))
+            .order_by(User.name)
+        )
+    ).all()
+    members: dict[int, list[str]] = {t.id: [] for t in teams}
+    for team_id, username in rows:
+        members[team_id].append(username)
+    return [(t, members[t.id]) for t in teams]
+
+
+async def list_members(session: AsyncSession, namespace: str) -> list[tuple[str, str, bool]]:
+    """Direct members of a namespace: (user name, role, robot), by name."""
+    ns = await get_namespace(session, namespace)
+    if ns is None:
+        raise InvalidInput(f"no such namespace {namespace!r}")
+    rows = await session.execute(
+        select(User.name, Membership.role, User.is_robot)
+        .join(Membership, Membership.user_id == User.id)
+        .where(Membership.namespace_id == ns.id)
+        .order_by(User.name)
+    )
+    return [(n, r, bool(robot)) for n, r, robot in rows.all()]
 
 
 # -- administration ------------------------------------------------------------
@@ -325,6 +518,7 @@ async def remove_user(session: AsyncSession, name: str) -> None:
     if user is None:
         raise InvalidInput(f"no such user {name!r}")
     await session.execute(delete(Membership).where(Membership.user_id == user.id))
+    await session.execute(delete(TeamMember).where(TeamMember.user_id == user.id))
     await session.execute(delete(ApiToken).where(ApiToken.user_id == user.id))
     await session.delete(user)
 

@@ -18,12 +18,14 @@ from litestar.types import Scope
 
 import forkd
 from forkd.hub import accounts
+from forkd.hub import retention as retention_rules
 from forkd.hub.auth import token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.errors import RegistryError, registry_error_handler
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
+from forkd.hub.orgs_api import OrgController, QuotaController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
@@ -90,6 +92,14 @@ def create_app(settings: HubSettings) -> Litestar:
             tasks.start_soon(flush_pulls, hub)
             if retention is not None:
                 await tasks.start(retention.run)  # queues from the first request on
+            if settings.retention:
+                tasks.start_soon(
+                    retention_rules.run,
+                    hub.db,
+                    settings.retention,
+                    hub.audit,
+                    settings.retention_interval,
+                )
             try:
                 yield
             finally:
@@ -110,6 +120,8 @@ def create_app(settings: HubSettings) -> Litestar:
             LineageController,
             CompactionController,
             TokenController,
+            OrgController,
+            QuotaController,
             ui_router(hub),
         ],
         openapi_config=OpenAPIConfig(

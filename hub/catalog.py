@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from fnmatch import fnmatchcase
 from typing import Annotated, Any, ClassVar
 
 from litestar import Controller, Request, get
@@ -23,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import accounts
 from forkd.hub.auth import authenticate
-from forkd.hub.models import Manifest, Membership, Namespace, Repository, Tag
+from forkd.hub.models import Manifest, Membership, Namespace, Repository, Tag, Team, TeamMember
 from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
@@ -95,8 +96,42 @@ async def visible(session: AsyncSession, principal: accounts.Principal) -> Colum
             .where(Membership.user_id == principal.user_id)
         )
         names = list((await session.scalars(query)).all())
+        # Teams: a team without a glob covers its whole organisation; one with a glob,
+        # the repositories whose names match it.
+        team_rows = (
+            await session.execute(
+                select(Namespace.name, Team.repositories)
+                .join(Team, Team.namespace_id == Namespace.id)
+                .join(TeamMember, TeamMember.team_id == Team.id)
+                .where(TeamMember.user_id == principal.user_id)
+            )
+        ).all()
+        globs: list[str] = []
+        for ns_name, pattern in team_rows:
+            if not pattern:
+                names.append(ns_name)
+            else:
+                globs.append(pattern)
         if scopes is not None and "*" not in scopes:
             names = [n for n in names if n in scopes]
+            globs = [g for g in globs if accounts.namespace_of(g) in scopes]
+        if globs:
+            repo_names = (
+                await session.scalars(
+                    select(Repository.name)
+                    .join(Namespace, Namespace.id == Repository.namespace_id)
+                    .where(Namespace.name.in_({accounts.namespace_of(g) for g in globs}))
+                )
+            ).all()
+            matched = [r for r in repo_names if any(fnmatchcase(r, g) for g in globs)]
+            if matched:
+                return or_(
+                    public,
+                    Repository.namespace_id.in_(
+                        select(Namespace.id).where(Namespace.name.in_(names))
+                    ),
+                    Repository.name.in_(matched),
+                )
     member_of = (
         Repository.namespace_id.in_(select(Namespace.id).where(Namespace.name.in_(names)))
         if names

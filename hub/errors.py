@@ -50,15 +50,17 @@ class RegistryError(Exception):
         *,
         status: int | None = None,
         headers: dict[str, str] | None = None,
+        message: str | None = None,
     ) -> None:
         super().__init__(f"{code.name}: {detail}" if detail else code.name)
         self.code = code
         self.detail = detail
         self.status = status or code.status
         self.headers = headers or {}
+        self.message = message or code.message  # the body's "message" (default: the code's)
 
 
 def registry_error_handler(_: Request[object, object, State], exc: Exception) -> Response[object]:
     assert isinstance(exc, RegistryError)
-    body = {"errors": [{"code": exc.code.name, "message": exc.code.message, "detail": exc.detail}]}
+    body = {"errors": [{"code": exc.code.name, "message": exc.message, "detail": exc.detail}]}
     return Response(body, status_code=exc.status, headers=exc.headers)

@@ -54,6 +54,8 @@ class Namespace(Base):
     name: Mapped[str] = mapped_column(String(255), unique=True)
     kind: Mapped[str] = mapped_column(String(8))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Storage quota in bytes (blobs linked into its repositories, each once); None: none.
+    quota_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Membership(Base):
@@ -68,6 +70,32 @@ class Membership(Base):
         ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
     )
     role: Mapped[str] = mapped_column(String(8))
+
+
+class Team(Base):
+    """A group of an organisation's members holding one role on its repositories (all of
+    them, or those whose full name matches ``repositories``, an fnmatch glob)."""
+
+    __tablename__ = "teams"
+    __table_args__ = (UniqueConstraint("namespace_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(8))
+    repositories: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TeamMember(Base):
+    __tablename__ = "team_members"
+
+    team_id: Mapped[int] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True
+    )
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
 
 
 class ApiToken(Base):
@@ -158,6 +186,7 @@ class Tag(Base):
     manifest_digest: Mapped[str] = mapped_column(String(DIGEST_LEN))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     pull_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    last_pulled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Upload(Base):

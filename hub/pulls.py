@@ -1,6 +1,7 @@
 """Pull counts, gathered in memory and written in batches, so a manifest GET is read-only
 (no write transaction per pull). Flushed every few seconds, before the catalog reads
-counts, and at shutdown; a crash loses at most the last interval's counts."""
+counts, and at shutdown; a crash loses at most the last interval's counts. A tag's
+``last_pulled_at`` (retention rules' ``pulled_within_days``) is the time of the flush."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import Counter
 from sqlalchemy import update
 
 from forkd.hub.db import Database
-from forkd.hub.models import Repository, Tag
+from forkd.hub.models import Repository, Tag, utcnow
 
 FLUSH_INTERVAL_S = 5.0
 
@@ -30,6 +31,7 @@ class PullCounter:
         per_repo: Counter[int] = Counter()
         for (repo_id, _tag), n in pending.items():
             per_repo[repo_id] += n
+        now = utcnow()
         try:
             async with db.transaction() as session:
                 for repo_id, n in sorted(per_repo.items()):
@@ -43,7 +45,7 @@ class PullCounter:
                         await session.execute(
                             update(Tag)
                             .where(Tag.repository_id == repo_id, Tag.name == tag)
-                            .values(pull_count=Tag.pull_count + n)
+                            .values(pull_count=Tag.pull_count + n, last_pulled_at=now)
                         )
         except BaseException:
             self._pending.update(pending)  # try again next time

@@ -21,6 +21,40 @@ BLOB_BACKENDS = ("fs", "s3")
 
 
 @dataclass(frozen=True)
+class RetentionRule:
+    """Which tags of the repositories matching ``repositories`` (an fnmatch glob on full
+    names) a retention sweep keeps: the ``keep_last`` most recently pushed, and/or those
+    pulled within ``pulled_within_days`` (a tag never pulled counts from its push)."""
+
+    repositories: str
+    keep_last: int | None = None
+    pulled_within_days: float | None = None
+
+    def validated(self) -> RetentionRule:
+        if not isinstance(self.repositories, str) or not self.repositories:
+            raise InvalidInput('a retention rule needs repositories = "GLOB" (e.g. "acme/*")')
+        if self.keep_last is None and self.pulled_within_days is None:
+            raise InvalidInput(
+                f"retention rule for {self.repositories!r} keeps everything: set keep_last "
+                "and/or pulled_within_days"
+            )
+        if self.keep_last is not None and (
+            isinstance(self.keep_last, bool)
+            or not isinstance(self.keep_last, int)
+            or self.keep_last < 1
+        ):
+            raise InvalidInput(
+                f"retention keep_last must be an integer >= 1, not {self.keep_last!r}"
+            )
+        days = self.pulled_within_days
+        if days is not None and (
+            isinstance(days, bool) or not isinstance(days, int | float) or days <= 0
+        ):
+            raise InvalidInput(f"retention pulled_within_days must be > 0, not {days!r}")
+        return self
+
+
+@dataclass(frozen=True)
 class HubSettings:
     """Everything the hub needs to start; ``from_env`` or direct, then ``validated``."""
 
@@ -51,6 +85,10 @@ class HubSettings:
     # Retention: a tag pushed with a chain deeper than this is compacted on the hub into
     # TAG-flat, in the background (hub/compaction.py); 0 turns the rule off.
     compact_deeper_than: int = 0
+    # Retention rules ([[retention]] tables in the config file; the first rule whose glob
+    # matches a repository applies) and how often the background sweep runs (seconds).
+    retention: tuple[RetentionRule, ...] = ()
+    retention_interval: float = 3600.0
 
     @classmethod
     def from_env(
@@ -105,6 +143,10 @@ class HubSettings:
                 "blob files); set it to 0 with the s3 backend"
             )
         self._check_blob_backend()
+        for rule in self.retention:
+            rule.validated()
+        if self.retention_interval <= 0:
+            raise InvalidInput("retention_interval must be > 0 seconds")
         if bool(self.admin_user) != bool(self.admin_password):
             raise InvalidInput(
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
@@ -133,6 +175,8 @@ class HubSettings:
             s3_secret_access_key=self.s3_secret_access_key,
             migrate_on_start=self.migrate_on_start,
             compact_deeper_than=self.compact_deeper_than,
+            retention=tuple(self.retention),
+            retention_interval=float(self.retention_interval),
         )
 
     def _check_blob_backend(self) -> None:
@@ -246,6 +290,9 @@ def load_config(path: Path) -> dict[str, object]:
         if key == "listen" and isinstance(value, str):
             values["host"], values["port"] = parse_listen(value)
             continue
+        if key == "retention":
+            values["retention"] = _retention_rules(path, value)
+            continue
         expected = _TYPES.get(types.get(key, ""))
         if expected is None:
             raise InvalidInput(
@@ -255,6 +302,28 @@ def load_config(path: Path) -> dict[str, object]:
             raise InvalidInput(f"{path}: {key} must be of type {types[key]}, not {value!r}")
         values[key] = value
     return values
+
+
+RULE_KEYS = {"repositories", "keep_last", "pulled_within_days"}
+
+
+def _retention_rules(path: Path, value: object) -> tuple[RetentionRule, ...]:
+    """``[[retention]]`` tables: repositories = GLOB, keep_last = N, pulled_within_days = D."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise InvalidInput(f"{path}: retention must be [[retention]] tables")
+    rules = []
+    for table in value:
+        unknown = set(table) - RULE_KEYS
+        if unknown:
+            raise InvalidInput(
+                f"{path}: unknown retention key(s) {', '.join(sorted(unknown))}; known: "
+                + ", ".join(sorted(RULE_KEYS))
+            )
+        try:
+            rules.append(RetentionRule(**table).validated())
+        except InvalidInput as exc:
+            raise InvalidInput(f"{path}: {exc}") from exc
+    return tuple(rules)
 
 
 def parse_listen(text: str) -> tuple[str, int]:

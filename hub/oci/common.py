@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd import digest as dg
 from forkd.errors import InvalidInput
-from forkd.hub import accounts
+from forkd.hub import accounts, quotas
 from forkd.hub.auth import Caller, authorize, client_ip
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
@@ -99,10 +99,12 @@ async def linked_blob_size(session: AsyncSession, repo_id: int, digest: str) -> 
 async def link_blob(hub: Hub, session: AsyncSession, repo_id: int, digest: str, size: int) -> None:
     """Record a stored blob and link it into a repository (idempotent, race-safe).
 
-    The link's time is refreshed on every push or mount, so GC's grace period counts
-    from the last time anyone uploaded the blob, not the first.
+    Refused with DENIED when it would take the repository's namespace past its storage
+    quota (hub/quotas.py). The link's time is refreshed on every push or mount, so GC's
+    grace period counts from the last time anyone uploaded the blob, not the first.
     """
     await hub.db.lock_for_write(session)
+    await quotas.check(session, repo_id, digest, size)
     await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=size))
     await session.execute(
         hub.db.upsert_link(

@@ -24,9 +24,11 @@ from sqlalchemy import delete, select
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
+from forkd.hub import quotas
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import Repository, Upload
+from forkd.hub.models import Blob, Repository, Upload
 from forkd.hub.oci.common import STREAM_CHUNK, Ctx, link_blob, linked_blob_size, parse_digest
+from forkd.hub.services import Hub
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 
@@ -128,16 +130,30 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
 
     try:
         try:
+            # The quota first, so a refused upload stores nothing; link_blob checks again
+            # under the write lock (concurrent uploads).
+            async with hub.db.reading() as session:
+                await quotas.check(session, repo_id, digest, hub.uploads.size(upload_id))
+        except RegistryError as exc:
+            ctx.audit("blob.push", digest, "denied", reason=exc.detail)
+            raise
+        try:
             size = await anyio.to_thread.run_sync(store)
         except IntegrityError as exc:
             ctx.audit("blob.push", digest, "failed", reason="digest mismatch")
             raise RegistryError(Code.DIGEST_INVALID, str(exc)) from exc
-        async with hub.db.transaction() as session:
-            await link_blob(hub, session, repo_id, digest, size)
-            if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
-                # A GC sweep removed an old unreferenced copy after we found it present;
-                # we hold the write lock now, so storing again cannot race another sweep.
-                size = await anyio.to_thread.run_sync(store)
+        try:
+            async with hub.db.transaction() as session:
+                await link_blob(hub, session, repo_id, digest, size)
+                if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
+                    # A GC sweep removed an old unreferenced copy after we found it present;
+                    # we hold the write lock now, so storing again cannot race another sweep.
+                    size = await anyio.to_thread.run_sync(store)
+        except RegistryError as exc:
+            if exc.code is Code.DENIED:  # over quota after all: keep nothing we stored
+                ctx.audit("blob.push", digest, "denied", reason=exc.detail)
+                await _discard_unrecorded(hub, digest)
+            raise
     finally:
         hub.uploads.remove(upload_id)
         async with hub.db.transaction() as session:
@@ -148,6 +164,15 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
         status_code=201,
         headers={"Location": ctx.url(f"blobs/{digest}"), "Docker-Content-Digest": digest},
     )
+
+
+async def _discard_unrecorded(hub: Hub, digest: str) -> None:
+    """Remove a blob file no ``blobs`` row records (one this request has just written)."""
+    async with hub.db.transaction() as session:
+        await hub.db.lock_for_write(session)
+        if await session.get(Blob, digest) is None:
+            with contextlib.suppress(NotFound):
+                await anyio.to_thread.run_sync(hub.blobs.delete, digest)
 
 
 async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Response[object] | None:
@@ -162,7 +187,11 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
         size = await linked_blob_size(session, src.id, digest) if src else None
         if size is None or not await anyio.to_thread.run_sync(ctx.hub.blobs.has, digest):
             return None
-        await link_blob(ctx.hub, session, repo.id, digest, size)
+        try:
+            await link_blob(ctx.hub, session, repo.id, digest, size)
+        except RegistryError as exc:
+            ctx.audit("blob.mount", digest, "denied", source=source, reason=exc.detail)
+            raise
     ctx.audit("blob.mount", digest, source=source)
     return Response(
         b"",

@@ -1,0 +1,214 @@
+"""Retention rules: delete tags the configured rules no longer keep.
+
+Each rule (``[[retention]]`` in the config file: ``repositories`` glob on full names,
+``keep_last``, ``pulled_within_days``) applies to the repositories its glob matches; the
+first matching rule wins. A tag is kept when it is among the ``keep_last`` most recently
+pushed tags of its repository (push time: the tag's ``updated_at``), or when it was pulled
+within ``pulled_within_days`` (``last_pulled_at``; a tag never pulled counts from its
+push). With both set, either keeps it.
+
+A tag that a kept tag depends on (its manifest is reached from a kept tag's manifest
+through ``subject`` or an index's children, transitively) is always kept: a sweep never
+breaks a chain someone still uses. Each deleted tag is audit-logged (``tag.delete``, actor
+``(retention)``). A manifest left with no tag by the sweep, that no other manifest of the
+repository names as subject or child, is deleted too (``manifest.delete``), so the
+existing GC can then remove its blobs after the grace period.
+
+The sweep runs in the background every ``retention_interval`` seconds when rules are
+configured, and on demand with ``forkd hub gc --retention``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from fnmatch import fnmatchcase
+
+import anyio
+from sqlalchemy import delete, select
+
+from forkd.audit import AuditLog
+from forkd.hub.db import Database
+from forkd.hub.models import Manifest, ManifestReference, Repository, Tag, utcnow
+from forkd.hub.settings import RetentionRule
+
+log = logging.getLogger("forkd.hub.retention")
+ACTOR = "(retention)"
+
+
+@dataclass
+class RetentionReport:
+    dry_run: bool = False
+    tags: list[str] = field(default_factory=list)  # NAME:TAG deleted
+    manifests: list[str] = field(default_factory=list)  # NAME@DIGEST deleted
+    protected: list[str] = field(default_factory=list)  # NAME:TAG kept only as a parent
+
+
+def rule_for(rules: Sequence[RetentionRule], repository: str) -> RetentionRule | None:
+    return next((r for r in rules if fnmatchcase(repository, r.repositories)), None)
+
+
+def _aware(ts: datetime) -> datetime:
+    from datetime import UTC
+
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def kept_by_rule(rule: RetentionRule, tags: Sequence[Tag], now: datetime) -> set[str]:
+    """Names of the tags the rule itself keeps (before dependencies are added)."""
+    kept: set[str] = set()
+    if rule.keep_last is not None:
+        newest = sorted(tags, key=lambda t: (_aware(t.updated_at), t.name), reverse=True)
+        kept.update(t.name for t in newest[: rule.keep_last])
+    if rule.pulled_within_days is not None:
+        since = now - timedelta(days=rule.pulled_within_days)
+        for t in tags:
+            last = t.last_pulled_at or t.updated_at
+            if _aware(last) >= since:
+                kept.add(t.name)
+    return kept
+
+
+async def sweep(
+    db: Database,
+    rules: Sequence[RetentionRule],
+    audit: AuditLog,
+    *,
+    dry_run: bool = False,
+    now: datetime | None = None,
+) -> RetentionReport:
+    report = RetentionReport(dry_run=dry_run)
+    if not rules:
+        return report
+    now = now or utcnow()
+    async with db.reading() as session:
+        repos = [
+            (r.id, r.name)
+            for r in (await session.scalars(select(Repository).order_by(Repository.name))).all()
+        ]
+    for repo_id, name in repos:
+        rule = rule_for(rules, name)
+        if rule is not None:
+            await _sweep_repository(db, repo_id, name, rule, audit, report, now)
+    return report
+
+
+async def _sweep_repository(
+    db: Database,
+    repo_id: int,
+    name: str,
+    rule: RetentionRule,
+    audit: AuditLog,
+    report: RetentionReport,
+    now: datetime,
+) -> None:
+    async with db.transaction() as session:
+        await db.lock_for_write(session)
+        tags = list((await session.scalars(select(Tag).where(Tag.repository_id == repo_id))).all())
+        if not tags:
+            return
+        manifests = dict(
+            (
+                await session.execute(
+                    select(Manifest.id, Manifest.digest).where(Manifest.repository_id == repo_id)
+                )
+            ).all()
+        )
+        by_digest = {d: i for i, d in manifests.items()}
+        refs: dict[str, set[str]] = {}
+        rows = await session.execute(
+            select(Manifest.digest, ManifestReference.digest)
+            .join(ManifestReference, ManifestReference.manifest_id == Manifest.id)
+            .where(Manifest.repository_id == repo_id)
+        )
+        for parent, ref in rows.all():
+            if ref in by_digest:  # subject or index child that is a manifest of this repository
+                refs.setdefault(parent, set()).add(ref)
+
+        kept = kept_by_rule(rule, tags, now)
+        # Everything a kept tag's manifest depends on stays, transitively.
+        needed: set[str] = set()
+        todo = [t.manifest_digest for t in tags if t.name in kept]
+        while todo:
+            digest = todo.pop()
+            for ref in refs.get(digest, ()):
+                if ref not in needed:
+                    needed.add(ref)
+                    todo.append(ref)
+        doomed = [t for t in tags if t.name not in kept and t.manifest_digest not in needed]
+        report.protected += [
+            f"{name}:{t.name}" for t in tags if t.name not in kept and t.manifest_digest in needed
+        ]
+        if not doomed:
+            return
+        for t in sorted(doomed, key=lambda t: t.name):
+            report.tags.append(f"{name}:{t.name}")
+            if not report.dry_run:
+                await session.execute(
+                    delete(Tag).where(
+                        Tag.repository_id == repo_id,
+                        Tag.name == t.name,
+                        Tag.manifest_digest == t.manifest_digest,
+                    )
+                )
+                audit.record(
+                    ACTOR,
+                    "-",
+                    "tag.delete",
+                    f"{name}:{t.name}",
+                    "ok",
+                    digest=t.manifest_digest,
+                    rule=rule.repositories,
+                )
+        if report.dry_run:
+            return
+        # Manifests the sweep untagged, unless still tagged or depended on (to a fixpoint:
+        # deleting a child can release its parent).
+        candidates = {t.manifest_digest for t in doomed}
+        changed = True
+        while changed:
+            changed = False
+            tagged = set(
+                (
+                    await session.scalars(
+                        select(Tag.manifest_digest).where(Tag.repository_id == repo_id)
+                    )
+                ).all()
+            )
+            referenced = {ref for digest, rs in refs.items() if digest in by_digest for ref in rs}
+            for digest in sorted(candidates):
+                if digest in tagged or digest in referenced or digest not in by_digest:
+                    continue
+                manifest_id = by_digest.pop(digest)
+                refs.pop(digest, None)
+                await session.execute(
+                    delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
+                )
+                await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
+                candidates.discard(digest)
+                report.manifests.append(f"{name}@{digest}")
+                audit.record(
+                    ACTOR, "-", "manifest.delete", f"{name}@{digest}", "ok", rule=rule.repositories
+                )
+                changed = True
+                break
+
+
+async def run(
+    db: Database, rules: Sequence[RetentionRule], audit: AuditLog, interval: float
+) -> None:
+    """The background sweep: every ``interval`` seconds, until cancelled."""
+    while True:
+        await anyio.sleep(interval)
+        try:
+            report = await sweep(db, rules, audit)
+            if report.tags:
+                log.info(
+                    "retention: deleted %d tags, %d manifests",
+                    len(report.tags),
+                    len(report.manifests),
+                )
+        except Exception:  # a busy or restarting database: try again next time
+            log.warning("retention sweep failed", exc_info=True)
