@@ -93,6 +93,30 @@ class EmbeddedHub:
     def url(self) -> str:
         return self.hub.url
 
+    def make_public(self, repository: str) -> None:
+        """Anonymous pull and browsing of ``repository`` (the hub's admin CLI on its data)."""
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "forkd.cli",
+                "hub",
+                "repo",
+                "visibility",
+                repository,
+                "public",
+                "--data",
+                str(self.data / "data"),
+            ],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            cwd=self.data,
+        )
+        if proc.returncode != 0:
+            raise QuickstartError(f"could not make {repository} public: {proc.stderr[-500:]}")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -209,6 +233,7 @@ def run(
     store = Store.open()
     root = store.home / "quickstart"
     hub = default_hub()
+    embedded: EmbeddedHub | None = None
     if hub is None:
         embedded = embedded_hub(root / "hub", say)
         hub = embedded.hub
@@ -241,6 +266,8 @@ def run(
             )
         pushed = push(store, tag, remote, client)
         say(f"push: {pushed.blobs_sent} blobs sent, {pushed.blobs_skipped} already on the hub")
+        if embedded is not None:
+            embedded.make_public(repository)  # so the catalog shows it signed out
         fresh = Store(root / "pulled")
         got = pull(fresh, remote, client)
         say(

@@ -60,6 +60,8 @@ def test_quickstart_twice(tmp_path: Path):
         assert {c["value"] for c in children} == {"tiny4"}
         catalog = str(first["catalog_url"])
         assert catalog.endswith("/forkd/tiny")
+        page = httpx.get(catalog, timeout=10)  # browsable signed out: the pack is public
+        assert page.status_code == 200 and "forkd pull" in page.text
 
         second = _quickstart(env)
         assert second["built"] is False and second["pulled_from_hub"] is False
