@@ -79,9 +79,16 @@ def namespace_of(repository: str) -> str:
     return repository.split("/", 1)[0]
 
 
+MIN_PASSWORD = 8
+
+
+def check_password(password: str, what: str = "password") -> None:
+    if len(password) < MIN_PASSWORD:
+        raise InvalidInput(f"{what} too short: use at least {MIN_PASSWORD} characters")
+
+
 def hash_password(password: str) -> str:
-    if len(password) < 8:
-        raise InvalidInput("password too short: use at least 8 characters")
+    check_password(password)
     return _hasher.hash(password)
 
 

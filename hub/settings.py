@@ -151,6 +151,10 @@ class HubSettings:
             raise InvalidInput(
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
             )
+        if self.admin_password:  # refuse at start, not in the middle of the app's startup
+            from forkd.hub.accounts import check_password
+
+            check_password(self.admin_password, "FORKD_HUB_ADMIN_PASSWORD")
         return HubSettings(
             data_dir=data_dir,
             database_url=url,

@@ -25,6 +25,7 @@ def test_defaults_and_database_urls(tmp_path: Path) -> None:
         ({"public_url": "ftp://x"}, "invalid public URL"),
         ({"default_visibility": "secret"}, "invalid default visibility"),
         ({"admin_user": "root"}, "set both"),
+        ({"admin_user": "root", "admin_password": "short"}, "too short"),
         ({"token_ttl": 0}, "must be > 0"),
     ],
 )
