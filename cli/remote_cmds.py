@@ -72,12 +72,21 @@ def logout(hub: str) -> None:
 @click.argument("tag")
 @click.argument("remote")
 @click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
-@click.option("--readme", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Markdown file to publish as the pack's README (forkd hub only).")
+@click.option(
+    "--readme",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Markdown file to publish as the pack's README (forkd hub only).",
+)
 @click.option("--description", help="One-line description shown in the catalog (forkd hub only).")
 @json_option
-def push_cmd(tag: str, remote: str, hub: str | None, readme: Path | None,
-             description: str | None, as_json: bool) -> None:
+def push_cmd(
+    tag: str,
+    remote: str,
+    hub: str | None,
+    readme: Path | None,
+    description: str | None,
+    as_json: bool,
+) -> None:
     """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent."""
     client, ref = _client(hub, remote)
     text = read_readme(readme) if readme else None  # bad input fails before any upload
@@ -102,7 +111,34 @@ def pull_cmd(remote: str, hub: str | None, local: str | None, as_json: bool) -> 
     start = time.perf_counter()
     with client, progress_bar(f"pulling {remote}", None) as advance:
         result = pull(store, ref, client, local, progress=advance)
-    _report(result, "pulled", time.perf_counter() - start, as_json)
+    problems = _host_problems(store, result.digest)
+    if as_json:
+        emit_json(
+            {
+                **asdict(result),
+                "seconds": round(time.perf_counter() - start, 3),
+                "host_problems": problems,
+            }
+        )
+        return
+    _report(result, "pulled", time.perf_counter() - start, False)
+    for problem in problems:
+        click.echo(f"warning: this host cannot fork {result.ref}: {problem}", err=True)
+
+
+def _host_problems(store: Store, digest: str) -> list[str]:
+    """The pulled snapshot's compat metadata against this host (empty when it can fork it)."""
+    from forkd.engine.accel import cached_probe
+    from forkd.engine.children import host_problems
+    from forkd.errors import ForkdError
+
+    compat = store.config(digest).compat
+    if compat is None:
+        return []  # not a VM snapshot (a synthetic pack): nothing to check
+    try:
+        return host_problems(compat, cached_probe())
+    except ForkdError as exc:  # no QEMU here, for example
+        return [str(exc)]
 
 
 def register(cli: click.Group) -> None:

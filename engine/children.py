@@ -112,12 +112,10 @@ class ForkResult:
 
 
 # ---------------------------------------------------------------- compat
-def check_compat(asm: Assembled, verdict: AccelVerdict) -> None:
-    """Fail before any VM starts when this host cannot honour the snapshot."""
-    c: Compat | None = asm.config.compat
-    name = asm.config.tag
+def host_problems(c: Compat | None, verdict: AccelVerdict) -> list[str]:
+    """Why this host cannot restore a snapshot with compat metadata ``c`` (empty: it can)."""
     if c is None:
-        raise HostError(f"{name} records no compat metadata; it cannot be restored safely")
+        return ["it records no compat metadata, so it cannot be restored safely"]
     problems = []
     if c.vmm != "qemu":
         problems.append(f"it needs VMM {c.vmm!r}, this engine runs qemu")
@@ -133,6 +131,16 @@ def check_compat(asm: Assembled, verdict: AccelVerdict) -> None:
                         f"{verdict.accel} ({verdict.reason})")
     if c.agent_protocol != PROTOCOL:
         problems.append(f"its guest agent speaks protocol {c.agent_protocol}, the host {PROTOCOL}")
+    return problems
+
+
+def check_compat(asm: Assembled, verdict: AccelVerdict) -> None:
+    """Fail before any VM starts when this host cannot honour the snapshot."""
+    c: Compat | None = asm.config.compat
+    name = asm.config.tag
+    if c is None:
+        raise HostError(f"{name} records no compat metadata; it cannot be restored safely")
+    problems = host_problems(c, verdict)
     if asm.vmstate is None:
         problems.append("it has no device state (vmstate) file")
     if asm.disk is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -251,3 +252,46 @@ def test_default_hub_and_bad_references(monkeypatch: pytest.MonkeyPatch):
     for bad in ["hub.io/../x", "hub.io/X/Y", "bad host/x", "hub.io/x:\x00"]:
         with pytest.raises(InvalidInput):
             parse_remote(bad)
+
+
+def test_cli_pull_checks_compat_metadata(
+    store: Store, images: list[Path], registry: Hub, tmp_path: Path
+):
+    from forkd.pack.config import Compat
+
+    alien = Compat(
+        vmm="firecracker",
+        vmm_version="1.7.0",
+        machine="fc",
+        cpu_model="host",
+        accelerators=["kvm"],
+        vcpus=2,
+        memory_mib=8,
+        kernel_digest=None,
+        agent_protocol=99,
+    )
+    store.import_layer("alien", memory=images[0], compat=alien)
+    with RegistryClient(registry) as client:
+        push(store, "alien", parse_remote(f"{registry}/team/alien:v1"), client)
+    env = {**os.environ, "FORKD_HOME": str(tmp_path / "other")}
+    proc = subprocess.run(
+        ["forkd", "pull", f"{registry}/team/alien:v1", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    problems = json.loads(proc.stdout)["host_problems"]
+    assert any("firecracker" in p for p in problems)
+    assert any("protocol 99" in p for p in problems)
+    text = subprocess.run(
+        ["forkd", "pull", f"{registry}/team/alien:v1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert "warning: this host cannot fork team/alien:v1" in text.stderr
