@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from registry_support import registry  # noqa: F401  (fixture: a docker-registry)
 from s3_support import moto_server  # noqa: F401  (a session fixture: a real S3 API server)
 
 from forkd.store.store import Store

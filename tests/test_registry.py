@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import bcrypt
-import httpx
 import pytest
+from registry_support import REGISTRY, mkdir, start_registry
 
 from forkd.errors import IntegrityError, InvalidInput
 from forkd.registry import credentials
@@ -23,61 +19,10 @@ from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
 from forkd.synthetic import write_diff
 
-REGISTRY = shutil.which("docker-registry")
 pytestmark = pytest.mark.skipif(
     REGISTRY is None and not os.environ.get("CI"),
     reason="docker-registry not installed (scripts/install-deps.sh --test installs it)",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _start_registry(root: Path, auth: str = "") -> Iterator[Hub]:
-    port = _free_port()
-    _mkdir(root)
-    config = root / "config.yml"
-    config.write_text(
-        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {root}/data\n"
-        f"  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}"
-    )
-    assert REGISTRY is not None
-    log = open(root / "registry.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [REGISTRY, "serve", str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(
-                f"docker-registry did not start: {(root / 'registry.log').read_text()}"
-            )
-        time.sleep(0.05)
-    try:
-        yield Hub(f"127.0.0.1:{port}", "http")
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Hub]:
-    yield from _start_registry(tmp_path / "registry")
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def test_push_pull_round_trip_and_resume(
@@ -176,12 +121,12 @@ def test_basic_auth_login_push_pull(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    root = _mkdir(tmp_path / "authreg")
+    root = mkdir(tmp_path / "authreg")
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
     (root / "htpasswd").write_text(f"alice:{hashed}\n")
     auth = f"auth:\n  htpasswd:\n    realm: forkd-test\n    path: {root}/htpasswd\n"
     monkeypatch.setenv("FORKD_CREDENTIALS", str(tmp_path / "creds.json"))
-    for hub in _start_registry(root, auth):
+    for hub in start_registry(root, auth):
         remote = parse_remote(f"{hub}/team/private:v1")
         with RegistryClient(hub) as anonymous, pytest.raises(AuthError, match="forkd login"):
             push(store, "d1", remote, anonymous)
