@@ -8,6 +8,7 @@ from typing import Any
 
 from forkd.audit import AuditLog
 from forkd.hub.db import Database
+from forkd.hub.manifest_cache import ManifestCache
 from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
 from forkd.hub.settings import HubSettings
@@ -28,6 +29,7 @@ class Hub:
     metrics: Metrics
     audit: AuditLog
     pulls: PullCounter
+    manifests: ManifestCache = field(default_factory=ManifestCache)
     # Called after a manifest PUT by tag with (repository, tag, digest, parsed manifest);
     # must return at once (the retention rule's compaction queues a job: hub/compaction.py).
     after_push: list[Callable[[str, str, str, dict[str, Any]], None]] = field(default_factory=list)

@@ -284,12 +284,15 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
         manifest = await _resolve(ctx, session, repo, reference)
     if not head:
         hub.pulls.record(repo.id, None if _is_digest(reference) else reference)
-    try:
-        body = await anyio.to_thread.run_sync(  # off the event loop: S3 is a network read
-            hub.blobs.read, manifest.digest, hub.settings.manifest_max_bytes, "manifest"
-        )
-    except (NotFound, IntegrityError, InvalidInput) as exc:
-        raise RegistryError(Code.MANIFEST_UNKNOWN, str(exc)) from exc
+    body = hub.manifests.get(manifest.digest)
+    if body is None:
+        try:
+            body = await anyio.to_thread.run_sync(  # off the event loop: S3 is a network read
+                hub.blobs.read, manifest.digest, hub.settings.manifest_max_bytes, "manifest"
+            )
+        except (NotFound, IntegrityError, InvalidInput) as exc:
+            raise RegistryError(Code.MANIFEST_UNKNOWN, str(exc)) from exc
+        hub.manifests.put(manifest.digest, body)
     headers = {"Docker-Content-Digest": manifest.digest, "Content-Length": str(len(body))}
     return Response(
         b"" if head else body,
