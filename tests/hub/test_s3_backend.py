@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from hub_support import HubServer, error_code, hub_group, push_blob, sha
+from hub_support import HubServer, error_code, push_blob, sha
 from s3_support import (
     MOTO_CREDENTIALS,
     MotoServer,
     s3_leftovers,
 )
 
+from forkd.cli.hub_cmds import hub as hub_group
 from forkd.errors import InvalidInput
 from forkd.hub.app import create_app
 from forkd.hub.settings import HubSettings

@@ -57,7 +57,7 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
         for tag in ("base", "d1", "d2", "flat"):
             digests[tag] = server.push(store, tag, f"alice/devbox:{tag}", ALICE)
         server.cli("repo", "visibility", "alice/devbox", "public")
-        with server.client(ALICE) as client:
+        with server.forkd_client(ALICE) as client:
             set_readme(client, "alice/devbox", XSS_README, "A warm Python dev box")
             for _ in range(3):
                 client.get_manifest("alice/devbox", "d2")

@@ -25,7 +25,7 @@ def test_readme_api(seeded: Seeded, tmp_path: Path) -> None:
 
     path = tmp_path / "README.md"
     path.write_text("# Secret lab\n\nInternal only.\n")
-    with hub.client(ALICE) as client:
+    with hub.forkd_client(ALICE) as client:
         got = set_readme(client, "alice/secret-lab", read_readme(path), "Internal lab")
     assert got["description"] == "Internal lab" and got["readme"].startswith("# Secret lab")
     r = httpx.get(api, auth=ALICE)
@@ -38,7 +38,7 @@ def test_readme_api(seeded: Seeded, tmp_path: Path) -> None:
     assert httpx.put(api, json={"readme": "x" * (300 * 1024)}, auth=ALICE).status_code in (400, 413)
     assert httpx.get(f"{hub.url}/api/v1/readme/Bad..Name").status_code == 400
 
-    with hub.client(BOB) as client, pytest.raises((AuthError, RegistryNotFound)):
+    with hub.forkd_client(BOB) as client, pytest.raises((AuthError, RegistryNotFound)):
         set_readme(client, "alice/secret-lab", "hijacked")
     with pytest.raises(InvalidInput):
         read_readme(tmp_path / "missing.md")
