@@ -19,6 +19,7 @@ from forkd.controller.client import RemoteBackend
 from forkd.errors import InvalidInput, NotFound
 
 REPO = Path(__file__).resolve().parents[2]
+TINY_TAG = "tiny:ctl"
 TOKEN = "test-token-0123456789"
 pytestmark = pytest.mark.vm
 
@@ -28,45 +29,6 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    if os.geteuid() != 0:
-        pytest.skip("VM tests need root")
-    base = tmp_path_factory.mktemp("controller")
-    values = {
-        "FORKD_HOME": str(base / "home"),
-        "FORKD_RUN": str(base / "run"),
-        "FORKD_CONTROLLER_TOKEN": TOKEN,
-    }
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield values
-    finally:
-        from forkd.engine import children as ch
-
-        ch.kill_all()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def tiny(env: dict[str, str]) -> str:
-    proc = subprocess.run(
-        ["forkd", "build", str(REPO / "recipes" / "tiny.toml"), "--tag", "tiny:ctl"],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return "tiny:ctl"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from forkd.errors import InvalidInput
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "pool-token-0123456789"
 TAG = "tiny:pool"
+TINY_TAG = TAG
 pytestmark = pytest.mark.vm
 
 
@@ -51,45 +52,6 @@ def _until(what: str, check: Callable[[], bool], timeout: float = 120) -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    if os.geteuid() != 0:
-        pytest.skip("VM tests need root")
-    base = tmp_path_factory.mktemp("pool")
-    values = {
-        "FORKD_HOME": str(base / "home"),
-        "FORKD_RUN": str(base / "run"),
-        "FORKD_CONTROLLER_TOKEN": TOKEN,
-    }
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield values
-    finally:
-        from forkd.engine import children as ch
-
-        ch.kill_all()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def tiny(env: dict[str, str]) -> str:
-    proc = subprocess.run(
-        ["forkd", "build", str(REPO / "recipes" / "tiny.toml"), "--tag", TAG],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return TAG
 
 
 def _pool(http: httpx.Client, tag: str = TAG) -> dict[str, Any]:
