@@ -158,6 +158,7 @@ class BrowseController(Controller):
                 raise NotFoundException(f"no user or organisation named {name}")
             role = await queries.role_in(session, who.principal, ns)
             members = await queries.namespace_members(session, ns) if role else []
+            teams = await accounts.list_teams(session, ns.name) if role and ns.kind == "org" else []
             rows = (
                 await session.execute(
                     select(Repository, queries.tag_count())
@@ -175,6 +176,7 @@ class BrowseController(Controller):
             ns=ns,
             role=role,
             members=members,
+            teams=teams,
             packs=packs,
             roles=("pull", "push", "admin"),
         )

@@ -63,6 +63,18 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
                 client.get_manifest("alice/devbox", "d2")
 
         server.cli("org", "add", "acme", "--member", "alice=admin", "--member", "bob=pull")
+        server.cli(
+            "team",
+            "add",
+            "acme",
+            "builders",
+            "--role",
+            "push",
+            "--repositories",
+            "acme/fc-*",
+            "--member",
+            "bob",
+        )
         fc = root / "fc.mem"
         write_base(fc, IMAGE_SIZE, seed=11)
         store.import_layer("fc", memory=fc, compat=compat("firecracker", ["kvm"]))

@@ -266,11 +266,18 @@ def test_tokens_robots_and_team(seeded: Seeded, page: Any) -> None:
     page.wait_for_url(f"{base}/acme")
     assert page.get_by_test_id("team").is_visible()
     assert page.locator("form[aria-label='Add member']").count() == 0
+    teams = page.get_by_test_id("teams").inner_text()
+    assert "builders" in teams and "acme/fc-*" in teams and "bob" in teams
+    shoot(page, "org-teams")
     # Forged form posts without the session's CSRF token are refused.
     resp = page.request.post(
         f"{base}/-/members/acme", form={"username": "bob", "role": "admin", "csrf": "x"}
     )
     assert resp.status == 403
+    # Signed out, an organisation shows its packs, not its members or teams.
+    page.click("text=Sign out")
+    page.goto(f"{base}/acme")
+    assert page.get_by_test_id("team").count() == 0 and page.get_by_test_id("teams").count() == 0
 
 
 def test_errors_and_empty_states(seeded: Seeded, page: Any, empty_hub: Any) -> None:
