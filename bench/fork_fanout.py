@@ -60,10 +60,20 @@ def cold_boot(n: int, r: recipe.Recipe, accel: str, work: Path) -> dict[str, flo
         d.mkdir()
         disk = d / "disk.qcow2"
         create_overlay(disk, g.root, "raw")
-        vm = QemuVM(d / "vm", VMConfig(memory_mib=r.memory_mib, vcpus=r.vcpus, accel=accel,
-                                        mem_path=d / "mem", share=False, disk=disk,
-                                        kernel=g.kernel.vmlinux, initrd=g.initrd,
-                                        cmdline=kernel_cmdline(accel)))
+        vm = QemuVM(
+            d / "vm",
+            VMConfig(
+                memory_mib=r.memory_mib,
+                vcpus=r.vcpus,
+                accel=accel,
+                mem_path=d / "mem",
+                share=False,
+                disk=disk,
+                kernel=g.kernel.vmlinux,
+                initrd=g.initrd,
+                cmdline=kernel_cmdline(accel),
+            ),
+        )
         vms.append(vm)
         try:
             vm.launch(qmp_timeout=120)
@@ -85,8 +95,11 @@ def cold_boot(n: int, r: recipe.Recipe, accel: str, work: Path) -> dict[str, flo
     all_ready = time.monotonic() - t0
     for vm in vms:
         vm.shutdown(timeout=3)
-    return {"all_ready_s": all_ready, "first_eval_ms": statistics.median(first) if first else -1,
-            "errors": len(errors)}
+    return {
+        "all_ready_s": all_ready,
+        "first_eval_ms": statistics.median(first) if first else -1,
+        "errors": len(errors),
+    }
 
 
 def fork_n(store: Store, tag: str, n: int) -> dict[str, float]:
@@ -108,10 +121,14 @@ def fork_n(store: Store, tag: str, n: int) -> dict[str, float]:
     time.sleep(1.0)  # let the children go idle before measuring memory
     pss = [pss_kib(c.pid) / 1024 for c in res.children]
     cow = [anon_kib(c.pid, Path(c.memory)) / 1024 for c in res.children]
-    out = {"all_ready_s": all_ready,
-           "first_eval_ms": statistics.median(firsts), "warm_eval_ms": statistics.median(warm),
-           "pss_mib_per_child": statistics.median(pss), "cow_mib_per_child": statistics.median(cow),
-           "errors": len(res.errors)}
+    out = {
+        "all_ready_s": all_ready,
+        "first_eval_ms": statistics.median(firsts),
+        "warm_eval_ms": statistics.median(warm),
+        "pss_mib_per_child": statistics.median(pss),
+        "cow_mib_per_child": statistics.median(cow),
+        "errors": len(res.errors),
+    }
     for c in res.children:
         ch.kill(c.id)
     return out
@@ -138,8 +155,13 @@ def pool_fork_n(store: Store, tag: str, n: int, restore_ahead: bool) -> dict[str
     pooled = sum(1 for c in res.children if "prestarted_ms" in c.timings_ms)
     for c in res.children:
         ch.kill(c.id)
-    return {"all_ready_s": all_ready, "fill_s": fill_s, "from_pool": pooled,
-            "first_eval_ms": statistics.median(firsts), "errors": len(res.errors)}
+    return {
+        "all_ready_s": all_ready,
+        "fill_s": fill_s,
+        "from_pool": pooled,
+        "first_eval_ms": statistics.median(firsts),
+        "errors": len(res.errors),
+    }
 
 
 def branch_bench(store: Store, tag: str, rounds: int) -> dict[str, float]:
@@ -154,8 +176,11 @@ def branch_bench(store: Store, tag: str, rounds: int) -> dict[str, float]:
             diffs.append(res.diff_bytes / 2**20)
     finally:
         ch.kill(c.id)
-    return {"pause_ms_p50": statistics.median(pauses), "pause_ms_max": max(pauses),
-            "diff_mib": statistics.median(diffs)}
+    return {
+        "pause_ms_p50": statistics.median(pauses),
+        "pause_ms_max": max(pauses),
+        "diff_mib": statistics.median(diffs),
+    }
 
 
 def main() -> None:
@@ -164,10 +189,16 @@ def main() -> None:
     ap.add_argument("--cold-ns", default=None, help="N values for cold boot (default: --ns)")
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "python-numpy.toml")
     ap.add_argument("--branch-rounds", type=int, default=5)
-    ap.add_argument("--pool-modes", default="ahead,incoming",
-                    help="pool modes to measure: ahead, incoming (empty: none)")
-    ap.add_argument("--only-pool", action="store_true",
-                    help="fork with and without a pool only (no cold boot, no branch)")
+    ap.add_argument(
+        "--pool-modes",
+        default="ahead,incoming",
+        help="pool modes to measure: ahead, incoming (empty: none)",
+    )
+    ap.add_argument(
+        "--only-pool",
+        action="store_true",
+        help="fork with and without a pool only (no cold boot, no branch)",
+    )
     ap.add_argument("--json", action="store_true")
     o = ap.parse_args()
     ns = [int(x) for x in o.ns.split(",")]
@@ -183,8 +214,11 @@ def main() -> None:
     try:
         b = build(store, r, tag)
         results["build"] = {"boot_s": b.boot_s, "snapshot_ms": b.snapshot_ms, "accel": b.accel}
-        print(f"built {tag}: cold boot to agent {b.boot_s:.2f} s, snapshot {b.snapshot_ms:.1f} ms "
-              f"({b.accel})", flush=True)
+        print(
+            f"built {tag}: cold boot to agent {b.boot_s:.2f} s, snapshot {b.snapshot_ms:.1f} ms "
+            f"({b.accel})",
+            flush=True,
+        )
         t = time.monotonic()
         store.assemble(tag)  # once per snapshot, cached by digest for every later fork
         print(f"assembled the memory image once: {time.monotonic() - t:.2f} s", flush=True)
@@ -203,10 +237,12 @@ def main() -> None:
             if isinstance(c, dict):
                 line += f" cold all-ready {c['all_ready_s']:7.2f} s |"
             if isinstance(f, dict):
-                line += (f" fork all-ready {f['all_ready_s']:6.2f} s, first eval "
-                         f"{f['first_eval_ms']:5.1f} ms, warm eval {f['warm_eval_ms']:4.2f} ms, "
-                         f"PSS {f['pss_mib_per_child']:5.1f} MiB/child, guest CoW "
-                         f"{f['cow_mib_per_child']:4.2f} MiB/child")
+                line += (
+                    f" fork all-ready {f['all_ready_s']:6.2f} s, first eval "
+                    f"{f['first_eval_ms']:5.1f} ms, warm eval {f['warm_eval_ms']:4.2f} ms, "
+                    f"PSS {f['pss_mib_per_child']:5.1f} MiB/child, guest CoW "
+                    f"{f['cow_mib_per_child']:4.2f} MiB/child"
+                )
             if isinstance(c, dict) and isinstance(f, dict):
                 ratio = c["all_ready_s"] / f["all_ready_s"]
                 row["speedup"] = ratio
@@ -218,19 +254,25 @@ def main() -> None:
                 pf = pool_fork_n(store, tag, n, restore_ahead=mode == "ahead")
                 pf["ratio"] = f["all_ready_s"] / pf["all_ready_s"]
                 row[f"pool_{mode}"] = pf
-                print(f"N={n:3}: pool ({mode:8}) of {n}: all-ready {pf['all_ready_s']:6.2f} s "
-                      f"({pf['from_pool']:.0f} from the pool, filled in {pf['fill_s']:.2f} s), "
-                      f"first eval {pf['first_eval_ms']:5.1f} ms | without a pool "
-                      f"{f['all_ready_s']:6.2f} s → {pf['ratio']:4.1f}x faster", flush=True)
+                print(
+                    f"N={n:3}: pool ({mode:8}) of {n}: all-ready {pf['all_ready_s']:6.2f} s "
+                    f"({pf['from_pool']:.0f} from the pool, filled in {pf['fill_s']:.2f} s), "
+                    f"first eval {pf['first_eval_ms']:5.1f} ms | without a pool "
+                    f"{f['all_ready_s']:6.2f} s → {pf['ratio']:4.1f}x faster",
+                    flush=True,
+                )
         if o.only_pool:
             if o.json:
                 print(json.dumps(results, indent=1))
             return
         br = branch_bench(store, tag, o.branch_rounds)
         results["branch"] = br
-        print(f"branch: pause p50 {br['pause_ms_p50']:.1f} ms (max {br['pause_ms_max']:.1f}) with "
-              f"{br['diff_mib']:.1f} MiB diff; forkd anchor: ~200 ms diff / 56 ms live (KVM) → "
-              f"{200 / br['pause_ms_p50']:.1f}x / {56 / br['pause_ms_p50']:.1f}x", flush=True)
+        print(
+            f"branch: pause p50 {br['pause_ms_p50']:.1f} ms (max {br['pause_ms_max']:.1f}) with "
+            f"{br['diff_mib']:.1f} MiB diff; forkd anchor: ~200 ms diff / 56 ms live (KVM) → "
+            f"{200 / br['pause_ms_p50']:.1f}x / {56 / br['pause_ms_p50']:.1f}x",
+            flush=True,
+        )
         if o.json:
             print(json.dumps(results, indent=1))
     finally:

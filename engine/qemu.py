@@ -8,6 +8,7 @@ it again by pid and directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -87,6 +88,20 @@ def kernel_cmdline(accel: str, extra: str = "") -> str:
 
 
 DISK_FDSET = 9
+PR_SET_THP_DISABLE = 41
+
+
+@functools.cache
+def no_thp_for_children() -> bool:
+    """Transparent huge pages off for the processes this one starts (the setting is inherited
+    across fork and exec; it also applies to this process). QEMU madvises its TCG translation
+    buffer MADV_HUGEPAGE, so with THP each child's translated code grows in 2 MiB steps: an idle
+    child uses ~9 MiB of it but held 10 or 12 MiB. No-op where prctl is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[str]:
@@ -211,6 +226,8 @@ class QemuVM:
             from forkd.engine.netns import entered
 
             enter = entered(self.netns)  # type: ignore[assignment]
+        if self.cfg.accel == "tcg":  # under KVM, huge pages back guest RAM: keep them
+            no_thp_for_children()
         try:
             with self.log_path.open("ab") as log, enter:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,

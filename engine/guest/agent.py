@@ -13,12 +13,15 @@ import io
 import json
 import os
 import random
+import select
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 PROTOCOL = 1
@@ -26,12 +29,44 @@ MAX_LINE = 64 << 20
 MAX_FILE = 32 << 20
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
+# Safety net only: SIGIO wakes the idle agent when the host connects or sends.
+IDLE_WAIT_S = 60.0
 
 NS = {"__name__": "__forkd__", "__builtins__": __builtins__}
 
 
 class ProtocolError(Exception):
     pass
+
+
+# The request path runs in every forked child, and every Python function, object and code
+# page it touches there is a copied-on-write page (and guest code QEMU translates) per child.
+# So it stays short: JSON through the C scanner/encoder directly, not json.loads/dumps' Python
+# layers (same output as json.dumps with the default separators and ensure_ascii).
+_DECODER = json.JSONDecoder()
+
+
+def _no_default(o: object) -> object:
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+def _make_encoder() -> Callable[[Any], str]:
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is not None:
+        try:
+            enc = make(None, _no_default, json.encoder.encode_basestring_ascii, None,
+                       ": ", ", ", False, False, True)
+            return lambda o: "".join(enc(o, 0))
+        except TypeError:  # another signature (other Python versions)
+            pass
+    return json.dumps
+
+
+_ENCODE = _make_encoder()
+
+
+def _line(obj: object) -> bytes:
+    return (_ENCODE(obj) + "\n").encode()
 
 
 def _reap() -> None:
@@ -45,11 +80,15 @@ def _reap() -> None:
             return
 
 
+PYTHON_VERSION = sys.version.split()[0]
+
+
 def op_ping(req: dict[str, Any]) -> dict[str, Any]:
-    with open("/proc/uptime") as f:
-        up = float(f.read().split()[0])
+    # CLOCK_BOOTTIME is what /proc/uptime shows (no file objects on the request path: every
+    # object a request touches costs a copied-on-write page in a forked child)
+    up = round(time.clock_gettime(time.CLOCK_BOOTTIME), 2)
     return {"protocol": PROTOCOL, "uptime": up, "pid": os.getpid(),
-            "python": sys.version.split()[0], "hostname": socket.gethostname()}
+            "python": PYTHON_VERSION, "hostname": socket.gethostname()}
 
 
 def op_exec(req: dict[str, Any]) -> dict[str, Any]:
@@ -85,9 +124,9 @@ def op_exec(req: dict[str, Any]) -> dict[str, Any]:
 
 def _jsonable(v: object) -> object:
     try:
-        json.dumps(v)
+        _ENCODE(v)  # no circular check: a circular value ends in RecursionError
         return v
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
 
 
@@ -98,24 +137,43 @@ def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     out, err = io.StringIO(), io.StringIO()
     value = None
     error = None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err
+    try:
         try:
-            tree = ast.parse(code, "<eval>", "exec")
-            last = None
-            tail = tree.body[-1] if tree.body else None
-            if isinstance(tail, ast.Expr):
-                tree.body.pop()
-                last = ast.Expression(tail.value)
-            exec(compile(tree, "<eval>", "exec"), NS)
-            if last is not None:  # the value of a trailing expression, like a REPL
-                value = eval(compile(last, "<eval>", "eval"), NS)
+            expr = _compile_expr(code)
+            value = eval(expr, NS) if expr is not None else _exec_repl(code)
         except BaseException as e:  # the caller's code may raise anything
             if isinstance(e, SystemExit):
                 pass
             error = {"type": type(e).__name__, "message": str(e),
                      "traceback": traceback.format_exc()}
+    finally:
+        sys.stdout, sys.stderr = saved
     return {"value": _jsonable(value), "repr": None if value is None else repr(value),
             "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error}
+
+
+def _compile_expr(code: str) -> Any:
+    """A single expression compiles directly, with no AST objects on the way; else None."""
+    try:
+        return compile(code, "<eval>", "eval")
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _exec_repl(code: str) -> object:
+    """Run statements; the value of a trailing expression is returned, like a REPL."""
+    tree = ast.parse(code, "<eval>", "exec")
+    last = None
+    tail = tree.body[-1] if tree.body else None
+    if isinstance(tail, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
+    exec(compile(tree, "<eval>", "exec"), NS)
+    if last is not None:
+        return eval(compile(last, "<eval>", "eval"), NS)
+    return None
 
 
 def op_put(req: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +226,7 @@ def op_fixup(req: dict[str, Any]) -> dict[str, Any]:
                 res["reseed_error"] = str(e)
         finally:
             os.close(fd)
-        random.seed(os.urandom(32))
+        random.seed(int.from_bytes(os.urandom(32), "little"))  # an int: no sha512 on the way
         reseeded = ["random"]
         np = sys.modules.get("numpy")
         if np is not None:
@@ -248,7 +306,7 @@ OPS = {"ping": op_ping, "exec": op_exec, "eval": op_eval, "put": op_put, "get": 
 def handle(line: bytes) -> dict[str, Any]:
     rid = None
     try:
-        req = json.loads(line)
+        req = _DECODER.decode(line.decode())
         if not isinstance(req, dict):
             raise ProtocolError("a request must be a JSON object")
         rid = req.get("id")
@@ -279,29 +337,50 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[n:]
 
 
+def _port_events(fd: int) -> int:
+    """A pipe that becomes readable when the port's state changes. With no host connected,
+    read() on a virtio-serial port returns EOF at once and poll() reports POLLHUP, so neither
+    can wait; but virtio_console raises SIGIO on an O_ASYNC port when the host connects or
+    disconnects and when data arrives. The signal's wake-up fd is that pipe."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGIO, lambda signum, frame: None)
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    return r
+
+
 def serve(port: str) -> None:
     fd = os.open(port, os.O_RDWR)
+    events = _port_events(fd)
     hello = {"hello": {"protocol": PROTOCOL, "agent": "forkd-agent", **op_ping({})}}
-    _write_all(fd, (json.dumps(hello) + "\n").encode())
+    _write_all(fd, _line(hello))
     buf = b""
     while True:
         try:
             chunk = os.read(fd, 1 << 16)
         except OSError:
             chunk = b""
-        if not chunk:  # host side not connected: read() returns EOF at once
-            time.sleep(0.05)
+        if not chunk:
+            # Host side not connected: read() returned EOF at once. Sleep until SIGIO (a
+            # signal raised after the read() is still in the pipe), then drain the pipe
+            # before reading again. No periodic wake-ups while idle.
+            select.select([events], [], [], IDLE_WAIT_S)
+            with contextlib.suppress(OSError):
+                os.read(events, 4096)
             continue
         buf += chunk
         if len(buf) > MAX_LINE and b"\n" not in buf:
             buf = b""
             err = {"type": "protocol", "message": "request line longer than 64 MiB"}
-            _write_all(fd, (json.dumps({"id": None, "ok": False, "error": err}) + "\n").encode())
+            _write_all(fd, _line({"id": None, "ok": False, "error": err}))
             continue
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             if line.strip():
-                _write_all(fd, (json.dumps(handle(line)) + "\n").encode())
+                _write_all(fd, _line(handle(line)))
 
 
 def main() -> None:
