@@ -296,3 +296,15 @@ def test_tag_existing_snapshot(store: Store, chain: list[str]):
         store.tag("x", "sha256:" + "0" * 64)
     with pytest.raises(InvalidInput):
         store.tag("x", "sha256:nothex")
+
+
+def test_gc_keeps_cached_images_a_process_maps(store: Store, chain: list[str]):
+    import mmap
+
+    asm = store.assemble("d3")
+    with open(asm.memory, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        store.remove("d1", cascade=True)
+        store.gc()
+        assert asm.memory.exists()  # a running VM's image survives its tag
+    store.gc()
+    assert not asm.memory.exists()

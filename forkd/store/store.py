@@ -683,7 +683,10 @@ class Store:
                     count, freed = count + 1, freed + size
                     if on_remove:
                         on_remove(digest, size)
+            in_use = mapped_dirs(self.cache_dir)
             for entry in self.cache_dir.iterdir():
+                if entry in in_use:
+                    continue  # a running VM maps this image (its tag may be gone): keep it
                 if entry.name.startswith(".") or f"sha256:{entry.name}" not in reachable:
                     shutil.rmtree(entry, ignore_errors=True)
             for entry in self.blobs.tmp.iterdir():  # no writer runs while we hold the lock
@@ -694,6 +697,22 @@ class Store:
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def mapped_dirs(root: Path) -> set[Path]:
+    """Directories directly under ``root`` holding a file some process maps (/proc/*/maps)."""
+    prefix = str(root.resolve()) + "/"
+    found: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for line in text.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith(prefix):
+                found.add(root / path[len(prefix) :].split("/", 1)[0])
+    return found
 
 
 def chain_files(chain: list[Link]) -> dict[str, Descriptor]:
