@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="length of the load run")
     ap.add_argument(
         "--hub-cmd",
-        default="forkd hub serve --data {data} --listen 127.0.0.1:{port}",
+        default="forkd hub serve --data {data} --listen 127.0.0.1:{port} --workers "
+        + str(os.cpu_count() or 1),
         help="command starting a forkd hub ('' to skip the hub)",
     )
     args = ap.parse_args()

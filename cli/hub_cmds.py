@@ -133,13 +133,26 @@ def hub() -> None:
     default="",
     help="Base URL clients use (token realm); default: from each request.",
 )
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Processes sharing the socket (one per core helps small requests; see docs/hub.md).",
+)
 @blob_options
 def serve(
-    data_dir: Path, database_url: str, listen: str, public_url: str, **blob: str | None
+    data_dir: Path,
+    database_url: str,
+    listen: str,
+    public_url: str,
+    workers: int,
+    **blob: str | None,
 ) -> None:
     """Serve the hub; migrations are applied on start."""
     import uvicorn
 
+    from forkd.hub import workers as prefork
     from forkd.hub.app import create_app
     from forkd.hub.settings import parse_listen
 
@@ -147,6 +160,10 @@ def serve(
     settings = _settings(
         data_dir, database_url, host=host, port=port, public_url=public_url or None, **blob
     )
+    prefork.check(settings, workers)
+    if workers > 1:
+        prefork.serve(settings, workers)
+        return
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
 

@@ -259,17 +259,14 @@ async def _check_references(
 
 
 async def _resolve(ctx: Ctx, session: Any, repo: Repository, reference: str) -> Manifest:
-    digest = reference
-    if not _is_digest(reference):
-        tag = await session.get(Tag, (repo.id, reference))
-        if tag is None:
-            raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {ctx.name}")
-        digest = tag.manifest_digest
-    manifest: Manifest | None = (
-        await session.scalars(
-            select(Manifest).where(Manifest.repository_id == repo.id, Manifest.digest == digest)
-        )
-    ).first()
+    query = select(Manifest).where(Manifest.repository_id == repo.id)
+    if _is_digest(reference):
+        query = query.where(Manifest.digest == reference)
+    else:  # tag → manifest in one round trip (the hot path of every pull)
+        query = query.join(
+            Tag, (Tag.repository_id == repo.id) & (Tag.manifest_digest == Manifest.digest)
+        ).where(Tag.name == reference)
+    manifest: Manifest | None = (await session.scalars(query)).first()
     if manifest is None:
         raise RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {ctx.name}")
     return manifest
