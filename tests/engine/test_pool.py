@@ -14,6 +14,7 @@ from forkd.engine import children as ch
 from forkd.engine.cgroup import detect
 from forkd.engine.paths import children_dir
 from forkd.engine.pool import MAX_POOL, Pool, sweep_orphans
+from forkd.engine.qemu import pid_alive
 from forkd.errors import InvalidInput, NotFound
 from forkd.store.store import Store
 
@@ -31,8 +32,11 @@ def pool(store: Store, tiny: str, cleanup_children: None) -> Iterator[Pool]:
 
 def _leftovers(ids: list[str], run: Path, qemu_pids: Callable[[Path], list[int]]) -> list[str]:
     """Anything of these waiting processes still on the host: QEMU, directory, cgroup."""
-    out = [f"qemu pid {pid}" for pid in qemu_pids(run) if any(
-        i.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for i in ids)]
+    out = [
+        f"qemu pid {pid}"
+        for pid in qemu_pids(run)
+        if any(i.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for i in ids)
+    ]
     out += [f"dir {i}" for i in ids if (children_dir() / i).exists()]
     out += [f"dir {d.name}" for d in children_dir().iterdir() if d.name.startswith(".pool-")]
     found = detect()
@@ -79,8 +83,7 @@ def test_drain_leaves_nothing_behind(
         pool.fill(tiny, 2, memory_limit_mib=256)
         other = Pool(store, restore_ahead=False)
         other.fill(tiny, 1)
-        ids = [w.id for tp in (*pool._pools.values(), *other._pools.values())
-               for w in tp.waiting]
+        ids = [w.id for tp in (*pool._pools.values(), *other._pools.values()) for w in tp.waiting]
         assert len(ids) == 3
         assert all((children_dir() / i / ch.WAITING_FILE).exists() for i in ids)
         other.close()
@@ -132,19 +135,29 @@ def test_bad_input_is_refused(pool: Pool, store: Store, tiny: str):
     assert pool.remove("ghost:none") is False
 
 
-def test_sweep_removes_processes_of_a_dead_owner(store: Store, tiny: str,
-                                                 engine_env: dict[str, Path],
-                                                 qemu_pids: Callable[[Path], list[int]]):
+def test_sweep_removes_processes_of_a_dead_owner(
+    store: Store, tiny: str, engine_env: dict[str, Path], qemu_pids: Callable[[Path], list[int]]
+):
     pool = Pool(store, restore_ahead=False)
     try:
         pool.fill(tiny, 1)
-        w = next(iter(pool._pools.values())).waiting[0]
-        f = w.info.path / ch.WAITING_FILE
-        raw = json.loads(f.read_text())
+        deadline = time.monotonic() + 120
+        while True:  # the launch records the QEMU pid last: edit the file after that
+            tp = next(iter(pool._pools.values()), None)
+            if tp is not None and tp.waiting:
+                w = tp.waiting[0]
+                f = w.info.path / ch.WAITING_FILE
+                raw = json.loads(f.read_text()) if f.exists() else {}
+                if raw.get("pid"):
+                    break
+            assert time.monotonic() < deadline, "the pool never launched its process"
+            time.sleep(0.05)
         raw["owner"] = 2**22 + 7  # no such process: its owner died without draining
         f.write_text(json.dumps(raw))
         assert sweep_orphans() == [w.id]
-        assert not w.info.path.exists() and not w.vm.alive()
+        # Dead (a zombie until its parent, this test, reaps it). Not vm.alive(): Popen.poll()
+        # answers None while another thread holds the process's wait lock.
+        assert not w.info.path.exists() and not pid_alive(raw["pid"])
     finally:
         pool.close()
     assert _leftovers([w.id], engine_env["FORKD_RUN"], qemu_pids) == []
