@@ -165,9 +165,9 @@ class CatalogController(Controller):
         async with hub.db.reading() as session:
             where = [await visible(session, principal)]
             if q:
-                where.append(Repository.name.like(f"%{_escape(q)}%", escape="\\"))
+                where.append(Repository.name.like(f"%{like_literal(q)}%", escape="\\"))
             if namespace:
-                where.append(Repository.name.like(f"{_escape(namespace)}/%", escape="\\"))
+                where.append(Repository.name.like(f"{like_literal(namespace)}/%", escape="\\"))
             total = await session.scalar(select(func.count()).select_from(Repository).where(*where))
             tag_count = (
                 select(func.count())
@@ -249,7 +249,7 @@ class CatalogController(Controller):
                 media_type=manifest.media_type,
                 artifact_type=manifest.artifact_type,
                 size=_total_size(hub, manifest),
-                chain_depth=_depth(subjects, manifest.digest),
+                chain_depth=chain_depth(subjects, manifest.digest),
                 parent=manifest.subject_digest,
                 pushed_at=tag.updated_at,
                 pulls=tag.pull_count,
@@ -374,11 +374,13 @@ class LineageController(Controller):
         return Lineage(name, tag, node(head_digest, 0), ancestors, descendants)
 
 
-def _escape(text: str) -> str:
+def like_literal(text: str) -> str:
+    """``text`` for a SQL LIKE pattern with ``\\`` as escape: wildcards match literally."""
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _depth(subjects: dict[str, str | None], digest: str) -> int:
+def chain_depth(subjects: dict[str, str | None], digest: str) -> int:
+    """Ancestors of ``digest`` through ``subjects`` (digest → subject digest), capped."""
     depth, seen = 0, {digest}
     current = subjects.get(digest)
     while current is not None and current not in seen and depth < MAX_CHAIN:

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import ForkdError
 from forkd.hub import accounts
-from forkd.hub.catalog import MAX_CHAIN, visible
+from forkd.hub.catalog import MAX_CHAIN, chain_depth, like_literal, visible
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import Hub
@@ -197,10 +197,6 @@ SORTS: dict[str, tuple[ColumnElement[Any], ...]] = {
 }
 
 
-def _like(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
 def tag_count() -> Any:
     return (
         select(func.count())
@@ -235,7 +231,7 @@ async def search(
     async with hub.db.transaction() as session:
         where = [await visible(session, principal)]
         if filters.q:
-            pattern = f"%{_like(filters.q)}%"
+            pattern = f"%{like_literal(filters.q)}%"
             where.append(
                 or_(
                     Repository.name.like(pattern, escape="\\"),
@@ -243,7 +239,7 @@ async def search(
                 )
             )
         if filters.namespace:
-            where.append(Repository.name.like(f"{_like(filters.namespace)}/%", escape="\\"))
+            where.append(Repository.name.like(f"{like_literal(filters.namespace)}/%", escape="\\"))
         if filters.chain:
             where.append(
                 exists(
@@ -319,16 +315,6 @@ class PackDetail:
         return max(self.tags, key=lambda r: r.pushed_at, default=None)
 
 
-def _depth(subjects: dict[str, str | None], digest: str) -> int:
-    depth, seen = 0, {digest}
-    current = subjects.get(digest)
-    while current is not None and current not in seen and depth < MAX_CHAIN:
-        depth += 1
-        seen.add(current)
-        current = subjects.get(current)
-    return depth
-
-
 async def pack(
     hub: Hub, facts: FactsCache, principal: accounts.Principal, name: str
 ) -> PackDetail | None:
@@ -369,7 +355,7 @@ async def pack(
             t.name,
             t.manifest_digest,
             t.updated_at,
-            _depth(subjects, t.manifest_digest),
+            chain_depth(subjects, t.manifest_digest),
             known[t.manifest_digest],
             t.pull_count,
         )
@@ -504,7 +490,7 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     subjects = {d: m.subject_digest for d, m in manifests.items()}
     level: dict[str, int] = {}
     for d in nodes_order:
-        level[d] = _depth(subjects, d)
+        level[d] = chain_depth(subjects, d)
     for src, flat in compactions:  # a flat layer sits one row below what it came from
         if flat in level and src in level and manifests.get(flat) and not subjects.get(flat):
             level[flat] = max(level[flat], level[src] + 1)
