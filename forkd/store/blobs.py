@@ -43,6 +43,40 @@ class BlobStore(Protocol):
     def mtime(self, digest: str) -> float: ...
 
 
+class StreamCheck:
+    """Hash and count a blob's bytes as they stream past; refuse more than the declared size
+    at once, and, at the end, fewer bytes or another digest. Every backend writes through it."""
+
+    def __init__(self, expected: str | None, expected_size: int | None) -> None:
+        self.expected = expected
+        self.expected_size = expected_size
+        self.written = 0
+        self._hash = dg.Sha256()
+
+    def feed(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            self.written += len(chunk)
+            if self.expected_size is not None and self.written > self.expected_size:
+                raise IntegrityError(
+                    f"blob {self.expected or ''} is larger than its declared size "
+                    f"{self.expected_size}; refusing it"
+                )
+            self._hash.update(chunk)
+            yield chunk
+
+    def finish(self) -> str:
+        """The digest of what streamed past, after the size and digest checks."""
+        if self.expected_size is not None and self.written != self.expected_size:
+            raise IntegrityError(
+                f"blob {self.expected or ''} is truncated: got {self.written} bytes, "
+                f"declared {self.expected_size}"
+            )
+        actual = self._hash.digest()
+        if self.expected is not None:
+            dg.check(self.expected, actual, "blob")
+        return actual
+
+
 class FsBlobStore:
     """Blobs as read-only files addressed by sha256."""
 
@@ -103,28 +137,13 @@ class FsBlobStore:
                 return expected
         fd, tmp_name = tempfile.mkstemp(dir=self.tmp, prefix="blob-")
         try:
-            h = dg.Sha256()
-            written = 0
+            stream = StreamCheck(expected, expected_size)
             with os.fdopen(fd, "wb") as out:
-                for chunk in chunks:
-                    written += len(chunk)
-                    if expected_size is not None and written > expected_size:
-                        raise IntegrityError(
-                            f"blob {expected or ''} is larger than its declared size "
-                            f"{expected_size}; refusing it"
-                        )
-                    h.update(chunk)
+                for chunk in stream.feed(chunks):
                     out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())
-            if expected_size is not None and written != expected_size:
-                raise IntegrityError(
-                    f"blob {expected or ''} is truncated: got {written} bytes, "
-                    f"declared {expected_size}"
-                )
-            actual = h.digest()
-            if expected is not None:
-                dg.check(expected, actual, "blob")
+            actual = stream.finish()
             final = self.path(actual)
             final.parent.mkdir(exist_ok=True)
             os.chmod(tmp_name, 0o444)

@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 
 from forkd import digest as dg
 from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
+from forkd.store.blobs import StreamCheck
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 8 * MiB
@@ -214,20 +215,12 @@ class S3BlobStore:
         # Multipart target: the final key when the digest is known, else a temporary key.
         target = self.key(expected) if expected is not None else self._tmp_key()
         started = False
-        h = dg.Sha256()
-        written = 0
+        stream = StreamCheck(expected, expected_size)
         part_size = self.part_size
         buf = bytearray()
         upload: _Multipart | None = None
         try:
-            for chunk in chunks:
-                written += len(chunk)
-                if expected_size is not None and written > expected_size:
-                    raise IntegrityError(
-                        f"blob {expected or ''} is larger than its declared size "
-                        f"{expected_size}; refusing it"
-                    )
-                h.update(chunk)
+            for chunk in stream.feed(chunks):
                 buf += chunk
                 while len(buf) >= part_size:
                     if upload is None:
@@ -237,14 +230,7 @@ class S3BlobStore:
                     del buf[:part_size]
                     if upload.count % PARTS_PER_STEP == 0:
                         part_size *= 2
-            if expected_size is not None and written != expected_size:
-                raise IntegrityError(
-                    f"blob {expected or ''} is truncated: got {written} bytes, "
-                    f"declared {expected_size}"
-                )
-            actual = h.digest()
-            if expected is not None:
-                dg.check(expected, actual, "blob")
+            actual = stream.finish()
             if upload is None:  # one part: verified in memory, sent straight to its key
                 with _translated(f"PUT {self.key(actual)}"):
                     self.client.put_object(
