@@ -139,7 +139,7 @@ def _pvh_vmlinux_from_bzimage(bz: bytes) -> bytes:
             elif kind == "xz":
                 out = lzma.LZMADecompressor().decompress(data)
             elif kind == "gzip":
-                out = gzip.decompress(data)
+                out = gzip.GzipFile(fileobj=__import__("io").BytesIO(data)).read()
             else:
                 import zstandard
 
