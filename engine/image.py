@@ -7,6 +7,7 @@ second build of the same recipe reuses the rootfs, kernel and images.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import lzma
 import os
@@ -139,7 +140,7 @@ def _pvh_vmlinux_from_bzimage(bz: bytes) -> bytes:
             elif kind == "xz":
                 out = lzma.LZMADecompressor().decompress(data)
             elif kind == "gzip":
-                out = gzip.GzipFile(fileobj=__import__("io").BytesIO(data)).read()
+                out = gzip.GzipFile(fileobj=io.BytesIO(data)).read()
             else:
                 import zstandard
 
