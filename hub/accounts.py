@@ -25,8 +25,9 @@ from fnmatch import fnmatchcase
 import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub.models import (
@@ -138,23 +139,44 @@ ANONYMOUS = Principal()
 
 
 # -- lookups -------------------------------------------------------------------
+# The reads that decide access are plain (sync) ORM functions: the hub runs them inline
+# on SQLite through ``Database.read`` (the hot path of every registry request), and async
+# code calls them through ``AsyncSession.run_sync``, as the wrappers below do.
+# Built once (bound parameters): building a statement costs more than SQLite running it.
+_USER = select(User).where(User.name == bindparam("name"))
+_NAMESPACE = select(Namespace).where(Namespace.name == bindparam("name"))
+_REPOSITORY = select(Repository).where(Repository.name == bindparam("name"))
+_USER_TEAMS = (
+    select(Team)
+    .join(TeamMember, TeamMember.team_id == Team.id)
+    .where(
+        Team.namespace_id == bindparam("namespace_id"), TeamMember.user_id == bindparam("user_id")
+    )
+)
+
+
+def find_user(session: Session, name: str) -> User | None:
+    return session.scalars(_USER, {"name": name}).first()
+
+
+def find_namespace(session: Session, name: str) -> Namespace | None:
+    return session.scalars(_NAMESPACE, {"name": name}).first()
+
+
+def find_repository(session: Session, name: str) -> Repository | None:
+    return session.scalars(_REPOSITORY, {"name": name}).first()
+
+
 async def get_user(session: AsyncSession, name: str) -> User | None:
-    return (await session.scalars(select(User).where(User.name == name))).first()
+    return await session.run_sync(find_user, name)
 
 
 async def get_namespace(session: AsyncSession, name: str) -> Namespace | None:
-    return (await session.scalars(select(Namespace).where(Namespace.name == name))).first()
+    return await session.run_sync(find_namespace, name)
 
 
 async def get_repository(session: AsyncSession, name: str) -> Repository | None:
-    return (await session.scalars(select(Repository).where(Repository.name == name))).first()
-
-
-async def principal_for_user(session: AsyncSession, user_id: int) -> Principal | None:
-    user = await session.get(User, user_id)
-    if user is None:
-        return None
-    return Principal(user.id, user.name, user.is_admin)
+    return await session.run_sync(find_repository, name)
 
 
 async def authenticate_password(
@@ -180,16 +202,14 @@ async def authenticate_password(
     return Principal(user.id, user.name, user.is_admin)
 
 
-async def token_principal(
-    session: AsyncSession, user_id: int, token_id: int | None
-) -> Principal | None:
+def token_principal(session: Session, user_id: int, token_id: int | None) -> Principal | None:
     """Re-resolve a bearer token's subject now (revoked users and tokens stop working)."""
-    user = await session.get(User, user_id)
+    user = session.get(User, user_id)
     if user is None:
         return None
     if token_id is None:
         return Principal(user.id, user.name, user.is_admin)
-    token = await session.get(ApiToken, token_id)
+    token = session.get(ApiToken, token_id)
     if token is None or token.user_id != user.id:
         return None
     if token.expires_at is not None and _aware(token.expires_at) <= utcnow():
@@ -197,28 +217,26 @@ async def token_principal(
     return Principal(user.id, user.name, user.is_admin, parse_scopes(token.scopes), token.id)
 
 
-async def repository_actions(
-    session: AsyncSession, principal: Principal, repository: str
-) -> frozenset[str]:
+def repository_actions(session: Session, principal: Principal, repository: str) -> frozenset[str]:
     """The registry actions ``principal`` holds on ``repository`` (which may not exist yet)."""
-    return (await access(session, principal, repository))[1]
+    return access(session, principal, repository)[1]
 
 
-async def access(
-    session: AsyncSession, principal: Principal, repository: str
+def access(
+    session: Session, principal: Principal, repository: str
 ) -> tuple[Repository | None, frozenset[str]]:
     """The repository (None if it does not exist yet) and the actions ``principal`` holds."""
-    repo = await get_repository(session, repository)
+    repo = find_repository(session, repository)
     public = frozenset({"pull"}) if repo is not None and repo.is_public else frozenset()
     if principal.anonymous:
         return repo, public
     if principal.is_admin:
         held = ALL_ACTIONS
     else:
-        ns = await get_namespace(session, namespace_of(repository))
+        ns = find_namespace(session, namespace_of(repository))
         role = None
         if ns is not None and principal.user_id is not None:
-            role = await effective_role(session, ns.id, principal.user_id, repository)
+            role = effective_role(session, ns.id, principal.user_id, repository)
         held = ROLE_ACTIONS[role] if role else frozenset()
     if principal.token_scopes is not None:
         scope = principal.token_scopes.get(namespace_of(repository)) or principal.token_scopes.get(
@@ -242,40 +260,33 @@ def team_covers(team: Team, repository: str | None) -> bool:
     return repository is not None and fnmatchcase(repository, team.repositories)
 
 
-async def user_teams(session: AsyncSession, namespace_id: int, user_id: int) -> list[Team]:
-    query = (
-        select(Team)
-        .join(TeamMember, TeamMember.team_id == Team.id)
-        .where(Team.namespace_id == namespace_id, TeamMember.user_id == user_id)
-    )
-    return list((await session.scalars(query)).all())
+def user_teams(session: Session, namespace_id: int, user_id: int) -> list[Team]:
+    return list(session.scalars(_USER_TEAMS, {"namespace_id": namespace_id, "user_id": user_id}))
 
 
-async def effective_role(
-    session: AsyncSession, namespace_id: int, user_id: int, repository: str | None
+def effective_role(
+    session: Session, namespace_id: int, user_id: int, repository: str | None
 ) -> str | None:
     """Max of the user's direct role in the namespace and their teams' roles that cover
     ``repository`` (None: the namespace as a whole, e.g. to manage it)."""
-    member = await session.get(Membership, (namespace_id, user_id))
-    teams = await user_teams(session, namespace_id, user_id)
+    member = session.get(Membership, (namespace_id, user_id))
+    teams = user_teams(session, namespace_id, user_id)
     return max_role(
         member.role if member else None,
         *(t.role for t in teams if team_covers(t, repository)),
     )
 
 
-async def namespace_role(session: AsyncSession, principal: Principal, namespace: str) -> str | None:
+def namespace_role(session: Session, principal: Principal, namespace: str) -> str | None:
     """``principal``'s role on the namespace as a whole (site admins: admin), narrowed by an
     API token's scope."""
     if principal.anonymous or principal.user_id is None:
         return None
-    ns = await get_namespace(session, namespace)
+    ns = find_namespace(session, namespace)
     if ns is None:
         return None
     role = (
-        "admin"
-        if principal.is_admin
-        else await effective_role(session, ns.id, principal.user_id, None)
+        "admin" if principal.is_admin else effective_role(session, ns.id, principal.user_id, None)
     )
     if principal.token_scopes is not None:
         scope = principal.token_scopes.get(namespace) or principal.token_scopes.get("*")

@@ -77,8 +77,7 @@ async def login(
     cache_key = hub.verified.key(user, password)
     cached = hub.verified.get(cache_key)
     if cached is not None:
-        async with hub.db.reading() as session:
-            again = await accounts.token_principal(session, *cached)
+        again = await hub.db.read(accounts.token_principal, *cached)
         if again is not None:
             return again
     keys = [f"ip:{host}", f"user:{user[:64]}"]
@@ -121,8 +120,7 @@ async def authenticate(hub: Hub, request: Request[object, object, State]) -> Cal
             raise challenge(hub, request, error="invalid_token")
         if grant.user_id is None:
             return Caller(ANONYMOUS, grant)
-        async with hub.db.reading() as session:
-            principal = await accounts.token_principal(session, grant.user_id, grant.token_id)
+        principal = await hub.db.read(accounts.token_principal, grant.user_id, grant.token_id)
         if principal is None:
             raise challenge(hub, request, error="invalid_token")
         return Caller(principal, grant)
@@ -140,8 +138,7 @@ async def authorize(
     for (RFC 6750 insufficient_scope); otherwise a repository the caller cannot
     see is NAME_UNKNOWN (404) and one it can see is DENIED (403).
     """
-    async with hub.db.reading() as session:
-        repo, held = await accounts.access(session, caller.principal, repository)
+    repo, held = await hub.db.read(accounts.access, caller.principal, repository)
     granted = held
     if caller.grant is not None:
         granted = held & caller.grant.access.get(repository, frozenset())
@@ -194,12 +191,11 @@ async def token_endpoint(
         raise RegistryError(Code.DENIED, f"unknown service {service!r}")
     wanted = _requested(request.query_params.getall("scope", []))
     access: dict[str, frozenset[str]] = {}
-    async with hub.db.reading() as session:
-        for name, actions in wanted.items():
-            held = await accounts.repository_actions(session, caller.principal, name)
-            granted = actions & held
-            if granted:
-                access[name] = granted
+    for name, actions in wanted.items():
+        held = await hub.db.read(accounts.repository_actions, caller.principal, name)
+        granted = actions & held
+        if granted:
+            access[name] = granted
     token, issued = hub.signer.issue(caller.principal, access)
     hub.audit.record(
         caller.principal.name,

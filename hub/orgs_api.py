@@ -78,8 +78,7 @@ class QuotaSet:
 async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> str:
     """The caller's name, if they hold ``role`` on ``namespace`` as a whole; else 401/403."""
     principal = await _user(hub, request)
-    async with hub.db.reading() as session:
-        held = await accounts.namespace_role(session, principal, namespace)
+    held = await hub.db.read(accounts.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
         hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {namespace!r}")

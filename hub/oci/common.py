@@ -35,12 +35,18 @@ class Ctx:
     async def allow(self, action: str) -> None:
         self.checked = await authorize(self.hub, self.request, self.caller, self.name, action)
 
-    async def repository(self, session: AsyncSession) -> Repository:
-        """The existing repository (after ``allow``), else NAME_UNKNOWN."""
-        repo = self.checked or await accounts.get_repository(session, self.name)
-        if repo is None:
+    def known(self) -> Repository:
+        """The repository as ``allow`` read it; NAME_UNKNOWN when it does not exist."""
+        if self.checked is None:
             raise RegistryError(Code.NAME_UNKNOWN, f"repository {self.name} not found")
-        return repo
+        return self.checked
+
+    async def repository(self, session: AsyncSession) -> Repository:
+        """The existing repository (after ``allow``, re-read in ``session`` if it was
+        created since), else NAME_UNKNOWN."""
+        if self.checked is None:
+            self.checked = await accounts.get_repository(session, self.name)
+        return self.known()
 
     async def repository_for_push(self, session: AsyncSession) -> Repository:
         """The repository, created on first push (after ``allow("push")``)."""

@@ -15,8 +15,9 @@ from typing import Any
 
 import anyio
 from litestar import Response
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
@@ -258,27 +259,31 @@ async def _check_references(
                 )
 
 
-async def _resolve(ctx: Ctx, session: Any, repo: Repository, reference: str) -> Manifest:
-    query = select(Manifest).where(Manifest.repository_id == repo.id)
-    if _is_digest(reference):
-        query = query.where(Manifest.digest == reference)
-    else:  # tag → manifest in one round trip (the hot path of every pull)
-        query = query.join(
-            Tag, (Tag.repository_id == repo.id) & (Tag.manifest_digest == Manifest.digest)
-        ).where(Tag.name == reference)
-    manifest: Manifest | None = (await session.scalars(query)).first()
-    if manifest is None:
-        raise RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {ctx.name}")
-    return manifest
+_IN_REPOSITORY = select(Manifest).where(Manifest.repository_id == bindparam("repository_id"))
+_BY_DIGEST = _IN_REPOSITORY.where(Manifest.digest == bindparam("reference"))
+_BY_TAG = _IN_REPOSITORY.join(  # tag → manifest in one query (the hot path of every pull)
+    Tag, (Tag.repository_id == Manifest.repository_id) & (Tag.manifest_digest == Manifest.digest)
+).where(Tag.name == bindparam("reference"))
+
+
+def find_manifest(session: Session, repository_id: int, reference: str) -> Manifest | None:
+    """The repository's manifest with this digest, or that this tag points at."""
+    query = _BY_DIGEST if _is_digest(reference) else _BY_TAG
+    return session.scalars(query, {"repository_id": repository_id, "reference": reference}).first()
+
+
+def _unknown(ctx: Ctx, reference: str) -> RegistryError:
+    return RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {ctx.name}")
 
 
 async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
     await ctx.allow("pull")
     _check_reference(reference, Code.MANIFEST_UNKNOWN)
     hub = ctx.hub
-    async with hub.db.reading() as session:
-        repo = await ctx.repository(session)
-        manifest = await _resolve(ctx, session, repo, reference)
+    repo = ctx.known()
+    manifest = await hub.db.read(find_manifest, repo.id, reference)
+    if manifest is None:
+        raise _unknown(ctx, reference)
     if not head:
         hub.pulls.record(repo.id, None if _is_digest(reference) else reference)
     body = hub.manifests.get(manifest.digest)
@@ -312,7 +317,9 @@ async def delete_manifest(ctx: Ctx, reference: str) -> Response[object]:
                 raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {ctx.name}")
             await session.delete(tag)
         else:
-            manifest = await _resolve(ctx, session, repo, parse_digest(reference))
+            manifest = await session.run_sync(find_manifest, repo.id, parse_digest(reference))
+            if manifest is None:
+                raise _unknown(ctx, reference)
             children = await session.scalar(
                 select(func.count()).where(
                     Manifest.repository_id == repo.id, Manifest.subject_digest == reference

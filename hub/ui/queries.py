@@ -341,7 +341,7 @@ async def pack(
                 select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
             )
         ).all()
-        can_push = "push" in await accounts.repository_actions(session, principal, name)
+        can_push = "push" in await session.run_sync(accounts.repository_actions, principal, name)
     subjects = {d: m.subject_digest for d, m in manifests.items()}
     tags_of: dict[str, list[str]] = {}
     for t in tag_rows:

@@ -91,8 +91,7 @@ class Sessions:
         ids = self.parse(cookie)
         if ids is None:
             return Viewer(ANONYMOUS)
-        async with hub.db.transaction() as session:
-            principal = await accounts.token_principal(session, *ids)
+        principal = await hub.db.read(accounts.token_principal, *ids)
         if principal is None:  # user or token removed since: signed out
             return Viewer(ANONYMOUS)
         return Viewer(principal, self.csrf(cookie))

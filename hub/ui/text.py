@@ -33,7 +33,7 @@ async def set_text(
     """Set what is given (None: keep). Needs push on the repository; NotFound-like
     InvalidInput when the caller may not see or change it (no hint that it exists)."""
     check_text(readme, description)
-    actions = await accounts.repository_actions(session, principal, name)
+    actions = await session.run_sync(accounts.repository_actions, principal, name)
     repo = await accounts.get_repository(session, name)
     if repo is None or "push" not in actions:
         raise InvalidInput(f"no repository {name} that you may push to")
