@@ -139,11 +139,26 @@ async def authorize(
     see is NAME_UNKNOWN (404) and one it can see is DENIED (403).
     """
     repo, held = await hub.db.read(accounts.access, caller.principal, repository)
+    permit(hub, request, caller, repository, action, held)
+    return repo
+
+
+def permit(
+    hub: Hub,
+    request: Request[object, object, State],
+    caller: Caller,
+    repository: str,
+    action: str,
+    held: frozenset[str],
+) -> None:
+    """The decision half of ``authorize``, for handlers that read ``accounts.access``
+    together with what they serve: raise unless ``action`` is in ``held`` (as narrowed by
+    the caller's bearer token)."""
     granted = held
     if caller.grant is not None:
         granted = held & caller.grant.access.get(repository, frozenset())
     if action in granted:
-        return repo
+        return
     hub.audit.record(caller.principal.name, client_ip(request), action, repository, "denied")
     scope_actions = "pull" if action == "pull" else f"pull,{action}"
     scope = f"repository:{repository}:{scope_actions}"

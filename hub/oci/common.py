@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
-from forkd.hub.auth import Caller, authorize, client_ip
+from forkd.hub.auth import Caller, authorize, client_ip, permit
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
 from forkd.hub.services import Hub
@@ -34,6 +34,11 @@ class Ctx:
 
     async def allow(self, action: str) -> None:
         self.checked = await authorize(self.hub, self.request, self.caller, self.name, action)
+
+    def permit(self, action: str, repo: Repository | None, held: frozenset[str]) -> None:
+        """``allow`` for a handler that read ``accounts.access`` itself (``repo``, ``held``)."""
+        permit(self.hub, self.request, self.caller, self.name, action, held)
+        self.checked = repo
 
     def known(self) -> Repository:
         """The repository as ``allow`` read it; NAME_UNKNOWN when it does not exist."""

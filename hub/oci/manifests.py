@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
+from forkd.hub.accounts import Principal, access
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Manifest, ManifestReference, Repository, Tag, utcnow
 from forkd.hub.oci.common import Ctx, linked_blob_size, parse_digest
@@ -276,12 +277,25 @@ def _unknown(ctx: Ctx, reference: str) -> RegistryError:
     return RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {ctx.name}")
 
 
+def _pull_lookup(
+    session: Session, principal: Principal, name: str, reference: str
+) -> tuple[Repository | None, frozenset[str], Manifest | None]:
+    """The access check's reads and the manifest, in one read transaction. The manifest
+    is only looked up for a caller who may pull, and only used after ``Ctx.permit``."""
+    repo, held = access(session, principal, name)
+    if repo is None or "pull" not in held:
+        return repo, held, None
+    return repo, held, find_manifest(session, repo.id, reference)
+
+
 async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
-    await ctx.allow("pull")
-    _check_reference(reference, Code.MANIFEST_UNKNOWN)
     hub = ctx.hub
+    repo, held, manifest = await hub.db.read(
+        _pull_lookup, ctx.caller.principal, ctx.name, reference
+    )
+    ctx.permit("pull", repo, held)
+    _check_reference(reference, Code.MANIFEST_UNKNOWN)
     repo = ctx.known()
-    manifest = await hub.db.read(find_manifest, repo.id, reference)
     if manifest is None:
         raise _unknown(ctx, reference)
     if not head:
