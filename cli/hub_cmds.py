@@ -153,7 +153,6 @@ def serve(
     import uvicorn
 
     from forkd.hub import workers as prefork
-    from forkd.hub.app import create_app
     from forkd.hub.settings import parse_listen
 
     host, port = parse_listen(listen) if _given("listen") else (None, None)
@@ -164,8 +163,7 @@ def serve(
     if workers > 1:
         prefork.serve(settings, workers)
         return
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    uvicorn.Server(prefork.server_config(settings)).run()
 
 
 @hub.command("migrate")
