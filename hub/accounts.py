@@ -304,7 +304,8 @@ def validate_team(name: str) -> str:
     return name
 
 
-async def _org(session: AsyncSession, org: str) -> Namespace:
+async def get_org(session: AsyncSession, org: str) -> Namespace:
+    """The organisation named ``org``; InvalidInput when there is none."""
     ns = await get_namespace(session, org)
     if ns is None or ns.kind != "org":
         raise InvalidInput(f"no such organisation {org!r}")
@@ -312,7 +313,7 @@ async def _org(session: AsyncSession, org: str) -> Namespace:
 
 
 async def get_team(session: AsyncSession, org: str, team: str) -> Team:
-    ns = await _org(session, org)
+    ns = await get_org(session, org)
     row = (
         await session.scalars(select(Team).where(Team.namespace_id == ns.id, Team.name == team))
     ).first()
@@ -335,7 +336,7 @@ async def create_team(
     validate_team(name)
     if role not in ROLES:
         raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
-    ns = await _org(session, org)
+    ns = await get_org(session, org)
     if repositories and (len(repositories) > 255 or not repositories.startswith(f"{org}/")):
         raise InvalidInput(
             f"invalid repository glob {repositories[:80]!r}: it must start with {org + '/'!r}"
@@ -384,7 +385,7 @@ async def remove_team_member(
 
 async def list_teams(session: AsyncSession, org: str) -> list[tuple[Team, list[str]]]:
     """The organisation's teams with their members' names, by team name."""
-    ns = await _org(session, org)
+    ns = await get_org(session, org)
     teams = list(
         await session.scalars(select(Team).where(Team.namespace_id == ns.id).order_by(Team.name))
     )

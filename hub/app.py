@@ -25,7 +25,7 @@ from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.errors import RegistryError, registry_error_handler
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
-from forkd.hub.orgs_api import OrgController, QuotaController
+from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
@@ -122,6 +122,7 @@ def create_app(settings: HubSettings) -> Litestar:
             TokenController,
             OrgController,
             QuotaController,
+            UserController,
             ui_router(hub),
         ],
         openapi_config=OpenAPIConfig(

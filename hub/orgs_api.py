@@ -1,6 +1,12 @@
-"""Hub API: organisations' members and teams, namespaces' storage quotas.
+"""Hub API: organisations, their members and teams, namespaces' storage quotas, users.
 
+- ``POST /api/v1/orgs`` ``{"name"}``: any signed-in human user (not a robot) creates an
+  organisation and becomes its admin member; needs the password (Basic) or a bearer token
+  obtained with it, as token creation does: an API token cannot (403).
 - ``GET /api/v1/orgs/<org>/members``: direct members (any member of the org or a site admin).
+- ``PUT /api/v1/orgs/<org>/members/<user>`` ``{"role"}``, ``DELETE`` the same: set or remove
+  a direct member (org admins only, as below); refused (409) when the organisation would be
+  left without a direct admin member.
 - ``GET /api/v1/orgs/<org>/teams``: teams with role, repository glob and members (same).
 - ``POST /api/v1/orgs/<org>/teams`` ``{"name", "role", "repositories"?, "members"?}``,
   ``DELETE /api/v1/orgs/<org>/teams/<team>``,
@@ -9,6 +15,8 @@
   and site admins.
 - ``GET /api/v1/namespaces/<ns>/quota``: ``{namespace, quota_bytes, used_bytes}`` (members
   and site admins); ``PUT`` ``{"quota_bytes": N | null}``: site admins only.
+- ``GET``/``POST /api/v1/users`` ``{"name", "password"?, "admin"?, "robot"?}``,
+  ``DELETE /api/v1/users/<name>``: site admins only, with the password (not an API token).
 
 Anonymous callers get 401; callers without the needed role 403; an API token narrows as
 everywhere (its scope on the organisation must reach the role).
@@ -19,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import anyio
 from litestar import Controller, Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.di import NamedDependency
@@ -28,15 +37,34 @@ from litestar.exceptions import (
     ValidationException,
 )
 from litestar.params import FromPath, JSONBody
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, quotas
 from forkd.hub.auth import authenticate, client_ip
-from forkd.hub.models import ROLES
+from forkd.hub.models import ROLES, Membership, Namespace, User
 from forkd.hub.services import Hub
 from forkd.hub.tokens_api import _user
 
 HubRequest = Request[object, object, State]
+
+
+@dataclass
+class OrgCreate:
+    name: str
+
+
+@dataclass
+class OrgInfo:
+    name: str
+    kind: str
+
+
+@dataclass
+class MemberSet:
+    role: str
 
 
 @dataclass
@@ -75,6 +103,21 @@ class QuotaSet:
     quota_bytes: int | None
 
 
+@dataclass
+class UserCreate:
+    name: str
+    password: str | None = None
+    admin: bool = False
+    robot: bool = False
+
+
+@dataclass
+class UserInfo:
+    name: str
+    admin: bool
+    robot: bool
+
+
 async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> str:
     """The caller's name, if they hold ``role`` on ``namespace`` as a whole; else 401/403."""
     principal = await _user(hub, request)
@@ -83,6 +126,27 @@ async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> 
         hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {namespace!r}")
     return principal.name
+
+
+def _is_robot(session: Session, user_id: int | None) -> bool:
+    user = session.get(User, user_id) if user_id is not None else None
+    return user is None or user.is_robot
+
+
+async def _keep_an_admin(session: AsyncSession, org: Namespace, username: str) -> None:
+    """Raise Conflict unless a direct admin member other than ``username`` stays.
+
+    The admin rows are locked (PostgreSQL; SQLite serialises writers) so two concurrent
+    demotions cannot each leave the other as the last admin and both go through."""
+    admins = await session.scalars(
+        select(User.name)
+        .join(Membership, Membership.user_id == User.id)
+        .where(Membership.namespace_id == org.id, Membership.role == "admin")
+        .with_for_update(of=Membership)
+    )
+    names = set(admins.all())
+    if username in names and not names - {username}:
+        raise Conflict(f"{username!r} is the last admin of {org.name!r}: make another first")
 
 
 def _bad(exc: InvalidInput | Conflict) -> Exception:
@@ -96,6 +160,26 @@ def _bad(exc: InvalidInput | Conflict) -> Exception:
 class OrgController(Controller):
     path = "/api/v1/orgs"
 
+    @post("/")
+    async def create_org(
+        self, request: HubRequest, hub: NamedDependency[Hub], data: JSONBody[OrgCreate]
+    ) -> OrgInfo:
+        principal = await _user(hub, request)
+        if principal.token_id is not None or await hub.db.read(_is_robot, principal.user_id):
+            hub.audit.record(principal.name, client_ip(request), "org.create", "-", "denied")
+            raise PermissionDeniedException(
+                "only a user signed in with the password (not an API token or a robot) "
+                "creates organisations"
+            )
+        try:
+            async with hub.db.transaction() as session:
+                await accounts.create_org(session, data.name)
+                await accounts.set_member(session, data.name, principal.name, "admin")
+        except (InvalidInput, Conflict) as exc:
+            raise _bad(exc) from exc
+        hub.audit.record(principal.name, client_ip(request), "org.create", data.name, "ok")
+        return OrgInfo(data.name, "org")
+
     @get("/{org:str}/members")
     async def list_members(
         self, request: HubRequest, hub: NamedDependency[Hub], org: FromPath[str]
@@ -107,6 +191,48 @@ class OrgController(Controller):
         except InvalidInput as exc:
             raise _bad(exc) from exc
         return [MemberInfo(n, r, robot) for n, r, robot in rows]
+
+    @put("/{org:str}/members/{username:str}", status_code=204)
+    async def set_member(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        org: FromPath[str],
+        username: FromPath[str],
+        data: JSONBody[MemberSet],
+    ) -> None:
+        actor = await _require(hub, request, org, "admin")
+        try:
+            async with hub.db.transaction() as session:
+                if data.role not in ROLES:
+                    raise InvalidInput(f"invalid role {data.role!r}: use pull, push or admin")
+                ns = await accounts.get_org(session, org)
+                if data.role != "admin":
+                    await _keep_an_admin(session, ns, username)
+                await accounts.set_member(session, org, username, data.role)
+        except (InvalidInput, Conflict) as exc:
+            raise _bad(exc) from exc
+        hub.audit.record(
+            actor, client_ip(request), "member.set", org, "ok", user=username, role=data.role
+        )
+
+    @delete("/{org:str}/members/{username:str}")
+    async def remove_org_member(
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        org: FromPath[str],
+        username: FromPath[str],
+    ) -> None:
+        actor = await _require(hub, request, org, "admin")
+        try:
+            async with hub.db.transaction() as session:
+                ns = await accounts.get_org(session, org)
+                await _keep_an_admin(session, ns, username)
+                await accounts.remove_member(session, org, username)
+        except (InvalidInput, Conflict) as exc:
+            raise _bad(exc) from exc
+        hub.audit.record(actor, client_ip(request), "member.remove", org, "ok", user=username)
 
     @get("/{org:str}/teams")
     async def list_teams(
@@ -256,3 +382,78 @@ class QuotaController(Controller):
             principal.name, client_ip(request), "quota.set", namespace, "ok", quota_bytes=quota
         )
         return QuotaInfo(namespace, quota, used)
+
+
+async def _site_admin(hub: Hub, request: HubRequest, action: str, target: str) -> str:
+    """The caller's name if a site admin signed in with the password; else 401/403."""
+    principal = await _user(hub, request)
+    if not principal.is_admin or principal.token_id is not None:
+        hub.audit.record(principal.name, client_ip(request), action, target, "denied")
+        raise PermissionDeniedException(
+            "only site admins signed in with the password (not an API token) manage users"
+        )
+    return principal.name
+
+
+class UserController(Controller):
+    path = "/api/v1/users"
+
+    @get("/")
+    async def list_users(self, request: HubRequest, hub: NamedDependency[Hub]) -> list[UserInfo]:
+        await _site_admin(hub, request, "user.list", "-")
+        async with hub.db.reading() as session:
+            users = await accounts.list_users(session)
+        return [UserInfo(u.name, u.is_admin, u.is_robot) for u in users]
+
+    @post("/")
+    async def create_user(
+        self, request: HubRequest, hub: NamedDependency[Hub], data: JSONBody[UserCreate]
+    ) -> UserInfo:
+        actor = await _site_admin(hub, request, "user.create", data.name[:64])
+        try:
+            accounts.validate_username(data.name)
+            if data.password is not None:
+                if data.robot:
+                    raise InvalidInput("robot accounts log in with tokens only, not passwords")
+                accounts.check_password(data.password)
+            # argon2 takes tens of milliseconds of CPU by design: off the event loop, and
+            # before the write transaction.
+            hashed = (
+                await anyio.to_thread.run_sync(accounts.hash_password, data.password)
+                if data.password is not None
+                else None
+            )
+            async with hub.db.transaction() as session:
+                user = await accounts.create_user(
+                    session, data.name, None, admin=data.admin, robot=data.robot
+                )
+                user.password_hash = hashed
+        except (InvalidInput, Conflict) as exc:
+            raise _bad(exc) from exc
+        hub.audit.record(
+            actor,
+            client_ip(request),
+            "user.create",
+            data.name,
+            "ok",
+            admin=data.admin,
+            robot=data.robot,
+        )
+        return UserInfo(data.name, data.admin, data.robot)
+
+    @delete("/{name:str}")
+    async def remove_user(
+        self, request: HubRequest, hub: NamedDependency[Hub], name: FromPath[str]
+    ) -> None:
+        actor = await _site_admin(hub, request, "user.remove", name)
+        try:
+            async with hub.db.transaction() as session:
+                admins = await session.scalars(
+                    select(User.name).where(User.is_admin.is_(True)).with_for_update()
+                )
+                if set(admins.all()) == {name}:
+                    raise Conflict(f"{name!r} is the last site admin")
+                await accounts.remove_user(session, name)
+        except (InvalidInput, Conflict) as exc:
+            raise _bad(exc) from exc
+        hub.audit.record(actor, client_ip(request), "user.remove", name, "ok")
