@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd.errors import InvalidInput
 from forkd.hub.errors import Code, RegistryError
@@ -26,7 +27,7 @@ from forkd.hub.models import Blob, Namespace, Repository, RepositoryBlob
 QUOTA_LOCK_CLASS = 0x71756F74  # "quot"
 
 
-async def usage(session: AsyncSession, namespace_id: int) -> int:
+def usage(session: Session, namespace_id: int) -> int:
     """Bytes of the distinct blobs linked into the namespace's repositories."""
     linked = (
         select(RepositoryBlob.digest)
@@ -35,14 +36,14 @@ async def usage(session: AsyncSession, namespace_id: int) -> int:
         .distinct()
         .subquery()
     )
-    total = await session.scalar(
+    total = session.scalar(
         select(func.coalesce(func.sum(Blob.size), 0)).where(Blob.digest.in_(select(linked)))
     )
     return int(total or 0)
 
 
-async def _linked_in_namespace(session: AsyncSession, namespace_id: int, digest: str) -> bool:
-    found = await session.scalar(
+def _linked_in_namespace(session: Session, namespace_id: int, digest: str) -> bool:
+    found = session.scalar(
         select(RepositoryBlob.digest)
         .join(Repository, Repository.id == RepositoryBlob.repository_id)
         .where(Repository.namespace_id == namespace_id, RepositoryBlob.digest == digest)
@@ -51,11 +52,12 @@ async def _linked_in_namespace(session: AsyncSession, namespace_id: int, digest:
     return found is not None
 
 
-async def check(session: AsyncSession, repository_id: int, digest: str, size: int) -> None:
+def check(session: Session, repository_id: int, digest: str, size: int) -> None:
     """Raise DENIED if linking ``digest`` (``size`` bytes) into the repository would take
-    its namespace past its quota. A blob already in the namespace costs nothing."""
+    its namespace past its quota. A blob already in the namespace costs nothing. Sync ORM
+    code: ``Database.read`` before an upload is stored, ``run_sync`` under the write lock."""
     row = (
-        await session.execute(
+        session.execute(
             select(Namespace.id, Namespace.name, Namespace.quota_bytes)
             .join(Repository, Repository.namespace_id == Namespace.id)
             .where(Repository.id == repository_id)
@@ -67,12 +69,12 @@ async def check(session: AsyncSession, repository_id: int, digest: str, size: in
         # Writers share the GC lock on PostgreSQL: serialise this namespace's quota checks
         # (until commit) so concurrent uploads cannot overshoot together. SQLite writers
         # are serialised already (BEGIN IMMEDIATE). Two-int keys: apart from the GC lock's.
-        await session.execute(
+        session.execute(
             text("SELECT pg_advisory_xact_lock(:cls, :ns)"), {"cls": QUOTA_LOCK_CLASS, "ns": row.id}
         )
-    if await _linked_in_namespace(session, row.id, digest):
+    if _linked_in_namespace(session, row.id, digest):
         return
-    used = await usage(session, row.id)
+    used = usage(session, row.id)
     if used + size > row.quota_bytes:
         reason = (
             f"storage quota of namespace {row.name!r} exceeded: {used} of {row.quota_bytes} "
@@ -96,4 +98,4 @@ async def show(session: AsyncSession, namespace: str) -> tuple[int | None, int]:
     ns = (await session.scalars(select(Namespace).where(Namespace.name == namespace))).first()
     if ns is None:
         raise InvalidInput(f"no such namespace {namespace!r}")
-    return ns.quota_bytes, await usage(session, ns.id)
+    return ns.quota_bytes, await session.run_sync(usage, ns.id)

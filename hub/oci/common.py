@@ -115,7 +115,7 @@ async def link_blob(hub: Hub, session: AsyncSession, repo_id: int, digest: str, 
     grace period counts from the last time anyone uploaded the blob, not the first.
     """
     await hub.db.lock_for_write(session)
-    await quotas.check(session, repo_id, digest, size)
+    await session.run_sync(quotas.check, repo_id, digest, size)
     await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=size))
     await session.execute(
         hub.db.upsert_link(

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import anyio
 from litestar import Response
 from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
@@ -128,12 +129,12 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
                 hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
             return os.fstat(f.fileno()).st_size
 
+    row_deleted = False
     try:
         try:
             # The quota first, so a refused upload stores nothing; link_blob checks again
             # under the write lock (concurrent uploads).
-            async with hub.db.reading() as session:
-                await quotas.check(session, repo_id, digest, hub.uploads.size(upload_id))
+            await hub.db.read(quotas.check, repo_id, digest, hub.uploads.size(upload_id))
         except RegistryError as exc:
             ctx.audit("blob.push", digest, "denied", reason=exc.detail)
             raise
@@ -149,6 +150,8 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
                     # A GC sweep removed an old unreferenced copy after we found it present;
                     # we hold the write lock now, so storing again cannot race another sweep.
                     size = await anyio.to_thread.run_sync(store)
+                await session.execute(delete(Upload).where(Upload.id == upload_id))
+            row_deleted = True  # in the same transaction: one write per finished upload
         except RegistryError as exc:
             if exc.code is Code.DENIED:  # over quota after all: keep nothing we stored
                 ctx.audit("blob.push", digest, "denied", reason=exc.detail)
@@ -156,8 +159,9 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
             raise
     finally:
         hub.uploads.remove(upload_id)
-        async with hub.db.transaction() as session:
-            await session.execute(delete(Upload).where(Upload.id == upload_id))
+        if not row_deleted:
+            async with hub.db.transaction() as session:
+                await session.execute(delete(Upload).where(Upload.id == upload_id))
     ctx.audit("blob.push", digest, size=size)
     return Response(
         b"",
@@ -210,8 +214,10 @@ async def _new_session(ctx: Ctx, repo_id: int) -> str:
 async def start(ctx: Ctx) -> Response[object]:
     await ctx.allow("push")
     params = ctx.request.query_params
-    async with ctx.hub.db.transaction() as session:
-        repo = await ctx.repository_for_push(session)
+    repo = ctx.checked  # as read by allow; a write transaction only to create it
+    if repo is None:
+        async with ctx.hub.db.transaction() as session:
+            repo = await ctx.repository_for_push(session)
     mount, source = params.get("mount"), params.get("from")
     if mount:
         digest = parse_digest(mount)
@@ -233,15 +239,18 @@ async def start(ctx: Ctx) -> Response[object]:
     return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, 0))
 
 
+def _upload(session: Session, upload_id: str) -> Upload | None:
+    return session.get(Upload, upload_id)
+
+
 async def _session(ctx: Ctx, upload_id: str) -> int:
     """Validate the session id and that it belongs to this repository; return the repo id."""
     try:
         validate_upload_id(upload_id)
     except InvalidInput as exc:
         raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, str(exc)) from exc
-    async with ctx.hub.db.reading() as session:
-        repo = await ctx.repository(session)
-        upload = await session.get(Upload, upload_id)
+    repo = ctx.known()
+    upload = await ctx.hub.db.read(_upload, upload_id)
     if upload is None or upload.repository_id != repo.id:
         raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, f"upload {upload_id} not found")
     return repo.id
