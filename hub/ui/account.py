@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
@@ -24,11 +24,23 @@ from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
 from forkd.hub.ui.errors import HTML_ERRORS
-from forkd.hub.ui.session import COOKIE, SESSION_TTL, Viewer
+from forkd.hub.ui.session import (
+    COOKIE,
+    LOGIN_COOKIE,
+    LOGIN_PATH,
+    LOGIN_TTL,
+    NEW_TOKEN_COOKIE,
+    NEW_TOKEN_PATH,
+    NEW_TOKEN_TTL,
+    SESSION_TTL,
+    Viewer,
+)
 from forkd.hub.ui.text import set_text
 from forkd.names import validate_name
 
 FORM_MAX = 300 * 1024
+# Pages that may show a secret, or a form bound to a one-off cookie: never cached.
+NO_STORE = {"Cache-Control": "no-store"}
 
 
 async def _form(request: HubRequest) -> FormMultiDict:
@@ -38,6 +50,44 @@ async def _form(request: HubRequest) -> FormMultiDict:
 def _field(form: FormMultiDict, key: str, limit: int = 300) -> str:
     value = form.get(key)
     return str(value)[:limit].strip() if isinstance(value, str) else ""
+
+
+def _set_cookie(
+    response: Response[Any],
+    request: HubRequest,
+    name: str,
+    value: str,
+    *,
+    max_age: int,
+    path: str,
+    samesite: Literal["lax", "strict"] = "strict",
+) -> None:
+    """An HttpOnly cookie, Secure when the request came over HTTPS (as the session's)."""
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        path=path,
+        httponly=True,
+        samesite=samesite,
+        secure=request.url.scheme == "https",
+    )
+
+
+def _show_once(request: HubRequest, ui: UI, secret: str, owner: str) -> Response[Any]:
+    """Post/Redirect/Get: the secret rides in a short cookie to the GET that shows it, so
+    reloading that page neither shows it again nor posts the form again."""
+    response: Response[Any] = Redirect(NEW_TOKEN_PATH, status_code=303)
+    sealed = ui.sessions.seal_new_token(request.cookies.get(COOKIE, ""), secret, owner)
+    _set_cookie(
+        response,
+        request,
+        NEW_TOKEN_COOKIE,
+        sealed,
+        max_age=NEW_TOKEN_TTL,
+        path=NEW_TOKEN_PATH,
+    )
+    return response
 
 
 async def _signed_in(ui: UI, hub: Hub, request: HubRequest, form: FormMultiDict | None) -> Viewer:
@@ -57,58 +107,94 @@ class AccountController(Controller):
     include_in_schema = False
 
     # -- sign in / out -------------------------------------------------------
-    @get("/-/signin")
+    async def _signin_page(
+        self,
+        request: HubRequest,
+        hub: Hub,
+        ui: UI,
+        *,
+        nxt: str,
+        username: str = "",
+        error: str = "",
+        status: int = 200,
+    ) -> Response[str]:
+        """The sign-in form, with a fresh login-CSRF cookie and its HMAC in the form."""
+        who = await viewer(ui, hub, request)
+        nonce = ui.sessions.login_nonce()
+        response = ui.renderer.page(
+            "signin.html",
+            status=status,
+            headers=NO_STORE,
+            **base_context(ui, hub, request, who),
+            error=error,
+            next=nxt,
+            username=username,
+            login_csrf=ui.sessions.login_csrf(nonce),
+        )
+        _set_cookie(response, request, LOGIN_COOKIE, nonce, max_age=LOGIN_TTL, path=LOGIN_PATH)
+        return response
+
+    @get(LOGIN_PATH)
     async def signin_form(
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[str]:
-        who = await viewer(ui, hub, request)
         nxt = local_path(request.query_params.get("next"))
-        return ui.renderer.page(
-            "signin.html", **base_context(ui, hub, request, who), error="", next=nxt, username=""
-        )
+        return await self._signin_page(request, hub, ui, nxt=nxt)
 
-    @post("/-/signin", request_max_body_size=FORM_MAX)
+    @post(LOGIN_PATH, request_max_body_size=FORM_MAX)
     async def signin(
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[Any]:
         form = await _form(request)
+        # Login CSRF: the form must come from our own sign-in page in this browser. Checked
+        # before the password, so a forged post neither signs anyone in nor counts as a
+        # failed login.
+        if not ui.sessions.check_login_csrf(
+            request.cookies.get(LOGIN_COOKIE, ""), _field(form, "login_csrf", 64)
+        ):
+            raise PermissionDeniedException(
+                "The sign-in form expired or did not come from this site: "
+                "open the sign-in page again."
+            )
         username, password = _field(form, "username", 64), _field(form, "password", 1024)
         nxt = local_path(_field(form, "next", 1000))
         try:
             principal = await login(hub, request, username, password)
         except RegistryError as exc:
-            who = await viewer(ui, hub, request)
             status = 429 if exc.code is Code.TOOMANYREQUESTS else 401
             message = (
                 "Too many failed sign-ins; wait a few minutes."
                 if status == 429
                 else "Wrong user name or password."
             )
-            return ui.renderer.page(
-                "signin.html",
-                status=status,
-                **base_context(ui, hub, request, who),
-                error=message,
-                next=nxt,
-                username=username,
+            return await self._signin_page(
+                request, hub, ui, nxt=nxt, username=username, error=message, status=status
             )
         hub.audit.record(principal.name, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
-        response.set_cookie(
+        _set_cookie(
+            response,
+            request,
             COOKIE,
             ui.sessions.issue(principal),
             max_age=SESSION_TTL,
             path="/",
-            httponly=True,
             samesite="lax",
-            secure=request.url.scheme == "https",
         )
+        response.delete_cookie(LOGIN_COOKIE, path=LOGIN_PATH)
         return response
 
     @post("/-/signout", request_max_body_size=FORM_MAX)
     async def signout(
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[Any]:
+        # A live session needs the form's CSRF token (another site cannot sign you out);
+        # a dead or missing cookie is simply cleared.
+        cookie = request.cookies.get(COOKIE, "")
+        if ui.sessions.parse(cookie) is not None:
+            form = await _form(request)
+            if not ui.sessions.check_csrf(cookie, _field(form, "csrf", 64)):
+                raise PermissionDeniedException("the form expired; reload the page and try again")
         response: Response[Any] = Redirect("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -138,6 +224,7 @@ class AccountController(Controller):
         return ui.renderer.page(
             "tokens.html",
             status=status,
+            headers=NO_STORE,
             **base_context(ui, hub, request, who),
             tokens=mine,
             namespaces=namespaces,
@@ -153,14 +240,25 @@ class AccountController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[Any]:
         who = await viewer(ui, hub, request)
+        sealed = request.cookies.get(NEW_TOKEN_COOKIE, "")
+        response: Response[Any]
         if not who.signed_in:
-            return Redirect("/-/signin?next=/-/settings/tokens", status_code=303)
-        return await self._tokens_page(request, hub, ui, who)
+            response = Redirect(f"{LOGIN_PATH}?next={NEW_TOKEN_PATH}", status_code=303)
+        else:
+            # A token created by the POST just before: shown on this page, this once.
+            new = ui.sessions.open_new_token(request.cookies.get(COOKIE, ""), sealed)
+            created, created_for = new if new is not None else ("", "")
+            response = await self._tokens_page(
+                request, hub, ui, who, created=created, created_for=created_for
+            )
+        if sealed:
+            response.delete_cookie(NEW_TOKEN_COOKIE, path=NEW_TOKEN_PATH)
+        return response
 
-    @post("/-/settings/tokens", request_max_body_size=FORM_MAX)
+    @post(NEW_TOKEN_PATH, request_max_body_size=FORM_MAX)
     async def create_token(
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
-    ) -> Response[str]:
+    ) -> Response[Any]:
         form = await _form(request)
         who = await _signed_in(ui, hub, request, form)
         if who.principal.token_id is not None:
@@ -179,7 +277,7 @@ class AccountController(Controller):
         except (InvalidInput, ValueError) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
         hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
-        return await self._tokens_page(request, hub, ui, who, created=secret, created_for=name)
+        return _show_once(request, ui, secret, name)
 
     @post("/-/settings/tokens/{token_id:int}/revoke", request_max_body_size=FORM_MAX)
     async def revoke_token(
@@ -203,12 +301,12 @@ class AccountController(Controller):
         hub.audit.record(
             who.principal.name, client_ip(request), "token.revoke", str(token_id), "ok"
         )
-        return Redirect("/-/settings/tokens", status_code=303)
+        return Redirect(NEW_TOKEN_PATH, status_code=303)
 
     @post("/-/settings/robots", request_max_body_size=FORM_MAX)
     async def create_robot_token(
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
-    ) -> Response[str]:
+    ) -> Response[Any]:
         """A token for a robot account that is a member of a namespace the viewer admins."""
         form = await _form(request)
         who = await _signed_in(ui, hub, request, form)
@@ -238,7 +336,7 @@ class AccountController(Controller):
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
         hub.audit.record(who.principal.name, client_ip(request), "robot.token", robot, "ok")
-        return await self._tokens_page(request, hub, ui, who, created=secret, created_for=robot)
+        return _show_once(request, ui, secret, robot)
 
     # -- team membership -----------------------------------------------------
     @post("/-/members/{namespace:str}", request_max_body_size=FORM_MAX)

@@ -1,9 +1,19 @@
 """The browser session: a signed cookie naming the user (and the API token, when someone
 signed in with one), re-checked against the database on every request.
 
-Cookie: ``forkd_session = b64(json{u, t, e}) . b64(hmac-sha256)``, HttpOnly,
+Cookie: ``forkd_session = b64(json{u, t, e, n}) . b64(hmac-sha256)``, HttpOnly,
 SameSite=Lax, Secure behind HTTPS. Forms that change state carry a CSRF token
 derived from the cookie (HMAC), so another site cannot post them.
+
+Before there is a session, the sign-in form is guarded the same way: its GET sets a
+short-lived random cookie ``forkd_login = EXPIRY.RANDOM`` (path ``/-/signin``) and the
+form carries its HMAC; a POST without the matching pair is refused. So another site
+cannot sign a visitor into its own account ("login CSRF").
+
+A new token's secret is shown once, on the GET after the form's POST (Post/Redirect/Get):
+the POST puts it in a cookie ``forkd_new_token = b64(json{s, n, e}) . hmac``, bound to
+the session cookie, HttpOnly, path ``/-/settings/tokens``, a few minutes long; the page
+that shows it clears it.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -25,6 +36,12 @@ from forkd.hub.services import Hub
 
 COOKIE = "forkd_session"
 SESSION_TTL = 12 * 3600
+LOGIN_COOKIE = "forkd_login"
+LOGIN_PATH = "/-/signin"
+LOGIN_TTL = 30 * 60
+NEW_TOKEN_COOKIE = "forkd_new_token"
+NEW_TOKEN_PATH = "/-/settings/tokens"
+NEW_TOKEN_TTL = 5 * 60
 
 
 def _b64(data: bytes) -> str:
@@ -33,6 +50,11 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _same(expected: str, given: str) -> bool:
+    """Constant-time comparison that also takes non-ASCII input (which is never equal)."""
+    return hmac.compare_digest(expected.encode(), given.encode())
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,8 @@ class Sessions:
             "u": principal.user_id,
             "t": principal.token_id,
             "e": int(time.time()) + SESSION_TTL,
+            # Random: two sessions of one user never share a cookie (nor CSRF tokens).
+            "n": secrets.token_urlsafe(9),
         }
         body = _b64(json.dumps(payload, separators=(",", ":")).encode())
         return f"{body}.{self._sign(body)}"
@@ -69,7 +93,7 @@ class Sessions:
         if not cookie or len(cookie) > 1024:
             return None
         body, _, sig = cookie.partition(".")
-        if not hmac.compare_digest(self._sign(body), sig):
+        if not _same(self._sign(body), sig):
             return None
         try:
             payload = json.loads(_unb64(body))
@@ -80,11 +104,55 @@ class Sessions:
             return None
         return user, token if isinstance(token, int) else None
 
+    def _mac(self, purpose: bytes, value: str) -> str:
+        mac = hmac.new(self._key, purpose + b"\x00" + value.encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
+
     def csrf(self, cookie: str) -> str:
-        return hmac.new(self._key, b"csrf\x00" + cookie.encode(), hashlib.sha256).hexdigest()[:32]
+        return self._mac(b"csrf", cookie)
 
     def check_csrf(self, cookie: str, given: str) -> bool:
-        return bool(cookie) and hmac.compare_digest(self.csrf(cookie), given or "")
+        return bool(cookie) and _same(self.csrf(cookie), given or "")
+
+    # -- the sign-in form, before there is a session -------------------------
+    @staticmethod
+    def login_nonce() -> str:
+        """A new value for the ``forkd_login`` cookie: its expiry and 144 random bits."""
+        return f"{int(time.time()) + LOGIN_TTL}.{secrets.token_urlsafe(18)}"
+
+    def login_csrf(self, nonce: str) -> str:
+        """The sign-in form's hidden field for the ``forkd_login`` cookie ``nonce``."""
+        return self._mac(b"login-csrf", nonce)
+
+    def check_login_csrf(self, nonce: str, given: str) -> bool:
+        expires, _, rand = nonce.partition(".")
+        if not rand or len(nonce) > 128 or not (expires.isascii() and expires.isdigit()):
+            return False
+        if int(expires) < time.time():
+            return False
+        return _same(self.login_csrf(nonce), given or "")
+
+    # -- a new token's secret, from the POST to the GET that shows it once ---
+    def seal_new_token(self, session_cookie: str, secret: str, owner: str) -> str:
+        payload = {"s": secret, "n": owner, "e": int(time.time()) + NEW_TOKEN_TTL}
+        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
+        return f"{body}.{self._mac(b'new-token', session_cookie + chr(0) + body)}"
+
+    def open_new_token(self, session_cookie: str, sealed: str) -> tuple[str, str] | None:
+        """(secret, owner) from ``seal_new_token``, for the same session, while fresh."""
+        if not session_cookie or not sealed or len(sealed) > 2048:
+            return None
+        body, _, sig = sealed.partition(".")
+        if not _same(self._mac(b"new-token", session_cookie + chr(0) + body), sig):
+            return None
+        try:
+            payload = json.loads(_unb64(body))
+            secret, owner, expires = payload["s"], payload["n"], payload["e"]
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            return None
+        if not (isinstance(secret, str) and isinstance(owner, str) and isinstance(expires, int)):
+            return None
+        return (secret, owner) if expires >= time.time() else None
 
     async def viewer(self, hub: Hub, request: Request[object, object, State]) -> Viewer:
         cookie = request.cookies.get(COOKIE, "")

@@ -16,6 +16,32 @@ def sign_in(page: Any, base: str, who: tuple[str, str], next_path: str = "/") ->
     page.wait_for_load_state()
 
 
+def assert_post_redirect_get(page: Any, response: Any, url: str) -> None:
+    """The form's POST answered 303 and the page shown is the GET of ``url``."""
+    assert page.url == url
+    assert response.request.method == "GET" and response.status == 200
+    posted = response.request.redirected_from
+    assert posted is not None and posted.method == "POST"
+    assert posted.response().status == 303
+
+
+def assert_reload_is_get(page: Any) -> None:
+    """Reloading the page sends a GET (not the form's POST again)."""
+    methods: list[str] = []
+
+    def record(request: Any) -> None:
+        if request.is_navigation_request():
+            methods.append(request.method)
+
+    page.on("request", record)
+    try:
+        resp = page.reload()
+    finally:
+        page.remove_listener("request", record)
+    assert resp is not None and resp.status == 200
+    assert methods == ["GET"]
+
+
 def texts(page: Any, selector: str) -> list[str]:
     return [t.strip() for t in page.locator(selector).all_inner_texts()]
 
@@ -220,14 +246,21 @@ def test_tokens_robots_and_team(seeded: Seeded, page: Any) -> None:
     form = page.locator("form[aria-label='New token']")
     form.locator("input[name=name]").fill("laptop")
     form.locator("input[name=scopes]").fill("alice:pull")
-    form.locator("button").click()
-    page.wait_for_load_state()
+    with page.expect_navigation() as nav:
+        form.locator("button").click()
+    assert_post_redirect_get(page, nav.value, f"{base}/-/settings/tokens")
     secret = page.get_by_test_id("token-secret").inner_text()
     assert secret.startswith("fkd_")
     assert "laptop" in page.get_by_test_id("my-tokens").inner_text()
     v2 = f"{base}/v2/"
     assert httpx.get(v2, auth=(ALICE[0], secret)).status_code == 200
     shoot(page, "tokens")
+    mine = page.locator("[data-testid=my-tokens] tbody tr")
+    assert mine.count() == 1
+    # Reloading is a GET: the secret is gone and no second token was made.
+    assert_reload_is_get(page)
+    assert page.get_by_test_id("new-token").count() == 0 and secret not in page.content()
+    assert mine.count() == 1
 
     page.locator("[data-testid=my-tokens] tr:has-text('laptop') button").click()
     page.wait_for_url(f"{base}/-/settings/tokens")
@@ -238,11 +271,17 @@ def test_tokens_robots_and_team(seeded: Seeded, page: Any) -> None:
     robots.locator("select[name=namespace]").select_option("acme")
     robots.locator("input[name=robot]").fill("acme-ci")
     robots.locator("select[name=role]").select_option("push")
-    robots.locator("button").click()
-    page.wait_for_load_state()
+    with page.expect_navigation() as nav:
+        robots.locator("button").click()
+    assert_post_redirect_get(page, nav.value, f"{base}/-/settings/tokens")
     robot_secret = page.get_by_test_id("token-secret").inner_text()
     assert "acme-ci" in page.get_by_test_id("new-token").inner_text()
     assert httpx.get(v2, auth=("acme-ci", robot_secret)).status_code == 200
+    robot_tokens = page.locator("[data-testid=robot-tokens-acme-ci] tbody tr")
+    assert robot_tokens.count() == 1
+    assert_reload_is_get(page)
+    assert page.get_by_test_id("new-token").count() == 0 and robot_secret not in page.content()
+    assert robot_tokens.count() == 1
 
     page.goto(f"{base}/acme")
     team = page.get_by_test_id("team")
