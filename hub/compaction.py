@@ -270,7 +270,7 @@ async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> N
         if not force and await session.get(Tag, (repo.id, to)) is not None:
             raise _conflict(name, to)  # tagged meanwhile
         for digest, size in flat.blobs:
-            await link_blob(hub, session, repo.id, digest, size)
+            await session.run_sync(link_blob, hub.db, repo.id, digest, size)
         # Under the write lock no sweep runs; one that ran before may have taken a blob.
         if not all(hub.blobs.has(digest) for digest, _ in flat.blobs):
             raise _Vanished

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import anyio
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
@@ -64,10 +65,16 @@ class Database:
                 make_url(url).set(drivername="sqlite"), connect_args=args
             )
             _sqlite_setup(self.inline_engine, begin="BEGIN")
+            # pysqlite for whole write transactions in worker threads (see ``write``).
+            self.thread_engine: Engine | None = create_engine(
+                make_url(url).set(drivername="sqlite"), connect_args=args
+            )
+            _sqlite_setup(self.thread_engine, begin="BEGIN IMMEDIATE")
         else:
             self.engine = create_async_engine(url, pool_pre_ping=True)
             self.read_engine = self.engine
             self.inline_engine = None
+            self.thread_engine = None
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.read_sessions = async_sessionmaker(self.read_engine, expire_on_commit=False)
 
@@ -108,6 +115,30 @@ class Database:
                 session.expunge_all()
                 session.rollback()
 
+    async def write(
+        self, fn: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """``fn(session, *args, **kwargs)`` (sync ORM code) in one write transaction,
+        committed when it returns, rolled back when it raises.
+
+        On SQLite the whole transaction runs in a worker thread through a pysqlite session,
+        so the database's single write lock is held for the statements only. In an async
+        session every statement is a round trip to aiosqlite's thread, each delayed while
+        the event loop serves other requests, and writers waiting for the lock sleep in
+        SQLite's busy handler: pushes of many small blobs queued for up to a second per
+        transaction. Elsewhere (asyncpg) ``fn`` runs in an async session's greenlet.
+        """
+        if self.thread_engine is None:
+            async with self.transaction() as async_session:
+                return await async_session.run_sync(fn, *args, **kwargs)
+        engine = self.thread_engine
+
+        def run() -> T:
+            with Session(engine, expire_on_commit=False) as session, session.begin():
+                return fn(session, *args, **kwargs)
+
+        return await anyio.to_thread.run_sync(run)
+
     async def migrate(self, revision: str = "head") -> None:
         """Bring the schema to ``revision`` with Alembic."""
 
@@ -142,7 +173,7 @@ class Database:
         pg = postgresql.insert(table).values(**values)
         return pg.on_conflict_do_update(index_elements=keys, set_={touch: values[touch]})
 
-    async def lock_for_write(self, session: AsyncSession) -> None:
+    def write_lock(self, session: Session) -> None:
         """Writers that link or reference blobs take this; GC takes ``lock_for_gc``.
 
         SQLite already serialises write transactions (BEGIN IMMEDIATE); on PostgreSQL a
@@ -150,7 +181,11 @@ class Database:
         alongside a GC sweep.
         """
         if not self.is_sqlite:
-            await session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK})
+            session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK})
+
+    async def lock_for_write(self, session: AsyncSession) -> None:
+        """``write_lock`` from an async session."""
+        await session.run_sync(self.write_lock)
 
     async def lock_for_gc(self, session: AsyncSession) -> None:
         if not self.is_sqlite:
@@ -162,6 +197,8 @@ class Database:
             await self.read_engine.dispose()
         if self.inline_engine is not None:
             self.inline_engine.dispose()
+        if self.thread_engine is not None:
+            self.thread_engine.dispose()
 
 
 def _sqlite_setup(engine: AsyncEngine | Engine, begin: str) -> None:

@@ -8,9 +8,10 @@ the link time), so a blob uploaded for a manifest that is not pushed yet survive
 
 Safety while the hub runs: the sweep holds the GC lock (SQLite: the write lock;
 PostgreSQL: an exclusive advisory lock) from the query to the last file removed.
-Blob links and manifest pushes take the shared side of it and check under it that
-the blob file exists (storing it again if a sweep just removed it), so a push never
-ends with a manifest or link that points at a missing file.
+Manifest pushes take the shared side of it and check under it that the blob files
+exist. A finished upload checks right after its link commits and stores the blob again
+if a sweep removed an old copy before the link (the fresh link keeps it from the next
+sweeps). So a push never ends with a manifest or link that points at a missing file.
 """
 
 from __future__ import annotations

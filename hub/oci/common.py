@@ -9,11 +9,13 @@ from litestar.datastructures import State
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
 from forkd.hub.auth import Caller, authorize, client_ip, permit
+from forkd.hub.db import Database
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
 from forkd.hub.services import Hub
@@ -107,18 +109,19 @@ async def linked_blob_size(session: AsyncSession, repo_id: int, digest: str) -> 
     return row.scalar_one_or_none()
 
 
-async def link_blob(hub: Hub, session: AsyncSession, repo_id: int, digest: str, size: int) -> None:
+def link_blob(session: Session, db: Database, repo_id: int, digest: str, size: int) -> None:
     """Record a stored blob and link it into a repository (idempotent, race-safe).
 
     Refused with DENIED when it would take the repository's namespace past its storage
     quota (hub/quotas.py). The link's time is refreshed on every push or mount, so GC's
     grace period counts from the last time anyone uploaded the blob, not the first.
+    Sync ORM code: ``Database.write``, or ``run_sync`` in an async transaction.
     """
-    await hub.db.lock_for_write(session)
-    await session.run_sync(quotas.check, repo_id, digest, size)
-    await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=size))
-    await session.execute(
-        hub.db.upsert_link(
+    db.write_lock(session)
+    quotas.check(session, repo_id, digest, size)
+    session.execute(db.insert_ignore(Blob).values(digest=digest, size=size))
+    session.execute(
+        db.upsert_link(
             RepositoryBlob,
             {"repository_id": repo_id, "digest": digest, "created_at": utcnow()},
             ["repository_id", "digest"],

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import quotas
+from forkd.hub.db import Database
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, Upload
 from forkd.hub.oci.common import STREAM_CHUNK, Ctx, link_blob, linked_blob_size, parse_digest
@@ -144,19 +145,18 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
             ctx.audit("blob.push", digest, "failed", reason="digest mismatch")
             raise RegistryError(Code.DIGEST_INVALID, str(exc)) from exc
         try:
-            async with hub.db.transaction() as session:
-                await link_blob(hub, session, repo_id, digest, size)
-                if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
-                    # A GC sweep removed an old unreferenced copy after we found it present;
-                    # we hold the write lock now, so storing again cannot race another sweep.
-                    size = await anyio.to_thread.run_sync(store)
-                await session.execute(delete(Upload).where(Upload.id == upload_id))
-            row_deleted = True  # in the same transaction: one write per finished upload
+            await hub.db.write(_link_upload, hub.db, repo_id, upload_id, digest, size)
+            row_deleted = True
         except RegistryError as exc:
             if exc.code is Code.DENIED:  # over quota after all: keep nothing we stored
                 ctx.audit("blob.push", digest, "denied", reason=exc.detail)
                 await _discard_unrecorded(hub, digest)
             raise
+        if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
+            # A GC sweep removed an old unreferenced copy that ``store`` found present,
+            # before the link. The fresh link keeps the blob from the next sweeps (the
+            # grace period), so storing it again now cannot race one.
+            size = await anyio.to_thread.run_sync(store)
     finally:
         hub.uploads.remove(upload_id)
         if not row_deleted:
@@ -168,6 +168,18 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
         status_code=201,
         headers={"Location": ctx.url(f"blobs/{digest}"), "Docker-Content-Digest": digest},
     )
+
+
+def _link_upload(
+    session: Session, db: Database, repo_id: int, upload_id: str, digest: str, size: int
+) -> None:
+    """Link the stored blob and drop the upload's session row: one write transaction."""
+    link_blob(session, db, repo_id, digest, size)
+    session.execute(delete(Upload).where(Upload.id == upload_id))
+
+
+def _add_upload(session: Session, upload_id: str, repo_id: int) -> None:
+    session.add(Upload(id=upload_id, repository_id=repo_id))
 
 
 async def _discard_unrecorded(hub: Hub, digest: str) -> None:
@@ -192,7 +204,7 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
         if size is None or not await anyio.to_thread.run_sync(ctx.hub.blobs.has, digest):
             return None
         try:
-            await link_blob(ctx.hub, session, repo.id, digest, size)
+            await session.run_sync(link_blob, ctx.hub.db, repo.id, digest, size)
         except RegistryError as exc:
             ctx.audit("blob.mount", digest, "denied", source=source, reason=exc.detail)
             raise
@@ -206,8 +218,7 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
 
 async def _new_session(ctx: Ctx, repo_id: int) -> str:
     upload_id = ctx.hub.uploads.new()
-    async with ctx.hub.db.transaction() as session:
-        session.add(Upload(id=upload_id, repository_id=repo_id))
+    await ctx.hub.db.write(_add_upload, upload_id, repo_id)
     return upload_id
 
 
