@@ -25,7 +25,9 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from litestar import Request
 from litestar.datastructures import State
@@ -57,6 +59,32 @@ def _same(expected: str, given: str) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
+def _seal(payload: dict[str, Any], sign: Callable[[str], str]) -> str:
+    """``b64(json) . signature``: a value the browser keeps and cannot forge."""
+    body = _b64(json.dumps(payload, separators=(",", ":")).encode())
+    return f"{body}.{sign(body)}"
+
+
+def _open(value: str, limit: int, sign: Callable[[str], str]) -> dict[str, Any] | None:
+    """The payload of a ``_seal``ed value when its signature matches and its expiry ``e``
+    has not passed; None for anything else (too long, forged, expired, malformed)."""
+    if not value or len(value) > limit:
+        return None
+    body, _, sig = value.partition(".")
+    if not _same(sign(body), sig):
+        return None
+    try:
+        payload = json.loads(_unb64(body))
+    except (ValueError, TypeError, binascii.Error):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    expires = payload.get("e")
+    if not isinstance(expires, int) or expires < time.time():
+        return None
+    return payload
+
+
 @dataclass(frozen=True)
 class Viewer:
     """Who is looking at a page: the principal, and the CSRF token for their forms."""
@@ -86,21 +114,14 @@ class Sessions:
             # Random: two sessions of one user never share a cookie (nor CSRF tokens).
             "n": secrets.token_urlsafe(9),
         }
-        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
-        return f"{body}.{self._sign(body)}"
+        return _seal(payload, self._sign)
 
     def parse(self, cookie: str) -> tuple[int, int | None] | None:
-        if not cookie or len(cookie) > 1024:
+        payload = _open(cookie, 1024, self._sign)
+        if payload is None:
             return None
-        body, _, sig = cookie.partition(".")
-        if not _same(self._sign(body), sig):
-            return None
-        try:
-            payload = json.loads(_unb64(body))
-            user, token, expires = payload["u"], payload["t"], payload["e"]
-        except (ValueError, KeyError, TypeError, binascii.Error):
-            return None
-        if not isinstance(user, int) or not isinstance(expires, int) or expires < time.time():
+        user, token = payload.get("u"), payload.get("t")
+        if not isinstance(user, int):
             return None
         return user, token if isinstance(token, int) else None
 
@@ -135,24 +156,21 @@ class Sessions:
     # -- a new token's secret, from the POST to the GET that shows it once ---
     def seal_new_token(self, session_cookie: str, secret: str, owner: str) -> str:
         payload = {"s": secret, "n": owner, "e": int(time.time()) + NEW_TOKEN_TTL}
-        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
-        return f"{body}.{self._mac(b'new-token', session_cookie + chr(0) + body)}"
+        return _seal(payload, lambda body: self._mac(b"new-token", session_cookie + chr(0) + body))
 
     def open_new_token(self, session_cookie: str, sealed: str) -> tuple[str, str] | None:
         """(secret, owner) from ``seal_new_token``, for the same session, while fresh."""
-        if not session_cookie or not sealed or len(sealed) > 2048:
+        if not session_cookie:
             return None
-        body, _, sig = sealed.partition(".")
-        if not _same(self._mac(b"new-token", session_cookie + chr(0) + body), sig):
+        payload = _open(
+            sealed, 2048, lambda body: self._mac(b"new-token", session_cookie + chr(0) + body)
+        )
+        if payload is None:
             return None
-        try:
-            payload = json.loads(_unb64(body))
-            secret, owner, expires = payload["s"], payload["n"], payload["e"]
-        except (ValueError, KeyError, TypeError, binascii.Error):
+        secret, owner = payload.get("s"), payload.get("n")
+        if not (isinstance(secret, str) and isinstance(owner, str)):
             return None
-        if not (isinstance(secret, str) and isinstance(owner, str) and isinstance(expires, int)):
-            return None
-        return (secret, owner) if expires >= time.time() else None
+        return secret, owner
 
     async def viewer(self, hub: Hub, request: Request[object, object, State]) -> Viewer:
         cookie = request.cookies.get(COOKIE, "")
