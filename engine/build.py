@@ -76,7 +76,12 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
     t_start = time.monotonic()
     ref = str(parse_ref(tag))
     verdict = cached_probe()
-    key = recipe.content_digest(image.guest_code_digest() + verdict.accel + qemu_version())
+    # Everything the snapshot depends on besides the recipe: the guest code, the
+    # accelerator, QEMU, and the kernel command line the engine boots templates with.
+    key = recipe.content_digest(
+        image.guest_code_digest() + verdict.accel + qemu_version()
+        + kernel_cmdline(verdict.accel, "")
+    )
     cf = _cache_file(key)
     # The build cache maps recipe content to the snapshot it produced. Any store that holds
     # that snapshot (the cache is shared by every store of this user) just tags it.
