@@ -13,6 +13,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -25,6 +26,10 @@ from sqlalchemy.sql.dml import Insert
 import forkd.migrations
 
 SQLITE_BUSY_TIMEOUT_S = 30
+# How long a read on the event loop's thread may wait for a lock (WAL readers normally
+# never wait; recovery after a crash or an outside backup can hold one) before it gives
+# up and runs through aiosqlite's thread instead, where waiting blocks nothing else.
+INLINE_BUSY_TIMEOUT_S = 0.05
 GC_LOCK = 0x666F726B64  # "forkd": the advisory lock key between blob writers and GC
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -62,9 +67,10 @@ class Database:
             _sqlite_setup(self.read_engine, begin="BEGIN")
             # pysqlite, used from the event loop's thread only (see ``read``).
             self.inline_engine: Engine | None = create_engine(
-                make_url(url).set(drivername="sqlite"), connect_args=args
+                make_url(url).set(drivername="sqlite"),
+                connect_args={"timeout": INLINE_BUSY_TIMEOUT_S},
             )
-            _sqlite_setup(self.inline_engine, begin="BEGIN")
+            _sqlite_setup(self.inline_engine, begin="BEGIN", busy_s=INLINE_BUSY_TIMEOUT_S)
             # pysqlite for whole write transactions in worker threads (see ``write``).
             self.thread_engine: Engine | None = create_engine(
                 make_url(url).set(drivername="sqlite"), connect_args=args
@@ -75,6 +81,7 @@ class Database:
             self.read_engine = self.engine
             self.inline_engine = None
             self.thread_engine = None
+        self._writer: anyio.CapacityLimiter | None = None  # made in the event loop
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.read_sessions = async_sessionmaker(self.read_engine, expire_on_commit=False)
 
@@ -105,15 +112,19 @@ class Database:
         what keeps a manifest GET, the registry's hottest request, cheap. Elsewhere (asyncpg)
         ``fn`` runs in an async session's greenlet. Loaded objects stay usable afterwards.
         """
-        if self.inline_engine is None:
-            async with self.reading() as async_session:
-                return await async_session.run_sync(fn, *args, **kwargs)
-        with Session(self.inline_engine, expire_on_commit=False) as session:
+        if self.inline_engine is not None:
             try:
-                return fn(session, *args, **kwargs)
-            finally:
-                session.expunge_all()
-                session.rollback()
+                with Session(self.inline_engine, expire_on_commit=False) as session:
+                    try:
+                        return fn(session, *args, **kwargs)
+                    finally:
+                        session.expunge_all()
+                        session.rollback()
+            except OperationalError as exc:
+                if not _busy(exc):
+                    raise
+        async with self.reading() as async_session:
+            return await async_session.run_sync(fn, *args, **kwargs)
 
     async def write(
         self, fn: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs
@@ -122,22 +133,27 @@ class Database:
         committed when it returns, rolled back when it raises.
 
         On SQLite the whole transaction runs in a worker thread through a pysqlite session,
-        so the database's single write lock is held for the statements only. In an async
-        session every statement is a round trip to aiosqlite's thread, each delayed while
-        the event loop serves other requests, and writers waiting for the lock sleep in
-        SQLite's busy handler: pushes of many small blobs queued for up to a second per
-        transaction. Elsewhere (asyncpg) ``fn`` runs in an async session's greenlet.
+        one at a time per process, so the database's single write lock is held for the
+        statements only. In an async session every statement is a round trip to
+        aiosqlite's thread, each delayed while the event loop serves other requests, and
+        writers waiting for the lock sleep in SQLite's busy handler: pushes of many small
+        blobs queued for up to a second per transaction. Writers of one process now queue
+        on a limiter of their own (not anyio's shared threads); other processes' writers
+        still meet in the busy handler. Elsewhere (asyncpg) ``fn`` runs in an async
+        session's greenlet.
         """
         if self.thread_engine is None:
             async with self.transaction() as async_session:
                 return await async_session.run_sync(fn, *args, **kwargs)
         engine = self.thread_engine
+        if self._writer is None:
+            self._writer = anyio.CapacityLimiter(1)
 
         def run() -> T:
             with Session(engine, expire_on_commit=False) as session, session.begin():
                 return fn(session, *args, **kwargs)
 
-        return await anyio.to_thread.run_sync(run)
+        return await anyio.to_thread.run_sync(run, limiter=self._writer)
 
     async def migrate(self, revision: str = "head") -> None:
         """Bring the schema to ``revision`` with Alembic."""
@@ -201,7 +217,15 @@ class Database:
             self.thread_engine.dispose()
 
 
-def _sqlite_setup(engine: AsyncEngine | Engine, begin: str) -> None:
+def _busy(exc: OperationalError) -> bool:
+    """Whether SQLite gave up waiting for a lock ("database is locked" / "is busy")."""
+    text_ = str(exc.orig).lower()
+    return "locked" in text_ or "busy" in text_
+
+
+def _sqlite_setup(
+    engine: AsyncEngine | Engine, begin: str, busy_s: float = SQLITE_BUSY_TIMEOUT_S
+) -> None:
     """WAL, foreign keys, and explicit transactions: ``BEGIN IMMEDIATE`` for writers so
     concurrent writers wait instead of failing; plain ``BEGIN`` for readers."""
 
@@ -216,7 +240,7 @@ def _sqlite_setup(engine: AsyncEngine | Engine, begin: str) -> None:
         # fsynced by the store, so at worst a push must be repeated).
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
         cursor.close()
 
     @event.listens_for(sync_engine, "begin")

@@ -16,7 +16,8 @@
 - ``GET /api/v1/namespaces/<ns>/quota``: ``{namespace, quota_bytes, used_bytes}`` (members
   and site admins); ``PUT`` ``{"quota_bytes": N | null}``: site admins only.
 - ``GET``/``POST /api/v1/users`` ``{"name", "password"?, "admin"?, "robot"?}``,
-  ``DELETE /api/v1/users/<name>``: site admins only, with the password (not an API token).
+  ``DELETE /api/v1/users/<name>``: site admins only, with the password (not an API token);
+  never the last site admin, nor an organisation's last direct admin.
 
 Anonymous callers get 401; callers without the needed role 403; an API token narrows as
 everywhere (its scope on the organisation must reach the role).
@@ -453,6 +454,14 @@ class UserController(Controller):
                 )
                 if set(admins.all()) == {name}:
                     raise Conflict(f"{name!r} is the last site admin")
+                administered = await session.scalars(
+                    select(Namespace)
+                    .join(Membership, Membership.namespace_id == Namespace.id)
+                    .join(User, User.id == Membership.user_id)
+                    .where(User.name == name, Membership.role == "admin", Namespace.kind == "org")
+                )
+                for org in administered.all():  # no organisation loses its last admin
+                    await _keep_an_admin(session, org, name)
                 await accounts.remove_user(session, name)
         except (InvalidInput, Conflict) as exc:
             raise _bad(exc) from exc

@@ -135,7 +135,9 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
         try:
             # The quota first, so a refused upload stores nothing; link_blob checks again
             # under the write lock (concurrent uploads).
-            await hub.db.read(quotas.check, repo_id, digest, hub.uploads.size(upload_id))
+            # Not ``Database.read``: with a quota set this sums the namespace's blobs.
+            async with hub.db.reading() as session:
+                await session.run_sync(quotas.check, repo_id, digest, hub.uploads.size(upload_id))
         except RegistryError as exc:
             ctx.audit("blob.push", digest, "denied", reason=exc.detail)
             raise

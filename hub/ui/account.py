@@ -31,7 +31,6 @@ from forkd.hub.ui.session import (
     LOGIN_TTL,
     NEW_TOKEN_COOKIE,
     NEW_TOKEN_PATH,
-    NEW_TOKEN_TTL,
     SESSION_TTL,
     Viewer,
 )
@@ -58,11 +57,12 @@ def _set_cookie(
     name: str,
     value: str,
     *,
-    max_age: int,
+    max_age: int | None,
     path: str,
     samesite: Literal["lax", "strict"] = "strict",
 ) -> None:
-    """An HttpOnly cookie, Secure when the request came over HTTPS (as the session's)."""
+    """An HttpOnly cookie, Secure when the request came over HTTPS (as the session's);
+    ``max_age`` None: a browser-session cookie, kept in memory, not on disk."""
     response.set_cookie(
         name,
         value,
@@ -84,7 +84,7 @@ def _show_once(request: HubRequest, ui: UI, secret: str, owner: str) -> Response
         request,
         NEW_TOKEN_COOKIE,
         sealed,
-        max_age=NEW_TOKEN_TTL,
+        max_age=None,  # the sealed value expires by itself (NEW_TOKEN_TTL)
         path=NEW_TOKEN_PATH,
     )
     return response
@@ -191,7 +191,7 @@ class AccountController(Controller):
         # A live session needs the form's CSRF token (another site cannot sign you out);
         # a dead or missing cookie is simply cleared.
         cookie = request.cookies.get(COOKIE, "")
-        if ui.sessions.parse(cookie) is not None:
+        if (await ui.sessions.viewer(hub, request)).signed_in:
             form = await _form(request)
             if not ui.sessions.check_csrf(cookie, _field(form, "csrf", 64)):
                 raise PermissionDeniedException("the form expired; reload the page and try again")

@@ -11,9 +11,10 @@ form carries its HMAC; a POST without the matching pair is refused. So another s
 cannot sign a visitor into its own account ("login CSRF").
 
 A new token's secret is shown once, on the GET after the form's POST (Post/Redirect/Get):
-the POST puts it in a cookie ``forkd_new_token = b64(json{s, n, e}) . hmac``, bound to
-the session cookie, HttpOnly, path ``/-/settings/tokens``, a few minutes long; the page
-that shows it clears it.
+the POST puts it in a cookie ``forkd_new_token = b64(nonce + AES-GCM(json{s, n, e}))``,
+encrypted with a key of its own and bound to the session cookie (associated data),
+HttpOnly, path ``/-/settings/tokens``, a browser-session cookie whose content expires
+after a few minutes; the page that shows it clears it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from litestar import Request
 from litestar.datastructures import State
 
@@ -74,8 +77,16 @@ def _open(value: str, limit: int, sign: Callable[[str], str]) -> dict[str, Any] 
     if not _same(sign(body), sig):
         return None
     try:
-        payload = json.loads(_unb64(body))
-    except (ValueError, TypeError, binascii.Error):
+        return _fresh(_unb64(body))
+    except (ValueError, binascii.Error):
+        return None
+
+
+def _fresh(text: bytes) -> dict[str, Any] | None:
+    """A JSON object whose expiry ``e`` (Unix time) has not passed, else None."""
+    try:
+        payload = json.loads(text)
+    except (ValueError, TypeError):
         return None
     if not isinstance(payload, dict):
         return None
@@ -102,6 +113,9 @@ class Sessions:
         # A key of its own, derived from the hub's secret: a session cookie is never a
         # bearer token and the other way round.
         self._key = hashlib.sha256(b"forkd-ui-session\x00" + secret).digest()
+        self._new_token_aead = AESGCM(
+            hmac.new(self._key, b"new-token-key", hashlib.sha256).digest()
+        )
 
     def _sign(self, body: str) -> str:
         return _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
@@ -155,16 +169,24 @@ class Sessions:
 
     # -- a new token's secret, from the POST to the GET that shows it once ---
     def seal_new_token(self, session_cookie: str, secret: str, owner: str) -> str:
+        """The new token's secret for the ``forkd_new_token`` cookie: encrypted (AES-GCM, a
+        key of its own) and bound to this session cookie, so it is readable by this hub
+        for this session only, and only for ``NEW_TOKEN_TTL`` seconds."""
         payload = {"s": secret, "n": owner, "e": int(time.time()) + NEW_TOKEN_TTL}
-        return _seal(payload, lambda body: self._mac(b"new-token", session_cookie + chr(0) + body))
+        nonce = secrets.token_bytes(12)
+        plain = json.dumps(payload, separators=(",", ":")).encode()
+        return _b64(nonce + self._new_token_aead.encrypt(nonce, plain, session_cookie.encode()))
 
     def open_new_token(self, session_cookie: str, sealed: str) -> tuple[str, str] | None:
         """(secret, owner) from ``seal_new_token``, for the same session, while fresh."""
-        if not session_cookie:
+        if not session_cookie or not sealed or len(sealed) > 2048:
             return None
-        payload = _open(
-            sealed, 2048, lambda body: self._mac(b"new-token", session_cookie + chr(0) + body)
-        )
+        try:
+            raw = _unb64(sealed)
+            plain = self._new_token_aead.decrypt(raw[:12], raw[12:], session_cookie.encode())
+        except (ValueError, binascii.Error, InvalidTag):
+            return None
+        payload = _fresh(plain)
         if payload is None:
             return None
         secret, owner = payload.get("s"), payload.get("n")

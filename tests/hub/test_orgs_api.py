@@ -209,7 +209,8 @@ def test_users_api(hub: HubServer) -> None:
     newbie = (name, body["password"])
     with hub.client(newbie) as c:
         artifact(c, f"{name}/first", b"first", tag="v1")
-        assert c.post("/api/v1/orgs", json={"name": _names("neworg")}).status_code == 201
+        neworg = _names("neworg")
+        assert c.post("/api/v1/orgs", json={"name": neworg}).status_code == 201
     # An organisation named like an existing user is refused, and a user named like an org.
     with hub.client(ADMIN) as c:
         org = _names("taken")
@@ -223,6 +224,10 @@ def test_users_api(hub: HubServer) -> None:
         r = c.post("/api/v1/users", json={"name": boss[0], "password": boss[1], "admin": True})
         assert r.status_code == 201 and r.json()["admin"] is True
     with hub.client(boss) as c:
+        # The last admin of an organisation stays until it has another.
+        assert c.delete(f"/api/v1/users/{name}").status_code == 409
+        member = f"/api/v1/orgs/{neworg}/members/{ADMIN[0]}"
+        assert c.put(member, json={"role": "admin"}).status_code == 204
         assert c.delete(f"/api/v1/users/{name}").status_code == 204
         assert c.delete(f"/api/v1/users/{name}").status_code == 400
         assert c.delete(f"/api/v1/users/{robot}").status_code == 204
@@ -261,5 +266,10 @@ def test_org_and_user_api_on_both_backends(backend_hub: HubServer) -> None:
         assert c.delete(f"/api/v1/orgs/both/members/{ADMIN[0]}").status_code == 204
         assert c.delete("/api/v1/orgs/both/members/dana").status_code == 409
         assert c.delete(f"/api/v1/users/{ADMIN[0]}").status_code == 409
+        assert c.delete("/api/v1/users/dana").status_code == 409  # last admin of "both"
+        assert (
+            c.put(f"/api/v1/orgs/both/members/{ADMIN[0]}", json={"role": "admin"}).status_code
+            == 204
+        )
         assert c.delete("/api/v1/users/dana").status_code == 204
-        assert c.get("/api/v1/orgs/both/members").json() == []
+        assert [m["user"] for m in c.get("/api/v1/orgs/both/members").json()] == [ADMIN[0]]

@@ -4,6 +4,7 @@ and these tests try many."""
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +137,16 @@ def test_signout_needs_the_csrf_token(hub: HubServer) -> None:
         assert c.post("/-/signout", data={}).status_code == 303
 
 
+def test_signout_clears_the_cookie_of_a_removed_user(hub: HubServer) -> None:
+    who = hub.add_user("dave")
+    with hub.client() as c:
+        assert sign_in(c, who).status_code == 303
+        hub.cli("user", "remove", "dave")
+        assert "Sign out" not in c.get("/").text  # the session died with the user
+        resp = c.post("/-/signout", data={})  # the page had no CSRF token to send
+        assert resp.status_code == 303 and "forkd_session" not in c.cookies
+
+
 def test_token_secret_crosses_the_redirect_once(hub: HubServer) -> None:
     with hub.client() as c, hub.client() as other:
         assert sign_in(c).status_code == 303
@@ -144,8 +155,9 @@ def test_token_secret_crosses_the_redirect_once(hub: HubServer) -> None:
         resp = c.post(TOKENS, data={"csrf": csrf, "name": "ci", "scopes": "carol:pull"})
         assert resp.status_code == 303 and resp.headers["location"] == TOKENS
         header = set_cookie(resp, "forkd_new_token").lower()
-        for attribute in ("httponly", "samesite=strict", "path=/-/settings/tokens", "max-age=300"):
+        for attribute in ("httponly", "samesite=strict", "path=/-/settings/tokens"):
             assert attribute in header
+        assert "max-age" not in header and "expires" not in header  # kept in memory only
         sealed = c.cookies["forkd_new_token"]
 
         # Another session of the same user is not shown the secret.
@@ -226,7 +238,10 @@ def test_session_helpers_refuse_stale_or_foreign_values(monkeypatch: pytest.Monk
     sealed = sessions.seal_new_token("session-a", "fkd_secret", "ci")
     assert sessions.open_new_token("session-a", sealed) == ("fkd_secret", "ci")
     assert sessions.open_new_token("session-b", sealed) is None
-    assert sessions.open_new_token("session-a", sealed[:-1] + "0") is None
+    flipped = sealed[:20] + ("A" if sealed[20] != "A" else "B") + sealed[21:]
+    assert sessions.open_new_token("session-a", flipped) is None
+    raw = base64.urlsafe_b64decode(sealed + "=" * (-len(sealed) % 4))
+    assert b"fkd_secret" not in raw and b"ci" not in raw  # encrypted, not just signed
     assert other.open_new_token("session-a", sealed) is None
     assert sessions.open_new_token("", sealed) is None
 
