@@ -26,6 +26,7 @@ from itertools import islice
 from sqlalchemy import delete, exists, select, union
 
 from forkd.errors import NotFound
+from forkd.hub import quotas
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Manifest, ManifestReference, RepositoryBlob, Upload, utcnow
 from forkd.hub.storage import UPLOAD_ID_RE, UploadArea
@@ -93,6 +94,7 @@ async def collect(
         ]
         if not dry_run:
             for batch in _batches(report.blobs):
+                await session.run_sync(quotas.release_swept, batch)
                 await session.execute(
                     delete(RepositoryBlob).where(RepositoryBlob.digest.in_(batch))
                 )

@@ -56,6 +56,8 @@ class Namespace(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # Storage quota in bytes (blobs linked into its repositories, each once); None: none.
     quota_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The running total of that usage while there is a quota (hub/quotas.py); else None.
+    used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Membership(Base):
@@ -117,7 +119,9 @@ class Repository(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
-    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id", ondelete="CASCADE"))
+    namespace_id: Mapped[int] = mapped_column(
+        ForeignKey("namespaces.id", ondelete="CASCADE"), index=True
+    )
     is_public: Mapped[bool] = mapped_column(Boolean, default=False)
     pull_count: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -144,7 +148,8 @@ class RepositoryBlob(Base):
     repository_id: Mapped[int] = mapped_column(
         ForeignKey("repositories.id", ondelete="CASCADE"), primary_key=True
     )
-    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
+    # Indexed: "which repositories link this blob" (quotas, GC) is asked by digest.
+    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True, index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -12,11 +12,19 @@ tags or manifests alone does not, until GC removes the blobs they kept alive.
 A link that would take the namespace past its quota is refused with ``DENIED``
 before anything is stored (and checked again under the write lock when the blob is
 linked, so concurrent uploads cannot overshoot together).
+
+The running total: a namespace with a quota keeps its usage in ``used_bytes``, computed
+when the quota is set and kept by every change of its links (``charge`` when a blob is
+linked, ``release`` when one is unlinked, ``release_swept`` when GC removes blobs), so a
+check costs two indexed reads however many blobs the namespace holds. Without a quota
+``used_bytes`` is NULL and links cost no accounting.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import func, select, text
+from typing import Any
+
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -52,35 +60,104 @@ def _linked_in_namespace(session: Session, namespace_id: int, digest: str) -> bo
     return found is not None
 
 
-def check(session: Session, repository_id: int, digest: str, size: int) -> None:
-    """Raise DENIED if linking ``digest`` (``size`` bytes) into the repository would take
-    its namespace past its quota. A blob already in the namespace costs nothing. Sync ORM
-    code: ``Database.read`` before an upload is stored, ``run_sync`` under the write lock."""
-    row = (
-        session.execute(
-            select(Namespace.id, Namespace.name, Namespace.quota_bytes)
-            .join(Repository, Repository.namespace_id == Namespace.id)
-            .where(Repository.id == repository_id)
-        )
+def _namespace_of(session: Session, repository_id: int) -> Any:
+    """(id, name, quota_bytes, used_bytes) of the repository's namespace."""
+    return session.execute(
+        select(Namespace.id, Namespace.name, Namespace.quota_bytes, Namespace.used_bytes)
+        .join(Repository, Repository.namespace_id == Namespace.id)
+        .where(Repository.id == repository_id)
     ).first()
-    if row is None or row.quota_bytes is None:
-        return
+
+
+def _serialise(session: Session, namespace_id: int) -> None:
+    """On PostgreSQL, hold this namespace's quota lock until commit, so concurrent links
+    cannot overshoot together or lose an update of the running total. SQLite writers are
+    serialised already (BEGIN IMMEDIATE). Two-int keys: apart from the GC lock's."""
     if session.get_bind().dialect.name == "postgresql":
-        # Writers share the GC lock on PostgreSQL: serialise this namespace's quota checks
-        # (until commit) so concurrent uploads cannot overshoot together. SQLite writers
-        # are serialised already (BEGIN IMMEDIATE). Two-int keys: apart from the GC lock's.
         session.execute(
-            text("SELECT pg_advisory_xact_lock(:cls, :ns)"), {"cls": QUOTA_LOCK_CLASS, "ns": row.id}
+            text("SELECT pg_advisory_xact_lock(:cls, :ns)"),
+            {"cls": QUOTA_LOCK_CLASS, "ns": namespace_id},
         )
+
+
+def check(session: Session, repository_id: int, digest: str, size: int) -> int:
+    """Raise DENIED if linking ``digest`` (``size`` bytes) into the repository would take
+    its namespace past its quota; else return the bytes it would add to the namespace's
+    running total (0: no quota, or the blob is in the namespace already). Sync ORM code:
+    a read before an upload is stored, or ``charge`` under the write lock."""
+    row = _namespace_of(session, repository_id)
+    if row is None or row.quota_bytes is None:
+        return 0
+    _serialise(session, row.id)
+    row = _namespace_of(session, repository_id)  # as of now that this writer holds the lock
     if _linked_in_namespace(session, row.id, digest):
-        return
-    used = usage(session, row.id)
+        return 0
+    used = row.used_bytes if row.used_bytes is not None else usage(session, row.id)
     if used + size > row.quota_bytes:
         reason = (
             f"storage quota of namespace {row.name!r} exceeded: {used} of {row.quota_bytes} "
             f"bytes used, this blob needs {size} more"
         )
         raise RegistryError(Code.DENIED, reason, message=reason)
+    return size
+
+
+def charge(session: Session, repository_id: int, digest: str, size: int) -> None:
+    """``check``, then count the blob in the running total; the caller links it in the
+    same transaction (``link_blob``)."""
+    added = check(session, repository_id, digest, size)
+    if added:
+        session.execute(
+            update(Namespace)
+            .where(
+                Namespace.id
+                == select(Repository.namespace_id)
+                .where(Repository.id == repository_id)
+                .scalar_subquery(),
+                Namespace.used_bytes.is_not(None),
+            )
+            .values(used_bytes=Namespace.used_bytes + added)
+        )
+
+
+def release(session: Session, repository_id: int, digest: str) -> None:
+    """After the blob's link into the repository was deleted: give its bytes back to the
+    namespace's running total unless another of its repositories still links it."""
+    row = _namespace_of(session, repository_id)
+    if row is None or row.used_bytes is None:
+        return
+    _serialise(session, row.id)
+    if _linked_in_namespace(session, row.id, digest):
+        return
+    size = session.scalar(select(Blob.size).where(Blob.digest == digest)) or 0
+    session.execute(
+        update(Namespace)
+        .where(Namespace.id == row.id)
+        .values(used_bytes=Namespace.used_bytes - size)
+    )
+
+
+def release_swept(session: Session, digests: list[str]) -> None:
+    """Before GC deletes these blobs with all their links (under the GC lock): take their
+    bytes off the running total of every namespace that links them."""
+    pairs = (
+        select(Repository.namespace_id, RepositoryBlob.digest)
+        .join(Repository, Repository.id == RepositoryBlob.repository_id)
+        .where(RepositoryBlob.digest.in_(digests))
+        .distinct()
+        .subquery()
+    )
+    freed = session.execute(
+        select(pairs.c.namespace_id, func.sum(Blob.size))
+        .join(Blob, Blob.digest == pairs.c.digest)
+        .group_by(pairs.c.namespace_id)
+    ).all()
+    for namespace_id, size in freed:
+        session.execute(
+            update(Namespace)
+            .where(Namespace.id == namespace_id, Namespace.used_bytes.is_not(None))
+            .values(used_bytes=Namespace.used_bytes - int(size or 0))
+        )
 
 
 async def set_quota(session: AsyncSession, namespace: str, quota_bytes: int | None) -> None:
@@ -90,7 +167,10 @@ async def set_quota(session: AsyncSession, namespace: str, quota_bytes: int | No
     ns = (await session.scalars(select(Namespace).where(Namespace.name == namespace))).first()
     if ns is None:
         raise InvalidInput(f"no such namespace {namespace!r}")
+    await session.run_sync(_serialise, ns.id)
     ns.quota_bytes = quota_bytes
+    # The running total starts here (the caller holds the write lock); none without a quota.
+    ns.used_bytes = None if quota_bytes is None else await session.run_sync(usage, ns.id)
 
 
 async def show(session: AsyncSession, namespace: str) -> tuple[int | None, int]:
@@ -98,4 +178,6 @@ async def show(session: AsyncSession, namespace: str) -> tuple[int | None, int]:
     ns = (await session.scalars(select(Namespace).where(Namespace.name == namespace))).first()
     if ns is None:
         raise InvalidInput(f"no such namespace {namespace!r}")
+    if ns.used_bytes is not None:
+        return ns.quota_bytes, ns.used_bytes
     return ns.quota_bytes, await session.run_sync(usage, ns.id)

@@ -11,6 +11,7 @@ from litestar import Response
 from litestar.response import Stream
 from sqlalchemy import delete
 
+from forkd.hub import quotas
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import RepositoryBlob
 from forkd.hub.oci.common import STREAM_CHUNK, Ctx, linked_blob_size, parse_digest
@@ -96,5 +97,6 @@ async def delete_blob(ctx: Ctx, digest: str) -> Response[object]:
         )
         if not result.rowcount:  # type: ignore[attr-defined]
             raise RegistryError(Code.BLOB_UNKNOWN, f"blob {digest} not in {ctx.name}")
+        await session.run_sync(quotas.release, repo.id, digest)
     ctx.audit("blob.delete", digest)
     return Response(b"", status_code=202)

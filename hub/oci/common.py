@@ -118,7 +118,7 @@ def link_blob(session: Session, db: Database, repo_id: int, digest: str, size: i
     Sync ORM code: ``Database.write``, or ``run_sync`` in an async transaction.
     """
     db.write_lock(session)
-    quotas.check(session, repo_id, digest, size)
+    quotas.charge(session, repo_id, digest, size)
     session.execute(db.insert_ignore(Blob).values(digest=digest, size=size))
     session.execute(
         db.upsert_link(

@@ -18,9 +18,7 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     with op.batch_alter_table("tags") as batch:
-        batch.add_column(
-            sa.Column("pull_count", sa.BigInteger, nullable=False, server_default="0")
-        )
+        batch.add_column(sa.Column("pull_count", sa.BigInteger, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:

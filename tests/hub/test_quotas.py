@@ -133,3 +133,33 @@ def test_concurrent_uploads_do_not_overshoot(backend_hub: HubServer) -> None:
     assert _quota(hub, "q")["used_bytes"] == 900
     stored = [d for d in blobs if _stored(hub, sha(d))]
     assert len(stored) == 3
+
+
+def test_running_total_follows_links_unlinks_and_gc(backend_hub: HubServer) -> None:
+    """The stored total (what checks use) always equals the namespace's distinct linked
+    bytes: a blob in two repositories counts once, unlinking it from one keeps it, from
+    both gives it back, a GC sweep gives back what it removes, and a total is computed
+    for blobs already there when the quota is set."""
+    hub = backend_hub
+    hub.cli("org", "add", "rt")
+    a, b, c_ = os.urandom(100), os.urandom(200), os.urandom(400)
+    with hub.client(ADMIN) as c:
+        push_blob(c, "rt/one", c_)  # before any quota: no total is kept
+        hub.cli("quota", "set", "rt", "10000")
+        assert _quota(hub, "rt")["used_bytes"] == 400  # computed when the quota is set
+        push_blob(c, "rt/one", a)
+        push_blob(c, "rt/one", b)
+        push_blob(c, "rt/two", a)  # the same blob in a second repository: counted once
+        assert _quota(hub, "rt")["used_bytes"] == 700
+        assert c.delete(f"/v2/rt/one/blobs/{sha(a)}").status_code == 202
+        assert _quota(hub, "rt")["used_bytes"] == 700  # rt/two still links it
+        assert c.delete(f"/v2/rt/two/blobs/{sha(a)}").status_code == 202
+        assert _quota(hub, "rt")["used_bytes"] == 600
+    # Nothing references b or c (no manifest): a sweep without grace removes them.
+    hub.cli("gc", "--grace-minutes", "0")
+    assert _quota(hub, "rt")["used_bytes"] == 0
+    with hub.client(ADMIN) as c:
+        push_blob(c, "rt/one", b)
+        assert _quota(hub, "rt")["used_bytes"] == 200
+    hub.cli("quota", "set", "rt", "none")
+    assert _quota(hub, "rt")["used_bytes"] == 200  # without a quota: computed on demand
