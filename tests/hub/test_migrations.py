@@ -82,3 +82,40 @@ def test_hub_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
             assert c.delete(f"/v2/library/pg/manifests/{digest}").status_code == 202
     finally:
         server.stop()
+
+
+def test_0004_starts_running_totals_for_namespaces_with_quotas(tmp_path: Path) -> None:
+    """Upgrading to 0004 computes used_bytes from the blobs already linked (each distinct
+    blob once per namespace) for namespaces with a quota, and leaves the others NULL."""
+    url = HubSettings(tmp_path).validated().database_url
+
+    async def go() -> dict[str, int | None]:
+        db = Database(url)
+        try:
+            await db.migrate("0003")
+            async with db.engine.begin() as conn:
+                for sql in (
+                    "INSERT INTO namespaces (id, name, kind, created_at, quota_bytes) VALUES "
+                    "(1, 'q', 'org', '2026-01-01', 5000), (2, 'free', 'org', '2026-01-01', NULL)",
+                    "INSERT INTO repositories (id, name, namespace_id, is_public, created_at, "
+                    "updated_at, pull_count) VALUES (1, 'q/a', 1, 0, '2026-01-01', "
+                    "'2026-01-01', 0), (2, 'q/b', 1, 0, '2026-01-01', '2026-01-01', 0), "
+                    "(3, 'free/a', 2, 0, '2026-01-01', '2026-01-01', 0)",
+                    "INSERT INTO blobs (digest, size, created_at) VALUES "
+                    "('sha256:" + "1" * 64 + "', 100, '2026-01-01'), "
+                    "('sha256:" + "2" * 64 + "', 250, '2026-01-01')",
+                    "INSERT INTO repository_blobs (repository_id, digest, created_at) VALUES "
+                    "(1, 'sha256:" + "1" * 64 + "', '2026-01-01'), "
+                    "(2, 'sha256:" + "1" * 64 + "', '2026-01-01'), "
+                    "(2, 'sha256:" + "2" * 64 + "', '2026-01-01'), "
+                    "(3, 'sha256:" + "2" * 64 + "', '2026-01-01')",
+                ):
+                    await conn.exec_driver_sql(sql)
+            await db.migrate()
+            async with db.engine.connect() as conn:
+                rows = await conn.exec_driver_sql("SELECT name, used_bytes FROM namespaces")
+                return {name: used for name, used in rows.all()}
+        finally:
+            await db.close()
+
+    assert asyncio.run(go()) == {"q": 350, "free": None}
