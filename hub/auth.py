@@ -81,7 +81,7 @@ async def login(
         if again is not None:
             return again
     keys = [f"ip:{host}", f"user:{user[:64]}"]
-    wait = hub.limiter.retry_after(keys)
+    wait = await hub.limiter.retry_after(keys)
     if wait:
         hub.audit.record(user[:64], host, "login", "-", "rate-limited")
         raise RegistryError(
@@ -92,7 +92,7 @@ async def login(
     async with hub.db.reading() as session:
         principal = await accounts.authenticate_password(session, user, password)
     if principal is None:
-        hub.limiter.failed(keys)
+        await hub.limiter.failed(keys)
         hub.metrics.auth_failures.inc()
         hub.audit.record(user[:64], host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")

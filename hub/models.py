@@ -202,3 +202,14 @@ class Upload(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class LoginFailure(Base):
+    """One failed login, counted per key (``ip:ADDRESS``, ``user:NAME``) by the limiter
+    (hub/login_limit.py). In the database, so every worker process shares the count."""
+
+    __tablename__ = "login_failures"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(80), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

@@ -8,12 +8,13 @@ from typing import Any
 
 from forkd.audit import AuditLog
 from forkd.hub.db import Database
+from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.manifest_cache import ManifestCache
 from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
 from forkd.hub.settings import HubSettings
 from forkd.hub.storage import UploadArea
-from forkd.hub.tokens import CredentialCache, LoginLimiter, TokenSigner
+from forkd.hub.tokens import CredentialCache, TokenSigner
 from forkd.store.blobs import BlobStore, FsBlobStore
 
 
@@ -37,12 +38,13 @@ class Hub:
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        db = Database(settings.database_url)
         return cls(
             settings=settings,
-            db=Database(settings.database_url),
+            db=db,
             blobs=open_blob_store(settings),
             uploads=UploadArea(settings.uploads_dir),
-            limiter=LoginLimiter(settings.login_fail_limit, settings.login_fail_window),
+            limiter=LoginLimiter(db, settings.login_fail_limit, settings.login_fail_window),
             verified=CredentialCache(),
             signer=TokenSigner(settings.token_secret(), settings.service, settings.token_ttl),
             metrics=Metrics(),

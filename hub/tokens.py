@@ -1,4 +1,4 @@
-"""Signed bearer tokens and the failed-login limiter (no I/O, no app state)."""
+"""Signed bearer tokens and the verified-credential cache (no I/O)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import hashlib
 import hmac
 import json
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from forkd.hub.accounts import Principal
@@ -85,38 +84,6 @@ class TokenSigner:
 
 
 # -- failed-login rate limit ---------------------------------------------------
-class LoginLimiter:
-    """At most ``limit`` failed logins per client address and per user name in ``window`` s."""
-
-    def __init__(self, limit: int, window: float) -> None:
-        self.limit = limit
-        self.window = window
-        self._failures: dict[str, deque[float]] = {}
-
-    def _recent(self, key: str, now: float) -> deque[float]:
-        q = self._failures.setdefault(key, deque())
-        while q and q[0] <= now - self.window:
-            q.popleft()
-        return q
-
-    def retry_after(self, keys: list[str]) -> int:
-        """Seconds until a login may be tried again (0: allowed now)."""
-        now = time.monotonic()
-        wait = 0.0
-        for key in keys:
-            q = self._recent(key, now)
-            if len(q) >= self.limit:
-                wait = max(wait, q[0] + self.window - now)
-        return int(wait) + 1 if wait else 0
-
-    def failed(self, keys: list[str]) -> None:
-        now = time.monotonic()
-        for key in keys:
-            self._recent(key, now).append(now)
-        if len(self._failures) > 100_000:  # bound memory under a spray of names
-            self._failures = {k: v for k, v in self._failures.items() if self._recent(k, now)}
-
-
 class CredentialCache:
     """Recently verified Basic credentials, so clients that send Basic on every request
     do not pay an argon2 verification each time. Keys are sha256 of user and secret; the

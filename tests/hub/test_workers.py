@@ -12,6 +12,7 @@ import httpx
 import pytest
 from hub_server import free_port
 
+from forkd.hub.settings import HubSettings
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
 from forkd.registry.reference import Hub, parse_remote
@@ -79,6 +80,14 @@ def test_two_workers_serve_and_stop(tmp_path: Path) -> None:
             other = Store(tmp_path / "other")
             got = pull(other, parse_remote(f"{hub}/admin/m:v1"), client)
         assert other.assemble(got.ref).memory.read_bytes() == (tmp_path / "m.mem").read_bytes()
+        # The failed-login count is shared: the workers (each of these fresh connections
+        # lands on either) refuse together once the limit is reached.
+        url = f"http://127.0.0.1:{port}/token"
+        limit = HubSettings(tmp_path).login_fail_limit
+        for _ in range(limit):
+            assert httpx.get(url, auth=("admin", "wrong-guess-1")).status_code == 401
+        for _ in range(6):
+            assert httpx.get(url, auth=("admin", "wrong-guess-2")).status_code == 429
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
