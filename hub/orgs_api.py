@@ -25,6 +25,8 @@ everywhere (its scope on the organisation must reach the role).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -158,6 +160,26 @@ def _bad(exc: InvalidInput | Conflict) -> Exception:
     return ValidationException(str(exc))
 
 
+@asynccontextmanager
+async def _writing(hub: Hub) -> AsyncIterator[AsyncSession]:
+    """A write transaction whose InvalidInput / Conflict answer 400 / 409."""
+    try:
+        async with hub.db.transaction() as session:
+            yield session
+    except (InvalidInput, Conflict) as exc:
+        raise _bad(exc) from exc
+
+
+@asynccontextmanager
+async def _reading(hub: Hub) -> AsyncIterator[AsyncSession]:
+    """A read transaction whose InvalidInput answers 400."""
+    try:
+        async with hub.db.reading() as session:
+            yield session
+    except InvalidInput as exc:
+        raise _bad(exc) from exc
+
+
 class OrgController(Controller):
     path = "/api/v1/orgs"
 
@@ -172,12 +194,9 @@ class OrgController(Controller):
                 "only a user signed in with the password (not an API token or a robot) "
                 "creates organisations"
             )
-        try:
-            async with hub.db.transaction() as session:
-                await accounts.create_org(session, data.name)
-                await accounts.set_member(session, data.name, principal.name, "admin")
-        except (InvalidInput, Conflict) as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            await accounts.create_org(session, data.name)
+            await accounts.set_member(session, data.name, principal.name, "admin")
         hub.audit.record(principal.name, client_ip(request), "org.create", data.name, "ok")
         return OrgInfo(data.name, "org")
 
@@ -186,11 +205,8 @@ class OrgController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], org: FromPath[str]
     ) -> list[MemberInfo]:
         await _require(hub, request, org, "pull")
-        try:
-            async with hub.db.reading() as session:
-                rows = await accounts.list_members(session, org)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _reading(hub) as session:
+            rows = await accounts.list_members(session, org)
         return [MemberInfo(n, r, robot) for n, r, robot in rows]
 
     @put("/{org:str}/members/{username:str}", status_code=204)
@@ -203,16 +219,13 @@ class OrgController(Controller):
         data: JSONBody[MemberSet],
     ) -> None:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                if data.role not in ROLES:
-                    raise InvalidInput(f"invalid role {data.role!r}: use pull, push or admin")
-                ns = await accounts.get_org(session, org)
-                if data.role != "admin":
-                    await _keep_an_admin(session, ns, username)
-                await accounts.set_member(session, org, username, data.role)
-        except (InvalidInput, Conflict) as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            if data.role not in ROLES:
+                raise InvalidInput(f"invalid role {data.role!r}: use pull, push or admin")
+            ns = await accounts.get_org(session, org)
+            if data.role != "admin":
+                await _keep_an_admin(session, ns, username)
+            await accounts.set_member(session, org, username, data.role)
         hub.audit.record(
             actor, client_ip(request), "member.set", org, "ok", user=username, role=data.role
         )
@@ -226,13 +239,10 @@ class OrgController(Controller):
         username: FromPath[str],
     ) -> None:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                ns = await accounts.get_org(session, org)
-                await _keep_an_admin(session, ns, username)
-                await accounts.remove_member(session, org, username)
-        except (InvalidInput, Conflict) as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            ns = await accounts.get_org(session, org)
+            await _keep_an_admin(session, ns, username)
+            await accounts.remove_member(session, org, username)
         hub.audit.record(actor, client_ip(request), "member.remove", org, "ok", user=username)
 
     @get("/{org:str}/teams")
@@ -240,11 +250,8 @@ class OrgController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], org: FromPath[str]
     ) -> list[TeamInfo]:
         await _require(hub, request, org, "pull")
-        try:
-            async with hub.db.reading() as session:
-                rows = await accounts.list_teams(session, org)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _reading(hub) as session:
+            rows = await accounts.list_teams(session, org)
         return [TeamInfo(t.name, t.role, t.repositories, m, t.created_at) for t, m in rows]
 
     @post("/{org:str}/teams")
@@ -256,25 +263,22 @@ class OrgController(Controller):
         data: JSONBody[TeamCreate],
     ) -> TeamInfo:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                team = await accounts.create_team(
-                    session,
-                    org,
-                    data.name,
-                    data.role,
-                    repositories=data.repositories,
-                    members=data.members,
-                )
-                info = TeamInfo(
-                    team.name,
-                    team.role,
-                    team.repositories,
-                    sorted(set(data.members)),
-                    team.created_at,
-                )
-        except (InvalidInput, Conflict) as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            team = await accounts.create_team(
+                session,
+                org,
+                data.name,
+                data.role,
+                repositories=data.repositories,
+                members=data.members,
+            )
+            info = TeamInfo(
+                team.name,
+                team.role,
+                team.repositories,
+                sorted(set(data.members)),
+                team.created_at,
+            )
         hub.audit.record(
             actor,
             client_ip(request),
@@ -296,11 +300,8 @@ class OrgController(Controller):
         team: FromPath[str],
     ) -> None:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                await accounts.delete_team(session, org, team)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            await accounts.delete_team(session, org, team)
         hub.audit.record(actor, client_ip(request), "team.delete", f"{org}/{team}", "ok")
 
     @put("/{org:str}/teams/{team:str}/members/{username:str}", status_code=204)
@@ -313,11 +314,8 @@ class OrgController(Controller):
         username: FromPath[str],
     ) -> None:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                await accounts.add_team_member(session, org, team, username)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            await accounts.add_team_member(session, org, team, username)
         hub.audit.record(
             actor, client_ip(request), "team.member.add", f"{org}/{team}", "ok", user=username
         )
@@ -332,11 +330,8 @@ class OrgController(Controller):
         username: FromPath[str],
     ) -> None:
         actor = await _require(hub, request, org, "admin")
-        try:
-            async with hub.db.transaction() as session:
-                await accounts.remove_team_member(session, org, team, username)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            await accounts.remove_team_member(session, org, team, username)
         hub.audit.record(
             actor, client_ip(request), "team.member.remove", f"{org}/{team}", "ok", user=username
         )
@@ -350,11 +345,8 @@ class QuotaController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], namespace: FromPath[str]
     ) -> QuotaInfo:
         await _require(hub, request, namespace, "pull")
-        try:
-            async with hub.db.reading() as session:
-                quota, used = await quotas.show(session, namespace)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _reading(hub) as session:
+            quota, used = await quotas.show(session, namespace)
         return QuotaInfo(namespace, quota, used)
 
     @put("/{namespace:str}/quota")
@@ -373,12 +365,9 @@ class QuotaController(Controller):
         ):
             hub.audit.record(principal.name, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
-        try:
-            async with hub.db.transaction() as session:
-                await quotas.set_quota(session, namespace, data.quota_bytes)
-                quota, used = await quotas.show(session, namespace)
-        except InvalidInput as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            await quotas.set_quota(session, namespace, data.quota_bytes)
+            quota, used = await quotas.show(session, namespace)
         hub.audit.record(
             principal.name, client_ip(request), "quota.set", namespace, "ok", quota_bytes=quota
         )
@@ -447,22 +436,19 @@ class UserController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], name: FromPath[str]
     ) -> None:
         actor = await _site_admin(hub, request, "user.remove", name)
-        try:
-            async with hub.db.transaction() as session:
-                admins = await session.scalars(
-                    select(User.name).where(User.is_admin.is_(True)).with_for_update()
-                )
-                if set(admins.all()) == {name}:
-                    raise Conflict(f"{name!r} is the last site admin")
-                administered = await session.scalars(
-                    select(Namespace)
-                    .join(Membership, Membership.namespace_id == Namespace.id)
-                    .join(User, User.id == Membership.user_id)
-                    .where(User.name == name, Membership.role == "admin", Namespace.kind == "org")
-                )
-                for org in administered.all():  # no organisation loses its last admin
-                    await _keep_an_admin(session, org, name)
-                await accounts.remove_user(session, name)
-        except (InvalidInput, Conflict) as exc:
-            raise _bad(exc) from exc
+        async with _writing(hub) as session:
+            admins = await session.scalars(
+                select(User.name).where(User.is_admin.is_(True)).with_for_update()
+            )
+            if set(admins.all()) == {name}:
+                raise Conflict(f"{name!r} is the last site admin")
+            administered = await session.scalars(
+                select(Namespace)
+                .join(Membership, Membership.namespace_id == Namespace.id)
+                .join(User, User.id == Membership.user_id)
+                .where(User.name == name, Membership.role == "admin", Namespace.kind == "org")
+            )
+            for org in administered.all():  # no organisation loses its last admin
+                await _keep_an_admin(session, org, name)
+            await accounts.remove_user(session, name)
         hub.audit.record(actor, client_ip(request), "user.remove", name, "ok")
