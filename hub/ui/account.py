@@ -19,7 +19,7 @@ from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import ApiToken, Membership, Namespace, User
+from forkd.hub.models import ROLES, ApiToken, Membership, Namespace, User
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -99,6 +99,16 @@ async def _signed_in(ui: UI, hub: Hub, request: HubRequest, form: FormMultiDict 
         request.cookies.get(COOKIE, ""), _field(form, "csrf", 64)
     ):
         raise PermissionDeniedException("the form expired; reload the page and try again")
+    return who
+
+
+async def _signed_in_with_password(
+    ui: UI, hub: Hub, request: HubRequest, form: FormMultiDict
+) -> Viewer:
+    """``_signed_in``, refusing a session opened with an API token (it may not mint tokens)."""
+    who = await _signed_in(ui, hub, request, form)
+    if who.principal.token_id is not None:
+        raise PermissionDeniedException("signed in with a token: sign in with your password")
     return who
 
 
@@ -260,9 +270,7 @@ class AccountController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[Any]:
         form = await _form(request)
-        who = await _signed_in(ui, hub, request, form)
-        if who.principal.token_id is not None:
-            raise PermissionDeniedException("signed in with a token: sign in with your password")
+        who = await _signed_in_with_password(ui, hub, request, form)
         name = _field(form, "name", 64) or "web"
         scopes = _field(form, "scopes", 1000)
         days = _field(form, "expires_days", 8)
@@ -309,9 +317,7 @@ class AccountController(Controller):
     ) -> Response[Any]:
         """A token for a robot account that is a member of a namespace the viewer admins."""
         form = await _form(request)
-        who = await _signed_in(ui, hub, request, form)
-        if who.principal.token_id is not None:
-            raise PermissionDeniedException("signed in with a token: sign in with your password")
+        who = await _signed_in_with_password(ui, hub, request, form)
         ns_name, robot, role = (
             _field(form, "namespace"),
             _field(form, "robot", 64),
@@ -319,7 +325,7 @@ class AccountController(Controller):
         )
         try:
             accounts.validate_username(robot)
-            if role not in ("pull", "push", "admin"):
+            if role not in ROLES:
                 raise InvalidInput("role must be pull, push or admin")
             async with hub.db.transaction() as session:
                 if ns_name not in await queries.admin_namespaces(session, who.principal):
