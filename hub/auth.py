@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from litestar import Request, Response, get
 from litestar.datastructures import State
 from litestar.di import NamedDependency
+from sqlalchemy.orm import Session
 
 from forkd.errors import InvalidInput
 from forkd.hub import accounts
@@ -193,6 +194,12 @@ def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
     return wanted
 
 
+def _held_actions(
+    session: Session, principal: Principal, names: list[str]
+) -> dict[str, frozenset[str]]:
+    return {name: accounts.repository_actions(session, principal, name) for name in names}
+
+
 @get("/token")
 async def token_endpoint(
     request: Request[object, object, State], hub: NamedDependency[Hub]
@@ -205,12 +212,8 @@ async def token_endpoint(
     if service is not None and service != hub.settings.service:
         raise RegistryError(Code.DENIED, f"unknown service {service!r}")
     wanted = _requested(request.query_params.getall("scope", []))
-    access: dict[str, frozenset[str]] = {}
-    for name, actions in wanted.items():
-        held = await hub.db.read(accounts.repository_actions, caller.principal, name)
-        granted = actions & held
-        if granted:
-            access[name] = granted
+    held = await hub.db.read(_held_actions, caller.principal, list(wanted))  # one read
+    access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}
     token, issued = hub.signer.issue(caller.principal, access)
     hub.audit.record(
         caller.principal.name,
