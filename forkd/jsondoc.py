@@ -1,0 +1,45 @@
+"""JSON documents from untrusted peers, parsed with their nesting bounded first.
+
+``json.loads`` recurses once per nesting level: a manifest, config or map made of
+a few thousand ``[`` raises RecursionError (a 500 in the hub, a traceback in the
+CLI). ``loads`` measures the nesting on the raw bytes (strings blanked out, then
+brackets counted) and refuses anything deeper than ``MAX_DEPTH`` before the
+parser sees it. Every document forkd reads from a peer goes through here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from typing import Any
+
+from forkd.errors import InvalidInput
+
+# forkd's own documents nest 4 deep; OCI manifests and indexes a few more. 64 leaves room.
+MAX_DEPTH = 64
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def nesting(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in ``data`` (0 for a scalar)."""
+    skeleton = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(_STEP[c] for c in skeleton), default=0)
+
+
+def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
+    ``max_depth``. ``what`` names the document in the message."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    depth = nesting(raw)
+    if depth > max_depth:
+        raise InvalidInput(
+            f"{what} nests {depth} levels deep, over the limit of {max_depth}: "
+            "send a flatter document"
+        )
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
