@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from forkd.private import private_dir
+
 
 def cache_dir() -> Path:
     env = os.environ.get("FORKD_CACHE")
@@ -28,15 +30,16 @@ def cache_dir() -> Path:
 
 
 def run_dir() -> Path:
+    """$FORKD_RUN, made or checked as a private directory (forkd.private) on every call."""
     env = os.environ.get("FORKD_RUN")
     if env:
-        base = Path(env)
-    elif os.geteuid() == 0:
-        base = Path("/run/forkd")
-    else:
-        base = Path(os.environ.get("XDG_RUNTIME_DIR", f"/tmp/forkd-{os.getuid()}")) / "forkd"
-    base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return base
+        return private_dir(Path(env))
+    if os.geteuid() == 0:
+        return private_dir(Path("/run/forkd"))
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return private_dir(Path(xdg) / "forkd")
+    return private_dir(Path(f"/tmp/forkd-{os.geteuid()}") / "forkd", owned_levels=2)
 
 
 def children_dir() -> Path:
