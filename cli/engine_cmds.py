@@ -48,7 +48,8 @@ def doctor(as_json: bool, no_store: bool) -> None:
     checks = doc.run(check_store=not no_store)
     ok = doc.verdict(checks)
     if as_json:
-        accel = next((c.detail.split(":", 1)[0] for c in checks if c.name == "accelerator"), None)
+        accel = next((c.detail.split(":", 1)[0] for c in checks
+                      if c.name == "accelerator" and c.status != "fail"), None)
         emit_json({"ok": ok, "accelerator": accel, "checks": [c.to_dict() for c in checks]})
     else:
         for c in checks:

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from forkd.engine.accel import probe
+from forkd.engine.accel import FORCE_ENV, probe, probe_command
 from forkd.engine.cgroup import detect
 from forkd.engine.errors import HostError
 from forkd.engine.netns import available as netns_available
@@ -51,6 +51,29 @@ def _tool(name: str, pkg: str) -> Check:
     return Check(name, "fail", f"{name} not found", f"apt-get install -y {pkg}")
 
 
+def _accelerator() -> Check:
+    """The accelerator verdict, probed now (doctor never reads or writes the probe cache)."""
+    try:
+        v = probe()
+    except HostError as e:  # FORKD_ACCEL holds something else than kvm or tcg
+        return Check("accelerator", "fail", str(e), f"unset {FORCE_ENV} or set it to kvm or tcg")
+    detail = f"{v.accel}: {v.reason}"
+    if v.outcome == "failed":
+        return Check("accelerator", "warn", detail,
+                     "forks and builds use TCG until a probe succeeds (a failed probe is not "
+                     f"cached); check that `{' '.join(probe_command())}` prints a measurement, "
+                     f"or set {FORCE_ENV}=kvm|tcg")
+    if v.outcome == "forced":
+        if v.accel == "kvm" and not os.access("/dev/kvm", os.R_OK | os.W_OK):
+            return Check("accelerator", "warn", detail + "; /dev/kvm is missing or not "
+                         "accessible, QEMU cannot start with -accel kvm",
+                         f"unset {FORCE_ENV} to let the probe decide, or give this user /dev/kvm")
+        return Check("accelerator", "ok", detail)
+    return Check("accelerator", "ok", detail,
+                 "" if v.accel == "kvm" else "TCG works everywhere but is slower; on a host "
+                 "with native KVM the probe picks kvm")
+
+
 def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Check]:
     checks: list[Check] = []
     # QEMU
@@ -80,12 +103,7 @@ def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Che
                         "children's QEMU keeps the caller's user",
                         "" if user else "run forkd as root with a `nobody` user (or set "
                         "FORKD_QEMU_USER) so QEMU can drop privileges"))
-    # accelerator
-    verdict = probe()
-    checks.append(Check("accelerator", "ok", f"{verdict.accel}: {verdict.reason}",
-                        "" if verdict.accel == "kvm" else
-                        "TCG works everywhere but is slower; on a host with native KVM "
-                        "the probe picks kvm"))
+    checks.append(_accelerator())
     # memory files (assembled images in the store cache; builds on /dev/shm)
     from forkd.store.store import default_home
     home = store_home or default_home()
