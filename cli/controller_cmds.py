@@ -18,8 +18,8 @@ import click
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Read the TCP bearer token from this file (default: "
-    "$FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once).",
+    help="Read the TCP bearer token (32 to 4096 bytes) from this file, your own with mode "
+    "0600 (default: $FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once).",
 )
 @click.option(
     "--audit-log",
@@ -45,7 +45,6 @@ def serve(
     from forkd.controller import server
     from forkd.controller.client import default_socket
 
-    token = token_file.read_text().strip() if token_file else None
     pools = [_prewarm_arg(p) for p in prewarm]
     if listen:
         shown = token_file or server.token_path()
@@ -56,7 +55,7 @@ def serve(
     click.echo(f"forkd controller: unix socket {socket_path or default_socket()}", err=True)
     for tag, k in pools:
         click.echo(f"forkd controller: prewarming {k} processes for {tag}", err=True)
-    server.serve(socket_path, listen, audit_log, token, pools)
+    server.serve(socket_path, listen, audit_log, token_file, pools)
 
 
 def _prewarm_arg(text: str) -> tuple[str, int]:

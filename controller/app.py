@@ -43,6 +43,8 @@ STATUS: list[tuple[type[ForkdError], int]] = [
     (ChainError, 422),
 ]
 MAX_FILE_BYTES = 64 << 20
+MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
+MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
 
 
@@ -72,10 +74,16 @@ class ControllerMetrics:
 
 @dataclass
 class Controller:
+    """One listener's view of the daemon: the Unix socket (token None) or TCP (token set)."""
+
     backend: PoolBackend
     audit: AuditLog
     metrics: ControllerMetrics
-    token: str | None  # required on this listener when set
+    token: bytes | None  # a checked_token; required on this listener when set
+
+    @property
+    def transport(self) -> str:
+        return "unix-socket" if self.token is None else "tcp"
 
 
 Ctl = NamedDependency[Controller]
@@ -131,15 +139,56 @@ class CompactRequest:
 
 
 # -- auth and audit -----------------------------------------------------------
+def checked_token(token: str, source: str) -> bytes:
+    """The TCP bearer token as bytes; InvalidInput when it is short enough to guess (under
+    MIN_TOKEN_BYTES, an empty one included) or cannot travel in a header."""
+    text = token.strip()
+    if not all("!" <= c <= "~" for c in text):
+        raise InvalidInput(
+            f"{source}: the bearer token has characters other than printable ASCII; "
+            "use letters, digits and punctuation only"
+        )
+    raw = text.encode("ascii")
+    if not MIN_TOKEN_BYTES <= len(raw) <= MAX_TOKEN_BYTES:
+        raise InvalidInput(
+            f"{source}: the bearer token is {len(raw)} bytes; it must be {MIN_TOKEN_BYTES} to "
+            f"{MAX_TOKEN_BYTES} (make one with: python3 -c "
+            "'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return raw
+
+
+def presented_token(connection: ASGIConnection[Any, Any, Any, Any]) -> bytes:
+    """The token of ``Authorization: Bearer <token>``, or b"" when there is none."""
+    scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    return value.strip().encode("latin-1", errors="replace")
+
+
+def token_matches(presented: bytes, expected: bytes) -> bool:
+    """Constant-time comparison; an empty token never matches, whatever was configured."""
+    return bool(presented) and bool(expected) and hmac.compare_digest(presented, expected)
+
+
+def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The caller for the audit log: ``HOST:PORT`` on TCP, ``uid=N pid=N`` on the socket
+    (from SO_PEERCRED, see server.UnixPeerProtocol), ``-`` when unknown."""
+    client = connection.client
+    if client is None:
+        return "-"
+    if connection.app.state.controller.token is None:
+        return client.host  # UnixPeerProtocol puts the whole "uid=N pid=N" there
+    host = f"[{client.host}]" if ":" in client.host else client.host
+    return f"{host}:{client.port}"
+
+
 def require_token(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     ctl: Controller = connection.app.state.controller
     if ctl.token is None:
         return
-    header = connection.headers.get("authorization", "")
-    scheme, _sep, value = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), ctl.token.encode()):
-        client = connection.client.host if connection.client else "-"
-        ctl.audit.record("-", client, "auth", connection.url.path, "denied")
+    if not token_matches(presented_token(connection), ctl.token):
+        ctl.audit.record("-", peer(connection), "auth", connection.url.path, "denied")
         raise NotAuthorizedException(
             "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
         )
@@ -153,9 +202,7 @@ def audited(
     result: str,
     **detail: Any,
 ) -> None:
-    client = request.client.host if request.client else "-"
-    actor = "token" if ctl.token else "unix-socket"
-    ctl.audit.record(actor, client, action, target, result, **detail)
+    ctl.audit.record(ctl.transport, peer(request), action, target, result, **detail)
 
 
 def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -396,9 +443,12 @@ def create_app(
     backend: PoolBackend | None,
     audit: AuditLog | None,
     metrics: ControllerMetrics | None,
-    token: str | None,
+    token: bytes | None,
 ) -> Litestar:
-    """One listener's app; the Unix-socket app has no token, the TCP app requires one."""
+    """One listener's app; the Unix-socket app has no token, the TCP app requires one
+    (a checked_token: nothing shorter than MIN_TOKEN_BYTES is ever served)."""
+    if token is not None and len(token) < MIN_TOKEN_BYTES:
+        raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
     app = Litestar(
         route_handlers=ROUTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},

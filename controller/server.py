@@ -8,19 +8,24 @@ import os
 import secrets
 import signal
 import socket
+import stat
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import uvicorn
 from litestar import Litestar
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.audit import AuditLog
-from forkd.controller.app import ControllerMetrics, create_app
+from forkd.controller.app import MAX_TOKEN_BYTES, ControllerMetrics, checked_token, create_app
 from forkd.controller.backend import LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
 from forkd.engine.paths import run_dir
 from forkd.engine.pool import Pool
 from forkd.errors import Conflict, InvalidInput
+from forkd.private import create_private_file, read_private_file
 from forkd.store.store import Store
 
 
@@ -28,23 +33,42 @@ def token_path() -> Path:
     return run_dir() / "controller.token"
 
 
-def load_or_create_token(path: Path | None = None) -> str:
-    """The TCP bearer token: from FORKD_CONTROLLER_TOKEN, else a file made once (mode 0600)."""
+def load_token(token_file: Path | None = None) -> bytes:
+    """The TCP bearer token, checked (app.checked_token): from ``token_file``, else
+    $FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once when missing.
+
+    Token files are private files (forkd.private: your own regular file, mode 0600, not a
+    symlink). A token file that exists but is empty or short is refused, never replaced:
+    forkd writes its file whole, so such a file is not forkd's and may be what a client
+    was given."""
+    if token_file is not None:
+        return _token_from_file(token_file, "remove it or write a longer token into it")
     env = os.environ.get("FORKD_CONTROLLER_TOKEN")
-    if env:
-        return env
-    path = path or token_path()
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+    if env is not None:
+        return checked_token(env, "$FORKD_CONTROLLER_TOKEN")
+    path = token_path()
+    made = secrets.token_urlsafe(32)
+    if create_private_file(path, (made + "\n").encode()):
+        return checked_token(made, str(path))
+    return _token_from_file(path, "remove it and forkd serve makes a new one")
+
+
+def _token_from_file(path: Path, fix: str) -> bytes:
+    data = read_private_file(path, MAX_TOKEN_BYTES + 2)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        text = "\x00"  # refused below as not printable ASCII
+    try:
+        return checked_token(text, str(path))
+    except InvalidInput as exc:
+        raise InvalidInput(f"{exc}; {fix}") from None
 
 
 def _unix_listener(path: Path) -> socket.socket:
-    if path.exists():
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise InvalidInput(f"{path} exists and is not a socket; remove it or pick --socket")
         if RemoteBackend(socket=path).alive():
             raise Conflict(f"a controller already serves {path}; stop it first")
         path.unlink()  # a stale socket of a daemon that died
@@ -71,11 +95,13 @@ def serve(
     socket_path: Path | None = None,
     listen: str | None = None,
     audit_path: Path | None = None,
-    token: str | None = None,
+    token_file: Path | None = None,
     prewarm: Sequence[tuple[str, int]] = (),
 ) -> None:
     """Serve until interrupted. Blocks. prewarm: (tag, K) pools filled in the background at
-    start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops."""
+    start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops.
+    With ``listen``, the token (load_token) is checked before anything starts."""
+    token = load_token(token_file) if listen else None
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)
@@ -95,17 +121,16 @@ def _serve(
     unix: socket.socket,
     listen: str | None,
     audit_path: Path | None,
-    token: str | None,
+    token: bytes | None,
 ) -> None:
     audit = AuditLog(audit_path or backend.store.home / "controller-audit.log")
     metrics = ControllerMetrics()
     servers: list[tuple[uvicorn.Server, socket.socket]] = []
-    servers.append((_server(create_app(backend, audit, metrics, None)), unix))
-    if listen:
-        secret = token or load_or_create_token()
-        servers.append(
-            (_server(create_app(backend, audit, metrics, secret)), _tcp_listener(listen))
-        )
+    unix_app = create_app(backend, audit, metrics, None)
+    servers.append((_server(unix_app, UnixPeerProtocol), unix))
+    if listen and token is not None:
+        tcp_app = create_app(backend, audit, metrics, token)
+        servers.append((_server(tcp_app, "auto"), _tcp_listener(listen)))
     try:
         asyncio.run(_run(servers))
     finally:
@@ -120,8 +145,24 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _server(app: Litestar) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+class UnixPeerProtocol(H11Protocol):
+    """HTTP on the Unix socket, with the caller's credentials (SO_PEERCRED) as the ASGI
+    ``client``: host ``"uid=N pid=N"`` and port = pid, for the audit log (app.peer)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family != socket.AF_UNIX:
+            return
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        self.client = (f"uid={uid} pid={pid}", pid)
+
+
+def _server(app: Litestar, http: type[asyncio.Protocol] | Literal["auto"]) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app, http=http, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
     return _Server(config)
 
 
