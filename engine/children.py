@@ -483,7 +483,7 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
 
 # ---------------------------------------------------------------- reach children
 def _child_dir(child_id: str) -> Path:
-    if not isinstance(child_id, str) or not _ID_RE.match(child_id):
+    if not isinstance(child_id, str) or not _ID_RE.fullmatch(child_id):
         raise InvalidInput(f"invalid child id {child_id!r}; `forkd ls` lists the children")
     d = children_dir() / child_id
     if not (d / "child.json").exists():

@@ -74,7 +74,7 @@ def _int(tbl: dict[str, Any], key: str, default: int, lo: int, hi: int, src: str
 def _strlist(tbl: dict[str, Any], key: str, default: tuple[str, ...], rx: re.Pattern[str],
              src: str) -> tuple[str, ...]:
     v = tbl.get(key, list(default))
-    if not isinstance(v, list) or not all(isinstance(x, str) and rx.match(x) for x in v):
+    if not isinstance(v, list) or not all(isinstance(x, str) and rx.fullmatch(x) for x in v):
         raise _bad(src, f"{key} must be a list of package names, got {v!r}")
     return tuple(v)
 
@@ -91,14 +91,14 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
         raise _bad(src, f"unknown table(s) {sorted(unknown)}; allowed: {sorted(known)}")
     meta = doc.get("recipe", {})
     name = meta.get("name")
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise _bad(src, f"[recipe] name must match {_NAME_RE.pattern}, got {name!r}")
     guest = doc.get("guest", {})
     suite = guest.get("suite", "bookworm")
-    if not isinstance(suite, str) or not _SUITE_RE.match(suite):
+    if not isinstance(suite, str) or not _SUITE_RE.fullmatch(suite):
         raise _bad(src, f"[guest] suite must be a Debian suite name, got {suite!r}")
     mirror = guest.get("mirror", "http://deb.debian.org/debian")
-    if not isinstance(mirror, str) or not re.match(r"^(https?|file)://\S+$", mirror):
+    if not isinstance(mirror, str) or not re.fullmatch(r"(https?|file)://\S+", mirror, re.ASCII):
         raise _bad(src, f"[guest] mirror must be an http(s):// or file:// URL, got {mirror!r}")
     pkgs = doc.get("packages", {})
     apt = _strlist(pkgs, "apt", ("python3",), _PKG_RE, src)

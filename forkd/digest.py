@@ -9,17 +9,17 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from typing import BinaryIO, Protocol
 
 import blake3
 
 from forkd.errors import IntegrityError, InvalidInput
+from forkd.names import matches, whole
 
 ALGORITHM = "sha256"
-_DIGEST_RE = re.compile(r"^sha256:[a-f0-9]{64}$")
-_BLAKE3_RE = re.compile(r"^[a-f0-9]{64}$")
+_DIGEST_RE = whole(r"sha256:[a-f0-9]{64}")
+_BLAKE3_RE = whole(r"[a-f0-9]{64}")
 READ_SIZE = 1 << 20
 
 
@@ -30,16 +30,19 @@ class _Hasher(Protocol):
 
 def validate(digest: str) -> str:
     """Return ``digest`` if it is a well-formed sha256 digest, else raise InvalidInput."""
-    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+    if not matches(_DIGEST_RE, digest):
         raise InvalidInput(
-            f"invalid digest {digest!r}: expected 'sha256:' followed by 64 lowercase hex digits"
+            f"invalid digest {str(digest)[:80]!r}: "
+            "expected 'sha256:' followed by 64 lowercase hex digits"
         )
     return digest
 
 
 def validate_blake3(value: str) -> str:
-    if not isinstance(value, str) or not _BLAKE3_RE.match(value):
-        raise InvalidInput(f"invalid blake3 hash {value!r}: expected 64 lowercase hex digits")
+    if not matches(_BLAKE3_RE, value):
+        raise InvalidInput(
+            f"invalid blake3 hash {str(value)[:80]!r}: expected 64 lowercase hex digits"
+        )
     return value
 
 

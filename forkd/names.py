@@ -1,11 +1,18 @@
-"""Names of packs: repository names and tags, validated before any use.
+"""Names, validated before any use: the one set of validators for untrusted names.
 
 Grammar (the OCI Distribution spec's): a repository name is one or more
 path components ``[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*`` joined by ``/``, at most
 255 characters; a tag is ``[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}``. A local
-reference is ``NAME[:TAG]`` with ``latest`` as the default tag. Anything else
-(``..``, absolute paths, NUL bytes, upper case names, over-long input) is
-refused before it reaches a file system path or a database.
+reference is ``NAME[:TAG]`` with ``latest`` as the default tag. The hub's
+namespaces (users and organisations) are one name component; user and team
+names are 1-64 of ``[a-z0-9_-]``, starting and ending with a letter or digit.
+
+Every pattern matches the WHOLE text, ASCII only: the patterns are anchored with
+``\\A``/``\\Z`` (``$`` would accept a trailing newline) and ``matches`` also
+refuses any non-ASCII text (look-alike letters, zero-width or line-separator
+characters). ``..``, absolute paths, NUL bytes, whitespace, upper case names and
+over-long input are refused before they reach a file system path, a header or a
+database.
 """
 
 from __future__ import annotations
@@ -15,29 +22,78 @@ from dataclasses import dataclass
 
 from forkd.errors import InvalidInput
 
+# A fragment for composing patterns; the compiled patterns below are anchored.
 NAME_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
-NAME_RE = re.compile(rf"^{NAME_COMPONENT}(?:/{NAME_COMPONENT})*$")
-TAG_RE = re.compile(r"^[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}$")
+_ACCOUNT = r"[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?"
+
+
+def whole(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled to match a whole ASCII text (``match`` behaves as ``fullmatch``)."""
+    return re.compile(rf"\A(?:{pattern})\Z", re.ASCII)
+
+
+NAME_RE = whole(rf"{NAME_COMPONENT}(?:/{NAME_COMPONENT})*")
+NAMESPACE_RE = whole(NAME_COMPONENT)
+TAG_RE = whole(r"[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}")
+USER_RE = whole(_ACCOUNT)
+TEAM_RE = whole(_ACCOUNT)
 MAX_NAME = 255
 DEFAULT_TAG = "latest"
 
 
+def matches(pattern: re.Pattern[str], text: object) -> bool:
+    """True when ``text`` is an ASCII string that ``pattern`` matches from start to end."""
+    return isinstance(text, str) and text.isascii() and pattern.fullmatch(text) is not None
+
+
+def _shown(text: object) -> str:
+    """An untrusted value, shortened and quoted for an error message."""
+    return repr(str(text)[:80])
+
+
 def validate_name(name: str) -> str:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not NAME_RE.match(name):
+    if not matches(NAME_RE, name) or len(name) > MAX_NAME:
         raise InvalidInput(
-            f"invalid repository name {name[:80]!r}: use lowercase letters, digits and "
+            f"invalid repository name {_shown(name)}: use lowercase letters, digits and "
             "'.', '_', '-' separators, components joined by '/', at most 255 characters"
         )
     return name
 
 
 def validate_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not TAG_RE.match(tag):
+    if not matches(TAG_RE, tag):
         raise InvalidInput(
-            f"invalid tag {tag[:80]!r}: use letters, digits, '_', '.', '-' "
+            f"invalid tag {_shown(tag)}: use letters, digits, '_', '.', '-' "
             "(not starting with '.' or '-'), at most 128 characters"
         )
     return tag
+
+
+def validate_namespace(name: str) -> str:
+    if not matches(NAMESPACE_RE, name) or len(name) > MAX_NAME:
+        raise InvalidInput(
+            f"invalid namespace {_shown(name)}: one repository-name component "
+            "(lowercase letters, digits, '.', '_', '-')"
+        )
+    return name
+
+
+def validate_username(name: str) -> str:
+    if not matches(USER_RE, name) or "__" in name:
+        raise InvalidInput(
+            f"invalid user name {_shown(name)}: use 1-64 lowercase letters, digits, '-' or "
+            "'_' (not '__'), starting and ending with a letter or digit"
+        )
+    return name
+
+
+def validate_team(name: str) -> str:
+    if not matches(TEAM_RE, name):
+        raise InvalidInput(
+            f"invalid team name {_shown(name)}: use 1-64 lowercase letters, digits, '-' or "
+            "'_', starting and ending with a letter or digit"
+        )
+    return name
 
 
 @dataclass(frozen=True, order=True)
@@ -54,7 +110,7 @@ class Ref:
 def parse_ref(text: str) -> Ref:
     """Parse ``NAME[:TAG]``; the tag defaults to ``latest``."""
     if not isinstance(text, str) or "\x00" in text or len(text) > MAX_NAME + 129:
-        raise InvalidInput(f"invalid reference {str(text)[:80]!r}: too long or contains NUL")
+        raise InvalidInput(f"invalid reference {_shown(text)}: too long or contains NUL")
     name, sep, tag = text.rpartition(":")
     if not sep or "/" in tag:
         name, tag = text, DEFAULT_TAG

@@ -47,7 +47,7 @@ def parse_hub(text: str) -> Hub:
         if text.startswith(prefix):
             scheme, text = prefix[:-3], text[len(prefix) :]
     text = text.rstrip("/")
-    if not _HOST_RE.match(text) or len(text) > 255:
+    if not _HOST_RE.fullmatch(text) or len(text) > 255:
         raise InvalidInput(f"invalid hub address {text[:80]!r}: expected HOST[:PORT]")
     if not scheme:
         scheme = "http" if text.startswith(_LOOPBACK) else "https"

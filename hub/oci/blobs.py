@@ -22,7 +22,7 @@ OCTET = "application/octet-stream"
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
     """``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` → inclusive (start, end); None if unusable."""
-    m = RANGE_RE.match(header.strip())
+    m = RANGE_RE.fullmatch(header.strip())
     if not m or (not m.group(1) and not m.group(2)):
         return None
     if not m.group(1):

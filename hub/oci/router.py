@@ -79,7 +79,7 @@ async def dispatch(
         response.headers.setdefault("Docker-Distribution-API-Version", "registry/2.0")
         return response
     for pattern, methods in ROUTES:
-        m = pattern.match(path)
+        m = pattern.fullmatch(path)
         if m is None:
             continue
         params = m.groupdict()

@@ -53,7 +53,7 @@ def base_context(ui: UI, hub: Hub, request: HubRequest, who: Viewer) -> dict[str
 
 def checked_query(text: str | None) -> str:
     value = (text or "").strip().lower()
-    if not QUERY_RE.match(value):
+    if not QUERY_RE.fullmatch(value):
         raise ValidationException(
             "search text may use lowercase letters, digits, spaces and . _ / - (at most 100)"
         )
