@@ -103,14 +103,18 @@ def push_cmd(
 @click.argument("remote")
 @click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
 @click.option("--tag", "local", help="Local tag (default: NS/NAME:TAG as pulled).")
+@click.option("--force", is_flag=True, help="Replace the local tag if it points at other content.")
 @json_option
-def pull_cmd(remote: str, hub: str | None, local: str | None, as_json: bool) -> None:
-    """Pull [HUB/]NS/NAME[:TAG] with its whole chain; every blob is verified before tagging."""
+def pull_cmd(remote: str, hub: str | None, local: str | None, force: bool, as_json: bool) -> None:
+    """Pull [HUB/]NS/NAME[:TAG] with its whole chain; every blob is verified before tagging.
+
+    A local tag that already names other content is kept unless --force (re-pulling the
+    same content is fine)."""
     client, ref = _client(hub, remote)
     store = Store.open()
     start = time.perf_counter()
     with client, progress_bar(f"pulling {remote}", None) as advance:
-        result = pull(store, ref, client, local, progress=advance)
+        result = pull(store, ref, client, local, progress=advance, force=force)
     problems = _host_problems(store, result.digest)
     if as_json:
         emit_json(

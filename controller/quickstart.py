@@ -269,7 +269,7 @@ def run(
         if embedded is not None:
             embedded.make_public(repository)  # so the catalog shows it signed out
         fresh = Store(root / "pulled")
-        got = pull(fresh, remote, client)
+        got = pull(fresh, remote, client, force=True)  # a scratch mirror of the hub's tag
         say(
             f"pull into a fresh store: {got.blobs_sent} blobs fetched and verified, "
             f"{got.blobs_skipped} already there"

@@ -159,3 +159,39 @@ def test_demo_runs_the_main_job(home: Path):
     assert "bytes identical: True" in out
     rows = json.loads(forkd(home, "images", "--json").stdout)
     assert {r["ref"] for r in rows} >= {"demo/base:v1", "demo/plus-agent:v1", "demo/compacted:v1"}
+
+
+def _compacted(home: Path) -> dict[str, bool]:
+    return {r["ref"]: r["compacted"] for r in json.loads(forkd(home, "images", "--json").stdout)}
+
+
+def test_images_json_reports_compaction_as_recorded(
+    home: Path, images: list[Path], tmp_path: Path
+):
+    forkd(home, "import", "--tag", "base", "--memory", str(images[0]))
+    forkd(home, "import", "--tag", "d1", "--memory", str(images[1]), "--parent", "base")
+    forkd(home, "compact", "d1", "--to", "flat")
+    # a diff past the auto-compaction depth is stored flat, with its provenance
+    proc = subprocess.run(
+        ["forkd", "import", "--tag", "auto", "--memory", str(images[2]), "--parent", "d1",
+         "--json"],
+        env={**os.environ, "FORKD_HOME": str(home), "FORKD_AUTO_COMPACT_DEPTH": "1"},
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, check=True,
+    )
+    assert json.loads(proc.stdout)["compacted"] is True
+    # `forkd tag` names the same compacted content
+    forkd(home, "tag", "flat", "flat-alias")
+    assert _compacted(home) == {
+        "base:latest": False,
+        "d1:latest": False,
+        "flat:latest": True,
+        "auto:latest": True,
+        "flat-alias:latest": True,
+    }
+    # the provenance travels with the layer: an exported pack keeps it compacted
+    pack = tmp_path / "flat.pack"
+    forkd(home, "export", "flat", "--out", str(pack))
+    other = tmp_path / "other-home"
+    forkd(other, "import", "--pack", str(pack))
+    assert _compacted(other) == {"flat:latest": True}
+    assert "compacted from d1:latest" in forkd(other, "inspect", "flat").stdout

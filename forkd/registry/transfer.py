@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from forkd.errors import IntegrityError
+from forkd.errors import Conflict, IntegrityError
 from forkd.names import parse_ref
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Descriptor
 from forkd.registry.client import RegistryClient
@@ -84,8 +84,13 @@ def pull(
     local: str | None = None,
     progress: Progress | None = None,
     workers: int = WORKERS,
+    force: bool = False,
 ) -> TransferResult:
-    """Pull ``remote`` with its whole chain; tag it locally as ``local`` (default NAME:TAG)."""
+    """Pull ``remote`` with its whole chain; tag it locally as ``local`` (default NAME:TAG).
+
+    A local tag that already points at other content is kept (Conflict, checked before
+    any blob travels and again when tagging) unless ``force``; re-pulling the same
+    content is a no-op."""
     repo = remote.name
     target = parse_ref(local or f"{remote.name}:{remote.tag}")
     fetched = [0, 0]  # blobs, bytes
@@ -114,17 +119,18 @@ def pull(
 
     with ThreadPoolExecutor(max_workers=workers) as pool, store.writing():
         data, head = client.get_manifest(repo, remote.tag)
+        if not force and store.tags.read().get(str(target), head) != head:
+            raise Conflict(
+                f"tag {target} exists with other content; pick another local tag (--tag) "
+                "or pass --force to replace it"
+            )
         store.blobs.put_bytes(data, head)
 
         def fetch(wants: list[Want]) -> None:
             list(pool.map(fetch_one, wants))
 
         chain = fetch_chain(store, head, str(remote), fetch)
-
-        def change(tags: dict[str, str]) -> None:
-            tags[str(target)] = head
-
-        store.tags.update(change)
+        store.tag(str(target), head, force=force)  # refuses a tag set meanwhile to other content
     total_blobs = sum(len(link.manifest.blobs()) + 1 for link in chain)
     return TransferResult(
         str(target), head, len(chain), fetched[0], fetched[1], total_blobs - fetched[0]
