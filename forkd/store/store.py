@@ -288,16 +288,14 @@ class Store:
             digest = self._write_manifest(
                 cfg, memory_map, disk_map, file_descs, parent_chain[0] if parent_chain else None
             )
-            compacted = False
             if depth > self.auto_compact_depth:
                 assert parent_ref is not None and parent_cfg is not None
                 provenance = Provenance(
                     str(parent_ref), parent_chain[0].digest, parent_cfg.depth, "auto-depth"
                 )
                 digest = self._compact(digest, str(target), provenance)
-                compacted = True
             self._set_tag(target, digest, force)
-        return self._layer_info(target, digest, compacted)
+        return self._layer_info(target, digest)
 
     def _image_map(
         self,
@@ -508,7 +506,7 @@ class Store:
                 digest, str(target), Provenance(str(source), digest, cfg.depth, "manual")
             )
             self._set_tag(target, new, force)
-        return self._layer_info(target, new, True)
+        return self._layer_info(target, new)
 
     def compact_digest(self, digest: str, tag: str, provenance: Provenance) -> str:
         """Flatten the chain headed by manifest ``digest`` into one flat layer created under
@@ -560,7 +558,9 @@ class Store:
         return new
 
     # -- listing ------------------------------------------------------------
-    def _layer_info(self, ref: Ref, digest: str, compacted: bool) -> LayerInfo:
+    def _layer_info(self, ref: Ref, digest: str) -> LayerInfo:
+        """What `images` lists; compacted: the layer's config records where it was flattened
+        from (local, automatic or hub-side compaction; the config travels with push/pull)."""
         m = self.manifest(digest)
         cfg = self.config(digest)
         imap = self.image_map(m, "memory", str(ref))
@@ -572,12 +572,12 @@ class Store:
             cfg.memory_size,
             sum(d.size for d in m.blobs()),
             imap.provided_pages,
-            compacted,
+            cfg.compacted_from is not None,
         )
 
     def images(self) -> list[LayerInfo]:
         return [
-            self._layer_info(parse_ref(name), digest, False)
+            self._layer_info(parse_ref(name), digest)
             for name, digest in sorted(self.tags.read().items())
         ]
 
