@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
 from litestar import Request
 from litestar.datastructures import State
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -15,13 +18,18 @@ from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
 from forkd.hub.auth import Caller, authorize, client_ip, permit
-from forkd.hub.db import Database
+from forkd.hub.db import SQLITE_BUSY_TIMEOUT_S, Database
+from forkd.hub.db import _busy as database_busy
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
 from forkd.hub.services import Hub
 
 HubRequest = Request[object, object, State]
 STREAM_CHUNK = 1 << 20
+# Digests per ``IN (...)`` query: well under SQLite's and asyncpg's bound-parameter limits.
+IN_CHUNK = 500
+# What a client is told to wait after the database stayed locked (503 + Retry-After).
+RETRY_AFTER_S = 2
 
 
 @dataclass
@@ -107,6 +115,59 @@ async def linked_blob_size(session: AsyncSession, repo_id: int, digest: str) -> 
         .where(RepositoryBlob.repository_id == repo_id, RepositoryBlob.digest == digest)
     )
     return row.scalar_one_or_none()
+
+
+def in_chunks(digests: Iterable[str]) -> Iterator[list[str]]:
+    """``digests`` in lists of at most ``IN_CHUNK``, for one ``IN (...)`` query each."""
+    it = iter(digests)
+    while chunk := list(islice(it, IN_CHUNK)):
+        yield chunk
+
+
+def linked_blob_sizes(session: Session, repo_id: int, digests: Iterable[str]) -> dict[str, int]:
+    """The size of each of ``digests`` that is linked into the repository (one query per
+    ``IN_CHUNK`` digests; sync ORM code)."""
+    found: dict[str, int] = {}
+    for chunk in in_chunks(set(digests)):
+        rows = session.execute(
+            select(Blob.digest, Blob.size)
+            .join(RepositoryBlob, RepositoryBlob.digest == Blob.digest)
+            .where(RepositoryBlob.repository_id == repo_id, RepositoryBlob.digest.in_(chunk))
+        )
+        found.update({digest: size for digest, size in rows})
+    return found
+
+
+def count_linked_blobs(session: Session, repo_id: int, digests: set[str]) -> int:
+    """How many of ``digests`` are linked into the repository (a count per chunk)."""
+    return sum(
+        session.scalar(
+            select(func.count())
+            .select_from(RepositoryBlob)
+            .where(RepositoryBlob.repository_id == repo_id, RepositoryBlob.digest.in_(chunk))
+        )
+        or 0
+        for chunk in in_chunks(digests)
+    )
+
+
+@contextmanager
+def database_contention() -> Iterator[None]:
+    """Turn "database is locked" (SQLite gave up waiting ``SQLITE_BUSY_TIMEOUT_S`` for the
+    write lock) into 503 with ``Retry-After``, which registry clients treat as temporary,
+    instead of a 500. The wait itself happens in the hub: this is only its limit."""
+    try:
+        yield
+    except sa_exc.OperationalError as exc:
+        if not database_busy(exc):
+            raise
+        raise RegistryError(
+            Code.TOOMANYREQUESTS,
+            f"the database stayed locked by other writers for {SQLITE_BUSY_TIMEOUT_S} s; "
+            f"nothing was changed, retry in {RETRY_AFTER_S} s",
+            status=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from exc
 
 
 def link_blob(session: Session, db: Database, repo_id: int, digest: str, size: int) -> None:

@@ -1,16 +1,24 @@
 """Manifests: ``GET``/``HEAD``/``PUT``/``DELETE /v2/<name>/manifests/<tag-or-digest>``.
 
 A pushed manifest must be a JSON OCI image manifest or index (or their Docker v2
-equivalents), at most ``manifest_max_bytes`` (413 beyond), its ``mediaType``
-agreeing with ``Content-Type``, every descriptor well formed, and every blob or
-child manifest it references already in the repository. Its bytes are a blob in
-the shared store; the ``manifests`` row records media type, artifact type and
-subject for the referrers API.
+equivalents), at most ``manifest_max_bytes`` (413 beyond), nested at most
+``forkd.jsondoc.MAX_DEPTH`` deep, unambiguous (its ``mediaType`` agreeing with
+``Content-Type``, no fields of the other kind: CVE-2021-41190), every descriptor well
+formed, and every blob or child manifest it references already in the repository,
+whatever the layer's media type (non-distributable layers and ``urls`` included).
+Its bytes are a blob in the shared store; the ``manifests`` row records media type,
+artifact type and subject for the referrers API.
+
+A push reads and checks its references before it takes the write lock, set-based (one
+query per ``IN_CHUNK`` digests); the write transaction confirms them with a count per
+chunk and records the manifest, so a manifest of 30,000 layers holds the lock for a few
+dozen statements, not 60,000.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -20,11 +28,22 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd import digest as dg
+from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
-from forkd.hub.accounts import Principal, access
+from forkd.hub import quotas
+from forkd.hub.accounts import Principal
+from forkd.hub.authz import access
+from forkd.hub.db import Database
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Manifest, ManifestReference, Repository, Tag, utcnow
-from forkd.hub.oci.common import Ctx, linked_blob_size, parse_digest
+from forkd.hub.oci.common import (
+    Ctx,
+    count_linked_blobs,
+    database_contention,
+    in_chunks,
+    linked_blob_sizes,
+    parse_digest,
+)
 from forkd.hub.services import Hub
 from forkd.names import validate_tag
 from forkd.pack import mediatypes as mt
@@ -34,6 +53,12 @@ DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 IMAGE_TYPES = frozenset({mt.OCI_MANIFEST, DOCKER_MANIFEST})
 INDEX_TYPES = frozenset({mt.OCI_INDEX, DOCKER_LIST})
 MANIFEST_TYPES = IMAGE_TYPES | INDEX_TYPES
+# Docker's schema 2 manifest and manifest list require their ``mediaType`` field; the OCI
+# image-spec only recommends it (SHOULD).
+MEDIA_TYPE_REQUIRED = frozenset({DOCKER_MANIFEST, DOCKER_LIST})
+IMAGE_FIELDS = ("config", "layers")
+INDEX_FIELDS = ("manifests",)
+DEPENDENTS_NAMED = 5  # snapshots a refused DELETE names
 
 
 def _invalid(detail: str) -> RegistryError:
@@ -54,6 +79,11 @@ def _descriptor(value: object, where: str) -> dict[str, Any]:
         raise _invalid(f"{where}.digest: {exc}") from exc
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise _invalid(f"{where}.size must be a non-negative integer")
+    urls = value.get("urls")
+    if urls is not None and (
+        not isinstance(urls, list) or not all(isinstance(u, str) for u in urls)
+    ):
+        raise _invalid(f"{where}.urls must be a list of strings")
     return value
 
 
@@ -64,6 +94,28 @@ def _optional_str(doc: dict[str, Any], key: str) -> str | None:
     return value
 
 
+def _check_kind(doc: dict[str, Any], content_type: str) -> None:
+    """One document, one reading (CVE-2021-41190): the ``mediaType`` field, when present,
+    is the Content-Type; an image manifest carries no ``manifests`` and an index no
+    ``config`` or ``layers``, so no client can take the bytes for the other kind."""
+    if "mediaType" in doc:
+        if doc["mediaType"] != content_type:
+            raise _invalid(
+                f"mediaType {str(doc['mediaType'])[:100]!r} differs from Content-Type "
+                f"{content_type!r}: send the document's own media type"
+            )
+    elif content_type in MEDIA_TYPE_REQUIRED:
+        raise _invalid(f"a {content_type} document must carry its mediaType field")
+    is_index = content_type in INDEX_TYPES
+    foreign = [key for key in (IMAGE_FIELDS if is_index else INDEX_FIELDS) if key in doc]
+    if foreign:
+        kind, other = ("an index", "image manifest") if is_index else ("an image manifest", "index")
+        raise _invalid(
+            f"{kind} must not carry {', '.join(foreign)} (fields of an {other}): the "
+            "document would be ambiguous"
+        )
+
+
 def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
     """Check a manifest's structure against its media type; return the parsed document."""
     if content_type not in MANIFEST_TYPES:
@@ -72,15 +124,14 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
             + ", ".join(sorted(MANIFEST_TYPES))
         )
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _invalid(f"manifest is not valid JSON: {exc}") from exc
+        doc = jsondoc.loads(body, "manifest")
+    except InvalidInput as exc:
+        raise _invalid(str(exc)) from exc
     if not isinstance(doc, dict):
         raise _invalid("manifest must be a JSON object")
     if doc.get("schemaVersion") != 2:
         raise _invalid("schemaVersion must be 2")
-    if "mediaType" in doc and doc["mediaType"] != content_type:
-        raise _invalid(f"mediaType {doc['mediaType']!r} differs from Content-Type {content_type!r}")
+    _check_kind(doc, content_type)
     if content_type in IMAGE_TYPES:
         _descriptor(doc.get("config"), "config")
         layers = doc.get("layers")
@@ -104,6 +155,49 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
     ):
         raise _invalid("annotations must map strings to strings")
     return doc
+
+
+@dataclass(frozen=True)
+class PushedManifest:
+    """A manifest as pushed: its bytes, media type (the Content-Type), the document as
+    ``parse_manifest`` checked it, and its digest."""
+
+    body: bytes
+    media_type: str
+    doc: dict[str, Any]
+    digest: str
+
+    @property
+    def blobs(self) -> list[dict[str, Any]]:
+        """The blob descriptors that must be in the repository: config and every layer."""
+        if self.media_type in IMAGE_TYPES:
+            return [self.doc["config"], *self.doc["layers"]]
+        return []
+
+    @property
+    def children(self) -> list[dict[str, Any]]:
+        """The manifest descriptors that must be in the repository (an index's)."""
+        return list(self.doc["manifests"]) if self.media_type in INDEX_TYPES else []
+
+    @property
+    def subject(self) -> str | None:
+        subject = self.doc.get("subject")
+        return str(subject["digest"]) if subject else None
+
+    @property
+    def artifact_type(self) -> str | None:
+        """``artifactType``, else an image manifest's config media type (referrers API)."""
+        artifact_type = self.doc.get("artifactType")
+        if artifact_type is None and self.media_type in IMAGE_TYPES:
+            return str(self.doc["config"]["mediaType"])
+        return artifact_type
+
+    def references(self) -> set[str]:
+        """Digests this manifest keeps alive (GC roots): config, layers, children, subject."""
+        refs = {d["digest"] for d in [*self.blobs, *self.children]}
+        if self.subject:
+            refs.add(self.subject)
+        return refs
 
 
 async def _read_body(ctx: Ctx) -> bytes:
@@ -143,28 +237,150 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
     _check_reference(reference, Code.MANIFEST_INVALID)
     body = await _read_body(ctx)
     content_type = ctx.request.headers.get("content-type", "").split(";", 1)[0].strip()
-    doc = parse_manifest(body, content_type)
-    digest = dg.of_bytes(body)
+    pushed = PushedManifest(
+        body, content_type, parse_manifest(body, content_type), dg.of_bytes(body)
+    )
+    digest = pushed.digest
     if _is_digest(reference) and reference != digest:
         raise RegistryError(Code.DIGEST_INVALID, f"body digest is {digest}, not {reference}")
     hub = ctx.hub
-    # One transaction checks the references, stores the bytes and records the manifest, so
-    # a blob cannot be unlinked between the check and the insert, and a refused manifest
-    # leaves nothing behind.
-    async with hub.db.transaction() as session:
-        await hub.db.lock_for_write(session)
-        repo = await ctx.repository_for_push(session)
-        tag = None if _is_digest(reference) else reference
-        await register_manifest(hub, session, repo, body, content_type, doc, digest, tag)
+    tag = None if _is_digest(reference) else reference
+    with database_contention():
+        repo = ctx.checked  # as read by allow; None: not created yet
+        # Reads first, outside the write lock: a refused manifest never waits for it.
+        async with hub.db.reading() as session:
+            await session.run_sync(check_references, repo.id if repo else None, ctx.name, pushed)
+        if repo is None:  # only a manifest that references nothing gets here
+            async with hub.db.transaction() as session:
+                repo = await ctx.repository_for_push(session)
+        await anyio.to_thread.run_sync(hub.blobs.put_bytes, body, digest)
+        await hub.db.write(_commit_push, hub.db, repo.id, ctx.name, pushed, tag)
+    # A GC sweep that ran between the store and the commit may have taken the bytes (an
+    # old unreferenced copy); the manifest row now keeps them from every later sweep.
+    if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
+        await anyio.to_thread.run_sync(hub.blobs.put_bytes, body, digest)
     ctx.audit("manifest.push", reference, digest=digest)
     headers = {"Location": ctx.url(f"manifests/{digest}"), "Docker-Content-Digest": digest}
-    subject = doc.get("subject")
-    if subject:
-        headers["OCI-Subject"] = subject["digest"]
-    if not _is_digest(reference):
+    if pushed.subject:
+        headers["OCI-Subject"] = pushed.subject
+    if tag is not None:
         for hook in hub.after_push:  # e.g. the retention rule's compaction (hub/compaction.py)
-            hook(ctx.name, reference, digest, doc)
+            hook(ctx.name, tag, digest, pushed.doc)
     return Response(b"", status_code=201, headers=headers)
+
+
+def _manifest_sizes(session: Session, repo_id: int, digests: set[str]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for chunk in in_chunks(digests):
+        rows = session.execute(
+            select(Manifest.digest, Manifest.size).where(
+                Manifest.repository_id == repo_id, Manifest.digest.in_(chunk)
+            )
+        )
+        found.update({digest: size for digest, size in rows})
+    return found
+
+
+def _count_manifests(session: Session, repo_id: int, digests: set[str]) -> int:
+    return sum(
+        session.scalar(
+            select(func.count())
+            .select_from(Manifest)
+            .where(Manifest.repository_id == repo_id, Manifest.digest.in_(chunk))
+        )
+        or 0
+        for chunk in in_chunks(digests)
+    )
+
+
+def _check_found(
+    descriptors: list[dict[str, Any]], found: dict[str, int], what: str, name: str
+) -> None:
+    """The first descriptor (in the manifest's order) that is missing or of another size."""
+    for desc in descriptors:
+        size = found.get(desc["digest"])
+        if size is None:
+            raise RegistryError(
+                Code.MANIFEST_BLOB_UNKNOWN,
+                f"{what} {desc['digest']} is not in {name}: push it before the manifest",
+            )
+        if size != desc["size"]:
+            raise _invalid(f"{what} {desc['digest']} has size {size}, manifest says {desc['size']}")
+
+
+def check_references(
+    session: Session, repo_id: int | None, name: str, pushed: PushedManifest
+) -> None:
+    """Every config and layer blob linked into the repository, every child manifest in
+    it, each with the declared size; MANIFEST_BLOB_UNKNOWN or MANIFEST_INVALID naming the
+    first that is not. No media type (non-distributable layers included) and no ``urls``
+    stand in for the content. Sync ORM code, one query per ``IN_CHUNK`` digests."""
+    blobs = {d["digest"] for d in pushed.blobs}
+    children = {d["digest"] for d in pushed.children}
+    found_blobs = linked_blob_sizes(session, repo_id, blobs) if repo_id is not None else {}
+    _check_found(pushed.blobs, found_blobs, "blob", name)
+    found_children = _manifest_sizes(session, repo_id, children) if repo_id is not None else {}
+    _check_found(pushed.children, found_children, "manifest", name)
+
+
+def _references_present(session: Session, repo_id: int, pushed: PushedManifest) -> bool:
+    """Whether everything ``check_references`` found is still there (a count per chunk)."""
+    blobs = {d["digest"] for d in pushed.blobs}
+    children = {d["digest"] for d in pushed.children}
+    return count_linked_blobs(session, repo_id, blobs) == len(blobs) and _count_manifests(
+        session, repo_id, children
+    ) == len(children)
+
+
+def _commit_push(
+    session: Session, db: Database, repo_id: int, name: str, pushed: PushedManifest, tag: str | None
+) -> None:
+    """The write transaction of a ``PUT`` whose references were checked before: confirm
+    them under the write lock (a blob may have been unlinked or swept since), record."""
+    db.write_lock(session)
+    if session.get(Repository, repo_id) is None:
+        raise RegistryError(Code.NAME_UNKNOWN, f"repository {name} was deleted meanwhile")
+    if not _references_present(session, repo_id, pushed):
+        check_references(session, repo_id, name, pushed)  # raises, naming what went
+    record_manifest(session, db, repo_id, pushed, tag)
+
+
+def record_manifest(
+    session: Session, db: Database, repo_id: int, pushed: PushedManifest, tag: str | None
+) -> None:
+    """Insert a checked manifest's row and GC references and point ``tag`` at it; its
+    bytes are in the store already. Sync ORM code, inside a write transaction."""
+    quotas.charge(session, repo_id, pushed.digest, len(pushed.body))  # manifests count too
+    annotations = pushed.doc.get("annotations")
+    session.execute(db.insert_ignore(Blob).values(digest=pushed.digest, size=len(pushed.body)))
+    session.execute(
+        db.insert_ignore(Manifest).values(
+            repository_id=repo_id,
+            digest=pushed.digest,
+            media_type=pushed.media_type,
+            artifact_type=pushed.artifact_type,
+            subject_digest=pushed.subject,
+            annotations=json.dumps(annotations) if annotations else None,
+            size=len(pushed.body),
+            created_at=utcnow(),
+        )
+    )
+    manifest_id = session.scalar(
+        select(Manifest.id).where(
+            Manifest.repository_id == repo_id, Manifest.digest == pushed.digest
+        )
+    )
+    references = [{"manifest_id": manifest_id, "digest": d} for d in sorted(pushed.references())]
+    if references:  # one executemany, not a statement per reference
+        session.execute(db.insert_ignore(ManifestReference.__table__), references)
+    if tag is not None:
+        row = session.get(Tag, (repo_id, tag))
+        if row is None:
+            session.add(Tag(repository_id=repo_id, name=tag, manifest_digest=pushed.digest))
+        else:
+            row.manifest_digest = pushed.digest
+            row.updated_at = utcnow()
+    session.execute(update(Repository).where(Repository.id == repo_id).values(updated_at=utcnow()))
 
 
 async def register_manifest(
@@ -180,84 +396,14 @@ async def register_manifest(
     """Record a checked manifest (``parse_manifest``) in ``repo`` and point ``tag`` at it:
     check its references, store its bytes, insert its row and GC references, set the tag.
 
-    The caller holds a transaction with ``lock_for_write``. A manifest ``PUT`` and the
-    server-side compaction (hub/compaction.py) both register manifests through here.
+    The caller holds a transaction with ``lock_for_write`` (the server-side compaction,
+    hub/compaction.py); a manifest ``PUT`` runs the same checks and ``record_manifest``
+    with the reads before its write transaction.
     """
-    subject = doc.get("subject")
-    artifact_type = doc.get("artifactType")
-    if artifact_type is None and content_type in IMAGE_TYPES:
-        artifact_type = doc["config"]["mediaType"]
-    annotations = doc.get("annotations")
-    await _check_references(session, repo, doc, content_type)
+    pushed = PushedManifest(body, content_type, doc, digest)
+    await session.run_sync(check_references, repo.id, repo.name, pushed)
     await anyio.to_thread.run_sync(hub.blobs.put_bytes, body, digest)
-    await session.execute(hub.db.insert_ignore(Blob).values(digest=digest, size=len(body)))
-    await session.execute(
-        hub.db.insert_ignore(Manifest).values(
-            repository_id=repo.id,
-            digest=digest,
-            media_type=content_type,
-            artifact_type=artifact_type,
-            subject_digest=subject["digest"] if subject else None,
-            annotations=json.dumps(annotations) if annotations else None,
-            size=len(body),
-            created_at=utcnow(),
-        )
-    )
-    manifest_id = await session.scalar(
-        select(Manifest.id).where(Manifest.repository_id == repo.id, Manifest.digest == digest)
-    )
-    for ref in _referenced(doc, content_type):
-        await session.execute(
-            hub.db.insert_ignore(ManifestReference).values(manifest_id=manifest_id, digest=ref)
-        )
-    if tag is not None:
-        row = await session.get(Tag, (repo.id, tag))
-        if row is None:
-            session.add(Tag(repository_id=repo.id, name=tag, manifest_digest=digest))
-        else:
-            row.manifest_digest = digest
-            row.updated_at = utcnow()
-    await session.execute(
-        update(Repository).where(Repository.id == repo.id).values(updated_at=utcnow())
-    )
-
-
-def _referenced(doc: dict[str, Any], content_type: str) -> set[str]:
-    """Digests this manifest keeps alive (GC roots): config, layers, children, subject."""
-    if content_type in IMAGE_TYPES:
-        descriptors = [doc["config"], *doc["layers"]]
-    else:
-        descriptors = list(doc["manifests"])
-    if doc.get("subject"):
-        descriptors.append(doc["subject"])
-    return {d["digest"] for d in descriptors}
-
-
-async def _check_references(
-    session: Any, repo: Repository, doc: dict[str, Any], content_type: str
-) -> None:
-    if content_type in IMAGE_TYPES:
-        for desc in [doc["config"], *doc["layers"]]:
-            size = await linked_blob_size(session, repo.id, desc["digest"])
-            if size is None:
-                raise RegistryError(
-                    Code.MANIFEST_BLOB_UNKNOWN, f"blob {desc['digest']} is not in {repo.name}"
-                )
-            if size != desc["size"]:
-                raise _invalid(
-                    f"blob {desc['digest']} has size {size}, manifest says {desc['size']}"
-                )
-    else:
-        for desc in doc["manifests"]:
-            found = await session.scalar(
-                select(Manifest.size).where(
-                    Manifest.repository_id == repo.id, Manifest.digest == desc["digest"]
-                )
-            )
-            if found is None:
-                raise RegistryError(
-                    Code.MANIFEST_BLOB_UNKNOWN, f"manifest {desc['digest']} is not in {repo.name}"
-                )
+    await session.run_sync(record_manifest, hub.db, repo.id, pushed, tag)
 
 
 _IN_REPOSITORY = select(Manifest).where(Manifest.repository_id == bindparam("repository_id"))
@@ -273,8 +419,8 @@ def find_manifest(session: Session, repository_id: int, reference: str) -> Manif
     return session.scalars(query, {"repository_id": repository_id, "reference": reference}).first()
 
 
-def _unknown(ctx: Ctx, reference: str) -> RegistryError:
-    return RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {ctx.name}")
+def _unknown(name: str, reference: str) -> RegistryError:
+    return RegistryError(Code.MANIFEST_UNKNOWN, f"manifest {reference} not in {name}")
 
 
 def _pull_lookup(
@@ -297,7 +443,7 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
     _check_reference(reference, Code.MANIFEST_UNKNOWN)
     repo = ctx.known()
     if manifest is None:
-        raise _unknown(ctx, reference)
+        raise _unknown(ctx.name, reference)
     if not head:
         hub.pulls.record(repo.id, None if _is_digest(reference) else reference)
     body = hub.manifests.get(manifest.digest)
@@ -319,36 +465,62 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
 
 
 async def delete_manifest(ctx: Ctx, reference: str) -> Response[object]:
-    """By tag: remove the tag. By digest: remove the manifest and every tag on it, unless
-    other manifests in the repository name it as subject (409: a chain depends on it)."""
+    """By tag: remove the tag. By digest: remove the manifest and every tag on it (202);
+    manifests that name it as ``subject`` stay and list it as their subject still, except
+    that a forkd snapshot other forkd snapshots build on is refused (405)."""
     await ctx.allow("delete")
     _check_reference(reference, Code.MANIFEST_UNKNOWN)
-    async with ctx.hub.db.transaction() as session:
-        repo = await ctx.repository(session)
-        if not _is_digest(reference):
-            tag = await session.get(Tag, (repo.id, reference))
-            if tag is None:
-                raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {ctx.name}")
-            await session.delete(tag)
-        else:
-            manifest = await session.run_sync(find_manifest, repo.id, parse_digest(reference))
-            if manifest is None:
-                raise _unknown(ctx, reference)
-            children = await session.scalar(
-                select(func.count()).where(
-                    Manifest.repository_id == repo.id, Manifest.subject_digest == reference
-                )
-            )
-            if children:
-                raise RegistryError(
-                    Code.DENIED,
-                    f"{children} manifest(s) in {ctx.name} name {reference} as subject (a chain "
-                    "depends on it); delete them first",
-                    status=409,
-                )
-            await session.execute(
-                delete(Tag).where(Tag.repository_id == repo.id, Tag.manifest_digest == reference)
-            )
-            await session.delete(manifest)
+    repo = ctx.known()
+    with database_contention():
+        await ctx.hub.db.write(_delete, repo.id, ctx.name, reference)
     ctx.audit("manifest.delete", reference)
     return Response(b"", status_code=202)
+
+
+def _delete(session: Session, repo_id: int, name: str, reference: str) -> None:
+    if not _is_digest(reference):
+        tag = session.get(Tag, (repo_id, reference))
+        if tag is None:
+            raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {name}")
+        session.delete(tag)
+        return
+    manifest = find_manifest(session, repo_id, parse_digest(reference))
+    if manifest is None:
+        raise _unknown(name, reference)
+    _refuse_snapshot_base(session, manifest, name)
+    session.execute(
+        delete(Tag).where(Tag.repository_id == repo_id, Tag.manifest_digest == reference)
+    )
+    session.delete(manifest)
+    session.flush()
+    quotas.release(session, repo_id, reference)
+
+
+def _refuse_snapshot_base(session: Session, manifest: Manifest, name: str) -> None:
+    """A forkd snapshot is a diff on its subject: deleting a snapshot that other forkd
+    snapshots of the repository build on would leave chains no one can restore. The
+    spec's answer for a deletion the registry does not allow is 405."""
+    if manifest.artifact_type != mt.ARTIFACT_TYPE:
+        return
+    dependents = (
+        select(Manifest.digest)
+        .where(
+            Manifest.repository_id == manifest.repository_id,
+            Manifest.subject_digest == manifest.digest,
+            Manifest.artifact_type == mt.ARTIFACT_TYPE,
+        )
+        .order_by(Manifest.created_at, Manifest.digest)
+    )
+    named = list(session.scalars(dependents.limit(DEPENDENTS_NAMED)))
+    if not named:
+        return
+    total = session.scalar(select(func.count()).select_from(dependents.subquery())) or 0
+    more = f" and {total - len(named)} more" if total > len(named) else ""
+    raise RegistryError(
+        Code.UNSUPPORTED,
+        f"{total} forkd snapshot(s) in {name} build on {manifest.digest}: "
+        f"{', '.join(named)}{more}. Delete those first (children before parents), or "
+        "flatten the chain (forkd compact --remote) so nothing depends on this one",
+        status=405,
+        headers={"Allow": "GET, HEAD, PUT"},
+    )

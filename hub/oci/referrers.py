@@ -2,12 +2,16 @@
 
 Lists the manifests in the repository whose ``subject`` is ``digest``; each
 descriptor carries the artifact type (the manifest's ``artifactType``, else its
-config media type) and annotations. An unknown subject yields an empty index.
+config media type) and annotations. An unknown subject yields an empty index, and so
+does a repository the caller may pull from that does not exist yet (the spec: a registry
+that supports the referrers API never answers it with 404); a repository the caller may
+not see answers 401/404 as every route does.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from litestar import Response
@@ -22,8 +26,9 @@ async def list_referrers(ctx: Ctx, digest: str) -> Response[object]:
     await ctx.allow("pull")
     digest = parse_digest(digest)
     artifact_type = ctx.request.query_params.get("artifactType")
-    async with ctx.hub.db.reading() as session:
-        repo = await ctx.repository(session)
+    repo = ctx.checked  # as read by allow; None: nothing pushed yet, so nothing refers
+    rows: Sequence[Manifest] = []
+    if repo is not None:
         query = (
             select(Manifest)
             .where(Manifest.repository_id == repo.id, Manifest.subject_digest == digest)
@@ -31,7 +36,8 @@ async def list_referrers(ctx: Ctx, digest: str) -> Response[object]:
         )
         if artifact_type:
             query = query.where(Manifest.artifact_type == artifact_type)
-        rows = (await session.scalars(query)).all()
+        async with ctx.hub.db.reading() as session:
+            rows = (await session.scalars(query)).all()
     descriptors: list[dict[str, Any]] = []
     for row in rows:
         desc: dict[str, Any] = {"mediaType": row.media_type, "digest": row.digest, "size": row.size}
