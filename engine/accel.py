@@ -6,7 +6,7 @@ VMX/SVM KVM finishes 200,000 iterations in well under 10 ms; a nested
 paravirtual KVM (kvm_pvm) emulates stock guest code and takes hundreds of ms,
 where a stock kernel crawls: TCG is the better choice there.
 
-The child runs this very file as a script in isolated mode (``python -I
+The child runs this very file as a script in isolated mode (``python -I -S
 accel.py``): it depends neither on the working directory nor on how forkd is
 installed, so this module imports only the standard library at its top level.
 
@@ -115,9 +115,12 @@ def forced_accel() -> str | None:
 
 
 def probe_command(iterations: int = ITERATIONS) -> list[str]:
-    """The probe child's argv: this file run isolated (-I: no cwd, no PYTHON* variables)."""
+    """The probe child's argv: this file run isolated from every import-path setting.
+
+    -I: neither the working directory nor the script's folder on sys.path, no PYTHON*
+    variables, no user site; -S: no site-packages (.pth files, sitecustomize) either."""
     python = os.environ.get(PROBE_PYTHON_ENV) or sys.executable
-    return [python, "-I", str(Path(__file__).resolve()), str(iterations)]
+    return [python, "-I", "-S", str(Path(__file__).resolve()), str(iterations)]
 
 
 def _last_line(text: str) -> str:
