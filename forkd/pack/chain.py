@@ -4,6 +4,8 @@ A chain is ``head → parent → … → base`` through each manifest's ``subjec
 Flattening merges the layers' image maps, newest first, into the list of
 page ranges each chunk still provides (what newer layers did not overwrite),
 so assembly reads every needed chunk once and writes every needed byte once.
+Its cost follows the maps' extents, never the image size the maps declare:
+pages no layer provides (holes, zero extents) are never listed or visited.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from forkd.errors import ChainError
-from forkd.pack.imagemap import ChunkRef, Extent, ImageMap
+from forkd.pack.imagemap import CHUNK_PAGES, ChunkRef, Extent, ImageMap
 from forkd.pack.manifest import Manifest
 
 MAX_CHAIN_DEPTH = 64
@@ -63,6 +65,9 @@ class Piece:
     count: int
 
 
+Plan = list[tuple[ChunkRef, list[Piece]]]  # each chunk still needed, with its pieces
+
+
 class _Covered:
     """Disjoint, sorted page intervals already provided by newer layers."""
 
@@ -104,7 +109,7 @@ class _Covered:
         self.ends = [b for _, b in merged]
 
 
-def flatten(maps: list[ImageMap], what: str) -> list[tuple[ChunkRef, list[Piece]]]:
+def flatten(maps: list[ImageMap], what: str) -> Plan:
     """Merge maps (newest first) into the surviving pieces of each chunk, oldest layers last.
 
     Pages nobody provides are zero. The first ``flat`` map ends the walk.
@@ -113,7 +118,7 @@ def flatten(maps: list[ImageMap], what: str) -> list[tuple[ChunkRef, list[Piece]
         raise ChainError(f"{what}: no layers to assemble")
     size = maps[0].size
     covered = _Covered()
-    plan: list[tuple[ChunkRef, list[Piece]]] = []
+    plan: Plan = []
     for imap in maps:
         if imap.size != size:
             raise ChainError(
@@ -135,3 +140,13 @@ def flatten(maps: list[ImageMap], what: str) -> list[tuple[ChunkRef, list[Piece]
         layer_extents.sort()
         covered.merge(layer_extents)
     raise ChainError(f"{what}: the chain ends in a diff layer with no flat base; it is incomplete")
+
+
+def touched_regions(plan: Plan) -> list[int]:
+    """The 2 MiB regions (indexes, sorted) that any piece of ``plan`` writes: every other
+    region of the assembled image is zero. A piece spans at most two regions."""
+    regions: set[int] = set()
+    for _, pieces in plan:
+        for p in pieces:
+            regions.update(range(p.page // CHUNK_PAGES, (p.page + p.count - 1) // CHUNK_PAGES + 1))
+    return sorted(regions)

@@ -96,10 +96,17 @@ def image_size(f: BinaryIO, what: str) -> int:
     return size
 
 
-def flat_chunks(f: BinaryIO, size: int, progress: Progress | None = None) -> Iterator[RawChunk]:
-    """Chunks of a whole image: per 2 MiB region, its non-zero pages."""
-    f.seek(0)
-    for offset in range(0, size, CHUNK_SIZE):
+def flat_chunks(
+    f: BinaryIO,
+    size: int,
+    progress: Progress | None = None,
+    regions: Iterable[int] | None = None,
+) -> Iterator[RawChunk]:
+    """Chunks of a whole image: per 2 MiB region, its non-zero pages. ``regions`` (region
+    indexes, increasing) reads only those: the caller knows every other region is zero."""
+    offsets = range(0, size, CHUNK_SIZE) if regions is None else (r * CHUNK_SIZE for r in regions)
+    for offset in offsets:
+        f.seek(offset)
         region = f.read(min(CHUNK_SIZE, size - offset))
         if progress:
             progress(len(region))

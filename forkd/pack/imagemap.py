@@ -11,23 +11,38 @@ A chunk's uncompressed bytes are its extents' pages, packed in order. A
 ``flat`` layer defines the whole image: pages no chunk covers are zero. A
 ``diff`` layer defines only the pages it covers (``zero`` lists pages it sets
 to zero); every other page comes from the parent.
+
+Bounds (docs/pack-format.md): a map blob is at most ``MAX_MAP_BYTES`` and lists at
+most ``MAX_MAP_EXTENTS`` extents (chunk extents plus zero extents). Readers refuse a
+descriptor over the byte bound before fetching or reading the blob, and count the
+extents before building anything from them, so what parsing one map costs is bounded
+whatever image size the map declares.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from forkd import digest as dg
+from forkd import jsondoc
 from forkd.errors import IntegrityError
+from forkd.pack import mediatypes as mt
 
 MAP_VERSION = 1
 PAGE_SIZE = 4096
 CHUNK_PAGES = 512  # 2 MiB uncompressed: hugepage aligned
 CHUNK_SIZE = CHUNK_PAGES * PAGE_SIZE
 MAX_IMAGE_SIZE = 1 << 40  # 1 TiB
-MAX_MAP_BYTES = 64 << 20
+# The largest map of the benchmark's synthetic 1 GiB snapshots (bench/chain_assembly.py's
+# images: 20% random, 10% repeated pages, scattered) is 782 KB with 69,524 extents (a diff
+# changing half the pages); every other page of a 1 GiB image changed, the worst case, is
+# 2.8 MB with 262,144 extents. The bounds leave 10x and 2x of headroom over those.
+MAX_MAP_BYTES = 8 << 20
+MAX_MAP_EXTENTS = 1 << 19
+MAP_MEDIA_TYPES = frozenset(map_type for map_type, _ in mt.IMAGE_ROLES.values())
 
 Kind = Literal["flat", "diff"]
 Extent = tuple[int, int]  # (first page, page count)
@@ -61,7 +76,13 @@ class ImageMap:
     def provided_pages(self) -> int:
         return sum(n for c in self.chunks for _, n in c.extents)
 
+    @property
+    def extent_count(self) -> int:
+        return sum(len(c.extents) for c in self.chunks) + len(self.zero)
+
     def to_bytes(self) -> bytes:
+        """The map's encoding; IntegrityError when it would exceed ``MAX_MAP_BYTES`` (no
+        reader would accept it)."""
         doc: dict[str, Any] = {
             "version": MAP_VERSION,
             "kind": self.kind,
@@ -79,20 +100,25 @@ class ImageMap:
             ],
             "zero": [list(e) for e in self.zero],
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        check_map_size(len(data), "the new image map")
+        return data
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "image map") -> ImageMap:
-        """Parse and validate an untrusted map (bounded size, extents inside the image)."""
-        if len(data) > MAX_MAP_BYTES:
-            raise IntegrityError(f"{what} is {len(data)} bytes, over the {MAX_MAP_BYTES} limit")
+        """Parse and validate an untrusted map (bounded size and extent count, extents
+        inside the image)."""
+        check_map_size(len(data), what)
         try:
-            raw = json.loads(data)
+            raw = jsondoc.loads(data, what)
             if raw["version"] != MAP_VERSION or raw["page_size"] != PAGE_SIZE:
                 raise IntegrityError(
                     f"{what}: version {raw['version']!r}/page size {raw['page_size']!r} "
                     f"unsupported (this forkd reads version {MAP_VERSION}, {PAGE_SIZE}-byte pages)"
                 )
+            _check_extent_count(
+                sum(len(c["extents"]) for c in raw["chunks"]) + len(raw.get("zero", [])), what
+            )
             chunks = tuple(
                 ChunkRef(
                     digest=dg.validate(c["digest"]),
@@ -126,6 +152,7 @@ class ImageMap:
             )
         if self.kind == "flat" and self.zero:
             raise IntegrityError(f"{what}: a flat map cannot list zero extents")
+        _check_extent_count(self.extent_count, what)
         spans: list[Extent] = list(self.zero)
         for c in self.chunks:
             pages = sum(n for _, n in c.extents)
@@ -145,6 +172,39 @@ class ImageMap:
             raise IntegrityError(
                 f"{what}: extent ends at page {end}, past the image's {self.pages}"
             )
+
+
+def check_map_size(size: int, what: str) -> None:
+    """Refuse a map blob of ``size`` bytes over ``MAX_MAP_BYTES``: call it on a descriptor's
+    size before fetching or reading the blob."""
+    if size > MAX_MAP_BYTES:
+        raise IntegrityError(
+            f"{what} is {size} bytes, over the pack format's limit of {MAX_MAP_BYTES} bytes "
+            "for an image map (docs/pack-format.md); an image whose map is that large is "
+            "too big or too fragmented for pack format 1"
+        )
+
+
+def check_descriptor_sizes(doc: Mapping[str, Any]) -> None:
+    """Refuse an OCI manifest document (parsed JSON, structure checked) whose forkd image
+    map layers exceed ``MAX_MAP_BYTES``: what a registry checks when a manifest is pushed,
+    before anything reads the map. Other layers and other artifacts are left alone."""
+    layers = doc.get("layers")
+    for i, layer in enumerate(layers if isinstance(layers, list) else []):
+        if not isinstance(layer, Mapping) or layer.get("mediaType") not in MAP_MEDIA_TYPES:
+            continue
+        size = layer.get("size")
+        if isinstance(size, int):
+            check_map_size(size, f"layers[{i}] ({layer['mediaType']})")
+
+
+def _check_extent_count(count: int, what: str) -> None:
+    if count > MAX_MAP_EXTENTS:
+        raise IntegrityError(
+            f"{what} lists {count} extents, over the pack format's limit of "
+            f"{MAX_MAP_EXTENTS} (docs/pack-format.md); an image with that many extents is "
+            "too fragmented for pack format 1"
+        )
 
 
 def _int(value: object) -> int:

@@ -19,7 +19,7 @@ from forkd.errors import IntegrityError
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
 from forkd.pack.chunking import decompress
 from forkd.pack.config import SnapshotConfig
-from forkd.pack.imagemap import ChunkRef
+from forkd.pack.imagemap import ChunkRef, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
 from forkd.store.store import MAX_FILE_BLOB, Store
 
@@ -54,6 +54,8 @@ def fetch_chain(store: Store, head: str, name: str, fetch: Fetcher) -> list[Link
     for i, link in enumerate(chain):
         what = f"{name} layer {i} ({dg.short(link.digest)})"
         m = link.manifest
+        for role, d in m.maps.items():  # refused before a byte of it is fetched
+            check_map_size(d.size, f"{what} {role} map")
         need(
             [Want(m.config.digest, m.config.size, m.config.size, f"{what} config")]
             + [Want(d.digest, d.size, MAX_FILE_BLOB, f"{what} {r}") for r, d in m.files.items()]

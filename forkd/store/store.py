@@ -27,7 +27,7 @@ from forkd import digest as dg
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.names import Ref, parse_ref
 from forkd.pack import mediatypes as mt
-from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, flatten, walk
+from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, flatten, touched_regions, walk
 from forkd.pack.chunking import (
     Progress,
     RawChunk,
@@ -39,7 +39,7 @@ from forkd.pack.chunking import (
     page_chunks,
 )
 from forkd.pack.config import Compat, Provenance, SnapshotConfig
-from forkd.pack.imagemap import PAGE_SIZE, Extent, ImageMap
+from forkd.pack.imagemap import PAGE_SIZE, Extent, ImageMap, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Descriptor, Manifest
 from forkd.store.blobs import FsBlobStore
 from forkd.store.tags import TagIndex, flock
@@ -147,6 +147,7 @@ class Store:
         d = manifest.maps.get(role)
         if d is None:
             return None
+        check_map_size(d.size, f"{what} {role} map")  # before reading what it declares
         imap = ImageMap.from_bytes(
             self.blobs.read(d.digest, d.size, f"{what} {role} map"), f"{what} {role} map"
         )
@@ -517,16 +518,23 @@ class Store:
         return self._compact(digest, tag, provenance)
 
     def _compact(self, digest: str, tag: str, provenance: Provenance) -> str:
-        """One flat layer with the head's assembled bytes; returns its manifest digest."""
+        """One flat layer with the head's assembled bytes; returns its manifest digest.
+
+        Only the 2 MiB regions some layer's chunk writes are read back: the rest of the
+        assembled image is zero (holes), so the work follows the stored chunks, not the
+        image size the maps declare."""
         asm = self.assemble_digest(digest)
+        chain = self.chain(digest)
         maps: dict[str, ImageMap] = {}
         for role, path in (("memory", asm.memory), ("disk", asm.disk)):
             if path is None:
                 continue
+            plan = flatten(self._chain_maps(chain, role, digest), f"{digest} {role}")
             with open(path, "rb") as f:
                 size = image_size(f, f"assembled {role} image")
-                maps[role] = build_map(self.blobs, "flat", size, flat_chunks(f, size), [])
-        files = chain_files(self.chain(digest))
+                chunks = flat_chunks(f, size, regions=touched_regions(plan))
+                maps[role] = build_map(self.blobs, "flat", size, chunks, [])
+        files = chain_files(chain)
         cfg = replace(
             asm.config,
             tag=tag,
