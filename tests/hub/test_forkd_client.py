@@ -119,6 +119,25 @@ def test_cli_pull_keeps_a_local_tag_that_names_other_content(
     assert "--force" in _forkd(env, "pull", "--help").stdout
 
 
+def test_a_pulled_compacted_layer_is_listed_as_compacted(
+    hub: HubServer, user: tuple[str, str], store: Store, chain: list[str], tmp_path: Path
+) -> None:
+    target = Hub(hub.address, "http")
+    store.compact("d3", "flat")
+    with RegistryClient(target, Credential(*user)) as client:
+        push(store, "flat", parse_remote(f"{target}/{user[0]}/app:flat"), client)
+        push(store, "d3", parse_remote(f"{target}/{user[0]}/app:chain"), client)
+        mine = Store(tmp_path / "mine")
+        pull(mine, parse_remote(f"{target}/{user[0]}/app:flat"), client)
+        pull(mine, parse_remote(f"{target}/{user[0]}/app:chain"), client)
+    env = {**os.environ, "FORKD_HOME": str(mine.home)}
+    rows = json.loads(_forkd(env, "images", "--json").stdout)
+    assert {r["ref"]: r["compacted"] for r in rows} == {
+        f"{user[0]}/app:flat": True,
+        f"{user[0]}/app:chain": False,
+    }
+
+
 def test_pull_refuses_a_tag_set_meanwhile(
     hub: HubServer,
     user: tuple[str, str],
