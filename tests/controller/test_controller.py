@@ -20,7 +20,7 @@ from forkd.errors import InvalidInput, NotFound
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_TAG = "tiny:ctl"
-TOKEN = "test-token-0123456789"
+TOKEN = "test-token-0123456789-0123456789-0123456789"  # >= 32 bytes
 pytestmark = pytest.mark.vm
 
 
@@ -145,6 +145,8 @@ def test_rest_round_trip_with_token(daemon: str, env: dict[str, str]):
         assert "forkd_controller_sandboxes_spawned_total 2.0" in metrics
     audit = Path(env["FORKD_HOME"], "controller-audit.log").read_text()
     assert '"action":"sandbox.create"' in audit and '"result":"denied"' in audit
+    creates = [json.loads(line) for line in audit.splitlines() if '"sandbox.create"' in line]
+    assert all(e["actor"] == "tcp" and e["ip"].startswith("127.0.0.1:") for e in creates)
 
 
 def test_sdk_over_the_daemon(daemon: str):

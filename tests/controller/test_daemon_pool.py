@@ -19,7 +19,7 @@ from forkd.controller.backend import LocalBackend
 from forkd.errors import InvalidInput
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "pool-token-0123456789"
+TOKEN = "pool-token-0123456789-0123456789-0123456789"  # >= 32 bytes
 TAG = "tiny:pool"
 TINY_TAG = TAG
 pytestmark = pytest.mark.vm
