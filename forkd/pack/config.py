@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from forkd import digest as dg
+from forkd import jsondoc
 from forkd.errors import IntegrityError
 from forkd.names import parse_ref
 
@@ -64,7 +65,7 @@ class SnapshotConfig:
         if len(data) > MAX_CONFIG_BYTES:
             raise IntegrityError(f"{what} is {len(data)} bytes, over {MAX_CONFIG_BYTES}")
         try:
-            raw = json.loads(data)
+            raw = jsondoc.loads(data, what)
             if raw.get("schema") != CONFIG_SCHEMA:
                 raise IntegrityError(
                     f"{what} has schema {raw.get('schema')!r}; this forkd reads schema "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forkd import digest as dg
+from forkd import jsondoc
 from forkd.errors import IntegrityError
 from forkd.pack import mediatypes as mt
 from forkd.pack.imagemap import ImageMap
@@ -101,10 +102,7 @@ class Manifest:
             raise IntegrityError(
                 f"{what} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
             )
-        try:
-            raw = json.loads(data)
-        except ValueError as exc:
-            raise IntegrityError(f"{what} is not JSON: {exc}") from exc
+        raw = jsondoc.loads(data, what)
         if not isinstance(raw, dict) or raw.get("schemaVersion") != SCHEMA_VERSION:
             raise IntegrityError(f"{what}: not an OCI manifest with schemaVersion 2")
         if raw.get("mediaType") != mt.OCI_MANIFEST or raw.get("artifactType") != mt.ARTIFACT_TYPE:

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 
 from forkd import digest as dg
-from forkd.errors import ForkdError, IntegrityError, NotFound
+from forkd import jsondoc
+from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.pack import mediatypes as mt
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.registry.credentials import Credential
@@ -141,7 +142,7 @@ class RegistryClient:
             raise AuthError(f"{self.hub}: token request for {query['scope']} refused; {hint}")
         if resp.status_code != 200:
             raise self._error("GET", realm, resp)
-        body = resp.json()
+        body = json_answer(resp, f"{self.hub}: token endpoint {realm} answer")
         token = body.get("token") or body.get("access_token")
         if not isinstance(token, str):
             raise AuthError(f"{self.hub}: token endpoint answered without a token")
@@ -151,9 +152,9 @@ class RegistryClient:
     def _error(self, method: str, url: str, resp: httpx.Response) -> RegistryError:
         detail = ""
         try:
-            errors = resp.json().get("errors") or []
+            errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-        except (ValueError, AttributeError):
+        except (InvalidInput, AttributeError, TypeError):
             detail = resp.text[:200]
         msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
         if resp.status_code in (401, 403):
@@ -299,6 +300,17 @@ class RegistryClient:
         )
         digest: str = resp.headers.get("docker-content-digest") or dg.of_bytes(data)
         return digest
+
+
+def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
+    """A registry's JSON answer, which must be an object (nesting bounded by forkd.jsondoc)."""
+    try:
+        doc = jsondoc.loads(resp.content, what)
+    except InvalidInput as exc:
+        raise RegistryError(f"{exc}; is the address a forkd hub or an OCI registry?") from exc
+    if not isinstance(doc, dict):
+        raise RegistryError(f"{what} is not a JSON object; is the address a forkd hub?")
+    return doc
 
 
 def _with_digest(location: str, digest: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from forkd.errors import Conflict
 from forkd.names import validate_name, validate_tag
-from forkd.registry.client import RegistryClient
+from forkd.registry.client import RegistryClient, json_answer
 
 
 def compact_remote(
@@ -36,5 +36,4 @@ def compact_remote(
         raise Conflict(
             f"{client.hub}: tag {repo}:{to} exists; pick another tag or pass --force to replace it"
         )
-    result: dict[str, Any] = resp.json()
-    return result
+    return json_answer(resp, f"{client.hub}: compaction answer")

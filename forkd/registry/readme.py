@@ -14,7 +14,7 @@ from typing import Any
 
 from forkd.errors import InvalidInput
 from forkd.names import validate_name
-from forkd.registry.client import RegistryClient
+from forkd.registry.client import RegistryClient, json_answer
 
 README_MAX = 256 * 1024
 
@@ -51,5 +51,4 @@ def set_readme(
     resp = client.request(
         "PUT", f"/api/v1/readme/{repo}", client.push_scope(repo), ok=(200,), json=body
     )
-    result: dict[str, Any] = resp.json()
-    return result
+    return json_answer(resp, f"{client.hub}: README answer")

@@ -3,7 +3,9 @@
 Export writes ``oci-layout``, ``index.json`` (one entry per chain member, each
 named by its tag in ``org.opencontainers.image.ref.name``, head first) and
 ``blobs/sha256/<hex>``. Import reads an untrusted tar: only those member names,
-regular files only, bounded sizes; every blob is checked against its digest as
+plain regular files only (no sparse members, links or devices), each member
+inside the archive and all of them together no bigger than it, so an import
+writes at most the bytes the pack carries; every blob is checked against its digest as
 it is stored, every manifest, config and map is validated, every chunk is
 decompressed (bounded) and checked against its blake3; tags are written last,
 and only when all of that passed.
@@ -13,22 +15,27 @@ from __future__ import annotations
 
 import io
 import json
-import re
+import os
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 from forkd import digest as dg
+from forkd import jsondoc
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
-from forkd.names import Ref, parse_ref
+from forkd.names import Ref, matches, parse_ref, whole
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import MAX_CHAIN_DEPTH
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.store.fetch import Want, fetch_chain
 from forkd.store.store import Store
 
-_BLOB_NAME = re.compile(r"^blobs/sha256/([a-f0-9]{64})$")
+_BLOB_NAME = whole(r"blobs/sha256/([a-f0-9]{64})")
+_DIRS = ("", "blobs", "blobs/sha256", "blobs/", "blobs/sha256/")
+# Plain files only: tarfile counts GNU sparse and contiguous members as files too.
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)
 MAX_INDEX_BYTES = 4 << 20
 
 Progress = Callable[[int], None]
@@ -105,7 +112,7 @@ def import_pack(
             f"{path} is not a readable pack (an OCI image-layout tar): {exc}"
         ) from exc
     with tar, store.writing():
-        members = _check_members(tar, path)
+        members = _check_members(tar, path, _archive_size(tar))
         if "index.json" not in members:
             raise IntegrityError(f"{path}: no index.json; not an OCI image layout")
         index = _read_member(tar, members["index.json"], MAX_INDEX_BYTES, "index.json")
@@ -113,7 +120,7 @@ def import_pack(
         blob_members = {
             f"sha256:{match.group(1)}": info
             for name, info in members.items()
-            if (match := _BLOB_NAME.match(name))
+            if (match := _BLOB_NAME.fullmatch(name))
         }
 
         def fetch(wants: list[Want]) -> None:
@@ -162,18 +169,48 @@ def _tag(store: Store, heads: list[tuple[Ref, str]], force: bool, count: int) ->
     return ImportedPack(str(heads[0][0]), tagged, skipped, count)
 
 
-def _check_members(tar: tarfile.TarFile, path: Path) -> dict[str, tarfile.TarInfo]:
+def _check_members(
+    tar: tarfile.TarFile, path: Path, archive_size: int
+) -> dict[str, tarfile.TarInfo]:
+    """The pack's files by name, each a plain file whose bytes lie inside the archive."""
     members: dict[str, tarfile.TarInfo] = {}
-    for info in tar.getmembers():
+    carried = 0
+    for info in _members(tar, path):
         name = info.name.removeprefix("./")
-        if info.isdir() and name in ("", "blobs", "blobs/sha256", "blobs/", "blobs/sha256/"):
+        if info.type == tarfile.DIRTYPE and name in _DIRS:
             continue
-        if not info.isfile():
-            raise IntegrityError(f"{path}: member {info.name!r} is not a regular file; refusing")
-        if name not in ("oci-layout", "index.json") and not _BLOB_NAME.match(name):
-            raise IntegrityError(f"{path}: unexpected member {info.name[:200]!r}; refusing")
+        shown = repr(info.name[:200])
+        if info.type not in _FILE_TYPES or info.issparse():
+            raise IntegrityError(
+                f"{path}: member {shown} is not a plain regular file (sparse, link, device or "
+                "directory); refusing — re-export the pack with `forkd export`"
+            )
+        if name not in ("oci-layout", "index.json") and not matches(_BLOB_NAME, name):
+            raise IntegrityError(f"{path}: unexpected member {shown}; refusing")
+        if name in members:
+            raise IntegrityError(f"{path}: member {shown} appears twice; refusing")
+        carried += info.size
+        if info.offset_data + info.size > archive_size or carried > archive_size:
+            raise IntegrityError(
+                f"{path}: member {shown} declares {info.size} bytes, more than the "
+                f"{archive_size}-byte pack holds; refusing (truncated or hostile pack)"
+            )
         members[name] = info
     return members
+
+
+def _archive_size(tar: tarfile.TarFile) -> int:
+    """The bytes of the opened pack file (0 for a pipe or device: nothing fits in it)."""
+    opened = cast(BinaryIO, tar.fileobj)  # tarfile.open(path) keeps the file it opened
+    return os.fstat(opened.fileno()).st_size
+
+
+def _members(tar: tarfile.TarFile, path: Path) -> list[tarfile.TarInfo]:
+    """Every member header; a header tarfile cannot parse is an IntegrityError."""
+    try:
+        return tar.getmembers()
+    except (tarfile.TarError, ValueError, EOFError, OSError) as exc:
+        raise IntegrityError(f"{path}: a tar header is damaged ({exc}); refusing") from exc
 
 
 def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int, what: str) -> bytes:
@@ -186,7 +223,7 @@ def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int, what: 
 
 def _parse_index(data: bytes, path: Path) -> list[tuple[Ref, str]]:
     try:
-        raw = json.loads(data)
+        raw = jsondoc.loads(data, "index.json")
         entries = raw["manifests"]
         heads = []
         for e in entries:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from forkd import digest as dg
-from forkd.errors import IntegrityError
+from forkd import jsondoc
+from forkd.errors import IntegrityError, InvalidInput
 from forkd.names import parse_ref
 
 MAX_TAGS_BYTES = 64 << 20
@@ -40,9 +41,9 @@ class TagIndex:
         if len(data) > MAX_TAGS_BYTES:
             raise IntegrityError(f"{self.path} is over {MAX_TAGS_BYTES} bytes; it is corrupt")
         try:
-            raw = json.loads(data)
+            raw = jsondoc.loads(data, str(self.path))
             tags = {str(parse_ref(k)): dg.validate(v) for k, v in raw.items()}
-        except (ValueError, AttributeError) as exc:
+        except (InvalidInput, ValueError, AttributeError) as exc:
             raise IntegrityError(
                 f"{self.path} is corrupt ({exc}); restore it from a backup or re-import the tags"
             ) from exc
