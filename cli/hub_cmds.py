@@ -207,7 +207,7 @@ def gc(
     data_dir: Path,
     database_url: str,
     grace_minutes: int,
-    upload_ttl_hours: int,
+    upload_ttl_hours: int | None,
     dry_run: bool,
     with_retention: bool,
     **blob: str | None,
@@ -246,7 +246,9 @@ def gc(
                 hub_.blobs,
                 hub_.uploads,
                 grace=timedelta(minutes=grace_minutes),
-                upload_ttl=timedelta(hours=upload_ttl_hours),
+                upload_ttl=timedelta(hours=upload_ttl_hours)
+                if upload_ttl_hours is not None
+                else timedelta(seconds=settings.upload_idle_timeout),
                 dry_run=dry_run,
             )
             if not dry_run:
@@ -269,7 +271,8 @@ def gc(
     verb = "would remove" if dry_run else "removed"
     click.echo(
         f"{verb} {len(report.blobs)} blobs ({report.bytes} bytes), "
-        f"{len(report.orphan_files)} orphan files, {len(report.uploads)} stale uploads"
+        f"{len(report.orphan_files)} orphan files, {len(report.uploads)} stale uploads, "
+        f"{len(report.temp_files)} temporary files"
     )
 
 

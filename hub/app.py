@@ -17,7 +17,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
 
 import forkd
-from forkd.hub import accounts
+from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
 from forkd.hub.auth import token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
@@ -90,6 +90,9 @@ def create_app(settings: HubSettings) -> Litestar:
         await bootstrap_admin(hub)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(flush_pulls, hub)
+            tasks.start_soon(
+                gc.expire_forever, hub.db, hub.blobs, hub.uploads, settings.upload_idle_timeout
+            )
             if retention is not None:
                 await tasks.start(retention.run)  # queues from the first request on
             if settings.retention:

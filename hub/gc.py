@@ -1,4 +1,5 @@
-"""Garbage collection: remove blobs no manifest keeps alive, orphan files, stale uploads.
+"""Garbage collection: remove blobs no manifest keeps alive, orphan files, stale uploads
+and temporary files.
 
 Mark: the roots are every manifest (its own bytes) and every digest a manifest
 references (config, layers, child manifests, subject) in ``manifest_references``.
@@ -12,17 +13,27 @@ Manifest pushes take the shared side of it and check under it that the blob file
 exist. A finished upload checks right after its link commits and stores the blob again
 if a sweep removed an old copy before the link (the fresh link keeps it from the next
 sweeps). So a push never ends with a manifest or link that points at a missing file.
+
+Upload sessions idle past the upload TTL (files untouched) are dropped, and the blob
+store's temporary files older than the grace period that no writer holds (a kill -9 in
+the middle of a write leaves one). The hub does the same by itself every few minutes
+(``expire_forever``, with ``upload_idle_timeout`` for both).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import islice
+from pathlib import Path
 
+import anyio
 from sqlalchemy import delete, exists, select, union
 
 from forkd.errors import NotFound
@@ -30,9 +41,10 @@ from forkd.hub import quotas
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Manifest, ManifestReference, RepositoryBlob, Upload, utcnow
 from forkd.hub.storage import UPLOAD_ID_RE, UploadArea
-from forkd.store.blobs import BlobStore
+from forkd.store.blobs import BlobStore, FsBlobStore
 
 BATCH = 500
+log = logging.getLogger("forkd.hub")
 
 
 @dataclass
@@ -42,6 +54,7 @@ class GcReport:
     bytes: int = 0
     orphan_files: list[str] = field(default_factory=list)
     uploads: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)
 
 
 def _batches(items: list[str]) -> Iterator[list[str]]:
@@ -103,22 +116,81 @@ async def collect(
             for digest in [*report.blobs, *report.orphan_files]:
                 blobs.delete(digest)
 
-        # Upload sessions with no activity (file untouched) for upload_ttl, and stray files.
-        stale_ts = time.time() - upload_ttl.total_seconds()
+    report.uploads = await expire_uploads(db, uploads, upload_ttl, dry_run=dry_run)
+    report.temp_files = sweep_temp_files(blobs, grace, dry_run=dry_run)
+    return report
+
+
+async def expire_uploads(
+    db: Database, uploads: UploadArea, idle: timedelta, *, dry_run: bool = False
+) -> list[str]:
+    """Delete upload sessions whose bytes have not changed for ``idle`` (rows and files),
+    rows whose file vanished, and stray files as old; return their ids."""
+    stale_ts = time.time() - idle.total_seconds()
+    found: list[str] = []
+    async with db.transaction() as session:
         sessions = set((await session.scalars(select(Upload.id))).all())
         for name in sorted(os.listdir(uploads.root)):
             try:
-                idle = (uploads.root / name).stat().st_mtime < stale_ts
+                expired = (uploads.root / name).stat().st_mtime < stale_ts
             except FileNotFoundError:  # finished or cancelled meanwhile
                 continue
-            if UPLOAD_ID_RE.match(name) and idle:
-                report.uploads.append(name)
-        report.uploads += sorted(
-            s for s in sessions if not (uploads.root / s).exists() and s not in report.uploads
-        )
+            if UPLOAD_ID_RE.match(name) and expired:
+                found.append(name)
+        found += sorted(s for s in sessions if not (uploads.root / s).exists() and s not in found)
         if not dry_run:
-            for batch in _batches(report.uploads):
+            for batch in _batches(found):
                 await session.execute(delete(Upload).where(Upload.id.in_(batch)))
-            for upload_id in report.uploads:
-                uploads.remove(upload_id)
-    return report
+    if not dry_run:
+        for upload_id in found:
+            uploads.remove(upload_id)
+    return found
+
+
+def sweep_temp_files(blobs: BlobStore, grace: timedelta, *, dry_run: bool = False) -> list[str]:
+    """Delete the blob store's temporary files (``blobs/tmp``: writes a crash or kill cut
+    short) older than ``grace``, unless a writer still holds one (its lock); return their
+    names. Only the file-system backend has such files."""
+    if not isinstance(blobs, FsBlobStore):
+        return []
+    cutoff = time.time() - grace.total_seconds()
+    removed: list[str] = []
+    for path in sorted(blobs.tmp.iterdir()):
+        try:
+            if not path.is_file() or path.stat().st_mtime >= cutoff or in_use(path):
+                continue
+        except FileNotFoundError:  # published or removed meanwhile
+            continue
+        removed.append(path.name)
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return removed
+
+
+def in_use(path: Path) -> bool:
+    """Whether a writer holds ``path``'s lock (``FsBlobStore.put_stream`` takes it)."""
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
+def sweep_interval(idle_timeout: float) -> float:
+    """How often the hub looks for expired uploads: a quarter of the timeout, 1 s to 5 min."""
+    return max(1.0, min(300.0, idle_timeout / 4))
+
+
+async def expire_forever(db: Database, blobs: BlobStore, uploads: UploadArea, idle: float) -> None:
+    """The hub's periodic work: expired upload sessions and stale temporary files, every
+    ``sweep_interval``, until cancelled."""
+    while True:
+        await anyio.sleep(sweep_interval(idle))
+        try:
+            await expire_uploads(db, uploads, timedelta(seconds=idle))
+            await anyio.to_thread.run_sync(sweep_temp_files, blobs, timedelta(seconds=idle))
+        except Exception:  # a busy or restarting database: next time
+            log.warning("could not expire upload sessions", exc_info=True)

@@ -1,63 +1,77 @@
 """Per-namespace storage quotas.
 
-Accounting: a namespace uses the sizes of the distinct blobs linked into its
-repositories (``repository_blobs``): config and layer blobs that were uploaded or
-mounted there, or written there by server-side compaction. A blob linked into
-several repositories of one namespace counts once; a blob shared with another
-namespace counts in each. Manifest bodies are not counted (they are bounded by
-``manifest_max_bytes`` and are not linked blobs). Unlinking a blob (``DELETE
-/v2/NAME/blobs/DIGEST``) or a GC sweep removing it gives the bytes back; deleting
-tags or manifests alone does not, until GC removes the blobs they kept alive.
+Accounting: a namespace uses the sizes of the distinct digests its repositories hold:
+blobs linked into them (``repository_blobs``: config and layer blobs that were uploaded
+or mounted there, or written there by server-side compaction) and manifest bodies
+pushed to them (``manifests``). A digest held by several repositories of one namespace
+counts once; one shared with another namespace counts in each. Unlinking a blob
+(``DELETE /v2/NAME/blobs/DIGEST``), deleting a manifest (by digest, or by the retention
+sweep) or a GC sweep removing blobs gives the bytes back; deleting tags alone does not,
+until the manifests and then the blobs they kept alive go.
 
-A link that would take the namespace past its quota is refused with ``DENIED``
-before anything is stored (and checked again under the write lock when the blob is
-linked, so concurrent uploads cannot overshoot together).
+A link or manifest that would take the namespace past its quota is refused with
+``DENIED`` before anything is stored (and checked again under the write lock when the
+blob is linked, so concurrent uploads cannot overshoot together).
+
+Upload sessions: bytes held in a namespace's open (not yet expired) upload sessions
+count against its quota while they are open: every ``PATCH``/``PUT``/monolithic
+``POST`` may add at most the quota left after the stored usage and all open sessions'
+bytes (``upload_room``), so unfinished uploads cannot fill the disk past the quota. The
+session count and size caps (``upload_sessions_max``, ``upload_max_bytes``) apply with
+or without a quota (hub/oci/uploads.py).
 
 The running total: a namespace with a quota keeps its usage in ``used_bytes``, computed
 when the quota is set and kept by every change of its links (``charge`` when a blob is
-linked, ``release`` when one is unlinked, ``release_swept`` when GC removes blobs), so a
-check costs two indexed reads however many blobs the namespace holds. Without a quota
-``used_bytes`` is NULL and links cost no accounting.
+linked or a manifest recorded, ``release`` when one is unlinked or deleted,
+``release_swept`` when GC removes blobs), so a check costs a few indexed reads however
+many blobs the namespace holds. Without a quota ``used_bytes`` is NULL and links cost no
+accounting.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, text, union, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd.errors import InvalidInput
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import Blob, Namespace, Repository, RepositoryBlob
+from forkd.hub.models import Blob, Manifest, Namespace, Repository, RepositoryBlob, Upload
 
 QUOTA_LOCK_CLASS = 0x71756F74  # "quot"
 
 
 def usage(session: Session, namespace_id: int) -> int:
-    """Bytes of the distinct blobs linked into the namespace's repositories."""
-    linked = (
-        select(RepositoryBlob.digest)
-        .join(Repository, Repository.id == RepositoryBlob.repository_id)
-        .where(Repository.namespace_id == namespace_id)
-        .distinct()
-        .subquery()
+    """Bytes of the distinct blobs and manifests the namespace's repositories hold."""
+    linked = select(RepositoryBlob.digest).join(
+        Repository, Repository.id == RepositoryBlob.repository_id
     )
+    manifests = select(Manifest.digest).join(Repository, Repository.id == Manifest.repository_id)
+    held = union(
+        linked.where(Repository.namespace_id == namespace_id),
+        manifests.where(Repository.namespace_id == namespace_id),
+    ).subquery()
     total = session.scalar(
-        select(func.coalesce(func.sum(Blob.size), 0)).where(Blob.digest.in_(select(linked)))
+        select(func.coalesce(func.sum(Blob.size), 0)).where(Blob.digest.in_(select(held)))
     )
     return int(total or 0)
 
 
 def _linked_in_namespace(session: Session, namespace_id: int, digest: str) -> bool:
-    found = session.scalar(
-        select(RepositoryBlob.digest)
-        .join(Repository, Repository.id == RepositoryBlob.repository_id)
-        .where(Repository.namespace_id == namespace_id, RepositoryBlob.digest == digest)
-        .limit(1)
-    )
-    return found is not None
+    """Whether a repository of the namespace links ``digest`` or has it as a manifest."""
+    for table in (RepositoryBlob, Manifest):
+        found = session.scalar(
+            select(table.digest)
+            .join(Repository, Repository.id == table.repository_id)
+            .where(Repository.namespace_id == namespace_id, table.digest == digest)
+            .limit(1)
+        )
+        if found is not None:
+            return True
+    return False
 
 
 def _namespace_of(session: Session, repository_id: int) -> Any:
@@ -103,8 +117,9 @@ def check(session: Session, repository_id: int, digest: str, size: int) -> int:
 
 
 def charge(session: Session, repository_id: int, digest: str, size: int) -> None:
-    """``check``, then count the blob in the running total; the caller links it in the
-    same transaction (``link_blob``)."""
+    """``check``, then count the blob or manifest in the running total; the caller links
+    it (``link_blob``) or records the manifest (``register_manifest``) after this, in the
+    same transaction."""
     added = check(session, repository_id, digest, size)
     if added:
         session.execute(
@@ -121,8 +136,8 @@ def charge(session: Session, repository_id: int, digest: str, size: int) -> None
 
 
 def release(session: Session, repository_id: int, digest: str) -> None:
-    """After the blob's link into the repository was deleted: give its bytes back to the
-    namespace's running total unless another of its repositories still links it."""
+    """After the blob's link (or the manifest) in the repository was deleted: give its
+    bytes back to the namespace's running total unless the namespace still holds it."""
     row = _namespace_of(session, repository_id)
     if row is None or row.used_bytes is None:
         return
@@ -158,6 +173,43 @@ def release_swept(session: Session, digests: list[str]) -> None:
             .where(Namespace.id == namespace_id, Namespace.used_bytes.is_not(None))
             .values(used_bytes=Namespace.used_bytes - int(size or 0))
         )
+
+
+@dataclass(frozen=True)
+class NamespaceUploads:
+    """A namespace's open upload sessions and what its quota leaves for them."""
+
+    namespace_id: int
+    namespace: str
+    quota_bytes: int | None
+    quota_left: int | None  # quota minus stored usage; None: no quota (or not charged)
+    sessions: list[str]  # ids of its upload session rows (expired ones included)
+
+
+def uploads_of(session: Session, repository_id: int, digest: str | None = None) -> NamespaceUploads:
+    """The repository's namespace's upload sessions and quota headroom (sync ORM code).
+    Uploading ``digest``, a blob the namespace holds already, adds nothing to its usage:
+    no headroom limit then."""
+    row = _namespace_of(session, repository_id)
+    sessions = session.scalars(
+        select(Upload.id)
+        .join(Repository, Repository.id == Upload.repository_id)
+        .where(Repository.namespace_id == row.id)
+    ).all()
+    left = None
+    known = digest is not None and _linked_in_namespace(session, row.id, digest)
+    if row.quota_bytes is not None and not known:
+        used = row.used_bytes if row.used_bytes is not None else usage(session, row.id)
+        left = row.quota_bytes - used
+    return NamespaceUploads(row.id, row.name, row.quota_bytes, left, list(sessions))
+
+
+def upload_sessions_locked(session: Session, repository_id: int) -> NamespaceUploads:
+    """``uploads_of`` under the namespace's lock (PostgreSQL; SQLite writers are serial),
+    for a writer that counts the sessions before it adds one."""
+    row = _namespace_of(session, repository_id)
+    _serialise(session, row.id)
+    return uploads_of(session, repository_id)
 
 
 async def set_quota(session: AsyncSession, namespace: str, quota_bytes: int | None) -> None:

@@ -30,6 +30,7 @@ import anyio
 from sqlalchemy import delete, select
 
 from forkd.audit import AuditLog
+from forkd.hub import quotas
 from forkd.hub.db import Database
 from forkd.hub.models import Manifest, ManifestReference, Repository, Tag, utcnow
 from forkd.hub.settings import RetentionRule
@@ -187,6 +188,7 @@ async def _sweep_repository(
                     delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
                 )
                 await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
+                await session.run_sync(quotas.release, repo_id, digest)
                 candidates.discard(digest)
                 report.manifests.append(f"{name}@{digest}")
                 audit.record(

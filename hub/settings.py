@@ -94,6 +94,12 @@ class HubSettings:
     def from_env(
         cls,
         data_dir: Path | None = None,
+    # Upload sessions (hub/oci/uploads.py): at most this many open per namespace, each at
+    # most upload_max_bytes, dropped after upload_idle_timeout seconds without a PATCH/PUT
+    # (the hub's periodic sweep and `forkd hub gc` delete their files).
+    upload_sessions_max: int = 50
+    upload_max_bytes: int = 16 * 1024 * MiB
+    upload_idle_timeout: float = 3600.0
         *,
         base: Mapping[str, object] | None = None,
         **overrides: object,
@@ -152,6 +158,10 @@ class HubSettings:
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
             )
         if self.admin_password:  # refuse at start, not in the middle of the app's startup
+        if self.upload_sessions_max <= 0 or self.upload_max_bytes <= 0:
+            raise InvalidInput("upload_sessions_max and upload_max_bytes must be > 0")
+        if self.upload_idle_timeout <= 0:
+            raise InvalidInput("upload_idle_timeout must be > 0 seconds")
             from forkd.hub.accounts import check_password
 
             check_password(self.admin_password, "FORKD_HUB_ADMIN_PASSWORD")
@@ -187,6 +197,9 @@ class HubSettings:
         """The blob backend's settings are complete and used (none silently ignored)."""
         if self.blob_backend not in BLOB_BACKENDS:
             raise InvalidInput(f"invalid blob backend {self.blob_backend!r}: use fs or s3")
+            upload_sessions_max=self.upload_sessions_max,
+            upload_max_bytes=self.upload_max_bytes,
+            upload_idle_timeout=float(self.upload_idle_timeout),
         s3_set = [
             name
             for name in ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_prefix")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -24,7 +25,7 @@ UPLOAD_ID_RE = re.compile(r"^[a-f0-9]{32}$")
 
 
 def validate_upload_id(upload_id: str) -> str:
-    if not UPLOAD_ID_RE.match(upload_id):
+    if not isinstance(upload_id, str) or not UPLOAD_ID_RE.fullmatch(upload_id):
         raise InvalidInput(f"invalid upload id {upload_id[:40]!r}")
     return upload_id
 
@@ -47,6 +48,27 @@ class UploadArea:
             return self.path(upload_id).stat().st_size
         except FileNotFoundError:
             raise NotFound(f"upload {upload_id} has no data file") from None
+
+    def idle_seconds(self, upload_id: str) -> float:
+        """Seconds since the session's bytes last changed (its file's mtime)."""
+        try:
+            return time.time() - self.path(upload_id).stat().st_mtime
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} has no data file") from None
+
+    def live_sizes(self, upload_ids: list[str], idle_timeout: float) -> dict[str, int]:
+        """Sizes of those sessions that have their data file and are not idle past
+        ``idle_timeout`` seconds (expired or vanished ones are left out)."""
+        sizes: dict[str, int] = {}
+        oldest = time.time() - idle_timeout
+        for upload_id in upload_ids:
+            try:
+                st = self.path(upload_id).stat()
+            except FileNotFoundError:
+                continue
+            if st.st_mtime >= oldest:
+                sizes[upload_id] = st.st_size
+        return sizes
 
     def open_append(self, upload_id: str) -> BinaryIO:
         try:

@@ -15,6 +15,7 @@ Readers check the digest before they use the bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -136,9 +137,11 @@ class FsBlobStore:
                 # Content addressed: the bytes are already here. Drain nothing.
                 return expected
         fd, tmp_name = tempfile.mkstemp(dir=self.tmp, prefix="blob-")
+        # Held until the file is published or removed: `forkd hub gc` spares locked files.
+        fcntl.flock(fd, fcntl.LOCK_SH)
         try:
             stream = StreamCheck(expected, expected_size)
-            with os.fdopen(fd, "wb") as out:
+            with os.fdopen(fd, "wb", closefd=False) as out:
                 for chunk in stream.feed(chunks):
                     out.write(chunk)
                 out.flush()
@@ -153,6 +156,7 @@ class FsBlobStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
+            os.close(fd)
 
     def delete(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):

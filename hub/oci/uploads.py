@@ -7,6 +7,14 @@ blob store, which verifies the digest first: on a mismatch nothing is stored and
 the session is dropped (DIGEST_INVALID). A ``PATCH`` must start where the bytes so
 far end (416 otherwise); an interrupted ``PATCH`` keeps what arrived, and
 ``GET`` on the session tells the client where to resume.
+
+Limits (hub/settings.py): a namespace has at most ``upload_sessions_max`` open sessions
+(429 beyond), a session (or monolithic upload) holds at most ``upload_max_bytes`` (413
+beyond), and bytes in open sessions count against the namespace's quota while they are
+open (hub/quotas.py). A session with no ``PATCH``/``PUT`` for ``upload_idle_timeout``
+seconds has expired: it answers ``BLOB_UPLOAD_UNKNOWN`` and its file is deleted, by that
+request, the hub's periodic sweep or ``forkd hub gc`` (hub/gc.py). A session whose data
+file vanished answers ``BLOB_UPLOAD_UNKNOWN`` too.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from forkd.hub.db import Database
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, Upload
 from forkd.hub.oci.common import STREAM_CHUNK, Ctx, link_blob, linked_blob_size, parse_digest
+from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
@@ -64,15 +73,76 @@ def _exclusive(f: BinaryIO) -> Iterator[None]:
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-async def _append(ctx: Ctx, upload_id: str) -> int:
-    """Append the request body at the end of the session's bytes; return the new size."""
+def _unknown(upload_id: str, why: str) -> RegistryError:
+    return RegistryError(
+        Code.BLOB_UPLOAD_UNKNOWN,
+        f"upload {upload_id} {why}; start a new upload (POST /v2/NAME/blobs/uploads/)",
+    )
+
+
+def _open_append(hub: Hub, upload_id: str) -> BinaryIO:
+    try:
+        return hub.uploads.open_append(upload_id)
+    except NotFound:
+        raise _unknown(upload_id, "has lost its data") from None
+
+
+async def _room(
+    ctx: Ctx, repo_id: int, upload_id: str, offset: int, digest: str | None
+) -> tuple[int, RegistryError]:
+    """How many more bytes this upload may take, and the error for taking more: the
+    per-upload size cap, and the quota left after stored usage and the bytes of every
+    other open session of the namespace (hub/quotas.py); no quota limit when ``digest``
+    is known and the namespace holds it already."""
+    hub = ctx.hub
+    cap = hub.settings.upload_max_bytes
+    room = cap - offset
+    too_big = RegistryError(
+        Code.SIZE_INVALID,
+        f"uploads are limited to {cap} bytes each (upload_max_bytes)",
+        status=413,
+    )
+    # Not ``Database.read``: without a running total this sums the namespace's blobs.
+    async with hub.db.reading() as session:
+        held: NamespaceUploads = await session.run_sync(quotas.uploads_of, repo_id, digest)
+    if held.quota_left is None:
+        return room, too_big
+    others = [s for s in held.sessions if s != upload_id]
+    in_flight = sum(hub.uploads.live_sizes(others, hub.settings.upload_idle_timeout).values())
+    left = held.quota_left - in_flight - offset
+    if left >= room:
+        return room, too_big
+    assert held.quota_bytes is not None  # a quota_left comes from a quota
+    reason = (
+        f"storage quota of namespace {held.namespace!r} exceeded: "
+        f"{held.quota_bytes - held.quota_left} of {held.quota_bytes} bytes used, "
+        f"{in_flight + offset} more held by open upload sessions, this upload needs more; "
+        "finish or cancel unfinished uploads, or ask for a larger quota"
+    )
+    return max(left, 0), RegistryError(Code.DENIED, reason, message=reason)
+
+
+def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
+    """``error``, recorded in the audit log when it is a quota's refusal."""
+    if error.code is Code.DENIED:
+        ctx.audit("blob.push", target, "denied", reason=error.detail)
+    return error
+
+
+async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None) -> int:
+    """Append the request body at the end of the session's bytes; return the new size.
+    ``digest``: the blob's, when the request names it (monolithic POST, closing PUT)."""
     content_range = ctx.request.headers.get("content-range")
-    with ctx.hub.uploads.open_append(upload_id) as f, _exclusive(f):
+    with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
         f.seek(0, 2)
         offset = f.tell()
+        room, over = await _room(ctx, repo_id, upload_id, offset, digest)
+        declared = ctx.request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > room:
+            raise _refused(ctx, over, digest or upload_id)
         expected_len = None
         if content_range:
-            m = CONTENT_RANGE_RE.match(content_range.strip())
+            m = CONTENT_RANGE_RE.fullmatch(content_range.strip())
             if not m or int(m.group(2)) < int(m.group(1)):
                 raise RegistryError(
                     Code.BLOB_UPLOAD_INVALID,
@@ -93,6 +163,9 @@ async def _append(ctx: Ctx, upload_id: str) -> int:
         try:
             async for chunk in ctx.request.stream():
                 written += len(chunk)
+                if written > room:
+                    f.truncate(offset)
+                    raise _refused(ctx, over, digest or upload_id)
                 if expected_len is not None and written > expected_len:
                     f.truncate(offset)
                     raise RegistryError(
@@ -122,7 +195,11 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
 
     def store() -> int:
         """Verify and store; the size is the upload's (equal to the blob's once verified)."""
-        with hub.uploads.open_read(upload_id) as f:
+        try:
+            opened = hub.uploads.open_read(upload_id)
+        except NotFound:
+            raise _unknown(upload_id, "has lost its data") from None
+        with opened as f:
             if hub.blobs.has(digest):
                 # The store would skip known content unread: check the client's bytes here.
                 dg.check(digest, dg.of_file(f), f"upload {upload_id}")
@@ -137,7 +214,7 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
             # under the write lock (concurrent uploads).
             # Not ``Database.read``: with a quota set this sums the namespace's blobs.
             async with hub.db.reading() as session:
-                await session.run_sync(quotas.check, repo_id, digest, hub.uploads.size(upload_id))
+                await session.run_sync(quotas.check, repo_id, digest, _size(hub, upload_id))
         except RegistryError as exc:
             ctx.audit("blob.push", digest, "denied", reason=exc.detail)
             raise
@@ -180,8 +257,25 @@ def _link_upload(
     session.execute(delete(Upload).where(Upload.id == upload_id))
 
 
-def _add_upload(session: Session, upload_id: str, repo_id: int) -> None:
+def _add_upload(session: Session, hub: Hub, upload_id: str, repo_id: int) -> list[str]:
+    """Record a new session unless its namespace has ``upload_sessions_max`` open ones;
+    return the namespace's expired sessions, whose rows this drops (the caller deletes
+    their files)."""
+    held = quotas.upload_sessions_locked(session, repo_id)
+    live = hub.uploads.live_sizes(held.sessions, hub.settings.upload_idle_timeout)
+    expired = [s for s in held.sessions if s not in live]
+    if expired:
+        session.execute(delete(Upload).where(Upload.id.in_(expired)))
+    most = hub.settings.upload_sessions_max
+    if len(live) >= most:
+        raise RegistryError(
+            Code.TOOMANYREQUESTS,
+            f"namespace {held.namespace!r} has {len(live)} open upload sessions, the limit is "
+            f"{most}: finish or cancel some (DELETE /v2/NAME/blobs/uploads/ID), or wait until "
+            f"idle ones expire ({int(hub.settings.upload_idle_timeout)} s)",
+        )
     session.add(Upload(id=upload_id, repository_id=repo_id))
+    return expired
 
 
 async def _discard_unrecorded(hub: Hub, digest: str) -> None:
@@ -220,7 +314,13 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
 
 async def _new_session(ctx: Ctx, repo_id: int) -> str:
     upload_id = ctx.hub.uploads.new()
-    await ctx.hub.db.write(_add_upload, upload_id, repo_id)
+    try:
+        expired = await ctx.hub.db.write(_add_upload, ctx.hub, upload_id, repo_id)
+    except BaseException:
+        ctx.hub.uploads.remove(upload_id)
+        raise
+    for stale in expired:
+        ctx.hub.uploads.remove(stale)
     return upload_id
 
 
@@ -243,7 +343,7 @@ async def start(ctx: Ctx) -> Response[object]:
         digest = parse_digest(digest_param)
         upload_id = ctx.hub.uploads.new()  # private to this request: no session row
         try:
-            await _append(ctx, upload_id)
+            await _append(ctx, repo.id, upload_id, digest)
         except BaseException:
             ctx.hub.uploads.remove(upload_id)
             raise
@@ -266,20 +366,36 @@ async def _session(ctx: Ctx, upload_id: str) -> int:
     upload = await ctx.hub.db.read(_upload, upload_id)
     if upload is None or upload.repository_id != repo.id:
         raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, f"upload {upload_id} not found")
+    timeout = ctx.hub.settings.upload_idle_timeout
+    try:
+        idle = ctx.hub.uploads.idle_seconds(upload_id)
+    except NotFound:
+        await _drop(ctx.hub, upload_id)
+        raise _unknown(upload_id, "has lost its data") from None
+    if idle > timeout:
+        await _drop(ctx.hub, upload_id)
+        raise _unknown(upload_id, f"expired after {int(timeout)} s without a PATCH or PUT")
     return repo.id
 
 
-def _size(ctx: Ctx, upload_id: str) -> int:
+async def _drop(hub: Hub, upload_id: str) -> None:
+    """Delete a session: its file and its row."""
+    hub.uploads.remove(upload_id)
+    async with hub.db.transaction() as session:
+        await session.execute(delete(Upload).where(Upload.id == upload_id))
+
+
+def _size(hub: Hub, upload_id: str) -> int:
     try:
-        return ctx.hub.uploads.size(upload_id)
-    except NotFound as exc:
-        raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, str(exc)) from exc
+        return hub.uploads.size(upload_id)
+    except NotFound:
+        raise _unknown(upload_id, "has lost its data") from None
 
 
 async def patch(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
-    await _session(ctx, upload_id)
-    size = await _append(ctx, upload_id)
+    repo_id = await _session(ctx, upload_id)
+    size = await _append(ctx, repo_id, upload_id)
     return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, size))
 
 
@@ -287,22 +403,20 @@ async def put(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     repo_id = await _session(ctx, upload_id)
     digest = parse_digest(ctx.request.query_params.get("digest", ""))
-    await _append(ctx, upload_id)
+    await _append(ctx, repo_id, upload_id, digest)
     return await _finish(ctx, repo_id, upload_id, digest)
 
 
 async def status(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     await _session(ctx, upload_id)
-    size = _size(ctx, upload_id)
+    size = _size(ctx.hub, upload_id)
     return Response(b"", status_code=204, headers=_session_headers(ctx, upload_id, size))
 
 
 async def cancel(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     await _session(ctx, upload_id)
-    ctx.hub.uploads.remove(upload_id)
-    async with ctx.hub.db.transaction() as session:
-        await session.execute(delete(Upload).where(Upload.id == upload_id))
+    await _drop(ctx.hub, upload_id)
     ctx.audit("upload.cancel", upload_id)
     return Response(b"", status_code=204)

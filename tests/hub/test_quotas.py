@@ -41,16 +41,19 @@ def test_quota_refuses_uploads_and_stores_nothing(hub: HubServer, user: tuple[st
         assert not _stored(hub, sha(too_big))
         assert c.head(f"/v2/{ns}/one/blobs/{sha(too_big)}").status_code == 404
 
-        # Chunked session: refused at the closing PUT, the session is dropped.
+        # Chunked session: bytes held by open sessions count, so the PATCH past the quota
+        # is refused and keeps nothing; the session stays, empty, until cancelled.
         r = c.post(f"/v2/{ns}/one/blobs/uploads/")
         location = r.headers["Location"]
         r = c.patch(location, content=too_big, headers={"Content-Range": "0-199"})
-        assert r.status_code == 202
-        r = c.put(location, params={"digest": sha(too_big)})
-        assert r.status_code == 403 and error_code(r) == "DENIED"
+        assert r.status_code == 403 and error_code(r) == "DENIED", r.text
+        assert "open upload sessions" in r.json()["errors"][0]["message"]
+        assert c.get(location).headers["Range"] == "0-0"
+        upload_file = hub.data_dir / "uploads" / location.rsplit("/", 1)[1]
+        assert upload_file.stat().st_size == 0
+        assert c.delete(location).status_code == 204
+        assert not upload_file.exists()
         assert not _stored(hub, sha(too_big))
-        assert c.get(location).status_code == 404
-        assert not (hub.data_dir / "uploads" / location.rsplit("/", 1)[1]).exists()
         assert _quota(hub, ns)["used_bytes"] == 900
 
         # Exactly up to the quota is fine.

@@ -153,16 +153,16 @@ def test_teams_quotas_retention_on_both_backends(backend_hub: HubServer, tmp_pat
     dev = hub.add_user("dev")
     hub.cli("org", "add", "acme")
     hub.cli("team", "add", "acme", "devs", "--role", "push", "--member", dev[0])
-    hub.cli("quota", "set", "acme", "700")
+    hub.cli("quota", "set", "acme", "2500")
     repo = "acme/app"
     with hub.client(dev) as c:
         base = artifact(c, repo, b"b" * 300, tag="base")
-        artifact(c, repo, b"c" * 300, tag="child", subject=_subject(*base))
-        r = c.post(
-            f"/v2/{repo}/blobs/uploads/", params={"digest": sha(b"x" * 200)}, content=b"x" * 200
-        )
+        _, child = artifact(c, repo, b"c" * 300, tag="child", subject=_subject(*base))
+        big = b"x" * 3000
+        r = c.post(f"/v2/{repo}/blobs/uploads/", params={"digest": sha(big)}, content=big)
         assert r.status_code == 403, r.text
-        assert c.get("/api/v1/namespaces/acme/quota").json()["used_bytes"] == 602
+        used = 602 + len(base[1]) + len(child)  # blobs and manifest bodies
+        assert c.get("/api/v1/namespaces/acme/quota").json()["used_bytes"] == used
     config = _config(tmp_path, '[[retention]]\nrepositories = "acme/*"\nkeep_last = 1\n')
     out = hub.cli("gc", "--retention", "--config", config, "--grace-minutes", "0")
     assert "deleted 0 tags" in out and "1 tags kept as parents" in out
