@@ -191,9 +191,9 @@ def migrate(data_dir: Path, database_url: str, revision: str) -> None:
 @click.option(
     "--upload-ttl-hours",
     type=click.IntRange(min=0),
-    default=24,
-    show_default=True,
-    help="Drop upload sessions idle for longer than this.",
+    default=None,
+    help="Drop upload sessions idle for longer than this [default: the hub's "
+    "upload_idle_timeout, 1 h].",
 )
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
 @click.option(
