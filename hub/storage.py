@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from forkd.errors import InvalidInput, NotFound
 
-UPLOAD_ID_RE = re.compile(r"^[a-f0-9]{32}$")
+UPLOAD_ID_RE = re.compile(r"\A[a-f0-9]{32}\Z")  # whole text: `.match` users are safe too
 
 
 def validate_upload_id(upload_id: str) -> str:

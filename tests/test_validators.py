@@ -180,3 +180,11 @@ def test_name_limits_still_hold() -> None:
     ]:
         with pytest.raises(InvalidInput):
             fn(bad)
+
+
+def test_upload_id_pattern_matches_whole_text_for_gc() -> None:
+    """`forkd hub gc` picks upload files by ``UPLOAD_ID_RE.match``: no newline may pass."""
+    from forkd.hub.storage import UPLOAD_ID_RE
+
+    assert UPLOAD_ID_RE.match("a" * 32) is not None
+    assert UPLOAD_ID_RE.match("a" * 32 + "\n") is None
