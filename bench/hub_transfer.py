@@ -5,10 +5,11 @@ pushed and pulled by forkd, and the same manifests and blobs are copied by
 skopeo, against Debian's docker-registry (and the forkd hub when
 ``--hub-cmd`` starts one). Prints throughput, the ratio of forkd to skopeo,
 the bytes a re-push sends when the registry already has the base, and the
-manifest GET latency under concurrent clients.
+manifest GET and blob HEAD latency under concurrent clients.
 
 The latency load is a closed loop: ``--clients`` keep-alive connections, each sending
-its next manifest GET when the last answer arrived, for ``--seconds``; a sample runs
+its next request (a manifest GET, or in a round of its own a blob HEAD of the chain's
+config blob) when the last answer arrived, for ``--seconds``; a sample runs
 from the request (the first one: from connecting) to the last byte of the answer. The
 clients are asyncio tasks on raw sockets in one thread, so the load generator stays
 cheap next to the servers (200 Python threads with an HTTP library saturated their own
@@ -134,17 +135,15 @@ def skopeo_copy(src: str, dst: str) -> None:
     )
 
 
-def manifest_latency(
-    hub: Hub, repo: str, tag: str, clients: int, seconds: float
+def latency(
+    hub: Hub, method: str, path: str, accept: str, clients: int, seconds: float
 ) -> tuple[list[float], float]:
-    """Per-request latencies of manifest GETs from ``clients`` connections for ``seconds``,
-    and the share of a core the load generator used (near 100 %: it is the bottleneck,
-    and its own delay in reading answers is in every sample)."""
+    """Per-request latencies of ``method path`` from ``clients`` connections for
+    ``seconds``, and the share of a core the load generator used (near 100 %: it is the
+    bottleneck, and its own delay in reading answers is in every sample)."""
     host, _, port = hub.host.rpartition(":")
-    request = (
-        f"GET /v2/{repo}/manifests/{tag} HTTP/1.1\r\nHost: {hub.host}\r\n"
-        f"Accept: {mt.OCI_MANIFEST}\r\n\r\n"
-    ).encode()
+    request = f"{method} {path} HTTP/1.1\r\nHost: {hub.host}\r\nAccept: {accept}\r\n\r\n".encode()
+    has_body = method != "HEAD"
     samples: list[float] = []
 
     async def client(stop: float) -> None:
@@ -161,11 +160,11 @@ def manifest_latency(
                     if line.startswith(b"content-length:")
                 ]
                 if not lengths:
-                    raise RuntimeError("manifest GET answered without Content-Length")
-                length = lengths[0]
-                await reader.readexactly(length)
+                    raise RuntimeError(f"{method} {path} answered without Content-Length")
+                if has_body:
+                    await reader.readexactly(lengths[0])
                 if status != b"200":
-                    raise RuntimeError(f"manifest GET answered {status.decode()}")
+                    raise RuntimeError(f"{method} {path} answered {status.decode()}")
                 now = time.perf_counter()
                 samples.append(now - start)
                 if now >= stop:
@@ -228,24 +227,39 @@ def run(work: Path, args: argparse.Namespace) -> None:
             hubs["forkd hub"] = running.enter_context(forkd_hub(work / "forkd-hub", args.hub_cmd))
         for label, hub in hubs.items():
             transfer(label, hub, store, chain, stored, work)
-        p99s: dict[str, list[float]] = {label: [] for label in hubs}
+        blob = chain[-1].manifest.config.digest
+        loads = {
+            "manifest GET": ("GET", "/v2/bench/chain/manifests/head", mt.OCI_MANIFEST),
+            "blob HEAD": ("HEAD", f"/v2/bench/chain/blobs/{blob}", "*/*"),
+        }
+        p99s: dict[tuple[str, str], list[float]] = {(lb, k): [] for lb in hubs for k in loads}
         for round_ in range(1, args.rounds + 1):
             for label, hub in hubs.items():
-                samples, busy = manifest_latency(
-                    hub, "bench/chain", "head", args.clients, args.seconds
-                )
-                p99s[label].append(p99(samples))
-                print(
-                    f"[{label}] round {round_}: manifest GET with {args.clients} clients: "
-                    f"{len(samples) / args.seconds:.0f} requests/s, "
-                    f"p50 {statistics.median(samples) * 1000:.1f} ms, p99 {p99s[label][-1]:.1f} ms "
-                    f"(load generator: {busy:.0%} of a core)"
-                )
-    if len(p99s) == 2:
-        ours, theirs = (statistics.median(p99s[k]) for k in ("forkd hub", "docker-registry"))
+                for kind, (method, path, accept) in loads.items():
+                    samples, busy = latency(hub, method, path, accept, args.clients, args.seconds)
+                    p99s[label, kind].append(p99(samples))
+                    print(
+                        f"[{label}] round {round_}: {kind} with {args.clients} clients: "
+                        f"{len(samples) / args.seconds:.0f} requests/s, "
+                        f"p50 {statistics.median(samples) * 1000:.1f} ms, "
+                        f"p99 {p99s[label, kind][-1]:.1f} ms (load generator: {busy:.0%} of a core)"
+                    )
+    median = {key: statistics.median(values) for key, values in p99s.items()}
+    print(f"\np99 with {args.clients} clients (median of {args.rounds} rounds):")
+    for label in hubs:
+        get, head_ = median[label, "manifest GET"], median[label, "blob HEAD"]
         print(
-            f"\nmanifest GET p99 (median of {args.rounds} rounds), forkd hub {ours:.1f} ms / "
-            f"docker-registry {theirs:.1f} ms: {ours / theirs:.2f}x (target <= 1.5x)"
+            f"  {label}: manifest GET {get:.1f} ms, blob HEAD {head_:.1f} ms "
+            f"({head_ / get:.2f}x the manifest GET)"
+        )
+    if len(hubs) == 2:
+        ours, theirs = (
+            median["forkd hub", "manifest GET"],
+            median["docker-registry", "manifest GET"],
+        )
+        print(
+            f"manifest GET p99, forkd hub {ours:.1f} ms / docker-registry {theirs:.1f} ms: "
+            f"{ours / theirs:.2f}x (target <= 1.5x)"
         )
 
 

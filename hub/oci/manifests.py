@@ -455,7 +455,11 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
         except (NotFound, IntegrityError, InvalidInput) as exc:
             raise RegistryError(Code.MANIFEST_UNKNOWN, str(exc)) from exc
         hub.manifests.put(manifest.digest, body)
-    headers = {"Docker-Content-Digest": manifest.digest, "Content-Length": str(len(body))}
+    headers = {
+        "Docker-Content-Digest": manifest.digest,
+        "Content-Length": str(len(body)),
+        "X-Content-Type-Options": "nosniff",
+    }
     return Response(
         b"" if head else body,
         status_code=200,

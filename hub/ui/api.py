@@ -1,6 +1,8 @@
 """Hub API ``/api/v1/readme/{name}``: read and set a repository's README and description.
 
-``GET`` needs pull (public repositories: anyone); ``PUT`` needs push, with the same
+``GET`` needs pull (public repositories: anyone; a repository that does not exist, or
+that the caller may not see, is 404 ``{"status_code", "detail"}`` as elsewhere in
+``/api/v1``); ``PUT`` needs push, with the same
 credentials as ``/v2/`` (Basic, or a bearer token from ``/token`` whose scope grants
 push on the repository: ``forkd push --readme`` reuses its push token).
 """
@@ -12,12 +14,12 @@ from typing import ClassVar
 
 from litestar import Controller, get, put
 from litestar.di import NamedDependency
-from litestar.exceptions import ValidationException
+from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, JSONBody
 
 from forkd.errors import InvalidInput
-from forkd.hub import accounts
 from forkd.hub.auth import authenticate, authorize, client_ip
+from forkd.hub.errors import Code, RegistryError
 from forkd.hub.services import Hub
 from forkd.hub.ui.common import HubRequest
 from forkd.hub.ui.text import set_text
@@ -57,10 +59,15 @@ class ReadmeController(Controller):
         """A repository's README (Markdown source) and description."""
         name = _name(name)
         caller = await authenticate(hub, request)
-        await authorize(hub, request, caller, name, "pull")
-        async with hub.db.transaction() as session:
-            repo = await accounts.get_repository(session, name)
-        assert repo is not None  # authorize answered NAME_UNKNOWN otherwise
+        not_found = NotFoundException(f"repository {name} not found")
+        try:
+            repo = await authorize(hub, request, caller, name, "pull")
+        except RegistryError as exc:
+            if exc.code is Code.NAME_UNKNOWN:
+                raise not_found from None
+            raise
+        if repo is None:  # an admin may pull anything, but this does not exist
+            raise not_found
         return RepositoryText(repo.name, repo.description, repo.readme)
 
     @put("/{name:path}", request_max_body_size=BODY_MAX)

@@ -6,7 +6,10 @@ whole UI is one router that ``create_app`` mounts with one line.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +18,19 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from litestar import Response
 from litestar.enums import MediaType
 from markdown_it import MarkdownIt
+from markdown_it.renderer import RendererHTML
+from markdown_it.token import Token
+from markdown_it.utils import EnvType, OptionsDict
 
 from forkd import digest as dg
 from forkd.units import human_bytes
 
 TEMPLATES = Path(__file__).parent / "templates"
 # No inline scripts or styles anywhere: the copy button's few lines live in /-/static/.
+# img-src: the hub's own images, and the data: images a README may embed (no remote ones,
+# which would tell another host who reads the page: render_markdown turns them into links).
 CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' https: data:; "
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
 )
 SECURITY_HEADERS = {
@@ -42,22 +50,53 @@ README_TAGS = {
 README_ATTRIBUTES = {"a": {"href", "title"}, "img": {"src", "alt", "title"}, "th": {"align"},
                      "td": {"align"}}  # fmt: skip
 
+# The only images a README shows: raster data: URLs (no script can live in them). Any
+# other image (remote: a tracking pixel; relative: a request to the hub with the reader's
+# cookies) is rendered as a link to it, labelled with its alt text.
+SAFE_IMAGE_RE = re.compile(r"^data:image/(?:png|gif|jpeg|webp);base64,[A-Za-z0-9+/=]*$")
+
 _markdown = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
 
 
+def _image(
+    self: RendererHTML, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType
+) -> str:
+    """Markdown images: inline for safe data: URLs, else a link (nothing is fetched)."""
+    token = tokens[idx]
+    src = str(token.attrGet("src") or "")
+    if SAFE_IMAGE_RE.match(src):
+        return self.image(tokens, idx, options, env)
+    label = self.renderInlineAsText(token.children or [], options, env) or "image"
+    return f'<a href="{escape(src)}">{escape(label)}</a>'
+
+
+_markdown.add_render_rule("image", _image)
+
+
+def _only_safe_urls(tag: str, attribute: str, value: str) -> str | None:
+    """nh3's second look: an img keeps only a safe data: source, a link never has one."""
+    if tag == "img" and attribute == "src":
+        return value if SAFE_IMAGE_RE.match(value) else None
+    if tag == "a" and attribute == "href" and value.strip().lower().startswith("data:"):
+        return None
+    return value
+
+
 def render_markdown(text: str) -> str:
-    """README Markdown → HTML that cannot run script.
+    """README Markdown → HTML that cannot run script or load anything from elsewhere.
 
     Two independent layers: markdown-it with raw HTML disabled (``<script>`` and
-    ``onerror=`` come out as text, ``javascript:`` links are refused), then nh3 (the
-    ammonia sanitizer) keeps only an allow-list of tags, attributes and URL schemes.
+    ``onerror=`` come out as text, ``javascript:`` links are refused, images other than
+    raster data: URLs become links), then nh3 (the ammonia sanitizer) keeps only an
+    allow-list of tags, attributes and URL schemes.
     """
     html = _markdown.render(text[:README_MAX])
     return nh3.clean(
         html,
         tags=README_TAGS,
         attributes=README_ATTRIBUTES,
-        url_schemes={"http", "https", "mailto"},
+        url_schemes={"http", "https", "mailto", "data"},
+        attribute_filter=_only_safe_urls,
         link_rel="nofollow noopener noreferrer",
     )
 
