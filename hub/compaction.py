@@ -13,6 +13,15 @@ The retention rule (setting ``compact_deeper_than``, 0 = off) compacts a tag pus
 a chain deeper than the limit into ``TAG-flat``, in a background worker started with the
 app (one job at a time, off the request path).
 
+What a compaction may read is the caller's repository: the chain is walked through the
+repository's manifest rows (their ``subject``), and a layer outside it is refused with
+the same 400 whether that digest exists elsewhere on the hub or nowhere, so the answer
+tells nothing about other repositories. Everything a chain's manifests reference was
+linked into the repository when they were pushed; a blob of it missing from the store
+is the hub's fault: logged with its digest, answered with a 500 that names none.
+Compaction's work follows the chunks the chain stores, not the image size its maps
+declare (``Store.compact_digest``).
+
 Layout: ``DATA/.compact-*/`` is the scratch store of a running compaction (assembled
 images, sparse), removed when it ends. Compaction reads blob files, so it needs the
 filesystem blob backend; with any other backend it answers 501.
@@ -37,7 +46,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 
 from forkd import digest as dg
-from forkd.errors import ChainError, Conflict, ForkdError, InvalidInput, NotFound
+from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import authenticate, authorize, client_ip
 from forkd.hub.errors import Code, RegistryError
@@ -47,9 +56,10 @@ from forkd.hub.oci.manifests import parse_manifest, register_manifest
 from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
-from forkd.pack.chain import MAX_CHAIN_DEPTH
+from forkd.pack.chain import MAX_CHAIN_DEPTH, walk
 from forkd.pack.config import Provenance
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.pack.manifest import Manifest as PackManifest
 from forkd.store.blobs import FsBlobStore
 from forkd.store.store import Store
 
@@ -108,9 +118,24 @@ def _fs_blobs(hub: Hub) -> FsBlobStore:
     return hub.blobs
 
 
-def _chain(store: Store, head: str, what: str) -> list[str]:
-    """Digests of the chain ``head`` heads (head first), refusing what is no forkd pack."""
-    return [link.digest for link in store.chain(head, what)]
+class _OutsideChain(ForkdError):
+    """A manifest's ``subject`` disagrees with the database's row (a hub fault)."""
+
+
+def _chain(store: Store, head: str, what: str, rows: list[str]) -> list[str]:
+    """The chain read from the manifests themselves (head first), refusing what is no forkd
+    pack; it may read only ``rows``, the chain the repository's rows gave."""
+    allowed = frozenset(rows)
+
+    def load(digest: str) -> PackManifest:
+        if digest not in allowed:
+            raise _OutsideChain(f"manifest subject {digest} is not the repository's row")
+        return store.manifest(digest)
+
+    chain = [link.digest for link in walk(head, load, MAX_CHAIN_DEPTH, what)]
+    if chain != rows:
+        raise _OutsideChain(f"the manifests' chain {chain} differs from the rows' {rows}")
+    return chain
 
 
 def _flatten(store: Store, head: str, chain: list[str], tag: str, provenance: Provenance) -> _Flat:
@@ -134,13 +159,20 @@ def _flatten(store: Store, head: str, chain: list[str], tag: str, provenance: Pr
 
 
 def _as_registry_error(exc: ForkdError, what: str) -> RegistryError:
+    """The answer for a failure on content of the caller's repository. What the hub's
+    storage lacks (every blob of the chain was linked into the repository when pushed) or
+    disagrees on is a server fault: logged with its details, answered without them."""
     if isinstance(exc, Conflict):
         return RegistryError(Code.DENIED, str(exc), status=409)
-    if isinstance(exc, NotFound):
-        return RegistryError(Code.MANIFEST_BLOB_UNKNOWN, f"{what}: {exc}", status=500)
-    if isinstance(exc, ChainError | InvalidInput):
+    if isinstance(exc, ChainError | InvalidInput | IntegrityError):
         return RegistryError(Code.MANIFEST_INVALID, f"{what} cannot be compacted: {exc}")
-    return RegistryError(Code.MANIFEST_INVALID, f"{what}: {exc}", status=500)
+    log.error("compacting %s: the hub's storage fails the repository's content: %s", what, exc)
+    return RegistryError(
+        Code.MANIFEST_BLOB_UNKNOWN,
+        f"{what} cannot be compacted: the hub cannot read content of this repository it "
+        "should hold; this is the hub's fault, logged for its operator",
+        status=500,
+    )
 
 
 async def compact_tag(
@@ -180,13 +212,13 @@ async def compact_tag(
         scratch = Path(tempfile.mkdtemp(dir=hub.settings.data_dir, prefix=".compact-"))
         try:
             store = Store(scratch, auto_compact_depth=MAX_CHAIN_DEPTH, blobs=blobs)
+            rows = await _chain_in(hub, repo.id, name, source, head)
             try:
-                chain = await anyio.to_thread.run_sync(_chain, store, head, source)
+                chain = await anyio.to_thread.run_sync(_chain, store, head, source, rows)
             except ForkdError as exc:
                 raise _as_registry_error(exc, source) from exc
             if len(chain) - 1 <= deeper_than:
                 return None
-            await _check_chain_in(hub, repo.id, name, chain)
             provenance = Provenance(source, head, len(chain) - 1, reason)
             try:
                 flat = await anyio.to_thread.run_sync(
@@ -238,25 +270,36 @@ def _conflict(name: str, to: str) -> RegistryError:
     )
 
 
-async def _check_chain_in(hub: Hub, repo_id: int, name: str, chain: list[str]) -> None:
-    """Every layer of the chain must be a manifest of this repository: a pushed ``subject``
-    may name any digest, and compaction must not read another repository's layers."""
+async def _chain_in(hub: Hub, repo_id: int, name: str, source: str, head: str) -> list[str]:
+    """The chain ``head`` heads (head first), walked through this repository's manifest
+    rows. A pushed ``subject`` may name any digest: a layer that is not a manifest of this
+    repository is refused before anything is read, with the same answer whether it
+    exists elsewhere on the hub or nowhere."""
+    chain: list[str] = []
+    digest: str | None = head
     async with hub.db.reading() as session:
-        found = set(
-            (
-                await session.scalars(
-                    select(Manifest.digest).where(
-                        Manifest.repository_id == repo_id, Manifest.digest.in_(chain)
+        while digest is not None:
+            if digest in chain or len(chain) > MAX_CHAIN_DEPTH:
+                raise RegistryError(
+                    Code.MANIFEST_INVALID,
+                    f"{source} cannot be compacted: its chain has a cycle or is deeper than "
+                    f"the cap of {MAX_CHAIN_DEPTH} layers",
+                )
+            row = (
+                await session.execute(
+                    select(Manifest.subject_digest).where(
+                        Manifest.repository_id == repo_id, Manifest.digest == digest
                     )
                 )
-            ).all()
-        )
-    outside = [d for d in chain if d not in found]
-    if outside:
-        raise RegistryError(
-            Code.MANIFEST_BLOB_UNKNOWN,
-            f"layer {outside[0]} of the chain is not in {name}; push the whole chain first",
-        )
+            ).first()
+            if row is None:
+                raise RegistryError(
+                    Code.MANIFEST_BLOB_UNKNOWN,
+                    f"layer {digest} of the chain is not in {name}; push the whole chain first",
+                )
+            chain.append(digest)
+            digest = row.subject_digest
+    return chain
 
 
 async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> None:

@@ -38,10 +38,11 @@ CHUNK_SIZE = CHUNK_PAGES * PAGE_SIZE
 MAX_IMAGE_SIZE = 1 << 40  # 1 TiB
 # The largest map of the benchmark's synthetic 1 GiB snapshots (bench/chain_assembly.py's
 # images: 20% random, 10% repeated pages, scattered) is 782 KB with 69,524 extents (a diff
-# changing half the pages); every other page of a 1 GiB image changed, the worst case, is
-# 2.8 MB with 262,144 extents. The bounds leave 10x and 2x of headroom over those.
-MAX_MAP_BYTES = 8 << 20
-MAX_MAP_EXTENTS = 1 << 19
+# changing half the pages). A 1 GiB image has 262,144 pages, so no map of it lists more
+# extents; its worst map (every page its own extent) is 2.8 MB. The bounds admit every map
+# of an image up to 1 GiB: 5x and 3.8x the largest measured.
+MAX_MAP_BYTES = 4 << 20
+MAX_MAP_EXTENTS = 1 << 18
 MAP_MEDIA_TYPES = frozenset(map_type for map_type, _ in mt.IMAGE_ROLES.values())
 
 Kind = Literal["flat", "diff"]

@@ -470,6 +470,8 @@ class Store:
                 what = f"{name}: {label.get(chunk.digest, 'a layer')}, {role} chunk {chunk.digest}"
                 try:
                     blob = self.blobs.read(chunk.digest, chunk.stored, what)
+                except NotFound:
+                    raise  # missing, not corrupt: the message names the chunk and its layer
                 except (ForkdError, OSError) as exc:
                     raise IntegrityError(f"{what}: {exc}") from exc
                 data = memoryview(decompress(blob, chunk.size, what))

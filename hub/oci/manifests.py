@@ -47,6 +47,7 @@ from forkd.hub.oci.common import (
 from forkd.hub.services import Hub
 from forkd.names import validate_tag
 from forkd.pack import mediatypes as mt
+from forkd.pack.imagemap import check_descriptor_sizes
 
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -139,6 +140,10 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
             raise _invalid("layers must be a list")
         for i, layer in enumerate(layers):
             _descriptor(layer, f"layers[{i}]")
+        try:  # pack-format bounds (issue 10 item 5): an oversized image map, before any read
+            check_descriptor_sizes(doc)
+        except IntegrityError as exc:
+            raise _invalid(str(exc)) from exc
     else:
         children = doc.get("manifests")
         if not isinstance(children, list):
