@@ -28,11 +28,14 @@ from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import Hub
 from forkd.pack import mediatypes as mt
 from forkd.pack.config import MAX_CONFIG_BYTES, SnapshotConfig
-from forkd.pack.imagemap import PAGE_SIZE, ImageMap
+from forkd.pack.imagemap import PAGE_SIZE, ImageMap, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.pack.manifest import Manifest as PackManifest
 
 FACTS_CACHE = 4096
+# Manifests whose facts are being read at once (worker threads of their own, not the
+# shared pool): a tag page parses image maps, up to MAX_MAP_BYTES each (~0.7 s of CPU).
+FACTS_READERS = 2
 # Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
 FILTER_SCAN_LIMIT = 5000
 
@@ -87,12 +90,18 @@ _KINDS = {
 
 
 class FactsCache:
-    """LayerFacts by manifest digest, read from the blob store once (bounded LRU)."""
+    """LayerFacts by manifest digest, read from the blob store once (bounded LRU).
+
+    Only the small facts are kept, never a map. Reads run in worker threads, at most
+    ``FACTS_READERS`` at a time, and once per digest: a request wanting facts another
+    request is reading waits for them instead of parsing the same map again."""
 
     def __init__(self, limit: int = FACTS_CACHE) -> None:
         self._limit = limit
         self._items: OrderedDict[str, LayerFacts] = OrderedDict()
         self._lock = threading.Lock()
+        self._reading: dict[str, anyio.Event] = {}
+        self._readers: anyio.CapacityLimiter | None = None
 
     def _read(self, hub: Hub, digest: str, size: int, maps: bool) -> LayerFacts:
         try:
@@ -104,7 +113,9 @@ class FactsCache:
             )
             images = []
             for role, desc in manifest.maps.items() if maps else ():
-                imap = ImageMap.from_bytes(hub.blobs.read(desc.digest, desc.size, f"{role} map"))
+                what = f"{role} map of {digest}"
+                check_map_size(desc.size, what)  # before reading what the descriptor declares
+                imap = ImageMap.from_bytes(hub.blobs.read(desc.digest, desc.size, what), what)
                 images.append(
                     ImageFacts(
                         role,
@@ -134,30 +145,63 @@ class FactsCache:
             tuple((k, v[0], v[1]) for k, v in kinds.items()),
         )
 
-    def get(self, hub: Hub, digest: str, size: int, maps: bool = False) -> LayerFacts:
-        """Facts of one manifest; with ``maps``, also its image maps (bigger: tag pages only)."""
+    def _hit(self, digest: str, maps: bool) -> LayerFacts | None:
+        """Cached facts good enough for the request (the caller holds the lock)."""
+        hit = self._items.get(digest)
+        if hit is not None and (hit.with_maps or not maps):
+            self._items.move_to_end(digest)
+            return hit
+        return None
+
+    def _load(self, hub: Hub, wanted: dict[str, int], maps: bool) -> dict[str, LayerFacts]:
+        """Read facts from the blob store and cache them (a worker thread)."""
+        out = {d: self._read(hub, d, size, maps) for d, size in wanted.items()}
         with self._lock:
-            hit = self._items.get(digest)
-            if hit is not None and (hit.with_maps or not maps):
-                self._items.move_to_end(digest)
-                return hit
-        facts = self._read(hub, digest, size, maps)
-        with self._lock:
-            self._items[digest] = facts
+            self._items.update(out)
             while len(self._items) > self._limit:
                 self._items.popitem(last=False)
-        return facts
+        return out
 
     async def many(
         self, hub: Hub, wanted: Iterable[tuple[str, int]], maps: bool = False
     ) -> dict[str, LayerFacts]:
-        """Facts for many manifests; blob reads happen in a worker thread."""
+        """Facts for many manifests; with ``maps``, also their image maps (tag pages).
+        Blob reads and parsing happen in worker threads, never on the event loop."""
         items = dict(wanted)
-
-        def load() -> dict[str, LayerFacts]:
-            return {d: self.get(hub, d, size, maps) for d, size in items.items()}
-
-        return await anyio.to_thread.run_sync(load)
+        found: dict[str, LayerFacts] = {}
+        while len(found) < len(items):
+            todo: dict[str, int] = {}
+            waiting: list[anyio.Event] = []
+            with self._lock:
+                for d, size in items.items():
+                    if d in found:
+                        continue
+                    hit = self._hit(d, maps)
+                    if hit is not None:
+                        found[d] = hit
+                    elif d in self._reading:
+                        waiting.append(self._reading[d])
+                    else:
+                        todo[d] = size
+                mine = {d: anyio.Event() for d in todo}
+                self._reading.update(mine)
+            if todo:
+                if self._readers is None:
+                    self._readers = anyio.CapacityLimiter(FACTS_READERS)
+                try:
+                    found.update(
+                        await anyio.to_thread.run_sync(
+                            self._load, hub, todo, maps, limiter=self._readers
+                        )
+                    )
+                finally:
+                    with self._lock:
+                        for d, event in mine.items():
+                            del self._reading[d]
+                            event.set()
+            for event in waiting:  # another request reads these: then take them from the cache
+                await event.wait()
+        return found
 
 
 # -- listing --------------------------------------------------------------------
