@@ -107,3 +107,11 @@ def test_a_deeply_nested_manifest_push_is_400(packs: tuple[HubServer, str, str])
         )
     assert r.status_code == 400, r.text[-2000:]
     assert f"nests {DEEP + 2} levels deep" in r.text
+
+
+@pytest.mark.parametrize("stored", [None, "", "[" * DEEP + "]" * DEEP, '["x"]', "not json", "7"])
+def test_unreadable_stored_annotations_read_as_none(stored: str | None) -> None:
+    from forkd.hub.catalog import annotations_of
+
+    assert annotations_of(stored) == {}
+    assert annotations_of('{"a": "b"}') == {"a": "b"}
