@@ -343,6 +343,29 @@ def user_remove(data_dir: Path, database_url: str, name: str) -> None:
     click.echo(f"removed user {name}")
 
 
+@user.command("passwd")
+@data_option
+@db_option
+@click.argument("name")
+@click.option("--password-stdin", is_flag=True, help="Read the new password from standard input.")
+def user_passwd(data_dir: Path, database_url: str, name: str, password_stdin: bool) -> None:
+    """Give user NAME a new password (generated unless --password-stdin). Every session
+    and bearer token of NAME ends; their API tokens keep working (revoke those apart)."""
+    from forkd.hub import accounts
+
+    generated = not password_stdin
+    password = secrets.token_urlsafe(18) if generated else sys.stdin.readline().rstrip("\r\n")
+    hashed = accounts.hash_password(password)
+
+    async def op(session: AsyncSession) -> None:
+        await accounts.set_password(session, name, hashed)
+
+    _admin(data_dir, database_url, op)
+    click.echo(f"new password set for {name}; their sessions have ended")
+    if generated:
+        click.echo(f"password: {password}")
+
+
 @hub.group("token")
 def token() -> None:
     """Manage API tokens."""

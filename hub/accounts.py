@@ -1,26 +1,19 @@
-"""Users, namespaces (personal and organisations), memberships, API tokens, permissions.
-
-Roles and token scopes are ordered: ``pull`` < ``push`` < ``admin``. On a
-repository they grant registry actions: pull → {pull}; push → {pull, push};
-admin → {pull, push, delete}. A repository belongs to the namespace named by
-the first component of its name. Site admins hold every action; a public
-repository grants pull to anyone. An API token narrows its user's rights to
-its scopes (``NAMESPACE:ROLE``, ``*`` for any namespace).
+"""Users, namespaces (personal and organisations), memberships, teams, API tokens and
+the authentication of a principal. What a principal may do is decided in
+``forkd.hub.authz`` alone.
 
 Teams: an organisation's team gives its members one role on the organisation's
 repositories, all of them or those whose full name matches the team's glob
-(``fnmatch``, e.g. ``acme/app-*``). A user's effective role on a repository is the
-highest of their direct membership's role and the roles of their teams that cover it.
+(``fnmatch``, e.g. ``acme/app-*``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
+import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from fnmatch import fnmatchcase
+from datetime import UTC, datetime, timedelta
 
 import anyio
 from argon2 import PasswordHasher
@@ -29,6 +22,7 @@ from sqlalchemy import bindparam, delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from forkd import names
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub.models import (
     ROLES,
@@ -38,42 +32,21 @@ from forkd.hub.models import (
     Repository,
     Team,
     TeamMember,
+    UiSession,
     User,
+    new_stamp,
     utcnow,
 )
-from forkd.names import NAME_COMPONENT
 
-ROLE_ACTIONS: dict[str, frozenset[str]] = {
-    "pull": frozenset({"pull"}),
-    "push": frozenset({"pull", "push"}),
-    "admin": frozenset({"pull", "push", "delete"}),
-}
-ALL_ACTIONS = ROLE_ACTIONS["admin"]
-TEAM_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?$")
-USER_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_-]{0,62}[a-z0-9])?$")
-NAMESPACE_RE = re.compile(rf"^{NAME_COMPONENT}$")
+# Names are validated by the one set of full-match validators in forkd.names.
+USER_RE = names.USER_RE
+validate_username = names.validate_username
+validate_namespace = names.validate_namespace
+validate_team = names.validate_team
 TOKEN_PREFIX = "fkd_"
 _hasher = PasswordHasher()
 # Verified against when a user does not exist, so timing does not reveal which names exist.
 _DUMMY_HASH = _hasher.hash("forkd-no-such-user")
-
-
-def validate_username(name: str) -> str:
-    if not isinstance(name, str) or not USER_RE.match(name) or "__" in name:
-        raise InvalidInput(
-            f"invalid user name {str(name)[:80]!r}: use 1-64 lowercase letters, digits, '-' or "
-            "'_', starting and ending with a letter or digit"
-        )
-    return name
-
-
-def validate_namespace(name: str) -> str:
-    if not isinstance(name, str) or len(name) > 255 or not NAMESPACE_RE.match(name):
-        raise InvalidInput(
-            f"invalid namespace {str(name)[:80]!r}: one repository-name component "
-            "(lowercase letters, digits, '.', '_', '-')"
-        )
-    return name
 
 
 def namespace_of(repository: str) -> str:
@@ -129,6 +102,9 @@ class Principal:
     is_admin: bool = False
     token_scopes: dict[str, str] | None = None  # None: not narrowed by an API token
     token_id: int | None = None
+    # ``principal_stamp`` of the user (and token) when authenticated: what sessions,
+    # bearer tokens and cached credentials carry, checked again on every request.
+    stamp: str = ""
 
     @property
     def anonymous(self) -> bool:
@@ -146,13 +122,7 @@ ANONYMOUS = Principal()
 _USER = select(User).where(User.name == bindparam("name"))
 _NAMESPACE = select(Namespace).where(Namespace.name == bindparam("name"))
 _REPOSITORY = select(Repository).where(Repository.name == bindparam("name"))
-_USER_TEAMS = (
-    select(Team)
-    .join(TeamMember, TeamMember.team_id == Team.id)
-    .where(
-        Team.namespace_id == bindparam("namespace_id"), TeamMember.user_id == bindparam("user_id")
-    )
-)
+
 
 
 def find_user(session: Session, name: str) -> User | None:
@@ -179,6 +149,35 @@ async def get_repository(session: AsyncSession, name: str) -> Repository | None:
     return await session.run_sync(find_repository, name)
 
 
+def principal_stamp(user: User, token: ApiToken | None) -> str:
+    """What a session, bearer token or cached credential carries to name exactly this
+    user (and API token): a hash of the user's random stamp and the token's hash. A
+    removed and re-created user, a revoked token whose id came back, or a password
+    change all give another value."""
+    token_part = f"{token.id}:{token.token_hash}" if token else ""
+    material = f"{user.id}:{user.stamp}:{token_part}"
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+def _principal(user: User, token: ApiToken | None) -> Principal | None:
+    """The principal ``user`` is through ``token`` (None: the token is not theirs or has
+    expired)."""
+    if token is None:
+        return Principal(user.id, user.name, user.is_admin, stamp=principal_stamp(user, None))
+    if token.user_id != user.id:
+        return None
+    if token.expires_at is not None and aware(token.expires_at) <= utcnow():
+        return None
+    return Principal(
+        user.id,
+        user.name,
+        user.is_admin,
+        parse_scopes(token.scopes),
+        token.id,
+        principal_stamp(user, token),
+    )
+
+
 async def authenticate_password(
     session: AsyncSession, username: str, password: str
 ) -> Principal | None:
@@ -190,60 +189,33 @@ async def authenticate_password(
                 select(ApiToken).where(ApiToken.token_hash == hash_token(password))
             )
         ).first()
-        if token is None or user is None or token.user_id != user.id:
+        if token is None or user is None:
             return None
-        if token.expires_at is not None and _aware(token.expires_at) <= utcnow():
-            return None
-        return Principal(user.id, user.name, user.is_admin, parse_scopes(token.scopes), token.id)
+        return _principal(user, token)
     # argon2 takes tens of milliseconds of CPU by design: keep it off the event loop.
     stored = user.password_hash if user else None
     if not await anyio.to_thread.run_sync(verify_password, stored, password) or user is None:
         return None
-    return Principal(user.id, user.name, user.is_admin)
+    return _principal(user, None)
 
 
-def token_principal(session: Session, user_id: int, token_id: int | None) -> Principal | None:
-    """Re-resolve a bearer token's subject now (revoked users and tokens stop working)."""
+def token_principal(
+    session: Session, user_id: int, token_id: int | None, stamp: str
+) -> Principal | None:
+    """Re-resolve the subject of a session, bearer token or cached credential now: None
+    unless the same user (and API token) still exists with the same stamp, so removed
+    users, revoked tokens and changed passwords stop working at once, even where an id
+    was handed out again."""
     user = session.get(User, user_id)
-    if user is None:
+    if user is None or not stamp:
         return None
-    if token_id is None:
-        return Principal(user.id, user.name, user.is_admin)
-    token = session.get(ApiToken, token_id)
-    if token is None or token.user_id != user.id:
+    token = session.get(ApiToken, token_id) if token_id is not None else None
+    if token_id is not None and token is None:
         return None
-    if token.expires_at is not None and _aware(token.expires_at) <= utcnow():
+    principal = _principal(user, token)
+    if principal is None or not hmac.compare_digest(principal.stamp, stamp):
         return None
-    return Principal(user.id, user.name, user.is_admin, parse_scopes(token.scopes), token.id)
-
-
-def repository_actions(session: Session, principal: Principal, repository: str) -> frozenset[str]:
-    """The registry actions ``principal`` holds on ``repository`` (which may not exist yet)."""
-    return access(session, principal, repository)[1]
-
-
-def access(
-    session: Session, principal: Principal, repository: str
-) -> tuple[Repository | None, frozenset[str]]:
-    """The repository (None if it does not exist yet) and the actions ``principal`` holds."""
-    repo = find_repository(session, repository)
-    public = frozenset({"pull"}) if repo is not None and repo.is_public else frozenset()
-    if principal.anonymous:
-        return repo, public
-    if principal.is_admin:
-        held = ALL_ACTIONS
-    else:
-        ns = find_namespace(session, namespace_of(repository))
-        role = None
-        if ns is not None and principal.user_id is not None:
-            role = effective_role(session, ns.id, principal.user_id, repository)
-        held = ROLE_ACTIONS[role] if role else frozenset()
-    if principal.token_scopes is not None:
-        scope = principal.token_scopes.get(namespace_of(repository)) or principal.token_scopes.get(
-            "*"
-        )
-        held = held & ROLE_ACTIONS[scope] if scope else frozenset()
-    return repo, held | public
+    return principal
 
 
 def max_role(*roles: str | None) -> str | None:
@@ -252,58 +224,7 @@ def max_role(*roles: str | None) -> str | None:
     return max(present, key=ROLES.index) if present else None
 
 
-def team_covers(team: Team, repository: str | None) -> bool:
-    """Whether ``team``'s role applies to ``repository`` (None: the organisation itself,
-    which only a team without a glob covers)."""
-    if not team.repositories:
-        return True
-    return repository is not None and fnmatchcase(repository, team.repositories)
-
-
-def user_teams(session: Session, namespace_id: int, user_id: int) -> list[Team]:
-    return list(session.scalars(_USER_TEAMS, {"namespace_id": namespace_id, "user_id": user_id}))
-
-
-def effective_role(
-    session: Session, namespace_id: int, user_id: int, repository: str | None
-) -> str | None:
-    """Max of the user's direct role in the namespace and their teams' roles that cover
-    ``repository`` (None: the namespace as a whole, e.g. to manage it)."""
-    member = session.get(Membership, (namespace_id, user_id))
-    teams = user_teams(session, namespace_id, user_id)
-    return max_role(
-        member.role if member else None,
-        *(t.role for t in teams if team_covers(t, repository)),
-    )
-
-
-def namespace_role(session: Session, principal: Principal, namespace: str) -> str | None:
-    """``principal``'s role on the namespace as a whole (site admins: admin), narrowed by an
-    API token's scope."""
-    if principal.anonymous or principal.user_id is None:
-        return None
-    ns = find_namespace(session, namespace)
-    if ns is None:
-        return None
-    role = (
-        "admin" if principal.is_admin else effective_role(session, ns.id, principal.user_id, None)
-    )
-    if principal.token_scopes is not None:
-        scope = principal.token_scopes.get(namespace) or principal.token_scopes.get("*")
-        role = min(role, scope, key=ROLES.index) if role and scope else None
-    return role
-
-
 # -- teams ---------------------------------------------------------------------
-def validate_team(name: str) -> str:
-    if not isinstance(name, str) or not TEAM_RE.match(name):
-        raise InvalidInput(
-            f"invalid team name {str(name)[:80]!r}: use 1-64 lowercase letters, digits, '-' or "
-            "'_', starting and ending with a letter or digit"
-        )
-    return name
-
-
 async def get_org(session: AsyncSession, org: str) -> Namespace:
     """The organisation named ``org``; InvalidInput when there is none."""
     ns = await get_namespace(session, org)
@@ -536,10 +457,24 @@ async def remove_user(session: AsyncSession, name: str) -> None:
     user = await get_user(session, name)
     if user is None:
         raise InvalidInput(f"no such user {name!r}")
+    await session.execute(delete(UiSession).where(UiSession.user_id == user.id))
     await session.execute(delete(Membership).where(Membership.user_id == user.id))
     await session.execute(delete(TeamMember).where(TeamMember.user_id == user.id))
     await session.execute(delete(ApiToken).where(ApiToken.user_id == user.id))
     await session.delete(user)
+
+
+async def set_password(session: AsyncSession, name: str, password_hash: str | None) -> None:
+    """Give ``name`` a new password (hashed with ``hash_password``; None: none, tokens
+    only). Its stamp changes, so every session and bearer token minted before ends."""
+    user = await get_user(session, name)
+    if user is None:
+        raise InvalidInput(f"no such user {name!r}")
+    if user.is_robot and password_hash is not None:
+        raise InvalidInput("robot accounts log in with tokens only, not passwords")
+    user.password_hash = password_hash
+    user.stamp = new_stamp()
+    await session.execute(delete(UiSession).where(UiSession.user_id == user.id))
 
 
 async def list_tokens(session: AsyncSession, username: str) -> list[ApiToken]:
@@ -554,6 +489,7 @@ async def revoke_token(session: AsyncSession, token_id: int) -> None:
     token = await session.get(ApiToken, token_id)
     if token is None:
         raise InvalidInput(f"no token with id {token_id}")
+    await session.execute(delete(UiSession).where(UiSession.token_id == token_id))
     await session.delete(token)
 
 
@@ -570,7 +506,6 @@ async def has_users(session: AsyncSession) -> bool:
     return (await session.scalars(select(User.id).limit(1))).first() is not None
 
 
-def _aware(ts: datetime) -> datetime:
-    from datetime import UTC
-
+def aware(ts: datetime) -> datetime:
+    """``ts`` with UTC attached where the database dropped it (SQLite)."""
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import re
 import time
 from dataclasses import dataclass
@@ -19,18 +20,18 @@ from dataclasses import dataclass
 from litestar import Request, Response, get
 from litestar.datastructures import State
 from litestar.di import NamedDependency
-from sqlalchemy.orm import Session
 
 from forkd.errors import InvalidInput
-from forkd.hub import accounts
+from forkd.hub import accounts, authz
 from forkd.hub.accounts import ANONYMOUS, Principal
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Repository
 from forkd.hub.services import Hub
+from forkd.hub.settings import Network, proxy_networks
 from forkd.hub.tokens import Grant
 from forkd.names import validate_name
 
-SCOPE_RE = re.compile(r"^repository:([^:]+):([a-z*,]+)$")
+SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
 
 
@@ -42,7 +43,35 @@ class Caller:
 
 
 def client_ip(request: Request[object, object, State]) -> str:
-    return request.client.host if request.client else "unknown"
+    """The client's address: the peer's, or, when the peer is one of the configured
+    ``trusted_proxies``, the nearest address in X-Forwarded-For that is not a trusted
+    proxy. From anyone else the header is ignored, so it cannot pick an address."""
+    peer = request.client.host if request.client else "unknown"
+    hub: Hub = request.app.state.hub
+    trusted = proxy_networks(hub.settings.trusted_proxies)
+    if not trusted or not _within(peer, trusted):
+        return peer
+    hops = [h.strip() for v in request.headers.getall("x-forwarded-for", []) for h in v.split(",")]
+    for hop in reversed(hops):
+        if not _within(hop, trusted):
+            return hop if _is_ip(hop) else peer
+    return peer
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _within(address: str, networks: tuple[Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
 
 
 def _basic(header: str) -> tuple[str, str] | None:
@@ -81,7 +110,14 @@ async def login(
         again = await hub.db.read(accounts.token_principal, *cached)
         if again is not None:
             return again
-    keys = [f"ip:{host}", f"user:{user[:64]}"]
+        hub.verified.drop(cache_key)  # removed, revoked or password changed since
+    if password.startswith(accounts.TOKEN_PREFIX):
+        # API tokens are 256 random bits, checked by one indexed lookup: nothing to guess,
+        # so the password limiter neither throttles nor counts them.
+        return await _login_with_token(hub, host, user, password, cache_key)
+    # Counted per client address only: a count per user name would let anyone lock
+    # someone else out (docs/hub.md, "Security model").
+    keys = [f"ip:{host}"]
     wait = await hub.limiter.retry_after(keys)
     if wait:
         hub.audit.record(user[:64], host, "login", "-", "rate-limited")
@@ -97,8 +133,20 @@ async def login(
         hub.metrics.auth_failures.inc()
         hub.audit.record(user[:64], host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
-    assert principal.user_id is not None
-    hub.verified.put(cache_key, principal.user_id, principal.token_id)
+    hub.verified.put(principal, cache_key)
+    return principal
+
+
+async def _login_with_token(
+    hub: Hub, host: str, user: str, secret: str, cache_key: str
+) -> Principal:
+    async with hub.db.reading() as session:
+        principal = await accounts.authenticate_password(session, user, secret)
+    if principal is None:
+        hub.metrics.auth_failures.inc()
+        hub.audit.record(user[:64], host, "login", "-", "denied")
+        raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
+    hub.verified.put(principal, cache_key)
     return principal
 
 
@@ -121,7 +169,9 @@ async def authenticate(hub: Hub, request: Request[object, object, State]) -> Cal
             raise challenge(hub, request, error="invalid_token")
         if grant.user_id is None:
             return Caller(ANONYMOUS, grant)
-        principal = await hub.db.read(accounts.token_principal, grant.user_id, grant.token_id)
+        principal = await hub.db.read(
+            accounts.token_principal, grant.user_id, grant.token_id, grant.stamp
+        )
         if principal is None:
             raise challenge(hub, request, error="invalid_token")
         return Caller(principal, grant)
@@ -139,7 +189,7 @@ async def authorize(
     for (RFC 6750 insufficient_scope); otherwise a repository the caller cannot
     see is NAME_UNKNOWN (404) and one it can see is DENIED (403).
     """
-    repo, held = await hub.db.read(accounts.access, caller.principal, repository)
+    repo, held = await hub.db.read(authz.access, caller.principal, repository)
     permit(hub, request, caller, repository, action, held)
     return repo
 
@@ -152,7 +202,7 @@ def permit(
     action: str,
     held: frozenset[str],
 ) -> None:
-    """The decision half of ``authorize``, for handlers that read ``accounts.access``
+    """The decision half of ``authorize``, for handlers that read ``authz.access``
     together with what they serve: raise unless ``action`` is in ``held`` (as narrowed by
     the caller's bearer token)."""
     granted = held
@@ -180,7 +230,7 @@ def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
     wanted: dict[str, frozenset[str]] = {}
     for scope in scopes:
         for item in scope.split(" "):
-            m = SCOPE_RE.match(item)
+            m = SCOPE_RE.fullmatch(item)
             if not m:
                 continue  # unknown scope types (registry:catalog:*) are granted nothing
             try:
@@ -189,15 +239,9 @@ def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
                 continue
             actions = frozenset(m.group(2).split(",")) & REQUESTABLE
             if "*" in actions:
-                actions = accounts.ALL_ACTIONS
+                actions = authz.ALL_ACTIONS
             wanted[name] = wanted.get(name, frozenset()) | actions
     return wanted
-
-
-def _held_actions(
-    session: Session, principal: Principal, names: list[str]
-) -> dict[str, frozenset[str]]:
-    return {name: accounts.repository_actions(session, principal, name) for name in names}
 
 
 @get("/token")
@@ -212,7 +256,7 @@ async def token_endpoint(
     if service is not None and service != hub.settings.service:
         raise RegistryError(Code.DENIED, f"unknown service {service!r}")
     wanted = _requested(request.query_params.getall("scope", []))
-    held = await hub.db.read(_held_actions, caller.principal, list(wanted))  # one read
+    held = await hub.db.read(authz.repository_actions, caller.principal, list(wanted))  # one read
     access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}
     token, issued = hub.signer.issue(caller.principal, access)
     hub.audit.record(

@@ -7,10 +7,8 @@ API token's scopes; a repository the caller cannot see is 404, as on ``/v2/``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
-from fnmatch import fnmatchcase
 from typing import Annotated, Any, ClassVar
 
 from litestar import Controller, Request, get
@@ -18,13 +16,13 @@ from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, Parameter
-from sqlalchemy import ColumnElement, Select, false, func, or_, select, true
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import ColumnElement, Select, func, select
 
+from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
-from forkd.hub import accounts
+from forkd.hub import accounts, authz
 from forkd.hub.auth import authenticate
-from forkd.hub.models import Manifest, Membership, Namespace, Repository, Tag, Team, TeamMember
+from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
@@ -79,65 +77,6 @@ class RepositoryDetail:
     tags: list[TagInfo]
 
 
-async def visible(session: AsyncSession, principal: accounts.Principal) -> ColumnElement[bool]:
-    """A filter on Repository: what ``principal`` may pull."""
-    public = Repository.is_public.is_(True)
-    if principal.anonymous:
-        return public
-    scopes = principal.token_scopes
-    if principal.is_admin:
-        if scopes is None or "*" in scopes:
-            return true()
-        names = list(scopes)
-    else:
-        query = (
-            select(Namespace.name)
-            .join(Membership, Membership.namespace_id == Namespace.id)
-            .where(Membership.user_id == principal.user_id)
-        )
-        names = list((await session.scalars(query)).all())
-        # Teams: a team without a glob covers its whole organisation; one with a glob,
-        # the repositories whose names match it.
-        team_rows = (
-            await session.execute(
-                select(Namespace.name, Team.repositories)
-                .join(Team, Team.namespace_id == Namespace.id)
-                .join(TeamMember, TeamMember.team_id == Team.id)
-                .where(TeamMember.user_id == principal.user_id)
-            )
-        ).all()
-        globs: list[str] = []
-        for ns_name, pattern in team_rows:
-            if not pattern:
-                names.append(ns_name)
-            else:
-                globs.append(pattern)
-        if scopes is not None and "*" not in scopes:
-            names = [n for n in names if n in scopes]
-            globs = [g for g in globs if accounts.namespace_of(g) in scopes]
-        if globs:
-            repo_names = (
-                await session.scalars(
-                    select(Repository.name)
-                    .join(Namespace, Namespace.id == Repository.namespace_id)
-                    .where(Namespace.name.in_({accounts.namespace_of(g) for g in globs}))
-                )
-            ).all()
-            matched = [r for r in repo_names if any(fnmatchcase(r, g) for g in globs)]
-            if matched:
-                return or_(
-                    public,
-                    Repository.namespace_id.in_(
-                        select(Namespace.id).where(Namespace.name.in_(names))
-                    ),
-                    Repository.name.in_(matched),
-                )
-    member_of = (
-        Repository.namespace_id.in_(select(Namespace.id).where(Namespace.name.in_(names)))
-        if names
-        else false()
-    )
-    return or_(public, member_of)
 
 
 async def _principal(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
@@ -163,7 +102,7 @@ class CatalogController(Controller):
         principal = await _principal(hub, request)
         await hub.pulls.flush(hub.db)  # counts are batched: make them current first
         async with hub.db.reading() as session:
-            where = [await visible(session, principal)]
+            where = [await session.run_sync(authz.visible, principal)]
             if q:
                 where.append(Repository.name.like(f"%{like_literal(q)}%", escape="\\"))
             if namespace:
@@ -215,7 +154,7 @@ class CatalogController(Controller):
             repo = (
                 await session.scalars(
                     select(Repository).where(
-                        Repository.name == name, await visible(session, principal)
+                        Repository.name == name, await session.run_sync(authz.visible, principal)
                     )
                 )
             ).first()
@@ -310,7 +249,7 @@ class LineageController(Controller):
             repo = (
                 await session.scalars(
                     select(Repository).where(
-                        Repository.name == name, await visible(session, principal)
+                        Repository.name == name, await session.run_sync(authz.visible, principal)
                     )
                 )
             ).first()
@@ -337,7 +276,7 @@ class LineageController(Controller):
 
         def node(digest: str, depth: int) -> LineageNode:
             m = manifests.get(digest)
-            notes = json.loads(m.annotations) if m is not None and m.annotations else {}
+            notes = annotations_of(m.annotations if m is not None else None)
             return LineageNode(
                 digest=digest,
                 tags=tags_of.get(digest, []),
@@ -390,9 +329,22 @@ def chain_depth(subjects: dict[str, str | None], digest: str) -> int:
     return depth
 
 
+def annotations_of(stored: str | None) -> dict[str, Any]:
+    """A manifest row's stored annotations as an object ({} when absent or unreadable)."""
+    if not stored:
+        return {}
+    try:
+        notes = jsondoc.loads(stored, "manifest annotations")
+    except InvalidInput:
+        return {}
+    return notes if isinstance(notes, dict) else {}
+
+
 def _total_size(hub: Hub, manifest: Manifest) -> int:
     try:
-        doc = json.loads(hub.blobs.read(manifest.digest, hub.settings.manifest_max_bytes))
+        doc = jsondoc.loads(
+            hub.blobs.read(manifest.digest, hub.settings.manifest_max_bytes), "manifest"
+        )
     except (NotFound, IntegrityError, InvalidInput, ValueError):
         return manifest.size
     descriptors = [doc.get("config") or {}, *(doc.get("layers") or [])]

@@ -161,8 +161,30 @@ class Database:
         def upgrade(connection: Connection) -> None:
             command.upgrade(alembic_config(connection), revision)
 
-        async with self.engine.begin() as conn:
-            await conn.run_sync(upgrade)
+        if not self.is_sqlite:
+            async with self.engine.begin() as conn:
+                await conn.run_sync(upgrade)
+            return
+
+        def upgrade_sqlite() -> None:
+            # SQLite's way to change a table is to rebuild it (create, copy, drop, rename);
+            # with foreign keys on, dropping the old table would cascade into its
+            # dependants. So migrations run with them off, checked before the commit.
+            engine = create_engine(make_url(self.url).set(drivername="sqlite"))
+            _sqlite_setup(engine, begin="BEGIN IMMEDIATE", foreign_keys=False)
+            try:
+                with engine.begin() as conn:
+                    upgrade(conn)
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+                    if broken:
+                        raise RuntimeError(
+                            f"migration to {revision} left {len(broken)} dangling foreign "
+                            f"keys (first: {tuple(broken[0])}); nothing was changed"
+                        )
+            finally:
+                engine.dispose()
+
+        await anyio.to_thread.run_sync(upgrade_sqlite)
 
     async def current_revision(self) -> str | None:
         from alembic.runtime.migration import MigrationContext
@@ -224,7 +246,11 @@ def _busy(exc: OperationalError) -> bool:
 
 
 def _sqlite_setup(
-    engine: AsyncEngine | Engine, begin: str, busy_s: float = SQLITE_BUSY_TIMEOUT_S
+    engine: AsyncEngine | Engine,
+    begin: str,
+    busy_s: float = SQLITE_BUSY_TIMEOUT_S,
+    *,
+    foreign_keys: bool = True,
 ) -> None:
     """WAL, foreign keys, and explicit transactions: ``BEGIN IMMEDIATE`` for writers so
     concurrent writers wait instead of failing; plain ``BEGIN`` for readers."""
@@ -239,7 +265,7 @@ def _sqlite_setup(
         # WAL + NORMAL: never corrupt; a power cut may undo the last commits (blob files are
         # fsynced by the store, so at worst a push must be repeated).
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
         cursor.close()
 

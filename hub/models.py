@@ -8,6 +8,7 @@ what the routes need without reading them (media type, artifact type, subject).
 
 from __future__ import annotations
 
+import secrets
 from datetime import UTC, datetime
 
 from sqlalchemy import (
@@ -30,18 +31,33 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def new_stamp() -> str:
+    """A principal's security stamp: 128 random bits, new for every user and at every
+    password change, so a session or bearer minted before stops matching."""
+    return secrets.token_hex(16)
+
+
+# Integer ids are never handed out twice (SQLite AUTOINCREMENT; PostgreSQL sequences
+# never go back), so a deleted user's, token's or repository's id never names another.
+NO_REUSE = {"sqlite_autoincrement": True}
+
+
 class Base(DeclarativeBase):
     pass
 
 
 class User(Base):
     __tablename__ = "users"
+    __table_args__ = NO_REUSE
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     password_hash: Mapped[str | None] = mapped_column(String(255), nullable=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     is_robot: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Carried (hashed) by every session, bearer token and cached credential of this user;
+    # a new one at every password change (accounts.set_password).
+    stamp: Mapped[str] = mapped_column(String(32), default=new_stamp)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -49,6 +65,7 @@ class Namespace(Base):
     """A user's own namespace (kind ``user``) or an organisation's (kind ``org``)."""
 
     __tablename__ = "namespaces"
+    __table_args__ = NO_REUSE
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
@@ -79,7 +96,7 @@ class Team(Base):
     them, or those whose full name matches ``repositories``, an fnmatch glob)."""
 
     __tablename__ = "teams"
-    __table_args__ = (UniqueConstraint("namespace_id", "name"),)
+    __table_args__ = (UniqueConstraint("namespace_id", "name"), NO_REUSE)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id", ondelete="CASCADE"))
@@ -104,6 +121,7 @@ class ApiToken(Base):
     """A long-lived secret for a user or robot; only its sha256 is stored."""
 
     __tablename__ = "api_tokens"
+    __table_args__ = NO_REUSE
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
@@ -116,6 +134,7 @@ class ApiToken(Base):
 
 class Repository(Base):
     __tablename__ = "repositories"
+    __table_args__ = NO_REUSE
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
@@ -155,7 +174,7 @@ class RepositoryBlob(Base):
 
 class Manifest(Base):
     __tablename__ = "manifests"
-    __table_args__ = (UniqueConstraint("repository_id", "digest"),)
+    __table_args__ = (UniqueConstraint("repository_id", "digest"), NO_REUSE)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
@@ -209,7 +228,25 @@ class LoginFailure(Base):
     (hub/login_limit.py). In the database, so every worker process shares the count."""
 
     __tablename__ = "login_failures"
+    __table_args__ = NO_REUSE
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key: Mapped[str] = mapped_column(String(80), index=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class UiSession(Base):
+    """A signed-in browser session, so sign-out (and removal of its user or token) ends it
+    on the server: the cookie names the session by a random id, stored here hashed."""
+
+    __tablename__ = "ui_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), index=True
+    )
+    token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

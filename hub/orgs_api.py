@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub import accounts, quotas
+from forkd.hub import accounts, authz, quotas
 from forkd.hub.auth import authenticate, client_ip
 from forkd.hub.models import ROLES, Membership, Namespace, User
 from forkd.hub.services import Hub
@@ -124,7 +124,7 @@ class UserInfo:
 async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> str:
     """The caller's name, if they hold ``role`` on ``namespace`` as a whole; else 401/403."""
     principal = await _user(hub, request)
-    held = await hub.db.read(accounts.namespace_role, principal, namespace)
+    held = await hub.db.read(authz.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
         hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {namespace!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import os
 import secrets
 import tomllib
@@ -72,6 +74,9 @@ class HubSettings:
     manifest_max_bytes: int = 4 * MiB
     login_fail_limit: int = 10
     login_fail_window: float = 300.0
+    # Reverse proxies (IPs or CIDRs, comma-separated) whose X-Forwarded-For names the
+    # client; from anyone else the header is ignored (hub/auth.py ``client_ip``).
+    trusted_proxies: str = ""
     # Blob storage: "fs" (DATA/blobs) or "s3" (forkd.store.s3). S3 credentials left empty
     # come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profile, role).
     blob_backend: str = "fs"
@@ -89,17 +94,17 @@ class HubSettings:
     # matches a repository applies) and how often the background sweep runs (seconds).
     retention: tuple[RetentionRule, ...] = ()
     retention_interval: float = 3600.0
-
-    @classmethod
-    def from_env(
-        cls,
-        data_dir: Path | None = None,
     # Upload sessions (hub/oci/uploads.py): at most this many open per namespace, each at
     # most upload_max_bytes, dropped after upload_idle_timeout seconds without a PATCH/PUT
     # (the hub's periodic sweep and `forkd hub gc` delete their files).
     upload_sessions_max: int = 50
     upload_max_bytes: int = 16 * 1024 * MiB
     upload_idle_timeout: float = 3600.0
+
+    @classmethod
+    def from_env(
+        cls,
+        data_dir: Path | None = None,
         *,
         base: Mapping[str, object] | None = None,
         **overrides: object,
@@ -153,15 +158,15 @@ class HubSettings:
             rule.validated()
         if self.retention_interval <= 0:
             raise InvalidInput("retention_interval must be > 0 seconds")
+        if self.upload_sessions_max <= 0 or self.upload_max_bytes <= 0:
+            raise InvalidInput("upload_sessions_max and upload_max_bytes must be > 0")
+        if self.upload_idle_timeout <= 0:
+            raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if bool(self.admin_user) != bool(self.admin_password):
             raise InvalidInput(
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
             )
         if self.admin_password:  # refuse at start, not in the middle of the app's startup
-        if self.upload_sessions_max <= 0 or self.upload_max_bytes <= 0:
-            raise InvalidInput("upload_sessions_max and upload_max_bytes must be > 0")
-        if self.upload_idle_timeout <= 0:
-            raise InvalidInput("upload_idle_timeout must be > 0 seconds")
             from forkd.hub.accounts import check_password
 
             check_password(self.admin_password, "FORKD_HUB_ADMIN_PASSWORD")
@@ -180,6 +185,7 @@ class HubSettings:
             manifest_max_bytes=self.manifest_max_bytes,
             login_fail_limit=self.login_fail_limit,
             login_fail_window=self.login_fail_window,
+            trusted_proxies=",".join(str(n) for n in proxy_networks(self.trusted_proxies)),
             blob_backend=self.blob_backend,
             s3_bucket=self.s3_bucket,
             s3_endpoint_url=self.s3_endpoint_url.rstrip("/"),
@@ -191,15 +197,15 @@ class HubSettings:
             compact_deeper_than=self.compact_deeper_than,
             retention=tuple(self.retention),
             retention_interval=float(self.retention_interval),
+            upload_sessions_max=self.upload_sessions_max,
+            upload_max_bytes=self.upload_max_bytes,
+            upload_idle_timeout=float(self.upload_idle_timeout),
         )
 
     def _check_blob_backend(self) -> None:
         """The blob backend's settings are complete and used (none silently ignored)."""
         if self.blob_backend not in BLOB_BACKENDS:
             raise InvalidInput(f"invalid blob backend {self.blob_backend!r}: use fs or s3")
-            upload_sessions_max=self.upload_sessions_max,
-            upload_max_bytes=self.upload_max_bytes,
-            upload_idle_timeout=float(self.upload_idle_timeout),
         s3_set = [
             name
             for name in ("s3_bucket", "s3_endpoint_url", "s3_region", "s3_prefix")
@@ -277,6 +283,7 @@ ENV_KEYS = {
     "admin_user": "FORKD_HUB_ADMIN_USER",
     "admin_password": "FORKD_HUB_ADMIN_PASSWORD",
     "default_visibility": "FORKD_HUB_DEFAULT_VISIBILITY",
+    "trusted_proxies": "FORKD_HUB_TRUSTED_PROXIES",
     "blob_backend": "FORKD_HUB_BLOB_BACKEND",
     "s3_bucket": "FORKD_HUB_S3_BUCKET",
     "s3_endpoint_url": "FORKD_HUB_S3_ENDPOINT_URL",
@@ -290,6 +297,26 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "bool": (bool,),
 }
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@functools.lru_cache(maxsize=8)
+def proxy_networks(text: str) -> tuple[Network, ...]:
+    """``trusted_proxies`` parsed: ``"10.0.0.5, 192.168.0.0/24"`` → networks."""
+    out: list[Network] = []
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError as exc:
+            raise InvalidInput(
+                f"invalid trusted proxy {item[:60]!r}: use IP addresses or CIDRs, "
+                "comma-separated (e.g. 10.0.0.5,192.168.0.0/24)"
+            ) from exc
+    return tuple(out)
 
 
 def load_config(path: Path) -> dict[str, object]:

@@ -32,6 +32,7 @@ class Grant:
     token_id: int | None
     access: dict[str, frozenset[str]]  # repository → actions
     expires: float
+    stamp: str = ""  # the subject's ``accounts.principal_stamp`` when it was issued
 
 
 class TokenSigner:
@@ -45,6 +46,7 @@ class TokenSigner:
         payload = {
             "sub": principal.user_id,
             "tid": principal.token_id,
+            "stp": principal.stamp,
             "aud": self.service,
             "iat": now,
             "exp": now + self.ttl,
@@ -72,12 +74,13 @@ class TokenSigner:
                 str(item["name"]): frozenset(str(a) for a in item["actions"])
                 for item in payload["access"]
             }
-            sub, tid = payload["sub"], payload["tid"]
+            sub, tid, stamp = payload["sub"], payload["tid"], payload.get("stp")
             return Grant(
                 sub if isinstance(sub, int) else None,
                 tid if isinstance(tid, int) else None,
                 access,
                 float(payload["exp"]),
+                stamp if isinstance(stamp, str) else "",
             )
         except (ValueError, KeyError, TypeError, binascii.Error):
             return None
@@ -87,28 +90,40 @@ class TokenSigner:
 class CredentialCache:
     """Recently verified Basic credentials, so clients that send Basic on every request
     do not pay an argon2 verification each time. Keys are sha256 of user and secret; the
-    subject is re-read from the database on every hit, so removals still apply at once."""
+    subject is re-read from the database on every hit and must still carry the stamp it
+    had (``accounts.token_principal``), so removals, revocations and password changes
+    apply at once, even where a user or token id was handed out again."""
 
     def __init__(self, ttl: float = 60.0, max_entries: int = 10_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[int, int | None, float]] = {}
+        self._entries: dict[str, tuple[int, int | None, str, float]] = {}
 
     @staticmethod
     def key(user: str, secret: str) -> str:
         return hashlib.sha256(f"{user}\x00{secret}".encode()).hexdigest()
 
-    def get(self, key: str) -> tuple[int, int | None] | None:
+    def get(self, key: str) -> tuple[int, int | None, str] | None:
+        """(user id, token id, stamp) of a credential verified recently."""
         hit = self._entries.get(key)
-        if hit is None or hit[2] < time.monotonic():
+        if hit is None or hit[3] < time.monotonic():
             self._entries.pop(key, None)
             return None
-        return hit[0], hit[1]
+        return hit[0], hit[1], hit[2]
 
-    def put(self, key: str, user_id: int, token_id: int | None) -> None:
+    def drop(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def put(self, principal: Principal, key: str) -> None:
+        assert principal.user_id is not None
         if len(self._entries) >= self.max_entries:
             now = time.monotonic()
-            self._entries = {k: v for k, v in self._entries.items() if v[2] >= now}
+            self._entries = {k: v for k, v in self._entries.items() if v[3] >= now}
             if len(self._entries) >= self.max_entries:
                 self._entries.clear()
-        self._entries[key] = (user_id, token_id, time.monotonic() + self.ttl)
+        self._entries[key] = (
+            principal.user_id,
+            principal.token_id,
+            principal.stamp,
+            time.monotonic() + self.ttl,
+        )

@@ -126,5 +126,5 @@ class TokenController(Controller):
             token = await session.get(ApiToken, token_id)
             if token is None or token.user_id != principal.user_id:
                 raise NotFoundException(f"no token {token_id}")
-            await session.delete(token)
+            await accounts.revoke_token(session, token_id)
         hub.audit.record(principal.name, client_ip(request), "token.revoke", str(token_id), "ok")

@@ -53,6 +53,8 @@ def server_config(settings: HubSettings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         loop="asyncio",
+        # X-Forwarded-For is the app's to judge, against trusted_proxies (auth.client_ip).
+        proxy_headers=False,
         log_level="info",
         access_log=False,
         lifespan="on",

@@ -96,6 +96,7 @@ class HubServer:
             port=self.port,
             log_level="warning",
             lifespan="on",
+            proxy_headers=False,  # as `forkd hub serve` (hub/workers.py)
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

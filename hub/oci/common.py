@@ -46,7 +46,7 @@ class Ctx:
         self.checked = await authorize(self.hub, self.request, self.caller, self.name, action)
 
     def permit(self, action: str, repo: Repository | None, held: frozenset[str]) -> None:
-        """``allow`` for a handler that read ``accounts.access`` itself (``repo``, ``held``)."""
+        """``allow`` for a handler that read ``authz.access`` itself (``repo``, ``held``)."""
         permit(self.hub, self.request, self.caller, self.name, action, held)
         self.checked = repo
 

@@ -8,8 +8,8 @@ from urllib.parse import urlencode
 from litestar import Response
 from sqlalchemy import select
 
+from forkd.hub import authz
 from forkd.hub.auth import Caller, challenge
-from forkd.hub.catalog import visible
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Repository
 from forkd.hub.oci.common import HubRequest
@@ -29,7 +29,9 @@ async def list_catalog(hub: Hub, request: HubRequest, caller: Caller) -> Respons
         )
     n = min(int(n_text), MAX_PAGE) if n_text is not None else MAX_PAGE
     async with hub.db.reading() as session:
-        query = select(Repository.name).where(await visible(session, caller.principal))
+        query = select(Repository.name).where(
+            await session.run_sync(authz.visible, caller.principal)
+        )
         if last:
             query = query.where(Repository.name > last)
         names = (

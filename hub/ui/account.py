@@ -16,10 +16,10 @@ from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub import accounts
+from forkd.hub import accounts, authz
 from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import ROLES, ApiToken, Membership, Namespace, User
+from forkd.hub.models import ROLES, ApiToken, Membership, UiSession, utcnow
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -180,13 +180,22 @@ class AccountController(Controller):
             return await self._signin_page(
                 request, hub, ui, nxt=nxt, username=username, error=message, status=status
             )
+        cookie, row = ui.sessions.issue(principal)
+        async with hub.db.transaction() as session:
+            # Sessions that ran out are cleared as their users sign in again.
+            await session.execute(
+                delete(UiSession).where(
+                    UiSession.user_id == row.user_id, UiSession.expires_at < utcnow()
+                )
+            )
+            session.add(row)
         hub.audit.record(principal.name, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
         _set_cookie(
             response,
             request,
             COOKIE,
-            ui.sessions.issue(principal),
+            cookie,
             max_age=SESSION_TTL,
             path="/",
             samesite="lax",
@@ -201,10 +210,16 @@ class AccountController(Controller):
         # A live session needs the form's CSRF token (another site cannot sign you out);
         # a dead or missing cookie is simply cleared.
         cookie = request.cookies.get(COOKIE, "")
-        if (await ui.sessions.viewer(hub, request)).signed_in:
+        who = await ui.sessions.viewer(hub, request)
+        claims = ui.sessions.parse(cookie)
+        if who.signed_in and claims is not None:
             form = await _form(request)
             if not ui.sessions.check_csrf(cookie, _field(form, "csrf", 64)):
                 raise PermissionDeniedException("the form expired; reload the page and try again")
+            # Ended on the server: a copy of the cookie opens nothing from now on.
+            async with hub.db.transaction() as session:
+                await session.execute(delete(UiSession).where(UiSession.id_hash == claims.id_hash))
+            hub.audit.record(who.principal.name, client_ip(request), "ui.signout", "-", "ok")
         response: Response[Any] = Redirect("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -230,7 +245,7 @@ class AccountController(Controller):
                 )
             ).all()
             namespaces = await queries.admin_namespaces(session, who.principal)
-            robots = await _robots(session, namespaces)
+            robots = await _robots(session, who.principal)
         return ui.renderer.page(
             "tokens.html",
             status=status,
@@ -301,11 +316,12 @@ class AccountController(Controller):
             token = await session.get(ApiToken, token_id)
             allowed = token is not None and token.user_id == who.principal.user_id
             if token is not None and not allowed:
-                managed = await queries.admin_namespaces(session, who.principal)
-                allowed = token.user_id in {r.user_id for r in await _robots(session, managed)}
+                allowed = await session.run_sync(
+                    authz.may_manage_robot, who.principal, token.user_id
+                )
             if token is None or not allowed:
                 raise NotFoundException(f"no token {token_id}")
-            await session.delete(token)
+            await accounts.revoke_token(session, token_id)
         hub.audit.record(
             who.principal.name, client_ip(request), "token.revoke", str(token_id), "ok"
         )
@@ -335,6 +351,12 @@ class AccountController(Controller):
                     user = await accounts.create_user(session, robot, None, robot=True)
                 elif not user.is_robot:
                     raise Conflict(f"{robot!r} is a person's account, not a robot")
+                elif not await session.run_sync(authz.may_manage_robot, who.principal, user.id):
+                    # Another namespace's robot: adopting it would hand over its tokens.
+                    raise Conflict(
+                        f"robot {robot!r} belongs to a namespace you do not administer: "
+                        "choose another name"
+                    )
                 await accounts.set_member(session, ns_name, robot, role)
                 secret = await accounts.create_token(
                     session, robot, f"{ns_name}-{role}", f"{ns_name}:{role}"
@@ -423,26 +445,10 @@ class RobotRow:
     tokens: list[ApiToken]
 
 
-async def _robots(session: AsyncSession, namespaces: list[str]) -> list[RobotRow]:
-    """Robot accounts that are members of ``namespaces``, with their tokens."""
-    if not namespaces:
-        return []
-    rows = (
-        (
-            await session.execute(
-                select(User)
-                .join(Membership, Membership.user_id == User.id)
-                .join(Namespace, Namespace.id == Membership.namespace_id)
-                .where(User.is_robot.is_(True), Namespace.name.in_(namespaces))
-                .distinct()
-                .order_by(User.name)
-            )
-        )
-        .scalars()
-        .all()
-    )
+async def _robots(session: AsyncSession, principal: accounts.Principal) -> list[RobotRow]:
+    """The robots ``principal`` manages (``authz.manageable_robots``), with their tokens."""
     out: list[RobotRow] = []
-    for user in rows:
+    for user in await session.run_sync(authz.manageable_robots, principal):
         tokens = (
             await session.scalars(
                 select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)

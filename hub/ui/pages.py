@@ -13,8 +13,7 @@ from sqlalchemy import select
 
 from forkd import digest as dg
 from forkd.errors import InvalidInput
-from forkd.hub import accounts
-from forkd.hub.catalog import visible
+from forkd.hub import accounts, authz
 from forkd.hub.models import Repository
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
@@ -164,7 +163,7 @@ class BrowseController(Controller):
                     select(Repository, queries.tag_count())
                     .where(
                         Repository.namespace_id == ns.id,
-                        await visible(session, who.principal),
+                        await session.run_sync(authz.visible, who.principal),
                     )
                     .order_by(Repository.updated_at.desc(), Repository.name)
                 )

@@ -1,6 +1,6 @@
 """What the pages show, read through the hub's models and the pack format's own parsers.
 
-Repository visibility is the catalog's (``forkd.hub.catalog.visible``): a page never
+Repository visibility is ``forkd.hub.authz.visible``'s: a page never
 shows what ``/api/v1`` or ``/v2/`` would hide. What a layer *is* (its config, memory
 map, sizes) is read from its blobs with ``forkd.pack`` and cached by manifest digest:
 a digest names immutable bytes, so the cache never goes stale.
@@ -8,7 +8,6 @@ a digest names immutable bytes, so the cache never goes stale.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -21,8 +20,8 @@ from sqlalchemy import ColumnElement, Select, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import ForkdError
-from forkd.hub import accounts
-from forkd.hub.catalog import MAX_CHAIN, chain_depth, like_literal, visible
+from forkd.hub import accounts, authz
+from forkd.hub.catalog import MAX_CHAIN, annotations_of, chain_depth, like_literal
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import Hub
@@ -273,7 +272,7 @@ async def search(
     """One page of the packs ``principal`` may see that match ``filters``, and the total."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
     async with hub.db.transaction() as session:
-        where = [await visible(session, principal)]
+        where = [await session.run_sync(authz.visible, principal)]
         if filters.q:
             pattern = f"%{like_literal(filters.q)}%"
             where.append(
@@ -367,7 +366,9 @@ async def pack(
     async with hub.db.transaction() as session:
         repo = (
             await session.scalars(
-                select(Repository).where(Repository.name == name, await visible(session, principal))
+                select(Repository).where(
+                    Repository.name == name, await session.run_sync(authz.visible, principal)
+                )
             )
         ).first()
         if repo is None:
@@ -385,7 +386,8 @@ async def pack(
                 select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
             )
         ).all()
-        can_push = "push" in await session.run_sync(accounts.repository_actions, principal, name)
+        _, held = await session.run_sync(authz.access, principal, name)
+        can_push = "push" in held
     subjects = {d: m.subject_digest for d, m in manifests.items()}
     tags_of: dict[str, list[str]] = {}
     for t in tag_rows:
@@ -455,13 +457,7 @@ NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 150, 34, 24, 40, 12
 
 def compacted_source(m: ManifestRow) -> str | None:
     """The manifest digest a compacted layer was flattened from (its annotation)."""
-    if not m.annotations:
-        return None
-    try:
-        notes = json.loads(m.annotations)
-    except ValueError:
-        return None
-    value = notes.get(mt.ANNOTATION_COMPACTED_FROM) if isinstance(notes, dict) else None
+    value = annotations_of(m.annotations).get(mt.ANNOTATION_COMPACTED_FROM)
     if not isinstance(value, str) or "@" not in value:
         return None
     return value.rsplit("@", 1)[1]
@@ -594,22 +590,10 @@ async def namespace_members(session: AsyncSession, ns: Namespace) -> list[Member
 
 
 async def role_in(session: AsyncSession, principal: accounts.Principal, ns: Namespace) -> str:
-    """``principal``'s role in ``ns`` ('' when none); site admins count as admins."""
-    if principal.anonymous:
-        return ""
-    if principal.is_admin:
-        return "admin"
-    member = await session.get(Membership, (ns.id, principal.user_id))
-    return member.role if member else ""
+    """``principal``'s role in ``ns`` ('' when none), as ``authz`` decides it."""
+    return await session.run_sync(authz.namespace_role, principal, ns.name) or ""
 
 
 async def admin_namespaces(session: AsyncSession, principal: accounts.Principal) -> list[str]:
     """Namespaces whose robots and members ``principal`` may manage."""
-    if principal.anonymous:
-        return []
-    query = select(Namespace.name).order_by(Namespace.name)
-    if not principal.is_admin:
-        query = query.join(Membership, Membership.namespace_id == Namespace.id).where(
-            Membership.user_id == principal.user_id, Membership.role == "admin"
-        )
-    return list((await session.scalars(query)).all())
+    return await session.run_sync(authz.admin_namespaces, principal)

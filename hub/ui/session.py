@@ -1,9 +1,15 @@
-"""The browser session: a signed cookie naming the user (and the API token, when someone
-signed in with one), re-checked against the database on every request.
+"""The browser session: a signed cookie naming a session stored on the server, its user
+(and the API token, when someone signed in with one) and their stamp, re-checked against
+the database on every request.
 
-Cookie: ``forkd_session = b64(json{u, t, e, n}) . b64(hmac-sha256)``, HttpOnly,
-SameSite=Lax, Secure behind HTTPS. Forms that change state carry a CSRF token
-derived from the cookie (HMAC), so another site cannot post them.
+Cookie: ``forkd_session = b64(json{u, t, p, e, n}) . b64(hmac-sha256)``, HttpOnly,
+SameSite=Lax, Secure behind HTTPS. ``n`` is the session's random id; the hub stores its
+sha256 in ``ui_sessions``, and sign-out deletes that row, so a copied cookie dies with
+the session. ``p`` is ``accounts.principal_stamp``: removing the user or token, or
+changing the password, ends every session of theirs even where an id came back.
+
+Forms that change state carry a CSRF token derived from the cookie (HMAC), so another
+site cannot post them.
 
 Before there is a session, the sign-in form is guarded the same way: its GET sets a
 short-lived random cookie ``forkd_login = EXPIRY.RANDOM`` (path ``/-/signin``) and the
@@ -28,15 +34,18 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from litestar import Request
 from litestar.datastructures import State
+from sqlalchemy.orm import Session
 
 from forkd.hub import accounts
 from forkd.hub.accounts import ANONYMOUS, Principal
+from forkd.hub.models import UiSession, utcnow
 from forkd.hub.services import Hub
 
 COOKIE = "forkd_session"
@@ -97,6 +106,30 @@ def _fresh(text: bytes) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
+class Claims:
+    """What a valid session cookie says."""
+
+    user_id: int
+    token_id: int | None
+    stamp: str
+    id_hash: str  # sha256 of the session id: the ``ui_sessions`` row
+
+
+def session_id_hash(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
+def session_principal(session: Session, claims: Claims, now: datetime) -> Principal | None:
+    """The principal of a session that is still open on the server, else None."""
+    row = session.get(UiSession, claims.id_hash)
+    if row is None or row.user_id != claims.user_id or row.token_id != claims.token_id:
+        return None
+    if accounts.aware(row.expires_at) <= now:
+        return None
+    return accounts.token_principal(session, claims.user_id, claims.token_id, claims.stamp)
+
+
+@dataclass(frozen=True)
 class Viewer:
     """Who is looking at a page: the principal, and the CSRF token for their forms."""
 
@@ -120,24 +153,40 @@ class Sessions:
     def _sign(self, body: str) -> str:
         return _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
 
-    def issue(self, principal: Principal) -> str:
+    def issue(self, principal: Principal) -> tuple[str, UiSession]:
+        """A new session's cookie and the row to store for it (the caller adds it)."""
+        assert principal.user_id is not None
+        session_id = secrets.token_urlsafe(24)
+        expires = int(time.time()) + SESSION_TTL
         payload = {
             "u": principal.user_id,
             "t": principal.token_id,
-            "e": int(time.time()) + SESSION_TTL,
-            # Random: two sessions of one user never share a cookie (nor CSRF tokens).
-            "n": secrets.token_urlsafe(9),
+            "p": principal.stamp,
+            "e": expires,
+            # Random: names the server-side row; two sessions never share a cookie.
+            "n": session_id,
         }
-        return _seal(payload, self._sign)
+        row = UiSession(
+            id_hash=session_id_hash(session_id),
+            user_id=principal.user_id,
+            token_id=principal.token_id,
+            expires_at=datetime.fromtimestamp(expires, UTC),
+        )
+        return _seal(payload, self._sign), row
 
-    def parse(self, cookie: str) -> tuple[int, int | None] | None:
+    def parse(self, cookie: str) -> Claims | None:
         payload = _open(cookie, 1024, self._sign)
         if payload is None:
             return None
         user, token = payload.get("u"), payload.get("t")
-        if not isinstance(user, int):
+        stamp, session_id = payload.get("p"), payload.get("n")
+        if not isinstance(user, int) or not isinstance(stamp, str):
             return None
-        return user, token if isinstance(token, int) else None
+        if not isinstance(session_id, str) or not session_id:
+            return None
+        return Claims(
+            user, token if isinstance(token, int) else None, stamp, session_id_hash(session_id)
+        )
 
     def _mac(self, purpose: bytes, value: str) -> str:
         mac = hmac.new(self._key, purpose + b"\x00" + value.encode(), hashlib.sha256)
@@ -196,10 +245,10 @@ class Sessions:
 
     async def viewer(self, hub: Hub, request: Request[object, object, State]) -> Viewer:
         cookie = request.cookies.get(COOKIE, "")
-        ids = self.parse(cookie)
-        if ids is None:
+        claims = self.parse(cookie)
+        if claims is None:
             return Viewer(ANONYMOUS)
-        principal = await hub.db.read(accounts.token_principal, *ids)
-        if principal is None:  # user or token removed since: signed out
+        principal = await hub.db.read(session_principal, claims, utcnow())
+        if principal is None:  # signed out, or user or token removed since
             return Viewer(ANONYMOUS)
         return Viewer(principal, self.csrf(cookie))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import InvalidInput
-from forkd.hub import accounts
+from forkd.hub import accounts, authz
 from forkd.hub.models import Repository
 from forkd.hub.ui.render import README_MAX
 
@@ -33,9 +33,9 @@ async def set_text(
     """Set what is given (None: keep). Needs push on the repository; NotFound-like
     InvalidInput when the caller may not see or change it (no hint that it exists)."""
     check_text(readme, description)
-    actions = await session.run_sync(accounts.repository_actions, principal, name)
-    repo = await accounts.get_repository(session, name)
-    if repo is None or "push" not in actions:
+    actions = await session.run_sync(authz.access, principal, name)
+    repo = actions[0]
+    if repo is None or "push" not in actions[1]:
         raise InvalidInput(f"no repository {name} that you may push to")
     if readme is not None:
         repo.readme = readme

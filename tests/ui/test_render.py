@@ -59,14 +59,18 @@ def test_markdown_keeps_what_a_readme_needs() -> None:
     for good in ("<h1>Title</h1>", "<strong>bold</strong>", "<code>code</code>", "<li>a</li>",
                  "<pre><code>forkd fork x -n 4", "<table>", "<td>1</td>",
                  'href="https://example.com/docs"', 'rel="nofollow noopener noreferrer"',
-                 '<a href="https://example.com/logo.png" rel="nofollow noopener noreferrer">logo</a>'):  # fmt: skip
+                 '<a href="https://example.com/logo.png" '
+                 'rel="nofollow noopener noreferrer">logo</a>'):  # fmt: skip
         assert good in html, (good, html)
 
 
 def test_session_cookie_is_signed_and_expires() -> None:
     sessions = Sessions(b"secret")
-    cookie = sessions.issue(Principal(7, "alice", False, None, 3))
-    assert sessions.parse(cookie) == (7, 3)
+    cookie, row = sessions.issue(Principal(7, "alice", False, None, 3, "s" * 32))
+    claims = sessions.parse(cookie)
+    assert claims is not None
+    assert (claims.user_id, claims.token_id, claims.stamp) == (7, 3, "s" * 32)
+    assert (row.user_id, row.token_id, row.id_hash) == (7, 3, claims.id_hash)
     body, _, sig = cookie.partition(".")
     assert sessions.parse(f"{body}x.{sig}") is None
     assert sessions.parse(cookie + "x") is None

@@ -1,0 +1,281 @@
+"""Who may do what: the one place that decides, for the OCI routes, ``/token``, the hub
+API, the catalog UI and ``_catalog`` alike.
+
+Rules:
+
+- Roles are ordered ``pull`` < ``push`` < ``admin``. On a repository they grant
+  registry actions: pull → {pull}; push → {pull, push}; admin → {pull, push, delete}.
+- A repository belongs to the namespace named by its first component.
+- A user's role on a namespace as a whole is the highest of their direct membership's
+  role and the roles of their teams there that have no repository glob. Their role on a
+  repository also counts the teams whose glob (``fnmatch``, e.g. ``acme/app-*``) matches
+  its full name.
+- Site admins hold ``admin`` on every namespace and repository.
+- An API token narrows all of that to its scopes (``NAMESPACE:ROLE``, ``*`` for any
+  namespace): the lower of the two roles, none where no scope names the namespace. A UI
+  session opened with a token is narrowed the same way.
+- A public repository grants ``pull`` to anyone, signed in or not.
+- Robots are managed (tokens minted, listed, revoked) by whoever administers every
+  namespace the robot is a member of (site admins: any robot); a robot that is a member
+  of nothing is the site admins' alone.
+
+``Grants`` reads once what decides for one principal (memberships, teams) and answers
+from it; ``visible`` turns the same answers into a SQL filter for listings, so what a
+listing shows and what a route allows cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from sqlalchemy import ColumnElement, false, or_, select, true
+from sqlalchemy.orm import Session
+
+from forkd.hub.accounts import Principal, find_repository, max_role, namespace_of
+from forkd.hub.models import (
+    ROLES,
+    Membership,
+    Namespace,
+    Repository,
+    Team,
+    TeamMember,
+    User,
+)
+
+ROLE_ACTIONS: dict[str, frozenset[str]] = {
+    "pull": frozenset({"pull"}),
+    "push": frozenset({"pull", "push"}),
+    "admin": frozenset({"pull", "push", "delete"}),
+}
+ALL_ACTIONS = ROLE_ACTIONS["admin"]
+NOTHING: frozenset[str] = frozenset()
+
+
+def lower_role(a: str | None, b: str | None) -> str | None:
+    """The lower of two roles; None when either is None."""
+    if a is None or b is None:
+        return None
+    return min(a, b, key=ROLES.index)
+
+
+@dataclass(frozen=True)
+class Grants:
+    """What decides for one principal: their direct roles and teams, per namespace.
+
+    Loaded for some namespaces or for all (``load``); asking about a namespace that was
+    not loaded is a programming error."""
+
+    principal: Principal
+    namespace_roles: dict[str, str]  # direct memberships and glob-less teams
+    team_globs: tuple[tuple[str, str], ...]  # (glob, role) of teams with a glob
+    loaded: frozenset[str] | None  # None: every namespace
+
+    @classmethod
+    def load(
+        cls, session: Session, principal: Principal, namespaces: Collection[str] | None = None
+    ) -> Grants:
+        """Read ``principal``'s memberships and teams (in ``namespaces`` only, if given)."""
+        loaded = frozenset(namespaces) if namespaces is not None else None
+        if principal.anonymous or principal.is_admin or principal.user_id is None:
+            return cls(principal, {}, (), loaded)
+        direct = select(Namespace.name, Membership.role).join(
+            Membership, Membership.namespace_id == Namespace.id
+        )
+        teams = (
+            select(Namespace.name, Team.repositories, Team.role)
+            .join(Team, Team.namespace_id == Namespace.id)
+            .join(TeamMember, TeamMember.team_id == Team.id)
+        )
+        direct = direct.where(Membership.user_id == principal.user_id)
+        teams = teams.where(TeamMember.user_id == principal.user_id)
+        if loaded is not None:
+            direct = direct.where(Namespace.name.in_(loaded))
+            teams = teams.where(Namespace.name.in_(loaded))
+        roles: dict[str, str] = {}
+        for ns, role in session.execute(direct).all():
+            roles[ns] = max_role(roles.get(ns), role) or role
+        globs: list[tuple[str, str]] = []
+        for ns, pattern, role in session.execute(teams).all():
+            if pattern:
+                globs.append((pattern, role))
+            else:
+                roles[ns] = max_role(roles.get(ns), role) or role
+        return cls(principal, roles, tuple(globs), loaded)
+
+    def _check_loaded(self, namespace: str) -> None:
+        if self.loaded is not None and namespace not in self.loaded:
+            raise RuntimeError(f"grants for namespace {namespace!r} were not loaded")
+
+    def narrow(self, role: str | None, namespace: str) -> str | None:
+        """``role`` as the principal's API token (if any) allows it on ``namespace``."""
+        scopes = self.principal.token_scopes
+        if scopes is None or role is None:
+            return role
+        return lower_role(role, scopes.get(namespace) or scopes.get("*"))
+
+    def namespace_role(self, namespace: str) -> str | None:
+        """The role on ``namespace`` as a whole (to manage its members, teams, robots)."""
+        if self.principal.anonymous:
+            return None
+        self._check_loaded(namespace)
+        role = "admin" if self.principal.is_admin else self.namespace_roles.get(namespace)
+        return self.narrow(role, namespace)
+
+    def repository_role(self, repository: str) -> str | None:
+        """The role on ``repository`` (which may not exist yet)."""
+        if self.principal.anonymous:
+            return None
+        namespace = namespace_of(repository)
+        self._check_loaded(namespace)
+        if self.principal.is_admin:
+            role: str | None = "admin"
+        else:
+            role = max_role(
+                self.namespace_roles.get(namespace),
+                *(r for glob, r in self.team_globs if fnmatchcase(repository, glob)),
+            )
+        return self.narrow(role, namespace)
+
+    def repository_actions(self, repository: str, public: bool) -> frozenset[str]:
+        """The registry actions held on ``repository`` (public: it grants pull to all)."""
+        role = self.repository_role(repository)
+        held = ROLE_ACTIONS[role] if role else NOTHING
+        return held | ROLE_ACTIONS["pull"] if public else held
+
+    def administers(self, namespaces: Iterable[str]) -> bool:
+        """Whether the principal holds admin on every one of ``namespaces`` (and there is
+        at least one): who may manage a robot that is a member of exactly those."""
+        wanted = list(namespaces)
+        return bool(wanted) and all(self.namespace_role(ns) == "admin" for ns in wanted)
+
+    def may_manage_robot(self, robot_namespaces: Iterable[str]) -> bool:
+        if self.principal.is_admin and self.narrow("admin", "*") == "admin":
+            return True
+        return self.administers(robot_namespaces)
+
+
+def grants(
+    session: Session, principal: Principal, namespaces: Collection[str] | None = None
+) -> Grants:
+    return Grants.load(session, principal, namespaces)
+
+
+def access(
+    session: Session, principal: Principal, repository: str
+) -> tuple[Repository | None, frozenset[str]]:
+    """The repository (None if it does not exist yet) and the actions ``principal`` holds
+    on it: the check of every OCI route."""
+    repo = find_repository(session, repository)
+    held = Grants.load(session, principal, [namespace_of(repository)]).repository_actions(
+        repository, repo is not None and repo.is_public
+    )
+    # Nobody but a site admin acts in a namespace that does not exist (yet).
+    return repo, held
+
+
+def repository_actions(
+    session: Session, principal: Principal, repositories: Collection[str]
+) -> dict[str, frozenset[str]]:
+    """The actions held on each of ``repositories``, in one read (``/token``)."""
+    found = {
+        r.name: r
+        for r in session.scalars(select(Repository).where(Repository.name.in_(repositories)))
+    }
+    g = Grants.load(session, principal, {namespace_of(r) for r in repositories})
+    return {
+        name: g.repository_actions(name, name in found and found[name].is_public)
+        for name in repositories
+    }
+
+
+def namespace_role(session: Session, principal: Principal, namespace: str) -> str | None:
+    """``principal``'s role on ``namespace`` as a whole; None for a namespace that does
+    not exist."""
+    exists = session.scalars(select(Namespace.id).where(Namespace.name == namespace)).first()
+    if exists is None:
+        return None
+    return Grants.load(session, principal, [namespace]).namespace_role(namespace)
+
+
+def admin_namespaces(session: Session, principal: Principal) -> list[str]:
+    """The namespaces ``principal`` administers, by name."""
+    if principal.anonymous:
+        return []
+    g = Grants.load(session, principal)
+    if principal.is_admin:
+        names = list(session.scalars(select(Namespace.name).order_by(Namespace.name)))
+    else:
+        names = sorted(g.namespace_roles)
+    return [ns for ns in names if g.namespace_role(ns) == "admin"]
+
+
+def visible(session: Session, principal: Principal) -> ColumnElement[bool]:
+    """A filter on Repository: exactly the repositories ``principal`` may pull, by the
+    same ``Grants`` answers the routes use."""
+    public = Repository.is_public.is_(True)
+    if principal.anonymous:
+        return public
+    g = Grants.load(session, principal)
+    if principal.is_admin:
+        scopes = principal.token_scopes
+        if scopes is None or g.narrow("admin", "*") is not None:
+            return true()
+        namespaces = [ns for ns in scopes if g.namespace_role(ns)]
+    else:
+        namespaces = [ns for ns in g.namespace_roles if g.namespace_role(ns)]
+    clauses: list[ColumnElement[bool]] = [public]
+    if namespaces:
+        clauses.append(
+            Repository.namespace_id.in_(select(Namespace.id).where(Namespace.name.in_(namespaces)))
+        )
+    glob_namespaces = {namespace_of(glob) for glob, _ in g.team_globs} - set(namespaces)
+    if glob_namespaces:
+        candidates = session.scalars(
+            select(Repository.name)
+            .join(Namespace, Namespace.id == Repository.namespace_id)
+            .where(Namespace.name.in_(glob_namespaces))
+        )
+        matched = [name for name in candidates if g.repository_role(name)]
+        if matched:
+            clauses.append(Repository.name.in_(matched))
+    return or_(*clauses) if len(clauses) > 1 else (clauses[0] if clauses else false())
+
+
+def robot_namespaces(session: Session, robot_id: int) -> list[str]:
+    """The namespaces a robot is a member of, by name."""
+    query = (
+        select(Namespace.name)
+        .join(Membership, Membership.namespace_id == Namespace.id)
+        .where(Membership.user_id == robot_id)
+        .order_by(Namespace.name)
+    )
+    return list(session.scalars(query))
+
+
+def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> bool:
+    """Whether ``principal`` may mint, see and revoke the tokens of robot ``robot_id``
+    (and add it to a namespace): they administer every namespace it is a member of."""
+    robot = session.get(User, robot_id)
+    if robot is None or not robot.is_robot or principal.anonymous:
+        return False
+    namespaces = robot_namespaces(session, robot_id)
+    return Grants.load(session, principal, namespaces).may_manage_robot(namespaces)
+
+
+def manageable_robots(session: Session, principal: Principal) -> list[User]:
+    """The robots ``principal`` may manage that are members of a namespace they
+    administer, by name."""
+    administered = admin_namespaces(session, principal)
+    if not administered:
+        return []
+    candidates = session.scalars(
+        select(User)
+        .join(Membership, Membership.user_id == User.id)
+        .join(Namespace, Namespace.id == Membership.namespace_id)
+        .where(User.is_robot.is_(True), Namespace.name.in_(administered))
+        .distinct()
+        .order_by(User.name)
+    )
+    return [robot for robot in candidates if may_manage_robot(session, principal, robot.id)]
