@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 
 import pytest
-from hostile_packs import TIB, Layer, chunk, empty_tib, sparse_tib_chain
+from hostile_packs import TIB, Layer, chunk, empty_tib, layer, sparse_tib_chain
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError
 from forkd.pack import mediatypes as mt
-from forkd.pack.chain import flatten, touched_regions
+from forkd.pack.chain import flatten, written_extents
+from forkd.pack.chunking import flat_chunks
 from forkd.pack.imagemap import (
     CHUNK_PAGES,
     MAX_MAP_BYTES,
@@ -85,9 +86,9 @@ def test_a_sparse_1_tib_chain_compacts_reading_only_the_regions_chunks_write(
 
     store.compact("evil:v1", "evil:flat")
 
-    # Three chunks survive (the diff zeroes none of them whole): three 2 MiB regions read
-    # back, written once each; the stored chunks are read once each too.
-    assert bytes_read() - before < 3 * 2 * MIB + 4 * MIB
+    # Three chunks survive (the diff zeroes none of them whole): their 515 pages are read
+    # back once; the stored chunks and the small blobs are read once each too.
+    assert bytes_read() - before < 4 * MIB
     flat_digest = store.resolve("evil:flat")
     flat = store.image_map(store.manifest(flat_digest), "memory", "flat")
     assert flat is not None and len(flat.chunks) == 3
@@ -122,10 +123,49 @@ def test_flattening_follows_extents_not_the_declared_size() -> None:
     assert [[(p.chunk_page, p.page, p.count) for p in pieces] for _, pieces in plan] == [
         [(0, 7, 1), (3, pages - 1, 1)]
     ]
-    assert touched_regions(plan) == [0, (pages - 1) // CHUNK_PAGES]
-    # A piece straddling two regions touches both.
-    straddle, _ = chunk([(CHUNK_PAGES - 1, 2)], 1)
-    assert touched_regions(flatten([ImageMap("flat", TIB, (straddle,))], "t")) == [0, 1]
+    assert written_extents(plan) == [(7, 1), (pages - 1, 1)]
+    # Pieces of different chunks that meet are one extent.
+    a, _ = chunk([(CHUNK_PAGES - 1, 1)], 1)
+    b, _ = chunk([(CHUNK_PAGES, 3)], 2)
+    assert written_extents(flatten([ImageMap("flat", TIB, (b, a))], "t")) == [(CHUNK_PAGES - 1, 4)]
+
+
+@pytest.mark.timeout(SAFETY_NET)
+def test_a_chunk_scattered_over_many_regions_costs_its_pages_not_their_regions(
+    store: Store,
+) -> None:
+    """512 pages in 512 different 2 MiB regions: one small chunk, 1 GiB of regions."""
+    scattered, blob = chunk([(r * CHUNK_PAGES + r, 1) for r in range(CHUNK_PAGES)], 9)
+    put(
+        store,
+        "evil:v1",
+        layer("evil:v1", ImageMap("flat", TIB, (scattered,)), {scattered.digest: blob}),
+    )
+    before = bytes_read()
+
+    store.compact("evil:v1", "evil:flat")
+
+    assert bytes_read() - before < 16 * MIB
+    flat = store.image_map(store.manifest(store.resolve("evil:flat")), "memory", "flat")
+    assert flat is not None
+    assert [c.extents for c in flat.chunks] == [((r * CHUNK_PAGES + r, 1),) for r in range(512)]
+
+
+def test_reading_only_written_pages_gives_the_full_scans_chunks(
+    store: Store, chain: list[str]
+) -> None:
+    """On a real chain (pages zeroed by diffs, whole regions, partial regions), chunking
+    the written pages equals chunking the whole assembled image."""
+    head = store.resolve("d3")
+    links = store.chain(head)
+    maps = [store.image_map(link.manifest, "memory", "t") for link in links]
+    plan = flatten([m for m in maps if m is not None], "d3")
+    memory = store.assemble("d3").memory
+    with open(memory, "rb") as f:
+        size = memory.stat().st_size
+        full = [(c.data, c.extents) for c in flat_chunks(f, size)]
+        written = [(c.data, c.extents) for c in flat_chunks(f, size, written=written_extents(plan))]
+    assert written == full and len(full) > 1
 
 
 def _padded(imap: ImageMap, size: int) -> bytes:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from forkd.errors import ChainError
-from forkd.pack.imagemap import CHUNK_PAGES, ChunkRef, Extent, ImageMap
+from forkd.pack.imagemap import ChunkRef, Extent, ImageMap
 from forkd.pack.manifest import Manifest
 
 MAX_CHAIN_DEPTH = 64
@@ -142,11 +142,13 @@ def flatten(maps: list[ImageMap], what: str) -> Plan:
     raise ChainError(f"{what}: the chain ends in a diff layer with no flat base; it is incomplete")
 
 
-def touched_regions(plan: Plan) -> list[int]:
-    """The 2 MiB regions (indexes, sorted) that any piece of ``plan`` writes: every other
-    region of the assembled image is zero. A piece spans at most two regions."""
-    regions: set[int] = set()
-    for _, pieces in plan:
-        for p in pieces:
-            regions.update(range(p.page // CHUNK_PAGES, (p.page + p.count - 1) // CHUNK_PAGES + 1))
-    return sorted(regions)
+def written_extents(plan: Plan) -> list[Extent]:
+    """The page extents (sorted, adjacent ones merged) that ``plan`` writes: every other
+    page of the assembled image is a hole, zero. As many as the plan's pieces, at most."""
+    out: list[Extent] = []
+    for page, count in sorted((p.page, p.count) for _, pieces in plan for p in pieces):
+        if out and out[-1][0] + out[-1][1] == page:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((page, count))
+    return out

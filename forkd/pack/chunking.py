@@ -100,13 +100,15 @@ def flat_chunks(
     f: BinaryIO,
     size: int,
     progress: Progress | None = None,
-    regions: Iterable[int] | None = None,
+    written: Iterable[Extent] | None = None,
 ) -> Iterator[RawChunk]:
-    """Chunks of a whole image: per 2 MiB region, its non-zero pages. ``regions`` (region
-    indexes, increasing) reads only those: the caller knows every other region is zero."""
-    offsets = range(0, size, CHUNK_SIZE) if regions is None else (r * CHUNK_SIZE for r in regions)
-    for offset in offsets:
-        f.seek(offset)
+    """Chunks of a whole image: per 2 MiB region, its non-zero pages. ``written`` (page
+    extents, sorted, disjoint) reads only those pages: the caller knows the rest is zero."""
+    if written is not None:
+        yield from _written_chunks(f, written)
+        return
+    f.seek(0)
+    for offset in range(0, size, CHUNK_SIZE):
         region = f.read(min(CHUNK_SIZE, size - offset))
         if progress:
             progress(len(region))
@@ -115,6 +117,30 @@ def flat_chunks(
         first = offset // PAGE_SIZE
         pages = _nonzero_pages(region, first)
         yield RawChunk(_pack(region, first, pages), runs(pages))
+
+
+def _written_chunks(f: BinaryIO, written: Iterable[Extent]) -> Iterator[RawChunk]:
+    """What ``flat_chunks`` yields for an image that is zero outside ``written``, at the
+    cost of the written pages alone (an assembled chain: its holes are never read)."""
+    region = -1
+    pages: list[int] = []
+    data: list[bytes] = []
+    for first, n in written:
+        while n:  # one 2 MiB region at a time
+            count = min(n, CHUNK_PAGES - first % CHUNK_PAGES)
+            if first // CHUNK_PAGES != region:
+                if data:
+                    yield RawChunk(b"".join(data), runs(pages))
+                region, pages, data = first // CHUNK_PAGES, [], []
+            block = memoryview(os.pread(f.fileno(), count * PAGE_SIZE, first * PAGE_SIZE))
+            for i in range(count):
+                page = block[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
+                if page != ZERO_PAGE:
+                    pages.append(first + i)
+                    data.append(bytes(page))
+            first, n = first + count, n - count
+    if data:
+        yield RawChunk(b"".join(data), runs(pages))
 
 
 def diff_chunks(

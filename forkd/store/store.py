@@ -27,7 +27,7 @@ from forkd import digest as dg
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.names import Ref, parse_ref
 from forkd.pack import mediatypes as mt
-from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, flatten, touched_regions, walk
+from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, flatten, walk, written_extents
 from forkd.pack.chunking import (
     Progress,
     RawChunk,
@@ -522,9 +522,9 @@ class Store:
     def _compact(self, digest: str, tag: str, provenance: Provenance) -> str:
         """One flat layer with the head's assembled bytes; returns its manifest digest.
 
-        Only the 2 MiB regions some layer's chunk writes are read back: the rest of the
-        assembled image is zero (holes), so the work follows the stored chunks, not the
-        image size the maps declare."""
+        Only the pages some layer's chunk wrote are read back: the rest of the assembled
+        image is holes (zero), so the work follows the stored chunks, not the image size
+        the maps declare."""
         asm = self.assemble_digest(digest)
         chain = self.chain(digest)
         maps: dict[str, ImageMap] = {}
@@ -534,7 +534,7 @@ class Store:
             plan = flatten(self._chain_maps(chain, role, digest), f"{digest} {role}")
             with open(path, "rb") as f:
                 size = image_size(f, f"assembled {role} image")
-                chunks = flat_chunks(f, size, regions=touched_regions(plan))
+                chunks = flat_chunks(f, size, written=written_extents(plan))
                 maps[role] = build_map(self.blobs, "flat", size, chunks, [])
         files = chain_files(chain)
         cfg = replace(

@@ -74,8 +74,8 @@ def test_compacting_a_1_tib_pack_on_the_hub_does_bounded_work(
     assert empty.status_code == 201, empty.text
     assert sparse.status_code == 201, sparse.text
     assert empty.json()["memory_size"] == TIB and sparse.json()["memory_size"] == TIB
-    # Three 2 MiB regions read back for the sparse chain, a few small blobs for both: not
-    # the 2 TiB of holes the two images declare.
+    # The sparse chain's 515 written pages read back, a few small blobs for both: not the
+    # 2 TiB of holes the two images declare.
     assert bytes_read() - before < 16 << 20
     assert not list(hub.data_dir.glob(".compact-*"))
 
