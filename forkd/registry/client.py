@@ -3,12 +3,19 @@
 Auth follows the registry token flow: a 401 with ``WWW-Authenticate: Bearer
 realm=…,service=…,scope=…`` sends the stored credential (Basic) to the realm
 and retries with the token; a ``Basic`` challenge is answered directly.
-Tokens are cached per scope. Errors carry the registry's OCI error code.
+Tokens are cached per scope. Errors carry the registry's OCI error codes.
+
+Credentials go only to the registry's own origin (same scheme, host and port) or to a
+token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS``
+(comma-separated origins such as ``https://auth.example.com``). A challenge naming any
+other realm (another host or port, or https → http) is refused with AuthError before
+anything is sent; without credentials an anonymous token may come from any realm.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -27,12 +34,22 @@ from forkd.registry.reference import Hub
 MANIFEST_ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX])
 UPLOAD_CHUNK = 16 << 20
 _CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
+TRUSTED_REALMS_ENV = "FORKD_TRUSTED_REALMS"
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class RegistryError(ForkdError):
-    """The registry refused a request or could not be reached."""
+    """The registry refused a request or could not be reached; ``codes`` are the OCI
+    error codes of its answer, ``details`` their detail texts."""
 
     exit_code = 7
+
+    def __init__(
+        self, message: str, codes: tuple[str, ...] = (), details: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.codes = codes
+        self.details = details
 
 
 class AuthError(RegistryError):
@@ -41,12 +58,46 @@ class AuthError(RegistryError):
     exit_code = 8
 
 
+Origin = tuple[str, str, int]
+
+
+def origin(url: str | httpx.URL) -> Origin:
+    """(scheme, host, port) of an absolute http(s) URL, the port filled in by scheme."""
+    parsed = httpx.URL(url)
+    scheme = parsed.scheme.lower()
+    return scheme, parsed.host.lower(), parsed.port or DEFAULT_PORTS.get(scheme, 0)
+
+
+def trusted_realm_origins(configured: tuple[str, ...] | None = None) -> set[Origin]:
+    """The realm origins the user trusts with credentials: ``configured``, else the
+    FORKD_TRUSTED_REALMS environment variable."""
+    if configured is None:
+        configured = tuple(os.environ.get(TRUSTED_REALMS_ENV, "").split(","))
+    found = set()
+    for text in (t.strip() for t in configured):
+        if not text:
+            continue
+        parsed = httpx.URL(text)
+        if parsed.scheme not in DEFAULT_PORTS or not parsed.host:
+            raise InvalidInput(
+                f"trusted realm {text[:100]!r} ({TRUSTED_REALMS_ENV}): use an origin such as "
+                "https://auth.example.com[:PORT]"
+            )
+        found.add(origin(parsed))
+    return found
+
+
 class RegistryClient:
     def __init__(
-        self, hub: Hub, credential: Credential | None = None, timeout: float = 120.0
+        self,
+        hub: Hub,
+        credential: Credential | None = None,
+        timeout: float = 120.0,
+        trusted_realms: tuple[str, ...] | None = None,
     ) -> None:
         self.hub = hub
         self.credential = credential
+        self.realm_origins = {origin(hub.url)} | trusted_realm_origins(trusted_realms)
         self.http = httpx.Client(
             base_url=hub.url,
             timeout=timeout,
@@ -122,15 +173,23 @@ class RegistryClient:
         realm = params.get("realm")
         if not realm:
             raise AuthError(f"{self.hub}: bearer challenge without a realm")
+        realm_url = self.http.base_url.join(realm)  # a relative realm is the registry's
+        if realm_url.scheme not in DEFAULT_PORTS:
+            raise AuthError(f"{self.hub}: token realm {realm[:100]!r} is not an http(s) URL")
         query = {"service": params.get("service", "")}
         query["scope"] = params.get("scope") or scope
-        auth = (
-            httpx.BasicAuth(self.credential.username, self.credential.secret)
-            if self.credential
-            else None
-        )
+        auth = None
+        if self.credential:
+            if origin(realm_url) not in self.realm_origins:
+                raise AuthError(
+                    f"{self.hub}: the registry asks for credentials at {realm[:200]}, another "
+                    f"origin than {self.hub.url}; refusing to send them there. If that token "
+                    f"service is the registry's, trust it: {TRUSTED_REALMS_ENV}="
+                    f"{realm_url.scheme}://{realm_url.netloc.decode()}"
+                )
+            auth = httpx.BasicAuth(self.credential.username, self.credential.secret)
         try:
-            resp = self.http.get(realm, params=query, auth=auth or httpx.USE_CLIENT_DEFAULT)
+            resp = self.http.get(realm_url, params=query, auth=auth or httpx.USE_CLIENT_DEFAULT)
         except httpx.HTTPError as exc:
             raise AuthError(f"{self.hub}: token endpoint {realm} unreachable: {exc}") from exc
         if resp.status_code in (401, 403):
@@ -151,17 +210,23 @@ class RegistryClient:
 
     def _error(self, method: str, url: str, resp: httpx.Response) -> RegistryError:
         detail = ""
+        codes: tuple[str, ...] = ()
+        details: tuple[str, ...] = ()
         try:
             errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+            codes = tuple(str(e.get("code")) for e in errors)
+            details = tuple(str(e.get("detail") or "") for e in errors)
         except (InvalidInput, AttributeError, TypeError):
             detail = resp.text[:200]
         msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
         if resp.status_code in (401, 403):
-            return AuthError(f"{msg}; log in with `forkd login {self.hub}` or ask for the scope")
+            return AuthError(
+                f"{msg}; log in with `forkd login {self.hub}` or ask for the scope", codes, details
+            )
         if resp.status_code == 404:
-            return RegistryNotFound(msg)
-        return RegistryError(msg)
+            return RegistryNotFound(msg, codes, details)
+        return RegistryError(msg, codes, details)
 
     # -- API ----------------------------------------------------------------
     @staticmethod

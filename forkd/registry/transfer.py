@@ -1,7 +1,9 @@
 """Push a chain to a registry and pull one into the store: only missing blobs, in parallel.
 
 Push goes ancestors first: each layer's missing blobs (a HEAD tells), then its
-manifest by digest; the head's manifest last, by tag. Pull fetches the head
+manifest by digest; the head's manifest last, by tag. A manifest refused with
+``MANIFEST_BLOB_UNKNOWN`` (a blob unlinked or garbage-collected between its HEAD and
+the manifest) has those blobs pushed again, once, and is sent again. Pull fetches the head
 manifest by tag, then lets ``fetch_chain`` ask for whatever the store lacks
 (manifests by digest through ``subject``, blobs in per-layer batches), all
 verified, and tags the head only at the end. Re-running either after an
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from forkd.errors import Conflict, IntegrityError
 from forkd.names import parse_ref
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Descriptor
-from forkd.registry.client import RegistryClient
+from forkd.registry.client import RegistryClient, RegistryError
 from forkd.registry.reference import RemoteRef
 from forkd.store.fetch import Want, fetch_chain
 from forkd.store.store import Store
@@ -51,20 +53,48 @@ def push(
     repo = remote.name
     sent = skipped = sent_bytes = 0
 
-    def upload(d: Descriptor) -> int:
+    def send(d: Descriptor) -> int:
         path = store.blobs.path(d.digest)
         with open(path, "rb") as f:
             fd = f.fileno()
             client.put_blob(repo, d.digest, d.size, lambda off, n: os.pread(fd, n, off))
+        return d.size
+
+    def upload(d: Descriptor) -> int:
+        send(d)
         if progress:
             progress(d.size)
         return d.size
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
+
+        def missing_of(blobs: list[Descriptor]) -> list[Descriptor]:
+            present = list(pool.map(lambda d: client.has_blob(repo, d.digest), blobs))
+            return [d for d, have in zip(blobs, present, strict=True) if not have]
+
+        def put_manifest(reference: str, data: bytes, blobs: list[Descriptor]) -> int:
+            """PUT the manifest; after MANIFEST_BLOB_UNKNOWN (a blob unlinked or collected
+            since its HEAD) push the blobs it names and those a HEAD misses, once, and PUT
+            again. Returns the bytes of blobs pushed again."""
+            try:
+                client.put_manifest(repo, reference, data)
+                return 0
+            except RegistryError as exc:
+                if "MANIFEST_BLOB_UNKNOWN" not in exc.codes:
+                    raise
+                said = " ".join((str(exc), *exc.details))
+                gone = {d.digest for d in blobs if d.digest in said}
+                gone |= {d.digest for d in missing_of(blobs)}
+                if not gone:
+                    raise
+            again = [d for d in blobs if d.digest in gone]
+            resent = sum(pool.map(send, again))
+            client.put_manifest(repo, reference, data)
+            return resent
+
         for i, link in enumerate(reversed(chain)):
             blobs = link.manifest.blobs()
-            present = list(pool.map(lambda d: client.has_blob(repo, d.digest), blobs))
-            missing = [d for d, have in zip(blobs, present, strict=True) if not have]
+            missing = missing_of(blobs)
             for d in blobs:
                 if d not in missing and progress:
                     progress(d.size)
@@ -72,7 +102,7 @@ def push(
             sent, skipped = sent + len(missing), skipped + len(blobs) - len(missing)
             data = store.blobs.read(link.digest, MAX_MANIFEST_BYTES, "manifest")
             is_head = i == len(chain) - 1
-            client.put_manifest(repo, remote.tag if is_head else link.digest, data)
+            sent_bytes += put_manifest(remote.tag if is_head else link.digest, data, blobs)
             sent_bytes += len(data)
     return TransferResult(str(remote), head, len(chain), sent, sent_bytes, skipped)
 
