@@ -10,97 +10,48 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import re
 import secrets
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from forkd.engine import netns
 from forkd.engine.accel import AccelVerdict, cached_probe
 from forkd.engine.agent_client import PROTOCOL, AgentClient
-from forkd.engine.cgroup import MemoryCgroup
-from forkd.engine.errors import (
-    ChildDead,
-    ChildNotFound,
-    EngineError,
-    HostError,
-    VMMError,
+from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError, VMMError
+from forkd.engine.lifecycle import (
+    CHILD_FILE,
+    ChildVM,
+    Lifetime,
+    Limits,
+    child_dir,
+    new_id,
+    require_running,
+)
+from forkd.engine.lifecycle import (
+    WAITING_FILE as WAITING_FILE,  # re-exported: tests name ch.WAITING_FILE
+)
+from forkd.engine.lifecycle import (
+    ChildInfo as ChildInfo,
 )
 from forkd.engine.paths import children_dir
-from forkd.engine.qemu import (
-    CPU_MODEL,
-    MACHINE,
-    QemuVM,
-    VMConfig,
-    create_overlay,
-    pid_alive,
-    pid_matches,
-    qemu_version,
-    unprivileged_user,
-)
+from forkd.engine.qemu import CPU_MODEL, MACHINE, QemuVM, create_overlay, pid_alive, qemu_version
 from forkd.engine.qmp import QMP
-from forkd.errors import InvalidInput
+from forkd.errors import ForkdError, InvalidInput
 from forkd.pack.config import Compat
 from forkd.store.store import Assembled, Store
 
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 MAX_CHILDREN = 512
 Progress = Callable[[str], None]
 
 
 def _noop(_: str) -> None:
     pass
-
-
-@dataclass
-class ChildInfo:
-    id: str
-    ref: str
-    digest: str
-    pid: int
-    dir: str
-    memory: str
-    disk_backing: str
-    memory_mib: int
-    created: float
-    cgroup: str | None = None
-    cgroup_version: str | None = None
-    netns: str | None = None
-    mac: str | None = None
-    ip: str | None = None
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    status: str = "running"
-
-    @property
-    def path(self) -> Path:
-        return Path(self.dir)
-
-    def save(self) -> None:
-        tmp = self.path / "child.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(self.path / "child.json")
-
-    @classmethod
-    def load(cls, d: Path) -> ChildInfo:
-        try:
-            raw = json.loads((d / "child.json").read_text())
-        except FileNotFoundError as e:
-            raise ChildNotFound(f"no child {d.name!r}; `forkd ls` lists the children") from e
-        raw.pop("status", None)
-        return cls(**raw)
-
-    def state(self) -> str:
-        """running, or crashed when its QEMU is gone without `forkd kill`."""
-        if pid_alive(self.pid) and pid_matches(self.pid, self.path):
-            return "running"
-        return "crashed"
 
 
 @dataclass(frozen=True)
@@ -154,11 +105,6 @@ def check_compat(asm: Assembled, verdict: AccelVerdict) -> None:
 
 
 # ---------------------------------------------------------------- fork
-def _new_id(ref: str) -> str:
-    base = re.sub(r"[^a-z0-9]+", "-", ref.split("/")[-1].split(":")[0].lower()).strip("-")
-    return f"{base[:20] or 'vm'}-{secrets.token_hex(3)}"
-
-
 def prepare_incoming(qmp: QMP, vmstate: Path) -> None:
     """Everything before the restore that does not need the state loaded: capabilities,
     parameters, and the device-state file passed as an fd (a waiting process does this early)."""
@@ -201,105 +147,70 @@ def has_nic(vmstate: Path) -> bool:
     return b"virtio-net" in vmstate.read_bytes()
 
 
-WAITING_FILE = "waiting.json"  # a pool's waiting process (not a child yet: `forkd ls` skips it)
-
-
 @dataclass
 class Waiting:
     """A QEMU process started with `-incoming defer` on one snapshot, its overlay disk, cgroup
     and netns in place, QMP and the agent socket connected and the device state passed:
     `become_child` restores, fixes up and pings it. `discard` removes it (idempotent)."""
 
-    info: ChildInfo
-    vm: QemuVM
+    child: ChildVM
     agent: AgentClient | None
-    cgroup: MemoryCgroup | None
     net: dict[str, str] | None
-    memory_limit_mib: int | None
+    limits: Limits
     sandbox: bool
     with_netns: bool
     launch_ms: float
     pooled: bool = False
     stage: str = "incoming"  # "incoming": waits for the device state; "paused": restored ahead
-    discarded: bool = False
 
     @property
     def id(self) -> str:
-        return self.info.id
+        return self.child.id
+
+    @property
+    def info(self) -> ChildInfo:
+        return self.child.info
+
+    @property
+    def vm(self) -> QemuVM:
+        assert self.child.vm is not None
+        return self.child.vm
+
+    @property
+    def discarded(self) -> bool:
+        return self.child.cleaned
 
     def alive(self) -> bool:
-        return not self.discarded and self.vm.alive()
+        return self.child.alive()
 
     def discard(self) -> None:
-        if self.discarded:
-            return
-        self.discarded = True
         if self.agent is not None:
             self.agent.close()
             self.agent = None
-        self.vm.kill()
-        if self.cgroup is not None:
-            with contextlib.suppress(EngineError):
-                self.cgroup.remove()
-        if self.info.netns is not None:
-            with contextlib.suppress(EngineError):
-                netns.remove(self.info.netns)
-        shutil.rmtree(self.info.path, ignore_errors=True)
+        with contextlib.suppress(EngineError):
+            self.child.cleanup()
 
 
 def launch_waiting(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
-                   memory_limit_mib: int | None, sandbox: bool, with_netns: bool, *,
+                   limits: Limits, sandbox: bool, with_netns: bool, *,
                    pooled: bool = False) -> Waiting:
     """Start one QEMU waiting for the snapshot's device state (the process-start half of a
-    spawn). pooled: record it in waiting.json (owner = this process) instead of child.json,
-    so it is not a child until `become_child`."""
-    assert asm.vmstate is not None and asm.disk is not None and asm.config.compat is not None
-    c = asm.config.compat
-    d = children_dir() / child_id
-    d.mkdir(mode=0o700)
+    spawn, lifecycle.ChildVM.launch) and connect its agent. pooled: record it in
+    waiting.json (owner = this process) instead of child.json, so it is not a child until
+    `become_child`."""
     t0 = time.monotonic()
-    disk = d / "disk.qcow2"
-    shutil.copyfile(overlay_tpl, disk)
-    cfg = VMConfig(memory_mib=c.memory_mib, vcpus=c.vcpus, accel=c.accelerators[0],
-                   mem_path=asm.memory, share=False, disk=disk, disk_cache="writeback",
-                   incoming=True, sandbox=sandbox, runas=unprivileged_user() if sandbox else None,
-                   tap="tap0" if with_netns else None, mac=netns.TEMPLATE_MAC)
-    info = ChildInfo(id=child_id, ref=ref, digest=asm.digest, pid=0, dir=str(d),
-                     memory=str(asm.memory), disk_backing=str(asm.disk),
-                     memory_mib=c.memory_mib, created=time.time())
-    ns_name = f"{netns.PREFIX}{child_id}" if with_netns else None
-    vm = QemuVM(d, cfg, detach=True, netns=ns_name)
-    w = Waiting(info=info, vm=vm, agent=None, cgroup=None, net=None,
-                memory_limit_mib=memory_limit_mib, sandbox=sandbox, with_netns=with_netns,
-                launch_ms=0.0, pooled=pooled)
-
-    def record() -> None:
-        if pooled:
-            tmp = d / (WAITING_FILE + ".tmp")
-            tmp.write_text(json.dumps({"owner": os.getpid(), **asdict(info)}, indent=1))
-            tmp.replace(d / WAITING_FILE)
-        else:
-            info.save()
-
+    child = ChildVM.launch(asm, ref, child_id, overlay_tpl, limits, sandbox, with_netns,
+                           pooled=pooled)
+    info = child.info
+    net = None
+    if info.netns is not None and info.mac and info.ip:
+        net = {"ifname": "eth0", "mac": info.mac, "address": info.ip, "gateway": netns.GW_IP}
+    w = Waiting(child=child, agent=None, net=net, limits=limits, sandbox=sandbox,
+                with_netns=with_netns, launch_ms=0.0, pooled=pooled)
+    vm = w.vm
     try:
-        if ns_name is not None:
-            info.netns = ns_name
-            info.mac, info.ip = netns.child_identity(child_id)
-            w.net = {"ifname": "eth0", "mac": info.mac, "address": info.ip,
-                     "gateway": netns.GW_IP}
-            record()
-            netns.create(ns_name)
-        if memory_limit_mib is not None:
-            w.cgroup = MemoryCgroup.create(child_id, memory_limit_mib)
-            info.cgroup, info.cgroup_version = str(w.cgroup.path), w.cgroup.version
-        vm.launch()
-        assert vm.pid is not None and vm.qmp is not None
-        info.pid = vm.pid
-        record()  # from here on `forkd kill` (or the pool's sweep) can find it
-        if w.cgroup is not None:
-            w.cgroup.add(vm.pid)
-        w.agent = AgentClient(d / "agent.sock", alive=vm.alive)  # connect before the restore
-        assert asm.vmstate is not None
+        assert vm.qmp is not None and asm.vmstate is not None
+        w.agent = AgentClient(info.path / "agent.sock", alive=vm.alive)  # before the restore
         prepare_incoming(vm.qmp, asm.vmstate)
         w.launch_ms = (time.monotonic() - t0) * 1000
         return w
@@ -335,9 +246,10 @@ def restore_ahead(w: Waiting, timeout: float = 60.0) -> None:
         raise
 
 
-def become_child(w: Waiting) -> ChildInfo:
+def become_child(w: Waiting, lifetime: Lifetime | None = None) -> ChildInfo:
     """Restore a waiting process, fix it up (clock, entropy, hostname, network) and ping it:
-    then it is a ready child (child.json written). On failure it is discarded."""
+    then it is a ready child (child.json written, with its deadline from lifetime). On
+    failure it is discarded."""
     if w.discarded:
         raise VMMError(f"child {w.id}: the waiting process was already discarded")
     t0 = time.monotonic()
@@ -362,8 +274,8 @@ def become_child(w: Waiting) -> ChildInfo:
         w.agent.close()
         w.agent = None
         info.timings_ms = {k: round(v, 1) for k, v in timings.items()}
-        info.save()
-        (info.path / WAITING_FILE).unlink(missing_ok=True)
+        (lifetime or Lifetime()).apply(info)
+        w.child.become_child()
         vm.qmp.close()
         vm.qmp = None
         return info
@@ -375,18 +287,28 @@ def become_child(w: Waiting) -> ChildInfo:
         raise
 
 
-def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
-               memory_limit_mib: int | None, sandbox: bool, with_netns: bool) -> ChildInfo:
-    w = launch_waiting(asm, ref, child_id, overlay_tpl, memory_limit_mib, sandbox, with_netns)
-    return become_child(w)
+def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path, limits: Limits,
+               sandbox: bool, with_netns: bool, lifetime: Lifetime | None) -> ChildInfo:
+    w = launch_waiting(asm, ref, child_id, overlay_tpl, limits, sandbox, with_netns)
+    return become_child(w, lifetime)
 
 
-def prepare(store: Store, ref: str, *, memory_limit_mib: int | None = None,
+def with_memory(limits: Limits | None, memory_limit_mib: int | None) -> Limits:
+    """limits with memory_limit_mib (the older keyword) filled in, checked."""
+    limits = limits or Limits()
+    if memory_limit_mib is not None:
+        if limits.memory_mib not in (None, memory_limit_mib):
+            raise InvalidInput("two different memory limits given")
+        limits = replace(limits, memory_mib=memory_limit_mib)
+    return limits.checked()
+
+
+def prepare(store: Store, ref: str, *, limits: Limits | None = None,
             with_netns: bool = False, progress: Progress = _noop) -> tuple[Assembled, bool]:
     """Assemble the snapshot, check it against this host and settle the network option:
     (assembled images, whether each child gets a network namespace)."""
-    if memory_limit_mib is not None and memory_limit_mib < 64:
-        raise InvalidInput(f"--memory-limit-mib {memory_limit_mib} is too small (>= 64)")
+    limits = (limits or Limits()).checked()
+    memory_limit_mib = limits.memory_mib
     asm = store.assemble(ref)  # verifies chunks while writing the image: corrupt → no VM
     check_compat(asm, cached_probe())
     assert asm.disk is not None and asm.config.compat is not None and asm.vmstate is not None
@@ -403,6 +325,9 @@ def prepare(store: Store, ref: str, *, memory_limit_mib: int | None = None,
         if not with_netns:
             progress(f"{ref} has a network device: each child gets its own namespace")
             with_netns = True
+    if limits.net_kbit is not None and not with_netns:
+        raise InvalidInput(f"a network rate limit needs a network: {ref} has no network device "
+                           "(build the recipe with `network = true` under [guest])")
     if memory_limit_mib is not None and memory_limit_mib < asm.config.compat.memory_mib:
         progress(f"note: memory limit {memory_limit_mib} MiB is below the guest's "
                  f"{asm.config.compat.memory_mib} MiB")
@@ -412,31 +337,36 @@ def prepare(store: Store, ref: str, *, memory_limit_mib: int | None = None,
 class WaitingSource(Protocol):
     """Where fork takes already started processes from first (engine/pool.py's Pool)."""
 
-    def take(self, ref: str, n: int, *, digest: str, memory_limit_mib: int | None,
+    def take(self, ref: str, n: int, *, digest: str, limits: Limits,
              sandbox: bool, with_netns: bool) -> list[Waiting]: ...
 
     def refill(self, ref: str) -> None: ...
 
 
 def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
+         limits: Limits | None = None, lifetime: Lifetime | None = None,
          sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
          parallel: int | None = None, pool: WaitingSource | None = None) -> ForkResult:
     """N children of ref. With a pool, its waiting processes for ref are used first (only
-    restore + fixup remain for them); the pool refills in the background afterwards."""
-    if not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
+    restore + fixup remain for them); the pool refills in the background afterwards.
+    limits: per-child resource limits; lifetime: when each child is killed or paused (the
+    deadline is in its record; lifetimes.py enforces it)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
         raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    limits = with_memory(limits, memory_limit_mib)
+    lifetime = (lifetime or Lifetime()).checked()
     t0 = time.monotonic()
-    asm, with_netns = prepare(store, ref, memory_limit_mib=memory_limit_mib,
-                              with_netns=with_netns, progress=progress)
+    asm, with_netns = prepare(store, ref, limits=limits, with_netns=with_netns,
+                              progress=progress)
     asm_ms = (time.monotonic() - t0) * 1000
     assert asm.disk is not None
     taken: list[Waiting] = []
     if pool is not None:
-        taken = pool.take(ref, n, digest=asm.digest, memory_limit_mib=memory_limit_mib,
-                          sandbox=sandbox, with_netns=with_netns)
+        taken = pool.take(ref, n, digest=asm.digest, limits=limits, sandbox=sandbox,
+                          with_netns=with_netns)
         if taken:
             progress(f"{len(taken)} of {n} from the prewarmed pool")
-    ids = [w.id for w in taken] + [_new_id(ref) for _ in range(n - len(taken))]
+    ids = [w.id for w in taken] + [new_id(ref) for _ in range(n - len(taken))]
     results: list[ChildInfo | None] = [None] * n
     errors: list[str] = []
     tpl_dir: Path | None = None
@@ -453,10 +383,10 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
             with sem:
                 try:
                     if i < len(taken):
-                        info = become_child(taken[i])
+                        info = become_child(taken[i], lifetime)
                     else:
-                        info = _spawn_one(asm, ref, ids[i], overlay, memory_limit_mib, sandbox,
-                                          with_netns)
+                        info = _spawn_one(asm, ref, ids[i], overlay, limits, sandbox,
+                                          with_netns, lifetime)
                     results[i] = info
                     progress(f"{info.id} ready in {info.timings_ms['ready']:.0f} ms")
                 except Exception as e:
@@ -482,25 +412,16 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
 
 
 # ---------------------------------------------------------------- reach children
-def _child_dir(child_id: str) -> Path:
-    if not isinstance(child_id, str) or not _ID_RE.fullmatch(child_id):
-        raise InvalidInput(f"invalid child id {child_id!r}; `forkd ls` lists the children")
-    d = children_dir() / child_id
-    if not (d / "child.json").exists():
-        raise ChildNotFound(f"no child {child_id!r}; `forkd ls` lists the children")
-    return d
-
-
 def get(child_id: str) -> ChildInfo:
-    return ChildInfo.load(_child_dir(child_id))
+    return ChildInfo.load(child_dir(child_id))
 
 
 def list_children() -> list[ChildInfo]:
     out = []
     for d in sorted(children_dir().iterdir()):
-        if d.name.startswith(".") or not (d / "child.json").exists():
+        if d.name.startswith(".") or not (d / CHILD_FILE).exists():
             continue
-        with contextlib.suppress(ChildNotFound, ValueError, TypeError):
+        with contextlib.suppress(ChildNotFound, ValueError, TypeError, OSError):
             info = ChildInfo.load(d)
             info.status = info.state()
             out.append(info)
@@ -526,16 +447,13 @@ def locked(info: ChildInfo, timeout: float = 60.0) -> Iterator[None]:
         os.close(fd)
 
 
-def _require_running(info: ChildInfo) -> None:
-    if info.state() != "running":
-        raise ChildDead(f"child {info.id} is not running (its QEMU process {info.pid} is gone: "
-                        f"crashed or killed); `forkd kill {info.id}` cleans it up")
+_require_running = require_running  # the name engine/branch.py calls
 
 
 @contextlib.contextmanager
 def agent(child_id: str, timeout: float = 10.0) -> Iterator[AgentClient]:
     info = get(child_id)
-    _require_running(info)
+    require_running(info)
     with locked(info):
         try:
             client = AgentClient(info.path / "agent.sock", timeout=timeout,
@@ -572,25 +490,27 @@ def eval_in(child_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]:
 
 
 def kill(child_id: str) -> ChildInfo:
-    """Stop the child's QEMU and remove everything it had. Safe on crashed children."""
-    info = get(child_id)
-    was = info.state()
-    if was == "running":
-        vm = QemuVM(info.path, VMConfig(memory_mib=info.memory_mib, vcpus=1, accel="tcg",
-                                        mem_path=Path(info.memory), share=False,
-                                        disk=info.path / "disk.qcow2"))
-        vm.pid = info.pid
-        with contextlib.suppress(VMMError):
-            vm.qmp = QMP(info.path / "qmp.sock", timeout=2.0, alive=vm.alive)
-        vm.shutdown(timeout=3.0)
-    if info.cgroup:
-        MemoryCgroup(Path(info.cgroup), info.cgroup_version or "v1").remove()
-    if info.netns:
-        netns.remove(info.netns)
-    shutil.rmtree(info.path, ignore_errors=True)
-    info.status = "killed" if was == "running" else "crashed"
+    """Stop the child's QEMU and remove everything it had (lifecycle.ChildVM.end); a paused
+    child's saved state (its private tag) goes too. Safe on crashed children."""
+    child = ChildVM.adopt(child_dir(child_id))
+    info = child.info
+    was = child.end()
+    if info.paused_tag is not None:
+        drop_private_tag(info.paused_tag)
+    info.status = {"running": "killed", "paused": "killed"}.get(was, "crashed")
     return info
 
 
+def drop_private_tag(tag: str) -> None:
+    """Remove a paused child's private tag from the store ($FORKD_HOME); the layers it named
+    go with the next `forkd gc`."""
+    with contextlib.suppress(ForkdError):
+        Store.open().remove(tag)
+
+
 def kill_all() -> list[ChildInfo]:
-    return [kill(c.id) for c in list_children()]
+    out = []
+    for c in list_children():
+        with contextlib.suppress(ChildNotFound):
+            out.append(kill(c.id))
+    return out

@@ -19,6 +19,8 @@ import ctypes
 import importlib
 import ipaddress
 import os
+import shutil
+import subprocess
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +115,34 @@ def create(name: str) -> None:
     finally:
         _setns(saved)
         os.close(saved)
+
+
+MIN_RATE_KBIT, MAX_RATE_KBIT = 64, 100_000_000  # 64 kbit/s .. 100 Gbit/s
+
+
+def _tc(args: list[str]) -> None:
+    p = subprocess.run(["tc", *args], capture_output=True, text=True, check=False,
+                       stdin=subprocess.DEVNULL, timeout=20)
+    if p.returncode != 0:
+        raise HostError(f"tc {' '.join(args)} failed: {p.stderr.strip()}")
+
+
+def limit_rate(name: str, kbit: int) -> None:
+    """Cap tap0 of namespace `name` at kbit/s in each direction: a token bucket (tbf) on
+    what the host sends to the guest, a policer on what the guest sends (packets over the
+    rate are dropped; TCP backs off to the rate)."""
+    if not name.startswith(PREFIX):
+        raise HostError(f"refusing to manage namespace {name!r} (not {PREFIX}*)")
+    if shutil.which("tc") is None:
+        raise HostError("tc is missing (apt-get install -y iproute2); it limits the network rate")
+    burst = max(16 << 10, kbit * 1000 // 8 // 10)  # 100 ms at the rate, at least 16 KiB
+    with entered(name):
+        _tc(["qdisc", "add", "dev", "tap0", "root", "tbf", "rate", f"{kbit}kbit",
+             "burst", str(burst), "latency", "100ms"])
+        _tc(["qdisc", "add", "dev", "tap0", "handle", "ffff:", "ingress"])
+        _tc(["filter", "add", "dev", "tap0", "parent", "ffff:", "protocol", "all", "u32",
+             "match", "u32", "0", "0", "police", "rate", f"{kbit}kbit", "burst", str(burst),
+             "drop", "flowid", ":1"])
 
 
 def exists(name: str) -> bool:

@@ -20,7 +20,6 @@ leftovers of an owner that died without closing.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -31,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from forkd.engine import children as ch
-from forkd.engine import netns
-from forkd.engine.cgroup import MemoryCgroup
 from forkd.engine.errors import EngineError
+from forkd.engine.lifecycle import CHILD_FILE, WAITING_FILE, ChildVM, Limits, new_id
 from forkd.engine.paths import children_dir
-from forkd.engine.qemu import create_overlay, pid_alive, pid_matches
+from forkd.engine.qemu import create_overlay, pid_alive
 from forkd.errors import InvalidInput
 from forkd.names import parse_ref
 from forkd.store.store import Assembled, Store
@@ -48,9 +46,13 @@ LAUNCH_PARALLEL = 8  # concurrent process starts while filling (2 cores: more on
 class PoolSpec:
     """The options a waiting process was started with; a fork takes only matching ones."""
 
-    memory_limit_mib: int | None = None
+    limits: Limits = field(default_factory=Limits)
     sandbox: bool = True
     with_netns: bool = False
+
+    @property
+    def memory_limit_mib(self) -> int | None:
+        return self.limits.memory_mib
 
 
 @dataclass
@@ -88,8 +90,8 @@ class Pool:
 
     # ------------------------------------------------------------------ public
     def fill(self, tag: str, k: int, *, memory_limit_mib: int | None = None,
-             sandbox: bool = True, with_netns: bool = False, wait: bool = True,
-             timeout: float = 300.0) -> dict[str, Any]:
+             limits: Limits | None = None, sandbox: bool = True, with_netns: bool = False,
+             wait: bool = True, timeout: float = 300.0) -> dict[str, Any]:
         """Keep k processes waiting for tag (k = 0 empties it). wait: block until they are
         started (else fill in the background). Refuses k out of range and unknown tags."""
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_POOL:
@@ -98,11 +100,11 @@ class Pool:
         if k == 0:
             self.remove(ref)
             return self._status_of(ref)
+        limits = ch.with_memory(limits, memory_limit_mib)
         # settles netns for NIC snapshots and fails early on unknown tags, corrupt blobs or an
         # incompatible host
-        asm, with_netns = ch.prepare(self.store, ref, memory_limit_mib=memory_limit_mib,
-                                     with_netns=with_netns)
-        spec = PoolSpec(memory_limit_mib, sandbox, with_netns)
+        asm, with_netns = ch.prepare(self.store, ref, limits=limits, with_netns=with_netns)
+        spec = PoolSpec(limits, sandbox, with_netns)
         drop: list[ch.Waiting] = []
         with self._lock:
             self._check_open()
@@ -124,12 +126,12 @@ class Pool:
             self.wait_filled(ref, timeout)
         return self._status_of(ref)
 
-    def take(self, ref: str, n: int, *, digest: str, memory_limit_mib: int | None = None,
+    def take(self, ref: str, n: int, *, digest: str, limits: Limits | None = None,
              sandbox: bool = True, with_netns: bool = False) -> list[ch.Waiting]:
         """Up to n live waiting processes of ref started on this digest with these options.
         Stale ones (the tag moved since they started) are discarded, never returned."""
         ref = str(parse_ref(ref))
-        spec = PoolSpec(memory_limit_mib, sandbox, with_netns)
+        spec = PoolSpec(limits or Limits(), sandbox, with_netns)
         out: list[ch.Waiting] = []
         drop: list[ch.Waiting] = []
         with self._lock:
@@ -242,13 +244,14 @@ class Pool:
             tp = self._pools.get(ref)
             if tp is None:
                 return {"tag": ref, "target": 0, "waiting": 0, "starting": 0, "digest": None,
-                        "memory_limit_mib": None, "sandbox": True, "netns": False, "taken": 0,
-                        "last_error": None}
+                        "memory_limit_mib": None, "limits": {}, "sandbox": True,
+                        "netns": False, "taken": 0, "last_error": None}
             dead = [w for w in tp.waiting if not w.alive()]
             tp.waiting = [w for w in tp.waiting if w not in dead]
             out = {"tag": ref, "target": tp.target, "waiting": len(tp.waiting),
                    "starting": tp.launching, "digest": tp.digest,
-                   "memory_limit_mib": tp.spec.memory_limit_mib, "sandbox": tp.spec.sandbox,
+                   "memory_limit_mib": tp.spec.memory_limit_mib,
+                   "limits": tp.spec.limits.shown(), "sandbox": tp.spec.sandbox,
                    "netns": tp.spec.with_netns, "taken": tp.taken, "last_error": tp.last_error}
         self._discard(dead)
         return out
@@ -268,8 +271,7 @@ class Pool:
                 return
             spec = tp.spec
         try:
-            asm, _ = ch.prepare(self.store, ref, memory_limit_mib=spec.memory_limit_mib,
-                                with_netns=spec.with_netns)
+            asm, _ = ch.prepare(self.store, ref, limits=spec.limits, with_netns=spec.with_netns)
         except Exception as e:  # the tag was removed, or the host changed: record, stop
             with self._lock:
                 tp.last_error = str(e)
@@ -327,9 +329,8 @@ class Pool:
                 with sem:
                     if self._stale(tp, gen):
                         return
-                    w = ch.launch_waiting(asm, ref, ch._new_id(ref), overlay,
-                                          spec.memory_limit_mib, spec.sandbox, spec.with_netns,
-                                          pooled=True)
+                    w = ch.launch_waiting(asm, ref, new_id(ref), overlay, spec.limits,
+                                          spec.sandbox, spec.with_netns, pooled=True)
                     if self.restore_ahead:
                         try:
                             ch.restore_ahead(w)  # discards it on failure
@@ -393,28 +394,15 @@ def sweep_orphans() -> list[str]:
                 if not pid_alive(int((d / "owner").read_text())):
                     shutil.rmtree(d, ignore_errors=True)
             continue
-        f = d / ch.WAITING_FILE
-        if not f.is_file() or (d / "child.json").exists():
+        if not (d / WAITING_FILE).is_file() or (d / CHILD_FILE).exists():
             continue
         try:
-            raw = json.loads(f.read_text())
-            owner, pid = int(raw["owner"]), int(raw.get("pid") or 0)
-        except (OSError, ValueError, KeyError, TypeError):
+            w = ChildVM.adopt(d, WAITING_FILE)
+        except (OSError, ValueError, KeyError, TypeError, EngineError):
             continue
-        if pid_alive(owner):
+        if w.owner is not None and pid_alive(w.owner):
             continue
-        if pid and pid_alive(pid) and pid_matches(pid, d):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-            deadline = time.monotonic() + 10
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        if raw.get("cgroup"):
-            with contextlib.suppress(EngineError):
-                MemoryCgroup(Path(raw["cgroup"]), raw.get("cgroup_version") or "v1").remove()
-        if raw.get("netns"):
-            with contextlib.suppress(EngineError):
-                netns.remove(raw["netns"])
-        shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(EngineError):
+            w.cleanup()
         removed.append(d.name)
     return removed

@@ -1,8 +1,8 @@
 """The QEMU process: argv, launch, shutdown, kill (construct ≠ launch).
 
 One QemuVM owns one QEMU process and its files in one directory. A VM may
-outlive the Python object that launched it (fork children do): `attach` finds
-it again by pid and directory.
+outlive the Python object that launched it (fork children do): `QemuVM.attach`
+finds it again by pid and directory (engine/lifecycle.py does that for children).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class VMConfig:
     runas: str | None = None  # drop to this user after start-up (-runas)
     tap: str | None = None  # tap interface name (already in QEMU's netns)
     mac: str | None = None
+    disk_bps: int | None = None  # QEMU's I/O throttling of the drive: bytes/s, read + write
+    disk_iops: int | None = None  # and operations/s, read + write
     extra: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -121,7 +123,8 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={d / 'agent.sock'},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=agent",
-        "-drive", f"id=d0,file={disk},format=qcow2,if=none,cache={cfg.disk_cache}",
+        "-drive", f"id=d0,file={disk},format=qcow2,if=none,cache={cfg.disk_cache}"
+                  + drive_throttling(cfg),
         "-device", "virtio-blk-device,drive=d0",
         "-device", "virtio-rng-device",
         # device-state-only streams (xen-save-devices-state) carry no configuration section
@@ -145,6 +148,16 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         argv += ["-add-fd", f"fd={fd},set={DISK_FDSET},opaque=disk"]
     argv += list(cfg.extra)
     return argv
+
+
+def drive_throttling(cfg: VMConfig) -> str:
+    """-drive options of QEMU's block throttling (token buckets on the drive's requests)."""
+    out = ""
+    if cfg.disk_bps is not None:
+        out += f",throttling.bps-total={cfg.disk_bps}"
+    if cfg.disk_iops is not None:
+        out += f",throttling.iops-total={cfg.disk_iops}"
+    return out
 
 
 def create_overlay(path: Path, backing: Path, backing_fmt: str) -> None:
@@ -180,12 +193,13 @@ def pid_alive(pid: int) -> bool:
 
 
 def pid_matches(pid: int, d: Path) -> bool:
-    """The pid is still the QEMU we started in directory d (guards against pid reuse)."""
+    """The pid is still the QEMU we started in directory d (guards against pid reuse): its
+    command line names files in d (``d/qmp.sock``, not a directory whose name extends d's)."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return str(d).encode() in cmd
+    return (str(d).rstrip("/") + "/").encode() in cmd
 
 
 def _reap(pid: int) -> None:
@@ -196,23 +210,36 @@ def _reap(pid: int) -> None:
 class QemuVM:
     """One QEMU process in its own directory. launch() starts it; shutdown()/kill() end it."""
 
-    def __init__(self, d: Path, cfg: VMConfig, *, detach: bool = False,
+    def __init__(self, d: Path, cfg: VMConfig | None, *, detach: bool = False,
                  netns: str | None = None) -> None:
+        """cfg None: a process started elsewhere (see attach); it cannot be launched."""
         self.dir = d
         self.netns = netns
         self.cfg = cfg
         self.detach = detach
-        self.argv = build_argv(cfg, d)
+        self.argv = build_argv(cfg, d) if cfg is not None else []
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self.qmp: QMP | None = None
+
+    @classmethod
+    def attach(cls, d: Path, pid: int, *, qmp_timeout: float = 2.0) -> QemuVM:
+        """The QEMU of directory d started by another process (a child's record names its
+        pid). alive() then also checks that the pid is still that QEMU (pid reuse); QMP is
+        connected when it answers (shutdown() then asks it to quit before SIGKILL)."""
+        vm = cls(d, None)
+        vm.pid = pid
+        if vm.alive():
+            with contextlib.suppress(VMMError):
+                vm.qmp = QMP(d / "qmp.sock", timeout=qmp_timeout, alive=vm.alive)
+        return vm
 
     @property
     def log_path(self) -> Path:
         return self.dir / "qemu.log"
 
     def launch(self, *, qmp_timeout: float = 30.0) -> None:
-        if self.pid is not None:
+        if self.pid is not None or self.cfg is None:
             raise VMMError("VM already launched")
         self.dir.mkdir(parents=True, exist_ok=True)
         for f in ("qmp.sock", "agent.sock"):
@@ -249,7 +276,7 @@ class QemuVM:
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        return self.pid is not None and pid_alive(self.pid)
+        return self.pid is not None and pid_alive(self.pid) and pid_matches(self.pid, self.dir)
 
     def log_tail(self, n: int = 12) -> str:
         out = []

@@ -1,0 +1,367 @@
+"""One child's life, from launch to cleanup: the one owner of everything a child has.
+
+A child (or a pool's waiting process) is a QEMU process in its own directory
+``$FORKD_RUN/children/<id>/`` (sockets, logs, overlay disk, lock), maybe a network namespace
+``forkd-<id>`` with its tap, maybe cgroups ``forkd/<id>``, and its on-disk record
+(``child.json``, or ``waiting.json`` for a pool's process). ``ChildVM`` makes them
+(``launch``), finds them again from the record in any process (``adopt``), ends the process
+(``stop``: QMP quit, then SIGKILL; ``kill``: SIGKILL) and removes everything (``cleanup``,
+idempotent, safe on a half-made or crashed child). children.py, pool.py, the lifetimes
+sweeper and the controller end children only through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forkd.engine import netns
+from forkd.engine.cgroup import CgroupLimits, ChildCgroup
+from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError
+from forkd.engine.paths import children_dir
+from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
+from forkd.errors import InvalidInput
+from forkd.store.store import Assembled
+
+ID_RE = re.compile(r"\A[a-z0-9][a-z0-9-]{0,63}\Z")
+CHILD_FILE = "child.json"
+WAITING_FILE = "waiting.json"  # a pool's waiting process (not a child yet: `forkd ls` skips it)
+
+# Bounds of the per-child limits (docs/engine.md, "Limits").
+MIN_MEMORY_MIB = 64
+MAX_CPUS = 256.0
+MIN_CPUS = 0.01
+MIN_PIDS, MAX_PIDS = 32, 4_194_304  # QEMU itself needs a handful of threads
+MIN_DISK_BPS, MAX_DISK_BPS = 64 << 10, 1 << 40  # 64 KiB/s .. 1 TiB/s
+MIN_DISK_IOPS, MAX_DISK_IOPS = 10, 10_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-child resource limits; None = unlimited. Memory, CPU time and host pids are
+    cgroup limits on the child's QEMU, disk I/O is QEMU's throttling of its drive, the
+    network rate is tc on its tap."""
+
+    memory_mib: int | None = None
+    cpus: float | None = None  # CPU time in CPUs: 0.5 = half of one core
+    pids: int | None = None  # host tasks (processes + threads) of its QEMU
+    disk_bps: int | None = None  # disk bytes/s, read + write
+    disk_iops: int | None = None  # disk operations/s, read + write
+    net_kbit: int | None = None  # network kbit/s, each direction (needs a netns)
+
+    def checked(self) -> Limits:
+        """Itself, or InvalidInput naming the limit that is out of range."""
+        _check_int("memory limit (MiB)", self.memory_mib, MIN_MEMORY_MIB, 1 << 30)
+        if self.cpus is not None and (
+                isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float))
+                or not math.isfinite(self.cpus) or not MIN_CPUS <= self.cpus <= MAX_CPUS):
+            raise InvalidInput(f"cpus must be a number from {MIN_CPUS} to {MAX_CPUS:.0f} "
+                                   f"(0.5 = half of one core), got {self.cpus!r}")
+        _check_int("pids limit", self.pids, MIN_PIDS, MAX_PIDS)
+        _check_int("disk bytes/s", self.disk_bps, MIN_DISK_BPS, MAX_DISK_BPS)
+        _check_int("disk operations/s", self.disk_iops, MIN_DISK_IOPS, MAX_DISK_IOPS)
+        _check_int("network kbit/s", self.net_kbit, netns.MIN_RATE_KBIT, netns.MAX_RATE_KBIT)
+        return self
+
+    def cgroup(self) -> CgroupLimits:
+        return CgroupLimits(self.memory_mib, self.cpus, self.pids)
+
+    def shown(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _check_int(what: str, value: object, lo: int, hi: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidInput(f"{what} must be an integer from {lo} to {hi}, got {value!r}")
+
+
+@dataclass
+class ChildInfo:
+    """A child's on-disk record (child.json): what any process needs to reach or end it."""
+
+    id: str
+    ref: str
+    digest: str
+    pid: int
+    dir: str
+    memory: str
+    disk_backing: str
+    memory_mib: int
+    created: float
+    cgroup: str | None = None  # the main cgroup directory (the memory one when limited)
+    cgroup_version: str | None = None
+    cgroups: dict[str, str] = field(default_factory=dict)  # controller -> directory
+    netns: str | None = None
+    mac: str | None = None
+    ip: str | None = None
+    limits: dict[str, Any] = field(default_factory=dict)  # Limits.shown()
+    sandbox: bool = True  # QEMU ran with -sandbox on (a resume starts it the same way)
+    deadline: float | None = None  # epoch seconds; the sweeper acts then (lifetimes.py)
+    timeout_s: float | None = None  # the lifetime asked for (a resume gives it again)
+    on_timeout: str = "kill"  # "kill" or "pause"
+    paused_tag: str | None = None  # set while paused: the private tag of its saved state
+    origin: str | None = None  # the tag it was first forked from (ref moves on pause)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    status: str = "running"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    def save(self, name: str = CHILD_FILE, **extra: Any) -> None:
+        tmp = self.path / (name + ".tmp")
+        tmp.write_text(json.dumps({**extra, **asdict(self)}, indent=1))
+        tmp.replace(self.path / name)
+
+    @classmethod
+    def load(cls, d: Path, name: str = CHILD_FILE) -> ChildInfo:
+        try:
+            raw = json.loads((d / name).read_text())
+        except FileNotFoundError as e:
+            raise ChildNotFound(f"no child {d.name!r}; `forkd ls` lists the children") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{d / name} is not a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)} - {"status"}
+        info = cls(**{k: v for k, v in raw.items() if k in known})
+        if info.id != d.name or info.path.resolve() != d.resolve():
+            raise ValueError(f"{d / name} describes {info.id!r} in {info.dir!r}, not {d}")
+        return info
+
+    def limits_obj(self) -> Limits:
+        known = {f.name for f in dataclasses.fields(Limits)}
+        return Limits(**{k: v for k, v in self.limits.items() if k in known})
+
+    def state(self) -> str:
+        """running, paused (state saved, no process), or crashed when its QEMU is gone
+        without `forkd kill`."""
+        if self.paused_tag is not None and not (self.pid and pid_alive(self.pid)
+                                                 and pid_matches(self.pid, self.path)):
+            return "paused"
+        if self.pid and pid_alive(self.pid) and pid_matches(self.pid, self.path):
+            return "running"
+        return "crashed"
+
+
+def new_id(ref: str) -> str:
+    """A fresh child id from the snapshot's name: ``<name>-<6 hex>``."""
+    base = re.sub(r"[^a-z0-9]+", "-", ref.split("/")[-1].split(":")[0].lower()).strip("-")
+    return f"{base[:20] or 'vm'}-{secrets.token_hex(3)}"
+
+
+def child_dir(child_id: str) -> Path:
+    """The directory of an existing child (InvalidInput for a malformed id, ChildNotFound)."""
+    if not isinstance(child_id, str) or not ID_RE.fullmatch(child_id):
+        raise InvalidInput(f"invalid child id {child_id!r}; `forkd ls` lists the children")
+    d = children_dir() / child_id
+    if not (d / CHILD_FILE).exists():
+        raise ChildNotFound(f"no child {child_id!r}; `forkd ls` lists the children")
+    return d
+
+
+def require_running(info: ChildInfo) -> None:
+    state = info.state()
+    if state == "paused":
+        raise ChildDead(f"child {info.id} is paused; `forkd resume {info.id}` brings it back")
+    if state != "running":
+        raise ChildDead(f"child {info.id} is not running (its QEMU process {info.pid} is gone: "
+                        f"crashed or killed); `forkd kill {info.id}` cleans it up")
+
+
+@dataclass
+class ChildVM:
+    """One child's QEMU process and everything made for it. ``vm`` is the process (launched
+    here, or attached to from the record); ``cgroup`` and ``info.netns`` what it runs in."""
+
+    info: ChildInfo
+    vm: QemuVM | None
+    cgroup: ChildCgroup | None = None
+    record_name: str = CHILD_FILE
+    owner: int | None = None  # for a pool's waiting process: the pid that owns it
+    cleaned: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    # ------------------------------------------------------------ making one
+    @classmethod
+    def launch(cls, asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
+               limits: Limits, sandbox: bool, with_netns: bool, *,
+               pooled: bool = False) -> ChildVM:
+        """Directory, overlay disk (a copy of overlay_tpl), netns + tap (rate-limited), cgroup,
+        and QEMU started with `-incoming defer`, QMP connected. Recorded as soon as there is
+        something to clean up: in waiting.json (owner = this process) when pooled, else
+        child.json. On failure everything made is removed and the error carries the log."""
+        assert asm.vmstate is not None and asm.disk is not None and asm.config.compat is not None
+        if not ID_RE.fullmatch(child_id):
+            raise InvalidInput(f"invalid child id {child_id!r}")
+        c = asm.config.compat
+        d = children_dir() / child_id
+        d.mkdir(mode=0o700)
+        disk = d / "disk.qcow2"
+        cfg = VMConfig(memory_mib=c.memory_mib, vcpus=c.vcpus, accel=c.accelerators[0],
+                       mem_path=asm.memory, share=False, disk=disk, disk_cache="writeback",
+                       incoming=True, sandbox=sandbox,
+                       runas=unprivileged_user() if sandbox else None,
+                       tap="tap0" if with_netns else None, mac=netns.TEMPLATE_MAC,
+                       disk_bps=limits.disk_bps, disk_iops=limits.disk_iops)
+        info = ChildInfo(id=child_id, ref=ref, digest=asm.digest, pid=0, dir=str(d),
+                         memory=str(asm.memory), disk_backing=str(asm.disk),
+                         memory_mib=c.memory_mib, created=time.time(), limits=limits.shown(),
+                         sandbox=sandbox, origin=ref)
+        ns_name = f"{netns.PREFIX}{child_id}" if with_netns else None
+        vm = QemuVM(d, cfg, detach=True, netns=ns_name)
+        child = cls(info, vm, record_name=WAITING_FILE if pooled else CHILD_FILE,
+                    owner=os.getpid() if pooled else None)
+        try:
+            shutil.copyfile(overlay_tpl, disk)
+            if ns_name is not None:
+                info.netns = ns_name
+                info.mac, info.ip = netns.child_identity(child_id)
+                child.record()
+                netns.create(ns_name)
+                if limits.net_kbit is not None:
+                    netns.limit_rate(ns_name, limits.net_kbit)
+            if limits.cgroup().controllers():
+                child.cgroup = ChildCgroup.create(child_id, limits.cgroup())
+                info.cgroup, info.cgroup_version = str(child.cgroup.path), child.cgroup.version
+                info.cgroups = child.cgroup.record()
+                child.record()
+            vm.launch()
+            assert vm.pid is not None
+            info.pid = vm.pid
+            child.record()  # from here on `forkd kill` (or the pool's sweep) can find it
+            if child.cgroup is not None:
+                child.cgroup.add(vm.pid)
+            return child
+        except BaseException as e:
+            tail = vm.log_tail()
+            child.cleanup()
+            if isinstance(e, EngineError):
+                raise type(e)(f"child {child_id}: {e}\n{tail}") from e
+            raise
+
+    def record(self) -> None:
+        """Write the record (child.json, or waiting.json with the owner pid)."""
+        if self.record_name == WAITING_FILE:
+            self.info.save(WAITING_FILE, owner=self.owner)
+        else:
+            self.info.save()
+
+    def become_child(self) -> None:
+        """A pool's waiting process is now a child: child.json replaces waiting.json."""
+        self.record_name = CHILD_FILE
+        self.owner = None
+        self.info.save()
+        (self.info.path / WAITING_FILE).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ finding one
+    @classmethod
+    def adopt(cls, d: Path, record_name: str = CHILD_FILE) -> ChildVM:
+        """The child (or waiting process) of directory d, from its record, in any process.
+        Its netns and cgroups are checked to be forkd's own for this id."""
+        info = ChildInfo.load(d, record_name)
+        owner: int | None = None
+        if record_name == WAITING_FILE:
+            raw = json.loads((d / WAITING_FILE).read_text())
+            owner = int(raw["owner"])
+        if info.netns is not None and info.netns != f"{netns.PREFIX}{info.id}":
+            raise HostError(f"child {info.id}: its record names network namespace "
+                            f"{info.netns!r}, not {netns.PREFIX}{info.id}")
+        cgroup = None
+        paths = info.cgroups or ({"memory": info.cgroup} if info.cgroup else {})
+        if paths:
+            cgroup = ChildCgroup.from_record(info.id, paths, info.cgroup_version or "v1")
+        vm = QemuVM.attach(d, info.pid) if info.pid else None
+        return cls(info, vm, cgroup, record_name=record_name, owner=owner)
+
+    # ------------------------------------------------------------ ending one
+    def alive(self) -> bool:
+        return not self.cleaned and self.vm is not None and self.vm.alive()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """QMP quit → wait ≤ timeout → SIGKILL → wait. Nothing when it is not running."""
+        if self.vm is not None:
+            self.vm.shutdown(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL → wait (for a process nobody needs to hear from)."""
+        if self.vm is not None:
+            self.vm.kill()
+
+    def cleanup(self) -> None:
+        """Kill the process if it still runs, then remove its cgroups, netns (with the tap)
+        and directory (sockets, disk, logs, record). Idempotent; every step is tried even
+        when an earlier one fails, and the first failure is raised at the end."""
+        if self.cleaned:
+            return
+        self.cleaned = True
+        errors: list[EngineError] = []
+        self.kill()
+        if self.cgroup is not None:
+            try:
+                self.cgroup.remove()
+            except EngineError as e:
+                errors.append(e)
+        if self.info.netns is not None:
+            try:
+                netns.remove(self.info.netns)
+            except EngineError as e:
+                errors.append(e)
+        shutil.rmtree(self.info.path, ignore_errors=True)
+        if errors:
+            raise errors[0]
+
+    def end(self, timeout: float = 3.0) -> str:
+        """stop() + cleanup(): what `forkd kill` does. Returns the state it was in."""
+        was = self.info.state()
+        with contextlib.suppress(EngineError):
+            self.stop(timeout)
+        self.cleanup()
+        return was
+
+
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 30 * 86400.0  # a lifetime: 1 s .. 30 days
+ON_TIMEOUT = ("kill", "pause")
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """How long a child may run: after timeout_s (from when it is ready) the sweeper kills
+    or pauses it (on_timeout). timeout_s None: no deadline."""
+
+    timeout_s: float | None = None
+    on_timeout: str = "kill"
+
+    def checked(self) -> Lifetime:
+        check_seconds("timeout", self.timeout_s)
+        if self.on_timeout not in ON_TIMEOUT:
+            raise InvalidInput(f"on_timeout must be one of {', '.join(ON_TIMEOUT)}, "
+                               f"got {self.on_timeout!r}")
+        return self
+
+    def apply(self, info: ChildInfo, now: float | None = None) -> None:
+        info.timeout_s = self.timeout_s
+        info.on_timeout = self.on_timeout
+        info.deadline = None if self.timeout_s is None else (now or time.time()) + self.timeout_s
+
+
+def check_seconds(what: str, value: object) -> None:
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+        raise InvalidInput(f"{what} must be {MIN_TIMEOUT_S:.0f} s to {MAX_TIMEOUT_S:.0f} s "
+                           f"(30 days), got {value!r}")
