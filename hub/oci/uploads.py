@@ -44,6 +44,7 @@ from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 
 CONTENT_RANGE_RE = re.compile(r"^(?:bytes[ =])?(\d+)-(\d+)(?:/\d+|/\*)?$")
+CHALLENGE_SCOPE_RE = re.compile(r'scope="([^"]*)"')
 
 
 def _range_header(size: int) -> str:
@@ -324,9 +325,27 @@ async def _new_session(ctx: Ctx, repo_id: int) -> str:
     return upload_id
 
 
+async def _allow_push(ctx: Ctx, mount_source: str | None) -> None:
+    """``allow("push")``; for a mount, a challenge names the source's pull scope too, so
+    a client that follows it gets a token that can mount (``_mount`` needs both)."""
+    try:
+        await ctx.allow("push")
+    except RegistryError as exc:
+        challenge = exc.headers.get("WWW-Authenticate", "")
+        if mount_source and CHALLENGE_SCOPE_RE.search(challenge):
+            try:
+                source = validate_name(mount_source)
+            except InvalidInput:
+                raise exc from None
+            exc.headers["WWW-Authenticate"] = CHALLENGE_SCOPE_RE.sub(
+                lambda m: f'scope="{m.group(1)} repository:{source}:pull"', challenge, count=1
+            )
+        raise
+
+
 async def start(ctx: Ctx) -> Response[object]:
-    await ctx.allow("push")
     params = ctx.request.query_params
+    await _allow_push(ctx, params.get("from") if params.get("mount") else None)
     repo = ctx.checked  # as read by allow; a write transaction only to create it
     if repo is None:
         async with ctx.hub.db.transaction() as session:
