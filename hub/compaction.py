@@ -68,6 +68,10 @@ log = logging.getLogger("forkd.hub.compaction")
 FLAT_SUFFIX = "-flat"
 RETENTION_ACTOR = "(retention)"  # not a valid user name: cannot be mistaken for one
 QUEUE_MAX = 1000
+# The most bytes a compaction writes into one assembled image (the pages the chain's chunks
+# provide: holes are free). Chunks decompress up to 2 MiB from a few dozen bytes, so the
+# chain's stored size does not bound this. 16x a 1 GiB guest's memory.
+MAX_WRITTEN = 16 << 30
 
 
 @dataclass
@@ -211,7 +215,9 @@ async def compact_tag(
     for _attempt in range(2):
         scratch = Path(tempfile.mkdtemp(dir=hub.settings.data_dir, prefix=".compact-"))
         try:
-            store = Store(scratch, auto_compact_depth=MAX_CHAIN_DEPTH, blobs=blobs)
+            store = Store(
+                scratch, auto_compact_depth=MAX_CHAIN_DEPTH, blobs=blobs, max_written=MAX_WRITTEN
+            )
             rows = await _chain_in(hub, repo.id, name, source, head)
             try:
                 chain = await anyio.to_thread.run_sync(_chain, store, head, source, rows)

@@ -15,7 +15,7 @@ import pytest
 from hostile_packs import TIB, Layer, chunk, empty_tib, layer, sparse_tib_chain
 
 from forkd import digest as dg
-from forkd.errors import IntegrityError
+from forkd.errors import IntegrityError, InvalidInput
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import flatten, written_extents
 from forkd.pack.chunking import flat_chunks
@@ -230,3 +230,22 @@ def test_check_descriptor_sizes_reads_only_map_layers() -> None:
     with pytest.raises(IntegrityError, match=r"layers\[2\] \(application/vnd.forkd.memory"):
         check_descriptor_sizes({"layers": layers})
     check_descriptor_sizes({"manifests": []})  # an index: no layers, nothing to check
+
+
+def test_a_store_bounds_what_assembly_writes(store: Store, tmp_path: Path) -> None:
+    """A chunk stores 2 MiB of a repeated byte in a few dozen bytes: a store given a bound
+    (the hub's compaction) refuses from the plan, before writing anything."""
+    ref, blob = chunk([(0, CHUNK_PAGES)], 7)
+    assert len(blob) < 1024
+    # Three regions given the same chunk: 6 MiB to write from one tiny blob.
+    spread = tuple(
+        ChunkRef(ref.digest, ref.blake3, ref.size, ref.stored, ((r * CHUNK_PAGES, CHUNK_PAGES),))
+        for r in range(3)
+    )
+    put(store, "bomb:v1", layer("bomb:v1", ImageMap("flat", TIB, spread), {ref.digest: blob}))
+    bounded = Store(tmp_path / "bounded", blobs=store.blobs, max_written=5 * MIB)
+    bounded.tag("bomb:v1", store.resolve("bomb:v1"))
+    with pytest.raises(InvalidInput, match="would get 6291456 bytes written, over the limit"):
+        bounded.compact("bomb:v1", "bomb:flat")
+    assert not list(bounded.cache_dir.rglob("*.img"))
+    assert allocated(store.assemble("bomb:v1").memory) >= 6 * MIB  # no bound: written

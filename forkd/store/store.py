@@ -93,10 +93,16 @@ class Store:
         home: Path,
         auto_compact_depth: int | None = None,
         blobs: FsBlobStore | None = None,
+        max_written: int | None = None,
     ) -> None:
         """A store in ``home``; ``blobs`` puts its blobs elsewhere (the hub's compaction works
-        on the hub's own blob store this way, with tags and cache in a scratch ``home``)."""
+        on the hub's own blob store this way, with tags and cache in a scratch ``home``).
+        ``max_written`` bounds the bytes one assembled image may get written (its pages
+        that chunks provide; holes are free): a chunk stores 2 MiB of a repeated byte in
+        a few dozen bytes, so what a chain's blobs weigh does not bound what assembling it
+        writes. None: no bound (a local store assembles what its user imported)."""
         self.home = home
+        self.max_written = max_written
         home.mkdir(parents=True, exist_ok=True)
         self.blobs = blobs or FsBlobStore(home / "blobs")
         self.tags = TagIndex(home / "tags.json")
@@ -456,6 +462,13 @@ class Store:
         progress: Progress | None,
     ) -> None:
         plan = flatten(maps, f"{name} {role}")
+        written = sum(p.count for _, pieces in plan for p in pieces) * PAGE_SIZE
+        if self.max_written is not None and written > self.max_written:
+            raise InvalidInput(
+                f"{name}: its {role} image would get {written} bytes written, over the limit "
+                f"of {self.max_written} bytes here; flatten it where it was made "
+                "(forkd compact) and push the flat layer"
+            )
         label: dict[str, str] = {}
         for i, link in reversed(list(enumerate(chain))):
             for d in link.manifest.chunks:

@@ -21,11 +21,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from hostile_packs import TIB, Layer, empty_tib, layer, sparse_tib_chain
+from hostile_packs import TIB, Layer, chunk, empty_tib, layer, sparse_tib_chain
 from hub_support import TIMEOUT, HubServer, error_code, http
 
 from forkd import digest as dg
-from forkd.pack.imagemap import MAX_MAP_BYTES, ImageMap
+from forkd.pack.imagemap import CHUNK_PAGES, MAX_MAP_BYTES, ChunkRef, ImageMap
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
 from forkd.store.blobs import FsBlobStore
@@ -241,3 +241,30 @@ def test_concurrent_pages_parse_one_map_once(tmp_path: Path) -> None:
     facts = first[head.digest]
     assert facts is second[head.digest] and not facts.error
     assert facts.memory is not None and facts.memory.size == TIB
+
+
+def test_compaction_refuses_a_chain_that_would_write_past_its_bound(
+    hub: HubServer, user: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny blob that decompresses to 2 MiB, given to many regions: the hub's bound on
+    what one compaction writes (MAX_WRITTEN, lowered here to keep the test small)."""
+    from forkd.hub import compaction
+
+    monkeypatch.setattr(compaction, "MAX_WRITTEN", 5 << 20)
+    repo = f"{user[0]}/bomb"
+    ref, blob = chunk([(0, CHUNK_PAGES)], 7)
+    spread = tuple(
+        ChunkRef(ref.digest, ref.blake3, ref.size, ref.stored, ((r * CHUNK_PAGES, CHUNK_PAGES),))
+        for r in range(3)
+    )
+    upload(
+        hub,
+        user,
+        repo,
+        "v1",
+        layer(f"{repo}:v1", ImageMap("flat", TIB, spread), {ref.digest: blob}),
+    )
+    r = compact(hub, user, repo, "v1")
+    assert r.status_code == 400 and error_code(r) == "MANIFEST_INVALID"
+    assert "would get 6291456 bytes written, over the limit of 5242880" in r.text
+    assert not list(hub.data_dir.glob(".compact-*"))
