@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-DIGEST_LEN = 71  # "sha256:" + 64 hex
+DIGEST_LEN = 135  # "sha512:" + 128 hex (sha256: 71); migration 0007
 ROLES = ("pull", "push", "admin")
 
 

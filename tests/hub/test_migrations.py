@@ -119,3 +119,45 @@ def test_0004_starts_running_totals_for_namespaces_with_quotas(tmp_path: Path) -
             await db.close()
 
     assert asyncio.run(go()) == {"q": 350, "free": None}
+
+
+def test_0007_digest_columns_hold_sha512(postgres_url: str) -> None:
+    """PostgreSQL enforces varchar lengths: a sha512 digest (135 characters) fits every
+    digest column after 0007."""
+    from sqlalchemy import text
+
+    digest = "sha512:" + "ab" * 64
+
+    url = HubSettings(Path("."), database_url=postgres_url).validated().database_url
+
+    async def go() -> None:
+        db = Database(url)
+        try:
+            await db.migrate()
+            async with db.transaction() as session:
+                await session.execute(
+                    text("INSERT INTO blobs (digest, size, created_at) VALUES (:d, 1, now())"),
+                    {"d": digest},
+                )
+                widths = (
+                    await session.execute(
+                        text(
+                            "SELECT table_name, column_name, character_maximum_length "
+                            "FROM information_schema.columns WHERE column_name IN "
+                            "('digest', 'subject_digest', 'manifest_digest') "
+                            "AND table_schema = 'public'"
+                        )
+                    )
+                ).all()
+            assert {(t, c): n for t, c, n in widths} == {
+                ("blobs", "digest"): 135,
+                ("repository_blobs", "digest"): 135,
+                ("manifests", "digest"): 135,
+                ("manifests", "subject_digest"): 135,
+                ("manifest_references", "digest"): 135,
+                ("tags", "manifest_digest"): 135,
+            }
+        finally:
+            await db.close()
+
+    asyncio.run(go())
