@@ -1,10 +1,17 @@
-"""`forkd branch`: a diff layer from a running child's copied-on-write pages.
+"""`forkd branch`: a diff layer from a running child, with a short pause.
 
-pause (QMP stop) → scan /proc/PID/pagemap of the guest-RAM mapping: present and
-not file-backed = a page the child wrote → copy those pages with
-process_vm_readv into a pre-touched buffer → save device state → copy the
-child's disk overlay → resume. Then, with the child running again, store the
-pages as a diff layer whose parent is the child's snapshot.
+Live (the default, engine/precopy.py): QEMU's precopy migration streams the guest RAM while
+the guest runs and re-sends what it writes meanwhile; the reader keeps only the pages that
+differ from the parent image. QEMU pauses the guest for the last few pages and the device
+state; the child's disk overlay is copied in that pause, then the guest resumes (`cont`).
+
+Stop-the-world (live=False, the baseline of bench/fork_fanout.py): pause (QMP stop) → scan
+/proc/PID/pagemap of the guest-RAM mapping: present and not file-backed = a page the child
+wrote → copy those pages with process_vm_readv into a pre-touched buffer → save device state
+→ copy the disk overlay → resume.
+
+Either way, with the child running again, the pages are stored as a diff layer whose parent is
+the child's snapshot.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forkd.engine import children as ch
+from forkd.engine import precopy
 from forkd.engine.build import scratch_dir
-from forkd.engine.errors import EngineError, HostError, VMMError
+from forkd.engine.errors import HostError, VMMError
 from forkd.engine.qemu import QEMU_IMG
 from forkd.engine.qmp import QMP
 from forkd.errors import Conflict
@@ -47,10 +56,15 @@ class BranchResult:
     ref: str
     digest: str
     parent: str
-    pause_ms: float
-    scan_ms: float
-    read_ms: float
-    devstate_ms: float
+    mode: str  # "live" (precopy, the default) or "stop" (stop-the-world)
+    pause_ms: float  # guest paused: QEMU's STOP → RESUME events (host clock if missing)
+    pause_pages: int  # guest pages copied while it was paused
+    copy_ms: float  # live: the copy while the guest ran, up to its pause; stop: 0
+    rounds: int  # live: QEMU's dirty-log rounds; stop: 1
+    forced: bool  # live: the guest kept writing, stopped after max_rounds to finish
+    scan_ms: float  # stop: pagemap scan in the pause
+    read_ms: float  # stop: process_vm_readv in the pause
+    devstate_ms: float  # stop: xen-save-devices-state in the pause
     diff_pages: int
     diff_bytes: int
     stored_bytes: int
@@ -147,43 +161,124 @@ def save_device_state(q: QMP, path: Path) -> None:
             q.command("remove-fd", {"fdset-id": fdset})
 
 
-def branch(store: Store, child_id: str, tag: str, *, force: bool = False) -> BranchResult:
+def _pause_ms(events: list[dict[str, Any]], fallback_ms: float) -> float:
+    """The guest's pause from QEMU's own STOP and RESUME events (microsecond timestamps)."""
+    def at(name: str) -> float | None:
+        for ev in events:
+            if ev.get("event") == name and isinstance(ev.get("timestamp"), dict):
+                ts = ev["timestamp"]
+                return float(ts["seconds"]) + float(ts["microseconds"]) / 1e6
+        return None
+
+    stop, resume = at("STOP"), at("RESUME")
+    if stop is None or resume is None or resume < stop:
+        return fallback_ms
+    return (resume - stop) * 1000
+
+
+def _resume(q: QMP, child_id: str) -> None:
+    try:
+        q.command("cont")
+    except VMMError as e:
+        raise VMMError(f"child {child_id} stays paused after the branch: {e}. Its state is "
+                       f"intact; retry `cont` on its QMP socket or `forkd kill {child_id}`.") from e
+
+
+@dataclass
+class _Copied:
+    """What the pause produced, before it goes into the store."""
+
+    pages: Iterable[tuple[int, bytes]]
+    count: int
+    pause_ms: float
+    pause_pages: int
+    copy_ms: float = 0.0
+    rounds: int = 1
+    forced: bool = False
+    scan_ms: float = 0.0
+    read_ms: float = 0.0
+    devstate_ms: float = 0.0
+
+
+def _copy_live(q: QMP, info: ch.ChildInfo, devstate: Path, overlay_copy: Path,
+               settings: precopy.PrecopySettings) -> tuple[_Copied, precopy.LiveCopy]:
+    first_event = len(q.events)
+    lc = precopy.live_copy(q, Path(info.memory), info.memory_mib << 20, settings)
+    try:
+        t = time.monotonic()
+        try:
+            # the overlay holds the child's writes; QEMU flushed it when the migration ended
+            shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
+        finally:
+            _resume(q, info.id)
+        host_ms = lc.qemu_downtime_ms + (time.monotonic() - t) * 1000
+        devstate.write_bytes(lc.devstate)
+    except BaseException:
+        lc.close()
+        raise
+    copied = _Copied(pages=lc.diff.items(), count=lc.diff.count(),
+                     pause_ms=_pause_ms(q.events[first_event:], host_ms),
+                     pause_pages=lc.pause_records, copy_ms=lc.copy_ms, rounds=lc.rounds,
+                     forced=lc.forced)
+    return copied, lc
+
+
+def _copy_stopped(q: QMP, info: ch.ChildInfo, devstate: Path, overlay_copy: Path) -> _Copied:
+    mem = Path(info.memory)
+    start, end, off = ram_mapping(info.pid, mem)
+    if off != 0:
+        raise HostError(f"unexpected RAM mapping offset {off} in child {info.id}")
+    # pre-touch a buffer for the copy, sized from the current CoW estimate + slack
+    est = anon_kib(info.pid, mem) * 1024 + (16 << 20)
+    buf = ctypes.create_string_buffer(est)
+    ctypes.memset(buf, 1, est)
+    first_event = len(q.events)
+    t0 = time.monotonic()
+    q.command("stop")
+    try:
+        idx = dirty_pages(info.pid, start, end)
+        t_scan = time.monotonic()
+        need = len(idx) * PAGE
+        if need > est:
+            buf = ctypes.create_string_buffer(need)
+        read_pages(info.pid, start, idx, buf)
+        t_read = time.monotonic()
+        save_device_state(q, devstate)
+        t_dev = time.monotonic()
+        # the overlay holds the child's writes; QEMU flushed it on stop
+        shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
+    finally:
+        _resume(q, info.id)
+    t_cont = time.monotonic()
+    view = memoryview(buf).cast("B")
+    pages = ((i, bytes(view[k * PAGE:(k + 1) * PAGE])) for k, i in enumerate(idx))
+    return _Copied(pages=pages, count=len(idx),
+                   pause_ms=_pause_ms(q.events[first_event:], (t_cont - t0) * 1000),
+                   pause_pages=len(idx), scan_ms=(t_scan - t0) * 1000,
+                   read_ms=(t_read - t_scan) * 1000, devstate_ms=(t_dev - t_read) * 1000)
+
+
+def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: bool = True,
+           settings: precopy.PrecopySettings | None = None) -> BranchResult:
+    """A diff layer `tag` from the running child: live (copy while it runs, pause for the
+    rest) or, with live=False, stop-the-world."""
     ref = str(parse_ref(tag))
     info = ch.get(child_id)
     ch._require_running(info)
     if store.resolve(info.ref) != info.digest:
         raise Conflict(f"tag {info.ref} has moved since child {child_id} was forked from it; "
                        "the diff would have the wrong parent. Re-tag the old digest first.")
-    mem = Path(info.memory)
     work = scratch_dir("forkd-branch")
+    live_copy: precopy.LiveCopy | None = None
     try:
+        devstate = work / "vmstate"
+        overlay_copy = work / "disk.qcow2"
         with ch.locked(info), ch.qmp(info) as q:
-            start, end, off = ram_mapping(info.pid, mem)
-            if off != 0:
-                raise HostError(f"unexpected RAM mapping offset {off} in child {child_id}")
-            # pre-touch a buffer for the copy, sized from the current CoW estimate + slack
-            est = anon_kib(info.pid, mem) * 1024 + (16 << 20)
-            buf = ctypes.create_string_buffer(est)
-            ctypes.memset(buf, 1, est)
-            devstate = work / "vmstate"
-            overlay_copy = work / "disk.qcow2"
-            t0 = time.monotonic()
-            q.command("stop")
-            try:
-                idx = dirty_pages(info.pid, start, end)
-                t_scan = time.monotonic()
-                need = len(idx) * PAGE
-                if need > est:
-                    buf = ctypes.create_string_buffer(need)
-                read_pages(info.pid, start, idx, buf)
-                t_read = time.monotonic()
-                save_device_state(q, devstate)
-                t_dev = time.monotonic()
-                # the overlay holds the child's writes; QEMU flushed it on stop
-                shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
-            finally:
-                q.command("cont")
-            t_cont = time.monotonic()
+            if live:
+                copied, live_copy = _copy_live(q, info, devstate, overlay_copy,
+                                               settings or precopy.PrecopySettings())
+            else:
+                copied = _copy_stopped(q, info, devstate, overlay_copy)
         disk_raw = work / "disk.raw"
         p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(overlay_copy),
                             str(disk_raw)], capture_output=True, text=True, check=False,
@@ -191,22 +286,21 @@ def branch(store: Store, child_id: str, tag: str, *, force: bool = False) -> Bra
         if p.returncode != 0:
             raise VMMError(f"qemu-img convert of child {child_id}'s disk failed: "
                            f"{p.stderr.strip()}")
-        view = memoryview(buf).cast("B")
-        pages = ((i, bytes(view[k * PAGE:(k + 1) * PAGE])) for k, i in enumerate(idx))
         t_store = time.monotonic()
-        try:
-            layer = store.import_pages(ref, parent=info.ref, pages=pages, vmstate=devstate,
-                                       disk=disk_raw, description=f"branch of {child_id}",
-                                       force=force)
-        except EngineError:
-            raise
+        layer = store.import_pages(ref, parent=info.ref, pages=copied.pages, vmstate=devstate,
+                                   disk=disk_raw, description=f"branch of {child_id}",
+                                   force=force)
         store_ms = (time.monotonic() - t_store) * 1000
         return BranchResult(
-            ref=ref, digest=layer.digest, parent=info.ref,
-            pause_ms=(t_cont - t0) * 1000, scan_ms=(t_scan - t0) * 1000,
-            read_ms=(t_read - t_scan) * 1000, devstate_ms=(t_dev - t_read) * 1000,
-            diff_pages=len(idx), diff_bytes=len(idx) * PAGE, stored_bytes=layer.stored_bytes,
-            store_ms=store_ms, depth=layer.depth, compacted=layer.compacted)
+            ref=ref, digest=layer.digest, parent=info.ref, mode="live" if live else "stop",
+            pause_ms=copied.pause_ms, pause_pages=copied.pause_pages, copy_ms=copied.copy_ms,
+            rounds=copied.rounds, forced=copied.forced, scan_ms=copied.scan_ms,
+            read_ms=copied.read_ms, devstate_ms=copied.devstate_ms,
+            diff_pages=copied.count, diff_bytes=copied.count * PAGE,
+            stored_bytes=layer.stored_bytes, store_ms=store_ms, depth=layer.depth,
+            compacted=layer.compacted)
     finally:
+        if live_copy is not None:
+            live_copy.close()
         with contextlib.suppress(OSError):
             shutil.rmtree(work)

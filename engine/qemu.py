@@ -124,7 +124,12 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         "-chardev", f"socket,id=agent,path={d / 'agent.sock'},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=agent",
         "-drive", f"id=d0,file={disk},format=qcow2,if=none,cache={cfg.disk_cache}"
-                  + drive_throttling(cfg),
+                  + drive_throttling(cfg)
+                  # QEMU locks through dups of the fd-set fds; the locks stay on the fd set's
+                  # open files after the dups close, so the disk cannot be re-activated after
+                  # a completed outgoing migration (live branch: `cont` fails "Failed to get
+                  # write lock"). Each child owns its overlay; the host opened it for QEMU.
+                  + (",file.locking=off" if disk_fds else ""),
         "-device", "virtio-blk-device,drive=d0",
         "-device", "virtio-rng-device",
         # device-state-only streams (xen-save-devices-state) carry no configuration section

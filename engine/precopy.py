@@ -1,0 +1,408 @@
+"""Live copy of a running child's memory for `forkd branch`: QEMU's own precopy migration.
+
+QEMU streams the guest RAM into a pipe while the guest runs, tracks the pages the guest writes
+meanwhile (its dirty log, under TCG and KVM alike) and sends them again, round after round,
+until what is left fits the downtime limit; then it stops the guest, sends the rest and the
+device state, and stays paused ("postmigrate") until the caller resumes it with `cont`.
+So the pause holds only the pages written in the last round, whatever the dirty size.
+
+This reader keeps, per guest page, only the latest copy that differs from the parent image
+(the file the child maps copy-on-write): the result is exactly the pages that differ from the
+parent at the pause. Pages the guest never wrote equal the parent and are dropped on arrival.
+
+Why not the kernel's soft-dirty bits (clear_refs 4 + pagemap bit 55): they need
+CONFIG_MEM_SOFT_DIRTY, which this host's kernel lacks (the bit never sets), and reading them
+then clearing them is not atomic without pausing the guest. QEMU's dirty log has neither
+problem.
+
+Stream format read here (QEMU 7.2 savevm.c / ram.c, no configuration section: children run with
+``migration.send-configuration=off``): magic "QEVM", version 3; iterative sections of the
+"ram" handler (START / PART / END, each a list of page records closed by EOS, then a footer);
+then the device sections (FULL), EOF and QEMU's JSON description. The device part is kept as
+is: prefixed with the stream header it is a device-state stream that `migrate-incoming` of a
+grandchild loads, the same format `xen-save-devices-state` writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd.engine.errors import VMMError
+from forkd.engine.qmp import QMP
+
+PAGE = 4096
+# engine/qemu.py maps the guest RAM as `-object memory-backend-file,id=mem`: the RAM block "mem"
+RAM_BLOCK = b"mem"
+
+_MAGIC, _VERSION = 0x5145564D, 3
+_EOF, _START, _PART, _END, _FULL, _FOOTER = 0x00, 0x01, 0x02, 0x03, 0x04, 0x7E
+_ZERO, _MEM_SIZE, _PAGE_FLAG, _EOS, _CONTINUE = 0x02, 0x04, 0x08, 0x10, 0x20
+_FLAG_BITS = PAGE - 1
+_ZERO_PAGE = bytes(PAGE)
+_F_SETPIPE_SZ = 1031
+_PIPE_BYTES = 1 << 20
+_FD_NAME = "forkd-branch"
+# per-page state in Diff.state
+_SAME, _DATA, _ZEROED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PrecopySettings:
+    """Limits of one live copy (defaults documented in docs/engine.md, Branch)."""
+
+    downtime_limit_ms: int = 5  # QEMU stops the guest once the rest fits in this at its rate
+    max_rounds: int = 12  # dirty-log rounds before the guest is stopped to finish (a hot writer)
+    timeout_s: float = 300.0  # whole copy; then it is cancelled and the child resumed
+    max_bandwidth: int = 1 << 36  # bytes/s: no throttling (QEMU's default is 32 MiB/s)
+
+
+class ParentImage:
+    """The parent's memory image (read-only): which pages hold data, and their bytes."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            have = os.fstat(self._fd).st_size
+            if have != size:
+                raise VMMError(f"the parent memory image {path} has {have} bytes, the guest "
+                               f"RAM {size}; the child does not map this image")
+            self.data = self._data_pages(size)
+            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _data_pages(self, size: int) -> bytearray:
+        """1 for pages in a data extent (holes read as zeros and are never faulted in)."""
+        mask = bytearray(size // PAGE)
+        off = 0
+        while off < size:
+            try:
+                start = os.lseek(self._fd, off, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after off
+                break
+            end = os.lseek(self._fd, start, os.SEEK_HOLE)
+            first, last = start // PAGE, (min(end, size) + PAGE - 1) // PAGE
+            mask[first:last] = b"\x01" * (last - first)
+            off = end
+        return mask
+
+    def differs(self, index: int, page: bytes | bytearray) -> bool:
+        if not self.data[index]:
+            return page != _ZERO_PAGE
+        return page != self._map[index * PAGE:(index + 1) * PAGE]
+
+    def is_zero(self, index: int) -> bool:
+        return not self.data[index] or self._map[index * PAGE:(index + 1) * PAGE] == _ZERO_PAGE
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+class Diff:
+    """The guest pages that differ from the parent, latest copy of each (sparse buffer)."""
+
+    def __init__(self, size: int) -> None:
+        self.pages = size // PAGE
+        self.state = bytearray(self.pages)
+        self.seen = bytearray(self.pages)  # every page must arrive at least once
+        self._buf = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.records = 0  # page records read (all rounds)
+
+    def put(self, index: int, page: bytearray, parent: ParentImage) -> None:
+        self.records += 1
+        self.seen[index] = 1
+        if parent.differs(index, page):
+            self._buf[index * PAGE:(index + 1) * PAGE] = page
+            self.state[index] = _DATA
+        else:
+            self.state[index] = _SAME
+
+    def put_zero(self, index: int, parent: ParentImage) -> None:
+        self.records += 1
+        self.seen[index] = 1
+        self.state[index] = _SAME if parent.is_zero(index) else _ZEROED
+
+    def count(self) -> int:
+        return self.pages - self.state.count(_SAME)
+
+    def items(self) -> Iterator[tuple[int, bytes]]:
+        """(page index, 4096 bytes) in increasing order."""
+        for m in re.finditer(rb"[\x01\x02]+", self.state):
+            for i in range(m.start(), m.end()):
+                if self.state[i] == _ZEROED:
+                    yield i, _ZERO_PAGE
+                else:
+                    yield i, self._buf[i * PAGE:(i + 1) * PAGE]
+
+    def close(self) -> None:
+        self._buf.close()
+
+
+class _Stream:
+    """Reads one outgoing migration stream: RAM records into a Diff, the rest as device state."""
+
+    def __init__(self, f: io.BufferedReader[io.FileIO], diff: Diff, parent: ParentImage,
+                 ram_size: int, ignore_shared: bool) -> None:
+        self.f, self.diff, self.parent = f, diff, parent
+        self.ram_size, self.ignore_shared = ram_size, ignore_shared
+        self.block: bytes | None = None
+        self.blocks: dict[bytes, int] = {}
+        self.ram_section: int | None = None
+        self.scratch = bytearray(PAGE)
+        self.devstate = b""
+        self.end_records = 0  # RAM records of the END section: sent with the guest paused
+        self.stopped_at: int | None = None  # records read when the host stopped the guest
+
+    def exact(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise VMMError("the migration stream ended early; see the child's qemu.log")
+        return b
+
+    def u8(self) -> int:
+        return self.exact(1)[0]
+
+    def be32(self) -> int:
+        return int(struct.unpack(">I", self.exact(4))[0])
+
+    def be64(self) -> int:
+        return int(struct.unpack(">Q", self.exact(8))[0])
+
+    def idstr(self) -> bytes:
+        return self.exact(self.u8())
+
+    def run(self) -> None:
+        header = self.exact(8)
+        magic, version = struct.unpack(">II", header)
+        if (magic, version) != (_MAGIC, _VERSION):
+            raise VMMError(f"unexpected migration stream header {header.hex()}")
+        while True:
+            kind = self.u8()
+            if kind == _START:
+                section = self.be32()
+                name = self.idstr()
+                self.exact(8)  # instance id, version id
+                if name != b"ram":
+                    raise VMMError(f"unexpected iterative migration section {name!r}; only "
+                                   "RAM is expected (is a block migration capability on?)")
+                self.ram_section = section
+                self.ram_records()
+                self.footer(section)
+            elif kind in (_PART, _END):
+                section = self.be32()
+                if section != self.ram_section:
+                    raise VMMError(f"migration section {section} is not the RAM section")
+                before = self.diff.records
+                self.ram_records()
+                if kind == _END:
+                    self.end_records += self.diff.records - before
+                self.footer(section)
+            elif kind in (_FULL, _EOF):
+                # the device sections to the end: a device-state stream with the same header
+                self.devstate = header + bytes([kind]) + self.f.read()
+                return
+            else:
+                raise VMMError(f"unexpected migration section type {kind:#x}")
+
+    def footer(self, section: int) -> None:
+        peek = getattr(self.f, "peek", None)
+        if peek is not None and peek(1)[:1] == bytes([_FOOTER]):
+            self.exact(1)
+            if self.be32() != section:
+                raise VMMError("migration section footer does not match its section")
+
+    def ram_records(self) -> None:
+        while True:
+            word = self.be64()
+            flags, addr = word & _FLAG_BITS, word & ~_FLAG_BITS
+            kind = flags & ~_CONTINUE
+            if kind == _EOS:
+                return
+            if kind == _MEM_SIZE:
+                self.mem_sizes(addr)
+                continue
+            if kind not in (_ZERO, _PAGE_FLAG):
+                raise VMMError(f"unsupported RAM record flags {flags:#x} (compression, XBZRLE "
+                               "or RDMA must stay off for a live branch)")
+            if not flags & _CONTINUE:
+                self.block = self.idstr()
+            ours = self.block == RAM_BLOCK
+            index = addr // PAGE
+            if ours and addr >= self.ram_size:
+                raise VMMError(f"RAM record at {addr:#x} is past the guest RAM")
+            if kind == _ZERO:
+                fill = self.u8()
+                if ours and fill == 0:
+                    self.diff.put_zero(index, self.parent)
+                elif ours:
+                    self.diff.put(index, bytearray([fill]) * PAGE, self.parent)
+            elif ours:
+                if self.f.readinto(self.scratch) != PAGE:
+                    raise VMMError("the migration stream ended inside a page")
+                self.diff.put(index, self.scratch, self.parent)
+            else:
+                self.exact(PAGE)
+
+    def mem_sizes(self, total: int) -> None:
+        while total > 0:
+            name = self.idstr()
+            used = self.be64()
+            if self.ignore_shared:
+                self.be64()  # the block's guest address
+            self.blocks[name] = used
+            total -= used
+        if self.blocks.get(RAM_BLOCK) != self.ram_size:
+            raise VMMError(f"the migration stream's RAM blocks {self.blocks} do not hold the "
+                           f"guest RAM {RAM_BLOCK.decode()!r} of {self.ram_size} bytes")
+
+
+@dataclass
+class LiveCopy:
+    """What a completed live copy left: the diff, the device-state stream and how it went."""
+
+    diff: Diff
+    devstate: bytes
+    rounds: int  # QEMU's dirty-log syncs (1 = the first full pass only)
+    forced: bool  # the guest kept writing: stopped after max_rounds to finish
+    pause_records: int  # guest pages sent after QEMU paused the guest (its last round)
+    qemu_downtime_ms: float  # QEMU's own figure: its stop → completion
+    copy_ms: float  # migrate command → guest paused with everything read
+
+    def close(self) -> None:
+        self.diff.close()
+
+
+def _status(q: QMP) -> dict[str, object]:
+    return dict(q.command("query-migrate"))
+
+
+def _ignore_shared(q: QMP) -> bool:
+    for cap in q.command("query-migrate-capabilities"):
+        if cap.get("capability") == "x-ignore-shared":
+            return bool(cap.get("state"))
+    return False
+
+
+def live_copy(q: QMP, parent_image: Path, ram_size: int,
+              settings: PrecopySettings = PrecopySettings()) -> LiveCopy:
+    """Copy the running guest's RAM; return with the guest paused (postmigrate) and all of it
+    read. The caller resumes it (`cont`) after whatever else the pause must hold. On any error
+    the migration is cancelled, the guest resumed if it was paused, and VMMError raised."""
+    ignore_shared = _ignore_shared(q)
+    q.command("migrate-set-parameters", {"max-bandwidth": settings.max_bandwidth,
+                                         "downtime-limit": settings.downtime_limit_ms})
+    parent = ParentImage(parent_image, ram_size)
+    diff = Diff(ram_size)
+    failure: list[BaseException] = []
+    r, w = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
+    reader = io.BufferedReader(io.FileIO(r, "rb"), buffer_size=_PIPE_BYTES)
+    stream = _Stream(reader, diff, parent, ram_size, ignore_shared)
+
+    def read() -> None:
+        try:
+            stream.run()
+        except BaseException as e:  # reported by the waiting thread
+            failure.append(e)
+            with contextlib.suppress(OSError):
+                reader.close()  # QEMU's writes fail: the migration fails instead of hanging
+
+    thread = threading.Thread(target=read, name="forkd-branch-stream", daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    started = False
+    try:
+        try:
+            q.command("getfd", {"fdname": _FD_NAME}, fds=[w])
+        finally:
+            os.close(w)
+        q.command("migrate", {"uri": f"fd:{_FD_NAME}"})
+        started = True
+        forced = _wait(q, thread, settings, t0, stream)
+        if failure:
+            raise failure[0]
+        st = _status(q)
+        if st.get("status") != "completed":
+            raise VMMError(f"the live copy ended as {st.get('status')!r}: "
+                           f"{st.get('error-desc', 'see the child qemu.log')}")
+        q.wait_status({"postmigrate"}, timeout=10.0, transient=frozenset({"finish-migrate"}))
+        if diff.seen.count(0):
+            raise VMMError(f"the migration stream left {diff.seen.count(0)} guest pages out")
+        ram = st.get("ram")
+        rounds = int(ram.get("dirty-sync-count", 0)) if isinstance(ram, dict) else 0
+        downtime = st.get("downtime")
+        return LiveCopy(diff=diff, devstate=stream.devstate, rounds=rounds, forced=forced,
+                        pause_records=_pause_records(stream),
+                        qemu_downtime_ms=float(downtime) if isinstance(downtime, int) else -1.0,
+                        copy_ms=(time.monotonic() - t0) * 1000)
+    except BaseException:
+        _abandon(q, started)
+        thread.join(timeout=10.0)
+        diff.close()
+        raise
+    finally:
+        thread.join(timeout=10.0)
+        with contextlib.suppress(OSError):
+            reader.close()
+        parent.close()
+
+
+def _wait(q: QMP, thread: threading.Thread, settings: PrecopySettings, t0: float,
+          stream: _Stream) -> bool:
+    """Until the stream is read to its end. A guest that keeps dirtying faster than QEMU
+    converges is stopped after max_rounds: the rest is then copied paused (returns True)."""
+    forced = False
+    deadline = t0 + settings.timeout_s
+    while thread.is_alive():
+        thread.join(timeout=0.02)
+        if not thread.is_alive():
+            break
+        st = _status(q)
+        status = st.get("status")
+        if status in ("failed", "cancelled"):
+            raise VMMError(f"the live copy {status}: {st.get('error-desc', 'see qemu.log')}")
+        ram = st.get("ram")
+        rounds = int(ram.get("dirty-sync-count", 0)) if isinstance(ram, dict) else 0
+        if not forced and status == "active" and rounds > settings.max_rounds:
+            stream.stopped_at = stream.diff.records  # ± the pipe's 1 MiB in flight
+            q.command("stop")
+            forced = True
+        if time.monotonic() > deadline:
+            raise VMMError(f"the live copy did not finish in {settings.timeout_s:.0f} s")
+    return forced
+
+
+def _pause_records(stream: _Stream) -> int:
+    if stream.stopped_at is None:
+        return stream.end_records
+    return stream.diff.records - stream.stopped_at
+
+
+def _abandon(q: QMP, started: bool) -> None:
+    """Cancel a live copy that failed and let the guest run again."""
+    with contextlib.suppress(VMMError):
+        if started:
+            q.command("migrate_cancel")
+        deadline = time.monotonic() + 10.0
+        while started and time.monotonic() < deadline:
+            if _status(q).get("status") not in ("active", "cancelling", "device",
+                                                "pre-switchover", "setup"):
+                break
+            time.sleep(0.005)
+        if q.status() in ("paused", "postmigrate", "finish-migrate"):
+            q.command("cont")
