@@ -9,10 +9,12 @@ whatever the layer's media type (non-distributable layers and ``urls`` included)
 Its bytes are a blob in the shared store; the ``manifests`` row records media type,
 artifact type and subject for the referrers API.
 
-A push reads and checks its references before it takes the write lock, set-based (one
-query per ``IN_CHUNK`` digests); the write transaction confirms them with a count per
-chunk, stores the bytes and records the manifest with its references in one batch, so
-a manifest of 30,000 layers holds the lock for about 70 statements, not 60,000.
+References are checked set-based, one query per ``IN_CHUNK`` digests. A manifest with
+more than ``IN_CHUNK`` is checked before the write lock (a refusal never takes it) and
+the write transaction confirms the check with a count per chunk; a smaller one is
+checked in one query under the lock. The write transaction stores the bytes and records
+the manifest with its references in one batch, so a manifest of 30,000 layers holds the
+lock for about 70 statements, not 60,000. A lock timeout is 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
