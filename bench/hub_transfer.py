@@ -191,7 +191,9 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0, help="length of one load round")
-    ap.add_argument("--rounds", type=int, default=3, help="load rounds per registry")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="load rounds per registry (0: transfers only)"
+    )
     ap.add_argument(
         "--hub-cmd",
         default="forkd hub serve --data {data} --listen 127.0.0.1:{port} --workers "
@@ -225,8 +227,15 @@ def run(work: Path, args: argparse.Namespace) -> None:
         hubs = {"docker-registry": running.enter_context(docker_registry(work / "docker-registry"))}
         if args.hub_cmd and shutil.which(args.hub_cmd.split()[0]):
             hubs["forkd hub"] = running.enter_context(forkd_hub(work / "forkd-hub", args.hub_cmd))
-        for label, hub in hubs.items():
-            transfer(label, hub, store, chain, stored, work)
+        pushes = {
+            label: transfer(label, hub, store, chain, stored, work) for label, hub in hubs.items()
+        }
+        if len(pushes) == 2:
+            ours, theirs = pushes["forkd hub"], pushes["docker-registry"]
+            print(
+                f"push base, forkd hub {ours:.2f} s / docker-registry {theirs:.2f} s: "
+                f"{ours / theirs:.2f}x (target <= 1.0x)\n"
+            )
         blob = chain[-1].manifest.config.digest
         loads = {
             "manifest GET": ("GET", "/v2/bench/chain/manifests/head", mt.OCI_MANIFEST),
@@ -244,6 +253,8 @@ def run(work: Path, args: argparse.Namespace) -> None:
                         f"p50 {statistics.median(samples) * 1000:.1f} ms, "
                         f"p99 {p99s[label, kind][-1]:.1f} ms (load generator: {busy:.0%} of a core)"
                     )
+    if args.rounds <= 0:
+        return
     median = {key: statistics.median(values) for key, values in p99s.items()}
     print(f"\np99 with {args.clients} clients (median of {args.rounds} rounds):")
     for label in hubs:
@@ -270,7 +281,9 @@ def transfer(
     chain: list,  # type: ignore[type-arg]
     stored: int,
     work: Path,
-) -> None:
+) -> float:
+    """Push, re-push and pull the chain with forkd, copy it with skopeo; print the figures
+    and return the time the base's push took."""
     mib = stored / (1 << 20)
     credential = Credential("bench", BENCH_SECRET) if label == "forkd hub" else None
     with RegistryClient(hub, credential) as client:
@@ -316,6 +329,7 @@ def transfer(
         f"layers ({repush.bytes_sent / delta:.2f}x, target <= 1.1x)"
     )
     os.sync()
+    return push_base
 
 
 if __name__ == "__main__":

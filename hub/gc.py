@@ -147,13 +147,18 @@ async def expire_uploads(
     return found
 
 
+TEMP_MIN_AGE_S = 60.0  # temporary files younger than this are never swept
+
+
 def sweep_temp_files(blobs: BlobStore, grace: timedelta, *, dry_run: bool = False) -> list[str]:
     """Delete the blob store's temporary files (``blobs/tmp``: writes a crash or kill cut
     short) older than ``grace``, unless a writer still holds one (its lock); return their
     names. Only the file-system backend has such files."""
     if not isinstance(blobs, FsBlobStore):
         return []
-    cutoff = time.time() - grace.total_seconds()
+    # A writer creates its file, then locks it: never judge a file in that instant, even
+    # with a grace of zero (a file that young is never a crash's leftover).
+    cutoff = time.time() - max(grace.total_seconds(), TEMP_MIN_AGE_S)
     removed: list[str] = []
     for path in sorted(blobs.tmp.iterdir()):
         try:
