@@ -284,22 +284,35 @@ class RegistryClient:
     def put_blob(
         self, repo: str, digest: str, size: int, read: Callable[[int, int], bytes]
     ) -> None:
-        """Upload a blob: monolithic when small, else in chunks (PATCH with Content-Range)."""
+        """Upload a blob: small ones in one monolithic POST (``?digest=``, falling back to
+        POST then PUT where a registry answers 202 to it), else in chunks (PATCH with
+        Content-Range)."""
         scope = self.push_scope(repo)
+        if size <= UPLOAD_CHUNK:
+            data = read(0, size)
+            resp = self.request(
+                "POST",
+                f"/v2/{repo}/blobs/uploads/",
+                scope,
+                ok=(201, 202),
+                params={"digest": digest},
+                content=data,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            if resp.status_code == 202:  # the registry opened a session and kept nothing
+                self.request(
+                    "PUT",
+                    _with_digest(resp.headers["location"], digest),
+                    scope,
+                    ok=(201,),
+                    content=data,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+            return
         resp = self.request(
             "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
         )
         location = resp.headers["location"]
-        if size <= UPLOAD_CHUNK:
-            self.request(
-                "PUT",
-                _with_digest(location, digest),
-                scope,
-                ok=(201,),
-                content=read(0, size),
-                headers={"Content-Type": "application/octet-stream"},
-            )
-            return
         offset = 0
         while offset < size:
             data = read(offset, min(UPLOAD_CHUNK, size - offset))
