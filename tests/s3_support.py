@@ -95,7 +95,7 @@ def s3_leftovers(client: Any, bucket: str, prefix: str = "") -> list[str]:
         obj["Key"]
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
         for obj in page.get("Contents", [])
-        if not obj["Key"].startswith(f"{prefix}blobs/sha256/")
+        if not obj["Key"].startswith((f"{prefix}blobs/sha256/", f"{prefix}blobs/sha512/"))
     ]
     uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     return keys + [f"multipart upload of {u['Key']}" for u in uploads]

@@ -4,12 +4,18 @@ Layout (owned by this module; nothing else computes these paths)::
 
     ROOT/
       sha256/ab/ab12…ef      one file per blob, named by its sha256 hex, mode 0444
+      sha512/ab/ab12…ef      the same for a blob an OCI client addressed by sha512
       tmp/                   in-flight writes (same file system, so rename is atomic)
 
 A blob is written to ``tmp/``, hashed while written, fsynced, checked against
 the expected digest and size, then renamed into place and the directory
 fsynced. Two writers of the same content both succeed; one copy remains.
 Readers check the digest before they use the bytes.
+
+A blob is verified with its own digest's algorithm (``forkd.digest.parse``: sha256 or
+sha512); a blob written without an expected digest is named by its sha256. The same
+bytes pushed under both algorithms are two blobs. Whether sha512 is acceptable is the
+caller's decision: forkd packs validate their digests as sha256 before they get here.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class StreamCheck:
         self.expected = expected
         self.expected_size = expected_size
         self.written = 0
-        self._hash = dg.Sha256()
+        self._hash = dg.Hasher(dg.algorithm_of(expected) if expected is not None else dg.ALGORITHM)
 
     def feed(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
         for chunk in chunks:
@@ -79,18 +85,18 @@ class StreamCheck:
 
 
 class FsBlobStore:
-    """Blobs as read-only files addressed by sha256."""
+    """Blobs as read-only files addressed by their digest (sha256 or sha512)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
-        (root / "sha256").mkdir(exist_ok=True)
+        (root / dg.ALGORITHM).mkdir(exist_ok=True)
 
     # -- layout -------------------------------------------------------------
     def path(self, digest: str) -> Path:
-        hexd = dg.hex_part(digest)
-        return self.root / "sha256" / hexd[:2] / hexd
+        algorithm, hexd = dg.parse(digest)
+        return self.root / algorithm / hexd[:2] / hexd
 
     # -- queries ------------------------------------------------------------
     def has(self, digest: str) -> bool:
@@ -103,11 +109,16 @@ class FsBlobStore:
             raise NotFound(f"blob {digest} is not in the store") from None
 
     def digests(self) -> Iterator[str]:
-        base = self.root / "sha256"
-        for sub in sorted(base.iterdir()):
-            if sub.is_dir():
-                for f in sorted(sub.iterdir()):
-                    yield f"sha256:{f.name}"
+        """Every stored blob's digest, by algorithm; a stray file is not a blob."""
+        for algorithm in sorted(dg.HEX_LENGTHS):
+            base = self.root / algorithm
+            if not base.is_dir():
+                continue
+            for sub in sorted(base.iterdir()):
+                if sub.is_dir():
+                    for f in sorted(sub.iterdir()):
+                        with contextlib.suppress(InvalidInput):
+                            yield dg.validate_oci(f"{algorithm}:{f.name}")
 
     def mtime(self, digest: str) -> float:
         try:
@@ -132,7 +143,7 @@ class FsBlobStore:
     ) -> str:
         """Store a blob from an iterable of byte strings; verify, then publish atomically."""
         if expected is not None:
-            dg.validate(expected)
+            dg.validate_oci(expected)
             if self.has(expected):
                 # Content addressed: the bytes are already here. Drain nothing.
                 return expected
@@ -148,7 +159,7 @@ class FsBlobStore:
                 os.fsync(out.fileno())
             actual = stream.finish()
             final = self.path(actual)
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
             os.chmod(tmp_name, 0o444)
             os.replace(tmp_name, final)
             _fsync_dir(final.parent)
@@ -177,7 +188,7 @@ class FsBlobStore:
                 data = f.read(max_size + 1)
         except FileNotFoundError:
             raise NotFound(f"{what} {digest} is missing from the store") from None
-        dg.check(digest, dg.of_bytes(data), f"{what} {digest}")
+        dg.check(digest, dg.of_bytes(data, dg.algorithm_of(digest)), f"{what} {digest}")
         return data
 
     def open(self, digest: str) -> BinaryIO:

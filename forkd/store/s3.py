@@ -4,11 +4,13 @@ Layout (owned by this module; nothing else computes these keys)::
 
     s3://BUCKET/PREFIX
       blobs/sha256/<64 hex>      one object per blob, named by its sha256 hex
+      blobs/sha512/<128 hex>     the same for a blob an OCI client addressed by sha512
       tmp/<uuid>                 in-flight writes of a blob whose digest is not known yet
 
 How a write becomes visible only once verified
 ----------------------------------------------
-Bytes are hashed and counted (``forkd.digest.Sha256``) while they stream in;
+Bytes are hashed and counted (``StreamCheck``: by the expected digest's algorithm,
+sha256 or sha512; sha256 when no digest is given) while they stream in;
 memory is bounded by one part (``part_size``, 8 MiB by default).
 
 * A blob smaller than one part is buffered, verified against its digest and
@@ -116,7 +118,8 @@ def make_client(
 
 
 class S3BlobStore:
-    """Blobs as objects addressed by sha256 under ``prefix`` in ``bucket``.
+    """Blobs as objects addressed by their digest (sha256 or sha512) under ``prefix`` in
+    ``bucket``.
 
     The client is made by the caller (``make_client``): constructing the store
     opens no connection; ``check`` tells whether the bucket is usable.
@@ -136,14 +139,16 @@ class S3BlobStore:
 
     # -- layout -------------------------------------------------------------
     def key(self, digest: str) -> str:
-        return f"{self.prefix}blobs/sha256/{dg.hex_part(digest)}"
+        algorithm, hexd = dg.parse(digest)
+        return f"{self._blob_prefix}{algorithm}/{hexd}"
 
     def _tmp_key(self) -> str:
         return f"{self.prefix}tmp/{uuid.uuid4().hex}"
 
     @property
     def _blob_prefix(self) -> str:
-        return f"{self.prefix}blobs/sha256/"
+        """Where blobs live: ``<algorithm>/<hex>`` under it."""
+        return f"{self.prefix}blobs/"
 
     # -- start-up -------------------------------------------------------------
     def check(self) -> None:
@@ -196,9 +201,9 @@ class S3BlobStore:
         with _translated(f"LIST {self._blob_prefix}"):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self._blob_prefix):
                 for obj in page.get("Contents", []):
-                    name = f"sha256:{obj['Key'][len(self._blob_prefix) :]}"
+                    name = obj["Key"][len(self._blob_prefix) :].replace("/", ":", 1)
                     with contextlib.suppress(InvalidInput):  # a stray object is not a blob
-                        yield dg.validate(name)
+                        yield dg.validate_oci(name)
 
     # -- writes -------------------------------------------------------------
     def put_bytes(self, data: bytes, expected: str | None = None) -> str:
@@ -209,7 +214,7 @@ class S3BlobStore:
     ) -> str:
         """Store a blob from an iterable of byte strings; verify, then publish atomically."""
         if expected is not None:
-            dg.validate(expected)
+            dg.validate_oci(expected)
             if self.has(expected):
                 return expected  # content addressed: the bytes are already here
         # Multipart target: the final key when the digest is known, else a temporary key.
@@ -277,7 +282,7 @@ class S3BlobStore:
                 data: bytes = body.read(max_size + 1)
             finally:
                 body.close()
-        dg.check(digest, dg.of_bytes(data), f"{what} {digest}")
+        dg.check(digest, dg.of_bytes(data, dg.algorithm_of(digest)), f"{what} {digest}")
         return data
 
     def open(self, digest: str) -> BinaryIO:

@@ -101,8 +101,10 @@ class Ctx:
 
 
 def parse_digest(text: str, code: Code = Code.DIGEST_INVALID) -> str:
+    """A digest from a URL or query: sha256 or sha512 (``forkd.digest.parse``), else
+    ``code`` (400 DIGEST_INVALID by default)."""
     try:
-        return dg.validate(text)
+        return dg.validate_oci(text)
     except InvalidInput as exc:
         raise RegistryError(code, str(exc)) from exc
 

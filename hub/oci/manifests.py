@@ -78,7 +78,7 @@ def _descriptor(value: object, where: str) -> dict[str, Any]:
     if not isinstance(digest, str):
         raise _invalid(f"{where}.digest must be a string")
     try:
-        dg.validate(digest)
+        dg.validate_oci(digest)  # sha256 or sha512 (image-spec descriptor.md, "Digests")
     except InvalidInput as exc:
         raise _invalid(f"{where}.digest: {exc}") from exc
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -238,7 +238,7 @@ def _is_digest(reference: str) -> bool:
 def _check_reference(reference: str, code: Code) -> None:
     try:
         if _is_digest(reference):
-            dg.validate(reference)
+            dg.validate_oci(reference)
         else:
             validate_tag(reference)
     except InvalidInput as exc:
@@ -250,8 +250,11 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
     _check_reference(reference, Code.MANIFEST_INVALID)
     body = await _read_body(ctx)
     content_type = ctx.request.headers.get("content-type", "").split(";", 1)[0].strip()
+    # Pushed by digest: verified, stored and known by that digest's algorithm (sha256 or
+    # sha512), so Docker-Content-Digest matches the client's; pushed by tag: sha256.
+    algorithm = dg.algorithm_of(reference) if _is_digest(reference) else dg.ALGORITHM
     pushed = PushedManifest(
-        body, content_type, parse_manifest(body, content_type), dg.of_bytes(body)
+        body, content_type, parse_manifest(body, content_type), dg.of_bytes(body, algorithm)
     )
     digest = pushed.digest
     if _is_digest(reference) and reference != digest:

@@ -203,7 +203,7 @@ async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Respon
         with opened as f:
             if hub.blobs.has(digest):
                 # The store would skip known content unread: check the client's bytes here.
-                dg.check(digest, dg.of_file(f), f"upload {upload_id}")
+                dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")
             else:
                 hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
             return os.fstat(f.fileno()).st_size
