@@ -2,8 +2,9 @@
 
 Live (the default, engine/precopy.py): QEMU's precopy migration streams the guest RAM while
 the guest runs and re-sends what it writes meanwhile; the reader keeps only the pages that
-differ from the parent image. QEMU pauses the guest for the last few pages and the device
-state; the child's disk overlay is copied in that pause, then the guest resumes (`cont`).
+differ from the parent image. QEMU pauses the guest for the last few pages; in that pause the
+device state is saved (xen-save-devices-state) and the child's disk overlay copied, then the
+guest resumes (`cont`).
 
 Stop-the-world (live=False, the baseline of bench/fork_fanout.py): pause (QMP stop) → scan
 /proc/PID/pagemap of the guest-RAM mapping: present and not file-backed = a page the child
@@ -23,7 +24,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,23 +33,14 @@ from forkd.engine import children as ch
 from forkd.engine import precopy
 from forkd.engine.build import scratch_dir
 from forkd.engine.errors import HostError, VMMError
+from forkd.engine.precopy import PAGE, ram_mapping, read_pages
 from forkd.engine.qemu import QEMU_IMG
 from forkd.engine.qmp import QMP
 from forkd.errors import Conflict
 from forkd.names import parse_ref
 from forkd.store.store import Store
 
-PAGE = 4096
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
-_IOV_MAX = 1024
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
 
 
 @dataclass(frozen=True)
@@ -73,18 +65,6 @@ class BranchResult:
     compacted: bool
 
 
-def ram_mapping(pid: int, mem_path: Path) -> tuple[int, int, int]:
-    """(start, end, file offset) of the guest-RAM mapping of mem_path in the process."""
-    real = str(mem_path.resolve())
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].strip() == real:
-                a, b = (int(x, 16) for x in parts[0].split("-"))
-                return a, b, int(parts[2], 16)
-    raise HostError(f"process {pid} has no mapping of {real}; is it a forkd child?")
-
-
 def anon_kib(pid: int, mem_path: Path) -> int:
     """`Anonymous` kB of the RAM mapping (the copy-on-write cost of the child)."""
     real = str(mem_path.resolve())
@@ -107,42 +87,6 @@ def dirty_pages(pid: int, start: int, end: int) -> list[int]:
         a = array.array("Q")
         a.frombytes(f.read(n * 8))
     return [i for i, e in enumerate(a) if e & (_PRESENT | _SWAPPED) and not e & _FILE]
-
-
-def _runs(idx: list[int]) -> Iterator[tuple[int, int]]:
-    if not idx:
-        return
-    first = prev = idx[0]
-    for i in idx[1:]:
-        if i != prev + 1:
-            yield first, prev - first + 1
-            first = i
-        prev = i
-    yield first, prev - first + 1
-
-
-def read_pages(pid: int, start: int, idx: list[int], buf: ctypes.Array[ctypes.c_char]) -> None:
-    """process_vm_readv the pages into buf, in idx order."""
-    base = ctypes.addressof(buf)
-    runs = list(_runs(idx))
-    off = 0
-    for k in range(0, len(runs), _IOV_MAX):
-        part = runs[k:k + _IOV_MAX]
-        local = (_IoVec * len(part))()
-        remote = (_IoVec * len(part))()
-        total = 0
-        for j, (i, c) in enumerate(part):
-            local[j].iov_base = base + off
-            local[j].iov_len = c * PAGE
-            remote[j].iov_base = start + i * PAGE
-            remote[j].iov_len = c * PAGE
-            off += c * PAGE
-            total += c * PAGE
-        got = _libc.process_vm_readv(pid, local, len(part), remote, len(part), 0)
-        if got != total:
-            err = ctypes.get_errno()
-            raise HostError(f"process_vm_readv read {got} of {total} bytes: {os.strerror(err)} "
-                            "(needs root or CAP_SYS_PTRACE)")
 
 
 def save_device_state(q: QMP, path: Path) -> None:
@@ -203,16 +147,16 @@ class _Copied:
 def _copy_live(q: QMP, info: ch.ChildInfo, devstate: Path, overlay_copy: Path,
                settings: precopy.PrecopySettings) -> tuple[_Copied, precopy.LiveCopy]:
     first_event = len(q.events)
-    lc = precopy.live_copy(q, Path(info.memory), info.memory_mib << 20, settings)
+    lc = precopy.live_copy(q, info.pid, Path(info.memory), info.memory_mib << 20, settings)
     try:
         t = time.monotonic()
         try:
+            save_device_state(q, devstate)
             # the overlay holds the child's writes; QEMU flushed it when the migration ended
             shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
         finally:
             _resume(q, info.id)
         host_ms = lc.qemu_downtime_ms + (time.monotonic() - t) * 1000
-        devstate.write_bytes(lc.devstate)
     except BaseException:
         lc.close()
         raise

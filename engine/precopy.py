@@ -18,14 +18,16 @@ problem.
 Stream format read here (QEMU 7.2 savevm.c / ram.c, no configuration section: children run with
 ``migration.send-configuration=off``): magic "QEVM", version 3; iterative sections of the
 "ram" handler (START / PART / END, each a list of page records closed by EOS, then a footer);
-then the device sections (FULL), EOF and QEMU's JSON description. The device part is kept as
-is: prefixed with the stream header it is a device-state stream that `migrate-incoming` of a
-grandchild loads, the same format `xen-save-devices-state` writes.
+then the device sections (FULL), EOF and QEMU's JSON description, read and dropped: the caller
+saves the device state with `xen-save-devices-state` in the pause (grandchildren restored from
+the stream's own device sections oopsed when the guest was busy at the pause; those written by
+xen-save-devices-state from the same paused state restore cleanly).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import io
 import mmap
@@ -38,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkd.engine.errors import VMMError
+from forkd.engine.errors import HostError, VMMError
 from forkd.engine.qmp import QMP
 
 PAGE = 4096
@@ -52,9 +54,66 @@ _FLAG_BITS = PAGE - 1
 _ZERO_PAGE = bytes(PAGE)
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
+_IOV_MAX = 1024
 _FD_NAME = "forkd-branch"
 # per-page state in Diff.state
 _SAME, _DATA, _ZEROED = 0, 1, 2
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def ram_mapping(pid: int, mem_path: Path) -> tuple[int, int, int]:
+    """(start, end, file offset) of the guest-RAM mapping of mem_path in the process."""
+    real = str(mem_path.resolve())
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == real:
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                return a, b, int(parts[2], 16)
+    raise HostError(f"process {pid} has no mapping of {real}; is it a forkd child?")
+
+
+def _runs(idx: list[int]) -> Iterator[tuple[int, int]]:
+    if not idx:
+        return
+    first = prev = idx[0]
+    for i in idx[1:]:
+        if i != prev + 1:
+            yield first, prev - first + 1
+            first = i
+        prev = i
+    yield first, prev - first + 1
+
+
+def read_pages(pid: int, start: int, idx: list[int], buf: ctypes.Array[ctypes.c_char]) -> None:
+    """process_vm_readv the pages into buf, in idx order."""
+    base = ctypes.addressof(buf)
+    runs = list(_runs(idx))
+    off = 0
+    for k in range(0, len(runs), _IOV_MAX):
+        part = runs[k:k + _IOV_MAX]
+        local = (_IoVec * len(part))()
+        remote = (_IoVec * len(part))()
+        total = 0
+        for j, (i, c) in enumerate(part):
+            local[j].iov_base = base + off
+            local[j].iov_len = c * PAGE
+            remote[j].iov_base = start + i * PAGE
+            remote[j].iov_len = c * PAGE
+            off += c * PAGE
+            total += c * PAGE
+        got = _libc.process_vm_readv(pid, local, len(part), remote, len(part), 0)
+        if got != total:
+            err = ctypes.get_errno()
+            raise HostError(f"process_vm_readv read {got} of {total} bytes: {os.strerror(err)} "
+                            "(needs root or CAP_SYS_PTRACE)")
 
 
 @dataclass(frozen=True)
@@ -118,13 +177,17 @@ class Diff:
     def __init__(self, size: int) -> None:
         self.pages = size // PAGE
         self.state = bytearray(self.pages)
-        self.seen = bytearray(self.pages)  # every page must arrive at least once
+        self.sends = bytearray(self.pages)  # times each page arrived, saturating at 2
         self._buf = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.records = 0  # page records read (all rounds)
 
-    def put(self, index: int, page: bytearray, parent: ParentImage) -> None:
+    def _arrived(self, index: int) -> None:
         self.records += 1
-        self.seen[index] = 1
+        if self.sends[index] < 2:
+            self.sends[index] += 1
+
+    def put(self, index: int, page: bytes | bytearray, parent: ParentImage) -> None:
+        self._arrived(index)
         if parent.differs(index, page):
             self._buf[index * PAGE:(index + 1) * PAGE] = page
             self.state[index] = _DATA
@@ -132,9 +195,15 @@ class Diff:
             self.state[index] = _SAME
 
     def put_zero(self, index: int, parent: ParentImage) -> None:
-        self.records += 1
-        self.seen[index] = 1
+        self._arrived(index)
         self.state[index] = _SAME if parent.is_zero(index) else _ZEROED
+
+    def missing(self) -> int:
+        return self.sends.count(0)
+
+    def rewritten(self) -> list[int]:
+        """Pages sent more than once: the guest wrote them while the copy ran."""
+        return [i for m in re.finditer(rb"\x02+", self.sends) for i in range(m.start(), m.end())]
 
     def count(self) -> int:
         return self.pages - self.state.count(_SAME)
@@ -163,7 +232,6 @@ class _Stream:
         self.blocks: dict[bytes, int] = {}
         self.ram_section: int | None = None
         self.scratch = bytearray(PAGE)
-        self.devstate = b""
         self.end_records = 0  # RAM records of the END section: sent with the guest paused
         self.stopped_at: int | None = None  # records read when the host stopped the guest
 
@@ -212,8 +280,8 @@ class _Stream:
                     self.end_records += self.diff.records - before
                 self.footer(section)
             elif kind in (_FULL, _EOF):
-                # the device sections to the end: a device-state stream with the same header
-                self.devstate = header + bytes([kind]) + self.f.read()
+                while self.f.read(_PIPE_BYTES):  # device sections: the caller saves its own
+                    pass
                 return
             else:
                 raise VMMError(f"unexpected migration section type {kind:#x}")
@@ -272,10 +340,9 @@ class _Stream:
 
 @dataclass
 class LiveCopy:
-    """What a completed live copy left: the diff, the device-state stream and how it went."""
+    """What a completed live copy left: the diff and how it went."""
 
     diff: Diff
-    devstate: bytes
     rounds: int  # QEMU's dirty-log syncs (1 = the first full pass only)
     forced: bool  # the guest kept writing: stopped after max_rounds to finish
     pause_records: int  # guest pages sent after QEMU paused the guest (its last round)
@@ -297,7 +364,7 @@ def _ignore_shared(q: QMP) -> bool:
     return False
 
 
-def live_copy(q: QMP, parent_image: Path, ram_size: int,
+def live_copy(q: QMP, pid: int, parent_image: Path, ram_size: int,
               settings: PrecopySettings = PrecopySettings()) -> LiveCopy:
     """Copy the running guest's RAM; return with the guest paused (postmigrate) and all of it
     read. The caller resumes it (`cont`) after whatever else the pause must hold. On any error
@@ -341,13 +408,14 @@ def live_copy(q: QMP, parent_image: Path, ram_size: int,
             raise VMMError(f"the live copy ended as {st.get('status')!r}: "
                            f"{st.get('error-desc', 'see the child qemu.log')}")
         q.wait_status({"postmigrate"}, timeout=10.0, transient=frozenset({"finish-migrate"}))
-        if diff.seen.count(0):
-            raise VMMError(f"the migration stream left {diff.seen.count(0)} guest pages out")
+        if diff.missing():
+            raise VMMError(f"the migration stream left {diff.missing()} guest pages out")
+        reread = _reread_rewritten(pid, parent, diff)
         ram = st.get("ram")
         rounds = int(ram.get("dirty-sync-count", 0)) if isinstance(ram, dict) else 0
         downtime = st.get("downtime")
-        return LiveCopy(diff=diff, devstate=stream.devstate, rounds=rounds, forced=forced,
-                        pause_records=_pause_records(stream),
+        return LiveCopy(diff=diff, rounds=rounds, forced=forced,
+                        pause_records=_pause_records(stream) + reread,
                         qemu_downtime_ms=float(downtime) if isinstance(downtime, int) else -1.0,
                         copy_ms=(time.monotonic() - t0) * 1000)
     except BaseException:
@@ -385,6 +453,28 @@ def _wait(q: QMP, thread: threading.Thread, settings: PrecopySettings, t0: float
         if time.monotonic() > deadline:
             raise VMMError(f"the live copy did not finish in {settings.timeout_s:.0f} s")
     return forced
+
+
+def _reread_rewritten(pid: int, parent: ParentImage, diff: Diff) -> int:
+    """With the guest paused, read again every page the guest wrote during the copy.
+
+    QEMU 7.2 under TCG loses writes from its dirty log: a vCPU keeps a TLB entry that no longer
+    traps writes after a dirty-log sync cleared the page's bit, so a page written again later
+    may not be re-sent (measured here: a few dozen stale kernel pages per branch of a busy
+    guest, and grandchildren that oopsed). A page the guest never wrote during the copy was
+    sent once and is exact; one it wrote was sent at least twice (its first write is always
+    trapped). Those are read from the paused process: their number is what the guest wrote
+    while the copy ran, not the dirty size."""
+    idx = diff.rewritten()
+    if not idx:
+        return 0
+    start, _end, _off = ram_mapping(pid, parent.path)
+    buf = ctypes.create_string_buffer(len(idx) * PAGE)
+    read_pages(pid, start, idx, buf)
+    view = memoryview(buf).cast("B")
+    for k, i in enumerate(idx):
+        diff.put(i, view[k * PAGE:(k + 1) * PAGE].tobytes(), parent)
+    return len(idx)
 
 
 def _pause_records(stream: _Stream) -> int:
