@@ -6,6 +6,8 @@ references (config, layers, child manifests, subject) in ``manifest_references``
 Sweep: a blob outside the roots is removed when it is older than the grace
 period *and* no repository linked it within the grace period (a push refreshes
 the link time), so a blob uploaded for a manifest that is not pushed yet survives.
+Digests of either algorithm (sha256, sha512) are rows and store entries alike: the
+store's ``digests()`` lists both, so orphan files of either are found.
 
 Safety while the hub runs: the sweep holds the GC lock (SQLite: the write lock;
 PostgreSQL: an exclusive advisory lock) from the query to the last file removed.

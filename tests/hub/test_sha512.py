@@ -248,8 +248,15 @@ def test_malformed_sha512_is_digest_invalid(hub: HubServer, user: tuple[str, str
             location = c.post(f"/v2/{repo}/blobs/uploads/").headers["location"]
             r = c.put(location, params={"digest": bad}, content=b"y")
             assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
+            r = c.post(f"/v2/{repo}/blobs/uploads/", params={"mount": bad, "from": repo})
+            assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
             r = put_manifest(c, repo, bad, b"{}")
             assert r.status_code == 400 and error_code(r) == "MANIFEST_INVALID"
+            for r in (
+                c.get(f"/v2/{repo}/manifests/{bad}"),
+                c.delete(f"/v2/{repo}/manifests/{bad}"),
+            ):
+                assert r.status_code == 404 and error_code(r) == "MANIFEST_UNKNOWN"
 
 
 def test_manifest_with_sha512_descriptors_and_put_by_sha512(
