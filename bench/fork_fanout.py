@@ -4,7 +4,8 @@
 Prints, for N in --ns: time until all N answer an eval (cold boot includes the warm-up
 import of numpy, fork includes restore + entropy fixup), first eval, warm eval round trip,
 host memory per child (QEMU PSS, and guest copy-on-write = `Anonymous` of the RAM
-mapping in smaps), and branch pause / diff size with ~20 MiB dirty. Ratios are against
+mapping in smaps), and branch pause with ~20 and ~200 MiB dirty (--branch-dirty-mib), live
+(engine/precopy.py) next to stop-the-world in the same run. Ratios are against
 the cold-boot baseline measured in the same run. Then, per N, the same fork with a
 prewarmed pool of N waiting processes (engine/pool.py), filled before the clock starts, in
 both pool modes: "ahead" (restored, pinged and paused in the pool: a spawn does cont +
@@ -164,21 +165,33 @@ def pool_fork_n(store: Store, tag: str, n: int, restore_ahead: bool) -> dict[str
     }
 
 
-def branch_bench(store: Store, tag: str, rounds: int) -> dict[str, float]:
+def branch_bench(store: Store, tag: str, rounds: int, dirty_mib: int) -> dict[str, float]:
+    """Pause of a live branch and of a stop-the-world branch of the same child, with a guest
+    process holding dirty_mib MiB it rewrites before each pair (p50 over rounds)."""
     c = ch.fork(store, tag, 1).children[0]
-    pauses, diffs = [], []
+    live: list[float] = []
+    stop: list[float] = []
+    pause_pages: list[float] = []
+    diffs: list[float] = []
     try:
-        ch.eval_in(c.id, "A = np.ones((20 << 20) // 8)")  # ~20 MiB dirty
+        ch.eval_in(c.id, f"A = np.ones(({dirty_mib} << 20) // 8)")
         for k in range(rounds):
             ch.eval_in(c.id, f"A[:] = {k + 2}")
-            res = branch(store, c.id, f"bench-branch:r{k}", force=True)
-            pauses.append(res.pause_ms)
+            res = branch(store, c.id, f"bench-branch:live{k}", force=True)
+            live.append(res.pause_ms)
+            pause_pages.append(res.pause_pages)
             diffs.append(res.diff_bytes / 2**20)
+            ch.eval_in(c.id, f"A[:] = {k + 102}")
+            stop.append(branch(store, c.id, f"bench-branch:stop{k}", force=True,
+                               live=False).pause_ms)
     finally:
         ch.kill(c.id)
     return {
-        "pause_ms_p50": statistics.median(pauses),
-        "pause_ms_max": max(pauses),
+        "dirty_mib": dirty_mib,
+        "live_pause_ms_p50": statistics.median(live),
+        "live_pause_ms_max": max(live),
+        "live_pause_pages_p50": statistics.median(pause_pages),
+        "stop_pause_ms_p50": statistics.median(stop),
         "diff_mib": statistics.median(diffs),
     }
 
@@ -189,6 +202,9 @@ def main() -> None:
     ap.add_argument("--cold-ns", default=None, help="N values for cold boot (default: --ns)")
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "python-numpy.toml")
     ap.add_argument("--branch-rounds", type=int, default=5)
+    ap.add_argument("--branch-dirty-mib", default="20,200",
+                    help="dirty sizes for the branch pause (200 needs a guest of >= 512 MiB "
+                         "or a recipe with room for it)")
     ap.add_argument(
         "--pool-modes",
         default="ahead,incoming",
@@ -265,14 +281,18 @@ def main() -> None:
             if o.json:
                 print(json.dumps(results, indent=1))
             return
-        br = branch_bench(store, tag, o.branch_rounds)
-        results["branch"] = br
-        print(
-            f"branch: pause p50 {br['pause_ms_p50']:.1f} ms (max {br['pause_ms_max']:.1f}) with "
-            f"{br['diff_mib']:.1f} MiB diff; forkd anchor: ~200 ms diff / 56 ms live (KVM) → "
-            f"{200 / br['pause_ms_p50']:.1f}x / {56 / br['pause_ms_p50']:.1f}x",
-            flush=True,
-        )
+        for mib in (int(x) for x in o.branch_dirty_mib.split(",") if x):
+            br = branch_bench(store, tag, o.branch_rounds, mib)
+            results[f"branch_{mib}mib"] = br
+            print(
+                f"branch with {mib} MiB dirty ({br['diff_mib']:.1f} MiB diff): live pause p50 "
+                f"{br['live_pause_ms_p50']:.1f} ms (max {br['live_pause_ms_max']:.1f}, "
+                f"{br['live_pause_pages_p50']:.0f} pages in the pause) | stop-the-world p50 "
+                f"{br['stop_pause_ms_p50']:.1f} ms → "
+                f"{br['stop_pause_ms_p50'] / br['live_pause_ms_p50']:.1f}x"
+                f" | forkd live anchor 56 ms (KVM) → {56 / br['live_pause_ms_p50']:.1f}x",
+                flush=True,
+            )
         if o.json:
             print(json.dumps(results, indent=1))
     finally:
