@@ -1,4 +1,4 @@
-"""`forkd login/logout/push/pull`: talk to a hub or any OCI registry."""
+"""`forkd login/logout/push/pull/config`: talk to a hub or any OCI registry."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from forkd.errors import InvalidInput
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.readme import read_readme, set_readme
-from forkd.registry.reference import RemoteRef, parse_hub, parse_remote
+from forkd.registry.reference import (
+    SET_HUB_HINT,
+    Hub,
+    RemoteRef,
+    parse_hub,
+    parse_remote,
+    resolve_default_hub,
+    set_default_hub,
+)
 from forkd.registry.transfer import TransferResult, pull, push
 from forkd.store.store import Store
 
@@ -41,7 +49,14 @@ def _report(result: TransferResult, verb: str, seconds: float, as_json: bool) ->
 @click.argument("hub")
 @click.option("--username", "-u", prompt=True, help="User or robot name.")
 @click.option("--password-stdin", is_flag=True, help="Read the password or token from stdin.")
-def login(hub: str, username: str, password_stdin: bool) -> None:
+@click.option(
+    "--default",
+    "make_default",
+    is_flag=True,
+    help="Also make HUB the default hub (replaces the configured one). Without it, and "
+    "when no default hub is set, a terminal asks.",
+)
+def login(hub: str, username: str, password_stdin: bool, make_default: bool) -> None:
     """Check credentials against HUB and store them (mode 0600) for push and pull."""
     target = parse_hub(hub)
     if password_stdin:
@@ -55,6 +70,23 @@ def login(hub: str, username: str, password_stdin: bool) -> None:
         client.ping()
     path = credentials.save(target.host, cred)
     click.echo(f"logged in to {target.host} as {username} (credentials in {path})")
+    _offer_default(target, make_default)
+
+
+def _offer_default(target: Hub, make_default: bool) -> None:
+    """``--default`` sets it; with no default hub set, a terminal is asked; else a hint."""
+    if not make_default:
+        if resolve_default_hub() is not None:
+            return
+        question = f"no default hub is set: make {target.address} the default for pull and push?"
+        if not sys.stdin.isatty():
+            click.echo(f"no default hub is set; `forkd login {target.address} --default` or "
+                       f"{SET_HUB_HINT} makes one", err=True)
+            return
+        if not click.confirm(question, default=True):
+            return
+    path = set_default_hub(target)
+    click.echo(f"default hub: {target.address} (in {path})")
 
 
 @click.command()
@@ -71,7 +103,9 @@ def logout(hub: str) -> None:
 @click.command("push")
 @click.argument("tag")
 @click.argument("remote")
-@click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
+@click.option(
+    "--hub", help="Hub to use when REMOTE names none (default: the default hub, forkd config)."
+)
 @click.option(
     "--readme",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -87,7 +121,10 @@ def push_cmd(
     description: str | None,
     as_json: bool,
 ) -> None:
-    """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent."""
+    """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent.
+
+    REMOTE is always remote: without a HUB it names the default hub ($FORKD_HUB, else
+    `forkd config set hub`)."""
     client, ref = _client(hub, remote)
     text = read_readme(readme) if readme else None  # bad input fails before any upload
     store = Store.open()
@@ -101,15 +138,18 @@ def push_cmd(
 
 @click.command("pull")
 @click.argument("remote")
-@click.option("--hub", help="Hub to use when REMOTE names none (default: $FORKD_HUB).")
+@click.option(
+    "--hub", help="Hub to use when REMOTE names none (default: the default hub, forkd config)."
+)
 @click.option("--tag", "local", help="Local tag (default: NS/NAME:TAG as pulled).")
 @click.option("--force", is_flag=True, help="Replace the local tag if it points at other content.")
 @json_option
 def pull_cmd(remote: str, hub: str | None, local: str | None, force: bool, as_json: bool) -> None:
     """Pull [HUB/]NS/NAME[:TAG] with its whole chain; every blob is verified before tagging.
 
-    A local tag that already names other content is kept unless --force (re-pulling the
-    same content is fine)."""
+    REMOTE is always remote: without a HUB it names the default hub ($FORKD_HUB, else
+    `forkd config set hub`). A local tag that already names other content is kept unless
+    --force (re-pulling the same content is fine)."""
     client, ref = _client(hub, remote)
     store = Store.open()
     start = time.perf_counter()
@@ -145,6 +185,54 @@ def _host_problems(store: Store, digest: str) -> list[str]:
         return [str(exc)]
 
 
+CONFIG_KEYS = click.Choice(["hub"])
+
+
+@click.group("config")
+def config() -> None:
+    """The client config (next to the credentials): `hub` is the default hub, used by
+    pull, push and compact --remote when a reference names none. $FORKD_HUB beats it."""
+
+
+@config.command("set")
+@click.argument("key", type=CONFIG_KEYS)
+@click.argument("value")
+def config_set(key: str, value: str) -> None:
+    """Set KEY to VALUE: `forkd config set hub HOST[:PORT]` (http:// or https:// allowed)."""
+    hub = parse_hub(value)
+    path = set_default_hub(hub)
+    click.echo(f"default hub: {hub.address} (in {path})")
+
+
+@config.command("get")
+@click.argument("key", type=CONFIG_KEYS)
+@json_option
+def config_get(key: str, as_json: bool) -> None:
+    """Print KEY's value in effect and where it comes from ($FORKD_HUB or the config file)."""
+    chosen = resolve_default_hub()
+    if as_json:
+        emit_json(
+            {"hub": chosen.hub.address, "url": chosen.hub.url, "source": chosen.source}
+            if chosen
+            else {"hub": None, "url": None, "source": None}
+        )
+        return
+    if chosen is None:
+        click.echo(f"no default hub: export FORKD_HUB=HOST[:PORT] or run {SET_HUB_HINT}")
+        sys.exit(1)
+    click.echo(f"{chosen.hub.address} (from {chosen.source})")
+
+
+@config.command("unset")
+@click.argument("key", type=CONFIG_KEYS)
+def config_unset(key: str) -> None:
+    """Remove KEY from the config file ($FORKD_HUB, when set, still applies)."""
+    if credentials.forget_default_hub():
+        click.echo(f"default hub removed from {credentials.config_path()}")
+    else:
+        click.echo("no default hub was configured")
+
+
 def register(cli: click.Group) -> None:
-    for command in (login, logout, push_cmd, pull_cmd):
+    for command in (login, logout, push_cmd, pull_cmd, config):
         cli.add_command(command)

@@ -264,8 +264,9 @@ def export(tag: str, out: Path, as_json: bool) -> None:
 @click.option(
     "--remote",
     is_flag=True,
-    help="TAG is [HUB/]NS/NAME:TAG on a forkd hub: compact there, from the blobs the hub "
-    "holds (nothing is uploaded); TO is a tag in the same repository.",
+    help="TAG is [HUB/]NS/NAME:TAG on a forkd hub (no HUB: the default hub, $FORKD_HUB or "
+    "`forkd config set hub`): compact there, from the blobs the hub holds (nothing is "
+    "uploaded); TO is a tag in the same repository.",
 )
 @json_option
 def compact(tag: str, to: str, force: bool, remote: bool, as_json: bool) -> None:

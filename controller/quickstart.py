@@ -3,7 +3,8 @@
 Steps (each reuses what an earlier run left, so a second run takes seconds):
 1. host prerequisites (Debian packages) — installed after asking, or with ``--yes``;
 2. a hub: ``$FORKD_HUB`` when set (with stored credentials), else an embedded
-   one started in the background with its data in ``$FORKD_HOME/quickstart/hub``;
+   one started in the background with its data in ``$FORKD_HOME/quickstart/hub``,
+   made the default hub unless the user configured one;
 3. the base snapshot: built from the recipe (cached by recipe content), or
    pulled from the hub when the hub has it and this store does not;
 4. push it to the hub (only missing blobs travel);
@@ -33,7 +34,7 @@ import httpx
 from forkd.errors import ForkdError, InvalidInput, NotFound
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient, RegistryNotFound
-from forkd.registry.reference import Hub, default_hub, parse_remote
+from forkd.registry.reference import Hub, env_hub, parse_remote, set_default_hub
 from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
 
@@ -183,6 +184,28 @@ def embedded_hub(root: Path, say: Say) -> EmbeddedHub:
     return EmbeddedHub(root, Hub(listen, "http"), password, started=True)
 
 
+def make_default_hub(hub: Hub, say: Say) -> bool:
+    """Make the embedded ``hub`` the default hub unless the user chose one.
+
+    A default this step stored earlier (an embedded hub of a previous run) is replaced;
+    one the user set (`forkd config set hub`, `forkd login --default`), even an unusable
+    one, is never touched. Returns whether the default was written."""
+    try:
+        stored = credentials.load_default_hub()
+    except ForkdError as exc:
+        say(f"hub: the default hub is left as it is ({exc})")
+        return False
+    if stored is not None and stored.set_by != "quickstart":
+        if stored.address != hub.address:
+            say(f"hub: the default hub stays {stored.address} (yours); this hub is {hub.address}")
+        return False
+    if stored is not None and stored.address == hub.address:
+        return False
+    path = set_default_hub(hub, set_by="quickstart")
+    say(f"hub: {hub.address} is now the default hub (in {path}; `forkd pull NS/NAME` uses it)")
+    return True
+
+
 @dataclass
 class ChildReport:
     id: str
@@ -232,12 +255,13 @@ def run(
 
     store = Store.open()
     root = store.home / "quickstart"
-    hub = default_hub()
+    hub = env_hub()
     embedded: EmbeddedHub | None = None
     if hub is None:
         embedded = embedded_hub(root / "hub", say)
         hub = embedded.hub
         credentials.save(hub.host, credentials.Credential(HUB_USER, embedded.password))
+        make_default_hub(hub, say)
     else:
         say(f"hub: using FORKD_HUB={hub.host}")
     recipe = recipes.load(recipe_path)

@@ -74,6 +74,21 @@ def _accelerator() -> Check:
                  "with native KVM the probe picks kvm")
 
 
+def _default_hub() -> Check:
+    """Where `forkd pull NS/NAME` goes: $FORKD_HUB, else the client config, else nowhere."""
+    from forkd.registry.reference import SET_HUB_HINT, resolve_default_hub
+
+    try:
+        chosen = resolve_default_hub()
+    except ForkdError as e:
+        return Check("default-hub", "warn", str(e), f"fix it with {SET_HUB_HINT}")
+    if chosen is None:
+        return Check("default-hub", "info", "none: pull and push need HUB/NS/NAME until "
+                     f"FORKD_HUB is exported or {SET_HUB_HINT} is run",
+                     f"export FORKD_HUB=HOST[:PORT] or run {SET_HUB_HINT}")
+    return Check("default-hub", "ok", f"{chosen.hub.url} (from {chosen.source})")
+
+
 def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Check]:
     checks: list[Check] = []
     # QEMU
@@ -169,6 +184,7 @@ def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Che
         checks.append(Check("privileges", "warn", "not root",
                             "guest builds (debootstrap, chroot), cgroups and branch "
                             "(process_vm_readv) need root"))
+    checks.append(_default_hub())
     # store
     if check_store:
         try:

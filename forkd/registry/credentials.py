@@ -1,4 +1,9 @@
-"""Stored hub credentials: ``$XDG_CONFIG_HOME/forkd/credentials.json`` (mode 0600)."""
+"""The client's files: hub credentials and the client config (the default hub).
+
+Both live in one directory, ``$XDG_CONFIG_HOME/forkd/`` (``~/.config/forkd/``), or the
+directory of ``$FORKD_CREDENTIALS`` when that is set: ``credentials.json`` and
+``config.json``, each mode 0600 and replaced atomically.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forkd.errors import InvalidInput
+
+CONFIG_FILE = "config.json"
+MAX_CLIENT_FILE = 1 << 20  # credentials and config are small; a bigger file is not ours
+SET_BY = ("user", "quickstart")  # who stored the default hub
 
 
 @dataclass(frozen=True)
@@ -25,15 +35,39 @@ def credentials_path() -> Path:
     return Path(config) / "forkd" / "credentials.json"
 
 
-def _read(path: Path) -> dict[str, dict[str, str]]:
+def config_path() -> Path:
+    """The client config file, next to the credentials file."""
+    creds = credentials_path()
+    if creds.name == CONFIG_FILE:
+        raise InvalidInput(
+            f"FORKD_CREDENTIALS={creds} is named {CONFIG_FILE}, the name of the client config "
+            "file kept next to it: name the credentials file something else"
+        )
+    return creds.with_name(CONFIG_FILE)
+
+
+@dataclass(frozen=True)
+class StoredHub:
+    """The default hub as the config file holds it (not yet validated as an address)."""
+
+    address: str
+    set_by: str  # "user" (forkd config set hub, forkd login --default) or "quickstart"
+
+
+def _read(path: Path, fix: str = "delete it and log in again") -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text())
+        with path.open("rb") as f:
+            data = f.read(MAX_CLIENT_FILE + 1)
     except FileNotFoundError:
         return {}
+    if len(data) > MAX_CLIENT_FILE:
+        raise InvalidInput(f"{path} is larger than {MAX_CLIENT_FILE} bytes; {fix}")
+    try:
+        raw = json.loads(data)
     except ValueError as exc:
-        raise InvalidInput(f"{path} is not valid JSON ({exc}); delete it and log in again") from exc
+        raise InvalidInput(f"{path} is not valid JSON ({exc}); {fix}") from exc
     if not isinstance(raw, dict):
-        raise InvalidInput(f"{path} is malformed; delete it and log in again")
+        raise InvalidInput(f"{path} is malformed; {fix}")
     return raw
 
 
@@ -62,9 +96,49 @@ def forget(hub: str) -> bool:
     return True
 
 
-def _write(path: Path, data: dict[str, dict[str, str]]) -> None:
+_CONFIG_FIX = "fix it, or delete it and run `forkd config set hub HOST[:PORT]`"
+
+
+def load_default_hub() -> StoredHub | None:
+    """The default hub stored in the config file, or None; its address is checked by
+    ``forkd.registry.reference.configured_hub``."""
+    path = config_path()
+    entry = _read(path, _CONFIG_FIX).get("default_hub")
+    if entry is None:
+        return None
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("address"), str)
+        or entry.get("set_by") not in SET_BY
+    ):
+        raise InvalidInput(f"{path}: default_hub is malformed; {_CONFIG_FIX}")
+    return StoredHub(entry["address"], entry["set_by"])
+
+
+def save_default_hub(address: str, set_by: str) -> Path:
+    """Store ``address`` (already validated by the caller) as the default hub."""
+    if set_by not in SET_BY:
+        raise ValueError(f"set_by must be one of {SET_BY}, got {set_by!r}")
+    path = config_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data = _read(path, _CONFIG_FIX)
+    data["default_hub"] = {"address": address, "set_by": set_by}
+    _write(path, data)
+    return path
+
+
+def forget_default_hub() -> bool:
+    path = config_path()
+    data = _read(path, _CONFIG_FIX)
+    if data.pop("default_hub", None) is None:
+        return False
+    _write(path, data)
+    return True
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
     """Replace the file atomically; it is never readable by others, not even briefly."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".credentials-")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-")
     try:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
