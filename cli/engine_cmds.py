@@ -1,6 +1,6 @@
 """`forkd` commands of the engine (registered by forkd.cli.main).
 
-doctor, build, fork, ls, exec, eval, kill, branch.
+doctor, build, fork, ls, exec, eval, kill, branch, extend, pause, resume.
 """
 
 from __future__ import annotations
@@ -100,14 +100,52 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
 @click.option("--memory-limit-mib", type=int, default=None, help="cgroup memory limit per child.")
 @click.option("--netns", is_flag=True, help="Give each child a network namespace + tap.")
 @click.option("--no-sandbox", is_flag=True, help="Run QEMU without -sandbox on.")
+@click.option("--timeout", "timeout", default=None, metavar="DURATION",
+              help="Lifetime of each child (90s, 5m, 1h30m, 2d); then --on-timeout happens.")
+@click.option("--on-timeout", type=click.Choice(["kill", "pause"]), default="kill",
+              show_default=True, help="What the deadline does to a child.")
+@click.option("--cpus", type=float, default=None,
+              help="CPU time per child, in CPUs (0.5 = half of one core).")
+@click.option("--pids-max", type=int, default=None, help="Host tasks of each child's QEMU.")
+@click.option("--disk-bps", type=int, default=None, help="Disk bytes/s per child (read+write).")
+@click.option("--disk-iops", type=int, default=None, help="Disk operations/s per child.")
+@click.option("--net-kbit", type=int, default=None,
+              help="Network kbit/s per child, each direction (needs a network snapshot).")
 @json_option
 def fork(
-    tag: str, count: int, memory_limit_mib: int | None, netns: bool, no_sandbox: bool, as_json: bool
+    tag: str,
+    count: int,
+    memory_limit_mib: int | None,
+    netns: bool,
+    no_sandbox: bool,
+    timeout: str | None,
+    on_timeout: str,
+    cpus: float | None,
+    pids_max: int | None,
+    disk_bps: int | None,
+    disk_iops: int | None,
+    net_kbit: int | None,
+    as_json: bool,
 ) -> None:
     """Fork COUNT copy-on-write children of snapshot TAG; they keep running after exit."""
+    from forkd.engine.lifetimes import parse_duration
+
     if count <= 0:
         raise InvalidInput(f"-n must be at least 1, got {count}")
-    res = _backend().spawn(tag, count, memory_limit_mib, netns, sandbox=not no_sandbox)
+    res = _backend().spawn(
+        tag,
+        count,
+        memory_limit_mib,
+        netns,
+        sandbox=not no_sandbox,
+        timeout=parse_duration(timeout) if timeout is not None else None,
+        on_timeout=on_timeout,
+        cpus=cpus,
+        pids_max=pids_max,
+        disk_bps=disk_bps,
+        disk_iops=disk_iops,
+        net_kbit=net_kbit,
+    )
     if as_json:
         emit_json(
             {
@@ -145,12 +183,25 @@ def ls_cmd(as_json: bool) -> None:
     if not kids:
         click.echo("no children")
         return
-    click.echo(f"{'ID':22} {'STATUS':8} {'PID':>8} {'AGE':>7}  SNAPSHOT")
+    click.echo(f"{'ID':22} {'STATUS':8} {'PID':>8} {'AGE':>7} {'LEFT':>8}  SNAPSHOT")
     for c in kids:
         click.echo(
             f"{c['id']:22} {c['status']:8} {c['pid']:>8} "
-            f"{time.time() - c['created']:6.0f}s  {c['ref']}"
+            f"{time.time() - c['created']:6.0f}s {_left(c.get('time_left_s')):>8}  "
+            f"{c.get('origin') or c['ref']}"
         )
+
+
+def _left(seconds: float | None) -> str:
+    """Time left before the deadline: 42s, 12m05s, 3h20m, or - without one."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True})
@@ -249,7 +300,52 @@ def branch(child_id: str, tag: str, force: bool, as_json: bool) -> None:
     )
 
 
+@click.command()
+@click.argument("child_id")
+@click.argument("duration")
+@json_option
+def extend(child_id: str, duration: str, as_json: bool) -> None:
+    """Move child CHILD_ID's deadline DURATION later (90s, 5m, 1h30m; from now if none)."""
+    from forkd.engine.lifetimes import parse_duration
+
+    r = _backend().extend(child_id, parse_duration(duration))
+    if as_json:
+        emit_json(r)
+    elif r.get("time_left_s") is None:
+        click.echo(f"{child_id} paused: its lifetime will be {r['timeout_s']:.0f} s when resumed")
+    else:
+        click.echo(f"{child_id} has {_left(r['time_left_s'])} left")
+
+
+@click.command()
+@click.argument("child_id")
+@json_option
+def pause(child_id: str, as_json: bool) -> None:
+    """Save child CHILD_ID (memory, processes, disk) into the store and free its VM."""
+    r = _backend().pause(child_id)
+    if as_json:
+        emit_json(r)
+    else:
+        t = r["timings_ms"]
+        click.echo(f"{child_id} paused (VM stopped {t.get('pause', 0):.0f} ms, saved and freed "
+                   f"in {t.get('freed', 0):.0f} ms); `forkd resume {child_id}` brings it back")
+
+
+@click.command()
+@click.argument("child_id")
+@json_option
+def resume(child_id: str, as_json: bool) -> None:
+    """Bring paused child CHILD_ID back under the same id, as it was."""
+    r = _backend().resume(child_id)
+    if as_json:
+        emit_json(r)
+    else:
+        click.echo(f"{child_id} running again, pid {r['pid']}, ready in "
+                   f"{r['timings_ms'].get('ready', 0):.0f} ms")
+
+
 def register(cli: click.Group) -> None:
     """Add the engine's commands to the top-level group."""
-    for command in (doctor, build, fork, ls_cmd, exec_cmd, eval_cmd, kill, branch):
+    for command in (doctor, build, fork, ls_cmd, exec_cmd, eval_cmd, kill, branch, extend,
+                    pause, resume):
         cli.add_command(command)

@@ -99,6 +99,18 @@ class SpawnRequest:
     netns: bool = False
     sandbox: bool = True  # QEMU's -sandbox on
     prewarm: int | None = None  # after serving: keep this many processes waiting for the tag
+    timeout: float | None = None  # seconds until each sandbox is killed or paused
+    on_timeout: str = "kill"  # "kill" or "pause"
+    cpus: float | None = None  # CPU time, in CPUs (0.5 = half of one core)
+    pids_max: int | None = None  # host tasks of the sandbox's QEMU
+    disk_bps: int | None = None  # disk bytes/s, read + write
+    disk_iops: int | None = None  # disk operations/s, read + write
+    net_kbit: int | None = None  # network kbit/s, each direction
+
+
+@dataclass
+class ExtendRequest:
+    seconds: float
 
 
 @dataclass
@@ -286,7 +298,19 @@ def compact(
 def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> dict[str, Any]:
     start = time.perf_counter()
     result = ctl.backend.spawn(
-        data.tag, data.n, data.memory_limit_mib, data.netns, data.sandbox, data.prewarm
+        data.tag,
+        data.n,
+        data.memory_limit_mib,
+        data.netns,
+        data.sandbox,
+        data.prewarm,
+        timeout=data.timeout,
+        on_timeout=data.on_timeout,
+        cpus=data.cpus,
+        pids_max=data.pids_max,
+        disk_bps=data.disk_bps,
+        disk_iops=data.disk_iops,
+        net_kbit=data.net_kbit,
     )
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
     ctl.metrics.spawned.inc(len(result["sandboxes"]))
@@ -312,6 +336,44 @@ def get_sandbox(ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
 def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
     result = ctl.backend.kill(sandbox_id)
     audited(request, ctl, "sandbox.delete", sandbox_id, "ok")
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/extend",
+    guards=[require_token],
+    status_code=200,
+    sync_to_thread=True,
+)
+def extend_sandbox(
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExtendRequest]
+) -> dict[str, Any]:
+    result = ctl.backend.extend(sandbox_id, data.seconds)
+    audited(request, ctl, "sandbox.extend", sandbox_id, "ok", seconds=data.seconds)
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/pause",
+    guards=[require_token],
+    status_code=200,
+    sync_to_thread=True,
+)
+def pause_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+    result = ctl.backend.pause(sandbox_id)
+    audited(request, ctl, "sandbox.pause", sandbox_id, "ok")
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/resume",
+    guards=[require_token],
+    status_code=200,
+    sync_to_thread=True,
+)
+def resume_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+    result = ctl.backend.resume(sandbox_id)
+    audited(request, ctl, "sandbox.resume", sandbox_id, "ok")
     return result
 
 
@@ -428,6 +490,9 @@ ROUTES = [
     list_sandboxes,
     get_sandbox,
     kill_sandbox,
+    extend_sandbox,
+    pause_sandbox,
+    resume_sandbox,
     exec_in,
     eval_in,
     write_file,

@@ -114,6 +114,14 @@ class RemoteBackend:
         netns: bool = False,
         sandbox: bool = True,
         prewarm: int | None = None,
+        *,
+        timeout: float | None = None,
+        on_timeout: str = "kill",
+        cpus: float | None = None,
+        pids_max: int | None = None,
+        disk_bps: int | None = None,
+        disk_iops: int | None = None,
+        net_kbit: int | None = None,
     ) -> dict[str, Any]:
         body = {
             "tag": tag,
@@ -122,8 +130,29 @@ class RemoteBackend:
             "netns": netns,
             "sandbox": sandbox,
             "prewarm": prewarm,
+            "timeout": timeout,
+            "on_timeout": on_timeout,
+            "cpus": cpus,
+            "pids_max": pids_max,
+            "disk_bps": disk_bps,
+            "disk_iops": disk_iops,
+            "net_kbit": net_kbit,
         }
         result: dict[str, Any] = self._json("POST", "/v1/sandboxes", json=body)
+        return result
+
+    def extend(self, sandbox_id: str, seconds: float) -> dict[str, Any]:
+        result: dict[str, Any] = self._json(
+            "POST", f"/v1/sandboxes/{sandbox_id}/extend", json={"seconds": seconds}
+        )
+        return result
+
+    def pause(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("POST", f"/v1/sandboxes/{sandbox_id}/pause")
+        return result
+
+    def resume(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("POST", f"/v1/sandboxes/{sandbox_id}/resume")
         return result
 
     def pools(self) -> list[dict[str, Any]]:

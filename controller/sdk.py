@@ -86,12 +86,24 @@ class Controller:
         memory_limit_mib: int | None = None,
         netns: bool = False,
         prewarm: int | None = None,
+        timeout: float | None = None,
+        on_timeout: str = "kill",
+        **limits: Any,
     ) -> list[Sandbox]:
-        """Fork ``n`` sandboxes; with ``prewarm=K`` the daemon then keeps K more waiting."""
-        if prewarm is not None:
-            result = self._daemon("prewarm").spawn(tag, n, memory_limit_mib, netns, prewarm=prewarm)
-        else:
-            result = self.backend.spawn(tag, n, memory_limit_mib, netns)
+        """Fork ``n`` sandboxes; with ``prewarm=K`` the daemon then keeps K more waiting.
+        ``timeout`` (seconds): each is then killed, or paused with ``on_timeout="pause"``;
+        ``limits``: ``cpus``, ``pids_max``, ``disk_bps``, ``disk_iops``, ``net_kbit``."""
+        backend = self._daemon("prewarm") if prewarm is not None else self.backend
+        result = backend.spawn(
+            tag,
+            n,
+            memory_limit_mib,
+            netns,
+            prewarm=prewarm,
+            timeout=timeout,
+            on_timeout=on_timeout,
+            **_limits(limits),
+        )
         return [Sandbox(controller=self, sandbox_id=s["id"]) for s in result["sandboxes"]]
 
     def sandboxes(self) -> list[Sandbox]:
@@ -102,6 +114,17 @@ class Controller:
 
     def snapshots(self) -> list[dict[str, Any]]:
         return self.backend.snapshots()
+
+
+LIMIT_NAMES = ("cpus", "pids_max", "disk_bps", "disk_iops", "net_kbit")
+
+
+def _limits(given: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(given) - set(LIMIT_NAMES))
+    if unknown:
+        raise ForkdError(f"unknown limit {', '.join(unknown)}; the limits are "
+                         f"{', '.join(LIMIT_NAMES)} (and memory_limit_mib)")
+    return given
 
 
 class Commands:
@@ -149,12 +172,26 @@ class Sandbox:
         sandbox_id: str | None = None,
         memory_limit_mib: int | None = None,
         netns: bool = False,
+        timeout: float | None = None,
+        on_timeout: str = "kill",
+        **limits: Any,
     ) -> None:
+        """``timeout`` (seconds): the sandbox is killed then, or paused with
+        ``on_timeout="pause"``; ``extend()`` moves it. ``limits``: ``cpus``, ``pids_max``,
+        ``disk_bps``, ``disk_iops``, ``net_kbit`` (docs/engine.md, "Limits")."""
         self.controller = controller or Controller()
         if sandbox_id is None:
             if tag is None:
                 raise ForkdError("Sandbox needs a snapshot tag (or sandbox_id= to attach)")
-            result = self.controller.backend.spawn(tag, 1, memory_limit_mib, netns)
+            result = self.controller.backend.spawn(
+                tag,
+                1,
+                memory_limit_mib,
+                netns,
+                timeout=timeout,
+                on_timeout=on_timeout,
+                **_limits(limits),
+            )
             sandbox_id = str(result["sandboxes"][0]["id"])
         self.id = sandbox_id
         self.commands = Commands(self)
@@ -173,6 +210,23 @@ class Sandbox:
 
     def branch(self, tag: str) -> dict[str, Any]:
         return self.controller.backend.branch(self.id, tag)
+
+    def extend(self, seconds: float) -> dict[str, Any]:
+        """Move the sandbox's deadline ``seconds`` later (from now if it had none)."""
+        return self.controller.backend.extend(self.id, seconds)
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline, None without one."""
+        left = self.info.get("time_left_s")
+        return None if left is None else float(left)
+
+    def pause(self) -> dict[str, Any]:
+        """Save memory, processes and disk into the store and free the VM."""
+        return self.controller.backend.pause(self.id)
+
+    def resume(self) -> dict[str, Any]:
+        """Bring a paused sandbox back under the same id, as it was."""
+        return self.controller.backend.resume(self.id)
 
     def kill(self) -> None:
         self.controller.backend.kill(self.id)

@@ -105,7 +105,7 @@ def serve(
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)
-    backend = LocalBackend(store, Pool(store))
+    backend = LocalBackend(store, Pool(store), sweeper=True)
     try:
         for tag, k in prewarm:
             backend.fill_pool(tag, k)

@@ -52,12 +52,16 @@ def v2_controllers() -> set[str]:
 
 
 def v1_mount(controller: str) -> Path | None:
-    """The v1 hierarchy of a controller, or None when it is not mounted."""
-    probe = {"memory": "memory.limit_in_bytes", "cpu": "cpu.cfs_quota_us",
-             "cpuacct": "cpuacct.usage", "pids": "pids.max"}[controller]
-    for d in (CGROOT / controller, CGROOT / "cpu,cpuacct"):
-        if (d / probe).exists():
-            return d
+    """The v1 hierarchy of a controller (from /proc/self/mounts), or None when it is not
+    mounted."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup" and controller in parts[3].split(","):
+            return Path(parts[1])
     return None
 
 

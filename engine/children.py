@@ -31,6 +31,7 @@ from forkd.engine.lifecycle import (
     Limits,
     child_dir,
     new_id,
+    private_tags,
     require_running,
 )
 from forkd.engine.lifecycle import (
@@ -193,14 +194,14 @@ class Waiting:
 
 def launch_waiting(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
                    limits: Limits, sandbox: bool, with_netns: bool, *,
-                   pooled: bool = False) -> Waiting:
+                   pooled: bool = False, resuming: bool = False) -> Waiting:
     """Start one QEMU waiting for the snapshot's device state (the process-start half of a
     spawn, lifecycle.ChildVM.launch) and connect its agent. pooled: record it in
     waiting.json (owner = this process) instead of child.json, so it is not a child until
     `become_child`."""
     t0 = time.monotonic()
     child = ChildVM.launch(asm, ref, child_id, overlay_tpl, limits, sandbox, with_netns,
-                           pooled=pooled)
+                           pooled=pooled, resuming=resuming)
     info = child.info
     net = None
     if info.netns is not None and info.mac and info.ip:
@@ -495,17 +496,21 @@ def kill(child_id: str) -> ChildInfo:
     child = ChildVM.adopt(child_dir(child_id))
     info = child.info
     was = child.end()
-    if info.paused_tag is not None:
-        drop_private_tag(info.paused_tag)
+    if info.paused_tag is not None or info.ref in private_tags(info.id):
+        drop_private_tags(info)
     info.status = {"running": "killed", "paused": "killed"}.get(was, "crashed")
     return info
 
 
-def drop_private_tag(tag: str) -> None:
-    """Remove a paused child's private tag from the store ($FORKD_HOME); the layers it named
-    go with the next `forkd gc`."""
-    with contextlib.suppress(ForkdError):
-        Store.open().remove(tag)
+def drop_private_tags(info: ChildInfo) -> None:
+    """Remove a paused (or resumed) child's private tags from the store ($FORKD_HOME), the
+    current one first; a tag some other layer was branched from is kept. The layers they
+    named go with the next `forkd gc`."""
+    tags = sorted(private_tags(info.id), key=lambda t: t != info.ref)
+    store = Store.open()
+    for tag in tags:
+        with contextlib.suppress(ForkdError):
+            store.remove(tag)
 
 
 def kill_all() -> list[ChildInfo]:

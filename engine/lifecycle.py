@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +172,36 @@ def child_dir(child_id: str) -> Path:
     return d
 
 
+PAUSED_NAME = "forkd-paused"  # private tags of paused children: forkd-paused/<id>:a|b
+
+
+def private_tags(child_id: str) -> tuple[str, str]:
+    """The two tags a child's pauses alternate between (a diff layer cannot be its own
+    parent, and a tag another layer descends from can still move)."""
+    return f"{PAUSED_NAME}/{child_id}:a", f"{PAUSED_NAME}/{child_id}:b"
+
+
+@contextlib.contextmanager
+def record_lock(d: Path, timeout: float = 120.0) -> Iterator[None]:
+    """Serialise read-modify-write of a child's record (extend, pause, resume, the sweeper);
+    apart from the request lock, so an extend never waits for a long exec."""
+    fd = os.open(d / "record.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"child {d.name}: its record is busy (a pause or resume "
+                                      f"is running) for more than {timeout:.0f} s") from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
 def require_running(info: ChildInfo) -> None:
     state = info.state()
     if state == "paused":
@@ -199,17 +231,19 @@ class ChildVM:
     @classmethod
     def launch(cls, asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
                limits: Limits, sandbox: bool, with_netns: bool, *,
-               pooled: bool = False) -> ChildVM:
+               pooled: bool = False, resuming: bool = False) -> ChildVM:
         """Directory, overlay disk (a copy of overlay_tpl), netns + tap (rate-limited), cgroup,
         and QEMU started with `-incoming defer`, QMP connected. Recorded as soon as there is
         something to clean up: in waiting.json (owner = this process) when pooled, else
-        child.json. On failure everything made is removed and the error carries the log."""
+        child.json. On failure everything made is removed and the error carries the log.
+        resuming: the directory is a paused child's (pause.resume puts its record back
+        when the launch fails)."""
         assert asm.vmstate is not None and asm.disk is not None and asm.config.compat is not None
         if not ID_RE.fullmatch(child_id):
             raise InvalidInput(f"invalid child id {child_id!r}")
         c = asm.config.compat
         d = children_dir() / child_id
-        d.mkdir(mode=0o700)
+        d.mkdir(mode=0o700, exist_ok=resuming)  # a resume starts again in its paused dir
         disk = d / "disk.qcow2"
         cfg = VMConfig(memory_mib=c.memory_mib, vcpus=c.vcpus, accel=c.accelerators[0],
                        mem_path=asm.memory, share=False, disk=disk, disk_cache="writeback",
@@ -323,6 +357,25 @@ class ChildVM:
         shutil.rmtree(self.info.path, ignore_errors=True)
         if errors:
             raise errors[0]
+
+    def release(self, timeout: float = 3.0) -> None:
+        """What a pause frees: the process (stop), its cgroups, netns and the files in its
+        directory (sockets, disk, logs) — all but the record and the locks."""
+        with contextlib.suppress(EngineError):
+            self.stop(timeout)
+        self.kill()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        if self.info.netns is not None:
+            netns.remove(self.info.netns)
+        keep = {CHILD_FILE, "lock", "record.lock"}
+        for f in self.info.path.iterdir():
+            if f.name not in keep:
+                if f.is_dir() and not f.is_symlink():
+                    shutil.rmtree(f, ignore_errors=True)
+                else:
+                    f.unlink(missing_ok=True)
 
     def end(self, timeout: float = 3.0) -> str:
         """stop() + cleanup(): what `forkd kill` does. Returns the state it was in."""
