@@ -156,10 +156,12 @@ def test_s3_store_keys_by_algorithm(moto_server: MotoServer) -> None:
 # -- the registry API ------------------------------------------------------------------------
 
 
-def test_sha512_blob_push_head_get_mount_delete(hub: HubServer, user: tuple[str, str]) -> None:
+def test_sha512_blob_push_head_get_mount_delete(backend_hub: HubServer) -> None:
+    """On SQLite and PostgreSQL (which, unlike SQLite, enforces the digest columns' width)."""
+    user = backend_hub.add_user("blob512")
     repo, other = f"{user[0]}/app", f"{user[0]}/other"
     data = b"a layer addressed by sha512" * 1000
-    with hub.client(auth=user) as c:
+    with backend_hub.client(auth=user) as c:
         digest = push512(c, repo, data)  # monolithic POST
         r = c.head(f"/v2/{repo}/blobs/{digest}")
         assert r.status_code == 200 and r.headers["docker-content-digest"] == digest
@@ -259,9 +261,10 @@ def test_malformed_sha512_is_digest_invalid(hub: HubServer, user: tuple[str, str
                 assert r.status_code == 404 and error_code(r) == "MANIFEST_UNKNOWN"
 
 
-def test_manifest_with_sha512_descriptors_and_put_by_sha512(
-    hub: HubServer, user: tuple[str, str]
-) -> None:
+def test_manifest_with_sha512_descriptors_and_put_by_sha512(backend_hub: HubServer) -> None:
+    """On SQLite and PostgreSQL (which, unlike SQLite, enforces the digest columns' width)."""
+    hub = backend_hub
+    user = hub.add_user("manifest512")
     repo = f"{user[0]}/app"
     layer_data = b"sha512 layer"
     with hub.client(auth=user) as c:
