@@ -205,8 +205,8 @@ class BrowseController(Controller):
     ) -> Response[str]:
         who = await viewer(ui, hub, request)
         try:
-            if ref.startswith("sha256:"):
-                dg.validate(ref)
+            if ref.startswith(("sha256:", "sha512:")):
+                dg.validate_oci(ref)
             else:
                 validate_tag(ref)
         except InvalidInput as exc:
