@@ -85,8 +85,16 @@ def _offer_default(target: Hub, make_default: bool) -> None:
             return
         if not click.confirm(question, default=True):
             return
+    _store_default(target)
+
+
+def _store_default(target: Hub) -> None:
     path = set_default_hub(target)
     click.echo(f"default hub: {target.address} (in {path})")
+    chosen = resolve_default_hub()
+    if chosen is not None and chosen.hub != target:
+        click.echo(f"note: {chosen.source} names {chosen.hub.address}, which takes precedence "
+                   "while it is set", err=True)
 
 
 @click.command()
@@ -199,9 +207,7 @@ def config() -> None:
 @click.argument("value")
 def config_set(key: str, value: str) -> None:
     """Set KEY to VALUE: `forkd config set hub HOST[:PORT]` (http:// or https:// allowed)."""
-    hub = parse_hub(value)
-    path = set_default_hub(hub)
-    click.echo(f"default hub: {hub.address} (in {path})")
+    _store_default(parse_hub(value))
 
 
 @config.command("get")

@@ -186,8 +186,9 @@ def test_remote_references(text: str, hub: str, name: str, tag: str):
     assert (ref.hub.host, ref.name, ref.tag) == (hub, name, tag)
 
 
-def test_default_hub_and_bad_references(monkeypatch: pytest.MonkeyPatch):
+def test_default_hub_and_bad_references(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("FORKD_HUB", raising=False)
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(tmp_path / "creds.json"))  # no default hub
     with pytest.raises(InvalidInput, match="FORKD_HUB"):
         parse_remote("deeplethe/langgraph-react")
     monkeypatch.setenv("FORKD_HUB", "127.0.0.1:7000")

@@ -78,6 +78,8 @@ def test_forkd_hub_beats_the_config(
     monkeypatch.setenv("FORKD_HUB", hub.address)
     got = json.loads(ok(forkd("config", "get", "hub", "--json")).stdout)
     assert got == {"hub": hub.address, "url": hub.url, "source": "$FORKD_HUB"}
+    stored = ok(forkd("config", "set", "hub", UNREACHABLE))  # stored, and told it is shadowed
+    assert f"$FORKD_HUB names {hub.address}, which takes precedence" in stored.stderr
     _push_pull_compact(user, store, tmp_path, f"{user[0]}/env")
     assert hub.target == parse_remote(f"{user[0]}/env:v1").hub
 
