@@ -37,6 +37,38 @@ from forkd.store.store import Store
 
 Progress = Callable[[str], None]
 BOOT_TIMEOUT = 180.0
+# Bumped whenever the steps that turn a guest image into a snapshot change (build cache key).
+SNAPSHOT_LAYOUT = "2"
+# Run in the template's agent after `sync`, right before the snapshot: drop the clean page cache
+# (files a child reads again come from its disk) and zero the freed pages, so the memory image
+# holds what the warm guest uses and no stale copies of file data (docs/recipes.md). Pages are
+# zeroed by faulting in anonymous memory (the kernel clears each page it hands out), leaving a
+# margin above the watermarks so nothing in use is reclaimed.
+SHRINK_MEMORY = """
+def _forkd_shrink():
+    import ctypes, mmap
+    ctypes.CDLL(None).malloc_trim(0)  # the agent's heap returns what the warm-up freed
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemFree:"))
+    with open("/proc/sys/vm/min_free_kbytes") as f:
+        keep = max(8 << 20, 4 * (int(f.read()) << 10))
+    left, maps = free - keep, []
+    try:
+        while left > 0:
+            size = min(4 << 20, left)
+            maps.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                  | mmap.MAP_POPULATE))
+            left -= size
+    finally:
+        for m in maps:
+            m.close()
+    return free - max(left, 0) - keep
+_forkd_zeroed = _forkd_shrink()
+del _forkd_shrink
+_forkd_zeroed
+"""
 
 
 @dataclass(frozen=True)
@@ -80,7 +112,7 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
     # accelerator, QEMU, and the kernel command line the engine boots templates with.
     key = recipe.content_digest(
         image.guest_code_digest() + verdict.accel + qemu_version()
-        + kernel_cmdline(verdict.accel, "")
+        + kernel_cmdline(verdict.accel, "") + SNAPSHOT_LAYOUT
     )
     cf = _cache_file(key)
     # The build cache maps recipe content to the snapshot it produced. Any store that holds
@@ -140,6 +172,11 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
             # otherwise touch (and copy-on-write) every page holding a Python object
             agent.eval("import gc as _gc\n_gc.collect()\n_gc.freeze()", timeout=120)
             agent.request("sync", timeout=60)
+            shrink = agent.eval(SHRINK_MEMORY, timeout=300)
+            if shrink.get("error"):
+                raise GuestBuildError("dropping the template's page cache failed in the guest: "
+                                      + str(shrink["error"]))
+            agent.eval("del _forkd_zeroed", timeout=60)
             warm_s = time.monotonic() - t1
             assert vm.qmp is not None
             t2 = time.monotonic()
@@ -164,9 +201,10 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                         vcpus=recipe.vcpus, memory_mib=recipe.memory_mib,
                         kernel_digest=guest.kernel.digest, agent_protocol=PROTOCOL)
         progress("storing the base layer (chunked, compressed)")
+        # No kernel or initramfs blobs: a fork restores RAM and never boots (QEMU gets no
+        # -kernel); the config records the kernel's digest and the recipe rebuilds the guest.
         info = store.import_layer(ref, memory=mem, vmstate=work / "vmstate", disk=raw,
                                   compat=compat,
-                                  files={"kernel": guest.kernel.vmlinux, "initrd": guest.initrd},
                                   description=recipe.description, recipe=recipe.to_dict(),
                                   force=True)  # a build replaces the tag, like `docker build -t`
         cf.write_text(json.dumps({"ref": ref, "digest": info.digest}))

@@ -40,6 +40,29 @@ VIRTIO_MODULES = (
     "drivers/net/virtio_net",
 )
 AGENT_GUEST_PATH = "/opt/forkd/agent.py"
+# Bumped whenever what goes into a root disk image changes (part of its cache key).
+ROOT_IMAGE_LAYOUT = "3"
+# Left out of the root disk (docs/recipes.md, "Slim root disk"): nothing the guest runs reads
+# them. Globs relative to the root; a directory matched is removed with its content.
+SLIM_REMOVE = (
+    "usr/share/man/*",
+    "usr/share/info/*",
+    "usr/share/lintian/*",
+    "usr/share/locale/*",  # message translations (locale.alias stays: SLIM_KEEP)
+    "var/lib/apt/lists/*",  # the package index: `apt-get update` fetches it again
+    "var/cache/apt/*.bin",
+    "var/cache/debconf/*-old",
+)
+SLIM_KEEP = frozenset({"usr/share/locale/locale.alias"})
+# Later `apt-get install`s in a sandbox skip the same files (dpkg path-exclude).
+DPKG_SLIM_CFG = """# forkd: keep the root disk small (docs/recipes.md)
+path-exclude=/usr/share/man/*
+path-exclude=/usr/share/info/*
+path-exclude=/usr/share/lintian/*
+path-exclude=/usr/share/locale/*/LC_MESSAGES/*.mo
+path-exclude=/usr/share/doc/*
+path-include=/usr/share/doc/*/copyright
+"""
 
 
 @dataclass(frozen=True)
@@ -257,9 +280,89 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
     return root
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def slim_rootfs(stage: Path) -> None:
+    """Drop what no guest program reads from a staged copy of a rootfs: SLIM_REMOVE, the test
+    suites inside installed Python packages, documentation but its copyright files, and the
+    image build's logs; then write the dpkg excludes so later installs skip the same."""
+    for pattern in SLIM_REMOVE:
+        for p in stage.glob(pattern):
+            if str(p.relative_to(stage)) not in SLIM_KEEP:
+                _remove(p)
+    for lib in [*stage.glob("usr/lib/python3*"), *stage.glob("usr/local/lib/python3*")]:
+        # bytecode: the template writes it again for every module its boot and warm-up import;
+        # the rest is compiled on a sandbox's first import (docs/recipes.md)
+        for cache in sorted(lib.rglob("__pycache__")):
+            if cache.is_dir() and not cache.is_symlink():
+                shutil.rmtree(cache, ignore_errors=True)
+    for site in [*stage.glob("usr/lib/python3/dist-packages"),
+                 *stage.glob("usr/local/lib/python3*/dist-packages")]:
+        for tests in sorted(site.glob("*/**/tests")):  # inside a package, never a top-level one
+            if tests.is_dir() and not tests.is_symlink():
+                shutil.rmtree(tests, ignore_errors=True)
+    for p in _files(stage / "usr" / "share" / "doc"):
+        if p.name != "copyright":
+            p.unlink()
+    for p in _files(stage / "var" / "log"):
+        p.unlink()
+    cfg = stage / "etc" / "dpkg" / "dpkg.cfg.d"
+    if cfg.is_dir():
+        (cfg / "forkd-slim").write_text(DPKG_SLIM_CFG)
+    link_duplicates(stage)
+
+
+LINK_MIN_BYTES = 64 << 10
+
+
+def link_duplicates(stage: Path) -> int:
+    """Hard-link regular files of equal content, mode and owner (at least LINK_MIN_BYTES each,
+    e.g. a shared library shipped twice) so the root disk holds their bytes once; returns the
+    bytes saved. Package upgrades replace files by rename, which undoes a link safely."""
+    by_size: dict[int, list[Path]] = {}
+    seen_inodes: set[int] = set()
+    for p in sorted(stage.rglob("*")):
+        if p.is_symlink() or not p.is_file():
+            continue
+        st = p.stat()
+        if st.st_size < LINK_MIN_BYTES or st.st_ino in seen_inodes:
+            continue
+        seen_inodes.add(st.st_ino)
+        by_size.setdefault(st.st_size, []).append(p)
+    saved = 0
+    for size, paths in by_size.items():
+        if len(paths) < 2:
+            continue
+        first: dict[tuple[str, int, int, int], Path] = {}
+        for p in paths:
+            st = p.stat()
+            with p.open("rb") as f:
+                key = (digest.of_file(f), st.st_mode, st.st_uid, st.st_gid)
+            if key not in first:
+                first[key] = p
+                continue
+            tmp = p.with_name(p.name + ".forkd-link")
+            os.link(first[key], tmp)
+            os.replace(tmp, p)
+            saved += size
+    return saved
+
+
+def _files(top: Path) -> list[Path]:
+    """Regular files and file symlinks under top (directories and their symlinks stay)."""
+    if not top.is_dir():
+        return []
+    return [p for p in top.rglob("*") if not p.is_dir()]
+
+
 def build_root_image(r: Recipe, rootfs: Path, progress: Progress = _noop) -> Path:
     """ext4 image of a copy of the rootfs plus the agent and the recipe's files."""
-    key = digest.hex_part(digest.of_chunks([_rootfs_key(r).encode(),
+    key = digest.hex_part(digest.of_chunks([_rootfs_key(r).encode(), ROOT_IMAGE_LAYOUT.encode(),
                                             r.content_digest(guest_code_digest()).encode()]))[:16]
     out = cache_dir() / "images" / f"root-{key}.raw"
     if out.exists():
@@ -280,8 +383,7 @@ def build_root_image(r: Recipe, rootfs: Path, progress: Progress = _noop) -> Pat
         (stage / "etc" / "hostname").write_text("forkd\n")
         _run(["chroot", str(stage), "python3", "-m", "compileall", "-q", "/opt/forkd"],
              "precompile the agent")
-        for p in (stage / "var" / "lib" / "apt" / "lists").glob("*_Packages"):
-            p.unlink()
+        slim_rootfs(stage)
         used = int(_run(["du", "-sm", str(stage)], "du").split()[0])
         size = used + max(r.disk_free_mib, 8) + used // 8
         tmp = out.with_suffix(".tmp")

@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -32,7 +34,12 @@ from forkd.pack.imagemap import (
 )
 from forkd.store.blobs import BlobStore
 
-ZSTD_LEVEL = 1
+# zstd levels (docs/pack-format.md, "Chunking"). Decompression runs at the same speed for
+# every level; compression does not, so the strong level is spent once, on the flat layers a
+# build publishes, and layers made while a sandbox waits (diffs, compaction) use the fast one.
+ZSTD_LEVEL = 3  # diff layers and the regions a compaction writes anew
+ZSTD_LEVEL_FLAT = 19  # flat layers imported from whole images (forkd build's base layers)
+COMPRESS_THREADS = 2
 ZERO_PAGE = bytes(PAGE_SIZE)
 ZERO_REGION = bytes(CHUNK_SIZE)
 
@@ -45,10 +52,8 @@ class RawChunk:
     extents: list[Extent]
 
 
-def compress(data: bytes) -> bytes:
-    result: bytes = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(
-        data
-    )
+def compress(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
+    result: bytes = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
     return result
 
 
@@ -197,9 +202,9 @@ def page_chunks(pages: Iterable[tuple[int, bytes]], zero: list[Extent]) -> Itera
     zero.extend(runs(zero_pages))
 
 
-def store_chunk(blobs: BlobStore, raw: RawChunk) -> ChunkRef:
+def store_chunk(blobs: BlobStore, raw: RawChunk, level: int = ZSTD_LEVEL) -> ChunkRef:
     """Compress one chunk and store it (once: equal chunks have equal digests)."""
-    packed = compress(raw.data)
+    packed = compress(raw.data, level)
     digest = blobs.put_bytes(packed, dg.of_bytes(packed))
     return ChunkRef(
         digest=digest,
@@ -210,13 +215,54 @@ def store_chunk(blobs: BlobStore, raw: RawChunk) -> ChunkRef:
     )
 
 
+ChunkKey = tuple[str, tuple[Extent, ...]]  # (blake3 of the uncompressed bytes, extents)
+
+
+def known_chunks(maps: Iterable[ImageMap]) -> dict[ChunkKey, ChunkRef]:
+    """The chunks of ``maps`` by content and place, for ``build_map(reuse=...)``."""
+    return {(c.blake3, tuple(c.extents)): c for imap in maps for c in imap.chunks}
+
+
 def build_map(
-    blobs: BlobStore, kind: str, size: int, chunks: Iterable[RawChunk], zero: list[Extent]
+    blobs: BlobStore,
+    kind: str,
+    size: int,
+    chunks: Iterable[RawChunk],
+    zero: list[Extent],
+    level: int | None = None,
+    reuse: Mapping[ChunkKey, ChunkRef] | None = None,
 ) -> ImageMap:
-    """Store every chunk and return the layer's image map (zero extents filled by ``chunks``)."""
-    refs = tuple(store_chunk(blobs, raw) for raw in chunks)
+    """Store every chunk and return the layer's image map (zero extents filled by ``chunks``).
+
+    ``level`` defaults to ZSTD_LEVEL_FLAT for flat layers and ZSTD_LEVEL for diffs. A chunk
+    whose bytes and extents equal one in ``reuse`` (chunks already in this store) is not
+    compressed again: its stored blob serves, whatever level made it, so a compaction shares
+    every unchanged region with its base."""
+    chosen = level if level is not None else ZSTD_LEVEL_FLAT if kind == "flat" else ZSTD_LEVEL
+    known = reuse or {}
+
+    def one(raw: RawChunk) -> ChunkRef:
+        hit = known.get((dg.blake3_of(raw.data), tuple(raw.extents))) if known else None
+        return hit if hit is not None else store_chunk(blobs, raw, chosen)
+
+    refs = tuple(_bounded_map(one, chunks, COMPRESS_THREADS))
     imap = ImageMap(
         kind="flat" if kind == "flat" else "diff", size=size, chunks=refs, zero=tuple(zero)
     )
     imap.validate()
     return imap
+
+
+def _bounded_map(
+    fn: Callable[[RawChunk], ChunkRef], items: Iterable[RawChunk], workers: int
+) -> Iterator[ChunkRef]:
+    """``fn`` over ``items`` in ``workers`` threads (zstd releases the GIL), results in order,
+    at most 2 x workers chunks in flight (an image is never held in memory whole)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque[Future[ChunkRef]] = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

@@ -29,6 +29,7 @@ from forkd.names import Ref, parse_ref
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, flatten, walk, written_extents
 from forkd.pack.chunking import (
+    ZSTD_LEVEL,
     Progress,
     RawChunk,
     build_map,
@@ -36,6 +37,7 @@ from forkd.pack.chunking import (
     diff_chunks,
     flat_chunks,
     image_size,
+    known_chunks,
     page_chunks,
 )
 from forkd.pack.config import Compat, Provenance, SnapshotConfig
@@ -544,11 +546,14 @@ class Store:
         for role, path in (("memory", asm.memory), ("disk", asm.disk)):
             if path is None:
                 continue
-            plan = flatten(self._chain_maps(chain, role, digest), f"{digest} {role}")
+            chain_maps = self._chain_maps(chain, role, digest)
+            plan = flatten(chain_maps, f"{digest} {role}")
             with open(path, "rb") as f:
                 size = image_size(f, f"assembled {role} image")
                 chunks = flat_chunks(f, size, written=written_extents(plan))
-                maps[role] = build_map(self.blobs, "flat", size, chunks, [])
+                # unchanged regions keep their stored chunks; new ones get the fast level
+                maps[role] = build_map(self.blobs, "flat", size, chunks, [], level=ZSTD_LEVEL,
+                                       reuse=known_chunks(chain_maps))
         files = chain_files(chain)
         cfg = replace(
             asm.config,
