@@ -166,6 +166,16 @@ def inspect(tag: str, as_json: bool) -> None:
         f"  logical {human(data['logical_bytes'])}, stored {human(data['stored_bytes'])} "
         f"for the whole chain, dedup {data['dedup_ratio']}x"
     )
+    click.echo("  bytes per component (whole chain; stored = compressed, as pushed and pulled):")
+    for name, c in data["components"].items():
+        if not c["blobs"]:
+            click.echo(f"    {name:<8} not in this pack")
+            continue
+        click.echo(
+            f"    {name:<8} stored {human(c['stored_bytes']):>10}  logical "
+            f"{human(c['logical_bytes']):>10}  data {human(c['data_bytes']):>10}  "
+            f"{c['blobs']} blobs"
+        )
 
 
 @click.command()

@@ -44,6 +44,7 @@ from forkd.pack.config import Compat, Provenance, SnapshotConfig
 from forkd.pack.imagemap import PAGE_SIZE, Extent, ImageMap, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Descriptor, Manifest
 from forkd.store.blobs import FsBlobStore
+from forkd.store.sizes import component_bytes
 from forkd.store.tags import TagIndex, flock
 
 DEFAULT_AUTO_COMPACT_DEPTH = 8
@@ -644,6 +645,9 @@ class Store:
             "logical_bytes": logical,
             "stored_bytes": stored,
             "dedup_ratio": round(logical / stored, 2) if stored else None,
+            "components": component_bytes(
+                chain, cfg, lambda link, role: self.image_map(link.manifest, role, str(key))
+            ),
         }
 
     # -- removal ------------------------------------------------------------
