@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Cold-boot N VMs vs fork N children of the same warm python-numpy snapshot, in one run.
 
-Prints, for N in --ns: time until all N answer an eval (cold boot includes the warm-up
-import of numpy, fork includes restore + entropy fixup), first eval, warm eval round trip,
-host memory per child (QEMU PSS, and guest copy-on-write = `Anonymous` of the RAM
+Prints the pack's stored size per component (forkd inspect), then, for N in --ns: time
+until all N answer an eval (cold boot includes the warm-up import of numpy, fork includes
+restore + entropy fixup), first eval, warm eval round trip, host memory per child (QEMU
+PSS, and guest copy-on-write = `Anonymous` of the RAM
 mapping in smaps), and branch pause with ~20 and ~200 MiB dirty (--branch-dirty-mib), live
 (engine/precopy.py) next to stop-the-world in the same run. Ratios are against
 the cold-boot baseline measured in the same run. Then, per N, the same fork with a
@@ -196,6 +197,16 @@ def branch_bench(store: Store, tag: str, rounds: int, dirty_mib: int) -> dict[st
     }
 
 
+def pack_sizes(store: Store, tag: str) -> dict[str, object]:
+    """The pack's stored size (distinct blobs, as pushed) and its components, printed."""
+    info = store.inspect(tag)
+    comps = {name: c["stored_bytes"] for name, c in info["components"].items()}
+    parts = ", ".join(f"{name} {b / 2**20:.1f}" for name, b in comps.items() if b)
+    print(f"pack {tag}: {info['stored_bytes'] / 2**20:.1f} MiB stored ({parts} MiB) for "
+          f"{info['logical_bytes'] / 2**20:.0f} MiB of memory + disk", flush=True)
+    return {"stored_bytes": info["stored_bytes"], "components": comps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--ns", default="1,10,50")
@@ -235,6 +246,7 @@ def main() -> None:
             f"({b.accel})",
             flush=True,
         )
+        results["pack"] = pack_sizes(store, tag)
         t = time.monotonic()
         store.assemble(tag)  # once per snapshot, cached by digest for every later fork
         print(f"assembled the memory image once: {time.monotonic() - t:.2f} s", flush=True)
