@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -105,6 +106,15 @@ class Principal:
     # ``principal_stamp`` of the user (and token) when authenticated: what sessions,
     # bearer tokens and cached credentials carry, checked again on every request.
     stamp: str = ""
+    # Set when the request came with a registry bearer token (``/token``): the only
+    # repositories and actions it may use, on every surface; it manages nothing.
+    bearer_access: Mapping[str, frozenset[str]] | None = None
+
+    @property
+    def with_password(self) -> bool:
+        """Authenticated by the password itself (Basic, or a UI session opened with it),
+        not through an API token or a registry bearer token: what account changes need."""
+        return not self.anonymous and self.token_id is None and self.bearer_access is None
 
     @property
     def anonymous(self) -> bool:

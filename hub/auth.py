@@ -15,7 +15,7 @@ import binascii
 import ipaddress
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from litestar import Request, Response, get
 from litestar.datastructures import State
@@ -174,7 +174,9 @@ async def authenticate(hub: Hub, request: Request[object, object, State]) -> Cal
         )
         if principal is None:
             raise challenge(hub, request, error="invalid_token")
-        return Caller(principal, grant)
+        # The bearer's access narrows the principal wherever it is used (authz), not only
+        # on the /v2/<name>/ routes.
+        return Caller(replace(principal, bearer_access=grant.access), grant)
     raise challenge(hub, request, error="invalid_request")
 
 

@@ -15,6 +15,8 @@ Rules:
   namespace): the lower of the two roles, none where no scope names the namespace. A UI
   session opened with a token is narrowed the same way.
 - A public repository grants ``pull`` to anyone, signed in or not.
+- A registry bearer token (``/token``) narrows further to the repositories and actions it
+  was granted, on every surface (listings too), and manages no namespace or robot.
 - Robots are managed (tokens minted, listed, revoked) by whoever administers every
   namespace the robot is a member of (site admins: any robot); a robot that is a member
   of nothing is the site admins' alone.
@@ -30,7 +32,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from sqlalchemy import ColumnElement, false, or_, select, true
+from sqlalchemy import ColumnElement, and_, false, or_, select, true
 from sqlalchemy.orm import Session
 
 from forkd.hub.accounts import Principal, find_repository, max_role, namespace_of
@@ -117,7 +119,7 @@ class Grants:
 
     def namespace_role(self, namespace: str) -> str | None:
         """The role on ``namespace`` as a whole (to manage its members, teams, robots)."""
-        if self.principal.anonymous:
+        if self.principal.anonymous or self.principal.bearer_access is not None:
             return None
         self._check_loaded(namespace)
         role = "admin" if self.principal.is_admin else self.namespace_roles.get(namespace)
@@ -138,11 +140,19 @@ class Grants:
             )
         return self.narrow(role, namespace)
 
-    def repository_actions(self, repository: str, public: bool) -> frozenset[str]:
-        """The registry actions held on ``repository`` (public: it grants pull to all)."""
+    def subject_actions(self, repository: str, public: bool) -> frozenset[str]:
+        """The registry actions the principal's subject (user, narrowed by an API token)
+        holds on ``repository`` (public: it grants pull to all), before a bearer token's
+        own access list narrows them."""
         role = self.repository_role(repository)
         held = ROLE_ACTIONS[role] if role else NOTHING
         return held | ROLE_ACTIONS["pull"] if public else held
+
+    def repository_actions(self, repository: str, public: bool) -> frozenset[str]:
+        """The registry actions held on ``repository``, a bearer token's access included."""
+        held = self.subject_actions(repository, public)
+        bearer = self.principal.bearer_access
+        return held if bearer is None else held & bearer.get(repository, NOTHING)
 
     def administers(self, namespaces: Iterable[str]) -> bool:
         """Whether the principal holds admin on every one of ``namespaces`` (and there is
@@ -151,6 +161,8 @@ class Grants:
         return bool(wanted) and all(self.namespace_role(ns) == "admin" for ns in wanted)
 
     def may_manage_robot(self, robot_namespaces: Iterable[str]) -> bool:
+        if self.principal.bearer_access is not None:
+            return False
         if self.principal.is_admin and self.narrow("admin", "*") == "admin":
             return True
         return self.administers(robot_namespaces)
@@ -165,13 +177,26 @@ def grants(
 def access(
     session: Session, principal: Principal, repository: str
 ) -> tuple[Repository | None, frozenset[str]]:
-    """The repository (None if it does not exist yet) and the actions ``principal`` holds
-    on it: the check of every OCI route."""
+    """The repository (None if it does not exist yet) and the actions ``principal``'s
+    subject holds on it: the check of every OCI route. Those routes apply a bearer
+    token's access list themselves (``auth.permit``), so that a token short of scope is
+    answered 403 insufficient_scope with the challenge to follow, not 404."""
+    repo = find_repository(session, repository)
+    held = Grants.load(session, principal, [namespace_of(repository)]).subject_actions(
+        repository, repo is not None and repo.is_public
+    )
+    return repo, held
+
+
+def repository_access(
+    session: Session, principal: Principal, repository: str
+) -> tuple[Repository | None, frozenset[str]]:
+    """``access``, narrowed by a bearer token's access list too: for every surface but
+    the OCI routes (README edits, the UI's push affordances)."""
     repo = find_repository(session, repository)
     held = Grants.load(session, principal, [namespace_of(repository)]).repository_actions(
         repository, repo is not None and repo.is_public
     )
-    # Nobody but a site admin acts in a namespace that does not exist (yet).
     return repo, held
 
 
@@ -214,6 +239,14 @@ def admin_namespaces(session: Session, principal: Principal) -> list[str]:
 def visible(session: Session, principal: Principal) -> ColumnElement[bool]:
     """A filter on Repository: exactly the repositories ``principal`` may pull, by the
     same ``Grants`` answers the routes use."""
+    clause = _visible(session, principal)
+    if principal.bearer_access is None:
+        return clause
+    granted = [name for name, actions in principal.bearer_access.items() if "pull" in actions]
+    return and_(clause, Repository.name.in_(granted)) if granted else false()
+
+
+def _visible(session: Session, principal: Principal) -> ColumnElement[bool]:
     public = Repository.is_public.is_(True)
     if principal.anonymous:
         return public

@@ -1,8 +1,8 @@
 """Hub API: organisations, their members and teams, namespaces' storage quotas, users.
 
 - ``POST /api/v1/orgs`` ``{"name"}``: any signed-in human user (not a robot) creates an
-  organisation and becomes its admin member; needs the password (Basic) or a bearer token
-  obtained with it, as token creation does: an API token cannot (403).
+  organisation and becomes its admin member; needs the password (Basic), as token
+  creation does: an API token or a registry bearer token cannot (403).
 - ``GET /api/v1/orgs/<org>/members``: direct members (any member of the org or a site admin).
 - ``PUT /api/v1/orgs/<org>/members/<user>`` ``{"role"}``, ``DELETE`` the same: set or remove
   a direct member (org admins only, as below); refused (409) when the organisation would be
@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub import accounts, authz, quotas
+from forkd.hub import accounts, authz, members, quotas
 from forkd.hub.auth import authenticate, client_ip
 from forkd.hub.models import ROLES, Membership, Namespace, User
 from forkd.hub.services import Hub
@@ -123,33 +123,34 @@ class UserInfo:
 
 async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> str:
     """The caller's name, if they hold ``role`` on ``namespace`` as a whole; else 401/403."""
+    return (await _require_principal(hub, request, namespace, role))[0]
+
+
+async def _require_principal(
+    hub: Hub, request: HubRequest, namespace: str, role: str
+) -> tuple[str, accounts.Principal]:
+    """``_require``, with the caller's principal."""
     principal = await _user(hub, request)
     held = await hub.db.read(authz.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
         hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {namespace!r}")
-    return principal.name
+    return principal.name, principal
+
+
+@asynccontextmanager
+async def _permitted(hub: Hub, request: HubRequest, actor: str, target: str) -> AsyncIterator[None]:
+    """``members.NotPermitted`` answers 403 (and is audited)."""
+    try:
+        yield
+    except members.NotPermitted as exc:
+        hub.audit.record(actor, client_ip(request), "member.change", target, "denied")
+        raise PermissionDeniedException(str(exc)) from exc
 
 
 def _is_robot(session: Session, user_id: int | None) -> bool:
     user = session.get(User, user_id) if user_id is not None else None
     return user is None or user.is_robot
-
-
-async def _keep_an_admin(session: AsyncSession, org: Namespace, username: str) -> None:
-    """Raise Conflict unless a direct admin member other than ``username`` stays.
-
-    The admin rows are locked (PostgreSQL; SQLite serialises writers) so two concurrent
-    demotions cannot each leave the other as the last admin and both go through."""
-    admins = await session.scalars(
-        select(User.name)
-        .join(Membership, Membership.user_id == User.id)
-        .where(Membership.namespace_id == org.id, Membership.role == "admin")
-        .with_for_update(of=Membership)
-    )
-    names = set(admins.all())
-    if username in names and not names - {username}:
-        raise Conflict(f"{username!r} is the last admin of {org.name!r}: make another first")
 
 
 def _bad(exc: InvalidInput | Conflict) -> Exception:
@@ -188,11 +189,11 @@ class OrgController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], data: JSONBody[OrgCreate]
     ) -> OrgInfo:
         principal = await _user(hub, request)
-        if principal.token_id is not None or await hub.db.read(_is_robot, principal.user_id):
+        if not principal.with_password or await hub.db.read(_is_robot, principal.user_id):
             hub.audit.record(principal.name, client_ip(request), "org.create", "-", "denied")
             raise PermissionDeniedException(
-                "only a user signed in with the password (not an API token or a robot) "
-                "creates organisations"
+                "only a user signed in with the password (not an API token, a registry bearer "
+                "token or a robot) creates organisations"
             )
         async with _writing(hub) as session:
             await accounts.create_org(session, data.name)
@@ -218,14 +219,10 @@ class OrgController(Controller):
         username: FromPath[str],
         data: JSONBody[MemberSet],
     ) -> None:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
-            if data.role not in ROLES:
-                raise InvalidInput(f"invalid role {data.role!r}: use pull, push or admin")
-            ns = await accounts.get_org(session, org)
-            if data.role != "admin":
-                await _keep_an_admin(session, ns, username)
-            await accounts.set_member(session, org, username, data.role)
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await accounts.get_org(session, org)
+            await members.change_member(session, principal, org, username, data.role)
         hub.audit.record(
             actor, client_ip(request), "member.set", org, "ok", user=username, role=data.role
         )
@@ -238,11 +235,10 @@ class OrgController(Controller):
         org: FromPath[str],
         username: FromPath[str],
     ) -> None:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
-            ns = await accounts.get_org(session, org)
-            await _keep_an_admin(session, ns, username)
-            await accounts.remove_member(session, org, username)
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await accounts.get_org(session, org)
+            await members.change_member(session, principal, org, username, None)
         hub.audit.record(actor, client_ip(request), "member.remove", org, "ok", user=username)
 
     @get("/{org:str}/teams")
@@ -360,8 +356,10 @@ class QuotaController(Controller):
         principal = (await authenticate(hub, request)).principal
         if principal.anonymous:
             raise NotAuthorizedException("log in as a site admin")
-        if not principal.is_admin or (
-            principal.token_scopes is not None and principal.token_scopes.get("*") != "admin"
+        if (
+            not principal.is_admin
+            or principal.bearer_access is not None
+            or (principal.token_scopes is not None and principal.token_scopes.get("*") != "admin")
         ):
             hub.audit.record(principal.name, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
@@ -377,10 +375,11 @@ class QuotaController(Controller):
 async def _site_admin(hub: Hub, request: HubRequest, action: str, target: str) -> str:
     """The caller's name if a site admin signed in with the password; else 401/403."""
     principal = await _user(hub, request)
-    if not principal.is_admin or principal.token_id is not None:
+    if not principal.is_admin or not principal.with_password:
         hub.audit.record(principal.name, client_ip(request), action, target, "denied")
         raise PermissionDeniedException(
-            "only site admins signed in with the password (not an API token) manage users"
+            "only site admins signed in with the password (not an API token or a registry "
+            "bearer token) manage users"
         )
     return principal.name
 
@@ -448,7 +447,9 @@ class UserController(Controller):
                 .join(User, User.id == Membership.user_id)
                 .where(User.name == name, Membership.role == "admin", Namespace.kind == "org")
             )
+            user = await accounts.get_user(session, name)
             for org in administered.all():  # no organisation loses its last admin
-                await _keep_an_admin(session, org, name)
+                if user is not None:
+                    await members.keep_an_admin(session, org, user)
             await accounts.remove_user(session, name)
         hub.audit.record(actor, client_ip(request), "user.remove", name, "ok")

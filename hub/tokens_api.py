@@ -1,8 +1,9 @@
 """Hub API ``/api/v1/tokens``: a user lists, creates and revokes their own API tokens.
 
-Creating a token needs the account's password (Basic) or a bearer token obtained
-with it: a token cannot mint tokens. A token never grants more than its user holds
-(its scopes only narrow), so a user may name any namespace in its scopes.
+Creating a token needs the account's password (Basic): neither an API token nor a
+registry bearer token (a short-lived credential for the repositories it names) mints
+one. A token never grants more than its user holds (its scopes only narrow), so a user
+may name any namespace in its scopes.
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ class TokenController(Controller):
         data: JSONBody[TokenCreate],
     ) -> TokenCreated:
         principal = await _user(hub, request)
-        if principal.token_id is not None:
-            raise PermissionDeniedException("an API token cannot create tokens; use the password")
+        if not principal.with_password:
+            raise PermissionDeniedException(
+                "an API token or registry bearer token cannot create tokens; use the password"
+            )
         if data.expires_days is not None and not 1 <= data.expires_days <= 3650:
             raise ValidationException("expires_days must be between 1 and 3650")
         try:

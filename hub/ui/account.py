@@ -9,17 +9,17 @@ from typing import Any, Literal
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency
-from litestar.exceptions import NotFoundException, PermissionDeniedException
+from litestar.exceptions import HTTPException, NotFoundException, PermissionDeniedException
 from litestar.params import FromPath
 from litestar.response import Redirect
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub import accounts, authz
+from forkd.hub import accounts, authz, members
 from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import ROLES, ApiToken, Membership, UiSession, utcnow
+from forkd.hub.models import ROLES, ApiToken, UiSession, utcnow
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -107,7 +107,7 @@ async def _signed_in_with_password(
 ) -> Viewer:
     """``_signed_in``, refusing a session opened with an API token (it may not mint tokens)."""
     who = await _signed_in(ui, hub, request, form)
-    if who.principal.token_id is not None:
+    if not who.principal.with_password:
         raise PermissionDeniedException("signed in with a token: sign in with your password")
     return who
 
@@ -383,28 +383,18 @@ class AccountController(Controller):
             accounts.validate_username(username)
         except InvalidInput as exc:
             raise NotFoundException(str(exc)) from exc
-        async with hub.db.transaction() as session:
-            ns = await accounts.get_namespace(session, namespace)
-            if ns is None:
-                raise NotFoundException(f"no namespace {namespace}")
-            if await queries.role_in(session, who.principal, ns) != "admin":
-                raise PermissionDeniedException(f"only admins of {namespace} manage its team")
-            user = await accounts.get_user(session, username)
-            if user is None:
-                raise NotFoundException(f"no user {username}")
-            if role == "remove":
-                if user.id == who.principal.user_id:
-                    raise PermissionDeniedException("you cannot remove yourself")
-                await session.execute(
-                    delete(Membership).where(
-                        Membership.namespace_id == ns.id, Membership.user_id == user.id
-                    )
+        try:
+            async with hub.db.transaction() as session:
+                # The hub API's rules, from the one member service (hub/members.py).
+                await members.change_member(
+                    session, who.principal, namespace, username, None if role == "remove" else role
                 )
-            else:
-                try:
-                    await accounts.set_member(session, namespace, username, role)
-                except InvalidInput as exc:
-                    raise NotFoundException(str(exc)) from exc
+        except members.NotPermitted as exc:
+            raise PermissionDeniedException(str(exc)) from exc
+        except InvalidInput as exc:
+            raise NotFoundException(str(exc)) from exc
+        except Conflict as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
         hub.audit.record(
             who.principal.name, client_ip(request), "member.set", f"{namespace}/{username}", role
         )

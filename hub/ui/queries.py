@@ -386,7 +386,7 @@ async def pack(
                 select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
             )
         ).all()
-        _, held = await session.run_sync(authz.access, principal, name)
+        _, held = await session.run_sync(authz.repository_access, principal, name)
         can_push = "push" in held
     subjects = {d: m.subject_digest for d, m in manifests.items()}
     tags_of: dict[str, list[str]] = {}

@@ -95,11 +95,6 @@ def _csrf(c: httpx.Client) -> str:
 
 
 # -- a bearer token's access list is honoured on /v2/<name>/ only ---------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="bearer access list ignored by _catalog and /api/v1 listings "
-    "(hub/oci/repositories.py:list_catalog, hub/catalog.py:_principal use caller.principal only)",
-)
 def test_a_bearer_lists_only_what_it_may_pull(world: tuple[HubServer, dict]) -> None:
     """A bearer from /token for `acme/app:pull` cannot pull acme/secret (403 on the OCI
     route), so no listing may show acme/secret or its tags to it ("listings show exactly
@@ -118,11 +113,6 @@ def test_a_bearer_lists_only_what_it_may_pull(world: tuple[HubServer, dict]) -> 
     assert lineage.status_code == 404
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pull-only bearer mints long-lived API tokens and creates organisations "
-    "(hub/tokens_api.py:_user, hub/orgs_api.py use the bearer's subject, not its access)",
-)
 def test_a_pull_bearer_cannot_mint_an_admin_token(world: tuple[HubServer, dict]) -> None:
     """A bearer is a 300 s registry credential handed to registry clients for the scopes
     they asked; one asked for `alice/app:pull` must not become a permanent `acme:admin`
@@ -141,11 +131,6 @@ def test_a_pull_bearer_cannot_mint_an_admin_token(world: tuple[HubServer, dict])
 
 
 # -- membership of someone else's robot -----------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="any org admin adds another namespace's robot as a member; its owners then lose "
-    "it (hub/orgs_api.py:set_member, hub/ui/account.py:set_member skip authz.may_manage_robot)",
-)
 def test_nobody_takes_a_robot_away_from_its_owners(world: tuple[HubServer, dict]) -> None:
     """erin (bobco admin) must not be able to make acme's robot a member of bobco: once
     she can, acme's admin can no longer see, mint or revoke its tokens (a leaked CI token
@@ -166,11 +151,6 @@ def test_nobody_takes_a_robot_away_from_its_owners(world: tuple[HubServer, dict]
     assert minted.status_code == 303, minted.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the UI member form has no last-admin rule; the API does "
-    "(hub/ui/account.py:set_member lacks orgs_api._keep_an_admin)",
-)
 def test_the_ui_keeps_an_admin_like_the_api(tmp_path: Path) -> None:
     """The API refuses (409) to leave an organisation without a direct admin; the UI's
     member form must refuse the same change."""

@@ -1,0 +1,71 @@
+"""Changing who is a direct member of a namespace: the one service behind the hub API
+(``PUT``/``DELETE /api/v1/orgs/<org>/members/<user>``) and the catalog UI's member form,
+so both apply the same rules:
+
+- only an admin of the namespace (``authz``) changes its members;
+- a robot joins, or changes role in, a namespace only through someone who may manage it
+  (who administers every namespace it is already a member of): an admin of one
+  organisation cannot take another's robot away by adding it to their own;
+- a namespace never loses its last direct admin (demotion or removal).
+
+The shell's ``forkd hub org member`` is the site operator's and skips these checks.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from forkd.errors import Conflict, ForkdError, InvalidInput
+from forkd.hub import accounts, authz
+from forkd.hub.accounts import Principal
+from forkd.hub.models import ROLES, Membership, Namespace, User
+
+
+class NotPermitted(ForkdError):
+    """The caller may not make this change (the API answers 403)."""
+
+
+async def change_member(
+    session: AsyncSession, principal: Principal, namespace: str, username: str, role: str | None
+) -> None:
+    """Give ``username`` the direct ``role`` in ``namespace`` (None: remove them), as
+    ``principal``. InvalidInput for unknown names or roles, NotPermitted when the caller
+    may not, Conflict when the namespace would be left without a direct admin."""
+    if role is not None and role not in ROLES:
+        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+    ns = await accounts.get_namespace(session, namespace)
+    if ns is None:
+        raise InvalidInput(f"no such namespace {namespace!r}")
+    if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
+        raise NotPermitted(f"only admins of {namespace!r} change its members")
+    user = await accounts.get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {username!r}")
+    robot_joins = user.is_robot and role is not None
+    if robot_joins and not await session.run_sync(authz.may_manage_robot, principal, user.id):
+        raise NotPermitted(
+            f"robot {username!r} belongs to a namespace you do not administer; its "
+            "owners (or a site admin) decide where it is a member"
+        )
+    if role != "admin":
+        await keep_an_admin(session, ns, user)
+    if role is None:
+        await accounts.remove_member(session, namespace, username)
+    else:
+        await accounts.set_member(session, namespace, username, role)
+
+
+async def keep_an_admin(session: AsyncSession, ns: Namespace, user: User) -> None:
+    """Raise Conflict unless a direct admin member other than ``user`` stays.
+
+    The admin rows are locked (PostgreSQL; SQLite serialises writers) so two concurrent
+    demotions cannot each leave the other as the last admin and both go through."""
+    admins = await session.scalars(
+        select(Membership.user_id)
+        .where(Membership.namespace_id == ns.id, Membership.role == "admin")
+        .with_for_update()
+    )
+    ids = set(admins.all())
+    if user.id in ids and not ids - {user.id}:
+        raise Conflict(f"{user.name!r} is the last admin of {ns.name!r}: make another first")
