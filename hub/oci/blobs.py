@@ -17,34 +17,40 @@ from litestar.response import Stream
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from forkd.errors import InvalidInput
 from forkd.hub import quotas
 from forkd.hub.accounts import Principal
 from forkd.hub.authz import access
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob
-from forkd.hub.oci.common import STREAM_CHUNK, Ctx, parse_digest
+from forkd.hub.oci.common import STREAM_CHUNK, Ctx, parse_count, parse_digest
 from forkd.hub.services import Hub
 from forkd.store.blobs import FsBlobStore
 
-RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+RANGE_RE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.ASCII)
 OCTET = "application/octet-stream"
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` → inclusive (start, end); None if unusable."""
+    """``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` → inclusive (start, end); None if
+    unusable (416), including numbers ``parse_count`` refuses."""
     m = RANGE_RE.fullmatch(header.strip())
     if not m or (not m.group(1) and not m.group(2)):
         return None
-    if not m.group(1):
-        length = int(m.group(2))
-        if length == 0 or size == 0:
-            return None
-        return max(0, size - length), size - 1
-    start = int(m.group(1))
-    end = int(m.group(2)) if m.group(2) else size - 1
-    if start >= size or end < start:
+    try:
+        first = parse_count(m.group(1), "range start") if m.group(1) else None
+        last = parse_count(m.group(2), "range end") if m.group(2) else None
+    except InvalidInput:
         return None
-    return start, min(end, size - 1)
+    if first is None:
+        assert last is not None  # one of the two is there
+        if last == 0 or size == 0:
+            return None
+        return max(0, size - last), size - 1
+    end = last if last is not None else size - 1
+    if first >= size or end < first:
+        return None
+    return first, min(end, size - 1)
 
 
 def _pull_lookup(

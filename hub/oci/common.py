@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ STREAM_CHUNK = 1 << 20
 IN_CHUNK = 500
 # What a client is told to wait after the database stayed locked (503 + Retry-After).
 RETRY_AFTER_S = 2
+# A number a client sends (header or query): ASCII digits only (``str.isdigit`` takes
+# '²', which ``int`` refuses) and at most 19 of them (``int`` refuses past 4300 digits,
+# and a byte count or page size past a signed 64-bit integer is never meaningful).
+COUNT_RE = re.compile(r"[0-9]{1,19}", re.ASCII)
+MAX_COUNT = (1 << 63) - 1
 
 
 @dataclass
@@ -98,6 +104,43 @@ class Ctx:
 
     def url(self, suffix: str) -> str:
         return f"/v2/{self.name}/{suffix}"
+
+
+def parse_count(text: str, what: str, maximum: int = MAX_COUNT) -> int:
+    """A non-negative whole number from a client (``what`` names it in the error): 1-19
+    ASCII digits, at most ``maximum``; else InvalidInput, which each route turns into its
+    own 4xx (400 for a page size, 416 for a range). The one parser of client numbers."""
+    if not COUNT_RE.fullmatch(text):
+        raise InvalidInput(
+            f"{what} must be a whole number of ASCII digits (0-{maximum}), got {text[:40]!r}"
+        )
+    value = int(text)
+    if value > maximum:
+        raise InvalidInput(f"{what} must be at most {maximum}, got {text!r}")
+    return value
+
+
+def declared_length(request: HubRequest) -> int | None:
+    """The request's ``Content-Length``, None without one (chunked transfer); 400 when it
+    is not a number ``parse_count`` takes."""
+    text = request.headers.get("content-length")
+    if text is None:
+        return None
+    try:
+        return parse_count(text.strip(), "Content-Length")
+    except InvalidInput as exc:
+        raise RegistryError(Code.SIZE_INVALID, str(exc), status=400) from exc
+
+
+def page_size(text: str | None, max_page: int) -> int:
+    """The ``n`` of a paginated list (tags, catalog): absent means ``max_page``, larger
+    values are capped at it; not a number is 400."""
+    if text is None:
+        return max_page
+    try:
+        return min(parse_count(text, "n"), max_page)
+    except InvalidInput as exc:
+        raise RegistryError(Code.UNSUPPORTED, str(exc), status=400) from exc
 
 
 def parse_digest(text: str, code: Code = Code.DIGEST_INVALID) -> str:

@@ -43,6 +43,7 @@ from forkd.hub.oci.common import (
     Ctx,
     count_linked_blobs,
     database_contention,
+    declared_length,
     in_chunks,
     linked_blob_sizes,
     parse_digest,
@@ -218,8 +219,8 @@ async def _read_body(ctx: Ctx) -> bytes:
     too_big = RegistryError(
         Code.SIZE_INVALID, f"manifest is larger than the limit of {limit} bytes", status=413
     )
-    declared = ctx.request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    declared = declared_length(ctx.request)
+    if declared is not None and declared > limit:
         raise too_big
     parts: list[bytes] = []
     total = 0

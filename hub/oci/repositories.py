@@ -10,9 +10,8 @@ from sqlalchemy import select
 
 from forkd.hub import authz
 from forkd.hub.auth import Caller, challenge
-from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Repository
-from forkd.hub.oci.common import HubRequest
+from forkd.hub.oci.common import HubRequest, page_size
 from forkd.hub.services import Hub
 
 MAX_PAGE = 1000
@@ -23,11 +22,7 @@ async def list_catalog(hub: Hub, request: HubRequest, caller: Caller) -> Respons
         raise challenge(hub, request, "registry:catalog:*")
     params = request.query_params
     n_text, last = params.get("n"), params.get("last")
-    if n_text is not None and (not n_text.isdigit() or len(n_text) > 6):
-        raise RegistryError(
-            Code.UNSUPPORTED, f"n must be a non-negative integer, got {n_text!r}", status=400
-        )
-    n = min(int(n_text), MAX_PAGE) if n_text is not None else MAX_PAGE
+    n = page_size(n_text, MAX_PAGE)
     async with hub.db.reading() as session:
         query = select(Repository.name).where(
             await session.run_sync(authz.visible, caller.principal)

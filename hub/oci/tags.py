@@ -7,9 +7,8 @@ from urllib.parse import urlencode
 from litestar import Response
 from sqlalchemy import select
 
-from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Tag
-from forkd.hub.oci.common import Ctx
+from forkd.hub.oci.common import Ctx, page_size
 
 MAX_PAGE = 10_000
 
@@ -18,11 +17,7 @@ async def list_tags(ctx: Ctx) -> Response[object]:
     await ctx.allow("pull")
     params = ctx.request.query_params
     n_text, last = params.get("n"), params.get("last")
-    if n_text is not None and (not n_text.isdigit() or len(n_text) > 6):
-        raise RegistryError(
-            Code.UNSUPPORTED, f"n must be a non-negative integer, got {n_text!r}", status=400
-        )
-    n = min(int(n_text), MAX_PAGE) if n_text is not None else MAX_PAGE
+    n = page_size(n_text, MAX_PAGE)
     async with ctx.hub.db.reading() as session:
         repo = await ctx.repository(session)
         query = select(Tag.name).where(Tag.repository_id == repo.id).order_by(Tag.name)

@@ -37,13 +37,21 @@ from forkd.hub import quotas
 from forkd.hub.db import Database
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, Upload
-from forkd.hub.oci.common import STREAM_CHUNK, Ctx, link_blob, linked_blob_size, parse_digest
+from forkd.hub.oci.common import (
+    STREAM_CHUNK,
+    Ctx,
+    declared_length,
+    link_blob,
+    linked_blob_size,
+    parse_count,
+    parse_digest,
+)
 from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 
-CONTENT_RANGE_RE = re.compile(r"^(?:bytes[ =])?(\d+)-(\d+)(?:/\d+|/\*)?$")
+CONTENT_RANGE_RE = re.compile(r"(?:bytes[ =])?([0-9]+)-([0-9]+)(?:/([0-9]+)|/\*)?", re.ASCII)
 CHALLENGE_SCOPE_RE = re.compile(r'scope="([^"]*)"')
 
 
@@ -130,6 +138,29 @@ def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
     return error
 
 
+def _parse_content_range(ctx: Ctx, upload_id: str, offset: int, header: str) -> tuple[int, int]:
+    """``Content-Range: [bytes ]START-END[/TOTAL]`` → (START, END); 416 when malformed,
+    its numbers are not ones ``parse_count`` takes, or END < START."""
+    m = CONTENT_RANGE_RE.fullmatch(header.strip())
+    try:
+        if not m:
+            raise InvalidInput("expected START-END")
+        start = parse_count(m.group(1), "Content-Range start")
+        end = parse_count(m.group(2), "Content-Range end")
+        if m.group(3) is not None:
+            parse_count(m.group(3), "Content-Range total")  # not used, but a number
+        if end < start:
+            raise InvalidInput(f"END {end} is before START {start}")
+    except InvalidInput as exc:
+        raise RegistryError(
+            Code.BLOB_UPLOAD_INVALID,
+            f"malformed Content-Range {header[:60]!r}: {exc}",
+            status=416,
+            headers=_session_headers(ctx, upload_id, offset),
+        ) from None
+    return start, end
+
+
 async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None) -> int:
     """Append the request body at the end of the session's bytes; return the new size.
     ``digest``: the blob's, when the request names it (monolithic POST, closing PUT)."""
@@ -138,20 +169,12 @@ async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = N
         f.seek(0, 2)
         offset = f.tell()
         room, over = await _room(ctx, repo_id, upload_id, offset, digest)
-        declared = ctx.request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > room:
+        declared = declared_length(ctx.request)
+        if declared is not None and declared > room:
             raise _refused(ctx, over, digest or upload_id)
         expected_len = None
         if content_range:
-            m = CONTENT_RANGE_RE.fullmatch(content_range.strip())
-            if not m or int(m.group(2)) < int(m.group(1)):
-                raise RegistryError(
-                    Code.BLOB_UPLOAD_INVALID,
-                    f"malformed Content-Range {content_range[:60]!r}",
-                    status=416,
-                    headers=_session_headers(ctx, upload_id, offset),
-                )
-            start, end = int(m.group(1)), int(m.group(2))
+            start, end = _parse_content_range(ctx, upload_id, offset, content_range)
             if start != offset:
                 raise RegistryError(
                     Code.BLOB_UPLOAD_INVALID,
