@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 
 import anyio
 from argon2 import PasswordHasher
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from forkd import names
 from forkd.errors import Conflict, InvalidInput
+from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import (
     ROLES,
     ApiToken,
@@ -79,19 +81,62 @@ def hash_token(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+# What one API token may carry: a token names a handful of namespaces, and its scopes
+# are read on every request made with it.
+MAX_TOKEN_SCOPES = 64
+MAX_TOKEN_SCOPE_TEXT = 2048  # characters of the space-separated scope list
+
+
 def parse_scopes(text: str) -> dict[str, str]:
-    """``"ns:push other:pull"`` → {"ns": "push", "other": "pull"}; ``*`` means any namespace."""
+    """``"ns:push other:pull"`` → {"ns": "push", "other": "pull"}; ``*`` means any namespace.
+    At most ``MAX_TOKEN_SCOPES`` namespaces in ``MAX_TOKEN_SCOPE_TEXT`` characters; a
+    repeated scope counts once, one namespace with two roles is refused. Cached by the
+    text: ``_principal`` parses a token's stored scopes on every request."""
+    if len(text) > MAX_TOKEN_SCOPE_TEXT:
+        raise InvalidInput(
+            f"token scopes are {len(text)} characters, the limit is {MAX_TOKEN_SCOPE_TEXT}: "
+            "name fewer namespaces (or use *:ROLE for all of them)"
+        )
+    return dict(_scope_items(text))
+
+
+@lru_cache(maxsize=1024)
+def _scope_items(text: str) -> tuple[tuple[str, str], ...]:
+    """``parse_scopes``'s work, once per distinct scope text (immutable: shared)."""
     scopes: dict[str, str] = {}
-    for item in text.split():
+    for item in dict.fromkeys(text.split()):
         ns, sep, role = item.partition(":")
         if not sep or role not in ROLES:
             raise InvalidInput(f"invalid token scope {item!r}: use NAMESPACE:pull|push|admin")
         if ns != "*":
             validate_namespace(ns)
+        if scopes.get(ns, role) != role:
+            raise InvalidInput(
+                f"token scopes give namespace {ns!r} two roles ({scopes[ns]}, {role}): "
+                "give each namespace one role"
+            )
         scopes[ns] = role
+        if len(scopes) > MAX_TOKEN_SCOPES:
+            raise InvalidInput(
+                f"a token may name at most {MAX_TOKEN_SCOPES} namespaces: name fewer "
+                "(or use *:ROLE for all of them)"
+            )
     if not scopes:
         raise InvalidInput("a token needs at least one scope, e.g. myorg:push")
-    return scopes
+    return tuple(scopes.items())
+
+
+def token_scopes(token: ApiToken) -> dict[str, str]:
+    """A stored token's scopes, as ``parse_scopes`` reads them; 403 DENIED with what to do
+    when they no longer parse (a token created before the scope limits, over them)."""
+    try:
+        return parse_scopes(token.scopes)
+    except InvalidInput as exc:
+        reason = (
+            f"API token {token.name!r} (id {token.id}) can no longer be used: {exc}; "
+            "revoke it and create a new one within the limits"
+        )
+        raise RegistryError(Code.DENIED, reason, message=reason) from None
 
 
 @dataclass(frozen=True)
@@ -182,7 +227,7 @@ def _principal(user: User, token: ApiToken | None) -> Principal | None:
         user.id,
         user.name,
         user.is_admin,
-        parse_scopes(token.scopes),
+        token_scopes(token),
         token.id,
         principal_stamp(user, token),
     )
