@@ -53,6 +53,14 @@ def host_tsc_khz() -> int | None:
     return None
 
 
+def qemu_environment() -> dict[str, str]:
+    """What a QEMU child gets of the environment: PATH and the locale only. The daemon's
+    own (its REST token, cloud credentials, a hub password) never reaches a process
+    that runs a guest."""
+    keep = ("PATH", "LANG", "LC_ALL", "TZ")
+    return {k: os.environ[k] for k in keep if k in os.environ} or {"PATH": "/usr/bin:/bin"}
+
+
 @dataclass(frozen=True)
 class VMConfig:
     """Everything that shapes the QEMU command line of a template or a child."""
@@ -264,7 +272,7 @@ class QemuVM:
             with self.log_path.open("ab") as log, enter:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, close_fds=True,
-                                             pass_fds=disk_fds,
+                                             pass_fds=disk_fds, env=qemu_environment(),
                                              start_new_session=self.detach)
         except FileNotFoundError as e:
             raise HostError(f"{QEMU} not found: apt-get install -y qemu-system-x86") from e
