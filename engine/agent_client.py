@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.engine.errors import AgentError
-from forkd.engine.qmp import LineSocket, connect_unix
+from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
 
 PROTOCOL = 1
 
@@ -43,6 +43,8 @@ class AgentClient:
                 continue
             except EOFError as e:
                 raise AgentError(f"agent socket closed during boot: {e}") from e
+            except LineTooLong as e:
+                raise AgentError(f"guest agent's hello refused: {e}") from e
             msg = json.loads(line)
             if "hello" in msg:
                 hello: dict[str, Any] = msg["hello"]

@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from forkd.engine.errors import VMMError
 
@@ -38,31 +38,61 @@ def connect_unix(path: Path, deadline: float, alive: Callable[[], bool] | None =
             time.sleep(0.002)
 
 
-class LineSocket:
-    """Newline-delimited reads with an absolute deadline."""
+# The longest line a peer may send (without its newline): docs/agent-protocol.md bounds a
+# line at 64 MiB in both directions (the guest agent refuses longer requests, MAX_LINE in
+# engine/guest/agent.py); its largest legitimate reply, a ``get`` of a file at the
+# agent's 32 MiB limit, is ~43 MiB of base64. QMP replies are far smaller.
+MAX_LINE = 64 << 20
+RECV_CHUNK = 1 << 16
 
-    def __init__(self, sock: socket.socket) -> None:
+
+class LineTooLong(ValueError):
+    """A peer sent a line over the bound; the connection is closed (mid-line, unusable)."""
+
+
+class LineSocket:
+    """Newline-delimited reads with an absolute deadline and a bound on a line's length."""
+
+    def __init__(self, sock: socket.socket, max_line: int = MAX_LINE) -> None:
         self.sock = sock
+        self.max_line = max_line
         self._buf = bytearray()
+        self._scanned = 0  # bytes at the start of _buf known to hold no newline
 
     def readline(self, deadline: float, what: str) -> bytes:
+        """The next line (with its newline) from ``what``, the peer named in errors:
+        TimeoutError at the deadline, EOFError when it closes, LineTooLong when the line
+        passes ``max_line``. Each received byte is searched once."""
         while True:
-            i = self._buf.find(b"\n")
+            i = self._buf.find(b"\n", self._scanned)
+            if i > self.max_line or (i < 0 and len(self._buf) > self.max_line):
+                self._too_long(what)
             if i >= 0:
                 line = bytes(self._buf[: i + 1])
                 del self._buf[: i + 1]
+                self._scanned = 0
                 return line
+            self._scanned = len(self._buf)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no reply from {what} in time")
             self.sock.settimeout(left)
             try:
-                chunk = self.sock.recv(1 << 16)
+                chunk = self.sock.recv(RECV_CHUNK)
             except TimeoutError:
                 raise TimeoutError(f"no reply from {what} in time") from None
             if not chunk:
                 raise EOFError(f"{what} closed the connection")
             self._buf += chunk
+
+    def _too_long(self, what: str) -> NoReturn:
+        self._buf = bytearray()
+        self._scanned = 0
+        self.close()
+        raise LineTooLong(
+            f"{what} sent a line longer than {self.max_line} bytes, past the protocol's "
+            "bound (docs/agent-protocol.md); the connection was closed"
+        )
 
     def send(self, data: bytes, fds: list[int] | None = None) -> None:
         self.sock.settimeout(10.0)
