@@ -12,6 +12,7 @@ from forkd.cli import (
     hub_cmds,
     quickstart_cmds,
     remote_cmds,
+    secret_cmds,
     store_cmds,
 )
 from forkd.cli.errors import ForkdGroup
@@ -33,6 +34,7 @@ engine_cmds.register(cli)
 hub_cmds.register(cli)
 controller_cmds.register(cli)
 quickstart_cmds.register(cli)
+secret_cmds.register(cli)
 
 
 def main() -> None:

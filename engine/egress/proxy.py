@@ -1,0 +1,549 @@
+"""The egress proxy a guest talks to: an HTTP/1.1 forward proxy that allows by destination.
+
+A guest reaches the outside only through this proxy (``HTTPS_PROXY``/``HTTP_PROXY``):
+
+- ``CONNECT host:port``: the CONNECT authority is the destination decided on. An allowed
+  destination that no secret is bound to is tunnelled as raw bytes (the guest's TLS goes
+  end to end; the proxy sees neither SNI nor content). An allowed destination bound to a
+  secret is TLS-terminated: the proxy answers the guest with a certificate for that host
+  signed by the egress CA (ca.py), speaks HTTP/1.1 to the guest, swaps each bound
+  secret's placeholder for its value in the request headers, forwards over a new TLS
+  connection that verifies the upstream's certificate (system store, or the trust given)
+  and swaps the value back to the placeholder in the response headers and body.
+- ``GET http://host[:port]/…`` (absolute URI, plain HTTP): allowed destinations get one
+  request per connection (``Connection: close``); no secret is ever put into plain HTTP.
+- Anything else is refused: 403 for a destination outside the policy, 400 for a
+  malformed or origin-form request, 421 when a terminated request's Host is not the
+  CONNECT host, 502 when the upstream cannot be reached, 503 when the connection limit
+  is reached. Every decision (allowed, denied, failed) is written to the audit log
+  (forkd.audit) with the child id.
+
+DNS: only a destination already allowed is resolved, by the host's resolver (or the
+``hosts`` pins the caller gives); an address a resolved name gives that is loopback,
+link-local (e.g. cloud metadata, 169.254.169.254), unspecified or multicast is not
+used. The guest itself needs no DNS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import ssl
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import h11
+
+from forkd.audit import AuditLog
+from forkd.engine.egress.ca import EgressCA
+from forkd.engine.egress.policy import Destination, EgressPolicy, parse_destination
+from forkd.engine.egress.secrets import Secret
+from forkd.errors import ForkdError, InvalidInput
+
+CHUNK = 64 << 10
+HOP_BY_HOP = {
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authorization",
+    b"proxy-authenticate",
+    b"te",
+    b"trailer",
+    b"upgrade",
+}
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    """Bounds on what one guest can make the proxy hold (defaults documented in docs)."""
+
+    head_bytes: int = 64 << 10  # a request or response head (line + headers)
+    head_seconds: float = 30.0  # to send the first request head
+    keepalive_seconds: float = 120.0  # between requests on a terminated connection
+    read_seconds: float = 600.0  # any read during an exchange (slow model replies)
+    connect_seconds: float = 10.0  # DNS + TCP + TLS to the upstream, TLS to the guest
+    max_connections: int = 256  # guest connections open at once
+
+
+class Refused(ForkdError):
+    """A request the proxy answers with an error status (and audits)."""
+
+    def __init__(self, status: int, why: str, result: str = "denied") -> None:
+        super().__init__(why)
+        self.status = status
+        self.result = result
+
+
+class StreamReplacer:
+    """Replace every ``old`` by ``new`` in a byte stream fed in pieces."""
+
+    def __init__(self, old: bytes, new: bytes) -> None:
+        self.old, self.new = old, new
+        self._pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._pending + data
+        out = bytearray()
+        start = 0
+        while (found := buf.find(self.old, start)) >= 0:
+            out += buf[start:found] + self.new
+            start = found + len(self.old)
+        keep = min(len(buf) - start, len(self.old) - 1)
+        out += buf[start : len(buf) - keep]
+        self._pending = buf[len(buf) - keep :]
+        return bytes(out)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+class _Peer:
+    """One side of a relay: an h11 connection over an asyncio stream."""
+
+    def __init__(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.conn, self.reader, self.writer = conn, reader, writer
+
+    async def next_event(self, seconds: float) -> h11.Event:
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
+            data = await asyncio.wait_for(self.reader.read(CHUNK), seconds)
+            self.conn.receive_data(data)
+
+    async def send(self, *events: h11.Event) -> None:
+        for event in events:
+            data = self.conn.send(event)
+            if data:
+                self.writer.write(data)
+        await self.writer.drain()
+
+
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return None
+
+
+def _forwarded(headers: Iterable[tuple[bytes, bytes]], drop: set[bytes]) -> Headers:
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | drop]
+
+
+class EgressProxy:
+    """One child's proxy: its policy, the secrets it may use, where decisions are audited.
+
+    ``upstream_trust`` verifies terminated upstreams (default: the system store);
+    ``hosts`` pins names to addresses (operator configuration, trusted as given).
+    """
+
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        secrets: Sequence[Secret] = (),
+        audit: AuditLog | None = None,
+        ca: EgressCA | None = None,
+        child_id: str = "-",
+        upstream_trust: ssl.SSLContext | None = None,
+        hosts: Mapping[str, str] | None = None,
+        limits: ProxyLimits | None = None,
+    ) -> None:
+        self.policy = policy
+        self.audit = audit
+        self.ca = ca
+        self.child_id = child_id
+        self.limits = limits or ProxyLimits()
+        self.hosts = {k.lower(): v for k, v in (hosts or {}).items()}
+        self._open = 0
+        self._bound: dict[Destination, list[Secret]] = {}
+        for secret in secrets:
+            for binding in secret.bindings:
+                if policy.allowing(binding) is not None:
+                    self._bound.setdefault(binding, []).append(secret)
+        if self._bound and ca is None:
+            raise InvalidInput("secrets are bound to allowed destinations: give the egress CA")
+        self.upstream_trust = upstream_trust or _default_trust()
+
+    def _h11(self, role: type[h11.CLIENT] | type[h11.SERVER]) -> h11.Connection:
+        return h11.Connection(role, max_incomplete_event_size=self.limits.head_bytes)
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def serve(self, sock: socket.socket) -> asyncio.Server:
+        """Serve guests on the listening socket ``sock`` (e.g. made inside a netns)."""
+        return await asyncio.start_server(self._handle, sock=sock, limit=CHUNK)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
+        return await asyncio.start_server(self._handle, host, port, limit=CHUNK)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        ip = str(peer[0]) if isinstance(peer, tuple) else "-"
+        guest = _Peer(self._h11(h11.SERVER), reader, writer)
+        self._open += 1
+        try:
+            if self._open > self.limits.max_connections:
+                await self._refuse(guest, ip, "egress", "-", Refused(503, "too many connections"))
+                return
+            await self._first_request(guest, ip)
+        except (OSError, EOFError, TimeoutError, h11.ProtocolError, ssl.SSLError):
+            pass  # the guest or the upstream went away or broke the protocol: drop it
+        finally:
+            self._open -= 1
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError, TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _first_request(self, guest: _Peer, ip: str) -> None:
+        try:
+            event = await guest.next_event(self.limits.head_seconds)
+        except h11.RemoteProtocolError as exc:
+            await self._refuse(guest, ip, "egress", "-", Refused(exc.error_status_hint, str(exc)))
+            return
+        if not isinstance(event, h11.Request):
+            return
+        if event.method == b"CONNECT":
+            await self._connect(guest, ip, event)
+        else:
+            await self._plain(guest, ip, event)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def _decide(self, authority: str, default_port: int | None) -> Destination:
+        try:
+            dest = parse_destination(authority, default_port=default_port, wildcard_ok=False)
+        except InvalidInput as exc:
+            raise Refused(400, str(exc)) from None
+        if self.policy.allowing(dest) is None:
+            raise Refused(403, f"{dest} is not in this child's egress policy")
+        return dest
+
+    def _record(self, ip: str, action: str, target: str, result: str, **detail: object) -> None:
+        if self.audit is not None:
+            child = self.child_id
+            self.audit.record(child, ip, action, target, result, child=child, **detail)
+
+    async def _refuse(
+        self, guest: _Peer, ip: str, action: str, target: str, refused: Refused
+    ) -> None:
+        self._record(ip, action, target, refused.result, status=refused.status, reason=str(refused))
+        body = f"forkd egress: {refused}\n".encode()
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        with contextlib.suppress(h11.LocalProtocolError):
+            await guest.send(
+                h11.Response(status_code=refused.status, headers=headers),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            )
+
+    # -- CONNECT -----------------------------------------------------------------------
+
+    async def _connect(self, guest: _Peer, ip: str, request: h11.Request) -> None:
+        authority = request.target.decode("ascii", "replace")
+        try:
+            dest = self._decide(authority, default_port=None)
+            secrets = self._bound.get(dest, [])
+            upstream = await self._open_upstream(dest, tls=bool(secrets))
+        except Refused as refused:
+            await self._refuse(guest, ip, "egress.connect", authority, refused)
+            return
+        up_reader, up_writer = upstream
+        try:
+            mode = "terminated" if secrets else "tunnel"
+            names = [s.name for s in secrets]
+            self._record(ip, "egress.connect", str(dest), "ok", tls=mode, secrets=names)
+            established = h11.Response(
+                status_code=200, reason=b"Connection Established", headers=[]
+            )
+            await guest.send(established)
+            early, _ = guest.conn.trailing_data
+            if secrets:
+                if early:
+                    return  # the guest spoke before the tunnel was up: not TLS we can answer
+                await self._terminate(guest, ip, dest, secrets, up_reader, up_writer)
+            else:
+                if early:
+                    up_writer.write(early)
+                await _pipe_both(guest.reader, guest.writer, up_reader, up_writer)
+        finally:
+            up_writer.close()
+
+    async def _open_upstream(
+        self, dest: Destination, tls: bool
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        address = await self._resolve(dest)
+        try:
+            return await asyncio.wait_for(
+                asyncio.open_connection(
+                    address,
+                    dest.port,
+                    ssl=self.upstream_trust if tls else None,
+                    server_hostname=dest.host if tls else None,
+                    limit=CHUNK,
+                ),
+                self.limits.connect_seconds,
+            )
+        except ssl.SSLCertVerificationError as exc:
+            why = f"{dest}: the upstream's certificate is refused: {exc.verify_message}"
+            raise Refused(502, why, "failed") from None
+        except (OSError, TimeoutError, ssl.SSLError) as exc:
+            why = f"{dest}: cannot reach the upstream: {exc or 'timed out'}"
+            raise Refused(502, why, "failed") from None
+
+    async def _resolve(self, dest: Destination) -> str:
+        if dest.kind == "ip":
+            return dest.host
+        pinned = self.hosts.get(dest.host)
+        if pinned is not None:
+            return pinned
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(dest.host, dest.port, type=socket.SOCK_STREAM),
+                self.limits.connect_seconds,
+            )
+        except (OSError, TimeoutError) as exc:
+            why = f"{dest.host}: cannot resolve: {exc or 'timed out'}"
+            raise Refused(502, why, "failed") from None
+        for *_, sockaddr in infos:
+            if _public_enough(str(sockaddr[0])):
+                return str(sockaddr[0])
+        raise Refused(
+            502,
+            f"{dest.host} resolves only to loopback, link-local, unspecified or multicast "
+            "addresses, which egress never uses for a name (allow the IP literal instead)",
+            "failed",
+        )
+
+    # -- TLS termination for secret-bearing destinations ----------------------------------
+
+    async def _terminate(
+        self,
+        guest: _Peer,
+        ip: str,
+        dest: Destination,
+        secrets: list[Secret],
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+    ) -> None:
+        assert self.ca is not None
+        ctx = self.ca.leaf_context(dest.host)
+        await guest.writer.start_tls(ctx, ssl_handshake_timeout=self.limits.connect_seconds)
+        inner = _Peer(self._h11(h11.SERVER), guest.reader, guest.writer)
+        upstream = _Peer(self._h11(h11.CLIENT), up_reader, up_writer)
+        wait = self.limits.keepalive_seconds
+        while True:
+            try:
+                event = await inner.next_event(wait)
+            except h11.RemoteProtocolError as exc:
+                await self._refuse(inner, ip, "egress.request", str(dest), Refused(400, str(exc)))
+                return
+            if not isinstance(event, h11.Request):
+                return
+            try:
+                target = _origin_target(event, dest)
+            except Refused as refused:
+                await self._refuse(inner, ip, "egress.request", str(dest), refused)
+                return
+            headers = _forwarded(event.headers, {b"accept-encoding"})
+            headers = [(k, _swap(v, secrets, to_value=True)) for k, v in headers]
+            headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
+            request = h11.Request(method=event.method, target=target, headers=headers)
+            await upstream.send(request)
+            await self._relay_body(inner, upstream, None)
+            await self._relay_response(upstream, inner, secrets)
+            if not _both_done(inner.conn, upstream.conn):
+                return
+            inner.conn.start_next_cycle()
+            upstream.conn.start_next_cycle()
+
+    async def _relay_body(
+        self, source: _Peer, sink: _Peer, replacers: list[StreamReplacer] | None
+    ) -> None:
+        while True:
+            event = await source.next_event(self.limits.read_seconds)
+            if isinstance(event, h11.Data):
+                data = _feed(replacers, event.data) if replacers else event.data
+                if data:
+                    await sink.send(h11.Data(data=data))
+            elif isinstance(event, h11.EndOfMessage):
+                if replacers:
+                    rest = _flush(replacers)
+                    if rest:
+                        await sink.send(h11.Data(data=rest))
+                await sink.send(h11.EndOfMessage())
+                return
+            else:
+                raise EOFError("the peer closed the connection in the middle of a message")
+
+    async def _response_head(self, upstream: _Peer, guest: _Peer) -> h11.Response:
+        """The upstream's response head; 1xx responses before it go to the guest as they are."""
+        while True:
+            event = await upstream.next_event(self.limits.read_seconds)
+            if isinstance(event, h11.InformationalResponse):
+                await guest.send(event)
+            elif isinstance(event, h11.Response):
+                return event
+            else:
+                raise EOFError("the upstream closed the connection before answering")
+
+    async def _relay_response(self, upstream: _Peer, guest: _Peer, secrets: list[Secret]) -> None:
+        event = await self._response_head(upstream, guest)
+        # The body may change length when a secret is swapped back to its placeholder:
+        # drop the upstream's framing and let h11 frame it (chunked, or close for 1.0).
+        headers = _forwarded(event.headers, {b"content-length", b"transfer-encoding"})
+        headers = [(k, _swap(v, secrets, to_value=False)) for k, v in headers]
+        await guest.send(_response(event, headers))
+        replacers = [StreamReplacer(s.value.encode(), s.placeholder.encode()) for s in secrets]
+        await self._relay_body(upstream, guest, replacers)
+
+    # -- plain HTTP ----------------------------------------------------------------------
+
+    async def _plain(self, guest: _Peer, ip: str, request: h11.Request) -> None:
+        target = request.target.decode("ascii", "replace")
+        try:
+            authority, path = _split_http_url(target)
+            dest = self._decide(authority, default_port=80)
+            host = _header(request.headers, b"host")
+            if host is not None and _host_destination(host, 80) != dest:
+                raise Refused(400, f"the Host header {host[:80]!r} is not the URL's host {dest}")
+            upstream_streams = await self._open_upstream(dest, tls=False)
+        except Refused as refused:
+            await self._refuse(guest, ip, "egress.http", target[:200], refused)
+            return
+        up_reader, up_writer = upstream_streams
+        try:
+            self._record(ip, "egress.http", str(dest), "ok", method=request.method.decode())
+            upstream = _Peer(self._h11(h11.CLIENT), up_reader, up_writer)
+            headers = _forwarded(request.headers, {b"host", b"connection"})
+            headers = [(b"host", authority.encode()), *headers, (b"connection", b"close")]
+            await upstream.send(h11.Request(method=request.method, target=path, headers=headers))
+            await self._relay_body(guest, upstream, None)
+            event = await self._response_head(upstream, guest)
+            headers = [*_forwarded(event.headers, {b"connection"}), (b"connection", b"close")]
+            await guest.send(_response(event, headers))
+            await self._relay_body(upstream, guest, None)
+        finally:
+            up_writer.close()
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _response(head: h11.Response, headers: Headers) -> h11.Response:
+    return h11.Response(status_code=head.status_code, headers=headers, reason=head.reason)
+
+
+def _default_trust() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def _public_enough(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast)
+
+
+def _swap(value: bytes, secrets: list[Secret], to_value: bool) -> bytes:
+    for s in secrets:
+        placeholder, real = s.placeholder.encode(), s.value.encode()
+        value = value.replace(placeholder, real) if to_value else value.replace(real, placeholder)
+    return value
+
+
+def _feed(replacers: list[StreamReplacer], data: bytes) -> bytes:
+    for r in replacers:
+        data = r.feed(data)
+    return data
+
+
+def _flush(replacers: list[StreamReplacer]) -> bytes:
+    data = b""
+    for r in replacers:
+        data = r.feed(data) + r.flush()
+    return data
+
+
+def _both_done(a: h11.Connection, b: h11.Connection) -> bool:
+    states = (a.our_state, a.their_state, b.our_state, b.their_state)
+    return all(state is h11.DONE for state in states)
+
+
+def _host_destination(host: bytes, default_port: int) -> Destination | None:
+    try:
+        return parse_destination(host.decode("ascii"), default_port=default_port, wildcard_ok=False)
+    except (InvalidInput, UnicodeDecodeError):
+        return None
+
+
+def _origin_target(request: h11.Request, dest: Destination) -> bytes:
+    """The request's origin-form target, once its authority is checked to be ``dest``."""
+    target = request.target
+    authority = _header(request.headers, b"host")
+    if target.startswith(b"https://"):
+        rest = target[len(b"https://") :]
+        end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+        authority, target = rest[:end], rest[end:] or b"/"
+        if target.startswith(b"?"):
+            target = b"/" + target
+    if not target.startswith(b"/") and target != b"*":
+        raise Refused(400, "a request in the tunnel must use an origin-form target (/path)")
+    if authority is None or _host_destination(authority, 443) != dest:
+        shown = authority[:80] if authority is not None else b"(none)"
+        raise Refused(421, f"this connection is for {dest}; the request names {shown!r}")
+    return target
+
+
+def _split_http_url(target: str) -> tuple[str, bytes]:
+    """(authority, origin-form path) of an absolute ``http://`` URI; Refused otherwise."""
+    if target.lower().startswith("https://"):
+        raise Refused(400, "use CONNECT for https:// destinations (set HTTPS_PROXY)")
+    if not target.lower().startswith("http://"):
+        raise Refused(400, "this is a forward proxy: send absolute http:// URIs or CONNECT")
+    rest = target[len("http://") :]
+    cuts = [i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0]
+    end = min(cuts, default=len(rest))
+    authority, path = rest[:end], rest[end:].split("#", 1)[0] or "/"
+    if path.startswith("?"):
+        path = "/" + path
+    return authority, path.encode("ascii")
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof():
+                writer.write_eof()
+
+
+async def _pipe_both(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
+    results = await asyncio.gather(
+        _pipe(a_reader, b_writer), _pipe(b_reader, a_writer), return_exceptions=True
+    )
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, OSError):
+            raise result
