@@ -110,7 +110,7 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
 @click.option("--disk-bps", type=int, default=None, help="Disk bytes/s per child (read+write).")
 @click.option("--disk-iops", type=int, default=None, help="Disk operations/s per child.")
 @click.option("--net-kbit", type=int, default=None,
-              help="Network kbit/s per child, each direction (needs a network snapshot).")
+              help="Network kbit/s to each child (needs a network snapshot).")
 @json_option
 def fork(
     tag: str,

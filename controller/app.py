@@ -105,7 +105,7 @@ class SpawnRequest:
     pids_max: int | None = None  # host tasks of the sandbox's QEMU
     disk_bps: int | None = None  # disk bytes/s, read + write
     disk_iops: int | None = None  # disk operations/s, read + write
-    net_kbit: int | None = None  # network kbit/s, each direction
+    net_kbit: int | None = None  # network kbit/s to the sandbox (tbf on its tap)
 
 
 @dataclass

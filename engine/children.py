@@ -422,7 +422,7 @@ def list_children() -> list[ChildInfo]:
     for d in sorted(children_dir().iterdir()):
         if d.name.startswith(".") or not (d / CHILD_FILE).exists():
             continue
-        with contextlib.suppress(ChildNotFound, ValueError, TypeError, OSError):
+        with contextlib.suppress(ChildNotFound, HostError, OSError):
             info = ChildInfo.load(d)
             info.status = info.state()
             out.append(info)

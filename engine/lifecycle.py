@@ -59,7 +59,7 @@ class Limits:
     pids: int | None = None  # host tasks (processes + threads) of its QEMU
     disk_bps: int | None = None  # disk bytes/s, read + write
     disk_iops: int | None = None  # disk operations/s, read + write
-    net_kbit: int | None = None  # network kbit/s, each direction (needs a netns)
+    net_kbit: int | None = None  # network kbit/s to the guest (tbf on its tap; needs a netns)
 
     def checked(self) -> Limits:
         """Itself, or InvalidInput naming the limit that is out of range."""
@@ -133,12 +133,19 @@ class ChildInfo:
             raw = json.loads((d / name).read_text())
         except FileNotFoundError as e:
             raise ChildNotFound(f"no child {d.name!r}; `forkd ls` lists the children") from e
+        except (OSError, ValueError) as e:
+            raise _bad_record(d / name, str(e)) from e
         if not isinstance(raw, dict):
-            raise ValueError(f"{d / name} is not a JSON object")
+            raise _bad_record(d / name, "not a JSON object")
         known = {f.name for f in dataclasses.fields(cls)} - {"status"}
-        info = cls(**{k: v for k, v in raw.items() if k in known})
-        if info.id != d.name or info.path.resolve() != d.resolve():
-            raise ValueError(f"{d / name} describes {info.id!r} in {info.dir!r}, not {d}")
+        try:
+            info = cls(**{k: v for k, v in raw.items() if k in known})
+        except TypeError as e:
+            raise _bad_record(d / name, str(e)) from e
+        if (not isinstance(info.id, str) or not isinstance(info.dir, str)
+                or not isinstance(info.pid, int) or info.id != d.name
+                or info.path.resolve() != d.resolve()):
+            raise _bad_record(d / name, f"it describes {info.id!r} in {info.dir!r}")
         return info
 
     def limits_obj(self) -> Limits:
@@ -154,6 +161,11 @@ class ChildInfo:
         if self.pid and pid_alive(self.pid) and pid_matches(self.pid, self.path):
             return "running"
         return "crashed"
+
+
+def _bad_record(path: Path, why: str) -> HostError:
+    return HostError(f"{path} is not a valid child record ({why}); stop its QEMU if one runs "
+                     f"and remove {path.parent} by hand")
 
 
 def new_id(ref: str) -> str:

@@ -8,8 +8,9 @@ $FORKD_CACHE (default ~/.cache/forkd)      build inputs, safe to delete
   images/<key>/root.raw, initrd.img         root disk and initramfs per recipe content
   builds/<recipe digest>.json               build cache: recipe content -> tag/digest
 $FORKD_RUN (default /run/forkd, else $XDG_RUNTIME_DIR/forkd)
-  children/<id>/                            one per running child VM
-     child.json qmp.sock agent.sock serial.log qemu.log disk.qcow2 lock
+  children/<id>/                            one per child VM (lifecycle.py owns it)
+     child.json qmp.sock agent.sock serial.log qemu.log disk.qcow2 lock record.lock
+  watchdog.lock watchdog.log sweeper.lock   the deadline watchdog and sweeps (lifetimes.py)
   work/                                     temporary template/branch work dirs
 ```
 """

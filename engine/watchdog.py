@@ -67,9 +67,13 @@ def main() -> int:
     store = Store.open()
     idle_since: float | None = None
     while True:
-        for a in sweep_once(store):
-            print(f"{time.strftime('%FT%T')} {a.id} {a.action} {a.detail}".rstrip(), flush=True)
-        nd = next_deadline()
+        try:
+            for a in sweep_once(store):
+                _log(f"{a.id} {a.action} {a.detail}")
+            nd = next_deadline()
+        except Exception as e:  # keep watching: the next sweep may succeed
+            _log(f"sweep failed: {e}")
+            nd = time.time() + MAX_SLEEP_S
         now = time.time()
         if nd is None:
             idle_since = idle_since or now
@@ -79,6 +83,10 @@ def main() -> int:
         else:
             idle_since = None
             time.sleep(min(MAX_SLEEP_S, max(0.05, nd - now)))
+
+
+def _log(text: str) -> None:
+    print(f"{time.strftime('%FT%T')} {text}".rstrip(), flush=True)
 
 
 if __name__ == "__main__":

@@ -105,15 +105,22 @@ def test_a_record_naming_a_foreign_netns_is_refused(run_dir: Path) -> None:
 
 def test_a_record_for_another_directory_is_not_a_child(run_dir: Path) -> None:
     from forkd.engine import children as ch
+    from forkd.engine.errors import HostError
 
     d = run_dir / "children" / "copy-000003"
     _record(d)
     raw = json.loads((d / "child.json").read_text())
     raw["dir"] = "/somewhere/else"
     (d / "child.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError):
+    with pytest.raises(HostError, match="not a valid child record"):
         ChildInfo.load(d)
     assert ch.list_children() == []
+    with pytest.raises(HostError, match="by hand"):
+        ch.kill("copy-000003")  # nothing signalled or removed on the word of a bad record
+    assert d.is_dir()
+    (d / "child.json").write_text("{not json")
+    with pytest.raises(HostError, match="not a valid child record"):
+        ch.kill("copy-000003")
 
 
 def test_cleanup_is_idempotent_and_removes_the_directory(run_dir: Path) -> None:
@@ -142,3 +149,20 @@ def test_out_of_range_limits_are_refused(limits: Limits) -> None:
 def test_out_of_range_lifetimes_are_refused(lifetime: Lifetime) -> None:
     with pytest.raises(InvalidInput):
         lifetime.checked()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("90", 90), ("90s", 90), ("5m", 300), ("1h30m", 5400), ("2d", 172800), (" 1.5m ", 90),
+])
+def test_durations(text: str, seconds: float) -> None:
+    from forkd.engine.lifetimes import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "-5", "1m1h", "0", "31d", "1e9", "5 m"])
+def test_bad_durations_are_refused(text: str) -> None:
+    from forkd.engine.lifetimes import parse_duration
+
+    with pytest.raises(InvalidInput):
+        parse_duration(text)
