@@ -214,13 +214,17 @@ class Tag(Base):
 
 
 class Upload(Base):
-    """An upload session; its bytes so far are a file in the uploads area."""
+    """An upload session (or a monolithic upload while its request runs); its bytes so
+    far are a file in the uploads area. ``reserved_bytes``: the size the request writing
+    it may take the file to, reserved against the namespace's quota under the write lock
+    (0 while no request writes it; hub/oci/uploads.py)."""
 
     __tablename__ = "uploads"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    reserved_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class LoginFailure(Base):

@@ -14,11 +14,14 @@ A link or manifest that would take the namespace past its quota is refused with
 blob is linked, so concurrent uploads cannot overshoot together).
 
 Upload sessions: bytes held in a namespace's open (not yet expired) upload sessions
-count against its quota while they are open: every ``PATCH``/``PUT``/monolithic
-``POST`` may add at most the quota left after the stored usage and all open sessions'
-bytes (``upload_room``), so unfinished uploads cannot fill the disk past the quota. The
-session count and size caps (``upload_sessions_max``, ``upload_max_bytes``) apply with
-or without a quota (hub/oci/uploads.py).
+count against its quota while they are open, and so do the bytes a request writing one
+has reserved: every ``PATCH``/``PUT``/monolithic ``POST`` reserves the room it fills
+(``Upload.reserved_bytes``), under the namespace's lock, out of the quota left after the
+stored usage and every other session's bytes or reservation (``NamespaceUploads.
+in_flight``), so concurrent and unfinished uploads together cannot fill the disk past
+the quota. A monolithic upload has a session row while its request runs. The session
+count and size caps (``upload_sessions_max``, ``upload_max_bytes``) apply with or
+without a quota (hub/oci/uploads.py).
 
 The running total: a namespace with a quota keeps its usage in ``used_bytes``, computed
 when the quota is set and kept by every change of its links (``charge`` when a blob is
@@ -30,6 +33,7 @@ accounting.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,6 +188,16 @@ class NamespaceUploads:
     quota_bytes: int | None
     quota_left: int | None  # quota minus stored usage; None: no quota (or not charged)
     sessions: list[str]  # ids of its upload session rows (expired ones included)
+    reserved: dict[str, int]  # reserved_bytes of the sessions a request is writing
+
+    def in_flight(self, live: Mapping[str, int], besides: str) -> int:
+        """Bytes the ``live`` sessions (id → file size) other than ``besides`` hold: each
+        its file's size or the size its writing request reserved, the larger."""
+        return sum(
+            max(size, self.reserved.get(upload_id, 0))
+            for upload_id, size in live.items()
+            if upload_id != besides
+        )
 
 
 def uploads_of(session: Session, repository_id: int, digest: str | None = None) -> NamespaceUploads:
@@ -191,8 +205,8 @@ def uploads_of(session: Session, repository_id: int, digest: str | None = None) 
     Uploading ``digest``, a blob the namespace holds already, adds nothing to its usage:
     no headroom limit then."""
     row = _namespace_of(session, repository_id)
-    sessions = session.scalars(
-        select(Upload.id)
+    sessions = session.execute(
+        select(Upload.id, Upload.reserved_bytes)
         .join(Repository, Repository.id == Upload.repository_id)
         .where(Repository.namespace_id == row.id)
     ).all()
@@ -201,15 +215,24 @@ def uploads_of(session: Session, repository_id: int, digest: str | None = None) 
     if row.quota_bytes is not None and not known:
         used = row.used_bytes if row.used_bytes is not None else usage(session, row.id)
         left = row.quota_bytes - used
-    return NamespaceUploads(row.id, row.name, row.quota_bytes, left, list(sessions))
+    return NamespaceUploads(
+        row.id,
+        row.name,
+        row.quota_bytes,
+        left,
+        [upload_id for upload_id, _ in sessions],
+        {upload_id: reserved for upload_id, reserved in sessions if reserved},
+    )
 
 
-def upload_sessions_locked(session: Session, repository_id: int) -> NamespaceUploads:
+def upload_sessions_locked(
+    session: Session, repository_id: int, digest: str | None = None
+) -> NamespaceUploads:
     """``uploads_of`` under the namespace's lock (PostgreSQL; SQLite writers are serial),
-    for a writer that counts the sessions before it adds one."""
+    for a writer that counts the sessions before it adds one, or reserves room."""
     row = _namespace_of(session, repository_id)
     _serialise(session, row.id)
-    return uploads_of(session, repository_id)
+    return uploads_of(session, repository_id, digest)
 
 
 async def set_quota(session: AsyncSession, namespace: str, quota_bytes: int | None) -> None:

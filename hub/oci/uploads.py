@@ -9,12 +9,14 @@ far end (416 otherwise); an interrupted ``PATCH`` keeps what arrived, and
 ``GET`` on the session tells the client where to resume.
 
 Limits (hub/settings.py): a namespace has at most ``upload_sessions_max`` open sessions
-(429 beyond), a session (or monolithic upload) holds at most ``upload_max_bytes`` (413
-beyond), and bytes in open sessions count against the namespace's quota while they are
-open (hub/quotas.py). A session with no ``PATCH``/``PUT`` for ``upload_idle_timeout``
-seconds has expired: it answers ``BLOB_UPLOAD_UNKNOWN`` and its file is deleted, by that
-request, the hub's periodic sweep or ``forkd hub gc`` (hub/gc.py). A session whose data
-file vanished answers ``BLOB_UPLOAD_UNKNOWN`` too.
+(429 beyond; a monolithic upload holds one while its request runs), a session (or
+monolithic upload) holds at most ``upload_max_bytes`` (413 beyond), and bytes in open
+sessions, or reserved by the requests writing them (``_Room``), count against the
+namespace's quota while they are open (hub/quotas.py). A session with no
+``PATCH``/``PUT`` for ``upload_idle_timeout`` seconds has expired: it answers
+``BLOB_UPLOAD_UNKNOWN`` and its file is deleted, by that request, the hub's periodic
+sweep or ``forkd hub gc`` (hub/gc.py). A session whose data file vanished answers
+``BLOB_UPLOAD_UNKNOWN`` too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import BinaryIO
 
 import anyio
 from litestar import Response
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from forkd import digest as dg
@@ -46,13 +48,14 @@ from forkd.hub.oci.common import (
     parse_count,
     parse_digest,
 )
-from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 
 CONTENT_RANGE_RE = re.compile(r"(?:bytes[ =])?([0-9]+)-([0-9]+)(?:/([0-9]+)|/\*)?", re.ASCII)
 CHALLENGE_SCOPE_RE = re.compile(r'scope="([^"]*)"')
+# How far ahead of the bytes received an upload without Content-Length reserves quota.
+RESERVE_STEP = 16 << 20
 
 
 def _range_header(size: int) -> str:
@@ -96,39 +99,99 @@ def _open_append(hub: Hub, upload_id: str) -> BinaryIO:
         raise _unknown(upload_id, "has lost its data") from None
 
 
-async def _room(
-    ctx: Ctx, repo_id: int, upload_id: str, offset: int, digest: str | None
-) -> tuple[int, RegistryError]:
-    """How many more bytes this upload may take, and the error for taking more: the
-    per-upload size cap, and the quota left after stored usage and the bytes of every
-    other open session of the namespace (hub/quotas.py); no quota limit when ``digest``
-    is known and the namespace holds it already."""
-    hub = ctx.hub
-    cap = hub.settings.upload_max_bytes
-    room = cap - offset
-    too_big = RegistryError(
-        Code.SIZE_INVALID,
-        f"uploads are limited to {cap} bytes each (upload_max_bytes)",
-        status=413,
-    )
-    # Not ``Database.read``: without a running total this sums the namespace's blobs.
-    async with hub.db.reading() as session:
-        held: NamespaceUploads = await session.run_sync(quotas.uploads_of, repo_id, digest)
+class _Room:
+    """The room one request may fill in an upload: up to ``upload_max_bytes`` per upload
+    (413 beyond) and, under a quota, only bytes it has reserved (403 DENIED when the quota
+    cannot give them). A reservation (``Upload.reserved_bytes``: the size the file may
+    reach) is taken under the namespace's write lock before the bytes are written, out of
+    the quota left after stored usage and every other live session's bytes or
+    reservation, and given back when the request ends however it ends. No quota limit
+    when ``digest`` is known and the namespace holds it already."""
+
+    def __init__(self, ctx: Ctx, repo_id: int, upload_id: str, offset: int, digest: str | None):
+        self.ctx, self.repo_id, self.upload_id = ctx, repo_id, upload_id
+        self.offset, self.digest = offset, digest
+        self.cap = ctx.hub.settings.upload_max_bytes
+        self.quota = False  # whether a quota applies: set by ``open``
+        self.end = offset  # the size the file may reach with what is reserved
+        self.reserved = False  # whether the row's reserved_bytes was set
+        self.refusal: RegistryError | None = None
+
+    async def open(self) -> None:
+        # Not ``Database.read``: without a running total this sums the namespace's blobs.
+        async with self.ctx.hub.db.reading() as session:
+            held = await session.run_sync(quotas.uploads_of, self.repo_id, self.digest)
+        self.quota = held.quota_left is not None
+
+    def too_big(self) -> RegistryError:
+        return RegistryError(
+            Code.SIZE_INVALID,
+            f"uploads are limited to {self.cap} bytes each (upload_max_bytes)",
+            status=413,
+        )
+
+    async def ensure(self, needed: int, wanted: int) -> None:
+        """Room for the file to reach ``needed`` bytes, reserving up to ``wanted`` (so
+        the next chunks need no new reservation); raise the refusal otherwise."""
+        if needed > self.cap:
+            raise self.too_big()
+        if not self.quota or needed <= self.end:
+            return
+        hub = self.ctx.hub
+        self.reserved = True
+        self.end, self.refusal = await hub.db.write(
+            _reserve,
+            hub,
+            self.repo_id,
+            self.upload_id,
+            self.offset,
+            min(wanted, self.cap),
+            self.digest,
+        )
+        if needed > self.end:
+            assert self.refusal is not None
+            raise self.refusal
+
+    async def release(self) -> None:
+        """Give the reservation back (shielded: also when the request is cancelled)."""
+        if not self.reserved:
+            return
+        self.end, self.reserved = self.offset, False
+        with anyio.CancelScope(shield=True):
+            async with self.ctx.hub.db.transaction() as session:
+                await session.execute(
+                    update(Upload).where(Upload.id == self.upload_id).values(reserved_bytes=0)
+                )
+
+
+def _reserve(
+    session: Session,
+    hub: Hub,
+    repo_id: int,
+    upload_id: str,
+    offset: int,
+    wanted: int,
+    digest: str | None,
+) -> tuple[int, RegistryError | None]:
+    """Under the write lock: reserve room for the session's file to grow from ``offset``
+    to ``wanted`` bytes, as far as the quota allows. Returns the size reserved and the
+    refusal for more (None without a quota)."""
+    held = quotas.upload_sessions_locked(session, repo_id, digest)
     if held.quota_left is None:
-        return room, too_big
-    others = [s for s in held.sessions if s != upload_id]
-    in_flight = sum(hub.uploads.live_sizes(others, hub.settings.upload_idle_timeout).values())
-    left = held.quota_left - in_flight - offset
-    if left >= room:
-        return room, too_big
+        return wanted, None
+    live = hub.uploads.live_sizes(held.sessions, hub.settings.upload_idle_timeout)
+    in_flight = held.in_flight(live, upload_id)
+    granted = max(offset, min(wanted, held.quota_left - in_flight))
+    session.execute(update(Upload).where(Upload.id == upload_id).values(reserved_bytes=granted))
     assert held.quota_bytes is not None  # a quota_left comes from a quota
     reason = (
         f"storage quota of namespace {held.namespace!r} exceeded: "
         f"{held.quota_bytes - held.quota_left} of {held.quota_bytes} bytes used, "
-        f"{in_flight + offset} more held by open upload sessions, this upload needs more; "
-        "finish or cancel unfinished uploads, or ask for a larger quota"
+        f"{in_flight + offset} more held by open upload sessions (written or reserved by "
+        "uploads in flight), this upload needs more; finish or cancel unfinished uploads, "
+        "or ask for a larger quota"
     )
-    return max(left, 0), RegistryError(Code.DENIED, reason, message=reason)
+    return granted, RegistryError(Code.DENIED, reason, message=reason)
 
 
 def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
@@ -163,15 +226,13 @@ def _parse_content_range(ctx: Ctx, upload_id: str, offset: int, header: str) -> 
 
 async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None) -> int:
     """Append the request body at the end of the session's bytes; return the new size.
-    ``digest``: the blob's, when the request names it (monolithic POST, closing PUT)."""
+    ``digest``: the blob's, when the request names it (monolithic POST, closing PUT).
+    With ``Content-Length`` the room for all of it is reserved before a byte is read;
+    without (chunked transfer) it is reserved ``RESERVE_STEP`` bytes ahead as it arrives."""
     content_range = ctx.request.headers.get("content-range")
     with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
         f.seek(0, 2)
         offset = f.tell()
-        room, over = await _room(ctx, repo_id, upload_id, offset, digest)
-        declared = declared_length(ctx.request)
-        if declared is not None and declared > room:
-            raise _refused(ctx, over, digest or upload_id)
         expected_len = None
         if content_range:
             start, end = _parse_content_range(ctx, upload_id, offset, content_range)
@@ -183,25 +244,19 @@ async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = N
                     headers=_session_headers(ctx, upload_id, offset),
                 )
             expected_len = end - start + 1
-        written = 0
+        room = _Room(ctx, repo_id, upload_id, offset, digest)
+        await room.open()
+        target = digest or upload_id
+        declared = declared_length(ctx.request)
         try:
-            async for chunk in ctx.request.stream():
-                written += len(chunk)
-                if written > room:
-                    f.truncate(offset)
-                    raise _refused(ctx, over, digest or upload_id)
-                if expected_len is not None and written > expected_len:
-                    f.truncate(offset)
-                    raise RegistryError(
-                        Code.SIZE_INVALID,
-                        f"chunk is longer than its Content-Range ({expected_len} bytes)",
-                        status=416,
-                        headers=_session_headers(ctx, upload_id, offset),
-                    )
-                f.write(chunk)
-                ctx.hub.metrics.bytes_in.inc(len(chunk))
+            try:
+                if declared is not None:
+                    await room.ensure(offset + declared, offset + declared)
+                written = await _stream_into(ctx, f, upload_id, offset, room, expected_len)
+            except RegistryError as exc:
+                raise _refused(ctx, exc, target) from None
         finally:
-            f.flush()  # keep what arrived, even when the client went away: resumable
+            await room.release()
         if expected_len is not None and written != expected_len:
             f.truncate(offset)
             raise RegistryError(
@@ -211,6 +266,36 @@ async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = N
                 headers=_session_headers(ctx, upload_id, offset),
             )
         return offset + written
+
+
+async def _stream_into(
+    ctx: Ctx, f: BinaryIO, upload_id: str, offset: int, room: _Room, expected_len: int | None
+) -> int:
+    """Write the request body after ``offset`` within ``room``; return the bytes written.
+    A refused chunk is not kept (the file goes back to ``offset``); what arrived before a
+    client went away is (resumable)."""
+    written = 0
+    try:
+        async for chunk in ctx.request.stream():
+            written += len(chunk)
+            if expected_len is not None and written > expected_len:
+                f.truncate(offset)
+                raise RegistryError(
+                    Code.SIZE_INVALID,
+                    f"chunk is longer than its Content-Range ({expected_len} bytes)",
+                    status=416,
+                    headers=_session_headers(ctx, upload_id, offset),
+                )
+            try:
+                await room.ensure(offset + written, offset + written + RESERVE_STEP)
+            except RegistryError:
+                f.truncate(offset)
+                raise
+            f.write(chunk)
+            ctx.hub.metrics.bytes_in.inc(len(chunk))
+    finally:
+        f.flush()  # keep what arrived, even when the client went away: resumable
+    return written
 
 
 async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Response[object]:
@@ -383,11 +468,14 @@ async def start(ctx: Ctx) -> Response[object]:
     digest_param = params.get("digest")
     if digest_param is not None:
         digest = parse_digest(digest_param)
-        upload_id = ctx.hub.uploads.new()  # private to this request: no session row
+        # A session row for the request's duration: it counts against
+        # ``upload_sessions_max`` and holds the upload's quota reservation.
+        upload_id = await _new_session(ctx, repo.id)
         try:
             await _append(ctx, repo.id, upload_id, digest)
         except BaseException:
-            ctx.hub.uploads.remove(upload_id)
+            with anyio.CancelScope(shield=True):
+                await _drop(ctx.hub, upload_id)
             raise
         return await _finish(ctx, repo.id, upload_id, digest)
     upload_id = await _new_session(ctx, repo.id)

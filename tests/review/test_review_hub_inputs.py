@@ -245,12 +245,6 @@ def _in_flight_pair(
     return status
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upload room is computed once when a request starts and monolithic uploads are "
-    "not counted (hub/oci/uploads.py:_room/_append, quotas.uploads_of): concurrent uploads "
-    "hold quota x requests on disk",
-)
 @pytest.mark.parametrize("slow_request", ["patch", "post"])
 def test_uploads_in_flight_together_stay_within_the_quota(
     hub: HubServer, slow_request: str
@@ -263,3 +257,80 @@ def test_uploads_in_flight_together_stay_within_the_quota(
     status = _in_flight_pair(hub, bob, f"{bob[0]}/x", slow_request)
     assert "fast" in status and "slow" in status, status
     assert not (status["fast"] == 202 and status["slow"] in (201, 202)), status
+
+
+def test_a_declared_length_is_reserved_before_a_byte_is_read(hub: HubServer) -> None:
+    """A slow upload with Content-Length holds its whole length from the start: a fast
+    upload with a declared length that does not fit beside it is refused at once."""
+    who = hub.add_user("carol-declared")
+    hub.cli("quota", "set", who[0], str(QUOTA))
+    repo = f"{who[0]}/x"
+    with hub.client(who) as c:
+        sessions = [c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"] for _ in range(2)]
+    first = threading.Event()
+    status: dict[str, int] = {}
+
+    def slow() -> None:
+        with httpx.Client(base_url=hub.url, auth=who, timeout=TIMEOUT) as c:
+            body = _slow(HALF_PLUS, first)
+            headers = {"Content-Length": str(HALF_PLUS)}
+            status["slow"] = c.patch(sessions[0], content=body, headers=headers).status_code
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    try:
+        assert first.wait(TIMEOUT)
+        with hub.client(who) as c:
+            r = c.patch(sessions[1], content=b"y" * HALF_PLUS)
+            status["fast"] = r.status_code
+            assert r.status_code == 403 and "held by open upload sessions" in r.text, r.text
+    finally:
+        thread.join(TIMEOUT)
+    assert status == {"fast": 403, "slow": 202}, status
+    with hub.client(who) as c:  # the slow one's bytes now count as written, not reserved
+        r = c.patch(sessions[1], content=b"y" * (QUOTA - HALF_PLUS))
+        assert r.status_code == 202, r.text
+        for location in sessions:
+            c.delete(location)
+
+
+def _aborted(total: int) -> Iterator[bytes]:
+    """A body whose client goes away after its first 100 kB."""
+    yield b"z" * 100_000
+    time.sleep(0.3)
+    raise ConnectionAbortedError("the client went away")
+    yield b"" * total  # pragma: no cover (a generator)
+
+
+@pytest.mark.parametrize("how", ["refused", "disconnected", "monolithic-refused"])
+def test_a_reservation_is_given_back_when_its_request_ends(hub: HubServer, how: str) -> None:
+    """Whatever ends a request (a refusal, the client going away), the room it reserved is
+    free again: afterwards an upload of all the quota left fits."""
+    who = hub.add_user(f"dave-{how}")
+    hub.cli("quota", "set", who[0], str(QUOTA))
+    repo = f"{who[0]}/x"
+    with hub.client(who) as c:
+        kept = c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"]
+        other = c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"]
+        if how == "refused":  # chunked, over the quota: refused mid-stream
+            r = c.patch(kept, content=_slow(QUOTA + 200_000, None))
+            assert r.status_code == 403, r.text
+            held = 0
+        elif how == "monolithic-refused":
+            body = b"m" * (QUOTA + 1)
+            r = c.post(f"/v2/{repo}/blobs/uploads/", params={"digest": _sha(body)}, content=body)
+            assert r.status_code in (403, 413), r.text
+            held = 0
+        else:
+            with pytest.raises(ConnectionAbortedError):
+                c.patch(kept, content=_aborted(QUOTA))
+            held = 100_000  # what arrived stays in the session (resumable)
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the server notices a disconnect in its own time
+            r = c.patch(other, content=_slow(QUOTA - held, None))
+            if r.status_code == 202 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        for location in (kept, other):
+            c.delete(location)
