@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import zstandard
 
@@ -32,7 +32,14 @@ from forkd.pack.imagemap import (
     ImageMap,
     runs,
 )
-from forkd.store.blobs import BlobStore
+
+
+class ChunkSink(Protocol):
+    """Where chunks go: the one method of a blob store (``forkd.store.blobs.BlobStore``)
+    that chunking needs, so the pack format does not depend on the store."""
+
+    def put_bytes(self, data: bytes, expected: str | None = None) -> str: ...
+
 
 # zstd levels (docs/pack-format.md, "Chunking"). Decompression runs at the same speed for
 # every level; compression does not, so the strong level is spent once, on the flat layers a
@@ -202,7 +209,7 @@ def page_chunks(pages: Iterable[tuple[int, bytes]], zero: list[Extent]) -> Itera
     zero.extend(runs(zero_pages))
 
 
-def store_chunk(blobs: BlobStore, raw: RawChunk, level: int = ZSTD_LEVEL) -> ChunkRef:
+def store_chunk(blobs: ChunkSink, raw: RawChunk, level: int = ZSTD_LEVEL) -> ChunkRef:
     """Compress one chunk and store it (once: equal chunks have equal digests)."""
     packed = compress(raw.data, level)
     digest = blobs.put_bytes(packed, dg.of_bytes(packed))
@@ -224,7 +231,7 @@ def known_chunks(maps: Iterable[ImageMap]) -> dict[ChunkKey, ChunkRef]:
 
 
 def build_map(
-    blobs: BlobStore,
+    blobs: ChunkSink,
     kind: str,
     size: int,
     chunks: Iterable[RawChunk],
