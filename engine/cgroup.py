@@ -21,6 +21,7 @@ from forkd.engine.errors import HostError
 CGROOT = Path("/sys/fs/cgroup")
 PARENT = "forkd"
 CPU_PERIOD_US = 100_000  # the CFS period a CPU limit is expressed in (100 ms)
+REMOVE_TIMEOUT_S = 15.0  # a dead task's memory can keep a cgroup busy for a while (OOM kills)
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,9 @@ class ChildCgroup:
         except OSError:
             return []
 
-    def remove(self, timeout: float = 5.0) -> None:
+    def remove(self, timeout: float | None = None) -> None:
         """rmdir every directory, retrying while the kernel still holds the dead tasks."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (REMOVE_TIMEOUT_S if timeout is None else timeout)
         for path in dict.fromkeys(self.paths.values()):
             while True:
                 try:
@@ -234,7 +235,9 @@ class ChildCgroup:
                     break
                 except OSError as e:
                     if time.monotonic() > deadline:
-                        raise HostError(f"cannot remove cgroup {path}: {e}") from e
+                        raise HostError(f"cannot remove cgroup {path}: {e} (tasks still in it: "
+                                    f"{(path / 'cgroup.procs').read_text().split() or 'none'})"
+                                    ) from e
                     time.sleep(0.01)
 
 

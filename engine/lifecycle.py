@@ -294,7 +294,8 @@ class ChildVM:
             return child
         except BaseException as e:
             tail = vm.log_tail()
-            child.cleanup()
+            with contextlib.suppress(EngineError):  # the launch's own error is the one to see
+                child.cleanup()
             if isinstance(e, EngineError):
                 raise type(e)(f"child {child_id}: {e}\n{tail}") from e
             raise
@@ -350,10 +351,11 @@ class ChildVM:
     def cleanup(self) -> None:
         """Kill the process if it still runs, then remove its cgroups, netns (with the tap)
         and directory (sockets, disk, logs, record). Idempotent; every step is tried even
-        when an earlier one fails, and the first failure is raised at the end."""
+        when an earlier one fails. When a cgroup or the netns cannot be removed, the
+        directory and its record stay (so `forkd kill ID` can be run again) and the first
+        failure is raised."""
         if self.cleaned:
             return
-        self.cleaned = True
         errors: list[EngineError] = []
         self.kill()
         if self.cgroup is not None:
@@ -366,9 +368,12 @@ class ChildVM:
                 netns.remove(self.info.netns)
             except EngineError as e:
                 errors.append(e)
-        shutil.rmtree(self.info.path, ignore_errors=True)
         if errors:
-            raise errors[0]
+            raise type(errors[0])(f"child {self.id}: {errors[0]}; its QEMU is gone and its "
+                                  f"record kept: run `forkd kill {self.id}` again once that "
+                                  "is fixed")
+        self.cleaned = True
+        shutil.rmtree(self.info.path, ignore_errors=True)
 
     def release(self, timeout: float = 3.0) -> None:
         """What a pause frees: the process (stop), its cgroups, netns and the files in its

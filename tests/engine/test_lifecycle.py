@@ -166,3 +166,34 @@ def test_bad_durations_are_refused(text: str) -> None:
 
     with pytest.raises(InvalidInput):
         parse_duration(text)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or cg.v1_mount("pids") is None,
+                    reason="needs root and a v1 pids cgroup hierarchy")
+def test_a_cgroup_that_cannot_be_removed_keeps_the_record_for_a_second_kill(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill must not forget a child whose cgroup is still busy (an OOM-killed QEMU's memory
+    can hold it for a while): the record stays, and a later kill removes everything."""
+    from forkd.engine import children as ch
+    from forkd.engine.errors import HostError
+
+    monkeypatch.setattr(cg, "REMOVE_TIMEOUT_S", 0.5)
+    mount = cg.v1_mount("pids")
+    assert mount is not None
+    (mount / "forkd").mkdir(exist_ok=True)
+    group = mount / "forkd" / "busy-000005"
+    group.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (group / "cgroup.procs").write_text(str(holder.pid))
+        d = run_dir / "children" / "busy-000005"
+        _record(d, cgroup=str(group), cgroups={"pids": str(group)})
+        with pytest.raises(HostError, match="again"):
+            ch.kill("busy-000005")
+        assert (d / "child.json").exists() and group.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    ch.kill("busy-000005")
+    assert not d.exists() and not group.exists()
