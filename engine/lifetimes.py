@@ -60,10 +60,12 @@ def extend(child_id: str, seconds: float) -> ChildInfo:
         info = ChildInfo.load(d)
         now = time.time()
         if info.state() == "paused":
-            info.timeout_s = min((info.timeout_s or 0.0) + seconds, 30 * 86400.0)
+            info.timeout_s = (info.timeout_s or 0.0) + seconds
+            check_seconds("the lifetime after resume", info.timeout_s)
         else:
             require_running(info)
             info.deadline = max(info.deadline or now, now) + seconds
+            check_seconds("the time left", info.deadline - now)  # extends add up: bounded too
         info.save()
     info.status = info.state()
     return info

@@ -197,3 +197,16 @@ def test_a_cgroup_that_cannot_be_removed_keeps_the_record_for_a_second_kill(
         holder.wait()
     ch.kill("busy-000005")
     assert not d.exists() and not group.exists()
+
+
+def test_extensions_add_up_to_at_most_the_longest_lifetime(run_dir: Path) -> None:
+    """Each extend is bounded, and so is their sum: a deadline is never more than 30 days
+    away (here on a paused record: its lifetime after the resume)."""
+    from forkd.engine.lifetimes import extend
+
+    _record(run_dir / "children" / "slept-000006", paused_tag="forkd-paused/slept-000006:a",
+            timeout_s=29 * 86400.0)
+    assert extend("slept-000006", 3600).timeout_s == 29 * 86400.0 + 3600
+    with pytest.raises(InvalidInput, match="30 days"):
+        extend("slept-000006", 2 * 86400)
+    assert ChildInfo.load(run_dir / "children" / "slept-000006").timeout_s == 29 * 86400 + 3600
