@@ -51,7 +51,8 @@ class Destination:
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        wildcard = "*." if self.kind == "wildcard" else ""
+        return f"{wildcard}{host}:{self.port}"
 
 
 def _shown(text: object) -> str:

@@ -33,6 +33,7 @@ import socket
 import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import h11
 
@@ -163,6 +164,8 @@ class EgressProxy:
         self.limits = limits or ProxyLimits()
         self.hosts = {k.lower(): v for k, v in (hosts or {}).items()}
         self._open = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self._bound: dict[Destination, list[Secret]] = {}
         for secret in secrets:
             for binding in secret.bindings:
@@ -184,7 +187,26 @@ class EgressProxy:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
         return await asyncio.start_server(self._handle, host, port, limit=CHUNK)
 
+    async def aclose(self) -> None:
+        """Drop every open guest connection (close the server first: no new ones)."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._writers.add(writer)
+        try:
+            await self._handle_guest(reader, writer)
+        finally:
+            self._tasks.discard(task)
+            self._writers.discard(writer)
+
+    async def _handle_guest(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         peer = writer.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else "-"
         guest = _Peer(self._h11(h11.SERVER), reader, writer)
@@ -247,6 +269,7 @@ class EgressProxy:
                 h11.Data(data=body),
                 h11.EndOfMessage(),
             )
+        await _linger(guest, self.limits.head_bytes)
 
     # -- CONNECT -----------------------------------------------------------------------
 
@@ -260,6 +283,7 @@ class EgressProxy:
             await self._refuse(guest, ip, "egress.connect", authority, refused)
             return
         up_reader, up_writer = upstream
+        self._writers.add(up_writer)
         try:
             mode = "terminated" if secrets else "tunnel"
             names = [s.name for s in secrets]
@@ -278,6 +302,7 @@ class EgressProxy:
                     up_writer.write(early)
                 await _pipe_both(guest.reader, guest.writer, up_reader, up_writer)
         finally:
+            self._writers.discard(up_writer)
             up_writer.close()
 
     async def _open_upstream(
@@ -424,6 +449,7 @@ class EgressProxy:
             await self._refuse(guest, ip, "egress.http", target[:200], refused)
             return
         up_reader, up_writer = upstream_streams
+        self._writers.add(up_writer)
         try:
             self._record(ip, "egress.http", str(dest), "ok", method=request.method.decode())
             upstream = _Peer(self._h11(h11.CLIENT), up_reader, up_writer)
@@ -436,6 +462,7 @@ class EgressProxy:
             await guest.send(_response(event, headers))
             await self._relay_body(upstream, guest, None)
         finally:
+            self._writers.discard(up_writer)
             up_writer.close()
 
 
@@ -522,6 +549,16 @@ def _split_http_url(target: str) -> tuple[str, bytes]:
     if path.startswith("?"):
         path = "/" + path
     return authority, path.encode("ascii")
+
+
+async def _linger(peer: _Peer, max_bytes: int) -> None:
+    """Half-close, then read (and drop) what the peer had already sent, for up to a
+    second: closing with unread bytes would reset the connection and lose the answer."""
+    if not peer.writer.can_write_eof():
+        return
+    with contextlib.suppress(OSError, TimeoutError):
+        peer.writer.write_eof()
+        await asyncio.wait_for(peer.reader.read(max_bytes), 1)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

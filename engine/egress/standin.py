@@ -134,7 +134,7 @@ TRAVEL_PLAN = Plan(
 class RecordedRequest:
     method: str
     path: str
-    headers: Mapping[str, str]
+    headers: Mapping[str, str]  # names in lower case
     body: Any
 
 
@@ -208,6 +208,7 @@ class StandinModel:
     ) -> None:
         self.plan = plan
         self.api_key = api_key
+        self.host = host
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._server = _Server((host, port), _handler_for(self), tls)
@@ -220,7 +221,7 @@ class StandinModel:
     @property
     def url(self) -> str:
         scheme = "https" if self._server.tls else "http"
-        return f"{scheme}://{self._server.server_address[0]}:{self.port}"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def completions(self) -> list[RecordedRequest]:
         with self._lock:
@@ -279,7 +280,11 @@ def _handler_for(model: StandinModel) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             url = urlsplit(self.path)
-            model.record(RecordedRequest("GET", url.path, dict(self.headers.items()), None))
+            model.record(
+                RecordedRequest(
+                    "GET", url.path, {k.lower(): v for k, v in self.headers.items()}, None
+                )
+            )
             if url.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": "standin", "object": "model"}]})
             elif url.path == "/download":
@@ -298,7 +303,11 @@ def _handler_for(model: StandinModel) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw or b"null")
             except ValueError:
                 body = None
-            n = model.record(RecordedRequest("POST", url.path, dict(self.headers.items()), body))
+            n = model.record(
+                RecordedRequest(
+                    "POST", url.path, {k.lower(): v for k, v in self.headers.items()}, body
+                )
+            )
             if url.path != "/v1/chat/completions":
                 self._json(404, _error(f"no route {url.path}", "not_found"))
                 return
