@@ -31,6 +31,7 @@ import contextlib
 import ipaddress
 import socket
 import ssl
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from forkd.engine.egress.secrets import Secret
 from forkd.errors import ForkdError, InvalidInput
 
 CHUNK = 64 << 10
+MAX_AUDIT_TARGET = 300  # characters of a guest-given destination kept in an audit record
 HOP_BY_HOP = {
     b"keep-alive",
     b"proxy-connection",
@@ -66,6 +68,7 @@ class ProxyLimits:
     read_seconds: float = 600.0  # any read during an exchange (slow model replies)
     connect_seconds: float = 10.0  # DNS + TCP + TLS to the upstream, TLS to the guest
     max_connections: int = 256  # guest connections open at once
+    audit_per_minute: int = 600  # audit records per minute; the rest are counted
 
 
 class Refused(ForkdError):
@@ -162,7 +165,8 @@ class EgressProxy:
         self.ca = ca
         self.child_id = child_id
         self.limits = limits or ProxyLimits()
-        self.hosts = {k.lower(): v for k, v in (hosts or {}).items()}
+        self.hosts = {k.lower(): _pinned_address(k, v) for k, v in (hosts or {}).items()}
+        self._audit_window = (0.0, 0, 0)  # (minute start, records written, records dropped)
         self._open = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -249,9 +253,26 @@ class EgressProxy:
         return dest
 
     def _record(self, ip: str, action: str, target: str, result: str, **detail: object) -> None:
-        if self.audit is not None:
-            child = self.child_id
-            self.audit.record(child, ip, action, target, result, child=child, **detail)
+        """Audit one decision, at most ``audit_per_minute`` a minute: a guest that floods
+        the proxy gets one ``egress.suppressed`` record with the count per minute after."""
+        if self.audit is None:
+            return
+        child = self.child_id
+        now = time.monotonic()
+        start, written, dropped = self._audit_window
+        if now - start >= 60:
+            if dropped:
+                self.audit.record(
+                    child, "-", "egress.suppressed", "-", "denied", child=child, count=dropped
+                )
+            start, written, dropped = now, 0, 0
+        if written >= self.limits.audit_per_minute:
+            self._audit_window = (start, written, dropped + 1)
+            return
+        self._audit_window = (start, written + 1, dropped)
+        self.audit.record(
+            child, ip, action, target[:MAX_AUDIT_TARGET], result, child=child, **detail
+        )
 
     async def _refuse(
         self, guest: _Peer, ip: str, action: str, target: str, refused: Refused
@@ -477,6 +498,13 @@ def _default_trust() -> ssl.SSLContext:
     ctx = ssl.create_default_context()
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
+
+
+def _pinned_address(name: str, address: str) -> str:
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        raise InvalidInput(f"the pin for {name!r} is not an IP address: {address!r}") from None
 
 
 def _public_enough(address: str) -> bool:

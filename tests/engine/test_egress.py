@@ -12,9 +12,11 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import ssl
 import stat
+import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -27,6 +29,7 @@ from click.testing import CliRunner
 
 from forkd.audit import AuditLog
 from forkd.cli.main import cli
+from forkd.engine import netns
 from forkd.engine.egress import (
     EgressCA,
     EgressPolicy,
@@ -36,6 +39,7 @@ from forkd.engine.egress import (
     guest_environment,
     parse_destination,
 )
+from forkd.engine.egress.netns_listen import listen_in_netns
 from forkd.engine.egress.proxy import ProxyLimits, StreamReplacer
 from forkd.engine.egress.secrets import PLACEHOLDER_RE
 from forkd.engine.egress.standin import Answer, Plan, StandinModel, ToolCall
@@ -51,12 +55,13 @@ CHILD = "c-7f3a"
 class ProxyThread:
     """An EgressProxy served on 127.0.0.1 by an event loop in its own thread."""
 
-    def __init__(self, proxy: EgressProxy) -> None:
+    def __init__(self, proxy: EgressProxy, sock: socket.socket | None = None) -> None:
         self.proxy = proxy
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server: asyncio.Server = self._run(proxy.start())
+        started = proxy.serve(sock) if sock is not None else proxy.start()
+        self.server: asyncio.Server = self._run(started)
         self.port = int(self.server.sockets[0].getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -323,6 +328,74 @@ def test_a_name_resolving_to_loopback_is_not_used(plain: StandinModel, audit_pat
         proxy.stop()
     assert plain.requests == []
     assert audit_lines(audit_path)[-1]["result"] == "failed"
+
+
+def test_audit_records_are_bounded(audit_path: Path) -> None:
+    proxy = make_proxy(["tools.test"], audit_path, limits=ProxyLimits(audit_per_minute=3))
+    try:
+        long_name = "a" * 60 + "." + "b" * 60 + "." + "c" * 60 + "." + "d" * 60 + ".example"
+        for _ in range(6):
+            raw_request(proxy.port, f"CONNECT {long_name}:1 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    finally:
+        proxy.stop()
+    entries = audit_lines(audit_path)
+    assert len(entries) == 3 and all(e["result"] == "denied" for e in entries)
+    assert proxy.proxy._audit_window[2] == 3  # counted, written as egress.suppressed later
+
+
+def test_pins_must_be_addresses() -> None:
+    with pytest.raises(InvalidInput, match="not an IP address"):
+        EgressProxy(EgressPolicy(), hosts={"model.test": "evil.example"})
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root"
+)
+def test_proxy_listening_inside_a_netns_reaches_out_from_the_host(
+    plain: StandinModel, audit_path: Path
+) -> None:
+    name = f"egresstest-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        sock = listen_in_netns(name, "127.0.0.1", 3128)
+        policy = EgressPolicy.parse([f"plain.test:{plain.port}"])
+        proxy = ProxyThread(
+            EgressProxy(
+                policy,
+                audit=AuditLog(audit_path),
+                child_id=CHILD,
+                hosts={"plain.test": "127.0.0.1"},
+            ),
+            sock,
+        )
+        results: dict[str, Any] = {}
+
+        def inside() -> None:  # the "guest": a thread in the namespace
+            with netns.entered(name):
+                try:
+                    socket.create_connection(("127.0.0.1", plain.port), timeout=2).close()
+                    results["direct"] = "connected"
+                except OSError as exc:
+                    results["direct"] = type(exc).__name__
+                client = httpx.Client(proxy="http://127.0.0.1:3128", timeout=10, trust_env=False)
+                with client:
+                    results["allowed"] = client.get(
+                        f"http://plain.test:{plain.port}/v1/models"
+                    ).status_code
+                    results["denied"] = client.get(f"http://tools.test:{plain.port}/").status_code
+
+        try:
+            t = threading.Thread(target=inside)
+            t.start()
+            t.join(30)
+        finally:
+            proxy.stop()
+            sock.close()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=True)
+    assert results == {"direct": "ConnectionRefusedError", "allowed": 200, "denied": 403}
+    assert [r.path for r in plain.requests] == ["/v1/models"]
 
 
 def test_connection_limit(plain: StandinModel, audit_path: Path) -> None:
