@@ -274,6 +274,7 @@ class _Server(ThreadingHTTPServer):
 def _handler_for(model: StandinModel) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # no 40 ms delayed-ACK stall between head and body
 
         def log_message(self, format: str, *args: Any) -> None:
             return None
