@@ -128,6 +128,8 @@ def main() -> None:
                         download_seconds(terminated, bound.url, size),
                     ),
                 ]
+            process.terminate()
+            process.join()
     print(f"{'':40} {'direct':>10} {'proxy':>10} {'ratio':>7} {'added':>9}")
     for label, a, b in rows + downloads:
         print(f"{label:40} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {b / a:6.2f}x {(b - a) * 1e3:7.2f}ms")
