@@ -134,3 +134,43 @@ def test_five_pause_resume_cycles_keep_files_and_a_running_process(
     ch.kill(cid)
     assert not tags & {i.ref for i in store.images()}
     assert [p.name for p in (engine_env["FORKD_RUN"] / "children").iterdir()] == []
+
+
+@pytest.fixture(scope="module")
+def tiny_net(store: Store, tiny_recipe: Path) -> str:
+    from forkd.engine import netns, recipe
+    from forkd.engine.build import build
+
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    text = tiny_recipe.read_text().replace("vcpus = 1\n", "vcpus = 1\nnetwork = true\n", 1)
+    return build(store, recipe.parse(text, src="tiny+network"), "tiny-net:life").ref
+
+
+def test_resume_keeps_network_identity_and_limits(
+    store: Store, tiny_net: str, cleanup_children: None
+) -> None:
+    import subprocess
+
+    from forkd.engine import netns
+
+    child = ch.fork(store, tiny_net, 1, limits=Limits(cpus=1.5, net_kbit=4000)).children[0]
+    ch.exec_in(child.id, ["sh", "-c", "echo net > /root/n && sync"])
+    paused = pause(store, child.id)
+    assert paused.netns is not None and not netns.exists(paused.netns)
+    back = resume(store, child.id)
+    assert (back.netns, back.mac, back.ip) == (child.netns, child.mac, child.ip)
+    assert back.limits == {"cpus": 1.5, "net_kbit": 4000}
+    assert back.cgroups and Path(back.cgroups["cpu"], "cpu.cfs_quota_us").read_text().strip() \
+        == "150000"
+    mac = ch.exec_in(back.id, ["cat", "/sys/class/net/eth0/address"])["stdout"].strip()
+    assert mac == child.mac
+    assert ch.exec_in(back.id, ["cat", "/root/n"])["stdout"] == "net\n"
+    assert back.netns is not None
+    with netns.entered(back.netns):
+        qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", "tap0"], capture_output=True,
+                                text=True, check=True).stdout
+    assert "tbf" in qdiscs
+    ch.kill(back.id)
+    assert not netns.exists(back.netns)
