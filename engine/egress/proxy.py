@@ -424,8 +424,10 @@ class EgressProxy:
             except Refused as refused:
                 await self._refuse(inner, ip, "egress.request", str(dest), refused)
                 return
-            headers = _forwarded(event.headers, {b"accept-encoding"})
+            # exactly one Host, the checked one: a second Host could route elsewhere
+            headers = _forwarded(event.headers, {b"accept-encoding", b"host"})
             headers = [(k, _swap(v, secrets, to_value=True)) for k, v in headers]
+            headers.insert(0, (b"host", _authority(dest, 443)))
             headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
             request = h11.Request(method=event.method, target=target, headers=headers)
             await upstream.queue(request)
@@ -483,7 +485,10 @@ class EgressProxy:
         try:
             authority, path = _split_http_url(target)
             dest = self._decide(authority, default_port=80)
-            host = _header(request.headers, b"host")
+            hosts = [v for k, v in request.headers if k.lower() == b"host"]
+            if len(hosts) > 1:
+                raise Refused(400, "a request must carry one Host header")
+            host = hosts[0] if hosts else None
             if host is not None and _host_destination(host, 80) != dest:
                 raise Refused(400, f"the Host header {host[:80]!r} is not the URL's host {dest}")
             upstream_streams = await self._open_upstream(dest, tls=False)
@@ -578,6 +583,11 @@ def _host_destination(host: bytes, default_port: int) -> Destination | None:
         return None
 
 
+def _authority(dest: Destination, default_port: int) -> bytes:
+    host = f"[{dest.host}]" if ":" in dest.host else dest.host
+    return (host if dest.port == default_port else f"{host}:{dest.port}").encode()
+
+
 def _origin_target(request: h11.Request, dest: Destination) -> bytes:
     """The request's origin-form target, once its authority is checked to be ``dest``."""
     target = request.target
@@ -590,6 +600,9 @@ def _origin_target(request: h11.Request, dest: Destination) -> bytes:
             target = b"/" + target
     if not target.startswith(b"/") and target != b"*":
         raise Refused(400, "a request in the tunnel must use an origin-form target (/path)")
+    hosts = [v for k, v in request.headers if k.lower() == b"host"]
+    if len(hosts) > 1:
+        raise Refused(400, "a request must carry one Host header")
     if authority is None or _host_destination(authority, 443) != dest:
         shown = authority[:80] if authority is not None else b"(none)"
         raise Refused(421, f"this connection is for {dest}; the request names {shown!r}")

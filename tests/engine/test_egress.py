@@ -475,6 +475,7 @@ def test_placeholder_is_swapped_for_the_secret_only_at_the_bound_destination(
     got = [r.headers["authorization"] for r in model.completions()]
     assert got == [f"Bearer {REAL}", f"Bearer {REAL}"]
     assert all(r.headers["accept-encoding"] == "identity" for r in model.completions())
+    assert {r.headers["host"] for r in model.completions()} == {f"model.test:{model.port}"}
     assert REAL not in first.text + second.text
     # allowed but unbound: the placeholder arrives as it was sent
     assert unbound.status_code == 200
@@ -539,6 +540,27 @@ def test_a_terminated_connection_serves_only_its_connect_host(
     assert r.status_code == 421
     assert model.requests == [] and tools.requests == []
     assert audit_lines(audit_path)[-1]["result"] == "denied"
+
+
+def test_a_second_host_header_is_refused(
+    bound: Secret, model: StandinModel, proxy_ca: EgressCA, test_ca: EgressCA, audit_path: Path
+) -> None:
+    proxy = make_proxy([f"model.test:{model.port}"], audit_path, [bound], proxy_ca, test_ca)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as raw:
+            authority = f"model.test:{model.port}"
+            raw.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200 ")
+            with trust(proxy_ca).wrap_socket(raw, server_hostname="model.test") as tls:
+                tls.sendall(
+                    f"GET /v1/models HTTP/1.1\r\nHost: {authority}\r\nHost: evil.example\r\n"
+                    f"Authorization: Bearer {bound.placeholder}\r\n\r\n".encode()
+                )
+                reply = tls.recv(4096)
+    finally:
+        proxy.stop()
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"Host" in reply  # h11's check and ours
+    assert model.requests == []
 
 
 def test_an_untrusted_upstream_gets_no_secret(
