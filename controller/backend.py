@@ -229,7 +229,7 @@ class LocalBackend:
         return sandbox_view(ch.get(sandbox_id))
 
     def kill(self, sandbox_id: str) -> dict[str, Any]:
-        return sandbox_view(ch.kill(sandbox_id))
+        return sandbox_view(ch.kill(sandbox_id, self.store))
 
     def extend(self, sandbox_id: str, seconds: float) -> dict[str, Any]:
         info = lifetimes.extend(sandbox_id, seconds)

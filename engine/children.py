@@ -490,24 +490,24 @@ def eval_in(child_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]:
         return a.eval(code, timeout=timeout)
 
 
-def kill(child_id: str) -> ChildInfo:
+def kill(child_id: str, store: Store | None = None) -> ChildInfo:
     """Stop the child's QEMU and remove everything it had (lifecycle.ChildVM.end); a paused
-    child's saved state (its private tag) goes too. Safe on crashed children."""
+    child's saved state (its private tags, in store, default $FORKD_HOME's) goes too. Safe
+    on crashed children."""
     child = ChildVM.adopt(child_dir(child_id))
     info = child.info
     was = child.end()
     if info.paused_tag is not None or info.ref in private_tags(info.id):
-        drop_private_tags(info)
+        drop_private_tags(info, store or Store.open())
     info.status = {"running": "killed", "paused": "killed"}.get(was, "crashed")
     return info
 
 
-def drop_private_tags(info: ChildInfo) -> None:
+def drop_private_tags(info: ChildInfo, store: Store) -> None:
     """Remove a paused (or resumed) child's private tags from the store ($FORKD_HOME), the
     current one first; a tag some other layer was branched from is kept. The layers they
     named go with the next `forkd gc`."""
     tags = sorted(private_tags(info.id), key=lambda t: t != info.ref)
-    store = Store.open()
     for tag in tags:
         with contextlib.suppress(ForkdError):
             store.remove(tag)

@@ -121,9 +121,9 @@ def _act(store: Store, child_id: str, now: float | None) -> Action:
             pause(store, child_id)
             return Action(child_id, "paused")
         except ForkdError as e:
-            ch.kill(child_id)
+            ch.kill(child_id, store)
             return Action(child_id, "killed", f"the pause failed: {e}")
-    ch.kill(child_id)
+    ch.kill(child_id, store)
     return Action(child_id, "killed")
 
 
