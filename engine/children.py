@@ -9,7 +9,6 @@ flock on <dir>/lock (its QMP and agent sockets accept one client at a time).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import secrets
 import shutil
@@ -30,6 +29,7 @@ from forkd.engine.lifecycle import (
     Lifetime,
     Limits,
     child_dir,
+    lock_file,
     new_id,
     private_tags,
     require_running,
@@ -429,23 +429,10 @@ def list_children() -> list[ChildInfo]:
     return out
 
 
-@contextlib.contextmanager
-def locked(info: ChildInfo, timeout: float = 60.0) -> Iterator[None]:
-    fd = os.open(info.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"child {info.id} is busy with another request "
-                                      f"for more than {timeout:.0f} s") from None
-                time.sleep(0.005)
-        yield
-    finally:
-        os.close(fd)
+def locked(info: ChildInfo, timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
+    """One request at a time per child (the agent channel carries one)."""
+    busy = f"child {info.id} is busy with another request"
+    return lock_file(info.path / "lock", timeout, busy, poll=0.005)
 
 
 _require_running = require_running  # the name engine/branch.py calls

@@ -194,10 +194,10 @@ def private_tags(child_id: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def record_lock(d: Path, timeout: float = 120.0) -> Iterator[None]:
-    """Serialise read-modify-write of a child's record (extend, pause, resume, the sweeper);
-    apart from the request lock, so an extend never waits for a long exec."""
-    fd = os.open(d / "record.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (made 0600), waiting up to ``timeout`` seconds;
+    EngineError ``busy`` when it stays taken."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -206,12 +206,18 @@ def record_lock(d: Path, timeout: float = 120.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EngineError(f"child {d.name}: its record is busy (a pause or resume "
-                                      f"is running) for more than {timeout:.0f} s") from None
-                time.sleep(0.01)
+                    raise EngineError(f"{busy} for more than {timeout:.0f} s") from None
+                time.sleep(poll)
         yield
     finally:
         os.close(fd)
+
+
+def record_lock(d: Path, timeout: float = 120.0) -> contextlib.AbstractContextManager[None]:
+    """Serialise read-modify-write of a child's record (extend, pause, resume, the sweeper);
+    apart from the request lock, so an extend never waits for a long exec."""
+    busy = f"child {d.name}: its record is busy (a pause or resume is running)"
+    return lock_file(d / "record.lock", timeout, busy)
 
 
 def require_running(info: ChildInfo) -> None:
