@@ -204,7 +204,43 @@ def _left(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-@click.command("exec", context_settings={"ignore_unknown_options": True})
+class GuestCommand(click.Command):
+    """A command ending in a guest command line, passed on untouched: it starts at the first
+    argument after CHILD_ID that is not one of forkd's options (or after ``--``), so its own
+    options (``--help``, ``--json``, ``-e``, ...) are never forkd's."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        start = self._guest_start(ctx, args)
+        if start is not None:
+            args = [*args[:start], "--", *args[start:]]
+        return super().parse_args(ctx, args)
+
+    def _guest_start(self, ctx: click.Context, args: list[str]) -> int | None:
+        """Index of the guest command's first argument; None when ``--`` marks it (or absent)."""
+        takes_value = {
+            name: not (p.is_flag or p.count)
+            for p in self.get_params(ctx)
+            if isinstance(p, click.Option)
+            for name in (*p.opts, *p.secondary_opts)
+        }
+        positionals, i = 0, 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                return None
+            if arg.startswith("-") and arg != "-":
+                name, attached = (arg.split("=", 1)[0], "=" in arg) if arg.startswith("--") \
+                    else (arg[:2], len(arg) > 2)
+                i += 2 if takes_value.get(name) and not attached else 1
+                continue
+            positionals += 1
+            if positionals == 2:  # CHILD_ID, then the command
+                return i
+            i += 1
+        return None
+
+
+@click.command("exec", cls=GuestCommand)
 @click.argument("child_id")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.option("--timeout", type=float, default=None, help="Kill the command after SECONDS.")
@@ -221,7 +257,9 @@ def exec_cmd(
     use_stdin: bool,
     as_json: bool,
 ) -> None:
-    """Run a command in child CHILD_ID: forkd exec ID -- CMD ARGS..."""
+    """Run a command in child CHILD_ID: forkd exec [OPTIONS] ID [OPTIONS] [--] CMD ARGS...
+
+    Everything from CMD on goes to the guest as it is, options included."""
     envd = {}
     for kv in env:
         k, sep, v = kv.partition("=")
@@ -263,7 +301,8 @@ def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
 
 @click.command()
 @click.argument("child_ids", nargs=-1)
-@click.option("--all", "kill_all", is_flag=True, help="Kill every child.")
+@click.option("--all", "kill_all", is_flag=True,
+              help="Kill every child of this store ($FORKD_HOME), none of another's.")
 @json_option
 def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
     """Stop children and remove everything they had (sockets, disks, cgroups)."""
@@ -271,7 +310,7 @@ def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
         raise InvalidInput("name children to kill or pass --all")
     backend = _backend()
     if kill_all:
-        child_ids = tuple(c["id"] for c in backend.sandboxes())
+        child_ids = _children_of_this_store()
     done = [backend.kill(i) for i in child_ids]
     if as_json:
         emit_json([{"id": c["id"], "was": c["status"]} for c in done])
@@ -279,6 +318,21 @@ def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
         for c in done:
             state = "killed" if c["status"] == "killed" else "cleaned up (crashed)"
             click.echo(f"{c['id']} {state}")
+
+
+def _children_of_this_store() -> tuple[str, ...]:
+    """Ids of the children forked from $FORKD_HOME's store, in $FORKD_RUN (the daemon's too:
+    its socket is there). The run directory may hold other stores' children (every root
+    user's share /run/forkd): those are left, and counted."""
+    from forkd.engine import children as ch
+
+    store = _store()
+    every = ch.list_children()
+    mine = tuple(c.id for c in every if ch.of_store(c.memory, store))
+    if len(every) > len(mine):
+        click.echo(f"forkd: {len(every) - len(mine)} children of other stores than {store.home} "
+                   "left running (`forkd ls` lists them; name one to kill it)", err=True)
+    return mine
 
 
 @click.command()
