@@ -500,9 +500,19 @@ def drop_private_tags(info: ChildInfo, store: Store) -> None:
             store.remove(tag)
 
 
-def kill_all() -> list[ChildInfo]:
+def of_store(memory: str, store: Store) -> bool:
+    """Whether a child whose record names ``memory`` was forked from ``store``: its memory
+    image is one the store assembled (under its home). Children of other stores may share
+    the run directory ($FORKD_RUN is /run/forkd for every root user)."""
+    return Path(memory).resolve().is_relative_to(store.home.resolve())
+
+
+def kill_all(store: Store | None = None) -> list[ChildInfo]:
+    """Kill every child forked from ``store`` (default $FORKD_HOME's), none of another's."""
+    store = store or Store.open()
     out = []
     for c in list_children():
-        with contextlib.suppress(ChildNotFound):
-            out.append(kill(c.id))
+        if of_store(c.memory, store):
+            with contextlib.suppress(ChildNotFound):
+                out.append(kill(c.id, store))
     return out
