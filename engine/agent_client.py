@@ -1,30 +1,83 @@
-"""Host side of the guest agent protocol (docs/agent-protocol.md)."""
+"""Host side of the guest agent protocol (docs/agent-protocol.md).
+
+AgentClient speaks the protocol over one unix socket: QEMU's agent socket itself (a build,
+a waiting process before it becomes a child) or a child's relay socket. QEMU's socket
+chardev takes one client at a time, so for a running child one relay process per child
+(`python -m forkd.engine.agent_client relay DIR`, started on demand by ``connect_child``)
+owns that connection and multiplexes any number of clients over it, from any process:
+requests carry ids unique per client connection's process, and the relay routes every
+frame the agent sends back to the client whose request it answers.
+"""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
+import fcntl
 import itertools
 import json
+import os
+import re
+import secrets
+import selectors
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from forkd.engine.errors import AgentError
 from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
+from forkd.errors import Conflict, NotFound
 
-PROTOCOL = 1
+PROTOCOL = 2
+RELAY_SOCKET = "agent-mux.sock"
+RELAY_LOCK = "agent-mux.lock"
+RELAY_LOG = "agent-mux.log"
+RELAY_IDLE_S = 30.0  # a relay with no client and no request in flight exits after this
+RELAY_START_S = 10.0  # how long connect_child waits for a relay it started to listen
+CLIENT_BUFFER = 16 << 20  # relay: bytes queued for one client before the agent is not read
+SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this long is dropped
+REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
+DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
+
+OnData = Callable[[bytes], None]
+
+
+def _new_ids() -> Callable[[], str]:
+    """Request ids unique across every client of one relay: pid, a random tag, a counter."""
+    tag = f"{os.getpid():x}-{secrets.token_hex(4)}"
+    counter = itertools.count(1)
+    return lambda: f"{tag}-{next(counter)}"
+
+
+def _raise_for(op: str, reply: dict[str, Any]) -> None:
+    err = reply.get("error") or {}
+    message = err.get("message", reply)
+    kind = err.get("type")
+    if kind == "not_found":
+        raise NotFound(f"{op}: {message}")
+    if kind == "state":
+        raise Conflict(f"{op}: {message}")
+    raise AgentError(f"guest agent refused {op!r}: {message}")
 
 
 class AgentClient:
-    """One connection to a guest agent's virtio-serial socket."""
+    """One connection to a guest agent (directly or through a child's relay). Requests on
+    one client are sequential; open one client per concurrent caller (they are cheap: a
+    unix connect to the relay)."""
 
     def __init__(self, path: Path, *, timeout: float = 10.0,
                  alive: Callable[[], bool] | None = None) -> None:
         self.path = path
+        self.alive = alive
         self._ls = LineSocket(connect_unix(path, time.monotonic() + timeout, alive,
                                            "agent socket"))
-        self._ids = itertools.count(int(time.time() * 1000) % 1_000_000_000)
+        self._next_id = _new_ids()
         self.hello: dict[str, Any] | None = None
 
     def wait_hello(self, timeout: float, alive: Callable[[], bool] | None = None) -> dict[str, Any]:
@@ -45,7 +98,10 @@ class AgentClient:
                 raise AgentError(f"agent socket closed during boot: {e}") from e
             except LineTooLong as e:
                 raise AgentError(f"guest agent's hello refused: {e}") from e
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue  # a partial line from before the connection
             if "hello" in msg:
                 hello: dict[str, Any] = msg["hello"]
                 if hello.get("protocol") != PROTOCOL:
@@ -55,52 +111,477 @@ class AgentClient:
                 return hello
 
     def request(self, op: str, args: dict[str, Any] | None = None, *,
-                timeout: float = 30.0) -> dict[str, Any]:
-        """Send one request and wait (until timeout) for the reply with the same id."""
-        rid = next(self._ids)
-        msg = {"v": PROTOCOL, "id": rid, "op": op, **(args or {})}
-        deadline = time.monotonic() + timeout
+                timeout: float | None = DEFAULT_REQUEST_S,
+                on_event: Callable[[str, bytes], None] | None = None) -> dict[str, Any]:
+        """Send one request and read its frames until the final reply: events go to
+        on_event(ev, bytes). timeout None waits as long as the VM lives (the relay closes
+        the connection when it dies)."""
+        rid = self._next_id()
+        msg = {"id": rid, "v": PROTOCOL, "op": op, **(args or {})}
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
-                reply = json.loads(self._ls.readline(deadline, f"guest agent ({op})"))
-                if reply.get("id") == rid:
-                    break
-        except (OSError, TimeoutError, EOFError, ValueError) as e:
+                reply = self._read_frame(op, deadline)
+                if reply.get("id") != rid:
+                    continue
+                if "ev" in reply:
+                    if on_event is not None:
+                        on_event(str(reply["ev"]), base64.b64decode(reply.get("data") or ""))
+                    continue
+                break
+        except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
             self.close()
             raise AgentError(f"agent request {op!r} failed: {e}") from e
         if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise AgentError(f"guest agent refused {op!r}: {err.get('message', reply)}")
+            _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}
         return result
+
+    def _read_frame(self, op: str, deadline: float | None) -> dict[str, Any]:
+        while True:
+            step = time.monotonic() + 5.0
+            try:
+                line = self._ls.readline(step if deadline is None else min(deadline, step),
+                                         f"guest agent ({op})")
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                if self.alive is not None and not self.alive():
+                    raise EOFError("the VM exited") from None
+                continue
+            try:
+                frame: dict[str, Any] = json.loads(line)
+            except ValueError:
+                continue  # an incomplete frame the agent dropped (its host went away)
+            return frame
 
     def ping(self, timeout: float = 10.0) -> dict[str, Any]:
         return self.request("ping", timeout=timeout)
 
     def exec(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-             stdin: bytes | None = None, timeout: float | None = None) -> dict[str, Any]:
-        args: dict[str, Any] = {"argv": argv}
-        if env:
-            args["env"] = env
-        if cwd:
-            args["cwd"] = cwd
-        if stdin is not None:
-            args["stdin"] = base64.b64encode(stdin).decode()
-            args["stdin_b64"] = True
+             stdin: bytes | None = None, timeout: float | None = None,
+             on_stdout: OnData | None = None, on_stderr: OnData | None = None,
+             pty: bool = False) -> dict[str, Any]:
+        """Run argv to its end. With on_stdout/on_stderr the output streams to them as it is
+        produced (and the result's stdout/stderr are empty); else it is collected (32 MiB
+        per stream at most). The host waits as long as the command's own timeout allows."""
+        args = _exec_args(argv, env, cwd, stdin, timeout, pty)
+        stream = on_stdout is not None or on_stderr is not None
+        if stream:
+            args["stream"] = True
+        res = self.request("exec", args, timeout=_host_wait(timeout),
+                           on_event=_splitter(on_stdout, on_stderr) if stream else None)
+        if stream:
+            res.setdefault("stdout", "")
+            res.setdefault("stderr", "")
+        return res
+
+    def eval(self, code: str, timeout: float | None = 300.0) -> dict[str, Any]:
+        args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
-        return self.request("exec", args, timeout=(timeout or 3600) + 10)
+        return self.request("eval", args, timeout=_host_wait(timeout))
 
-    def eval(self, code: str, timeout: float = 300.0) -> dict[str, Any]:
-        return self.request("eval", {"code": code}, timeout=timeout)
+    def run_code(self, code: str, *, timeout: float | None = 300.0,
+                 on_stdout: OnData | None = None,
+                 on_stderr: OnData | None = None) -> dict[str, Any]:
+        args: dict[str, Any] = {"code": code}
+        if timeout is not None:
+            args["timeout"] = timeout
+        stream = on_stdout is not None or on_stderr is not None
+        if stream:
+            args["stream"] = True
+        return self.request("run_code", args, timeout=_host_wait(timeout),
+                            on_event=_splitter(on_stdout, on_stderr) if stream else None)
 
     def put(self, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
         return self.request("put", {"path": path, "data": base64.b64encode(data).decode(),
-                                    "mode": mode})
+                                    "mode": mode}, timeout=DEFAULT_REQUEST_S + len(data) / 1e6)
 
-    def get(self, path: str) -> bytes:
+    def get(self, path: str, timeout: float | None = None) -> bytes:
+        """A guest file's bytes, streamed in 1 MiB chunks (up to 4 GiB)."""
+        parts: list[bytes] = []
+
+        def chunk(ev: str, data: bytes) -> None:
+            if ev == "chunk":
+                parts.append(data)
+
+        res = self.request("get", {"path": path, "stream": True}, timeout=timeout,
+                           on_event=chunk)
+        data = b"".join(parts)
+        if len(data) != res.get("bytes"):
+            raise AgentError(f"get {path}: {len(data)} bytes arrived, the agent sent "
+                             f"{res.get('bytes')}")
+        return data
+
+    def get_v1(self, path: str) -> bytes:
+        """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
         return base64.b64decode(self.request("get", {"path": path})["data"])
 
     def close(self) -> None:
         self._ls.close()
+
+
+def _exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
+               stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
+    args: dict[str, Any] = {"argv": argv}
+    if env:
+        args["env"] = env
+    if cwd:
+        args["cwd"] = cwd
+    if stdin is not None:
+        args["stdin"] = base64.b64encode(stdin).decode()
+        args["stdin_b64"] = True
+    if timeout is not None:
+        args["timeout"] = timeout
+    if pty:
+        args["pty"] = True
+    return args
+
+
+def _host_wait(timeout: float | None) -> float | None:
+    """No host deadline shorter than the guest's own: its timeout plus a margin, or none."""
+    return None if timeout is None else timeout + REPLY_MARGIN_S
+
+
+def _splitter(on_stdout: OnData | None,
+              on_stderr: OnData | None) -> Callable[[str, bytes], None]:
+    def route(ev: str, data: bytes) -> None:
+        fn = on_stdout if ev == "stdout" else on_stderr if ev == "stderr" else None
+        if fn is not None:
+            fn(data)
+    return route
+
+
+# ---------------------------------------------------------------- the per-child relay
+def connect_child(d: Path, *, timeout: float = 10.0,
+                  alive: Callable[[], bool] | None = None) -> AgentClient:
+    """A client of child directory d's agent, through its relay (started if none runs)."""
+    sock = d / RELAY_SOCKET
+    with contextlib.suppress(AgentError, OSError):
+        return _relay_client(sock, alive)
+    fd = os.open(d / RELAY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        _flock(fd, time.monotonic() + timeout, d.name)
+        with contextlib.suppress(AgentError, OSError):
+            return _relay_client(sock, alive)  # another caller started it meanwhile
+        return _start_relay(d, alive, timeout)
+    finally:
+        os.close(fd)
+
+
+def _relay_client(sock: Path, alive: Callable[[], bool] | None) -> AgentClient:
+    if not sock.exists():
+        raise AgentError(f"no relay socket {sock}")
+    c = AgentClient.__new__(AgentClient)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock))
+    except OSError:
+        s.close()
+        raise
+    c.path, c.alive, c.hello = sock, alive, None
+    c._ls = LineSocket(s)
+    c._next_id = _new_ids()
+    return c
+
+
+def _flock(fd: int, deadline: float, child_id: str) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise AgentError(f"child {child_id}: another process is starting its agent "
+                                 "relay and did not finish; try again") from None
+            time.sleep(0.01)
+
+
+def _start_relay(d: Path, alive: Callable[[], bool] | None, timeout: float) -> AgentClient:
+    log = open(d / RELAY_LOG, "ab")  # noqa: SIM115 (the child keeps it)
+    try:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.agent_client",
+                                 "relay", str(d)], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True, close_fds=True,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    finally:
+        log.close()
+    deadline = time.monotonic() + max(timeout, RELAY_START_S)
+    while True:
+        with contextlib.suppress(AgentError, OSError):
+            return _relay_client(d / RELAY_SOCKET, alive)
+        if proc.poll() is not None:
+            tail = (d / RELAY_LOG).read_text(errors="replace")[-2000:]
+            raise AgentError(f"child {d.name}: its agent relay exited at once:\n{tail}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AgentError(f"child {d.name}: its agent relay did not listen within "
+                             f"{deadline - time.monotonic() + max(timeout, RELAY_START_S):.0f} s")
+        time.sleep(0.005)
+
+
+# the id (and whether the frame is final) read off the front of a frame without parsing it
+_FRAME_HEAD = re.compile(rb'\{"id": ?("(?:[^"\\]|\\.)*"|-?\d+|null), ?"(ok|ev)"')
+_REQ_HEAD = re.compile(rb'\{"id": ?("(?:[^"\\]|\\.)*"|-?\d+)')
+
+
+@dataclass
+class _Client:
+    sock: socket.socket
+    inbuf: bytearray
+    outbuf: bytearray
+    ids: set[str]
+    stuck_since: float | None = None
+
+
+class Relay:
+    """Owns the agent socket of one child and multiplexes clients over it (a selector loop,
+    one process, no threads)."""
+
+    def __init__(self, d: Path) -> None:
+        self.d = d
+        self.sel = selectors.DefaultSelector()
+        self.agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.agent.settimeout(10.0)
+        self.agent.connect(str(d / "agent.sock"))
+        self.agent.setblocking(False)
+        self.agent_in = bytearray()
+        self.agent_out = bytearray()
+        self.clients: dict[int, _Client] = {}
+        self.routes: dict[str, _Client] = {}
+        self.next_id = _new_ids()
+        self.idle_since = time.monotonic()
+        self.unlinked = False  # the socket path was given up (then it may be another relay's)
+        self.listener = self._listen()
+        self.sel.register(self.agent, selectors.EVENT_READ, "agent")
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+
+    def _listen(self) -> socket.socket:
+        path = self.d / RELAY_SOCKET
+        tmp = self.d / f".{RELAY_SOCKET}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(tmp))
+        os.chmod(tmp, 0o600)
+        s.listen(64)
+        s.setblocking(False)
+        os.replace(tmp, path)  # atomically: clients never see a socket nobody listens on
+        return s
+
+    def run(self) -> None:
+        while True:
+            agent_events = selectors.EVENT_READ if self._agent_readable() else 0
+            agent_events |= selectors.EVENT_WRITE if self.agent_out else 0
+            self._modify(self.agent, agent_events, "agent")
+            for ev_key, mask in self.sel.select(timeout=1.0):
+                if ev_key.data == "agent":
+                    if mask & selectors.EVENT_READ and not self._read_agent():
+                        return  # QEMU closed the socket: the VM is gone
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(self.agent, self.agent_out)
+                elif ev_key.data == "listen":
+                    self._accept()
+                else:
+                    self._client_io(ev_key.data, mask)
+            if self._should_exit():
+                return
+
+    def _modify(self, sock: socket.socket, events: int, data: Any) -> None:
+        if events:
+            try:
+                self.sel.modify(sock, events, data)
+            except KeyError:
+                self.sel.register(sock, events, data)
+        else:
+            with contextlib.suppress(KeyError):
+                self.sel.unregister(sock)
+
+    def _agent_readable(self) -> bool:
+        """Backpressure: stop reading the agent while a client has too much queued (the
+        guest's writes then block, and its processes with them); drop a client that stays
+        stuck for SLOW_CLIENT_S."""
+        now = time.monotonic()
+        ok = True
+        for c in list(self.clients.values()):
+            if len(c.outbuf) > CLIENT_BUFFER:
+                c.stuck_since = c.stuck_since or now
+                if now - c.stuck_since > SLOW_CLIENT_S:
+                    self._drop(c)
+                    continue
+                ok = False
+            else:
+                c.stuck_since = None
+        return ok
+
+    def _should_exit(self) -> bool:
+        if self.clients or self.routes or self.agent_out:
+            self.idle_since = time.monotonic()
+            return False
+        if time.monotonic() - self.idle_since < RELAY_IDLE_S:
+            return False
+        # leave no window where a client connects to a relay that is going away: unlink the
+        # socket first, then serve whoever got into the backlog before that
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.d / RELAY_SOCKET)
+        self.unlinked = True
+        self._accept()
+        if self.clients:
+            self.sel.unregister(self.listener)
+            self.listener.close()
+            self.listener = self._listen()
+            self.unlinked = False
+            self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+            return False
+        return True
+
+    def _read_agent(self) -> bool:
+        try:
+            chunk = self.agent.recv(1 << 20)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        buf = self.agent_in
+        scan = len(buf)
+        buf += chunk
+        start = 0
+        while True:
+            i = buf.find(b"\n", max(scan, start))
+            if i < 0:
+                break
+            self._route(bytes(buf[start:i + 1]))
+            start = i + 1
+        if start:
+            del buf[:start]
+        if len(buf) > 2 * (64 << 20):  # no frame is this long: the stream is broken
+            buf.clear()
+        return True
+
+    def _route(self, frame: bytes) -> None:
+        m = _FRAME_HEAD.match(frame)
+        if m is None:
+            return  # hello, or an incomplete frame the agent dropped
+        try:
+            rid = json.loads(m.group(1))
+        except ValueError:
+            return
+        c = self.routes.get(rid) if isinstance(rid, str) else None
+        if c is None:
+            return  # its client went away (or a reply to the relay's own cancel)
+        if m.group(2) == b"ok":
+            del self.routes[rid]
+            c.ids.discard(rid)
+        c.outbuf += frame
+        self._want_write(c)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self.listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            s.setblocking(False)
+            c = _Client(s, bytearray(), bytearray(), set())
+            self.clients[s.fileno()] = c
+            self.sel.register(s, selectors.EVENT_READ, c)
+
+    def _want_write(self, c: _Client) -> None:
+        self._modify(c.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+
+    def _client_io(self, c: _Client, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            if not self._flush(c.sock, c.outbuf):
+                self._drop(c)
+                return
+            if not c.outbuf:
+                self._modify(c.sock, selectors.EVENT_READ, c)
+        if mask & selectors.EVENT_READ:
+            try:
+                chunk = c.sock.recv(1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._drop(c)
+                return
+            scan = len(c.inbuf)
+            c.inbuf += chunk
+            start = 0
+            while True:
+                i = c.inbuf.find(b"\n", max(scan, start))
+                if i < 0:
+                    break
+                self._request(c, bytes(c.inbuf[start:i + 1]))
+                start = i + 1
+            if start:
+                del c.inbuf[:start]
+            if len(c.inbuf) > 64 << 20:
+                self._drop(c)  # past the protocol's bound on a line
+
+    def _request(self, c: _Client, line: bytes) -> None:
+        m = _REQ_HEAD.match(line)
+        rid: Any = None
+        if m is not None:
+            with contextlib.suppress(ValueError):
+                rid = json.loads(m.group(1))
+        if not isinstance(rid, str) or rid in self.routes:
+            why = ("a request through the relay starts with a string id" if not isinstance(
+                rid, str) else f"request id {rid!r} is already in flight")
+            c.outbuf += (json.dumps({"id": rid, "ok": False,
+                                     "error": {"type": "protocol", "message": why}}) + "\n"
+                         ).encode()
+            self._want_write(c)
+            return
+        self.routes[rid] = c
+        c.ids.add(rid)
+        self.agent_out += line
+
+    def _flush(self, sock: socket.socket, buf: bytearray) -> bool:
+        try:
+            n = sock.send(buf)
+        except BlockingIOError:
+            return True
+        except OSError as e:
+            return e.errno in (errno.EAGAIN, errno.EINTR)
+        del buf[:n]
+        return True
+
+    def _drop(self, c: _Client) -> None:
+        """A client went away: its running commands are cancelled in the guest."""
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(c.sock)
+        self.clients.pop(c.sock.fileno(), None)
+        c.sock.close()
+        for rid in c.ids:
+            self.routes.pop(rid, None)
+            cancel = {"id": self.next_id(), "v": PROTOCOL, "op": "cancel", "target": rid}
+            self.agent_out += (json.dumps(cancel) + "\n").encode()
+        c.ids.clear()
+
+
+def relay_main(d: Path) -> int:
+    try:
+        relay = Relay(d)
+    except OSError as e:
+        print(f"forkd agent relay for {d}: cannot start: {e}", file=sys.stderr)
+        return 1
+    try:
+        relay.run()
+    finally:
+        if not relay.unlinked:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / RELAY_SOCKET)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "relay":
+        sys.exit(relay_main(Path(sys.argv[2])))
+    print("usage: python -m forkd.engine.agent_client relay CHILD_DIR", file=sys.stderr)
+    sys.exit(2)

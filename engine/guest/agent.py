@@ -1,42 +1,69 @@
 """forkd guest agent (runs in the guest as PID 1; stdlib only, Python >= 3.9).
 
-Serves protocol version 1 (docs/agent-protocol.md): JSON lines over the
-virtio-serial port given as argv[1]. One request per line, one response per
-line, matched by "id". On start it writes one unsolicited hello line.
+Serves protocol version 2 (docs/agent-protocol.md): JSON lines over the virtio-serial port
+given as argv[1]. Every request runs in its own thread, so many are in flight at once; each
+frame the agent writes starts with the request's "id" (events: "ev", the final reply: "ok").
+Commands run in their own session and process group (a timeout or kill ends the group) and
+stream their output as it is produced. On start it writes one unsolicited hello line.
 """
+
+from __future__ import annotations
 
 import ast
 import base64
 import contextlib
+import ctypes
 import fcntl
 import io
 import json
 import os
 import random
+import re
 import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-PROTOCOL = 1
+PROTOCOL = 2
+ACCEPTED_VERSIONS = (1, 2)  # v1 requests mean what they meant; v2 adds ops and fields
 MAX_LINE = 64 << 20
-MAX_FILE = 32 << 20
+MAX_FILE = 32 << 20  # a file in one frame (put; get without stream)
+MAX_STREAMED_FILE = 4 << 30  # get with stream: true
+MAX_COLLECTED = 32 << 20  # per stream, an exec's output collected into its reply
+MAX_PROC_BUFFER = 8 << 20  # per stream, a background process's output nobody has read yet
+MAX_PROCS = 256  # background processes known at once (running or not yet waited for)
+CHUNK = 1 << 20  # bytes of output or file per event frame (before base64)
+PIPE_SIZE = 1 << 20
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
+F_SETPIPE_SZ = 1031
 # Safety net only: SIGIO wakes the idle agent when the host connects or sends.
 IDLE_WAIT_S = 60.0
+WRITE_GIVE_UP_S = 5.0  # a frame the host does not take for this long is dropped
 
 NS = {"__name__": "__forkd__", "__builtins__": __builtins__}
+NS_LOCK = threading.Lock()  # eval/run_code share one namespace and sys.stdout: one at a time
 
 
 class ProtocolError(Exception):
     pass
+
+
+class NotFoundError(Exception):
+    """An unknown process handle or a missing file: error type not_found."""
+
+
+class StateError(Exception):
+    """The process is not in a state that allows this (kill of a finished process, stdin to
+    a closed stdin): error type state."""
 
 
 # The request path runs in every forked child, and every Python function, object and code
@@ -69,15 +96,64 @@ def _line(obj: object) -> bytes:
     return (_ENCODE(obj) + "\n").encode()
 
 
-def _reap() -> None:
-    """PID 1 duty: collect orphaned processes (only between requests)."""
-    while True:
+# ---------------------------------------------------------------- the channel
+class Channel:
+    """The port's write side, shared by every request thread: one frame at a time, written
+    whole (offsets into one buffer, never re-sliced copies)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()
+
+    def send(self, obj: dict) -> None:
+        data = _line(obj)
+        with self.lock:
+            self._write_all(data)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        off = 0
+        give_up = None
+        while off < len(data):
+            try:
+                off += os.write(self.fd, view[off:])
+                give_up = None
+            except OSError:
+                # host side went away mid-frame: keep trying briefly, then drop the frame (the
+                # host's reader skips an incomplete line)
+                now = time.monotonic()
+                give_up = give_up or now + WRITE_GIVE_UP_S
+                if now > give_up:
+                    return
+                time.sleep(0.05)
+
+    def event(self, rid: object, ev: str, data: bytes) -> None:
+        self.send({"id": rid, "ev": ev, "data": base64.b64encode(data).decode()})
+
+
+CHANNEL: Channel | None = None
+
+
+def _emit(rid: object) -> Callable[[str, bytes], None]:
+    assert CHANNEL is not None
+    ch = CHANNEL
+    return lambda ev, data: ch.event(rid, ev, data)
+
+
+def _reap_orphans() -> None:
+    """PID 1 duty: collect orphaned zombies, but never a process some Proc waits for."""
+    managed = {p.popen.pid for p in list(PROCS.values()) + list(FOREGROUND.values())}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in managed:
+            continue
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == b"Z" and fields[1] == b"1":
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(int(entry), os.WNOHANG)
 
 
 PYTHON_VERSION = sys.version.split()[0]
@@ -91,37 +167,463 @@ def op_ping(req: dict[str, Any]) -> dict[str, Any]:
             "python": PYTHON_VERSION, "hostname": socket.gethostname()}
 
 
-def op_exec(req: dict[str, Any]) -> dict[str, Any]:
-    argv = req.get("argv")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise ProtocolError("exec needs argv: a non-empty list of strings")
+# ---------------------------------------------------------------- processes
+def _oom_kills() -> int:
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+_KILLED_RE = re.compile(rb"(?:Killed process|Out of memory: Killed process) (\d+)|"
+                        rb"oom-kill:.*?,pid=(\d+)")
+
+
+def _kmsg_oom_pids() -> set:
+    """Pids the kernel's OOM killer named in its log (/dev/kmsg, read without blocking)."""
+    pids = set()
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return pids
+    try:
+        for _ in range(100000):
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: a record was overwritten while reading; go on
+                continue
+            if not rec:
+                break
+            for m in _KILLED_RE.finditer(rec):
+                pids.add(int(m.group(1) or m.group(2)))
+    finally:
+        os.close(fd)
+    return pids
+
+
+def _exec_env(req: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("HOME", "/root")
-    env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+    extra = req.get("env") or {}
+    if not isinstance(extra, dict):
+        raise ProtocolError("env must be an object of strings")
+    env.update({str(k): str(v) for k, v in extra.items()})
+    return env
+
+
+def _argv(req: dict[str, Any]) -> list:
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ProtocolError(f"{req.get('op')} needs argv: a non-empty list of strings")
+    return argv
+
+
+def _timeout(req: dict[str, Any], name: str = "timeout") -> float | None:
+    t = req.get(name)
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+        raise ProtocolError(f"{name} must be a positive number of seconds")
+    return float(t)
+
+
+def _stdin_bytes(req: dict[str, Any]) -> bytes | None:
     stdin = req.get("stdin")
-    data = None
-    if stdin is not None:
-        data = base64.b64decode(stdin) if req.get("stdin_b64") else str(stdin).encode()
-    timeout = req.get("timeout")
+    if stdin is None:
+        return None
+    return base64.b64decode(stdin) if req.get("stdin_b64") else str(stdin).encode()
+
+
+def _set_ctty() -> None:  # runs in the child between fork and exec (PTY only)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Sink:
+    """Where one stream of a process goes: events to a request (streaming), a bounded
+    buffer (collected into a reply, or kept for a background process's next reader)."""
+
+    def __init__(self, name: str, bound: int, keep_tail: bool) -> None:
+        self.name = name
+        self.bound = bound
+        self.keep_tail = keep_tail  # background: drop the oldest bytes; collected: the newest
+        self.buf = bytearray()
+        self.dropped = 0
+        self.emit: Callable[[str, bytes], None] | None = None
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self.lock:  # held while emitting: attach(None) never cuts a frame in flight
+            if self.emit is not None:
+                self.emit(self.name, data)
+            else:
+                self._keep(data)
+
+    def _keep(self, data: bytes) -> None:
+        self.buf += data
+        over = len(self.buf) - self.bound
+        if over > 0:
+            self.dropped += over
+            if self.keep_tail:
+                del self.buf[:over]
+            else:
+                del self.buf[self.bound:]
+
+    def attach(self, emit: Callable[[str, bytes], None] | None) -> None:
+        """Send what is buffered, then everything new, as events (None: buffer again)."""
+        with self.lock:
+            if emit is not None and self.buf:
+                pending = bytes(self.buf)
+                self.buf.clear()
+                for i in range(0, len(pending), CHUNK):
+                    emit(self.name, pending[i:i + CHUNK])
+            self.emit = emit
+
+    def take(self) -> bytes:
+        with self.lock:
+            data = bytes(self.buf)
+            self.buf.clear()
+            return data
+
+
+class Proc:
+    """One command in its own session (process group), its output pumped into sinks."""
+
+    def __init__(self, req: dict[str, Any], background: bool) -> None:
+        self.argv = _argv(req)
+        self.timeout = _timeout(req)
+        self.pty = bool(req.get("pty"))
+        data = _stdin_bytes(req)
+        keep_stdin = background or bool(req.get("stdin_open"))
+        bound = MAX_PROC_BUFFER if background else MAX_COLLECTED
+        self.stdout = Sink("stdout", bound, keep_tail=background)
+        self.stderr = Sink("stderr", bound, keep_tail=background)
+        self.t0 = time.monotonic()
+        self.oom_before = _oom_kills()
+        self.timed_out = False
+        self.killed_by: int | None = None  # the signal a request sent
+        self.result: dict[str, Any] | None = None
+        self.done = threading.Event()
+        self.stdin_lock = threading.Lock()
+        self.popen, self.stdin_fd, outs = self._spawn(req, data is not None or keep_stdin)
+        self.pgid = self.popen.pid
+        self.pumps = [threading.Thread(target=self._pump, args=(fd, sink), daemon=True)
+                      for fd, sink in outs]
+        for t in self.pumps:
+            t.start()
+        if data is not None:
+            threading.Thread(target=self._feed, args=(data, not keep_stdin), daemon=True).start()
+        elif not keep_stdin:
+            self.close_stdin()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _spawn(self, req: dict[str, Any], want_stdin: bool) -> tuple:
+        env = _exec_env(req)
+        cwd = req.get("cwd") or "/"
+        if self.pty:
+            master, slave = os.openpty()
+            rows, cols = int(req.get("rows") or 24), int(req.get("cols") or 80)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            env.setdefault("TERM", "xterm-256color")
+            try:
+                p = subprocess.Popen(self.argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                     cwd=cwd, start_new_session=True, preexec_fn=_set_ctty)
+            except BaseException:
+                os.close(master)
+                raise
+            finally:
+                os.close(slave)
+            return p, os.dup(master), [(master, self.stdout)]
+        p = subprocess.Popen(self.argv, stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                             start_new_session=True)
+        outs = []
+        for f, sink in ((p.stdout, self.stdout), (p.stderr, self.stderr)):
+            fd = os.dup(f.fileno())
+            f.close()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+            outs.append((fd, sink))
+        stdin_fd = None
+        if p.stdin is not None:
+            stdin_fd = os.dup(p.stdin.fileno())
+            p.stdin.close()
+        return p, stdin_fd, outs
+
+    def _pump(self, fd: int, sink: Sink) -> None:
+        """Read until EOF, gathering what is already there into frames of up to CHUNK."""
+        try:
+            while True:
+                try:
+                    data = os.read(fd, CHUNK)
+                except OSError:  # EIO: the PTY's other side is gone
+                    data = b""
+                if not data:
+                    return
+                if len(data) < CHUNK:
+                    more = bytearray(data)
+                    while len(more) < CHUNK and select.select([fd], [], [], 0)[0]:
+                        try:
+                            piece = os.read(fd, CHUNK - len(more))
+                        except OSError:
+                            piece = b""
+                        if not piece:
+                            break
+                        more += piece
+                    data = bytes(more)
+                sink.write(data)
+        finally:
+            os.close(fd)
+
+    def _feed(self, data: bytes, close: bool) -> None:
+        with contextlib.suppress(OSError):
+            self.write_stdin(data)
+        if close:
+            self.close_stdin()
+
+    def write_stdin(self, data: bytes) -> None:
+        with self.stdin_lock:
+            if self.stdin_fd is None:
+                raise StateError(f"the stdin of process {self.popen.pid} is closed")
+            view = memoryview(data)
+            off = 0
+            while off < len(data):
+                off += os.write(self.stdin_fd, view[off:])
+
+    def close_stdin(self, final: bool = False) -> None:
+        """Close stdin; on a PTY (until the process ends) send ^D, the terminal's EOF."""
+        with self.stdin_lock:
+            if self.stdin_fd is None:
+                return
+            if self.pty and not final:
+                with contextlib.suppress(OSError):
+                    os.write(self.stdin_fd, b"\x04")
+                return
+            with contextlib.suppress(OSError):
+                os.close(self.stdin_fd)
+            self.stdin_fd = None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (what the command started, too)."""
+        if self.done.is_set():
+            raise StateError(f"process {self.popen.pid} already ended ({self.result_status()})")
+        self.killed_by = sig
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def _wait(self) -> None:
+        try:
+            code = self.popen.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            code = self.popen.wait()
+        if self.timed_out or self.killed_by == signal.SIGKILL:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)  # stragglers that ignored the first one
+        for t in self.pumps:
+            t.join()
+        self.close_stdin(final=True)
+        self.result = self._result(code)
+        self.done.set()
+        _reap_orphans()
+
+    def _result(self, code: int) -> dict[str, Any]:
+        sig = -code if code < 0 else None
+        oom = False
+        if not self.timed_out and self.killed_by is None and (sig == 9 or code == 137):
+            after = _oom_kills()
+            named = _kmsg_oom_pids()
+            oom = self.popen.pid in named or (after > self.oom_before >= 0)
+        if self.timed_out:
+            status = "timed_out"
+        elif oom:
+            status = "oom_killed"
+        elif self.killed_by is not None and sig is not None:
+            status = "killed"
+        elif sig is not None:
+            status = "signaled"
+        else:
+            status = "exited"
+        return {"status": status, "exit_code": code, "signal": sig,
+                "signal_name": signal.Signals(sig).name if sig else None,
+                "timed_out": self.timed_out, "killed": status == "killed",
+                "oom_killed": oom, "duration": time.monotonic() - self.t0, "pid": self.popen.pid,
+                "stdout_dropped": self.stdout.dropped, "stderr_dropped": self.stderr.dropped}
+
+    def result_status(self) -> str:
+        return self.result["status"] if self.result else "running"
+
+
+FOREGROUND: dict = {}  # request id -> Proc of a running exec (for cancel)
+PROCS: dict = {}  # handle -> Proc of a background process
+_PROC_LOCK = threading.Lock()
+_HANDLES = iter(range(1, 1 << 62))
+
+
+def _start(req: dict[str, Any], background: bool) -> Proc:
+    try:
+        return Proc(req, background)
+    except FileNotFoundError as e:
+        raise _SpawnFailed(127, str(e)) from None
+    except PermissionError as e:
+        raise _SpawnFailed(126, str(e)) from None
+
+
+class _SpawnFailed(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def op_exec(req: dict[str, Any]) -> dict[str, Any]:
+    """Run a command to its end. stream: true sends its output as events while it runs."""
+    rid = req.get("id")
+    stream = bool(req.get("stream"))
     t0 = time.monotonic()
     try:
-        p = subprocess.run(argv, input=data, capture_output=True, env=env,
-                           cwd=req.get("cwd") or "/", timeout=timeout,
-                           stdin=None if data is not None else subprocess.DEVNULL)
-        out, err, code, timed_out = p.stdout, p.stderr, p.returncode, False
-    except subprocess.TimeoutExpired as e:
-        out, err, code, timed_out = e.stdout or b"", e.stderr or b"", -9, True
-    except FileNotFoundError as e:
-        out, err, code, timed_out = b"", str(e).encode(), 127, False
-    except PermissionError as e:
-        out, err, code, timed_out = b"", str(e).encode(), 126, False
-    _reap()
-    return {"exit_code": code, "stdout": out.decode("utf-8", "replace"),
-            "stderr": err.decode("utf-8", "replace"), "timed_out": timed_out,
-            "duration": time.monotonic() - t0}
+        p = _start(req, background=False)
+    except _SpawnFailed as e:
+        return {"status": "exited", "exit_code": e.code, "signal": None, "signal_name": None,
+                "timed_out": False, "killed": False, "oom_killed": False,
+                "duration": time.monotonic() - t0, "stdout": "", "stderr": str(e)}
+    if stream:
+        p.stdout.attach(_emit(rid))
+        p.stderr.attach(_emit(rid))
+    FOREGROUND[rid] = p
+    try:
+        p.done.wait()
+    finally:
+        FOREGROUND.pop(rid, None)
+    res = dict(p.result or {})
+    if not stream:
+        res["stdout"] = p.stdout.take().decode("utf-8", "replace")
+        res["stderr"] = p.stderr.take().decode("utf-8", "replace")
+    return res
 
 
+def op_cancel(req: dict[str, Any]) -> dict[str, Any]:
+    """End a running exec whose client went away (the host's relay sends this)."""
+    p = FOREGROUND.get(req.get("target"))
+    if p is None or p.done.is_set():
+        return {"cancelled": False}
+    with contextlib.suppress(StateError):
+        p.kill(signal.SIGKILL)
+    return {"cancelled": True}
+
+
+def _proc(req: dict[str, Any]) -> Proc:
+    handle = req.get("handle")
+    p = PROCS.get(handle)
+    if p is None:
+        raise NotFoundError(f"no process with handle {handle!r} (proc_list shows the known ones;"
+                            " a handle is forgotten once proc_wait has returned its end)")
+    return p
+
+
+def _proc_view(handle: str, p: Proc) -> dict[str, Any]:
+    return {"handle": handle, "pid": p.popen.pid, "argv": p.argv, "pty": p.pty,
+            "status": p.result_status(), "running": not p.done.is_set(),
+            "exit_code": p.result["exit_code"] if p.result else None,
+            "started_s_ago": round(time.monotonic() - p.t0, 3)}
+
+
+def op_proc_start(req: dict[str, Any]) -> dict[str, Any]:
+    """Start a background process; its output waits in bounded buffers for proc_wait."""
+    with _PROC_LOCK:
+        if len(PROCS) >= MAX_PROCS:
+            raise StateError(f"{MAX_PROCS} background processes are known already; "
+                             "proc_wait the finished ones (or proc_kill some) first")
+        try:
+            p = _start(req, background=True)
+        except _SpawnFailed as e:
+            raise NotFoundError(f"cannot start {req.get('argv')!r}: {e}") from None
+        handle = f"p{next(_HANDLES)}"
+        PROCS[handle] = p
+    return _proc_view(handle, p)
+
+
+def op_proc_wait(req: dict[str, Any]) -> dict[str, Any]:
+    """Wait for a background process (up to timeout seconds: then running: true). Its
+    output so far and while waiting comes as events (stream: true, the default) or in the
+    reply. When it has ended, the reply carries its result and the handle is forgotten."""
+    p = _proc(req)
+    wait_s = _timeout(req)
+    stream = req.get("stream", True)
+    if stream:
+        emit = _emit(req.get("id"))
+        p.stdout.attach(emit)
+        p.stderr.attach(emit)
+    try:
+        ended = p.done.wait(wait_s)
+    finally:
+        if stream:
+            p.stdout.attach(None)
+            p.stderr.attach(None)
+    res: dict[str, Any] = {"handle": req.get("handle"), "running": not ended}
+    if ended:
+        res.update(p.result or {})
+        with _PROC_LOCK:
+            PROCS.pop(req.get("handle"), None)
+    if not stream:
+        res["stdout"] = base64.b64encode(p.stdout.take()).decode()
+        res["stderr"] = base64.b64encode(p.stderr.take()).decode()
+    return res
+
+
+def op_proc_stdin(req: dict[str, Any]) -> dict[str, Any]:
+    """Write to a background process's stdin (data: base64); close: true closes it after."""
+    p = _proc(req)
+    if p.done.is_set():
+        raise StateError(f"process {req.get('handle')} already ended ({p.result_status()})")
+    data = base64.b64decode(req.get("data") or "")
+    if data:
+        try:
+            p.write_stdin(data)
+        except BrokenPipeError:
+            raise StateError(f"process {req.get('handle')} closed its stdin") from None
+    elif p.stdin_fd is None:
+        raise StateError(f"the stdin of process {req.get('handle')} is closed")
+    if req.get("close"):
+        p.close_stdin()
+    return {"bytes": len(data), "closed": p.stdin_fd is None or bool(req.get("close"))}
+
+
+def op_proc_close_stdin(req: dict[str, Any]) -> dict[str, Any]:
+    p = _proc(req)
+    if p.stdin_fd is None:
+        raise StateError(f"the stdin of process {req.get('handle')} is closed already")
+    p.close_stdin()
+    return {"closed": True}
+
+
+def op_proc_kill(req: dict[str, Any]) -> dict[str, Any]:
+    """Signal a background process's whole group (default SIGKILL)."""
+    p = _proc(req)
+    sig = req.get("signal", int(signal.SIGKILL))
+    if isinstance(sig, str):
+        try:
+            sig = int(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig])
+        except KeyError:
+            raise ProtocolError(f"unknown signal {sig!r}") from None
+    if isinstance(sig, bool) or not isinstance(sig, int) or not 0 < sig < 65:
+        raise ProtocolError(f"signal must be a signal number or name, got {sig!r}")
+    p.kill(sig)
+    return {"handle": req.get("handle"), "signal": sig}
+
+
+def op_proc_list(req: dict[str, Any]) -> dict[str, Any]:
+    return {"processes": [_proc_view(h, p) for h, p in sorted(PROCS.items())]}
+
+
+# ---------------------------------------------------------------- Python in the warm namespace
 def _jsonable(v: object) -> object:
     try:
         _ENCODE(v)  # no circular check: a circular value ends in RecursionError
@@ -130,28 +632,74 @@ def _jsonable(v: object) -> object:
         return None
 
 
+class _Capture(io.TextIOBase):
+    """sys.stdout/sys.stderr during eval/run_code: kept for the reply, and sent as events
+    too when the request streams."""
+
+    def __init__(self, name: str, emit: Callable[[str, bytes], None] | None) -> None:
+        self.name = name
+        self.parts: list = []
+        self.emit = emit
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        self.parts.append(s)
+        if self.emit is not None and s:
+            self.emit(self.name, s.encode("utf-8", "replace"))
+        return len(s)
+
+    def getvalue(self) -> str:
+        return "".join(self.parts)
+
+
+def _raise_in(thread_id: int, exc: type) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
+
+
+def _run_python(req: dict[str, Any], code: str) -> tuple:
+    """Run code in the namespace (one request at a time), like a REPL: the value of a
+    trailing expression is returned. (value, stdout, stderr, error)."""
+    stream = bool(req.get("stream"))
+    emit = _emit(req.get("id")) if stream else None
+    out, err = _Capture("stdout", emit), _Capture("stderr", emit)
+    timeout = _timeout(req)
+    value = None
+    error = None
+    with NS_LOCK:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = out, err
+        timer = None
+        if timeout is not None:
+            timer = threading.Timer(timeout, _raise_in, (threading.get_ident(), TimeoutError))
+            timer.start()
+        try:
+            try:
+                expr = _compile_expr(code)
+                value = eval(expr, NS) if expr is not None else _exec_repl(code)
+            except BaseException as e:  # the caller's code may raise anything
+                error = {"type": type(e).__name__, "message": str(e),
+                         "traceback": traceback.format_exc()}
+                if isinstance(e, TimeoutError) and timer is not None and not timer.is_alive():
+                    error["message"] = f"the code ran longer than its timeout of {timeout} s"
+                    error["timed_out"] = True
+        finally:
+            if timer is not None:
+                timer.cancel()
+            sys.stdout, sys.stderr = saved
+    return value, out.getvalue(), err.getvalue(), error
+
+
 def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     code = req.get("code")
     if not isinstance(code, str):
         raise ProtocolError("eval needs code: a string of Python")
-    out, err = io.StringIO(), io.StringIO()
-    value = None
-    error = None
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = out, err
-    try:
-        try:
-            expr = _compile_expr(code)
-            value = eval(expr, NS) if expr is not None else _exec_repl(code)
-        except BaseException as e:  # the caller's code may raise anything
-            if isinstance(e, SystemExit):
-                pass
-            error = {"type": type(e).__name__, "message": str(e),
-                     "traceback": traceback.format_exc()}
-    finally:
-        sys.stdout, sys.stderr = saved
+    value, out, err, error = _run_python(req, code)
     return {"value": _jsonable(value), "repr": None if value is None else repr(value),
-            "stdout": out.getvalue(), "stderr": err.getvalue(), "error": error}
+            "stdout": out, "stderr": err, "error": error}
 
 
 def _compile_expr(code: str) -> Any:
@@ -176,10 +724,89 @@ def _exec_repl(code: str) -> object:
     return None
 
 
-def op_put(req: dict[str, Any]) -> dict[str, Any]:
+_MIME = (("_repr_html_", "html"), ("_repr_markdown_", "markdown"), ("_repr_svg_", "svg"),
+         ("_repr_latex_", "latex"), ("_repr_json_", "json"))
+
+
+def _figure_png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _is_figure(v: object) -> bool:
+    fig_mod = sys.modules.get("matplotlib.figure")
+    return fig_mod is not None and isinstance(v, fig_mod.Figure)
+
+
+def _rich(value: object, main: bool) -> dict[str, Any]:
+    """One result the way E2B's code interpreter returns it: text always, and whichever of
+    png/html/markdown/svg/latex/json/jpeg the object can render itself as."""
+    res: dict[str, Any] = {"text": repr(value), "is_main_result": main}
+    if _is_figure(value):
+        res["png"] = _figure_png(value)
+    for attr, key in _MIME:
+        fn = getattr(value, attr, None)
+        if callable(fn) and not isinstance(value, type):
+            with contextlib.suppress(Exception):
+                out = fn()
+                if out is not None:
+                    res[key] = out if isinstance(out, (str, dict, list)) else str(out)
+    for attr, key in (("_repr_png_", "png"), ("_repr_jpeg_", "jpeg")):
+        fn = getattr(value, attr, None)
+        if callable(fn) and key not in res and not isinstance(value, type):
+            with contextlib.suppress(Exception):
+                out = fn()
+                if isinstance(out, bytes):
+                    res[key] = base64.b64encode(out).decode()
+    return res
+
+
+def _open_figures(skip: object) -> list:
+    """PNG results of every pyplot figure the code left open (then closed, like a notebook
+    cell's display), except `skip` (the main result, rendered once)."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return []
+    out = []
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        if fig is not skip:
+            out.append(_rich(fig, main=False))
+    plt.close("all")
+    return out
+
+
+def op_run_code(req: dict[str, Any]) -> dict[str, Any]:
+    """Code-interpreter cell: eval plus rich results (figures as PNG, DataFrames as HTML)."""
+    code = req.get("code")
+    if not isinstance(code, str):
+        raise ProtocolError("run_code needs code: a string of Python")
+    value, out, err, error = _run_python(req, code)
+    with NS_LOCK:
+        results = []
+        try:
+            results = _open_figures(value)
+            if value is not None:
+                results.append(_rich(value, main=True))
+        except Exception as e:  # a repr that fails is the code's error, not the agent's
+            if error is None:
+                error = {"type": type(e).__name__, "message": str(e),
+                         "traceback": traceback.format_exc()}
+    return {"results": results, "stdout": out, "stderr": err, "error": error,
+            "value": _jsonable(value), "repr": None if value is None else repr(value)}
+
+
+# ---------------------------------------------------------------- files
+def _guest_path(req: dict[str, Any]) -> str:
     path = req.get("path")
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ProtocolError("put needs path: an absolute guest path")
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise ProtocolError(f"{req.get('op')} needs path: an absolute guest path")
+    return path
+
+
+def op_put(req: dict[str, Any]) -> dict[str, Any]:
+    path = _guest_path(req)
     data = base64.b64decode(req.get("data", ""))
     if len(data) > MAX_FILE:
         raise ProtocolError("put: file larger than 32 MiB")
@@ -193,15 +820,32 @@ def op_put(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_get(req: dict[str, Any]) -> dict[str, Any]:
-    path = req.get("path")
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ProtocolError("get needs path: an absolute guest path")
-    size = os.path.getsize(path)
-    if size > MAX_FILE:
-        raise ProtocolError(f"get: {path} is {size} bytes, more than 32 MiB")
-    with open(path, "rb") as f:
-        data = f.read()
-    return {"bytes": len(data), "data": base64.b64encode(data).decode()}
+    """A file's bytes: in the reply (up to 32 MiB), or with stream: true as "chunk" events
+    of up to 1 MiB each (up to 4 GiB)."""
+    path = _guest_path(req)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise NotFoundError(f"no file {path} in the guest") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        size = os.fstat(fd).st_size
+        if not req.get("stream"):
+            if size > MAX_FILE:
+                raise ProtocolError(f"get: {path} is {size} bytes, more than 32 MiB; "
+                                    "ask with stream: true")
+            data = f.read()
+            return {"bytes": len(data), "data": base64.b64encode(data).decode()}
+        if size > MAX_STREAMED_FILE:
+            raise ProtocolError(f"get: {path} is {size} bytes, more than 4 GiB")
+        emit = _emit(req.get("id"))
+        total = 0
+        while total <= MAX_STREAMED_FILE:
+            chunk = f.read(CHUNK)
+            if not chunk:
+                break
+            emit("chunk", chunk)
+            total += len(chunk)
+        return {"bytes": total}
 
 
 def op_fixup(req: dict[str, Any]) -> dict[str, Any]:
@@ -299,42 +943,66 @@ def op_sync(req: dict[str, Any]) -> dict[str, Any]:
     return {"duration": time.monotonic() - t0}
 
 
-OPS = {"ping": op_ping, "exec": op_exec, "eval": op_eval, "put": op_put, "get": op_get,
-       "fixup": op_fixup, "sync": op_sync}
+OPS = {"ping": op_ping, "exec": op_exec, "eval": op_eval, "run_code": op_run_code,
+       "put": op_put, "get": op_get, "fixup": op_fixup, "sync": op_sync, "cancel": op_cancel,
+       "proc_start": op_proc_start, "proc_wait": op_proc_wait, "proc_stdin": op_proc_stdin,
+       "proc_close_stdin": op_proc_close_stdin, "proc_kill": op_proc_kill,
+       "proc_list": op_proc_list}
+# answered on the reading thread (quick, and fixup must finish before anything else runs)
+INLINE = {"ping", "fixup", "cancel", "proc_list"}
 
 
-def handle(line: bytes) -> dict[str, Any]:
-    rid = None
+def _error(rid: object, kind: str, message: str) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "error": {"type": kind, "message": message}}
+
+
+def handle(req: dict[str, Any]) -> dict[str, Any]:
+    rid = req.get("id")
     try:
-        req = _DECODER.decode(line.decode())
-        if not isinstance(req, dict):
-            raise ProtocolError("a request must be a JSON object")
-        rid = req.get("id")
-        if req.get("v", PROTOCOL) != PROTOCOL:
-            raise ProtocolError(f"unsupported protocol version {req.get('v')!r}; "
-                                f"this agent speaks {PROTOCOL}")
-        op = OPS.get(str(req.get("op")))
-        if op is None:
-            raise ProtocolError(f"unknown op {req.get('op')!r}; known: {sorted(OPS)}")
+        op = OPS[str(req.get("op"))]
         return {"id": rid, "ok": True, "result": op(req)}
     except ProtocolError as e:
-        return {"id": rid, "ok": False, "error": {"type": "protocol", "message": str(e)}}
-    except ValueError as e:
-        return {"id": rid, "ok": False,
-                "error": {"type": "protocol", "message": f"bad request: {e}"}}
+        return _error(rid, "protocol", str(e))
+    except (NotFoundError, FileNotFoundError) as e:
+        return _error(rid, "not_found", str(e) if isinstance(e, NotFoundError)
+                      else f"{type(e).__name__}: {e}")
+    except StateError as e:
+        return _error(rid, "state", str(e))
+    except (ValueError, TypeError) as e:
+        return _error(rid, "protocol", f"bad request: {e}")
     except Exception as e:
-        return {"id": rid, "ok": False,
-                "error": {"type": "guest", "message": f"{type(e).__name__}: {e}"}}
+        return _error(rid, "guest", f"{type(e).__name__}: {e}")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        try:
-            n = os.write(fd, data)
-        except OSError:
-            time.sleep(0.05)  # host side went away mid-reply; keep trying briefly
-            continue
-        data = data[n:]
+def _serve_one(req: dict[str, Any]) -> None:
+    assert CHANNEL is not None
+    CHANNEL.send(handle(req))
+
+
+def dispatch(line: bytes) -> None:
+    """Parse one request line and answer it: inline for quick ops, else on its own thread."""
+    assert CHANNEL is not None
+    try:
+        req = _DECODER.decode(line.decode())
+    except ValueError as e:
+        CHANNEL.send(_error(None, "protocol", f"bad request: {e}"))
+        return
+    if not isinstance(req, dict):
+        CHANNEL.send(_error(None, "protocol", "a request must be a JSON object"))
+        return
+    rid = req.get("id")
+    if req.get("v", 1) not in ACCEPTED_VERSIONS:
+        CHANNEL.send(_error(rid, "protocol", f"unsupported protocol version {req.get('v')!r}; "
+                                             f"this agent speaks {list(ACCEPTED_VERSIONS)}"))
+        return
+    op = str(req.get("op"))
+    if op not in OPS:
+        CHANNEL.send(_error(rid, "protocol", f"unknown op {req.get('op')!r}; known: {sorted(OPS)}"))
+        return
+    if op in INLINE:
+        _serve_one(req)
+    else:
+        threading.Thread(target=_serve_one, args=(req,), daemon=True).start()
 
 
 def _port_events(fd: int) -> int:
@@ -353,34 +1021,47 @@ def _port_events(fd: int) -> int:
 
 
 def serve(port: str) -> None:
+    global CHANNEL
     fd = os.open(port, os.O_RDWR)
     events = _port_events(fd)
-    hello = {"hello": {"protocol": PROTOCOL, "agent": "forkd-agent", **op_ping({})}}
-    _write_all(fd, _line(hello))
-    buf = b""
+    CHANNEL = Channel(fd)
+    CHANNEL.send({"hello": {"protocol": PROTOCOL, "agent": "forkd-agent",
+                            "versions": list(ACCEPTED_VERSIONS), **op_ping({})}})
+    buf = bytearray()
+    scanned = 0  # bytes at the start of buf known to hold no newline
     while True:
         try:
-            chunk = os.read(fd, 1 << 16)
+            chunk = os.read(fd, 1 << 20)
         except OSError:
             chunk = b""
         if not chunk:
-            # Host side not connected: read() returned EOF at once. Sleep until SIGIO (a
-            # signal raised after the read() is still in the pipe), then drain the pipe
-            # before reading again. No periodic wake-ups while idle.
+            # Host side not connected: read() returned EOF at once. Whatever part of a line
+            # the last host sent is dropped (a new host starts with a new line). Sleep until
+            # SIGIO (a signal raised after the read() is still in the pipe), then drain the
+            # pipe before reading again. No periodic wake-ups while idle.
+            buf.clear()
+            scanned = 0
             select.select([events], [], [], IDLE_WAIT_S)
             with contextlib.suppress(OSError):
                 os.read(events, 4096)
             continue
         buf += chunk
-        if len(buf) > MAX_LINE and b"\n" not in buf:
-            buf = b""
-            err = {"type": "protocol", "message": "request line longer than 64 MiB"}
-            _write_all(fd, _line({"id": None, "ok": False, "error": err}))
-            continue
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
+        start = 0
+        while True:
+            i = buf.find(b"\n", max(scanned, start))
+            if i < 0:
+                break
+            line = bytes(buf[start:i])
+            start = i + 1
             if line.strip():
-                _write_all(fd, _line(handle(line)))
+                dispatch(line)
+        if start:
+            del buf[:start]
+        scanned = len(buf)
+        if len(buf) > MAX_LINE:
+            buf.clear()
+            scanned = 0
+            CHANNEL.send(_error(None, "protocol", "request line longer than 64 MiB"))
 
 
 def main() -> None:
