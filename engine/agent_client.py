@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +170,8 @@ class AgentClient:
         stream = on_stdout is not None or on_stderr is not None
         if stream:
             args["stream"] = True
-        res = self.request("exec", args, timeout=_host_wait(timeout),
-                           on_event=_splitter(on_stdout, on_stderr) if stream else None)
+        res = self.request("exec", args, timeout=host_wait(timeout),
+                           on_event=splitter(on_stdout, on_stderr) if stream else None)
         if stream:
             res.setdefault("stdout", "")
             res.setdefault("stderr", "")
@@ -181,7 +181,7 @@ class AgentClient:
         args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
-        return self.request("eval", args, timeout=_host_wait(timeout))
+        return self.request("eval", args, timeout=host_wait(timeout))
 
     def run_code(self, code: str, *, timeout: float | None = 300.0,
                  on_stdout: OnData | None = None,
@@ -192,8 +192,8 @@ class AgentClient:
         stream = on_stdout is not None or on_stderr is not None
         if stream:
             args["stream"] = True
-        return self.request("run_code", args, timeout=_host_wait(timeout),
-                            on_event=_splitter(on_stdout, on_stderr) if stream else None)
+        return self.request("run_code", args, timeout=host_wait(timeout),
+                            on_event=splitter(on_stdout, on_stderr) if stream else None)
 
     def put(self, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
         return self.request("put", {"path": path, "data": base64.b64encode(data).decode(),
@@ -223,6 +223,36 @@ class AgentClient:
         self._ls.close()
 
 
+@dataclass(frozen=True)
+class ExecResult:
+    """How a command ended (docs/agent-protocol.md, "exec"). status is one of exited,
+    signaled, killed (by a request), timed_out, oom_killed; exit_code is the process's
+    return code as before (negative: the signal that ended it); stdout/stderr are empty
+    when the output was streamed."""
+
+    status: str
+    exit_code: int
+    signal: int | None
+    timed_out: bool
+    killed: bool
+    oom_killed: bool
+    duration: float
+    stdout: str = ""
+    stderr: str = ""
+    pid: int | None = None
+
+    @classmethod
+    def of(cls, res: dict[str, Any]) -> ExecResult:
+        return cls(status=str(res.get("status", "exited")), exit_code=int(res["exit_code"]),
+                   signal=res.get("signal"), timed_out=bool(res.get("timed_out")),
+                   killed=bool(res.get("killed")), oom_killed=bool(res.get("oom_killed")),
+                   duration=float(res.get("duration", 0.0)), stdout=res.get("stdout", ""),
+                   stderr=res.get("stderr", ""), pid=res.get("pid"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def _exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
                stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
     args: dict[str, Any] = {"argv": argv}
@@ -240,12 +270,12 @@ def _exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
     return args
 
 
-def _host_wait(timeout: float | None) -> float | None:
+def host_wait(timeout: float | None) -> float | None:
     """No host deadline shorter than the guest's own: its timeout plus a margin, or none."""
     return None if timeout is None else timeout + REPLY_MARGIN_S
 
 
-def _splitter(on_stdout: OnData | None,
+def splitter(on_stdout: OnData | None,
               on_stderr: OnData | None) -> Callable[[str, bytes], None]:
     def route(ev: str, data: bytes) -> None:
         fn = on_stdout if ev == "stdout" else on_stderr if ev == "stderr" else None

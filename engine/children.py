@@ -2,12 +2,14 @@
 
 Each child lives in its own directory under paths.children_dir()/<id>/ with a
 child.json describing it; its QEMU runs detached in its own session, so the
-command that forked it may exit. Requests to one child are serialised by an
-flock on <dir>/lock (its QMP and agent sockets accept one client at a time).
+command that forked it may exit. Its agent socket accepts one client, a relay
+process (agent_client.Relay) that multiplexes any number of requests over it;
+requests hold <dir>/lock shared, a branch holds it exclusive.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import secrets
@@ -21,8 +23,23 @@ from typing import Any, Protocol
 
 from forkd.engine import netns
 from forkd.engine.accel import AccelVerdict, cached_probe
-from forkd.engine.agent_client import PROTOCOL, AgentClient
-from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError, VMMError
+from forkd.engine.agent_client import (
+    PROTOCOL,
+    AgentClient,
+    ExecResult,
+    OnData,
+    connect_child,
+    host_wait,
+    splitter,
+)
+from forkd.engine.errors import (
+    AgentError,
+    ChildDead,
+    ChildNotFound,
+    EngineError,
+    HostError,
+    VMMError,
+)
 from forkd.engine.lifecycle import (
     CHILD_FILE,
     ChildVM,
@@ -82,7 +99,10 @@ def host_problems(c: Compat | None, verdict: AccelVerdict) -> list[str]:
         problems.append(f"it was made under {'/'.join(c.accelerators)}, this host uses "
                         f"{verdict.accel} ({verdict.reason})")
     if c.agent_protocol != PROTOCOL:
-        problems.append(f"its guest agent speaks protocol {c.agent_protocol}, the host {PROTOCOL}")
+        problems.append(f"its guest agent speaks protocol {c.agent_protocol}, the host "
+                        f"{PROTOCOL} (the agent runs in the snapshot's memory, so a snapshot "
+                        "keeps the agent it was built with: rebuild it, or rebuild the "
+                        "template it was branched from, with this forkd)")
     return problems
 
 
@@ -430,9 +450,17 @@ def list_children() -> list[ChildInfo]:
 
 
 def locked(info: ChildInfo, timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
-    """One request at a time per child (the agent channel carries one)."""
-    busy = f"child {info.id} is busy with another request"
+    """No request in flight while this is held (a branch snapshots an idle channel): the
+    exclusive side of the request lock; requests hold it shared (``agent``)."""
+    busy = f"child {info.id} is busy with a request (a branch waits for requests to end)"
     return lock_file(info.path / "lock", timeout, busy, poll=0.005)
+
+
+def _requests_allowed(info: ChildInfo, timeout: float = 60.0
+                      ) -> contextlib.AbstractContextManager[None]:
+    """The shared side of the request lock: any number of requests at once."""
+    busy = f"child {info.id} is being branched"
+    return lock_file(info.path / "lock", timeout, busy, poll=0.005, shared=True)
 
 
 _require_running = require_running  # the name engine/branch.py calls
@@ -440,13 +468,15 @@ _require_running = require_running  # the name engine/branch.py calls
 
 @contextlib.contextmanager
 def agent(child_id: str, timeout: float = 10.0) -> Iterator[AgentClient]:
+    """A client of the child's agent, through its relay (agent_client.connect_child): any
+    number at once, from any process; one per concurrent caller."""
     info = get(child_id)
     require_running(info)
-    with locked(info):
+    with _requests_allowed(info):
         try:
-            client = AgentClient(info.path / "agent.sock", timeout=timeout,
-                                 alive=lambda: pid_alive(info.pid))
-        except VMMError as e:
+            client = connect_child(info.path, timeout=timeout,
+                                   alive=lambda: pid_alive(info.pid))
+        except (VMMError, AgentError, OSError) as e:
             raise ChildDead(f"child {child_id}: cannot reach its agent: {e}") from e
         try:
             yield client
@@ -463,18 +493,139 @@ def qmp(info: ChildInfo) -> Iterator[QMP]:
         q.close()
 
 
+# ---------------------------------------------------------------- commands and code in a child
+# The engine API the controller, SDK, CLI and MCP build on (docs/agent-protocol.md, "Host
+# API"). Every call opens its own relay connection, so any number run at once per child.
 def exec_in(child_id: str, argv: list[str], *, timeout: float | None = None,
             stdin: bytes | None = None, env: dict[str, str] | None = None,
-            cwd: str | None = None) -> dict[str, Any]:
+            cwd: str | None = None, pty: bool = False) -> dict[str, Any]:
+    """Run argv to its end, output collected (32 MiB per stream at most): the agent's
+    result (status, exit_code, signal, timed_out, killed, oom_killed, duration, stdout,
+    stderr). timeout None: no limit, and the host waits as long as the command runs."""
     if not argv:
         raise InvalidInput("nothing to execute: give a command after --")
     with agent(child_id) as a:
-        return a.exec(argv, timeout=timeout, stdin=stdin, env=env, cwd=cwd)
+        return a.exec(argv, timeout=timeout, stdin=stdin, env=env, cwd=cwd, pty=pty)
 
 
-def eval_in(child_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]:
+def exec_stream(child_id: str, argv: list[str], *, env: dict[str, str] | None = None,
+                cwd: str | None = None, stdin: bytes | None = None,
+                timeout: float | None = None, on_stdout: OnData | None = None,
+                on_stderr: OnData | None = None, pty: bool = False) -> ExecResult:
+    """Run argv to its end, its output given to on_stdout/on_stderr as it is produced (a
+    PTY merges stderr into stdout). Callbacks run on the calling thread."""
+    if not argv:
+        raise InvalidInput("nothing to execute: give a command after --")
+    with agent(child_id) as a:
+        res = a.exec(argv, timeout=timeout, stdin=stdin, env=env, cwd=cwd, pty=pty,
+                     on_stdout=on_stdout or _drop, on_stderr=on_stderr or _drop)
+    return ExecResult.of(res)
+
+
+def _drop(_: bytes) -> None:
+    pass
+
+
+def process_start(child_id: str, argv: list[str], *, env: dict[str, str] | None = None,
+                  cwd: str | None = None, stdin: bytes | None = None,
+                  pty: bool = False) -> dict[str, Any]:
+    """Start a background process (its own process group): {handle, pid, argv, status,
+    running, ...}. Its stdin stays open for process_stdin; its output waits (8 MiB per
+    stream, the oldest bytes dropped past that) for process_wait."""
+    if not argv:
+        raise InvalidInput("nothing to start: give a command")
+    args: dict[str, Any] = {"argv": argv, "pty": pty}
+    if env:
+        args["env"] = env
+    if cwd:
+        args["cwd"] = cwd
+    if stdin is not None:
+        args["stdin"] = base64.b64encode(stdin).decode()
+        args["stdin_b64"] = True
+    with agent(child_id) as a:
+        return a.request("proc_start", args)
+
+
+def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
+                 on_stdout: OnData | None = None,
+                 on_stderr: OnData | None = None) -> dict[str, Any]:
+    """Wait for a background process, up to timeout seconds (None: until it ends). Its
+    output so far and while waiting goes to the callbacks (or, with none, into the result's
+    stdout/stderr). {running: bool, handle, ...}; once it has ended, also its result
+    (status, exit_code, signal, ...) and the handle is forgotten."""
+    args: dict[str, Any] = {"handle": handle}
+    if timeout is not None:
+        args["timeout"] = timeout
+    stream = on_stdout is not None or on_stderr is not None
+    args["stream"] = stream
+    with agent(child_id) as a:
+        res = a.request("proc_wait", args, timeout=host_wait(timeout),
+                        on_event=splitter(on_stdout, on_stderr) if stream else None)
+    if not stream:
+        res["stdout"] = base64.b64decode(res.get("stdout") or "").decode("utf-8", "replace")
+        res["stderr"] = base64.b64decode(res.get("stderr") or "").decode("utf-8", "replace")
+    return res
+
+
+def process_stdin(child_id: str, handle: str, data: bytes, *,
+                  close: bool = False) -> dict[str, Any]:
+    """Write data to a background process's stdin; close: close it afterwards. Conflict
+    when the process has ended or its stdin is closed, NotFound for an unknown handle."""
+    args = {"handle": handle, "data": base64.b64encode(data).decode(), "close": close}
+    with agent(child_id) as a:
+        return a.request("proc_stdin", args)
+
+
+def process_close_stdin(child_id: str, handle: str) -> dict[str, Any]:
+    with agent(child_id) as a:
+        return a.request("proc_close_stdin", {"handle": handle})
+
+
+def process_kill(child_id: str, handle: str, signal: int | str = "SIGKILL") -> dict[str, Any]:
+    """Signal the process's whole group (default SIGKILL). Conflict when it has ended."""
+    with agent(child_id) as a:
+        return a.request("proc_kill", {"handle": handle, "signal": signal})
+
+
+def process_list(child_id: str) -> list[dict[str, Any]]:
+    """The background processes the agent knows: running, or ended and not yet waited for."""
+    with agent(child_id) as a:
+        procs: list[dict[str, Any]] = a.request("proc_list")["processes"]
+        return procs
+
+
+def eval_in(child_id: str, code: str, timeout: float | None = 300.0) -> dict[str, Any]:
     with agent(child_id) as a:
         return a.eval(code, timeout=timeout)
+
+
+def run_code(child_id: str, code: str, *, timeout: float | None = 300.0,
+             on_stdout: OnData | None = None,
+             on_stderr: OnData | None = None) -> dict[str, Any]:
+    """A code-interpreter cell in the warm namespace: {results: [{text, png?, html?, ...,
+    is_main_result}], stdout, stderr, error: null | {type, message, traceback}, value, repr}
+    (the shape of E2B's code interpreter; docs/agent-protocol.md)."""
+    with agent(child_id) as a:
+        return a.run_code(code, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr)
+
+
+def read_file(child_id: str, path: str) -> bytes:
+    """A guest file's bytes (streamed; up to 4 GiB). NotFound when it does not exist."""
+    _absolute(path)
+    with agent(child_id) as a:
+        return a.get(path)
+
+
+def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+    """Write a guest file (up to 32 MiB; its directories are made)."""
+    _absolute(path)
+    with agent(child_id) as a:
+        a.put(path, data, mode)
+
+
+def _absolute(path: str) -> None:
+    if not path.startswith("/") or "\0" in path:
+        raise InvalidInput(f"guest path {path!r} must be absolute")
 
 
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:

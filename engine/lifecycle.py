@@ -194,15 +194,16 @@ def private_tags(child_id: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (made 0600), waiting up to ``timeout`` seconds;
-    EngineError ``busy`` when it stays taken."""
+def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01, *,
+              shared: bool = False) -> Iterator[None]:
+    """Hold an exclusive (or, shared=True, a shared) flock on ``path`` (made 0600), waiting
+    up to ``timeout`` seconds; EngineError ``busy`` when it stays taken."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
