@@ -1,4 +1,5 @@
-"""`forkd demo`: the embedded default main job on synthetic images (no VM, no network)."""
+"""`forkd demo`: the embedded default main job on synthetic images (no VM, no network), and
+`forkd demo langgraph`: a LangGraph agent branched mid-reasoning (real VMs)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from forkd.synthetic import write_base, write_diff
 LAYERS = ("base", "plus-pandas", "plus-sklearn", "plus-agent")
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option(
     "--size-mib",
     default=256,
@@ -27,8 +28,16 @@ LAYERS = ("base", "plus-pandas", "plus-sklearn", "plus-agent")
     help="Size of the synthetic memory image.",
 )
 @click.option("--namespace", default="demo", show_default=True, help="Name prefix of the tags.")
-def demo(size_mib: int, namespace: str) -> None:
-    """Import a synthetic base and three diff layers, show the chain, assemble, compact."""
+@click.pass_context
+def demo(ctx: click.Context, size_mib: int, namespace: str) -> None:
+    """Import a synthetic base and three diff layers, show the chain, assemble, compact.
+
+    With a subcommand, that demo instead (`forkd demo langgraph`)."""
+    if ctx.invoked_subcommand is None:
+        synthetic(size_mib, namespace)
+
+
+def synthetic(size_mib: int, namespace: str) -> None:
     store = Store.open()
     click.echo(f"store: {store.home}")
     with tempfile.TemporaryDirectory(prefix="forkd-demo-") as tmp:
@@ -75,6 +84,35 @@ def demo(size_mib: int, namespace: str) -> None:
         )
         if not same:
             raise IntegrityError("compacted image differs from the chain head")
+
+
+@demo.command("langgraph")
+@click.option("--tag", default="deeplethe/langgraph-react:latest", show_default=True,
+              help="The langgraph-react snapshot (pulled from the default hub if missing).")
+@click.option("--model-url", default=None, metavar="URL",
+              help="An OpenAI-compatible https:// base URL (default: forkd's stand-in model); "
+                   "its key is the host secret OPENAI_API_KEY bound to its host.")
+@click.option("--model", "model_name", default="gpt-4o-mini", show_default=True,
+              help="Model name sent with --model-url.")
+def langgraph(tag: str, model_url: str | None, model_name: str) -> None:
+    """Branch a LangGraph ReAct agent mid-reasoning; steer three grandchildren three ways."""
+    from forkd.controller import langgraph_demo as lg
+
+    store = Store.open()
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    if model_url is None:
+        report = lg.run_standin(store, tag, say=say)
+    else:
+        report = lg.run(store, lg.real_endpoint(model_url, model_name), tag, say=say)
+    click.echo("")
+    for line in [*lg.summary(report), "", *lg.side_by_side(report)]:
+        click.echo(line)
+    if report.problems:
+        raise click.ClickException("the demo did not show what it should:\n  "
+                                   + "\n  ".join(report.problems))
 
 
 def register(cli: click.Group) -> None:

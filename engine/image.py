@@ -13,6 +13,7 @@ import lzma
 import os
 import re
 import shutil
+import ssl
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -256,6 +257,18 @@ def _rootfs_key(r: Recipe) -> str:
     return digest.hex_part(digest.of_bytes(body.encode()))[:16]
 
 
+HOST_CA_IN_CHROOT = "/tmp/forkd-host-ca.pem"
+
+
+def _host_ca_bundle() -> Path | None:
+    """The CA bundle the host's own pip trusts: $PIP_CERT, $SSL_CERT_FILE or OpenSSL's."""
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      ssl.get_default_verify_paths().cafile):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
 def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
     """debootstrap (minbase + the recipe's apt packages, then pip), cached by those inputs."""
     if os.geteuid() != 0:
@@ -273,8 +286,19 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
           r.mirror], "debootstrap", timeout=3600)
     if r.pip:
         progress(f"pip install {' '.join(r.pip)}")
-        _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
-              "--break-system-packages", *r.pip], "pip install in the guest rootfs", timeout=3600)
+        # pip in the chroot trusts the host's CA bundle (a TLS-inspecting proxy's CA, say),
+        # not only the guest's fresh one; the copy is removed before the rootfs is used
+        cert: list[str] = []
+        host_ca = _host_ca_bundle()
+        if host_ca is not None:
+            shutil.copyfile(host_ca, root / HOST_CA_IN_CHROOT.lstrip("/"))
+            cert = ["--cert", HOST_CA_IN_CHROOT]
+        try:
+            _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
+                  "--break-system-packages", *cert, *r.pip], "pip install in the guest rootfs",
+                 timeout=3600)
+        finally:
+            (root / HOST_CA_IN_CHROOT.lstrip("/")).unlink(missing_ok=True)
     _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean")
     (base / "ok").write_text("ok\n")
     return root

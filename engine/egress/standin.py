@@ -11,7 +11,8 @@ No model runs here. The server follows a scripted ``Plan`` and answers from it a
   message appears, the plan's remaining steps are replaced by that variant's steps.
 - A step is a tool call (``finish_reason: tool_calls``, call id ``call_<n>``) or an
   answer; ``{last_tool}`` in an answer is replaced by the content of the last tool
-  message.
+  message, ``{tool:NAME}`` by the last result of a call to tool NAME (so an answer shows
+  which tool results the history it was given holds).
 - ``stream: true`` is answered as server-sent events (``chat.completion.chunk``
   objects, then ``data: [DONE]``).
 - With ``api_key`` set, a request without ``Authorization: Bearer <api_key>`` gets 401
@@ -39,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 MAX_BODY = 1 << 20
 MAX_DOWNLOAD = 1 << 30
 _HINT_RE = re.compile(r"hint:\s*([^\n]+)", re.IGNORECASE)
+_TOOL_RE = re.compile(r"\{tool:([A-Za-z0-9_-]{1,64})\}")
 
 
 @dataclass(frozen=True)
@@ -104,27 +106,44 @@ class Plan:
         return cls(steps(doc["steps"]), variants)
 
 
+# The travel planner of recipes/langgraph-react (its tools: attractions, weather, budget).
+# Two steps run before the demo's branch; each hint then continues differently, and every
+# answer quotes tool results, including the day-one forecast fetched before the branch.
 TRAVEL_PLAN = Plan(
     steps=(
         ToolCall("attractions", {"city": "Kyoto"}),
         ToolCall("weather", {"city": "Kyoto", "day": 1}),
         ToolCall("budget", {"city": "Kyoto", "days": 3}),
-        Answer("Day one in Kyoto: Fushimi Inari, Nishiki market, Gion at dusk. ({last_tool})"),
+        Answer(
+            "Day one in Kyoto:\n- morning: Fushimi Inari shrine\n- noon: Nishiki market\n"
+            "- afternoon: Kinkaku-ji\n- evening: Gion at dusk\n"
+            "Weather: {tool:weather}\nCost: {tool:budget}"
+        ),
     ),
     variants={
         "deep culture": (
             ToolCall("attractions", {"city": "Kyoto", "theme": "temples and tea"}),
             Answer(
-                "Day one, deep culture: Fushimi Inari at dawn, a tea ceremony in Gion, "
-                "Kiyomizu-dera at dusk. ({last_tool})"
+                "Day one, deep culture:\n- 06:00 Fushimi Inari before the crowds\n"
+                "- 10:00 Kiyomizu-dera\n- 14:00 a tea ceremony in Gion\n"
+                "- 17:00 Ryoan-ji rock garden\nWeather: {tool:weather}\n"
+                "From: {tool:attractions}"
             ),
         ),
         "minimalist": (
-            Answer("Day one, minimalist: the Philosopher's Path, Ginkaku-ji, an early night."),
+            Answer(
+                "Day one, minimalist:\n- morning: the Philosopher's Path, on foot\n"
+                "- afternoon: Ginkaku-ji, then nothing\n- evening: an early night\n"
+                "Weather: {tool:weather}"
+            ),
         ),
         "budget": (
             ToolCall("budget", {"city": "Kyoto", "days": 1, "limit_usd": 60}),
-            Answer("Day one under $60: free shrines, a bento lunch, a bus day pass. ({last_tool})"),
+            Answer(
+                "Day one under $60:\n- Fushimi Inari (free)\n- a bento lunch\n"
+                "- the Kamo riverbank at sunset\nWeather: {tool:weather}\n"
+                "Cost: {tool:budget}"
+            ),
         ),
     },
 )
@@ -147,7 +166,7 @@ def completion(
         message["tool_calls"] = [_tool_call(step, n)]
         finish = "tool_calls"
     else:
-        message["content"] = step.text.replace("{last_tool}", _last_tool(messages))
+        message["content"] = fill(step.text, messages)
         finish = "stop"
     return {
         "id": f"chatcmpl-standin-{n}",
@@ -174,11 +193,33 @@ def _tool_call(step: ToolCall, n: int) -> dict[str, Any]:
     }
 
 
+def fill(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` with ``{last_tool}`` replaced by the last tool message's content and
+    ``{tool:NAME}`` by the content of the last result of a call to tool NAME ("" if none)."""
+    text = text.replace("{last_tool}", _last_tool(messages))
+    return _TOOL_RE.sub(lambda m: _tool_result(messages, m.group(1)), text)
+
+
 def _last_tool(messages: Sequence[Mapping[str, Any]]) -> str:
     for m in reversed(messages):
         if m.get("role") == "tool":
             return str(m.get("content", ""))
     return ""
+
+
+def _tool_result(messages: Sequence[Mapping[str, Any]], name: str) -> str:
+    """The content of the last tool message answering a call to ``name``."""
+    names: dict[str, str] = {}
+    found = ""
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                names[str(call.get("id"))] = str(fn.get("name"))
+        if m.get("role") == "tool" and names.get(str(m.get("tool_call_id"))) == name:
+            found = str(m.get("content", ""))
+    return found
 
 
 def chunks(done: dict[str, Any]) -> list[dict[str, Any]]:
