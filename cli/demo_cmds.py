@@ -116,4 +116,7 @@ def langgraph(tag: str, model_url: str | None, model_name: str) -> None:
 
 
 def register(cli: click.Group) -> None:
+    from forkd.cli.demo_coding import coding_agent
+
+    demo.add_command(coding_agent)  # `forkd demo coding-agent` (CODING's module)
     cli.add_command(demo)
