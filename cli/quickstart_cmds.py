@@ -51,9 +51,22 @@ def setup(yes: bool) -> None:
     help="Code to evaluate in every child.",
 )
 @click.option("--keep", is_flag=True, help="Leave the children running (forkd ls, forkd kill).")
+@click.option(
+    "--bundle",
+    "bundles",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Publish this recipe as deeplethe/NAME instead of the bundled packs; repeatable.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def quickstart(
-    yes: bool, recipe: Path | None, count: int, code: str, keep: bool, as_json: bool
+    yes: bool,
+    recipe: Path | None,
+    count: int,
+    code: str,
+    keep: bool,
+    bundles: tuple[Path, ...],
+    as_json: bool,
 ) -> None:
     """From a fresh machine to N warm forks: prerequisites, hub, build, push, pull, fork, eval."""
     from forkd.controller.quickstart import run
@@ -67,6 +80,7 @@ def quickstart(
         keep=keep,
         confirm=lambda q: click.confirm(q, default=True),
         say=lambda m: click.echo(m, err=True),
+        bundled=list(bundles) or None,
     )
     if as_json:
         emit_json(asdict(report))
@@ -78,6 +92,12 @@ def quickstart(
     for c in report.children:
         click.echo(f"  {c.id:<28} {c.ready_ms:>9.0f} {c.eval_ms:>8.1f}  {c.value!r}")
     click.echo(f"\ncatalog: {report.catalog_url}")
+    if report.bundled:
+        click.echo("bundled packs (forkd pull NS/NAME, then forkd fork NS/NAME -n 3):")
+    for b in report.bundled:
+        what = "built" if b.built else "cached"
+        sent = f"pushed {b.push_blobs} blobs" if b.pushed else "nothing pushed (on the hub)"
+        click.echo(f"  {b.repository:<28} {what} in {b.build_s:6.1f} s, {sent}")
     click.echo(
         f"done in {time.perf_counter() - start:.1f} s"
         + (" (children kept: forkd ls)" if keep else "")

@@ -11,7 +11,10 @@ Steps (each reuses what an earlier run left, so a second run takes seconds):
 5. pull it into a second, separate store (``$FORKD_HOME/quickstart/pulled``),
    verified — the path a teammate's machine takes;
 6. fork N children from the pulled store, evaluate code in each, print
-   per-child timings and the catalog URL.
+   per-child timings and the catalog URL;
+7. on the embedded hub, the bundled packs (BUNDLED_RECIPES): each built (cached by
+   recipe content), pushed as ``deeplethe/<recipe name>:latest`` unless the hub already
+   has that digest, and made public, so ``forkd pull deeplethe/NAME`` works anywhere.
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from forkd.errors import ForkdError, InvalidInput, NotFound
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.registry import credentials
-from forkd.registry.client import RegistryClient, RegistryNotFound
+from forkd.registry.client import RegistryClient, RegistryError, RegistryNotFound
 from forkd.registry.reference import Hub, env_hub, parse_remote, set_default_hub
 from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
@@ -49,6 +53,14 @@ HOST_PREREQUISITES: list[tuple[str, str]] = [
     ("lz4", "lz4"),
 ]
 HUB_USER = "forkd"  # the embedded hub's admin; the base goes to its namespace
+# The packs the main job publishes on its embedded hub, as BUNDLED_NAMESPACE/<recipe name>:
+# recipe files under recipes/ (the forkd.recipes package). Adding a pack is one line here.
+BUNDLED_NAMESPACE = "deeplethe"
+BUNDLED_RECIPES: tuple[str, ...] = (
+    "python-numpy.toml",
+    "langgraph-react/recipe.toml",
+    "coding-agent/recipe.toml",
+)
 Say = Callable[[str], None]
 
 
@@ -94,29 +106,46 @@ class EmbeddedHub:
     def url(self) -> str:
         return self.hub.url
 
-    def make_public(self, repository: str) -> None:
-        """Anonymous pull and browsing of ``repository`` (the hub's admin CLI on its data)."""
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-P",
-                "-m",
-                "forkd.cli",
-                "hub",
-                "repo",
-                "visibility",
-                repository,
-                "public",
-                "--data",
-                str(self.data / "data"),
-            ],
+    @property
+    def hub_data(self) -> Path:
+        return self.data / "data"
+
+    def admin(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run `forkd hub ARGS --data DATA` (the hub's own admin CLI on its data)."""
+        return subprocess.run(
+            # -P and cwd: the installed forkd, never a checkout's forkd/ folder in the cwd
+            [sys.executable, "-P", "-m", "forkd.cli", "hub", *args, "--data", str(self.hub_data)],
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,
             cwd=self.data,
         )
+
+    def make_public(self, repository: str) -> None:
+        """Anonymous pull and browsing of ``repository``."""
+        proc = self.admin("repo", "visibility", repository, "public")
         if proc.returncode != 0:
             raise QuickstartError(f"could not make {repository} public: {proc.stderr[-500:]}")
+
+    def ensure_namespace(self, namespace: str) -> None:
+        """Organisation ``namespace`` with the admin user as its admin (kept if it exists)."""
+        proc = self.admin("org", "add", namespace)
+        if proc.returncode not in (0, Conflict.exit_code):  # Conflict: it exists already
+            raise QuickstartError(f"could not create namespace {namespace}: {proc.stderr[-500:]}")
+        proc = self.admin("org", "member", namespace, HUB_USER, "admin")
+        if proc.returncode != 0:
+            raise QuickstartError(
+                f"could not make {HUB_USER} an admin of {namespace}: {proc.stderr[-500:]}"
+            )
+
+    def is_public(self, repository: str, tag: str) -> bool:
+        """Whether an anonymous client can read ``repository:tag``."""
+        try:
+            with RegistryClient(self.hub, None) as anonymous:
+                anonymous.get_manifest(repository, tag)
+        except RegistryError:
+            return False
+        return True
 
 
 def _free_port() -> int:
@@ -215,6 +244,19 @@ class ChildReport:
 
 
 @dataclass
+class BundledReport:
+    """One bundled pack: built or cached, pushed or already on the hub."""
+
+    repository: str
+    digest: str
+    built: bool
+    build_s: float
+    pushed: bool  # false: the hub already had this digest under the tag
+    push_blobs: int
+    stored_bytes: int  # of a pack built in this run (0 when cached)
+
+
+@dataclass
 class QuickstartReport:
     hub: str
     tag: str
@@ -225,7 +267,82 @@ class QuickstartReport:
     fork_ms: float
     children: list[ChildReport] = field(default_factory=list)
     catalog_url: str = ""
+    bundled: list[BundledReport] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def bundled_recipe_paths() -> list[Path]:
+    """BUNDLED_RECIPES as files of the installed forkd.recipes package."""
+    root = Path(str(resources.files("forkd.recipes")))
+    paths = [root / name for name in BUNDLED_RECIPES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise QuickstartError(
+            f"bundled recipe(s) {', '.join(missing)} are not installed; reinstall forkd "
+            "(`pip install .` from the checkout)"
+        )
+    return paths
+
+
+def _prefixed(say: Say, prefix: str) -> Say:
+    return lambda message: say(prefix + message)
+
+
+def hub_digest(client: RegistryClient, repository: str, tag: str) -> str | None:
+    """The manifest digest the hub has under ``repository:tag`` (None: it has none)."""
+    try:
+        return client.get_manifest(repository, tag)[1]
+    except RegistryNotFound:
+        return None
+
+
+def publish_bundled(
+    store: Store, paths: list[Path], embedded: EmbeddedHub, say: Say
+) -> list[BundledReport]:
+    """Build each recipe as BUNDLED_NAMESPACE/<name>:latest (cached by content), push it
+    unless the hub has that digest under the tag already, and make it public."""
+    from forkd.engine import recipe as recipes
+    from forkd.engine.build import build
+
+    reports: list[BundledReport] = []
+    namespace_ready = False
+    with RegistryClient(embedded.hub, credentials.load(embedded.hub.host)) as client:
+        for i, path in enumerate(paths, 1):
+            recipe = recipes.load(path)
+            repository = f"{BUNDLED_NAMESPACE}/{recipe.name}"
+            tag = f"{repository}:latest"
+            say(f"bundled pack {i}/{len(paths)}: {repository}")
+            t0 = time.perf_counter()
+            res = build(store, recipe, tag, progress=_prefixed(say, f"  [{recipe.name}] "))
+            report = BundledReport(
+                repository,
+                res.digest,
+                not res.cached,
+                time.perf_counter() - t0,
+                False,
+                0,
+                res.stored_bytes,
+            )
+            if hub_digest(client, repository, "latest") != res.digest:
+                if not namespace_ready:
+                    embedded.ensure_namespace(BUNDLED_NAMESPACE)
+                    namespace_ready = True
+                remote = parse_remote(f"{embedded.hub.host}/{tag}", embedded.hub)
+                report.pushed = True
+                report.push_blobs = push(store, tag, remote, client).blobs_sent
+            if not embedded.is_public(repository, "latest"):
+                embedded.make_public(repository)
+            say(
+                f"  {repository}: {'built' if report.built else 'cached'} in "
+                f"{report.build_s:.1f} s, "
+                + (
+                    f"pushed ({report.push_blobs} blobs)"
+                    if report.pushed
+                    else "already on the hub (nothing pushed)"
+                )
+            )
+            reports.append(report)
+    return reports
 
 
 def run(
@@ -237,7 +354,10 @@ def run(
     keep: bool,
     confirm: Callable[[str], bool],
     say: Say,
+    bundled: list[Path] | None = None,
 ) -> QuickstartReport:
+    """The main job (module docstring). ``bundled``: recipes to publish as
+    BUNDLED_NAMESPACE/<name> instead of BUNDLED_RECIPES (an empty list: none)."""
     from forkd.engine import children as ch
     from forkd.engine import recipe as recipes
     from forkd.engine.build import build
@@ -326,5 +446,10 @@ def run(
     if forked.errors:
         raise QuickstartError("some children failed to start:\n" + "\n".join(forked.errors))
     report.catalog_url = f"{hub.url}/{repository}"
+    if embedded is None:
+        say(f"bundled packs: not published (FORKD_HUB={hub.host} is not this run's hub)")
+    else:
+        paths = bundled_recipe_paths() if bundled is None else bundled
+        report.bundled = publish_bundled(store, paths, embedded, say)
     report.seconds = time.perf_counter() - start
     return report

@@ -1,4 +1,6 @@
-"""`forkd quickstart` end to end with the tiny recipe, twice: the second run reuses everything."""
+"""`forkd quickstart` end to end with the tiny recipe, twice: the second run reuses everything.
+The bundled packs: the declared list, and (with tiny standing in for it) the deeplethe
+namespace, a public pack an empty FORKD_HOME pulls and forks, nothing pushed the second time."""
 
 from __future__ import annotations
 
@@ -16,6 +18,29 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vm
 
 
+def _forkd(env: dict[str, str], *args: str) -> str:
+    proc = subprocess.run(
+        ["forkd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"forkd {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+def test_bundled_recipes_are_one_installed_list():
+    from forkd.controller.quickstart import BUNDLED_NAMESPACE, bundled_recipe_paths
+    from forkd.engine import recipe
+
+    names = [recipe.load(path).name for path in bundled_recipe_paths()]
+    assert BUNDLED_NAMESPACE == "deeplethe"
+    assert {"python-numpy", "langgraph-react", "coding-agent"} <= set(names)
+    assert len(names) == len(set(names))  # one pack per recipe name
+
+
 def _quickstart(env: dict[str, str]) -> dict[str, object]:
     proc = subprocess.run(
         [
@@ -28,6 +53,8 @@ def _quickstart(env: dict[str, str]) -> dict[str, object]:
             "3",
             "--eval",
             "WARM['recipe'] + str(len(__import__('os').urandom(4)))",
+            "--bundle",
+            str(REPO / "recipes" / "tiny.toml"),
             "--json",
         ],
         env=env,
@@ -62,11 +89,30 @@ def test_quickstart_twice(tmp_path: Path):
         assert catalog.endswith("/forkd/tiny")
         page = httpx.get(catalog, timeout=10)  # browsable signed out: the pack is public
         assert page.status_code == 200 and "forkd pull" in page.text
+        [bundled] = first["bundled"]  # type: ignore[misc]
+        assert bundled["repository"] == "deeplethe/tiny" and bundled["pushed"] is True
+        assert bundled["push_blobs"] > 0
+        hub = str(first["hub"])
+        anonymous = httpx.get(f"http://{hub}/v2/deeplethe/tiny/manifests/latest", timeout=10)
+        assert anonymous.status_code == 200  # public: no credentials needed
+
+        # a fresh FORKD_HOME, the default hub the main job set: pull, then fork
+        fresh = {**env, "FORKD_HOME": str(tmp_path / "fresh"), "FORKD_RUN": str(tmp_path / "run2")}
+        pulled = json.loads(_forkd(fresh, "pull", "deeplethe/tiny", "--json"))
+        assert pulled["digest"] == bundled["digest"]
+        try:
+            forked = json.loads(_forkd(fresh, "fork", "deeplethe/tiny", "-n", "3", "--json"))
+            assert len(forked["children"]) == 3 and not forked["errors"]
+        finally:
+            _forkd(fresh, "kill", "--all")
 
         second = _quickstart(env)
         assert second["built"] is False and second["pulled_from_hub"] is False
         assert second["push_blobs"] == 0 and second["pull_blobs"] == 0
         assert second["hub"] == first["hub"]
+        [again] = second["bundled"]  # type: ignore[misc]
+        assert again["built"] is False and again["pushed"] is False and again["push_blobs"] == 0
+        assert again["digest"] == bundled["digest"]
         assert len(second["children"]) == 3  # type: ignore[arg-type]
         assert httpx.get(f"http://{first['hub']}/v2/", timeout=5).status_code in (200, 401)
         assert not list((tmp_path / "run" / "children").glob("tiny-*"))  # children killed
