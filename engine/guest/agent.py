@@ -105,7 +105,7 @@ class Channel:
         self.fd = fd
         self.lock = threading.Lock()
 
-    def send(self, obj: dict) -> None:
+    def send(self, obj: dict[str, Any]) -> None:
         data = _line(obj)
         with self.lock:
             self._write_all(data)
@@ -183,9 +183,9 @@ _KILLED_RE = re.compile(rb"(?:Killed process|Out of memory: Killed process) (\d+
                         rb"oom-kill:.*?,pid=(\d+)")
 
 
-def _kmsg_oom_pids() -> set:
+def _kmsg_oom_pids() -> set[int]:
     """Pids the kernel's OOM killer named in its log (/dev/kmsg, read without blocking)."""
-    pids = set()
+    pids: set[int] = set()
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -218,7 +218,7 @@ def _exec_env(req: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def _argv(req: dict[str, Any]) -> list:
+def _argv(req: dict[str, Any]) -> list[str]:
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise ProtocolError(f"{req.get('op')} needs argv: a non-empty list of strings")
@@ -323,7 +323,8 @@ class Proc:
             self.close_stdin()
         threading.Thread(target=self._wait, daemon=True).start()
 
-    def _spawn(self, req: dict[str, Any], want_stdin: bool) -> tuple:
+    def _spawn(self, req: dict[str, Any], want_stdin: bool
+               ) -> tuple[subprocess.Popen[bytes], int | None, list[tuple[int, Sink]]]:
         env = _exec_env(req)
         cwd = req.get("cwd") or "/"
         if self.pty:
@@ -345,6 +346,7 @@ class Proc:
                              start_new_session=True)
         outs = []
         for f, sink in ((p.stdout, self.stdout), (p.stderr, self.stderr)):
+            assert f is not None
             fd = os.dup(f.fileno())
             f.close()
             with contextlib.suppress(OSError):
@@ -462,8 +464,8 @@ class Proc:
         return self.result["status"] if self.result else "running"
 
 
-FOREGROUND: dict = {}  # request id -> Proc of a running exec (for cancel)
-PROCS: dict = {}  # handle -> Proc of a background process
+FOREGROUND: dict[object, Proc] = {}  # request id -> Proc of a running exec (for cancel)
+PROCS: dict[str, Proc] = {}  # handle -> Proc of a background process
 _PROC_LOCK = threading.Lock()
 _HANDLES = iter(range(1, 1 << 62))
 
@@ -521,7 +523,7 @@ def op_cancel(req: dict[str, Any]) -> dict[str, Any]:
 
 def _proc(req: dict[str, Any]) -> Proc:
     handle = req.get("handle")
-    p = PROCS.get(handle)
+    p = PROCS.get(handle) if isinstance(handle, str) else None
     if p is None:
         raise NotFoundError(f"no process with handle {handle!r} (proc_list shows the known ones;"
                             " a handle is forgotten once proc_wait has returned its end)")
@@ -571,7 +573,7 @@ def op_proc_wait(req: dict[str, Any]) -> dict[str, Any]:
     if ended:
         res.update(p.result or {})
         with _PROC_LOCK:
-            PROCS.pop(req.get("handle"), None)
+            PROCS.pop(str(req.get("handle")), None)
     if not stream:
         res["stdout"] = base64.b64encode(p.stdout.take()).decode()
         res["stderr"] = base64.b64encode(p.stderr.take()).decode()
@@ -638,7 +640,7 @@ class _Capture(io.TextIOBase):
 
     def __init__(self, name: str, emit: Callable[[str, bytes], None] | None) -> None:
         self.name = name
-        self.parts: list = []
+        self.parts: list[str] = []
         self.emit = emit
 
     def writable(self) -> bool:
@@ -660,7 +662,8 @@ def _raise_in(thread_id: int, exc: type) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
 
 
-def _run_python(req: dict[str, Any], code: str) -> tuple:
+def _run_python(req: dict[str, Any], code: str
+                ) -> tuple[object, str, str, dict[str, Any] | None]:
     """Run code in the namespace (one request at a time), like a REPL: the value of a
     trailing expression is returned. (value, stdout, stderr, error)."""
     stream = bool(req.get("stream"))
@@ -668,7 +671,7 @@ def _run_python(req: dict[str, Any], code: str) -> tuple:
     out, err = _Capture("stdout", emit), _Capture("stderr", emit)
     timeout = _timeout(req)
     value = None
-    error = None
+    error: dict[str, Any] | None = None
     with NS_LOCK:
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
@@ -762,7 +765,7 @@ def _rich(value: object, main: bool) -> dict[str, Any]:
     return res
 
 
-def _open_figures(skip: object) -> list:
+def _open_figures(skip: object) -> list[dict[str, Any]]:
     """PNG results of every pyplot figure the code left open (then closed, like a notebook
     cell's display), except `skip` (the main result, rendered once)."""
     plt = sys.modules.get("matplotlib.pyplot")

@@ -1,0 +1,218 @@
+"""Guest agent protocol v2 against the real agent (engine/guest/agent.py) run on the host
+behind a one-client socket like QEMU's (tests/engine/agent_harness.py), reached through
+the real relay (agent_client.connect_child). The same protocol in VMs:
+test_agent_v2_vm.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.engine import agent_client as ac
+from forkd.errors import Conflict, NotFound
+from agent_harness import host_agent
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _relay_pids(d: Path) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"agent_client\0relay\0" + str(d).encode() in cmd:
+                out.append(int(p.name))
+    return out
+
+
+@pytest.fixture
+def child_dir(tmp_path: Path) -> Iterator[Path]:
+    with host_agent(tmp_path):
+        yield tmp_path
+    deadline = time.monotonic() + 10
+    while _relay_pids(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the relay exits when its agent socket closes
+    assert not _relay_pids(tmp_path), "the agent relay outlived its agent"
+
+
+def _client(d: Path) -> ac.AgentClient:
+    return ac.connect_child(d)
+
+
+def test_many_requests_in_flight_on_one_channel(child_dir: Path) -> None:
+    """A second request to a busy sandbox is answered at once (v1: waited, then "busy")."""
+    slow: dict[str, object] = {}
+    t = threading.Thread(target=lambda: slow.update(
+        r=_client(child_dir).exec(["sleep", "3"])))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)
+    quick = [_client(child_dir).exec(["echo", str(i)]) for i in range(3)]
+    quick_s = time.monotonic() - t0
+    t.join()
+    assert [q["stdout"] for q in quick] == ["0\n", "1\n", "2\n"]
+    assert quick_s < 2.5, "the quick requests waited for the slow one"
+    assert slow["r"]["status"] == "exited"  # type: ignore[index]
+
+
+def test_output_streams_while_the_command_runs(child_dir: Path) -> None:
+    seen: list[tuple[float, bytes]] = []
+    errs: list[bytes] = []
+    r = _client(child_dir).exec(
+        ["sh", "-c", "echo one; sleep 1; echo two >&2; sleep 1; echo three"],
+        on_stdout=lambda b: seen.append((time.monotonic(), b)), on_stderr=errs.append)
+    end = time.monotonic()
+    assert b"".join(b for _, b in seen) == b"one\nthree\n"
+    assert b"".join(errs) == b"two\n"
+    assert end - seen[0][0] > 1.5, "the first line arrived only at the end"
+    assert r["status"] == "exited" and r["stdout"] == ""
+
+
+def test_large_output_arrives_whole(child_dir: Path, tmp_path: Path) -> None:
+    data = os.urandom(24 << 20)
+    (tmp_path / "big").write_bytes(data)
+    got: list[bytes] = []
+    r = _client(child_dir).exec(["cat", str(tmp_path / "big")], on_stdout=got.append)
+    assert r["exit_code"] == 0
+    assert hashlib.sha256(b"".join(got)).digest() == hashlib.sha256(data).digest()
+
+
+def test_timeout_ends_the_whole_process_group(child_dir: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "bg.pid"
+    r = _client(child_dir).exec(["sh", "-c", f"sleep 300 & echo $! > {pidfile}; sleep 300"],
+                                timeout=1)
+    assert r["status"] == "timed_out" and r["timed_out"] and r["signal"] == 9
+    assert not r["oom_killed"] and not r["killed"]
+    assert _gone(int(pidfile.read_text())), "the background sleep 300 survived the timeout"
+
+
+def test_exit_signal_and_kill_are_told_apart(child_dir: Path) -> None:
+    c = _client(child_dir)
+    assert c.exec(["sh", "-c", "exit 3"])["status"] == "exited"
+    sig = c.exec(["sh", "-c", "kill -TERM $$"])
+    assert (sig["status"], sig["signal"], sig["signal_name"]) == ("signaled", 15, "SIGTERM")
+    h = c.request("proc_start", {"argv": ["sleep", "300"]})
+    c.request("proc_kill", {"handle": h["handle"]})
+    end = c.request("proc_wait", {"handle": h["handle"]})
+    assert (end["status"], end["signal"], end["killed"]) == ("killed", 9, True)
+    assert c.exec(["no-such-command-here"])["exit_code"] == 127
+
+
+def test_background_process_stdin_wait_and_bad_input(child_dir: Path) -> None:
+    c = _client(child_dir)
+    h = c.request("proc_start", {"argv": ["sh", "-c", "while read l; do echo got $l; done; sleep 1"]})
+    handle = h["handle"]
+    assert any(p["handle"] == handle and p["running"]
+               for p in c.request("proc_list")["processes"])
+    c.request("proc_stdin", {"handle": handle, "data": "YQo="})  # "a\n"
+    c.request("proc_stdin", {"handle": handle, "data": "Ygo=", "close": True})
+    with pytest.raises(Conflict, match="closed"):
+        c.request("proc_stdin", {"handle": handle, "data": "Ywo="})
+    out: list[bytes] = []
+    end = c.request("proc_wait", {"handle": handle, "timeout": 30},
+                    on_event=lambda ev, b: out.append(b))
+    assert end["running"] is False and end["status"] == "exited"
+    assert b"".join(out) == b"got a\ngot b\n"
+    with pytest.raises(NotFound, match="no process with handle"):
+        c.request("proc_wait", {"handle": handle})  # forgotten once its end was returned
+    with pytest.raises(NotFound):
+        c.request("proc_kill", {"handle": "p999999"})
+    done = c.request("proc_start", {"argv": ["true"]})
+    deadline = time.monotonic() + 10
+    while c.request("proc_list")["processes"][-1]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(Conflict, match="already ended"):
+        c.request("proc_kill", {"handle": done["handle"]})
+    with pytest.raises(Conflict, match="already ended"):
+        c.request("proc_stdin", {"handle": done["handle"], "data": "eAo="})
+
+
+def test_wait_with_a_timeout_returns_while_running(child_dir: Path) -> None:
+    c = _client(child_dir)
+    h = c.request("proc_start", {"argv": ["sh", "-c", "echo early; sleep 300"]})
+    out: list[bytes] = []
+    w = c.request("proc_wait", {"handle": h["handle"], "timeout": 1},
+                  on_event=lambda ev, b: out.append(b))
+    assert w["running"] is True and b"".join(out) == b"early\n"
+    c.request("proc_kill", {"handle": h["handle"], "signal": "TERM"})
+    assert c.request("proc_wait", {"handle": h["handle"]})["signal"] == 15
+
+
+def test_pty(child_dir: Path) -> None:
+    r = _client(child_dir).exec(["sh", "-c", "test -t 0 && test -t 1 && tty; echo $TERM"],
+                                pty=True)
+    assert r["exit_code"] == 0 and r["stdout"].startswith("/dev/pts/"), r
+    plain = _client(child_dir).exec(["sh", "-c", "test -t 1"])
+    assert plain["exit_code"] == 1
+
+
+def test_a_client_that_goes_away_cancels_its_command(child_dir: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "p"
+    c = _client(child_dir)
+    rid_thread = threading.Thread(target=lambda: _swallow(
+        lambda: c.exec(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"])))
+    rid_thread.start()
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    c.close()
+    rid_thread.join(10)
+    pid = int(pidfile.read_text())
+    while not _gone(pid):
+        assert time.monotonic() < deadline + 10, "the orphaned command still runs"
+        time.sleep(0.05)
+
+
+def _swallow(fn: object) -> None:
+    try:
+        fn()  # type: ignore[operator]
+    except Exception:
+        pass
+
+
+def test_run_code_value_stdout_error(child_dir: Path) -> None:
+    c = _client(child_dir)
+    r = c.run_code("x = 20\nprint('hi')\nx * 2 + 2")
+    assert r["stdout"] == "hi\n" and r["error"] is None
+    assert r["results"] == [{"text": "42", "is_main_result": True}]
+    e = c.run_code("def f():\n    raise KeyError('k')\nf()")
+    assert e["error"]["type"] == "KeyError" and "line 2, in f" in e["error"]["traceback"]
+    html = c.run_code("class T:\n    def _repr_html_(self): return '<b>t</b>'\nT()")
+    assert html["results"][0]["html"] == "<b>t</b>"
+    t = c.run_code("while True: pass", timeout=1)
+    assert t["error"]["type"] == "TimeoutError" and t["error"].get("timed_out")
+    assert c.run_code("x")["results"][0]["text"] == "20"  # the namespace still serves
+
+
+def test_files_stream_and_missing_is_not_found(child_dir: Path, tmp_path: Path) -> None:
+    c = _client(child_dir)
+    data = os.urandom(5 << 20)
+    (tmp_path / "f").write_bytes(data)
+    assert c.get(str(tmp_path / "f")) == data
+    with pytest.raises(NotFound, match="no file"):
+        c.get(str(tmp_path / "missing"))
+    with pytest.raises(NotFound):
+        c.get_v1(str(tmp_path / "missing"))
+
+
+def test_relay_refuses_duplicate_and_non_string_ids(child_dir: Path) -> None:
+    c = _client(child_dir)
+    c._ls.send(b'{"id": 5, "v": 2, "op": "ping"}\n')
+    reply = c._read_frame("ping", time.monotonic() + 10)
+    assert reply["ok"] is False and "string id" in reply["error"]["message"]
