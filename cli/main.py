@@ -10,6 +10,7 @@ from forkd.cli import (
     demo_cmds,
     engine_cmds,
     hub_cmds,
+    mcp_cmds,
     quickstart_cmds,
     remote_cmds,
     secret_cmds,
@@ -32,6 +33,7 @@ demo_cmds.register(cli)
 remote_cmds.register(cli)
 engine_cmds.register(cli)
 hub_cmds.register(cli)
+mcp_cmds.register(cli)
 controller_cmds.register(cli)
 quickstart_cmds.register(cli)
 secret_cmds.register(cli)

@@ -1,0 +1,407 @@
+"""`forkd mcp`: forkd's sandboxes as MCP tools, over stdio or streamable HTTP.
+
+Built on the official ``mcp`` SDK (``MCPServer``). Every tool goes through the Python SDK
+(forkd.controller.sdk): ``Controller()`` is the daemon (`forkd serve`) when one answers on
+its socket, else the engine in this process; ``--controller daemon|local`` forces one
+(docs/mcp.md). The sandboxes are VMs that outlive the server either way: an agent names
+them by id from one call to the next, and kills them with ``kill_sandbox``.
+
+A failure is a tool error (``isError: true`` with what was wrong and what to do), never a
+dead server: forkd's errors keep their family and message, arguments are validated against
+each tool's schema before anything runs, and any other exception becomes a tool error too.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import functools
+import hmac
+import threading
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+
+import anyio.from_thread
+import msgspec
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+import forkd
+from forkd.controller.sdk import Controller, EvalError, Sandbox
+from forkd.errors import ForkdError, InvalidInput
+
+# -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
+MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
+MAX_FILE_BYTES = 16 << 20  # read_file / write_file: a file's bytes, either way
+MAX_OUTPUT_CHARS = 1 << 20  # run_command / run_code: each of stdout, stderr in the result
+MAX_PROGRESS_CHARS = 16 << 10  # one progress notification carries at most this much output
+MAX_CODE_CHARS = 1 << 20  # run_code: the code; run_command: the command line, stdin
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SandboxId = Annotated[
+    str,
+    Field(min_length=1, max_length=128, description="A sandbox id (create_sandboxes gives them)."),
+]
+Tag = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=255,
+        description="A snapshot tag, NAME[:TAG] (list_snapshots lists them).",
+    ),
+]
+Count = Annotated[int, Field(ge=1, le=MAX_SANDBOXES_PER_CALL, description="How many sandboxes.")]
+Seconds = Annotated[
+    float | None, Field(gt=0, le=30 * 86400, description="Seconds; none: no limit.")
+]
+GuestPath = Annotated[
+    str,
+    Field(
+        min_length=2, max_length=4096, pattern=r"^/", description="An absolute path in the sandbox."
+    ),
+]
+Encoding = Literal["utf-8", "base64"]
+
+
+def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Every failure as a ToolError (an ``isError`` result): forkd's errors with their
+    family and message, anything else with its type; the server itself goes on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except ToolError:
+            raise
+        except ForkdError as exc:
+            raise ToolError(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # a bug or the host's trouble: say so, keep serving
+            raise ToolError(
+                f"unexpected {type(exc).__name__}: {exc}; the MCP server is still running "
+                "(its stderr has the details)"
+            ) from exc
+
+    return wrapper
+
+
+def plain(value: Any) -> Any:
+    """JSON types of an SDK answer (msgspec Structs, dataclasses, dicts)."""
+    return msgspec.to_builtins(value)
+
+
+def clipped(text: str, limit: int = MAX_OUTPUT_CHARS) -> tuple[str, int]:
+    """The last ``limit`` characters of ``text`` and how many were cut before them."""
+    cut = max(0, len(text) - limit)
+    return text[cut:], cut
+
+
+class Progress:
+    """Output of a running command sent as MCP progress notifications, from the worker
+    thread the tool runs in: ``progress`` is the characters so far, ``message`` the piece."""
+
+    def __init__(self, ctx: Context[Any, Any]) -> None:
+        self._ctx = ctx
+        self._sent = 0
+        self._lock = threading.Lock()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+
+    def on_stdout(self, text: str) -> None:
+        self.stdout.append(text)
+        self._send(text, "")
+
+    def on_stderr(self, text: str) -> None:
+        self.stderr.append(text)
+        self._send(text, "stderr: ")
+
+    def _send(self, text: str, prefix: str) -> None:
+        with self._lock:
+            for start in range(0, len(text), MAX_PROGRESS_CHARS):
+                piece = text[start : start + MAX_PROGRESS_CHARS]
+                self._sent += len(piece)
+                with contextlib.suppress(Exception):  # a gone client must not end the command
+                    anyio.from_thread.run(
+                        self._ctx.report_progress, self._sent, None, prefix + piece
+                    )
+
+
+class Tools:
+    """The tools, on one Controller (the SDK's: daemon or in-process)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
+
+    def list_snapshots(self) -> dict[str, Any]:
+        """The snapshot tags sandboxes can be created from (ref, digest, depth, sizes)."""
+        return {"snapshots": plain(self.controller.snapshots())}
+
+    def list_sandboxes(self) -> dict[str, Any]:
+        """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
+        seconds left before its deadline (null: none)."""
+        out = []
+        for sb in self.controller.sandboxes():
+            info = plain(sb.info)
+            out.append({k: info.get(k) for k in ("id", "ref", "origin", "status", "time_left_s")})
+        return {"sandboxes": out}
+
+    def create_sandboxes(
+        self,
+        tag: Tag,
+        n: Count = 1,
+        timeout_s: Seconds = None,
+        memory_limit_mib: Annotated[int | None, Field(ge=64)] = None,
+    ) -> dict[str, Any]:
+        """Fork n sandboxes (copy-on-write VMs) from snapshot `tag`, ready in about a second
+        each. timeout_s: each is killed that many seconds after it is ready. All of them
+        start or none (the ones that did are killed). Returns their ids."""
+        return self._spawn(tag, n, timeout_s, memory_limit_mib)
+
+    def fork_from_branch(
+        self,
+        tag: Tag,
+        n: Count = 1,
+        timeout_s: Seconds = None,
+    ) -> dict[str, Any]:
+        """Fork n sandboxes from a branch: a tag made by branch_sandbox. Each starts in the
+        state the branched sandbox was in (its files, its processes, its interpreter's
+        variables), independently of the others."""
+        return self._spawn(tag, n, timeout_s, None)
+
+    def _spawn(
+        self, tag: str, n: int, timeout_s: float | None, memory_limit_mib: int | None
+    ) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if timeout_s is not None:
+            options["timeout"] = timeout_s
+        if memory_limit_mib is not None:
+            options["memory_limit_mib"] = memory_limit_mib
+        started = self.controller.spawn_sandboxes(tag, n, **options)
+        return {"tag": tag, "sandboxes": [sb.id for sb in started]}
+
+    def run_command(
+        self,
+        sandbox_id: SandboxId,
+        command: Annotated[
+            str | list[str],
+            Field(description="A string runs through /bin/sh -c; a list is the argv."),
+        ],
+        ctx: Context[Any, Any],
+        cwd: GuestPath | None = None,
+        env: dict[str, str] | None = None,
+        stdin: Annotated[str | None, Field(max_length=MAX_CODE_CHARS)] = None,
+        timeout_s: Seconds = None,
+    ) -> dict[str, Any]:
+        """Run a command in a sandbox and wait for it; its output arrives as progress
+        notifications while it runs. Returns exit_code (-N: ended by signal N), stdout,
+        stderr, timed_out and duration; a non-zero exit is a result, not an error."""
+        _check_command(command)
+        progress = Progress(ctx)
+        r = self.sandbox(sandbox_id).commands.run(
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout=timeout_s,
+            on_stdout=progress.on_stdout,
+            on_stderr=progress.on_stderr,
+        )
+        stdout, cut_out = clipped(r.stdout or "".join(progress.stdout))
+        stderr, cut_err = clipped(r.stderr or "".join(progress.stderr))
+        return {
+            "exit_code": r.exit_code,
+            "timed_out": r.timed_out,
+            "duration": r.duration,
+            "stdout": stdout,
+            "stderr": stderr,
+            "stdout_cut_chars": cut_out,
+            "stderr_cut_chars": cut_err,
+        }
+
+    def run_code(
+        self,
+        sandbox_id: SandboxId,
+        code: Annotated[str, Field(min_length=1, max_length=MAX_CODE_CHARS)],
+        timeout_s: Seconds = None,
+    ) -> dict[str, Any]:
+        """Run Python code in the sandbox's warm interpreter (its variables persist from one
+        call to the next, and into forks of a branch). Returns the value of the last
+        expression (JSON, else null) or the error with its traceback. timeout_s: default
+        300."""
+        sb = self.sandbox(sandbox_id)
+        try:
+            value = sb.eval(code) if timeout_s is None else sb.eval(code, timeout=timeout_s)
+        except EvalError as exc:
+            return {
+                "value": None,
+                "error": {"type": exc.type, "message": str(exc), "traceback": exc.traceback},
+            }
+        return {"value": value, "error": None}
+
+    def read_file(
+        self, sandbox_id: SandboxId, path: GuestPath, encoding: Encoding = "utf-8"
+    ) -> dict[str, Any]:
+        """Read a file of the sandbox: as UTF-8 text, or as base64 for any bytes."""
+        data = self.sandbox(sandbox_id).files.read(path)
+        if len(data) > MAX_FILE_BYTES:
+            raise InvalidInput(
+                f"{path} is {len(data)} bytes, over the {MAX_FILE_BYTES} a tool "
+                "result carries; read part of it with run_command (head, tail, "
+                "split)"
+            )
+        if encoding == "base64":
+            return {"path": path, "size": len(data), "base64": base64.b64encode(data).decode()}
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise InvalidInput(
+                f"{path} is not UTF-8 text; call read_file again with encoding='base64'"
+            ) from None
+        return {"path": path, "size": len(data), "text": text}
+
+    def write_file(
+        self,
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        content: str,
+        encoding: Encoding = "utf-8",
+        mode: Annotated[
+            int, Field(ge=0, le=0o7777, description="Permission bits, e.g. 420 (0644).")
+        ] = 0o644,
+    ) -> dict[str, Any]:
+        """Write a file in the sandbox (replacing it): content is UTF-8 text, or base64 of
+        any bytes with encoding='base64'."""
+        data = _decode(content, encoding)
+        if len(data) > MAX_FILE_BYTES:
+            raise InvalidInput(
+                f"the content is {len(data)} bytes, over the {MAX_FILE_BYTES} "
+                "write_file takes; write it in parts (run_command: cat >> FILE)"
+            )
+        self.sandbox(sandbox_id).files.write(path, data, mode)
+        return {"path": path, "size": len(data)}
+
+    def branch_sandbox(
+        self, sandbox_id: SandboxId, tag: Tag, force: bool = False
+    ) -> dict[str, Any]:
+        """Save a running sandbox's whole state (memory, processes, disk) as a new snapshot
+        tag, a diff layer of what changed; the sandbox goes on running. fork_from_branch
+        then starts sandboxes from it. force: replace the tag if it exists."""
+        return {"branch": plain(self.sandbox(sandbox_id).branch(tag, force=force))}
+
+    def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """Stop a sandbox and remove everything it had (its disk, its saved state)."""
+        self.sandbox(sandbox_id).kill()
+        return {"killed": sandbox_id}
+
+
+def _check_command(command: str | list[str]) -> None:
+    if isinstance(command, str):
+        if not command.strip() or len(command) > MAX_CODE_CHARS:
+            raise InvalidInput(f"command must be 1 to {MAX_CODE_CHARS} characters of shell")
+    elif not command or sum(len(a) for a in command) > MAX_CODE_CHARS:
+        raise InvalidInput(
+            f"command must be a non-empty argv of at most {MAX_CODE_CHARS} characters"
+        )
+
+
+def _decode(content: str, encoding: str) -> bytes:
+    if encoding == "utf-8":
+        return content.encode()
+    if len(content) > (MAX_FILE_BYTES * 4) // 3 + 4:
+        raise InvalidInput(f"the content is over the {MAX_FILE_BYTES} bytes write_file takes")
+    try:
+        return base64.b64decode(content, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("content is not valid base64 (encoding='base64')") from None
+
+
+TOOL_NAMES = (
+    "list_snapshots",
+    "list_sandboxes",
+    "create_sandboxes",
+    "fork_from_branch",
+    "run_command",
+    "run_code",
+    "read_file",
+    "write_file",
+    "branch_sandbox",
+    "kill_sandbox",
+)
+
+
+def build_server(controller: Controller) -> MCPServer[Any]:
+    """The MCP server with every tool of ``Tools`` on ``controller``."""
+    server: MCPServer[Any] = MCPServer(
+        name="forkd",
+        version=forkd.__version__,
+        log_level="WARNING",  # stderr: a stdio client shows it as the server's log
+        instructions=(
+            "forkd runs sandboxes: copy-on-write VMs forked from warm snapshots in about a "
+            "second. list_snapshots, then create_sandboxes(tag, n); run_command and run_code "
+            "in them by id; branch_sandbox saves one's whole state as a tag, fork_from_branch "
+            "starts new sandboxes from it. Sandboxes outlive this conversation: kill_sandbox "
+            "each one you created when done."
+        ),
+    )
+    tools = Tools(controller)
+    for name in TOOL_NAMES:
+        server.add_tool(tool_errors(getattr(tools, name)), name=name)
+    return server
+
+
+def choose_controller(mode: Literal["auto", "daemon", "local"]) -> Controller:
+    """auto: the daemon if it answers on its socket, else in-process (the SDK's default)."""
+    return Controller(local={"auto": None, "daemon": False, "local": True}[mode])
+
+
+def serve_stdio(controller: Controller) -> None:
+    build_server(controller).run("stdio")
+
+
+def serve_http(controller: Controller, host: str, port: int, path: str, token: bytes) -> None:
+    """Streamable HTTP at ``http://host:port/path``; every request needs
+    ``Authorization: Bearer <token>``."""
+    import uvicorn
+
+    app = build_server(controller).streamable_http_app(streamable_http_path=path, host=host)
+    uvicorn.run(BearerAuth(app, token), host=host, port=port, log_level="warning")
+
+
+class BearerAuth:
+    """ASGI middleware: HTTP requests without the bearer token get 401 (compared in
+    constant time); the MCP app sees only the ones that carry it."""
+
+    def __init__(self, app: Any, token: bytes) -> None:
+        self.app = app
+        self.expected = b"Bearer " + token
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not self._allowed(scope):
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"www-authenticate", b'Bearer realm="forkd-mcp"'),
+                    ],
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"forkd mcp: send Authorization: Bearer <token> (docs/mcp.md)\n",
+                }
+            )
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: dict[str, Any]) -> bool:
+        given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self.expected)
