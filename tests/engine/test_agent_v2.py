@@ -5,18 +5,19 @@ test_agent_v2_vm.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from agent_harness import host_agent
 
 from forkd.engine import agent_client as ac
 from forkd.errors import Conflict, NotFound
-from agent_harness import host_agent
 
 
 def _gone(pid: int) -> bool:
@@ -115,7 +116,8 @@ def test_exit_signal_and_kill_are_told_apart(child_dir: Path) -> None:
 
 def test_background_process_stdin_wait_and_bad_input(child_dir: Path) -> None:
     c = _client(child_dir)
-    h = c.request("proc_start", {"argv": ["sh", "-c", "while read l; do echo got $l; done; sleep 1"]})
+    reader = "while read l; do echo got $l; done; sleep 1"
+    h = c.request("proc_start", {"argv": ["sh", "-c", reader]})
     handle = h["handle"]
     assert any(p["handle"] == handle and p["running"]
                for p in c.request("proc_list")["processes"])
@@ -179,11 +181,9 @@ def test_a_client_that_goes_away_cancels_its_command(child_dir: Path, tmp_path: 
         time.sleep(0.05)
 
 
-def _swallow(fn: object) -> None:
-    try:
-        fn()  # type: ignore[operator]
-    except Exception:
-        pass
+def _swallow(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        fn()
 
 
 def test_run_code_value_stdout_error(child_dir: Path) -> None:
