@@ -144,6 +144,8 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
             ns_name = f"{netns.PREFIX}build-{secrets.token_hex(3)}"
             netns.create(ns_name)
             extra_cmdline = f"forkd.ip={netns.TEMPLATE_IP}/{netns.GW_PREFIX} forkd.gw={netns.GW_IP}"
+        if recipe.tmp_mib != 64:  # the initramfs's default (engine/guest/init)
+            extra_cmdline = f"{extra_cmdline} forkd.tmp_mib={recipe.tmp_mib}".strip()
         cfg = VMConfig(memory_mib=recipe.memory_mib, vcpus=recipe.vcpus, accel=verdict.accel,
                        mem_path=mem, share=True, disk=tpl_disk, disk_cache="unsafe",
                        kernel=guest.kernel.vmlinux, initrd=guest.initrd,

@@ -35,6 +35,7 @@ class Recipe:
     memory_mib: int = 256
     vcpus: int = 1
     disk_free_mib: int = 64
+    tmp_mib: int = 64  # size limit of the guest's /tmp (a RAM-backed tmpfs)
     network: bool = False
     apt: tuple[str, ...] = ("python3",)
     pip: tuple[str, ...] = ()
@@ -51,6 +52,8 @@ class Recipe:
         ]
         d["apt"] = list(self.apt)
         d["pip"] = list(self.pip)
+        if self.tmp_mib == 64:  # recipes with the default keep the build cache keys they had
+            d.pop("tmp_mib")
         d.pop("extra")
         return d
 
@@ -152,6 +155,7 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
         memory_mib=_int(guest, "memory_mib", 256, 96, 65536, src),
         vcpus=_int(guest, "vcpus", 1, 1, 64, src),
         disk_free_mib=_int(guest, "disk_free_mib", 64, 8, 65536, src),
+        tmp_mib=_int(guest, "tmp_mib", 64, 1, 65536, src),
         network=network,
         apt=apt,
         pip=pip,

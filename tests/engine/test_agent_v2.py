@@ -216,3 +216,18 @@ def test_relay_refuses_duplicate_and_non_string_ids(child_dir: Path) -> None:
     c._ls.send(b'{"id": 5, "v": 2, "op": "ping"}\n')
     reply = c._read_frame("ping", time.monotonic() + 10)
     assert reply["ok"] is False and "string id" in reply["error"]["message"]
+
+
+def test_recipe_tmp_mib_is_a_setting_and_the_default_keeps_cache_keys() -> None:
+    from forkd.engine import recipe
+
+    base = '[recipe]\nname = "t"\n[guest]\n'
+    default = recipe.parse(base)
+    assert default.tmp_mib == 64 and "tmp_mib" not in default.to_dict()
+    assert recipe.parse(base + "tmp_mib = 64\n").content_digest("") == \
+        default.content_digest("")
+    big = recipe.parse(base + "tmp_mib = 512\n")
+    assert big.tmp_mib == 512 and big.to_dict()["tmp_mib"] == 512
+    assert big.content_digest("") != default.content_digest("")
+    with pytest.raises(Exception, match="tmp_mib"):
+        recipe.parse(base + "tmp_mib = 0\n")

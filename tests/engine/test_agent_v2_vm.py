@@ -158,3 +158,20 @@ def test_v1_snapshot_refused_with_what_to_do() -> None:
                agent_protocol=1)
     problems = ch.host_problems(c, cached_probe())
     assert len(problems) == 1 and "protocol 1" in problems[0] and "rebuild" in problems[0]
+
+
+def test_recipe_tmp_mib_sizes_the_guest_tmp(store: Store, tiny: str, tiny_recipe: Path,
+                                            cleanup_children: None) -> None:
+    """/tmp was 64 MiB whatever the recipe said; [guest] tmp_mib sets it."""
+    from forkd.engine import children as ch
+    from forkd.engine import recipe
+    from forkd.engine.build import build
+
+    text = tiny_recipe.read_text().replace("[guest]\n", "[guest]\ntmp_mib = 96\n", 1)
+    build(store, recipe.parse(text, base_dir=tiny_recipe.parent), "tiny-tmp:test")
+    kid = ch.fork(store, "tiny-tmp:test", 1).children[0]
+    try:
+        df = ch.exec_in(kid.id, ["df", "-k", "/tmp"])["stdout"].splitlines()[-1].split()
+        assert int(df[1]) == 96 * 1024, df
+    finally:
+        ch.kill(kid.id)
