@@ -72,11 +72,15 @@ class AgentClient:
     unix connect to the relay)."""
 
     def __init__(self, path: Path, *, timeout: float = 10.0,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """Connect to the socket at path (QEMU's, waiting up to timeout for it), or use
+        sock, already connected to path."""
         self.path = path
         self.alive = alive
-        self._ls = LineSocket(connect_unix(path, time.monotonic() + timeout, alive,
-                                           "agent socket"))
+        if sock is None:
+            sock = connect_unix(path, time.monotonic() + timeout, alive, "agent socket")
+        self._ls = LineSocket(sock)
         self._next_id = _new_ids()
         self.hello: dict[str, Any] | None = None
 
@@ -304,17 +308,13 @@ def connect_child(d: Path, *, timeout: float = 10.0,
 def _relay_client(sock: Path, alive: Callable[[], bool] | None) -> AgentClient:
     if not sock.exists():
         raise AgentError(f"no relay socket {sock}")
-    c = AgentClient.__new__(AgentClient)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(str(sock))
     except OSError:
         s.close()
         raise
-    c.path, c.alive, c.hello = sock, alive, None
-    c._ls = LineSocket(s)
-    c._next_id = _new_ids()
-    return c
+    return AgentClient(sock, alive=alive, sock=s)
 
 
 def _flock(fd: int, deadline: float, child_id: str) -> None:

@@ -658,8 +658,37 @@ class _Capture(io.TextIOBase):
         return "".join(self.parts)
 
 
-def _raise_in(thread_id: int, exc: type) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
+class _Deadline:
+    """Raises TimeoutError in the thread running a cell when its timeout passes, and never
+    after the cell has ended (a pending one is cleared then)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.tid = threading.get_ident()
+        self.lock = threading.Lock()
+        self.ended = False
+        self.fired = False
+        self.timer = None if timeout is None else threading.Timer(timeout, self._fire)
+        if self.timer is not None:
+            self.timer.start()
+
+    def _fire(self) -> None:
+        with self.lock:
+            if not self.ended:
+                self.fired = True
+                _set_async_exc(self.tid, TimeoutError)
+
+    def end(self) -> None:
+        with self.lock:
+            self.ended = True
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.fired:
+                _set_async_exc(self.tid, None)  # not delivered yet: drop it
+
+
+def _set_async_exc(thread_id: int, exc: type | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
 
 
 def _run_python(req: dict[str, Any], code: str
@@ -675,23 +704,21 @@ def _run_python(req: dict[str, Any], code: str
     with NS_LOCK:
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
-        timer = None
-        if timeout is not None:
-            timer = threading.Timer(timeout, _raise_in, (threading.get_ident(), TimeoutError))
-            timer.start()
+        deadline = _Deadline(timeout)
         try:
             try:
-                expr = _compile_expr(code)
-                value = eval(expr, NS) if expr is not None else _exec_repl(code)
+                try:
+                    expr = _compile_expr(code)
+                    value = eval(expr, NS) if expr is not None else _exec_repl(code)
+                finally:
+                    deadline.end()
             except BaseException as e:  # the caller's code may raise anything
                 error = {"type": type(e).__name__, "message": str(e),
                          "traceback": traceback.format_exc()}
-                if isinstance(e, TimeoutError) and timer is not None and not timer.is_alive():
+                if isinstance(e, TimeoutError) and deadline.fired:
                     error["message"] = f"the code ran longer than its timeout of {timeout} s"
                     error["timed_out"] = True
         finally:
-            if timer is not None:
-                timer.cancel()
             sys.stdout, sys.stderr = saved
     return value, out.getvalue(), err.getvalue(), error
 
