@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -32,6 +32,13 @@ def _backend() -> Backend:
     from forkd.controller.sdk import Controller
 
     return Controller().backend
+
+
+def _plain(answer: object) -> Any:
+    """An API answer (forkd.controller.api types) as JSON values: dicts, lists, str..."""
+    import msgspec
+
+    return msgspec.to_builtins(answer)
 
 
 def _say(msg: str) -> None:
@@ -132,20 +139,22 @@ def fork(
 
     if count <= 0:
         raise InvalidInput(f"-n must be at least 1, got {count}")
-    res = _backend().spawn(
-        tag,
-        count,
-        memory_limit_mib,
-        netns,
+    from forkd.controller.api import SpawnRequest
+
+    res = _plain(_backend().spawn(SpawnRequest(
+        tag=tag,
+        n=count,
+        memory_limit_mib=memory_limit_mib,
+        netns=netns,
         sandbox=not no_sandbox,
         timeout=parse_duration(timeout) if timeout is not None else None,
-        on_timeout=on_timeout,
+        on_timeout=on_timeout,  # type: ignore[arg-type]  # click.Choice: "kill" or "pause"
         cpus=cpus,
         pids_max=pids_max,
         disk_bps=disk_bps,
         disk_iops=disk_iops,
         net_kbit=net_kbit,
-    )
+    )))
     if as_json:
         emit_json(
             {
@@ -176,7 +185,7 @@ def fork(
 @json_option
 def ls_cmd(as_json: bool) -> None:
     """List children (running, or crashed if their QEMU died)."""
-    kids = _backend().sandboxes()
+    kids = _plain(_backend().sandboxes())
     if as_json:
         emit_json(kids)
         return
@@ -267,7 +276,10 @@ def exec_cmd(
             raise InvalidInput(f"--env {kv!r}: expected KEY=VALUE")
         envd[k] = v
     data = sys.stdin.buffer.read() if use_stdin else None
-    r = _backend().exec(child_id, list(argv), envd or None, cwd, data, timeout)
+    from forkd.controller.api import ExecRequest
+
+    req = ExecRequest(argv=list(argv), env=envd or None, cwd=cwd, stdin=data, timeout=timeout)
+    r = _plain(_backend().exec(child_id, req))
     if as_json:
         emit_json(r)
         return
@@ -285,7 +297,9 @@ def exec_cmd(
 @json_option
 def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
     """Evaluate Python CODE in child CHILD_ID's warm interpreter."""
-    r = _backend().eval(child_id, code)
+    from forkd.controller.api import EvalRequest
+
+    r = _plain(_backend().eval(child_id, EvalRequest(code=code)))
     if as_json:
         emit_json(r)
     else:
@@ -311,7 +325,7 @@ def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
     backend = _backend()
     if kill_all:
         child_ids = _children_of_this_store()
-    done = [backend.kill(i) for i in child_ids]
+    done = [_plain(backend.kill(i)) for i in child_ids]
     if as_json:
         emit_json([{"id": c["id"], "was": c["status"]} for c in done])
     else:
@@ -342,7 +356,9 @@ def _children_of_this_store() -> tuple[str, ...]:
 @json_option
 def branch(child_id: str, tag: str, force: bool, as_json: bool) -> None:
     """Snapshot a running child as a diff layer (its copied-on-write pages)."""
-    res = _backend().branch(child_id, tag, force=force)
+    from forkd.controller.api import BranchRequest
+
+    res = _plain(_backend().branch(child_id, BranchRequest(tag=tag, force=force)))
     if as_json:
         emit_json(res)
         return
@@ -360,9 +376,10 @@ def branch(child_id: str, tag: str, force: bool, as_json: bool) -> None:
 @json_option
 def extend(child_id: str, duration: str, as_json: bool) -> None:
     """Move child CHILD_ID's deadline DURATION later (90s, 5m, 1h30m; from now if none)."""
+    from forkd.controller.api import ExtendRequest
     from forkd.engine.lifetimes import parse_duration
 
-    r = _backend().extend(child_id, parse_duration(duration))
+    r = _plain(_backend().extend(child_id, ExtendRequest(seconds=parse_duration(duration))))
     if as_json:
         emit_json(r)
     elif r.get("time_left_s") is None:
@@ -376,7 +393,7 @@ def extend(child_id: str, duration: str, as_json: bool) -> None:
 @json_option
 def pause(child_id: str, as_json: bool) -> None:
     """Save child CHILD_ID (memory, processes, disk) into the store and free its VM."""
-    r = _backend().pause(child_id)
+    r = _plain(_backend().pause(child_id))
     if as_json:
         emit_json(r)
     else:
@@ -390,7 +407,7 @@ def pause(child_id: str, as_json: bool) -> None:
 @json_option
 def resume(child_id: str, as_json: bool) -> None:
     """Bring paused child CHILD_ID back under the same id, as it was."""
-    r = _backend().resume(child_id)
+    r = _plain(_backend().resume(child_id))
     if as_json:
         emit_json(r)
     else:

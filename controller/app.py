@@ -8,24 +8,63 @@ the error family. Every write and every refused token goes to the audit log.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from litestar import Litestar, Request, Response, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import NotAuthorizedException
+from litestar.exceptions import NotAuthorizedException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, RawBody
+from litestar.response import Stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
 from forkd.audit import AuditLog
-from forkd.controller.backend import PoolBackend, unb64
+from forkd.controller import api
+from forkd.controller.api import (
+    BranchRequest,
+    BranchResult,
+    CompactRequest,
+    ErrorAnswer,
+    ErrorBody,
+    EvalRequest,
+    EvalResult,
+    ExecFrame,
+    ExecRequest,
+    ExecResult,
+    ExtendRequest,
+    Health,
+    LayerInfo,
+    PoolRemoved,
+    PoolRequest,
+    PoolStatus,
+    ProcessInfo,
+    ProcessKillRequest,
+    ProcessSignaled,
+    ProcessStartRequest,
+    ProcessStdinRequest,
+    ProcessWaitRequest,
+    ProcessWaitResult,
+    Removed,
+    RunCodeRequest,
+    RunCodeResult,
+    SandboxInfo,
+    SpawnRequest,
+    SpawnResult,
+    StdinWritten,
+)
+from forkd.controller.backend import PoolBackend
 from forkd.errors import (
     ChainError,
     Conflict,
@@ -87,67 +126,27 @@ class Controller:
 
 
 Ctl = NamedDependency[Controller]
+ERRORS = {
+    status: ResponseSpec(ErrorAnswer, description=what, generate_examples=False)
+    for status, what in [
+        (400, "InvalidInput: the request is malformed or out of range"),
+        (401, "missing or wrong bearer token (TCP only)"),
+        (404, "NotFound: no such sandbox, snapshot, pool or file"),
+        (409, "Conflict: the tag exists, is depended on, or the sandbox is in another state"),
+        (422, "IntegrityError or ChainError: the store's data is damaged"),
+        (500, "any other error, with its forkd exit code"),
+    ]
+}
+STREAM = ResponseSpec(
+    ExecFrame,
+    media_type="application/x-ndjson",
+    description="one api.ExecFrame per line: output as it comes, {} heartbeats, then result",
+    generate_examples=False,
+)
 Req = Request[Any, Any, Any]
 
 
-# -- request bodies -----------------------------------------------------------
-@dataclass
-class SpawnRequest:
-    tag: str
-    n: int = 1
-    memory_limit_mib: int | None = None
-    netns: bool = False
-    sandbox: bool = True  # QEMU's -sandbox on
-    prewarm: int | None = None  # after serving: keep this many processes waiting for the tag
-    timeout: float | None = None  # seconds until each sandbox is killed or paused
-    on_timeout: str = "kill"  # "kill" or "pause"
-    cpus: float | None = None  # CPU time, in CPUs (0.5 = half of one core)
-    pids_max: int | None = None  # host tasks of the sandbox's QEMU
-    disk_bps: int | None = None  # disk bytes/s, read + write
-    disk_iops: int | None = None  # disk operations/s, read + write
-    net_kbit: int | None = None  # network kbit/s to the sandbox (tbf on its tap)
-
-
-@dataclass
-class ExtendRequest:
-    seconds: float
-
-
-@dataclass
-class PoolRequest:
-    tag: str
-    k: int
-    memory_limit_mib: int | None = None
-    netns: bool = False
-    sandbox: bool = True
-    wait: bool = False  # answer once the k processes are started
-
-
-@dataclass
-class ExecRequest:
-    argv: list[str]
-    env: dict[str, str] | None = None
-    cwd: str | None = None
-    stdin_b64: str | None = None
-    timeout: float | None = None
-
-
-@dataclass
-class EvalRequest:
-    code: str
-    timeout: float = 300.0
-
-
-@dataclass
-class BranchRequest:
-    tag: str
-    force: bool = False
-
-
-@dataclass
-class CompactRequest:
-    ref: str
-    to: str
+# request and answer types: forkd.controller.api
 
 
 # -- auth and audit -----------------------------------------------------------
@@ -217,29 +216,45 @@ def audited(
     ctl.audit.record(ctl.transport, peer(request), action, target, result, **detail)
 
 
-def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    ctl: Controller = request.app.state.controller
-    if isinstance(exc, NotAuthorizedException):
-        return Response(
-            {"error": {"type": "Unauthorized", "message": exc.detail, "exit_code": 8}},
-            status_code=401,
-            headers=exc.headers,
-        )
+def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
+    """The HTTP status and error body of an exception (the error family's). A request
+    that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
+    if isinstance(exc, ValidationException):
+        exc = InvalidInput(f"{exc.detail}: {validation_problems(exc)}")
     if not isinstance(exc, ForkdError):
         status = getattr(exc, "status_code", 500)
         message = getattr(exc, "detail", str(exc)) if status < 500 else "internal error"
-        return Response(
-            {"error": {"type": "HTTPError", "message": message, "exit_code": 1}}, status_code=status
-        )
+        return status, ErrorBody(type="HTTPError", message=str(message), exit_code=1)
     family = next(((cls, code) for cls, code in STATUS if isinstance(exc, cls)), None)
-    status = family[1] if family else 500
-    if request.method != "GET":
-        audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
     kind = family[0].__name__ if family else type(exc).__name__
-    return Response(
-        {"error": {"type": kind, "message": str(exc), "exit_code": exc.exit_code}},
-        status_code=status,
+    return (family[1] if family else 500), ErrorBody(
+        type=kind, message=str(exc), exit_code=exc.exit_code
     )
+
+
+def validation_problems(exc: ValidationException) -> str:
+    """What msgspec said about each field, e.g. "Object contains unknown field `nn`"."""
+    extra = exc.extra if isinstance(exc.extra, list) else [exc.extra]
+    said = [problem(e) for e in extra if e]
+    return "; ".join(said) or "the request does not match the API (docs/api.md)"
+
+
+def problem(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return str(entry)
+    key = entry.get("key")
+    return str(entry.get("message", entry)) + (f" (field {key})" if key else "")
+
+
+def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    ctl: Controller = request.app.state.controller
+    if isinstance(exc, NotAuthorizedException):
+        body = ErrorBody(type="Unauthorized", message=str(exc.detail), exit_code=8)
+        return Response(ErrorAnswer(error=body), status_code=401, headers=exc.headers)
+    status, body = error_answer(exc)
+    if isinstance(exc, ForkdError) and request.method != "GET":
+        audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
+    return Response(ErrorAnswer(error=body), status_code=status)
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -247,93 +262,95 @@ def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
     return controller
 
 
+GUARDED = [require_token]
+
+
 # -- routes -------------------------------------------------------------------
 @get("/healthz", sync_to_thread=False)
-def healthz() -> dict[str, str]:
-    return {"status": "ok", "version": forkd.__version__}
+def healthz() -> Health:
+    return Health(status="ok", version=forkd.__version__)
 
 
 @get(
-    "/metrics", media_type="text/plain; version=0.0.4", guards=[require_token], sync_to_thread=True
+    "/metrics",
+    media_type="text/plain; version=0.0.4",
+    guards=GUARDED,
+    responses=ERRORS,
+    sync_to_thread=True,
 )
 def metrics_endpoint(ctl: Ctl) -> bytes:
-    ctl.metrics.running.set(sum(1 for s in ctl.backend.sandboxes() if s["status"] == "running"))
+    ctl.metrics.running.set(sum(1 for s in ctl.backend.sandboxes() if s.status == "running"))
     return generate_latest(ctl.metrics.registry)
 
 
-@get("/v1/snapshots", guards=[require_token], sync_to_thread=True)
-def list_snapshots(ctl: Ctl) -> list[dict[str, Any]]:
+@get("/v1/snapshots", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+def list_snapshots(ctl: Ctl) -> list[LayerInfo]:
     return ctl.backend.snapshots()
 
 
-@get("/v1/snapshots/{ref:path}", guards=[require_token], sync_to_thread=True)
+@get("/v1/snapshots/{ref:path}", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
 def get_snapshot(ctl: Ctl, ref: FromPath[str]) -> dict[str, Any]:
     return ctl.backend.snapshot(ref.lstrip("/"))
 
 
-@delete("/v1/snapshots/{ref:path}", guards=[require_token], status_code=200, sync_to_thread=True)
+@delete(
+    "/v1/snapshots/{ref:path}",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
+)
 def delete_snapshot(
-    request: Request[Any, Any, Any],
-    ctl: Ctl,
-    ref: FromPath[str],
-    cascade: FromQuery[bool] = False,
-) -> dict[str, Any]:
-    removed = ctl.backend.delete_snapshot(ref.lstrip("/"), cascade)
-    audited(request, ctl, "snapshot.delete", ref, "ok", removed=removed)
-    return {"removed": removed}
+    request: Req, ctl: Ctl, ref: FromPath[str], cascade: FromQuery[bool] = False
+) -> Removed:
+    result = ctl.backend.delete_snapshot(ref.lstrip("/"), cascade)
+    audited(request, ctl, "snapshot.delete", ref, "ok", removed=result.removed)
+    return result
 
 
-@post("/v1/compact", guards=[require_token], status_code=201, sync_to_thread=True)
-def compact(
-    request: Request[Any, Any, Any],
-    ctl: Ctl,
-    data: JSONBody[CompactRequest],
-) -> dict[str, Any]:
-    result = ctl.backend.compact(data.ref, data.to)
+@post("/v1/compact", guards=GUARDED, responses=ERRORS, status_code=201, sync_to_thread=True)
+def compact(request: Req, ctl: Ctl, data: JSONBody[CompactRequest]) -> LayerInfo:
+    result = ctl.backend.compact(data)
     audited(request, ctl, "snapshot.compact", data.ref, "ok", to=data.to)
     return result
 
 
-@post("/v1/sandboxes", guards=[require_token], status_code=201, sync_to_thread=True)
-def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> dict[str, Any]:
+@post("/v1/sandboxes", guards=GUARDED, responses=ERRORS, status_code=201, sync_to_thread=True)
+def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
     start = time.perf_counter()
-    result = ctl.backend.spawn(
-        data.tag,
-        data.n,
-        data.memory_limit_mib,
-        data.netns,
-        data.sandbox,
-        data.prewarm,
-        timeout=data.timeout,
-        on_timeout=data.on_timeout,
-        cpus=data.cpus,
-        pids_max=data.pids_max,
-        disk_bps=data.disk_bps,
-        disk_iops=data.disk_iops,
-        net_kbit=data.net_kbit,
-    )
+    result = ctl.backend.spawn(data)
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
-    ctl.metrics.spawned.inc(len(result["sandboxes"]))
+    ctl.metrics.spawned.inc(len(result.sandboxes))
     audited(
-        request, ctl, "sandbox.create", data.tag, "ok", ids=[s["id"] for s in result["sandboxes"]]
+        request,
+        ctl,
+        "sandbox.create",
+        data.tag,
+        "ok",
+        ids=[s.id for s in result.sandboxes],
+        errors=len(result.errors),
     )
     return result
 
 
-@get("/v1/sandboxes", guards=[require_token], sync_to_thread=True)
-def list_sandboxes(ctl: Ctl) -> list[dict[str, Any]]:
+@get("/v1/sandboxes", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+def list_sandboxes(ctl: Ctl) -> list[SandboxInfo]:
     return ctl.backend.sandboxes()
 
 
-@get("/v1/sandboxes/{sandbox_id:str}", guards=[require_token], sync_to_thread=True)
-def get_sandbox(ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+@get("/v1/sandboxes/{sandbox_id:str}", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+def get_sandbox(ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxInfo:
     return ctl.backend.sandbox(sandbox_id)
 
 
 @delete(
-    "/v1/sandboxes/{sandbox_id:str}", guards=[require_token], status_code=200, sync_to_thread=True
+    "/v1/sandboxes/{sandbox_id:str}",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
 )
-def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxInfo:
     result = ctl.backend.kill(sandbox_id)
     audited(request, ctl, "sandbox.delete", sandbox_id, "ok")
     return result
@@ -341,25 +358,27 @@ def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str,
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/extend",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
 )
 def extend_sandbox(
     request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExtendRequest]
-) -> dict[str, Any]:
-    result = ctl.backend.extend(sandbox_id, data.seconds)
+) -> SandboxInfo:
+    result = ctl.backend.extend(sandbox_id, data)
     audited(request, ctl, "sandbox.extend", sandbox_id, "ok", seconds=data.seconds)
     return result
 
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/pause",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
 )
-def pause_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+def pause_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxInfo:
     result = ctl.backend.pause(sandbox_id)
     audited(request, ctl, "sandbox.pause", sandbox_id, "ok")
     return result
@@ -367,11 +386,12 @@ def pause_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/resume",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
 )
-def resume_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[str, Any]:
+def resume_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxInfo:
     result = ctl.backend.resume(sandbox_id)
     audited(request, ctl, "sandbox.resume", sandbox_id, "ok")
     return result
@@ -379,48 +399,205 @@ def resume_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> dict[st
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/exec",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
 )
 def exec_in(
-    request: Request[Any, Any, Any],
-    ctl: Ctl,
-    sandbox_id: FromPath[str],
-    data: JSONBody[ExecRequest],
-) -> dict[str, Any]:
-    stdin = unb64(data.stdin_b64, "stdin_b64") if data.stdin_b64 is not None else None
-    result = ctl.backend.exec(sandbox_id, data.argv, data.env, data.cwd, stdin, data.timeout)
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExecRequest]
+) -> ExecResult:
+    result = ctl.backend.exec(sandbox_id, data)
     audited(request, ctl, "sandbox.exec", sandbox_id, "ok", argv=data.argv[:8])
     return result
 
 
 @post(
+    "/v1/sandboxes/{sandbox_id:str}/exec/stream",
+    guards=GUARDED,
+    status_code=200,
+    sync_to_thread=True,
+    media_type="application/x-ndjson",
+    responses={200: STREAM, **ERRORS},
+)
+def exec_stream(
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExecRequest]
+) -> Stream:
+    ctl.backend.sandbox(sandbox_id)  # an unknown sandbox is a 404, not a 200 with an error
+    audited(request, ctl, "sandbox.exec", sandbox_id, "ok", argv=data.argv[:8], stream=True)
+    frames = ctl.backend.exec_stream(sandbox_id, data)
+    return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
+
+
+async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
+    """The frames as JSON lines, produced in a thread (the backend blocks), with an empty
+    frame ``{}`` every ``heartbeat`` seconds without output (so clients and proxies can
+    tell a quiet command from a dead connection), and an ``error`` frame if it fails."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[ExecFrame | Exception | None] = asyncio.Queue()
+
+    def produce() -> None:
+        try:
+            for frame in frames:
+                loop.call_soon_threadsafe(queue.put_nowait, frame)
+        except Exception as exc:  # sent to the client as its error frame
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=produce, name="forkd-exec-stream", daemon=True).start()
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), heartbeat)
+        except TimeoutError:
+            yield b"{}\n"
+            continue
+        if item is None:
+            return
+        if isinstance(item, Exception):
+            yield msgspec.json.encode(ExecFrame(error=error_answer(item)[1])) + b"\n"
+            return
+        yield msgspec.json.encode(item) + b"\n"
+
+
+@post(
     "/v1/sandboxes/{sandbox_id:str}/eval",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
 )
 def eval_in(
-    request: Request[Any, Any, Any],
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[EvalRequest]
+) -> EvalResult:
+    result = ctl.backend.eval(sandbox_id, data)
+    audited(request, ctl, "sandbox.eval", sandbox_id, "ok")
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/run_code",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
+)
+def run_code(
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[RunCodeRequest]
+) -> RunCodeResult:
+    result = ctl.backend.run_code(sandbox_id, data)
+    audited(request, ctl, "sandbox.run_code", sandbox_id, "ok")
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/processes",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=201,
+    sync_to_thread=True,
+)
+def process_start(
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ProcessStartRequest]
+) -> ProcessInfo:
+    result = ctl.backend.process_start(sandbox_id, data)
+    audited(
+        request,
+        ctl,
+        "sandbox.process.start",
+        sandbox_id,
+        "ok",
+        argv=data.argv[:8],
+        handle=result.handle,
+    )
+    return result
+
+
+@get(
+    "/v1/sandboxes/{sandbox_id:str}/processes",
+    guards=GUARDED,
+    responses=ERRORS,
+    sync_to_thread=True,
+)
+def processes(ctl: Ctl, sandbox_id: FromPath[str]) -> list[ProcessInfo]:
+    return ctl.backend.processes(sandbox_id)
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/wait",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
+)
+def process_wait(
     ctl: Ctl,
     sandbox_id: FromPath[str],
-    data: JSONBody[EvalRequest],
-) -> dict[str, Any]:
-    result = ctl.backend.eval(sandbox_id, data.code, data.timeout)
-    audited(request, ctl, "sandbox.eval", sandbox_id, "ok")
+    handle: FromPath[str],
+    data: JSONBody[ProcessWaitRequest],
+) -> ProcessWaitResult:
+    return ctl.backend.process_wait(sandbox_id, handle, data)
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/stdin",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
+)
+def process_stdin(
+    request: Req,
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    handle: FromPath[str],
+    data: JSONBody[ProcessStdinRequest],
+) -> StdinWritten:
+    result = ctl.backend.process_stdin(sandbox_id, handle, data)
+    audited(
+        request,
+        ctl,
+        "sandbox.process.stdin",
+        sandbox_id,
+        "ok",
+        handle=handle,
+        bytes=len(data.data or b""),
+        close=data.close,
+    )
+    return result
+
+
+@post(
+    "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/kill",
+    guards=GUARDED,
+    responses=ERRORS,
+    status_code=200,
+    sync_to_thread=True,
+)
+def process_kill(
+    request: Req,
+    ctl: Ctl,
+    sandbox_id: FromPath[str],
+    handle: FromPath[str],
+    data: JSONBody[ProcessKillRequest],
+) -> ProcessSignaled:
+    result = ctl.backend.process_kill(sandbox_id, handle, data)
+    audited(
+        request, ctl, "sandbox.process.kill", sandbox_id, "ok", handle=handle, signal=result.signal
+    )
     return result
 
 
 @put(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=204,
     sync_to_thread=True,
     request_max_body_size=MAX_FILE_BYTES,
 )
 def write_file(
-    request: Request[Any, Any, Any],
+    request: Req,
     ctl: Ctl,
     sandbox_id: FromPath[str],
     path: FromQuery[str],
@@ -433,7 +610,8 @@ def write_file(
 
 @get(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     sync_to_thread=True,
     media_type="application/octet-stream",
 )
@@ -443,37 +621,35 @@ def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> byte
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/branch",
-    guards=[require_token],
+    guards=GUARDED,
+    responses=ERRORS,
     status_code=201,
     sync_to_thread=True,
 )
 def branch(
-    request: Request[Any, Any, Any],
-    ctl: Ctl,
-    sandbox_id: FromPath[str],
-    data: JSONBody[BranchRequest],
-) -> dict[str, Any]:
-    result = ctl.backend.branch(sandbox_id, data.tag, data.force)
-    audited(request, ctl, "sandbox.branch", sandbox_id, "ok", tag=data.tag)
+    request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[BranchRequest]
+) -> BranchResult:
+    result = ctl.backend.branch(sandbox_id, data)
+    audited(request, ctl, "sandbox.branch", sandbox_id, "ok", tag=data.tag, force=data.force)
     return result
 
 
-@get("/v1/pools", guards=[require_token], sync_to_thread=True)
-def list_pools(ctl: Ctl) -> list[dict[str, Any]]:
+@get("/v1/pools", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+def list_pools(ctl: Ctl) -> list[PoolStatus]:
     return ctl.backend.pools()
 
 
-@post("/v1/pools", guards=[require_token], status_code=200, sync_to_thread=True)
-def fill_pool(request: Req, ctl: Ctl, data: JSONBody[PoolRequest]) -> dict[str, Any]:
-    result = ctl.backend.fill_pool(
-        data.tag, data.k, data.memory_limit_mib, data.netns, data.sandbox, data.wait
-    )
+@post("/v1/pools", guards=GUARDED, responses=ERRORS, status_code=200, sync_to_thread=True)
+def fill_pool(request: Req, ctl: Ctl, data: JSONBody[PoolRequest]) -> PoolStatus:
+    result = ctl.backend.fill_pool(data)
     audited(request, ctl, "pool.fill", data.tag, "ok", k=data.k)
     return result
 
 
-@delete("/v1/pools/{tag:path}", guards=[require_token], status_code=200, sync_to_thread=True)
-def remove_pool(request: Req, ctl: Ctl, tag: FromPath[str]) -> dict[str, Any]:
+@delete(
+    "/v1/pools/{tag:path}", guards=GUARDED, responses=ERRORS, status_code=200, sync_to_thread=True
+)
+def remove_pool(request: Req, ctl: Ctl, tag: FromPath[str]) -> PoolRemoved:
     result = ctl.backend.remove_pool(tag.lstrip("/"))
     audited(request, ctl, "pool.delete", tag, "ok")
     return result
@@ -494,7 +670,14 @@ ROUTES = [
     pause_sandbox,
     resume_sandbox,
     exec_in,
+    exec_stream,
     eval_in,
+    run_code,
+    process_start,
+    processes,
+    process_wait,
+    process_stdin,
+    process_kill,
     write_file,
     read_file,
     branch,

@@ -2,17 +2,50 @@
 
 The daemon serves ``LocalBackend`` over REST; the SDK and the CLI use either
 ``LocalBackend`` directly or ``RemoteBackend`` (forkd.controller.client) when a
-daemon runs. Both speak the same plain shapes (dicts of JSON types), so the
-REST API is these methods and nothing more.
+daemon runs. Both take and answer the types of forkd.controller.api, one method per
+``api.OPERATIONS`` entry, so the REST API is these methods and nothing more.
 """
 
 from __future__ import annotations
 
-import base64
+import codecs
+import queue
 import threading
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
 from typing import Any, Protocol
 
+import msgspec
+
+from forkd.controller.api import (
+    BranchRequest,
+    BranchResult,
+    CompactRequest,
+    EvalRequest,
+    EvalResult,
+    ExecFrame,
+    ExecRequest,
+    ExecResult,
+    ExtendRequest,
+    LayerInfo,
+    PoolRemoved,
+    PoolRequest,
+    PoolStatus,
+    ProcessInfo,
+    ProcessKillRequest,
+    ProcessSignaled,
+    ProcessStartRequest,
+    ProcessStdinRequest,
+    ProcessWaitRequest,
+    ProcessWaitResult,
+    Removed,
+    RunCodeRequest,
+    RunCodeResult,
+    SandboxInfo,
+    SpawnRequest,
+    SpawnResult,
+    StdinWritten,
+)
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
 from forkd.engine.branch import branch as branch_child
@@ -27,70 +60,109 @@ SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within t
 
 
 class Backend(Protocol):
-    def snapshots(self) -> list[dict[str, Any]]: ...
+    """One method per api.OPERATIONS entry (the pools' are PoolBackend's)."""
+
+    def snapshots(self) -> list[LayerInfo]: ...
     def snapshot(self, ref: str) -> dict[str, Any]: ...
-    def delete_snapshot(self, ref: str, cascade: bool = False) -> list[str]: ...
-    def compact(self, ref: str, to: str) -> dict[str, Any]: ...
-    def spawn(
-        self,
-        tag: str,
-        n: int = 1,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        prewarm: int | None = None,
-        *,
-        timeout: float | None = None,
-        on_timeout: str = "kill",
-        cpus: float | None = None,
-        pids_max: int | None = None,
-        disk_bps: int | None = None,
-        disk_iops: int | None = None,
-        net_kbit: int | None = None,
-    ) -> dict[str, Any]: ...
-    def sandboxes(self) -> list[dict[str, Any]]: ...
-    def extend(self, sandbox_id: str, seconds: float) -> dict[str, Any]: ...
-    def pause(self, sandbox_id: str) -> dict[str, Any]: ...
-    def resume(self, sandbox_id: str) -> dict[str, Any]: ...
-    def sandbox(self, sandbox_id: str) -> dict[str, Any]: ...
-    def kill(self, sandbox_id: str) -> dict[str, Any]: ...
-    def exec(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bytes | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, Any]: ...
-    def eval(self, sandbox_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]: ...
+    def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed: ...
+    def compact(self, req: CompactRequest) -> LayerInfo: ...
+    def spawn(self, req: SpawnRequest) -> SpawnResult: ...
+    def sandboxes(self) -> list[SandboxInfo]: ...
+    def sandbox(self, sandbox_id: str) -> SandboxInfo: ...
+    def kill(self, sandbox_id: str) -> SandboxInfo: ...
+    def extend(self, sandbox_id: str, req: ExtendRequest) -> SandboxInfo: ...
+    def pause(self, sandbox_id: str) -> SandboxInfo: ...
+    def resume(self, sandbox_id: str) -> SandboxInfo: ...
+    def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+        """The command's output as frames while it runs (UTF-8, a character split between
+        two chunks is kept whole), then its result. The command runs in a thread of its own;
+        the frames wait in a queue for the caller."""
+        frames: queue.Queue[ExecFrame | BaseException | None] = queue.Queue()
+        decoders = {
+            name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")
+        }
+
+        def output(name: str) -> Callable[[bytes], None]:
+            def put(data: bytes) -> None:
+                text = decoders[name].decode(data)
+                if text:
+                    frames.put(output_frame(name, text))
+
+            return put
+
+        def run() -> None:
+            try:
+                result = ch.exec_stream(
+                    sandbox_id,
+                    req.argv,
+                    env=req.env,
+                    cwd=req.cwd,
+                    stdin=req.stdin,
+                    timeout=req.timeout,
+                    on_stdout=output("stdout"),
+                    on_stderr=output("stderr"),
+                )
+                for name, decoder in decoders.items():
+                    if rest := decoder.decode(b"", final=True):
+                        frames.put(output_frame(name, rest))
+                frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
+            except BaseException as exc:  # handed to the caller's thread below
+                frames.put(exc)
+            finally:
+                frames.put(None)
+
+        threading.Thread(target=run, name=f"forkd-exec-{sandbox_id}", daemon=True).start()
+        while (item := frames.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult: ...
+    def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult: ...
+    def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo: ...
+    def processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
+    def process_wait(
+        self, sandbox_id: str, handle: str, req: ProcessWaitRequest
+    ) -> ProcessWaitResult: ...
+    def process_stdin(
+        self, sandbox_id: str, handle: str, req: ProcessStdinRequest
+    ) -> StdinWritten: ...
+    def process_kill(
+        self, sandbox_id: str, handle: str, req: ProcessKillRequest
+    ) -> ProcessSignaled: ...
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
     def read_file(self, sandbox_id: str, path: str) -> bytes: ...
-    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]: ...
+    def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult: ...
 
 
 class PoolBackend(Backend, Protocol):
     """What the daemon serves on top of Backend: spawns that (re)fill a prewarmed pool, and
     the pools themselves (docs/api.md). Only a long-running process can keep a pool."""
 
-    def pools(self) -> list[dict[str, Any]]: ...
-    def fill_pool(
-        self,
-        tag: str,
-        k: int,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        wait: bool = False,
-    ) -> dict[str, Any]: ...
-    def remove_pool(self, tag: str) -> dict[str, Any]: ...
+    def pools(self) -> list[PoolStatus]: ...
+    def fill_pool(self, req: PoolRequest) -> PoolStatus: ...
+    def remove_pool(self, tag: str) -> PoolRemoved: ...
 
 
-def sandbox_view(info: ChildInfo) -> dict[str, Any]:
-    view = asdict(info)
+SANDBOX_FIELDS = tuple(f.name for f in fields(ChildInfo))  # every one is in api.SandboxInfo
+
+
+def sandbox_view(info: ChildInfo) -> SandboxInfo:
+    view = {name: getattr(info, name) for name in SANDBOX_FIELDS}
     view["status"] = info.state() if info.status == "running" else info.status
     view["time_left_s"] = lifetimes.time_left(info)
-    return view
+    return msgspec.convert(view, SandboxInfo)
+
+
+def limits_of(req: SpawnRequest) -> Limits:
+    return Limits(
+        req.memory_limit_mib, req.cpus, req.pids_max, req.disk_bps, req.disk_iops, req.net_kbit
+    )
+
+
+def output_frame(stream: str, text: str) -> ExecFrame:
+    return ExecFrame(stdout=text) if stream == "stdout" else ExecFrame(stderr=text)
 
 
 class LocalBackend:
@@ -132,65 +204,54 @@ class LocalBackend:
             if lifetimes.next_deadline() is not None:
                 watchdog.ensure_running()
 
-    def snapshots(self) -> list[dict[str, Any]]:
-        return [asdict(info) for info in self.store.images()]
+    def snapshots(self) -> list[LayerInfo]:
+        return self.store.images()
 
     def snapshot(self, ref: str) -> dict[str, Any]:
         return self.store.inspect(ref)
 
-    def delete_snapshot(self, ref: str, cascade: bool = False) -> list[str]:
-        return self.store.remove(ref, cascade=cascade)
+    def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
+        return Removed(removed=self.store.remove(ref, cascade=cascade))
 
-    def compact(self, ref: str, to: str) -> dict[str, Any]:
-        return asdict(self.store.compact(ref, to))
+    def compact(self, req: CompactRequest) -> LayerInfo:
+        return self.store.compact(req.ref, req.to)
 
-    def spawn(
-        self,
-        tag: str,
-        n: int = 1,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        prewarm: int | None = None,
-        *,
-        timeout: float | None = None,
-        on_timeout: str = "kill",
-        cpus: float | None = None,
-        pids_max: int | None = None,
-        disk_bps: int | None = None,
-        disk_iops: int | None = None,
-        net_kbit: int | None = None,
-    ) -> dict[str, Any]:
+    def spawn(self, req: SpawnRequest) -> SpawnResult:
         """prewarm=K: after serving, fill (or refill) the tag's pool to K in the background.
         timeout: seconds until each sandbox is killed or paused (on_timeout); cpus, pids_max,
         disk_bps, disk_iops, net_kbit: limits (docs/engine.md, "Limits")."""
-        if prewarm is not None:
-            self._check_prewarm(prewarm)
-        limits = Limits(memory_limit_mib, cpus, pids_max, disk_bps, disk_iops, net_kbit)
-        lifetime = Lifetime(timeout, on_timeout)
+        if req.prewarm is not None:
+            self._check_prewarm(req.prewarm)
+        limits = limits_of(req)
         result = ch.fork(
             self.store,
-            tag,
-            n,
+            req.tag,
+            req.n,
             limits=limits,
-            lifetime=lifetime,
-            with_netns=netns,
-            sandbox=sandbox,
+            lifetime=Lifetime(req.timeout, req.on_timeout),
+            with_netns=req.netns,
+            sandbox=req.sandbox,
             pool=self.pool,
         )
-        if timeout is not None:
+        if req.timeout is not None:
             self._deadlines_changed()
-        if prewarm is not None and self.pool is not None:
-            self.pool.fill(tag, prewarm, limits=limits, sandbox=sandbox, with_netns=netns,
-                           wait=False)
-        return {
-            "sandboxes": [sandbox_view(c) for c in result.children],
-            "assemble_ms": round(result.assemble_ms, 1),
-            "total_ms": round(result.total_ms, 1),
-            "errors": result.errors,
-        }
+        if req.prewarm is not None and self.pool is not None:
+            self.pool.fill(
+                req.tag,
+                req.prewarm,
+                limits=limits,
+                sandbox=req.sandbox,
+                with_netns=req.netns,
+                wait=False,
+            )
+        return SpawnResult(
+            sandboxes=[sandbox_view(c) for c in result.children],
+            assemble_ms=round(result.assemble_ms, 1),
+            total_ms=round(result.total_ms, 1),
+            errors=list(result.errors),
+        )
 
-    def sandboxes(self) -> list[dict[str, Any]]:
+    def sandboxes(self) -> list[SandboxInfo]:
         return [sandbox_view(c) for c in ch.list_children()]
 
     def _check_prewarm(self, k: int) -> Pool:
@@ -203,84 +264,99 @@ class LocalBackend:
             )
         return self.pool
 
-    def pools(self) -> list[dict[str, Any]]:
-        return self.pool.status() if self.pool is not None else []
+    def pools(self) -> list[PoolStatus]:
+        statuses = self.pool.status() if self.pool is not None else []
+        return [msgspec.convert(s, PoolStatus) for s in statuses]
 
-    def fill_pool(
-        self,
-        tag: str,
-        k: int,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        wait: bool = False,
-    ) -> dict[str, Any]:
-        pool = self._check_prewarm(k)
-        return pool.fill(
-            tag, k, memory_limit_mib=memory_limit_mib, sandbox=sandbox, with_netns=netns, wait=wait
+    def fill_pool(self, req: PoolRequest) -> PoolStatus:
+        pool = self._check_prewarm(req.k)
+        status = pool.fill(
+            req.tag,
+            req.k,
+            memory_limit_mib=req.memory_limit_mib,
+            sandbox=req.sandbox,
+            with_netns=req.netns,
+            wait=req.wait,
         )
+        return msgspec.convert(status, PoolStatus)
 
-    def remove_pool(self, tag: str) -> dict[str, Any]:
+    def remove_pool(self, tag: str) -> PoolRemoved:
         if self.pool is None or not self.pool.remove(tag):
             raise NotFound(f"no prewarmed pool for {tag}; GET /v1/pools lists them")
-        return {"tag": tag, "removed": True}
+        return PoolRemoved(tag=tag, removed=True)
 
-    def sandbox(self, sandbox_id: str) -> dict[str, Any]:
+    def sandbox(self, sandbox_id: str) -> SandboxInfo:
         return sandbox_view(ch.get(sandbox_id))
 
-    def kill(self, sandbox_id: str) -> dict[str, Any]:
+    def kill(self, sandbox_id: str) -> SandboxInfo:
         return sandbox_view(ch.kill(sandbox_id, self.store))
 
-    def extend(self, sandbox_id: str, seconds: float) -> dict[str, Any]:
-        info = lifetimes.extend(sandbox_id, seconds)
+    def extend(self, sandbox_id: str, req: ExtendRequest) -> SandboxInfo:
+        info = lifetimes.extend(sandbox_id, req.seconds)
         self._deadlines_changed()
         return sandbox_view(info)
 
-    def pause(self, sandbox_id: str) -> dict[str, Any]:
+    def pause(self, sandbox_id: str) -> SandboxInfo:
         return sandbox_view(pause_child(self.store, sandbox_id))
 
-    def resume(self, sandbox_id: str) -> dict[str, Any]:
+    def resume(self, sandbox_id: str) -> SandboxInfo:
         info = resume_child(self.store, sandbox_id)
         if info.deadline is not None:
             self._deadlines_changed()
         return sandbox_view(info)
 
-    def exec(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bytes | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        return ch.exec_in(sandbox_id, argv, timeout=timeout, stdin=stdin, env=env, cwd=cwd)
+    def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        result = ch.exec_in(
+            sandbox_id, req.argv, timeout=req.timeout, stdin=req.stdin, env=req.env, cwd=req.cwd
+        )
+        return msgspec.convert(result, ExecResult)
 
-    def eval(self, sandbox_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]:
-        return ch.eval_in(sandbox_id, code, timeout=timeout)
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+        """The command's output as frames, then its result."""
+        result = self.exec(sandbox_id, req)
+        if result.stdout:
+            yield ExecFrame(stdout=result.stdout)
+        if result.stderr:
+            yield ExecFrame(stderr=result.stderr)
+        yield ExecFrame(result=result)
+
+    def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
+        return msgspec.convert(ch.eval_in(sandbox_id, req.code, timeout=req.timeout), EvalResult)
+
+    def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult:
+        reply = ch.run_code(sandbox_id, req.code, timeout=req.timeout)
+        return msgspec.convert(reply, RunCodeResult)
+
+    def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
+        reply = ch.process_start(
+            sandbox_id, req.argv, env=req.env, cwd=req.cwd, stdin=req.stdin, pty=req.pty
+        )
+        return msgspec.convert(reply, ProcessInfo)
+
+    def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return msgspec.convert(ch.process_list(sandbox_id), list[ProcessInfo])
+
+    def process_wait(
+        self, sandbox_id: str, handle: str, req: ProcessWaitRequest
+    ) -> ProcessWaitResult:
+        reply = ch.process_wait(sandbox_id, handle, timeout=req.timeout)
+        return msgspec.convert(reply, ProcessWaitResult)
+
+    def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:
+        reply = ch.process_stdin(sandbox_id, handle, req.data or b"", close=req.close)
+        return msgspec.convert(reply, StdinWritten)
+
+    def process_kill(
+        self, sandbox_id: str, handle: str, req: ProcessKillRequest
+    ) -> ProcessSignaled:
+        return msgspec.convert(ch.process_kill(sandbox_id, handle, req.signal), ProcessSignaled)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        if not path.startswith("/"):
-            raise InvalidInput(f"guest path {path!r} must be absolute")
-        with ch.agent(sandbox_id) as agent:
-            agent.put(path, data, mode)
+        ch.write_file(sandbox_id, path, data, mode)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        if not path.startswith("/"):
-            raise InvalidInput(f"guest path {path!r} must be absolute")
-        with ch.agent(sandbox_id) as agent:
-            return agent.get(path)
+        """NotFound (404 in REST) when the guest has no such file."""
+        return ch.read_file(sandbox_id, path)
 
-    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]:
-        return asdict(branch_child(self.store, sandbox_id, tag, force=force))
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def unb64(text: str, what: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError as exc:
-        raise InvalidInput(f"{what} is not valid base64") from exc
+    def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
+        return branch_child(self.store, sandbox_id, req.tag, force=req.force)

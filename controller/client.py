@@ -1,14 +1,53 @@
-"""``RemoteBackend``: the controller API over its Unix socket or TCP, as a Backend."""
+"""``RemoteBackend``: the controller API over its Unix socket or TCP, as a Backend.
+
+Every answer is decoded into its forkd.controller.api type (a daemon that answers
+another shape is an error, not a dict with surprises). Deadlines (docs/api.md,
+"Timeouts"): connecting gives up after api.CONNECT_TIMEOUT_S; a command waits its own
+timeout plus api.ANSWER_GRACE_S (no limit for a command without one); a streamed command
+waits at most 4 heartbeats between two frames; anything else api.REQUEST_TIMEOUT_S.
+"""
 
 from __future__ import annotations
 
-import base64
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+import msgspec
 
 from forkd import errors
+from forkd.controller import api
+from forkd.controller.api import (
+    BranchRequest,
+    BranchResult,
+    CompactRequest,
+    ErrorAnswer,
+    EvalRequest,
+    EvalResult,
+    ExecFrame,
+    ExecRequest,
+    ExecResult,
+    ExtendRequest,
+    LayerInfo,
+    PoolRemoved,
+    PoolRequest,
+    PoolStatus,
+    ProcessInfo,
+    ProcessKillRequest,
+    ProcessSignaled,
+    ProcessStartRequest,
+    ProcessStdinRequest,
+    ProcessWaitRequest,
+    ProcessWaitResult,
+    Removed,
+    RunCodeRequest,
+    RunCodeResult,
+    SandboxInfo,
+    SpawnRequest,
+    SpawnResult,
+    StdinWritten,
+)
 from forkd.engine.paths import run_dir
 
 TYPES: dict[str, type[errors.ForkdError]] = {
@@ -35,23 +74,30 @@ def default_socket() -> Path:
     return run_dir() / "controller.sock"
 
 
+T = TypeVar("T")
+
+
 class RemoteBackend:
     def __init__(
         self,
         url: str | None = None,
         token: str | None = None,
         socket: Path | None = None,
-        timeout: float = 600.0,
+        timeout: float = api.REQUEST_TIMEOUT_S,
     ) -> None:
+        """timeout: the deadline of requests that run no command (exec and eval wait as
+        long as their command may run: api.answer_timeout)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = timeout
+        limit = httpx.Timeout(timeout, connect=api.CONNECT_TIMEOUT_S)
         if url:
-            self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+            self.http = httpx.Client(base_url=url, headers=headers, timeout=limit)
             self.where = url
         else:
             path = socket or default_socket()
             transport = httpx.HTTPTransport(uds=str(path))
             self.http = httpx.Client(
-                transport=transport, base_url="http://forkd", headers=headers, timeout=timeout
+                transport=transport, base_url="http://forkd", headers=headers, timeout=limit
             )
             self.where = str(path)
 
@@ -64,157 +110,168 @@ class RemoteBackend:
         except httpx.HTTPError:
             return False
 
+    def _unreachable(self, exc: httpx.HTTPError) -> ControllerError:
+        if isinstance(exc, httpx.TimeoutException):
+            return ControllerError(
+                f"controller at {self.where} did not answer in time ({exc}); the request may "
+                "still be running there"
+            )
+        return ControllerError(
+            f"controller at {self.where} unreachable: {exc}; is `forkd serve` running?"
+        )
+
     def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         try:
             resp = self.http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
-            raise ControllerError(
-                f"controller at {self.where} unreachable: {exc}; is `forkd serve` running?"
-            ) from exc
+            raise self._unreachable(exc) from exc
         if resp.status_code >= 400:
-            try:
-                err = resp.json()["error"]
-                cls = TYPES.get(err.get("type", ""))
-                if cls is not None:
-                    raise cls(err["message"])
-                raise ControllerError(err["message"], int(err.get("exit_code", 1)))
-            except (ValueError, KeyError, TypeError):
-                raise ControllerError(
-                    f"controller answered {resp.status_code}: {resp.text[:200]}"
-                ) from None
+            raise answered_error(resp.status_code, resp.content)
         return resp
 
-    def _json(self, method: str, url: str, **kwargs: Any) -> Any:
-        return self._call(method, url, **kwargs).json()
+    def _get(
+        self,
+        answer: type[T],
+        method: str,
+        url: str,
+        body: msgspec.Struct | None = None,
+        **kwargs: Any,
+    ) -> T:
+        if body is not None:
+            kwargs["content"] = msgspec.json.encode(body)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        content = self._call(method, url, **kwargs).content
+        try:
+            return msgspec.json.decode(content, type=answer)
+        except msgspec.ValidationError as exc:
+            raise ControllerError(
+                f"controller at {self.where} answered {method} {url} with an unexpected "
+                f"shape ({exc}); is it another forkd version?"
+            ) from exc
 
-    def snapshots(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", "/v1/snapshots")
-        return result
+    def snapshots(self) -> list[LayerInfo]:
+        return self._get(list[LayerInfo], "GET", "/v1/snapshots")
 
     def snapshot(self, ref: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("GET", f"/v1/snapshots/{ref}")
-        return result
+        return self._get(dict[str, Any], "GET", f"/v1/snapshots/{ref}")
 
-    def delete_snapshot(self, ref: str, cascade: bool = False) -> list[str]:
-        result = self._json(
-            "DELETE", f"/v1/snapshots/{ref}", params={"cascade": str(cascade).lower()}
+    def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
+        return self._get(
+            Removed, "DELETE", f"/v1/snapshots/{ref}", params={"cascade": str(cascade).lower()}
         )
-        removed: list[str] = result["removed"]
-        return removed
 
-    def compact(self, ref: str, to: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", "/v1/compact", json={"ref": ref, "to": to})
-        return result
+    def compact(self, req: CompactRequest) -> LayerInfo:
+        return self._get(LayerInfo, "POST", "/v1/compact", req)
 
-    def spawn(
-        self,
-        tag: str,
-        n: int = 1,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        prewarm: int | None = None,
-        *,
-        timeout: float | None = None,
-        on_timeout: str = "kill",
-        cpus: float | None = None,
-        pids_max: int | None = None,
-        disk_bps: int | None = None,
-        disk_iops: int | None = None,
-        net_kbit: int | None = None,
-    ) -> dict[str, Any]:
-        body = {
-            "tag": tag,
-            "n": n,
-            "memory_limit_mib": memory_limit_mib,
-            "netns": netns,
-            "sandbox": sandbox,
-            "prewarm": prewarm,
-            "timeout": timeout,
-            "on_timeout": on_timeout,
-            "cpus": cpus,
-            "pids_max": pids_max,
-            "disk_bps": disk_bps,
-            "disk_iops": disk_iops,
-            "net_kbit": net_kbit,
-        }
-        result: dict[str, Any] = self._json("POST", "/v1/sandboxes", json=body)
-        return result
+    def spawn(self, req: SpawnRequest) -> SpawnResult:
+        return self._get(SpawnResult, "POST", "/v1/sandboxes", req)
 
-    def extend(self, sandbox_id: str, seconds: float) -> dict[str, Any]:
-        result: dict[str, Any] = self._json(
-            "POST", f"/v1/sandboxes/{sandbox_id}/extend", json={"seconds": seconds}
+    def extend(self, sandbox_id: str, req: ExtendRequest) -> SandboxInfo:
+        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/extend", req)
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/pause")
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/resume")
+
+    def pools(self) -> list[PoolStatus]:
+        return self._get(list[PoolStatus], "GET", "/v1/pools")
+
+    def fill_pool(self, req: PoolRequest) -> PoolStatus:
+        return self._get(PoolStatus, "POST", "/v1/pools", req)
+
+    def remove_pool(self, tag: str) -> PoolRemoved:
+        return self._get(PoolRemoved, "DELETE", f"/v1/pools/{tag}")
+
+    def sandboxes(self) -> list[SandboxInfo]:
+        return self._get(list[SandboxInfo], "GET", "/v1/sandboxes")
+
+    def sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(SandboxInfo, "GET", f"/v1/sandboxes/{sandbox_id}")
+
+    def kill(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(SandboxInfo, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return self._get(
+            ExecResult,
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/exec",
+            req,
+            timeout=waiting(api.answer_timeout(req.timeout)),
         )
-        return result
 
-    def pause(self, sandbox_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", f"/v1/sandboxes/{sandbox_id}/pause")
-        return result
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+        """The frames of ``POST …/exec/stream`` as they arrive; the last one has ``result``.
+        Waits at most 4 heartbeats (api.HEARTBEAT_S) between two frames, however long the
+        command runs; an ``error`` frame is raised as its error family."""
+        limit = httpx.Timeout(4 * api.HEARTBEAT_S, connect=api.CONNECT_TIMEOUT_S)
+        url = f"/v1/sandboxes/{sandbox_id}/exec/stream"
+        try:
+            with self.http.stream(
+                "POST",
+                url,
+                content=msgspec.json.encode(req),
+                headers={"Content-Type": "application/json"},
+                timeout=limit,
+            ) as resp:
+                if resp.status_code >= 400:
+                    raise answered_error(resp.status_code, resp.read())
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    frame = msgspec.json.decode(line, type=ExecFrame)
+                    if frame.error is not None:
+                        raise error_of(frame.error)
+                    yield frame
+                    if frame.result is not None:
+                        return
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        raise ControllerError(f"controller at {self.where} ended {url} before the result")
 
-    def resume(self, sandbox_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("POST", f"/v1/sandboxes/{sandbox_id}/resume")
-        return result
-
-    def pools(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", "/v1/pools")
-        return result
-
-    def fill_pool(
-        self,
-        tag: str,
-        k: int,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        sandbox: bool = True,
-        wait: bool = False,
-    ) -> dict[str, Any]:
-        body = {
-            "tag": tag,
-            "k": k,
-            "memory_limit_mib": memory_limit_mib,
-            "netns": netns,
-            "sandbox": sandbox,
-            "wait": wait,
-        }
-        result: dict[str, Any] = self._json("POST", "/v1/pools", json=body)
-        return result
-
-    def remove_pool(self, tag: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("DELETE", f"/v1/pools/{tag}")
-        return result
-
-    def sandboxes(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._json("GET", "/v1/sandboxes")
-        return result
-
-    def sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("GET", f"/v1/sandboxes/{sandbox_id}")
-        return result
-
-    def kill(self, sandbox_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._json("DELETE", f"/v1/sandboxes/{sandbox_id}")
-        return result
-
-    def exec(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bytes | None = None,
-        timeout: float | None = None,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {"argv": argv, "env": env, "cwd": cwd, "timeout": timeout}
-        if stdin is not None:
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
-        result: dict[str, Any] = self._json("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body)
-        return result
-
-    def eval(self, sandbox_id: str, code: str, timeout: float = 300.0) -> dict[str, Any]:
-        result: dict[str, Any] = self._json(
-            "POST", f"/v1/sandboxes/{sandbox_id}/eval", json={"code": code, "timeout": timeout}
+    def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
+        return self._get(
+            EvalResult,
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/eval",
+            req,
+            timeout=waiting(api.answer_timeout(req.timeout)),
         )
-        return result
+
+    def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult:
+        return self._get(
+            RunCodeResult,
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/run_code",
+            req,
+            timeout=waiting(api.answer_timeout(req.timeout)),
+        )
+
+    def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
+        return self._get(ProcessInfo, "POST", f"/v1/sandboxes/{sandbox_id}/processes", req)
+
+    def processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return self._get(list[ProcessInfo], "GET", f"/v1/sandboxes/{sandbox_id}/processes")
+
+    def process_wait(
+        self, sandbox_id: str, handle: str, req: ProcessWaitRequest
+    ) -> ProcessWaitResult:
+        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/wait"
+        return self._get(
+            ProcessWaitResult, "POST", url, req, timeout=waiting(api.answer_timeout(req.timeout))
+        )
+
+    def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:
+        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/stdin"
+        return self._get(StdinWritten, "POST", url, req)
+
+    def process_kill(
+        self, sandbox_id: str, handle: str, req: ProcessKillRequest
+    ) -> ProcessSignaled:
+        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/kill"
+        return self._get(ProcessSignaled, "POST", url, req)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         self._call(
@@ -227,8 +284,25 @@ class RemoteBackend:
     def read_file(self, sandbox_id: str, path: str) -> bytes:
         return self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}).content
 
-    def branch(self, sandbox_id: str, tag: str, force: bool = False) -> dict[str, Any]:
-        result: dict[str, Any] = self._json(
-            "POST", f"/v1/sandboxes/{sandbox_id}/branch", json={"tag": tag, "force": force}
-        )
-        return result
+    def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
+        return self._get(BranchResult, "POST", f"/v1/sandboxes/{sandbox_id}/branch", req)
+
+
+def waiting(seconds: float | None) -> httpx.Timeout:
+    """Wait ``seconds`` for an answer (None: as long as it takes), connect as usual."""
+    return httpx.Timeout(seconds, connect=api.CONNECT_TIMEOUT_S)
+
+
+def error_of(body: api.ErrorBody) -> errors.ForkdError:
+    """The daemon's error as its family (same message), else a ControllerError."""
+    cls = TYPES.get(body.type)
+    if cls is not None:
+        return cls(body.message)
+    return ControllerError(body.message, body.exit_code)
+
+
+def answered_error(status: int, content: bytes) -> errors.ForkdError:
+    try:
+        return error_of(msgspec.json.decode(content, type=ErrorAnswer).error)
+    except msgspec.DecodeError:
+        return ControllerError(f"controller answered {status}: {content[:200]!r}")

@@ -8,28 +8,66 @@ socket (or at ``url=``), and otherwise drives the engine in this process.
         print(sb.commands.run("uname -r").stdout)
         print(sb.eval("import numpy; numpy.zeros(3).tolist()"))
         sb.files.write("/tmp/x.txt", "hello")
-        child_tag = sb.branch("python-numpy-after")["ref"]
+        child_tag = sb.branch("python-numpy-after").ref
+
+Requests and answers are the types of forkd.controller.api (the REST API's).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
+from forkd.controller.api import (
+    EVAL_TIMEOUT_S,
+    BranchRequest,
+    BranchResult,
+    EvalRequest,
+    ExecRequest,
+    ExecResult,
+    ExtendRequest,
+    LayerInfo,
+    PoolRequest,
+    PoolStatus,
+    ProcessInfo,
+    ProcessKillRequest,
+    ProcessStartRequest,
+    ProcessStdinRequest,
+    ProcessWaitRequest,
+    RunCodeRequest,
+    RunCodeResult,
+    SandboxInfo,
+    SpawnRequest,
+)
 from forkd.controller.backend import Backend, LocalBackend
 from forkd.controller.client import RemoteBackend
-from forkd.errors import ForkdError
+from forkd.errors import ForkdError, InvalidInput
+
+Output = Callable[[str], object]  # a streaming callback: called with each piece of output
+Cmd = str | list[str]  # a string runs through /bin/sh -c, a list is the argv
 
 
 class EvalError(ForkdError):
     """Code evaluated in the sandbox raised; ``.type``, ``.traceback`` tell what."""
 
-    def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(f"{error.get('type')}: {error.get('message')}")
-        self.type = str(error.get("type"))
-        self.traceback = str(error.get("traceback", ""))
+    def __init__(self, error: Any) -> None:
+        super().__init__(f"{error.type}: {error.message}")
+        self.type = str(error.type)
+        self.traceback = str(error.traceback)
+
+
+class SpawnError(ForkdError):
+    """Some of the sandboxes asked for did not start (``.errors``: one line each). The ones
+    that did were killed: a spawn gives all it was asked for or none."""
+
+    def __init__(self, asked: int, errors: list[str]) -> None:
+        lines = "\n".join(errors[:5])
+        super().__init__(f"{len(errors)} of {asked} sandboxes did not start:\n{lines}")
+        self.errors = errors
 
 
 @dataclass(frozen=True)
@@ -38,6 +76,21 @@ class CommandResult:
     stderr: str
     exit_code: int
     timed_out: bool = False
+    duration: float | None = None  # seconds the command ran in the guest
+    status: str = "exited"  # exited, signaled, killed, timed_out or oom_killed
+
+    @classmethod
+    def of(cls, r: ExecResult) -> CommandResult:
+        return cls(r.stdout, r.stderr, r.exit_code, r.timed_out, r.duration, r.status)
+
+
+def spawn_request(tag: str, n: int, options: dict[str, Any]) -> SpawnRequest:
+    """A SpawnRequest from keyword options: any field of api.SpawnRequest."""
+    try:
+        return SpawnRequest(tag=tag, n=n, **options)
+    except TypeError as exc:
+        known = ", ".join(f for f in SpawnRequest.__struct_fields__ if f not in ("tag", "n"))
+        raise InvalidInput(f"{exc}; the spawn options are {known}") from None
 
 
 class Controller:
@@ -66,11 +119,11 @@ class Controller:
     def remote(self) -> bool:
         return isinstance(self.backend, RemoteBackend)
 
-    def prewarm(self, tag: str, k: int, *, wait: bool = True) -> dict[str, Any]:
+    def prewarm(self, tag: str, k: int, *, wait: bool = True) -> PoolStatus:
         """Keep ``k`` restored-ahead VMs of ``tag`` waiting in the daemon (spawns take them)."""
-        return self._daemon("prewarm").fill_pool(tag, k, wait=wait)
+        return self._daemon("prewarm").fill_pool(PoolRequest(tag=tag, k=k, wait=wait))
 
-    def pools(self) -> list[dict[str, Any]]:
+    def pools(self) -> list[PoolStatus]:
         return self._daemon("pools").pools()
 
     def _daemon(self, what: str) -> RemoteBackend:
@@ -78,75 +131,165 @@ class Controller:
             raise ForkdError(f"{what} needs the controller daemon: start `forkd serve`")
         return self.backend
 
-    def spawn_sandboxes(
-        self,
-        tag: str,
-        n: int = 1,
-        *,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        prewarm: int | None = None,
-        timeout: float | None = None,
-        on_timeout: str = "kill",
-        **limits: Any,
-    ) -> list[Sandbox]:
-        """Fork ``n`` sandboxes; with ``prewarm=K`` the daemon then keeps K more waiting.
-        ``timeout`` (seconds): each is then killed, or paused with ``on_timeout="pause"``;
-        ``limits``: ``cpus``, ``pids_max``, ``disk_bps``, ``disk_iops``, ``net_kbit``."""
-        backend = self._daemon("prewarm") if prewarm is not None else self.backend
-        result = backend.spawn(
-            tag,
-            n,
-            memory_limit_mib,
-            netns,
-            prewarm=prewarm,
-            timeout=timeout,
-            on_timeout=on_timeout,
-            **_limits(limits),
-        )
-        return [Sandbox(controller=self, sandbox_id=s["id"]) for s in result["sandboxes"]]
+    def spawn_sandboxes(self, tag: str, n: int = 1, **options: Any) -> list[Sandbox]:
+        """Fork ``n`` sandboxes of ``tag``; all of them or SpawnError (the ones that started
+        are then killed). ``options``: the fields of api.SpawnRequest (docs/api.md):
+        ``memory_limit_mib``, ``netns``, ``timeout`` (s) and ``on_timeout`` ("kill" or
+        "pause"), ``cpus``, ``pids_max``, ``disk_bps``, ``disk_iops``, ``net_kbit``;
+        ``prewarm=K`` (daemon only) then keeps K more waiting."""
+        req = spawn_request(tag, n, options)
+        backend = self._daemon("prewarm") if req.prewarm is not None else self.backend
+        result = backend.spawn(req)
+        started = [Sandbox(controller=self, sandbox_id=s.id) for s in result.sandboxes]
+        if result.errors or len(started) != n:
+            for sb in started:
+                with contextlib.suppress(ForkdError):
+                    sb.kill()
+            raise SpawnError(n, result.errors or [f"{n - len(started)} missing, no error given"])
+        return started
 
     def sandboxes(self) -> list[Sandbox]:
-        return [Sandbox(controller=self, sandbox_id=s["id"]) for s in self.backend.sandboxes()]
+        return [Sandbox(controller=self, sandbox_id=s.id) for s in self.backend.sandboxes()]
 
-    def branch_sandbox(self, sandbox_id: str, tag: str) -> dict[str, Any]:
-        return self.backend.branch(sandbox_id, tag)
+    def branch_sandbox(self, sandbox_id: str, tag: str, *, force: bool = False) -> BranchResult:
+        """Save the sandbox as a diff layer tagged ``tag``; ``force`` replaces that tag."""
+        return self.backend.branch(sandbox_id, BranchRequest(tag=tag, force=force))
 
-    def snapshots(self) -> list[dict[str, Any]]:
+    def snapshots(self) -> list[LayerInfo]:
         return self.backend.snapshots()
 
 
-LIMIT_NAMES = ("cpus", "pids_max", "disk_bps", "disk_iops", "net_kbit")
+class CommandHandle:
+    """A background command (``commands.run(..., background=True)``) in its own process
+    group: wait for it, write to its stdin, signal it."""
 
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo) -> None:
+        self._sb = sandbox
+        self.handle = info.handle
+        self.pid = info.pid
+        self.argv = info.argv
 
-def _limits(given: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(given) - set(LIMIT_NAMES))
-    if unknown:
-        raise ForkdError(f"unknown limit {', '.join(unknown)}; the limits are "
-                         f"{', '.join(LIMIT_NAMES)} (and memory_limit_mib)")
-    return given
+    def wait(self, timeout: float | None = None) -> CommandResult | None:
+        """Its result once it ends (then the handle is forgotten: NotFound afterwards);
+        None if it still runs after ``timeout`` seconds (None: wait until it ends)."""
+        r = self._sb.controller.backend.process_wait(
+            self._sb.id, self.handle, ProcessWaitRequest(timeout=timeout)
+        )
+        if r.running:
+            return None
+        return CommandResult(
+            r.stdout, r.stderr, int(r.exit_code or 0), r.timed_out, r.duration, r.status or "exited"
+        )
+
+    def send_stdin(self, data: str | bytes, *, close: bool = False) -> None:
+        """Write to its stdin; Conflict once it ended or its stdin is closed."""
+        raw = data.encode() if isinstance(data, str) else data
+        req = ProcessStdinRequest(data=raw, close=close)
+        self._sb.controller.backend.process_stdin(self._sb.id, self.handle, req)
+
+    def close_stdin(self) -> None:
+        req = ProcessStdinRequest(close=True)
+        self._sb.controller.backend.process_stdin(self._sb.id, self.handle, req)
+
+    def kill(self, signal: int | str = "SIGKILL") -> None:
+        """Signal its whole process group; Conflict when it has ended."""
+        req = ProcessKillRequest(signal=signal)
+        self._sb.controller.backend.process_kill(self._sb.id, self.handle, req)
+
+    def __repr__(self) -> str:
+        return f"CommandHandle({self.handle!r}, pid={self.pid})"
 
 
 class Commands:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
 
+    def start(
+        self,
+        cmd: Cmd,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        pty: bool = False,
+    ) -> CommandHandle:
+        """Start a command in the background (``commands.run(..., background=True)``)."""
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        req = ProcessStartRequest(argv=argv, env=env, cwd=cwd, stdin=data, pty=pty)
+        return CommandHandle(self._sb, self._sb.controller.backend.process_start(self._sb.id, req))
+
+    def list(self) -> list[ProcessInfo]:
+        """The background commands: running, or ended and not waited for yet."""
+        return self._sb.controller.backend.processes(self._sb.id)
+
+    @overload
     def run(
         self,
-        cmd: str | list[str],
+        cmd: Cmd,
         *,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         stdin: bytes | str | None = None,
         timeout: float | None = None,
-    ) -> CommandResult:
-        """Run a command (a string goes through ``/bin/sh -c``)."""
+        on_stdout: Output | None = None,
+        on_stderr: Output | None = None,
+        background: Literal[False] = False,
+    ) -> CommandResult: ...
+
+    @overload
+    def run(
+        self,
+        cmd: Cmd,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        on_stdout: Output | None = None,
+        on_stderr: Output | None = None,
+        background: Literal[True],
+    ) -> CommandHandle: ...
+
+    def run(
+        self,
+        cmd: Cmd,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        on_stdout: Output | None = None,
+        on_stderr: Output | None = None,
+        background: bool = False,
+    ) -> CommandResult | CommandHandle:
+        """Run a command (a string goes through ``/bin/sh -c``); never raises for a non-zero
+        exit. ``timeout`` (s): the command (its whole process group) is killed then; none:
+        it may run for as long as it takes (no client deadline is shorter).
+        ``on_stdout``/``on_stderr``: called with the output as the sandbox sends it (the
+        result's stdout/stderr are then empty). ``background=True``: start it and return a
+        CommandHandle at once (``commands.start``)."""
+        if background:
+            if timeout is not None or on_stdout is not None or on_stderr is not None:
+                raise InvalidInput(
+                    "a background command takes no timeout or callbacks: "
+                    "give them to its handle's wait() or kill() it"
+                )
+            return self.start(cmd, env=env, cwd=cwd, stdin=stdin)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        r = self._sb.controller.backend.exec(self._sb.id, argv, env, cwd, data, timeout)
-        return CommandResult(
-            r["stdout"], r["stderr"], int(r["exit_code"]), bool(r.get("timed_out", False))
-        )
+        req = ExecRequest(argv=argv, env=env, cwd=cwd, stdin=data, timeout=timeout)
+        backend = self._sb.controller.backend
+        if on_stdout is None and on_stderr is None:
+            return CommandResult.of(backend.exec(self._sb.id, req))
+        for frame in backend.exec_stream(self._sb.id, req):
+            if frame.stdout and on_stdout is not None:
+                on_stdout(frame.stdout)
+            if frame.stderr and on_stderr is not None:
+                on_stderr(frame.stderr)
+            if frame.result is not None:
+                return CommandResult.of(frame.result)
+        raise ForkdError(f"sandbox {self._sb.id}: the command's stream ended without a result")
 
 
 class Files:
@@ -158,6 +301,7 @@ class Files:
         self._sb.controller.backend.write_file(self._sb.id, path, raw, mode)
 
     def read(self, path: str) -> bytes:
+        """The file's bytes; forkd.errors.NotFound when there is no such file."""
         return self._sb.controller.backend.read_file(self._sb.id, path)
 
 
@@ -170,61 +314,61 @@ class Sandbox:
         *,
         controller: Controller | None = None,
         sandbox_id: str | None = None,
-        memory_limit_mib: int | None = None,
-        netns: bool = False,
-        timeout: float | None = None,
-        on_timeout: str = "kill",
-        **limits: Any,
+        **options: Any,
     ) -> None:
-        """``timeout`` (seconds): the sandbox is killed then, or paused with
-        ``on_timeout="pause"``; ``extend()`` moves it. ``limits``: ``cpus``, ``pids_max``,
-        ``disk_bps``, ``disk_iops``, ``net_kbit`` (docs/engine.md, "Limits")."""
+        """``options``: the fields of api.SpawnRequest, e.g. ``timeout`` (seconds: the
+        sandbox is killed then, or paused with ``on_timeout="pause"``; ``extend()`` moves
+        it), ``memory_limit_mib``, ``netns``, ``cpus``, ``pids_max``, ``disk_bps``,
+        ``disk_iops``, ``net_kbit`` (docs/engine.md, "Limits")."""
         self.controller = controller or Controller()
         if sandbox_id is None:
             if tag is None:
                 raise ForkdError("Sandbox needs a snapshot tag (or sandbox_id= to attach)")
-            result = self.controller.backend.spawn(
-                tag,
-                1,
-                memory_limit_mib,
-                netns,
-                timeout=timeout,
-                on_timeout=on_timeout,
-                **_limits(limits),
-            )
-            sandbox_id = str(result["sandboxes"][0]["id"])
+            result = self.controller.backend.spawn(spawn_request(tag, 1, options))
+            if not result.sandboxes:
+                raise SpawnError(1, result.errors)
+            sandbox_id = result.sandboxes[0].id
+        elif options:
+            raise InvalidInput(f"spawn options {sorted(options)} need a tag, not sandbox_id=")
         self.id = sandbox_id
         self.commands = Commands(self)
         self.files = Files(self)
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> SandboxInfo:
         return self.controller.backend.sandbox(self.id)
 
-    def eval(self, code: str, timeout: float = 300.0) -> Any:
+    def eval(self, code: str, timeout: float = EVAL_TIMEOUT_S) -> Any:
         """Evaluate in the warm interpreter; returns the trailing expression's value."""
-        reply = self.controller.backend.eval(self.id, code, timeout)
-        if reply.get("error"):
-            raise EvalError(reply["error"])
-        return reply.get("value")
+        reply = self.controller.backend.eval(self.id, EvalRequest(code=code, timeout=timeout))
+        if reply.error is not None:
+            raise EvalError(reply.error)
+        return reply.value
 
-    def branch(self, tag: str) -> dict[str, Any]:
-        return self.controller.backend.branch(self.id, tag)
+    def run_code(self, code: str, timeout: float | None = EVAL_TIMEOUT_S) -> RunCodeResult:
+        """A code-interpreter cell: ``results`` (matplotlib figures as PNG, DataFrames as
+        HTML and text, the last expression as ``is_main_result``), ``stdout``, ``stderr``,
+        ``error`` (type, message, traceback; not raised), ``value``."""
+        req = RunCodeRequest(code=code, timeout=timeout)
+        return self.controller.backend.run_code(self.id, req)
 
-    def extend(self, seconds: float) -> dict[str, Any]:
+    def branch(self, tag: str, *, force: bool = False) -> BranchResult:
+        """Save this sandbox as a diff layer tagged ``tag``; ``force`` replaces that tag."""
+        return self.controller.branch_sandbox(self.id, tag, force=force)
+
+    def extend(self, seconds: float) -> SandboxInfo:
         """Move the sandbox's deadline ``seconds`` later (from now if it had none)."""
-        return self.controller.backend.extend(self.id, seconds)
+        return self.controller.backend.extend(self.id, ExtendRequest(seconds=seconds))
 
     def time_left(self) -> float | None:
         """Seconds until the deadline, None without one."""
-        left = self.info.get("time_left_s")
-        return None if left is None else float(left)
+        return self.info.time_left_s
 
-    def pause(self) -> dict[str, Any]:
+    def pause(self) -> SandboxInfo:
         """Save memory, processes and disk into the store and free the VM."""
         return self.controller.backend.pause(self.id)
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self) -> SandboxInfo:
         """Bring a paused sandbox back under the same id, as it was."""
         return self.controller.backend.resume(self.id)
 

@@ -19,6 +19,7 @@ from litestar import Litestar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.audit import AuditLog
+from forkd.controller.api import PoolRequest
 from forkd.controller.app import MAX_TOKEN_BYTES, ControllerMetrics, checked_token, create_app
 from forkd.controller.backend import LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
@@ -108,7 +109,7 @@ def serve(
     backend = LocalBackend(store, Pool(store), sweeper=True)
     try:
         for tag, k in prewarm:
-            backend.fill_pool(tag, k)
+            backend.fill_pool(PoolRequest(tag=tag, k=k))
         _serve(backend, unix, listen, audit_path, token)
     finally:
         backend.close()

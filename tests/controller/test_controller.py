@@ -16,7 +16,7 @@ import pytest
 
 from forkd import Controller, Sandbox
 from forkd.controller.client import RemoteBackend
-from forkd.errors import InvalidInput, NotFound
+from forkd.errors import Conflict, InvalidInput, NotFound
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_TAG = "tiny:ctl"
@@ -122,9 +122,9 @@ def test_rest_round_trip_with_token(daemon: str, env: dict[str, str]):
         assert put.status_code == 204
         got = http.get(f"/v1/sandboxes/{ids[1]}/files", params={"path": "/tmp/f"})
         assert got.content == b"\x00\x01data"
-        assert (
-            http.get(f"/v1/sandboxes/{ids[0]}/files", params={"path": "/tmp/f"}).status_code >= 400
-        )  # isolated
+        missing = http.get(f"/v1/sandboxes/{ids[0]}/files", params={"path": "/tmp/f"})
+        assert missing.status_code == 404, missing.text  # isolated
+        assert missing.json()["error"]["type"] == "NotFound"
         branched = http.post(f"/v1/sandboxes/{ids[1]}/branch", json={"tag": "tiny:branched"})
         assert branched.status_code == 201, branched.text
         assert branched.json()["depth"] == 1
@@ -162,8 +162,14 @@ def test_sdk_over_the_daemon(daemon: str):
         assert (result.exit_code, result.stderr) == (3, "hello\n")
         a.files.write("/tmp/note", "from the sdk")
         assert a.files.read("/tmp/note") == b"from the sdk"
+        assert result.status == "exited" and result.duration is not None and result.duration > 0
+        with pytest.raises(NotFound):
+            a.files.read("/tmp/no-such-file")
         branch = ctl.branch_sandbox(a.id, "tiny:sdk-branch")
-        assert branch["depth"] == 1
+        assert branch.depth == 1
+        with pytest.raises(Conflict):
+            a.branch("tiny:sdk-branch")
+        assert a.branch("tiny:sdk-branch", force=True).ref.startswith("tiny:sdk-branch")
         with Sandbox("tiny:sdk-branch", controller=ctl) as child:
             assert child.files.read("/tmp/note") == b"from the sdk"
             gone = child.id
@@ -240,3 +246,53 @@ def test_cli_goes_through_a_running_daemon(daemon: str, env: dict[str, str]):
     mine = [e for e in entries if child in (e["target"], *e.get("ids", []))]
     assert {e["action"] for e in mine} >= {"sandbox.create", "sandbox.exec", "sandbox.delete"}
     assert all(e["actor"] == "unix-socket" for e in mine)
+
+
+def test_streamed_output_arrives_while_the_command_runs(daemon: str):
+    """The command waits for a file that the test writes only once it has seen the first
+    line: with output held back until the end it would time out instead."""
+    ctl = Controller(url=daemon, token=TOKEN)
+    with Sandbox(TINY_TAG, controller=ctl) as sb:
+        seen: list[str] = []
+        errors: list[str] = []
+
+        def on_stdout(text: str) -> None:
+            seen.append(text)
+            if "ready" in text:
+                sb.files.write("/tmp/go", "")  # a second request while the first runs
+
+        result = sb.commands.run(
+            "echo ready; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo done >&2; exit 4",
+            timeout=120,
+            on_stdout=on_stdout,
+            on_stderr=errors.append,
+        )
+        assert (result.status, result.exit_code, result.timed_out) == ("exited", 4, False)
+        assert "".join(seen) == "ready\n" and "".join(errors) == "done\n"
+        # the REST stream itself: NDJSON frames, the last one the result
+        body = {"argv": ["sh", "-c", "echo one; echo two >&2"]}
+        with httpx.Client(base_url=daemon, headers=_auth(), timeout=120) as http, http.stream(
+            "POST", f"/v1/sandboxes/{sb.id}/exec/stream", json=body
+        ) as resp:
+            assert resp.headers["content-type"].startswith("application/x-ndjson")
+            frames = [json.loads(line) for line in resp.iter_lines() if line]
+        assert frames[-1]["result"]["exit_code"] == 0
+        assert "".join(f.get("stdout", "") for f in frames) == "one\n"
+        assert "".join(f.get("stderr", "") for f in frames) == "two\n"
+        bad = httpx.post(f"{daemon}/v1/sandboxes/nope-1/exec/stream", headers=_auth(),
+                         json={"argv": ["true"]})
+        assert bad.status_code == 404
+
+
+def test_a_command_longer_than_the_client_timeout_completes_through_the_daemon(daemon: str):
+    """RemoteBackend(timeout=2): a 4 s command with its own 60 s timeout still completes
+    (the client waits the command's timeout + api.ANSWER_GRACE_S), streamed or not."""
+    ctl = Controller(url=daemon, token=TOKEN)
+    ctl.backend = RemoteBackend(url=daemon, token=TOKEN, timeout=2.0)
+    with Sandbox(TINY_TAG, controller=ctl) as sb:
+        done = sb.commands.run("sleep 4; echo slept", timeout=60)
+        assert (done.exit_code, done.stdout) == (0, "slept\n")
+        assert done.duration is not None and done.duration >= 4
+        streamed: list[str] = []
+        done = sb.commands.run("sleep 4; echo slept", on_stdout=streamed.append)
+        assert done.exit_code == 0 and streamed == ["slept\n"]

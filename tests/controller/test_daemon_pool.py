@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from forkd.controller.api import PoolRequest, SpawnRequest
 from forkd.controller.backend import LocalBackend
 from forkd.errors import InvalidInput
 
@@ -131,7 +132,7 @@ def test_daemon_pool_round_trip_and_clean_stop(env: dict[str, str], tiny: str):
 
             ctl = Controller(url=url, token=TOKEN)
             ctl.prewarm(TAG, 2)
-            assert [p["waiting"] for p in ctl.pools() if p["tag"].startswith("tiny:pool")] == [2]
+            assert [p.waiting for p in ctl.pools() if p.tag.startswith("tiny:pool")] == [2]
             boxes = ctl.spawn_sandboxes(TAG, 2, prewarm=1)
             try:
                 assert len({b.eval("import os; os.urandom(8).hex()") for b in boxes}) == 2
@@ -156,9 +157,9 @@ def test_daemon_pool_round_trip_and_clean_stop(env: dict[str, str], tiny: str):
 def test_prewarm_needs_the_daemon(env: dict[str, str], tiny: str):
     backend = LocalBackend()
     with pytest.raises(InvalidInput, match="forkd serve"):
-        backend.spawn(TAG, 1, prewarm=2)
+        backend.spawn(SpawnRequest(tag=TAG, n=1, prewarm=2))
     with pytest.raises(InvalidInput):
-        backend.fill_pool(TAG, 1)
+        backend.fill_pool(PoolRequest(tag=TAG, k=1))
     assert backend.pools() == []
 
 

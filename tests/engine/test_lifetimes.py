@@ -8,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from msgspec import to_builtins as plain
 
+from forkd.controller.api import ExtendRequest, SpawnRequest
 from forkd.controller.backend import LocalBackend
 from forkd.engine import children as ch
 from forkd.engine import watchdog
@@ -59,16 +61,16 @@ def test_deadline_kills_without_a_daemon_and_extend_moves_it(
     qemu_pids: Callable[[Path], list[int]],
 ) -> None:
     backend = LocalBackend(store)  # in-process: the watchdog enforces
-    short = backend.spawn(tiny, 1, timeout=3)["sandboxes"][0]
-    kept = backend.spawn(tiny, 1, timeout=3)["sandboxes"][0]
+    short = plain(backend.spawn(SpawnRequest(tag=tiny, timeout=3)))["sandboxes"][0]
+    kept = plain(backend.spawn(SpawnRequest(tag=tiny, timeout=3)))["sandboxes"][0]
     assert 0 < short["time_left_s"] <= 3 and short["on_timeout"] == "kill"
-    extended = backend.extend(kept["id"], 120)
+    extended = plain(backend.extend(kept["id"], ExtendRequest(seconds=120)))
     assert extended["time_left_s"] > 100
     assert watchdog.running_pid() is not None
     _until("the short-lived child to be killed", lambda: _gone(short["id"]), 60)
     assert short["pid"] not in qemu_pids(engine_env["FORKD_RUN"])
     assert not (engine_env["FORKD_RUN"] / "children" / short["id"]).exists()
-    info = backend.sandbox(kept["id"])
+    info = plain(backend.sandbox(kept["id"]))
     assert info["status"] == "running" and info["time_left_s"] > 90
     ch.kill(kept["id"])
     _until("the idle watchdog to exit", lambda: watchdog.running_pid() is None,
@@ -79,14 +81,14 @@ def test_deadline_pauses_when_asked_and_resume_gives_the_lifetime_again(
     store: Store, tiny: str, cleanup_children: None,
 ) -> None:
     backend = LocalBackend(store)
-    sb = backend.spawn(tiny, 1, timeout=3, on_timeout="pause")["sandboxes"][0]
+    sb = plain(backend.spawn(SpawnRequest(tag=tiny, timeout=3, on_timeout="pause")))["sandboxes"][0]
     ch.exec_in(sb["id"], ["sh", "-c", "echo kept > /root/f && sync"])
-    _until("the child to be paused", lambda: backend.sandbox(sb["id"])["status"] == "paused", 90)
-    paused = backend.sandbox(sb["id"])
+    _until("the child to be paused", lambda: backend.sandbox(sb["id"]).status == "paused", 90)
+    paused = plain(backend.sandbox(sb["id"]))
     assert paused["time_left_s"] is None and paused["pid"] == 0
-    back = backend.resume(sb["id"])
+    back = plain(backend.resume(sb["id"]))
     assert back["status"] == "running" and 0 < back["time_left_s"] <= 3
-    backend.extend(sb["id"], 300)
+    backend.extend(sb["id"], ExtendRequest(seconds=300))
     assert ch.exec_in(sb["id"], ["cat", "/root/f"])["stdout"] == "kept\n"
     ch.kill(sb["id"])
     _until("the idle watchdog to exit", lambda: watchdog.running_pid() is None,
