@@ -279,14 +279,23 @@ def exec_cmd(
     from forkd.controller.api import ExecRequest
 
     req = ExecRequest(argv=list(argv), env=envd or None, cwd=cwd, stdin=data, timeout=timeout)
-    r = _plain(_backend().exec(child_id, req))
     if as_json:
-        emit_json(r)
+        emit_json(_plain(_backend().exec(child_id, req)))
         return
-    sys.stdout.write(r["stdout"])
-    sys.stderr.write(r["stderr"])
-    if r.get("timed_out"):
-        click.echo(f"forkd: command timed out after {timeout} s", err=True)
+    r: dict[str, Any] = {}
+    for frame in _backend().exec_stream(child_id, req):  # output printed as it comes
+        for text, out in ((frame.stdout, sys.stdout), (frame.stderr, sys.stderr)):
+            if text:
+                out.write(text)
+                out.flush()
+        if frame.result is not None:
+            r = _plain(frame.result)
+    why = {"timed_out": f"command timed out after {timeout} s (its process group was killed)",
+           "oom_killed": "the guest's OOM killer ended the command (give the sandbox more "
+                         "memory, or make the command use less)",
+           "killed": "the command was killed by a request"}.get(str(r.get("status")))
+    if why:
+        click.echo(f"forkd: {why}", err=True)
     code = int(r["exit_code"])
     sys.exit(code & 0xFF if code >= 0 else 128 + (-code & 0x7F))  # killed by signal N → 128+N
 
@@ -311,6 +320,58 @@ def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
         if not as_json:
             click.echo(r["error"].get("traceback") or r["error"]["message"], err=True)
         sys.exit(1)
+
+
+@click.command("run-code")
+@click.argument("child_id")
+@click.argument("code")
+@click.option("--timeout", type=float, default=None,
+              help="Stop the cell after SECONDS (default 300).")
+@click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write image results there (result-N.png / .jpeg).")
+@json_option
+def run_code_cmd(child_id: str, code: str, timeout: float | None, save_dir: Path | None,
+                 as_json: bool) -> None:
+    """Run a code-interpreter cell (Python CODE, or - for stdin) in child CHILD_ID's warm
+    namespace: stdout, stderr, rich results (figures, DataFrames) and the last value."""
+    from forkd.controller.api import RunCodeRequest
+
+    if code == "-":
+        code = sys.stdin.read()
+    req = RunCodeRequest(code=code) if timeout is None else RunCodeRequest(code=code,
+                                                                           timeout=timeout)
+    r = _plain(_backend().run_code(child_id, req))
+    if as_json:
+        emit_json(r)
+    else:
+        sys.stdout.write(r["stdout"])
+        sys.stderr.write(r["stderr"])
+        for i, res in enumerate(r["results"]):
+            click.echo(_describe_result(i, res, save_dir))
+    if r.get("error"):
+        if not as_json:
+            click.echo(r["error"].get("traceback") or r["error"]["message"], err=True)
+        sys.exit(1)
+
+
+def _describe_result(i: int, res: dict[str, Any], save_dir: Path | None) -> str:
+    """A result as text: its text form, and where its image went (or that it has one)."""
+    import base64
+
+    lines = [res["text"]]
+    for kind in ("png", "jpeg"):
+        if res.get(kind):
+            data = base64.b64decode(res[kind])
+            if save_dir is not None:
+                save_dir.mkdir(parents=True, exist_ok=True)
+                path = save_dir / f"result-{i}.{kind}"
+                path.write_bytes(data)
+                lines.append(f"[{kind} saved to {path}]")
+            else:
+                lines.append(f"[{kind} image, {len(data)} bytes; --save-dir writes it]")
+    if res.get("html") and not res.get("png"):
+        lines.append("[html form available: --json shows it]")
+    return "\n".join(lines)
 
 
 @click.command()
@@ -417,6 +478,6 @@ def resume(child_id: str, as_json: bool) -> None:
 
 def register(cli: click.Group) -> None:
     """Add the engine's commands to the top-level group."""
-    for command in (doctor, build, fork, ls_cmd, exec_cmd, eval_cmd, kill, branch, extend,
-                    pause, resume):
+    for command in (doctor, build, fork, ls_cmd, exec_cmd, eval_cmd, run_code_cmd, kill,
+                    branch, extend, pause, resume):
         cli.add_command(command)

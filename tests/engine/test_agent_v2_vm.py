@@ -175,3 +175,30 @@ def test_recipe_tmp_mib_sizes_the_guest_tmp(store: Store, tiny: str, tiny_recipe
         assert int(df[1]) == 96 * 1024, df
     finally:
         ch.kill(kid.id)
+
+
+def test_cli_exec_prints_live_and_run_code(child: str) -> None:
+    """`forkd exec` prints output as the command produces it (it printed nothing until the
+    end); `forkd run-code` prints the cell's output and its results."""
+    import shutil
+
+    forkd = shutil.which("forkd")
+    assert forkd is not None
+    p = subprocess.Popen([forkd, "exec", child, "--", "sh", "-c", "echo first; sleep 5; echo last"],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    first = p.stdout.readline()
+    at_first = time.monotonic()
+    rest = p.stdout.read()
+    assert p.wait(60) == 0
+    assert (first, rest) == ("first\n", "last\n")
+    assert time.monotonic() - at_first > 3, "the first line came only at the end"
+    t = subprocess.run([forkd, "exec", "--timeout", "1", child, "--", "sleep", "30"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert t.returncode == 137 and "timed out" in t.stderr
+    r = subprocess.run([forkd, "run-code", child, "print('out')\n6 * 7"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert (r.returncode, r.stdout) == (0, "out\n42\n"), r.stderr
+    e = subprocess.run([forkd, "run-code", child, "1/0"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert e.returncode == 1 and "ZeroDivisionError" in e.stderr
