@@ -101,6 +101,12 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
         )
 
 
+def _egress_option(egress: tuple[str, ...], no_egress: bool) -> list[str] | None:
+    if egress and no_egress:
+        raise InvalidInput("give --egress or --no-egress, not both")
+    return [] if no_egress else list(egress) or None
+
+
 @click.command()
 @click.argument("tag")
 @click.option("-n", "count", type=int, default=1, show_default=True, help="Number of children.")
@@ -118,6 +124,10 @@ def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
 @click.option("--disk-iops", type=int, default=None, help="Disk operations/s per child.")
 @click.option("--net-kbit", type=int, default=None,
               help="Network kbit/s to each child (needs a network snapshot).")
+@click.option("--egress", "egress", multiple=True, metavar="HOST[:PORT]",
+              help="A destination children may reach through their egress proxy (repeatable; "
+                   "default: the recipe's; docs/agents.md).")
+@click.option("--no-egress", is_flag=True, help="No egress, not even the recipe's default.")
 @json_option
 def fork(
     tag: str,
@@ -132,6 +142,8 @@ def fork(
     disk_bps: int | None,
     disk_iops: int | None,
     net_kbit: int | None,
+    egress: tuple[str, ...],
+    no_egress: bool,
     as_json: bool,
 ) -> None:
     """Fork COUNT copy-on-write children of snapshot TAG; they keep running after exit."""
@@ -154,6 +166,7 @@ def fork(
         disk_bps=disk_bps,
         disk_iops=disk_iops,
         net_kbit=net_kbit,
+        egress=_egress_option(egress, no_egress),
     )))
     if as_json:
         emit_json(

@@ -51,6 +51,7 @@ class SpawnRequest(Request):
     disk_bps: int | None = None  # disk bytes/s, read + write
     disk_iops: int | None = None  # disk operations/s, read + write
     net_kbit: int | None = None  # network kbit/s to the sandbox (tbf on its tap)
+    egress: list[str] | None = None  # HOST[:PORT] it may reach (None: recipe's; []: none)
 
 
 class PoolRequest(Request):

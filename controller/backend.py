@@ -232,6 +232,7 @@ class LocalBackend:
             with_netns=req.netns,
             sandbox=req.sandbox,
             pool=self.pool,
+            egress=req.egress,
         )
         if req.timeout is not None:
             self._deadlines_changed()

@@ -32,6 +32,7 @@ from forkd.engine.agent_client import (
     host_wait,
     splitter,
 )
+from forkd.engine.egress.child import EgressSettings, configure_guest
 from forkd.engine.errors import (
     AgentError,
     ChildDead,
@@ -267,10 +268,12 @@ def restore_ahead(w: Waiting, timeout: float = 60.0) -> None:
         raise
 
 
-def become_child(w: Waiting, lifetime: Lifetime | None = None) -> ChildInfo:
+def become_child(w: Waiting, lifetime: Lifetime | None = None,
+                 egress: EgressSettings | None = None) -> ChildInfo:
     """Restore a waiting process, fix it up (clock, entropy, hostname, network) and ping it:
-    then it is a ready child (child.json written, with its deadline from lifetime). On
-    failure it is discarded."""
+    then it is a ready child (child.json written, with its deadline from lifetime). With
+    egress, its proxy starts (while the guest restores) and the guest gets the proxy
+    environment, placeholders and CA (egress/child.py). On failure it is discarded."""
     if w.discarded:
         raise VMMError(f"child {w.id}: the waiting process was already discarded")
     t0 = time.monotonic()
@@ -279,6 +282,8 @@ def become_child(w: Waiting, lifetime: Lifetime | None = None) -> ChildInfo:
     vm = w.vm
     try:
         assert vm.qmp is not None and w.agent is not None
+        if egress is not None:
+            w.child.start_proxy(egress)
         if w.stage == "paused":
             vm.qmp.command("cont")
         else:
@@ -286,6 +291,10 @@ def become_child(w: Waiting, lifetime: Lifetime | None = None) -> ChildInfo:
         timings["running"] = w.launch_ms + (time.monotonic() - t0) * 1000
         fixup(w.agent, info.id, w.net)
         timings["fixed_up"] = w.launch_ms + (time.monotonic() - t0) * 1000
+        if egress is not None:
+            w.child.wait_proxy()
+            configure_guest(w.agent, egress)
+            timings["egress"] = w.launch_ms + (time.monotonic() - t0) * 1000
         w.agent.ping()
         timings["ready"] = w.launch_ms + (time.monotonic() - t0) * 1000
         if w.pooled:  # it waited in a pool: what the caller waited for is the restore only
@@ -309,9 +318,10 @@ def become_child(w: Waiting, lifetime: Lifetime | None = None) -> ChildInfo:
 
 
 def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path, limits: Limits,
-               sandbox: bool, with_netns: bool, lifetime: Lifetime | None) -> ChildInfo:
+               sandbox: bool, with_netns: bool, lifetime: Lifetime | None,
+               egress: EgressSettings | None = None) -> ChildInfo:
     w = launch_waiting(asm, ref, child_id, overlay_tpl, limits, sandbox, with_netns)
-    return become_child(w, lifetime)
+    return become_child(w, lifetime, egress)
 
 
 def with_memory(limits: Limits | None, memory_limit_mib: int | None) -> Limits:
@@ -335,8 +345,9 @@ def prepare(store: Store, ref: str, *, limits: Limits | None = None,
     assert asm.disk is not None and asm.config.compat is not None and asm.vmstate is not None
     nic = has_nic(asm.vmstate)
     if with_netns and not nic:
-        raise InvalidInput(f"{ref} has no network device, so --netns cannot give its children "
-                           "a network; build the recipe with `network = true` under [guest]")
+        raise InvalidInput(f"{ref} has no network device, so --netns or --egress cannot give "
+                           "its children a network; build the recipe with `network = true` "
+                           "under [guest]")
     if nic:
         # the saved virtio-net state needs a tap backend (vnet_hdr): every child gets its own
         why = netns.available()
@@ -364,21 +375,36 @@ class WaitingSource(Protocol):
     def refill(self, ref: str) -> None: ...
 
 
+def recipe_egress(asm: Assembled) -> EgressSettings | None:
+    """The egress the snapshot's recipe gives its forks by default (``[guest] egress``)."""
+    entries = list((asm.config.recipe or {}).get("egress") or [])
+    return EgressSettings.resolve(entries) if entries else None
+
+
 def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
          limits: Limits | None = None, lifetime: Lifetime | None = None,
          sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
-         parallel: int | None = None, pool: WaitingSource | None = None) -> ForkResult:
+         parallel: int | None = None, pool: WaitingSource | None = None,
+         egress: list[str] | None = None) -> ForkResult:
     """N children of ref. With a pool, its waiting processes for ref are used first (only
     restore + fixup remain for them); the pool refills in the background afterwards.
     limits: per-child resource limits; lifetime: when each child is killed or paused (the
-    deadline is in its record; lifetimes.py enforces it)."""
+    deadline is in its record; lifetimes.py enforces it). egress: the HOST[:PORT]
+    destinations its children may reach through their proxy (None: the recipe's
+    defaults; none: no network at all)."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
         raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
     limits = with_memory(limits, memory_limit_mib)
     lifetime = (lifetime or Lifetime()).checked()
     t0 = time.monotonic()
-    asm, with_netns = prepare(store, ref, limits=limits, with_netns=with_netns,
+    settings = EgressSettings.resolve(egress) if egress else None  # checked before assembly
+    asm, with_netns = prepare(store, ref, limits=limits, with_netns=with_netns or bool(egress),
                               progress=progress)
+    if egress is None:  # not asked: the recipe's defaults; [] asks for none
+        settings = recipe_egress(asm)
+    if settings is not None and not with_netns:
+        raise InvalidInput(f"{ref} has no network device, so its recipe's egress cannot be "
+                           "given; build the recipe with `network = true` under [guest]")
     asm_ms = (time.monotonic() - t0) * 1000
     assert asm.disk is not None
     taken: list[Waiting] = []
@@ -404,10 +430,10 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
             with sem:
                 try:
                     if i < len(taken):
-                        info = become_child(taken[i], lifetime)
+                        info = become_child(taken[i], lifetime, settings)
                     else:
                         info = _spawn_one(asm, ref, ids[i], overlay, limits, sandbox,
-                                          with_netns, lifetime)
+                                          with_netns, lifetime, settings)
                     results[i] = info
                     progress(f"{info.id} ready in {info.timings_ms['ready']:.0f} ms")
                 except Exception as e:

@@ -7,7 +7,8 @@ A child (or a pool's waiting process) is a QEMU process in its own directory
 (``launch``), finds them again from the record in any process (``adopt``), ends the process
 (``stop``: QMP quit, then SIGKILL; ``kill``: SIGKILL) and removes everything (``cleanup``,
 idempotent, safe on a half-made or crashed child). children.py, pool.py, the lifetimes
-sweeper and the controller end children only through it.
+sweeper and the controller end children only through it. A child with egress also has its
+proxy process (``start_proxy``; ended by ``stop``'s callers through ``cleanup``/``release``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from forkd.engine import netns
 from forkd.engine.cgroup import CgroupLimits, ChildCgroup
+from forkd.engine.egress import child as egress
 from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
@@ -115,6 +117,8 @@ class ChildInfo:
     on_timeout: str = "kill"  # "kill" or "pause"
     paused_tag: str | None = None  # set while paused: the private tag of its saved state
     origin: str | None = None  # the tag it was first forked from (ref moves on pause)
+    egress: dict[str, Any] = field(default_factory=dict)  # EgressSettings.record(); {}: none
+    proxy_pid: int | None = None  # its egress proxy process (egress/serve.py) while it runs
     timings_ms: dict[str, float] = field(default_factory=dict)
     status: str = "running"
 
@@ -321,6 +325,27 @@ class ChildVM:
         self.info.save()
         (self.info.path / WAITING_FILE).unlink(missing_ok=True)
 
+    def start_proxy(self, settings: egress.EgressSettings) -> None:
+        """Start the child's egress proxy on the host side of its network namespace
+        (recorded at once, so every cleanup path ends it); ``wait_proxy`` waits for it."""
+        if self.info.netns is None:
+            raise InvalidInput(f"child {self.id}: egress needs a network namespace")
+        self.info.egress = settings.record()
+        self.info.proxy_pid = egress.start_proxy(settings, self.id, self.info.netns,
+                                                 self.info.path)
+        self.record()
+
+    def wait_proxy(self) -> None:
+        assert self.info.proxy_pid is not None
+        egress.wait_ready(self.info.proxy_pid, self.info.path)
+
+    def stop_proxy(self) -> None:
+        """End the egress proxy (before the netns goes: its listening socket holds the
+        namespace). Nothing when there is none."""
+        if self.info.proxy_pid is not None:
+            egress.stop_proxy(self.info.proxy_pid, self.info.path)
+            self.info.proxy_pid = None
+
     # ------------------------------------------------------------ finding one
     @classmethod
     def adopt(cls, d: Path, record_name: str = CHILD_FILE) -> ChildVM:
@@ -356,7 +381,8 @@ class ChildVM:
             self.vm.kill()
 
     def cleanup(self) -> None:
-        """Kill the process if it still runs, then remove its cgroups, netns (with the tap)
+        """Kill the process if it still runs, end its egress proxy, then remove its cgroups,
+        netns (with the tap)
         and directory (sockets, disk, logs, record). Idempotent; every step is tried even
         when an earlier one fails. When a cgroup or the netns cannot be removed, the
         directory and its record stay (so `forkd kill ID` can be run again) and the first
@@ -365,6 +391,7 @@ class ChildVM:
             return
         errors: list[EngineError] = []
         self.kill()
+        self.stop_proxy()
         if self.cgroup is not None:
             try:
                 self.cgroup.remove()
@@ -388,6 +415,7 @@ class ChildVM:
         with contextlib.suppress(EngineError):
             self.stop(timeout)
         self.kill()
+        self.stop_proxy()
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from forkd.engine import children as ch
 from forkd.engine.branch import branch
+from forkd.engine.egress.child import EgressSettings
 from forkd.engine.errors import EngineError
 from forkd.engine.lifecycle import (
     CHILD_FILE,
@@ -83,7 +84,8 @@ def resume(store: Store, child_id: str) -> ChildInfo:
             create_overlay(overlay, asm.disk, "raw")
             w = ch.launch_waiting(asm, old.paused_tag, child_id, overlay, limits, old.sandbox,
                                   with_netns, resuming=True)
-            info = ch.become_child(w, Lifetime(old.timeout_s, old.on_timeout))
+            egress = EgressSettings.from_record(old.egress) if old.egress else None
+            info = ch.become_child(w, Lifetime(old.timeout_s, old.on_timeout), egress)
         except BaseException:
             _put_back(d, saved)
             raise

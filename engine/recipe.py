@@ -37,6 +37,7 @@ class Recipe:
     disk_free_mib: int = 64
     tmp_mib: int = 64  # size limit of the guest's /tmp (a RAM-backed tmpfs)
     network: bool = False
+    egress: tuple[str, ...] = ()  # default egress of its forks (HOST[:PORT]; needs network)
     apt: tuple[str, ...] = ("python3",)
     pip: tuple[str, ...] = ()
     files: tuple[GuestFile, ...] = ()
@@ -54,6 +55,10 @@ class Recipe:
         d["pip"] = list(self.pip)
         if self.tmp_mib == 64:  # recipes with the default keep the build cache keys they had
             d.pop("tmp_mib")
+        if self.egress:
+            d["egress"] = list(self.egress)
+        else:  # recipes without egress keep the build cache keys they had
+            d.pop("egress")
         d.pop("extra")
         return d
 
@@ -80,6 +85,23 @@ def _strlist(tbl: dict[str, Any], key: str, default: tuple[str, ...], rx: re.Pat
     if not isinstance(v, list) or not all(isinstance(x, str) and rx.fullmatch(x) for x in v):
         raise _bad(src, f"{key} must be a list of package names, got {v!r}")
     return tuple(v)
+
+
+def _egress(guest: dict[str, Any], network: bool, src: str) -> tuple[str, ...]:
+    """``[guest] egress``: the destinations forks get when `forkd fork` names none."""
+    from forkd.engine.egress.child import parse_policy
+
+    v = guest.get("egress", [])
+    if v == []:
+        return ()
+    try:
+        policy = parse_policy(v)
+    except InvalidInput as e:
+        raise _bad(src, f"[guest] egress: {e}") from e
+    if not network:
+        raise _bad(src, "[guest] egress needs `network = true` (the proxy is reached "
+                        "through the guest's network device)")
+    return tuple(str(e) for e in policy.entries)
 
 
 def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> Recipe:
@@ -146,6 +168,7 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
     network = guest.get("network", False)
     if not isinstance(network, bool):
         raise _bad(src, f"[guest] network must be true or false, got {network!r}")
+    egress = _egress(guest, network, src)
     desc = meta.get("description", "")
     return Recipe(
         name=name,
@@ -157,6 +180,7 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
         disk_free_mib=_int(guest, "disk_free_mib", 64, 8, 65536, src),
         tmp_mib=_int(guest, "tmp_mib", 64, 1, 65536, src),
         network=network,
+        egress=egress,
         apt=apt,
         pip=pip,
         files=tuple(files),
