@@ -379,7 +379,7 @@ class BearerAuth:
 
     def __init__(self, app: Any, token: bytes) -> None:
         self.app = app
-        self.expected = b"Bearer " + token
+        self.token = token
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and not self._allowed(scope):
@@ -404,4 +404,7 @@ class BearerAuth:
 
     def _allowed(self, scope: dict[str, Any]) -> bool:
         given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
-        return len(given) == 1 and hmac.compare_digest(given[0], self.expected)
+        if len(given) != 1:
+            return False
+        scheme, _, credential = given[0].partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self.token)
