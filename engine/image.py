@@ -258,6 +258,7 @@ def _rootfs_key(r: Recipe) -> str:
 
 
 HOST_CA_IN_CHROOT = "/tmp/forkd-host-ca.pem"
+CA_BUNDLE_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE")
 
 
 def _host_ca_bundle() -> Path | None:
@@ -288,15 +289,17 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
         progress(f"pip install {' '.join(r.pip)}")
         # pip in the chroot trusts the host's CA bundle (a TLS-inspecting proxy's CA, say),
         # not only the guest's fresh one; the copy is removed before the rootfs is used
-        cert: list[str] = []
+        env = dict(os.environ)
         host_ca = _host_ca_bundle()
         if host_ca is not None:
             shutil.copyfile(host_ca, root / HOST_CA_IN_CHROOT.lstrip("/"))
-            cert = ["--cert", HOST_CA_IN_CHROOT]
+            # every variable pip's requests reads (REQUESTS_CA_BUNDLE beats --cert)
+            env |= dict.fromkeys(CA_BUNDLE_VARIABLES, HOST_CA_IN_CHROOT)
+            env.pop("SSL_CERT_DIR", None)
         try:
             _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
-                  "--break-system-packages", *cert, *r.pip], "pip install in the guest rootfs",
-                 timeout=3600)
+                  "--break-system-packages", *r.pip], "pip install in the guest rootfs",
+                 timeout=3600, env=env)
         finally:
             (root / HOST_CA_IN_CHROOT.lstrip("/")).unlink(missing_ok=True)
     _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean")
