@@ -88,6 +88,14 @@ class StreamReplacer:
         self._pending = b""
 
     def feed(self, data: bytes) -> bytes:
+        keep = len(self.old) - 1
+        if self._pending == b"" and len(data) > keep and self.old not in data:
+            # the common case (no secret in this piece): one scan, one copy
+            cut = len(data) - keep
+            if self.old[:1] not in data[cut:]:
+                return data  # no tail can start a match either
+            self._pending = data[cut:]
+            return data[:cut]
         buf = self._pending + data
         out = bytearray()
         start = 0
@@ -190,13 +198,21 @@ class EgressProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._bound: dict[Destination, list[Secret]] = {}
+        self.set_secrets(secrets)
+        self.upstream_trust = upstream_trust or _default_trust()
+
+    def set_secrets(self, secrets: Sequence[Secret], ca: EgressCA | None = None) -> None:
+        """Use these secrets from the next connection on (a rotated value, a new binding);
+        connections already open keep the ones they started with."""
+        bound: dict[Destination, list[Secret]] = {}
         for secret in secrets:
             for binding in secret.bindings:
-                if policy.allowing(binding) is not None:
-                    self._bound.setdefault(binding, []).append(secret)
-        if self._bound and ca is None:
+                if self.policy.allowing(binding) is not None:
+                    bound.setdefault(binding, []).append(secret)
+        self.ca = ca or self.ca
+        if bound and self.ca is None:
             raise InvalidInput("secrets are bound to allowed destinations: give the egress CA")
-        self.upstream_trust = upstream_trust or _default_trust()
+        self._bound = bound
 
     def _h11(self, role: type[h11.CLIENT] | type[h11.SERVER]) -> h11.Connection:
         return h11.Connection(role, max_incomplete_event_size=self.limits.head_bytes)

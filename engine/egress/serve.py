@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import ssl
 import sys
@@ -29,15 +30,40 @@ from forkd.engine.egress.ca import EgressCA
 from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, listen_in_netns
 from forkd.engine.egress.policy import EgressPolicy
 from forkd.engine.egress.proxy import EgressProxy
-from forkd.engine.egress.secrets import SecretStore
+from forkd.engine.egress.secrets import Secret, SecretStore
 from forkd.errors import ForkdError
+
+RELOAD_S = 1.0  # how often the secret store is checked for a change
+
+
+def bound_secrets(store: SecretStore, policy: EgressPolicy) -> list[Secret]:
+    return [s for s in store.all() if any(policy.allowing(b) for b in s.bindings)]
+
+
+def load(store: SecretStore, policy: EgressPolicy) -> tuple[list[Secret], EgressCA | None]:
+    secrets = bound_secrets(store, policy)
+    return secrets, EgressCA.load_or_create(store.root / "ca") if secrets else None
+
+
+async def follow_store(proxy: EgressProxy, store: SecretStore) -> None:
+    """Reload the secrets when the store's directory changes (`forkd secret set` renames a
+    new file in, `rm` unlinks one): a rotated value reaches running children."""
+    seen = os.stat(store.root).st_mtime_ns
+    while True:
+        await asyncio.sleep(RELOAD_S)
+        try:
+            now = os.stat(store.root).st_mtime_ns
+            if now != seen:
+                seen = now
+                proxy.set_secrets(*load(store, proxy.policy))
+        except (ForkdError, OSError) as exc:  # keep the secrets it has; say why
+            print(f"forkd egress proxy: the secret store could not be reloaded: {exc}",
+                  file=sys.stderr, flush=True)
 
 
 def build_proxy(args: argparse.Namespace) -> EgressProxy:
     policy = EgressPolicy.parse(args.allow)
-    store = SecretStore(Path(args.secrets))
-    secrets = [s for s in store.all() if any(policy.allowing(b) for b in s.bindings)]
-    ca = EgressCA.load_or_create(store.root / "ca") if secrets else None
+    secrets, ca = load(SecretStore(Path(args.secrets)), policy)
     trust = None
     if args.upstream_ca:
         trust = ssl.create_default_context()
@@ -48,9 +74,10 @@ def build_proxy(args: argparse.Namespace) -> EgressProxy:
                        upstream_trust=trust, hosts=pins)
 
 
-async def serve(proxy: EgressProxy, ns: str, ready: Path) -> None:
+async def serve(proxy: EgressProxy, store: SecretStore, ns: str, ready: Path) -> None:
     sock = listen_in_netns(ns, netns.GW_IP, DEFAULT_PROXY_PORT)
     server = await proxy.serve(sock)
+    follower = asyncio.create_task(follow_store(proxy, store))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,6 +86,7 @@ async def serve(proxy: EgressProxy, ns: str, ready: Path) -> None:
     try:
         await stop.wait()
     finally:
+        follower.cancel()
         server.close()
         await proxy.aclose()
 
@@ -84,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         proxy = build_proxy(args)
-        asyncio.run(serve(proxy, args.netns, Path(args.ready)))
+        asyncio.run(serve(proxy, SecretStore(Path(args.secrets)), args.netns, Path(args.ready)))
     except (ForkdError, OSError, ValueError) as exc:
         print(f"forkd egress proxy for {args.child}: {exc}", file=sys.stderr)
         return 1
