@@ -43,6 +43,7 @@ RELAY_START_S = 10.0  # how long connect_child waits for a relay it started to l
 CLIENT_BUFFER = 16 << 20  # relay: bytes queued for one client before the agent is not read
 SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this long is dropped
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
+MAX_EVENT = 16 << 20  # an event's binary payload (the agent sends at most 1 MiB)
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
 
 OnData = Callable[[bytes], None]
@@ -128,10 +129,13 @@ class AgentClient:
             while True:
                 reply = self._read_frame(op, deadline)
                 if reply.get("id") != rid:
+                    if "ev" in reply:
+                        self._payload(reply, op, deadline)  # skipped whole
                     continue
                 if "ev" in reply:
+                    data = self._payload(reply, op, deadline)
                     if on_event is not None:
-                        on_event(str(reply["ev"]), base64.b64decode(reply.get("data") or ""))
+                        on_event(str(reply["ev"]), data)
                     continue
                 break
         except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
@@ -141,6 +145,17 @@ class AgentClient:
             _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}
         return result
+
+    def _payload(self, frame: dict[str, Any], op: str, deadline: float | None) -> bytes:
+        """An event's bytes: the binary payload of `size` bytes after its header line."""
+        size = frame.get("size")
+        if size is None:
+            return b""
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
+            raise ValueError(f"guest agent ({op}) sent an event of {size!r} bytes; at most "
+                             f"{MAX_EVENT} are allowed")
+        limit = time.monotonic() + 60.0 if deadline is None else deadline
+        return self._ls.read_exact(size, limit, f"guest agent ({op})")
 
     def _read_frame(self, op: str, deadline: float | None) -> dict[str, Any]:
         while True:
@@ -357,6 +372,20 @@ _FRAME_HEAD = re.compile(rb'\{"id": ?("(?:[^"\\]|\\.)*"|-?\d+|null), ?"(ok|ev)"'
 _REQ_HEAD = re.compile(rb'\{"id": ?("(?:[^"\\]|\\.)*"|-?\d+)')
 
 
+def _event_size(head: bytes) -> int:
+    """The payload size an event's header line announces (0 when it has none or a bad one:
+    then the stream resynchronises at the next line)."""
+    if len(head) > 4096:
+        return 0
+    try:
+        size = json.loads(head).get("size", 0)
+    except (ValueError, AttributeError):
+        return 0
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
+        return 0
+    return size
+
+
 @dataclass
 class _Client:
     sock: socket.socket
@@ -379,6 +408,8 @@ class Relay:
         self.agent.setblocking(False)
         self.agent_in = bytearray()
         self.agent_out = bytearray()
+        self.raw_left = 0  # bytes of an event's binary payload still to come from the agent
+        self.raw_to: _Client | None = None  # whose they are (None: nobody's, skipped)
         self.clients: dict[int, _Client] = {}
         self.routes: dict[str, _Client] = {}
         self.next_id = _new_ids()
@@ -477,10 +508,20 @@ class Relay:
         if not chunk:
             return False
         buf = self.agent_in
-        scan = len(buf)
+        scan = len(buf)  # what is left from the last call is part of one line: no newline
         buf += chunk
         start = 0
         while True:
+            if self.raw_left:
+                take = min(self.raw_left, len(buf) - start)
+                if self.raw_to is not None:
+                    self.raw_to.outbuf += buf[start:start + take]
+                    self._want_write(self.raw_to)
+                start += take
+                self.raw_left -= take
+                if self.raw_left:
+                    break
+                continue
             i = buf.find(b"\n", max(scan, start))
             if i < 0:
                 break
@@ -501,6 +542,9 @@ class Relay:
         except ValueError:
             return
         c = self.routes.get(rid) if isinstance(rid, str) else None
+        if m.group(2) == b"ev":
+            self.raw_left = _event_size(frame)  # its payload follows, for c or nobody
+            self.raw_to = c
         if c is None:
             return  # its client went away (or a reply to the relay's own cancel)
         if m.group(2) == b"ok":

@@ -85,6 +85,26 @@ class LineSocket:
                 raise EOFError(f"{what} closed the connection")
             self._buf += chunk
 
+    def read_exact(self, n: int, deadline: float, what: str) -> bytes:
+        """The next n bytes (a binary payload after a frame's header line), with the same
+        deadline and errors as readline."""
+        while len(self._buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply from {what} in time")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(max(RECV_CHUNK, min(n - len(self._buf), 1 << 20)))
+            except TimeoutError:
+                raise TimeoutError(f"no reply from {what} in time") from None
+            if not chunk:
+                raise EOFError(f"{what} closed the connection")
+            self._buf += chunk
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        self._scanned = 0
+        return data
+
     def _too_long(self, what: str) -> NoReturn:
         self._buf = bytearray()
         self._scanned = 0

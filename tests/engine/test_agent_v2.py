@@ -231,3 +231,45 @@ def test_recipe_tmp_mib_is_a_setting_and_the_default_keeps_cache_keys() -> None:
     assert big.content_digest("") != default.content_digest("")
     with pytest.raises(Exception, match="tmp_mib"):
         recipe.parse(base + "tmp_mib = 0\n")
+
+
+def test_relay_skips_the_payload_of_an_event_nobody_waits_for(tmp_path: Path) -> None:
+    """An event's binary payload is forwarded or skipped whole: bytes in it that look like
+    frames (a reply to the waiting request) are never taken for frames."""
+    import json
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "agent.sock"))
+    listener.listen(1)
+
+    def agent() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            line = b""
+            while not line.endswith(b"\n"):
+                line += conn.recv(4096)
+            rid = json.loads(line)["id"]
+            fake = (json.dumps({"id": rid, "ok": True, "result": {"fake": 1}}) + "\n").encode()
+            ghost = b"\n" + fake + b"\n"
+            conn.sendall(json.dumps({"id": "ghost", "ev": "stdout", "size": len(ghost)}).encode()
+                         + b"\n" + ghost)
+            mine = b"x\n" + fake
+            conn.sendall(json.dumps({"id": rid, "ev": "stdout", "size": len(mine)}).encode()
+                         + b"\n" + mine)
+            conn.sendall(json.dumps({"id": rid, "ok": True, "result": {"real": 1}}).encode()
+                         + b"\n")
+            conn.recv(4096)  # until the relay goes
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    c = ac.connect_child(tmp_path)
+    got: list[bytes] = []
+    try:
+        assert c.request("ping", on_event=lambda ev, b: got.append(b)) == {"real": 1}
+        assert len(got) == 1 and got[0].startswith(b"x\n") and b'"fake": 1' in got[0]
+    finally:
+        c.close()
+        listener.close()
+        for pid in _relay_pids(tmp_path):
+            os.kill(pid, 15)
