@@ -12,11 +12,11 @@ interruption skips what already arrived.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from forkd.errors import Conflict, IntegrityError
 from forkd.names import parse_ref
@@ -40,6 +40,11 @@ class TransferResult:
     blobs_skipped: int
 
 
+def _read_at(f: BinaryIO, offset: int, size: int) -> bytes:
+    f.seek(offset)
+    return f.read(size)
+
+
 def push(
     store: Store,
     local: str,
@@ -54,10 +59,8 @@ def push(
     sent = skipped = sent_bytes = 0
 
     def send(d: Descriptor) -> int:
-        path = store.blobs.path(d.digest)
-        with open(path, "rb") as f:
-            fd = f.fileno()
-            client.put_blob(repo, d.digest, d.size, lambda off, n: os.pread(fd, n, off))
+        with store.blobs.open(d.digest) as f:  # any blob backend
+            client.put_blob(repo, d.digest, d.size, lambda off, n: _read_at(f, off, n))
         return d.size
 
     def upload(d: Descriptor) -> int:

@@ -29,9 +29,13 @@ from pathlib import Path
 from typing import IO, BinaryIO, Protocol
 
 from forkd import digest as dg
-from forkd.errors import IntegrityError, InvalidInput, NotFound
+from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
 
 COPY_SIZE = 1 << 20
+
+
+class BlobBackendError(ForkdError):
+    """The backend failed a request (network, credentials, bucket): not the blob's fault."""
 
 
 class BlobStore(Protocol):
@@ -130,14 +134,6 @@ class FsBlobStore:
     def put_bytes(self, data: bytes, expected: str | None = None) -> str:
         return self.put_stream([data], expected, len(data) if expected else None)
 
-    def put_file(
-        self,
-        f: IO[bytes],
-        expected: str | None = None,
-        expected_size: int | None = None,
-    ) -> str:
-        return self.put_stream(iter(lambda: f.read(COPY_SIZE), b""), expected, expected_size)
-
     def put_stream(
         self, chunks: Iterable[bytes], expected: str | None = None, expected_size: int | None = None
     ) -> str:
@@ -173,6 +169,11 @@ class FsBlobStore:
         with contextlib.suppress(FileNotFoundError):
             self.path(digest).unlink()
 
+    def clear_in_flight(self) -> None:
+        """Remove every in-flight write's file; only while no writer can run (gc's lock)."""
+        for entry in self.tmp.iterdir():
+            entry.unlink(missing_ok=True)
+
     # -- reads --------------------------------------------------------------
     def read(self, digest: str, max_size: int, what: str = "blob") -> bytes:
         """Read a whole blob, refusing one over ``max_size``, verified against its digest."""
@@ -197,6 +198,27 @@ class FsBlobStore:
             return open(self.path(digest), "rb")
         except FileNotFoundError:
             raise NotFound(f"blob {digest} is missing from the store") from None
+
+
+def put_file(
+    blobs: BlobStore, f: IO[bytes], expected: str | None = None, expected_size: int | None = None
+) -> str:
+    """Store the rest of an open file as a blob, in ``COPY_SIZE`` reads, on any backend."""
+    return blobs.put_stream(iter(lambda: f.read(COPY_SIZE), b""), expected, expected_size)
+
+
+def local_path(blobs: BlobStore, digest: str) -> Path | None:
+    """The blob's own file when the backend keeps blobs as local files, else None (the
+    caller streams it with ``open``)."""
+    return blobs.path(digest) if isinstance(blobs, FsBlobStore) else None
+
+
+def clear_in_flight(blobs: BlobStore) -> None:
+    """Remove the filesystem backend's in-flight writes (its caller holds off every writer:
+    a store's gc lock). Another backend's may be other hosts' writes: its own lifecycle
+    rule expires them (forkd.store.s3), so nothing is removed there."""
+    if isinstance(blobs, FsBlobStore):
+        blobs.clear_in_flight()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -29,6 +29,7 @@ from forkd.names import Ref, matches, parse_ref, whole
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import MAX_CHAIN_DEPTH
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
+from forkd.store.blobs import put_file
 from forkd.store.fetch import Want, fetch_chain
 from forkd.store.store import Store
 
@@ -80,8 +81,7 @@ def export_pack(store: Store, ref: str, out: Path, progress: Progress | None = N
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
             _add_bytes(tar, "oci-layout", layout)
             for digest in sorted(blobs):
-                path = store.blobs.path(digest)
-                with open(path, "rb") as f:
+                with store.blobs.open(digest) as f:
                     info = tarfile.TarInfo(f"blobs/sha256/{dg.hex_part(digest)}")
                     info.size = blobs[digest]
                     info.mode = 0o444
@@ -136,7 +136,7 @@ def import_pack(
                 f = tar.extractfile(info)
                 assert f is not None
                 try:
-                    store.blobs.put_file(f, want.digest, info.size)
+                    put_file(store.blobs, f, want.digest, info.size)
                 except IntegrityError as exc:
                     raise IntegrityError(f"{path}: {want.what}: {exc}") from exc
                 if progress:

@@ -46,75 +46,26 @@ from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
 from forkd import digest as dg
-from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
+from forkd.errors import InvalidInput, NotFound
 from forkd.store.blobs import StreamCheck
+from forkd.store.s3_client import (
+    MISSING,
+    Multipart,
+    ObjectReader,
+    S3StoreError,
+    boto_errors,
+    error_code,
+    make_client,
+    translated,
+)
+
+__all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "S3BlobStore", "S3StoreError", "make_client"]
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 8 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 PARTS_PER_STEP = 1000  # part size doubles after this many parts
 READ_BUFFER = 1 * MiB
-_MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
-
-
-class S3StoreError(ForkdError):
-    """The S3 service refused or failed a request (network, credentials, bucket)."""
-
-
-def _code(exc: Exception) -> str:
-    response = getattr(exc, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
-
-
-def _boto_errors() -> tuple[type[Exception], type[Exception]]:
-    """botocore's two error roots (imported on first use, like boto3 itself)."""
-    from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
-
-    return BotoCoreError, ClientError
-
-
-@contextlib.contextmanager
-def _translated(what: str, missing: str | None = None) -> Iterator[None]:
-    """botocore errors → NotFound (when ``missing`` says what is absent) or S3StoreError."""
-    BotoCoreError, ClientError = _boto_errors()
-    try:
-        yield
-    except ClientError as exc:
-        if missing is not None and _code(exc) in _MISSING:
-            raise NotFound(missing) from None
-        raise S3StoreError(f"S3 {what} failed: {exc}") from exc
-    except BotoCoreError as exc:
-        raise S3StoreError(f"S3 {what} failed: {exc}") from exc
-
-
-def make_client(
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    access_key_id: str | None = None,
-    secret_access_key: str | None = None,
-) -> Any:
-    """A boto3 S3 client. Credentials left empty come from the standard AWS chain
-    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance role)."""
-    import boto3  # type: ignore[import-untyped]
-    from botocore.config import Config  # type: ignore[import-untyped]
-
-    session = boto3.session.Session()
-    return session.client(
-        "s3",
-        endpoint_url=endpoint_url or None,
-        region_name=region or None,
-        aws_access_key_id=access_key_id or None,
-        aws_secret_access_key=secret_access_key or None,
-        config=Config(
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=10,
-            read_timeout=60,
-            max_pool_connections=32,
-            # Custom endpoints (MinIO, Ceph, moto) rarely have per-bucket DNS names.
-            s3={"addressing_style": "path" if endpoint_url else "auto"},
-        ),
-    )
 
 
 class S3BlobStore:
@@ -153,13 +104,13 @@ class S3BlobStore:
     # -- start-up -------------------------------------------------------------
     def check(self) -> None:
         """Raise InvalidInput saying what to do unless the bucket exists and is reachable."""
-        BotoCoreError, ClientError = _boto_errors()
+        BotoCoreError, ClientError = boto_errors()
         where = f"S3 bucket {self.bucket!r} at {self.client.meta.endpoint_url}"
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
-            code = _code(exc)
-            if code in _MISSING:
+            code = error_code(exc)
+            if code in MISSING:
                 raise InvalidInput(
                     f"{where} does not exist: create it (e.g. `aws s3 mb s3://{self.bucket}`) "
                     "or set s3_bucket / --s3-bucket to an existing bucket"
@@ -179,7 +130,7 @@ class S3BlobStore:
 
     # -- queries ------------------------------------------------------------
     def _head(self, digest: str) -> dict[str, Any]:
-        with _translated(f"HEAD {self.key(digest)}", f"blob {digest} is not in the store"):
+        with translated(f"HEAD {self.key(digest)}", f"blob {digest} is not in the store"):
             head: dict[str, Any] = self.client.head_object(Bucket=self.bucket, Key=self.key(digest))
         return head
 
@@ -198,7 +149,7 @@ class S3BlobStore:
 
     def digests(self) -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")
-        with _translated(f"LIST {self._blob_prefix}"):
+        with translated(f"LIST {self._blob_prefix}"):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self._blob_prefix):
                 for obj in page.get("Contents", []):
                     name = obj["Key"][len(self._blob_prefix) :].replace("/", ":", 1)
@@ -223,21 +174,21 @@ class S3BlobStore:
         stream = StreamCheck(expected, expected_size)
         part_size = self.part_size
         buf = bytearray()
-        upload: _Multipart | None = None
+        upload: Multipart | None = None
         try:
             for chunk in stream.feed(chunks):
                 buf += chunk
                 while len(buf) >= part_size:
                     if upload is None:
                         started = True
-                        upload = _Multipart(self.client, self.bucket, target)
+                        upload = Multipart(self.client, self.bucket, target)
                     upload.add(bytes(buf[:part_size]))
                     del buf[:part_size]
                     if upload.count % PARTS_PER_STEP == 0:
                         part_size *= 2
             actual = stream.finish()
             if upload is None:  # one part: verified in memory, sent straight to its key
-                with _translated(f"PUT {self.key(actual)}"):
+                with translated(f"PUT {self.key(actual)}"):
                     self.client.put_object(
                         Bucket=self.bucket, Key=self.key(actual), Body=bytes(buf)
                     )
@@ -258,18 +209,18 @@ class S3BlobStore:
 
     def _publish(self, tmp_key: str, digest: str) -> None:
         """Copy a verified temporary object to its final key (server side)."""
-        with _translated(f"COPY {tmp_key} → {self.key(digest)}"):
+        with translated(f"COPY {tmp_key} → {self.key(digest)}"):
             self.client.copy({"Bucket": self.bucket, "Key": tmp_key}, self.bucket, self.key(digest))
 
     def delete(self, digest: str) -> None:
-        with _translated(f"DELETE {self.key(digest)}"):
+        with translated(f"DELETE {self.key(digest)}"):
             self.client.delete_object(Bucket=self.bucket, Key=self.key(digest))
 
     # -- reads --------------------------------------------------------------
     def read(self, digest: str, max_size: int, what: str = "blob") -> bytes:
         """Read a whole blob, refusing one over ``max_size``, verified against its digest."""
         key = self.key(digest)
-        with _translated(f"GET {key}", f"{what} {digest} is missing from the store"):
+        with translated(f"GET {key}", f"{what} {digest} is missing from the store"):
             obj = self.client.get_object(Bucket=self.bucket, Key=key)
             body = obj["Body"]
             try:
@@ -288,105 +239,5 @@ class S3BlobStore:
     def open(self, digest: str) -> BinaryIO:
         """Open a blob for streaming (seekable; ranged GETs); the caller verifies."""
         size = self.size(digest)
-        raw = _ObjectReader(self.client, self.bucket, self.key(digest), size)
+        raw = ObjectReader(self.client, self.bucket, self.key(digest), size)
         return io.BufferedReader(raw, buffer_size=READ_BUFFER)
-
-
-class _Multipart:
-    """One multipart upload: parts added in order, then completed or aborted (once)."""
-
-    def __init__(self, client: Any, bucket: str, key: str) -> None:
-        self.client, self.bucket, self.key = client, bucket, key
-        with _translated(f"CreateMultipartUpload {key}"):
-            self.upload_id: str = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-        self.parts: list[dict[str, Any]] = []
-
-    @property
-    def count(self) -> int:
-        return len(self.parts)
-
-    def add(self, data: bytes) -> None:
-        number = len(self.parts) + 1
-        with _translated(f"UploadPart {number} of {self.key}"):
-            r = self.client.upload_part(
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                PartNumber=number,
-                Body=data,
-            )
-        self.parts.append({"PartNumber": number, "ETag": r["ETag"]})
-
-    def complete(self) -> None:
-        with _translated(f"CompleteMultipartUpload {self.key}"):
-            self.client.complete_multipart_upload(
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": self.parts},
-            )
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):  # best effort; a lifecycle rule cleans up the rest
-            self.client.abort_multipart_upload(
-                Bucket=self.bucket, Key=self.key, UploadId=self.upload_id
-            )
-
-
-class _ObjectReader(io.RawIOBase):
-    """A seekable, read-only view of one object: a ranged GET from the current offset,
-    opened lazily and reopened after a seek."""
-
-    def __init__(self, client: Any, bucket: str, key: str, size: int) -> None:
-        super().__init__()
-        self.client, self.bucket, self.key, self.length = client, bucket, key, size
-        self.pos = 0
-        self.body: Any = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        new = base + offset
-        if new < 0:
-            raise ValueError(f"negative seek position {new}")
-        if new != self.pos:
-            self._drop()
-            self.pos = new
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        if self.pos >= self.length or not len(view):
-            return 0
-        if self.body is None:
-            with _translated(f"GET {self.key}", f"blob {self.key} is missing from the store"):
-                self.body = self.client.get_object(
-                    Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-"
-                )["Body"]
-        with _translated(f"GET {self.key}"):
-            data: bytes = self.body.read(min(len(view), self.length - self.pos))
-        if not data:
-            raise IntegrityError(
-                f"{self.key} ended at {self.pos} of {self.length} bytes; it changed or is damaged"
-            )
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-    def _drop(self) -> None:
-        if self.body is not None:
-            with contextlib.suppress(Exception):
-                self.body.close()
-            self.body = None
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
