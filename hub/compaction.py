@@ -23,8 +23,8 @@ Compaction's work follows the chunks the chain stores, not the image size its ma
 declare (``Store.compact_digest``).
 
 Layout: ``DATA/.compact-*/`` is the scratch store of a running compaction (assembled
-images, sparse), removed when it ends. Compaction reads blob files, so it needs the
-filesystem blob backend; with any other backend it answers 501.
+images, sparse), removed when it ends. The scratch store reads and writes blobs through
+the ``BlobStore`` protocol, so compaction works on every blob backend (filesystem, S3).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from forkd.pack.chain import MAX_CHAIN_DEPTH, walk
 from forkd.pack.config import Provenance
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.pack.manifest import Manifest as PackManifest
-from forkd.store.blobs import FsBlobStore
+from forkd.store.blobs import BlobStore
 from forkd.store.store import Store
 
 log = logging.getLogger("forkd.hub.compaction")
@@ -109,17 +109,6 @@ class _Flat:
 
 class _Vanished(Exception):
     """A GC sweep removed a blob between the compaction writing it and its registration."""
-
-
-def _fs_blobs(hub: Hub) -> FsBlobStore:
-    if not isinstance(hub.blobs, FsBlobStore):
-        raise RegistryError(
-            Code.UNSUPPORTED,
-            f"server-side compaction needs the filesystem blob backend; this hub stores blobs "
-            f"in {type(hub.blobs).__name__}: compact locally (forkd compact) and push instead",
-            status=501,
-        )
-    return hub.blobs
 
 
 class _OutsideChain(ForkdError):
@@ -198,7 +187,6 @@ async def compact_tag(
     doing nothing, when the tag has moved on or its chain is not deeper than the limit.
     Raises RegistryError: 404 unknown tag, 409 existing ``to`` without ``force``.
     """
-    blobs = _fs_blobs(hub)
     source = f"{name}:{tag}"
     async with hub.db.reading() as session:
         repo = await accounts.get_repository(session, name)
@@ -216,7 +204,10 @@ async def compact_tag(
         scratch = Path(tempfile.mkdtemp(dir=hub.settings.data_dir, prefix=".compact-"))
         try:
             store = Store(
-                scratch, auto_compact_depth=MAX_CHAIN_DEPTH, blobs=blobs, max_written=MAX_WRITTEN
+                scratch,
+                auto_compact_depth=MAX_CHAIN_DEPTH,
+                blobs=hub.blobs,
+                max_written=MAX_WRITTEN,
             )
             rows = await _chain_in(hub, repo.id, name, source, head)
             try:
@@ -308,6 +299,11 @@ async def _chain_in(hub: Hub, repo_id: int, name: str, source: str, head: str) -
     return chain
 
 
+def _all_present(blobs: BlobStore, wanted: list[tuple[str, int]]) -> bool:
+    """Whether the store holds every blob (a thread: a backend may ask over the network)."""
+    return all(blobs.has(digest) for digest, _ in wanted)
+
+
 async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> None:
     """Link the new blobs into the repository and register the manifest like a ``PUT``."""
     doc = parse_manifest(flat.body, mt.OCI_MANIFEST)
@@ -321,7 +317,7 @@ async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> N
         for digest, size in flat.blobs:
             await session.run_sync(link_blob, hub.db, repo.id, digest, size)
         # Under the write lock no sweep runs; one that ran before may have taken a blob.
-        if not all(hub.blobs.has(digest) for digest, _ in flat.blobs):
+        if not await anyio.to_thread.run_sync(_all_present, hub.blobs, flat.blobs):
             raise _Vanished
         await register_manifest(
             hub, session, repo, flat.body, mt.OCI_MANIFEST, doc, flat.digest, to

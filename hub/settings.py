@@ -148,11 +148,6 @@ class HubSettings:
                 f"compact_deeper_than must be 0 (off) to {MAX_CHAIN_DEPTH}, "
                 f"not {self.compact_deeper_than}"
             )
-        if self.compact_deeper_than and self.blob_backend != "fs":
-            raise InvalidInput(
-                "compact_deeper_than needs the fs blob backend (server-side compaction reads "
-                "blob files); set it to 0 with the s3 backend"
-            )
         self._check_blob_backend()
         for rule in self.retention:
             rule.validated()

@@ -1,9 +1,9 @@
 """Server-side compaction on a real hub: a flat tag from the blobs the hub holds, nothing
-uploaded, the same assembled bytes, provenance in lineage, push needed, the retention rule."""
+uploaded, the same assembled bytes, provenance in lineage, push needed, the retention rule;
+on every blob backend (filesystem and S3: compaction_support)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -11,15 +11,20 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from compaction_support import (  # noqa: F401  (s3_compaction_hub: a fixture)
+    BACKENDS,
+    on_backend,
+    on_every_backend,
+    s3_compaction_hub,
+)
 from hub_support import TIMEOUT, HubServer, http
+from s3_support import MotoServer
+from test_s3_backend import s3_settings
 
 from forkd.errors import Conflict, InvalidInput
-from forkd.hub.compaction import compact_tag
-from forkd.hub.errors import RegistryError as HubError
 from forkd.hub.settings import HubSettings, load_config
 from forkd.registry import credentials
 from forkd.registry.client import AuthError, RegistryClient, RegistryError, RegistryNotFound
@@ -62,12 +67,19 @@ def _lineage(server: HubServer, repo: str, tag: str, auth: tuple[str, str]) -> d
 
 
 @pytest.fixture
+def hub(request: pytest.FixtureRequest, hub: HubServer) -> HubServer:
+    """The session's filesystem hub, or (parametrized "s3") one whose blobs are in S3."""
+    return on_backend(request, hub)
+
+
+@pytest.fixture
 def creds_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "credentials.json"
     monkeypatch.setenv("FORKD_CREDENTIALS", str(path))
     yield path
 
 
+@on_every_backend
 def test_compact_on_the_hub_uploads_nothing_and_keeps_the_bytes(
     hub: HubServer,
     user: tuple[str, str],
@@ -138,6 +150,7 @@ def test_compact_on_the_hub_uploads_nothing_and_keeps_the_bytes(
             compact_remote(client, repo, "nope", "x")
 
 
+@on_every_backend
 def test_compact_needs_push(hub: HubServer, store: Store, chain: list[str], tmp_path: Path) -> None:
     stamp = time.monotonic_ns() % 1_000_000
     owner = hub.add_user(f"own{stamp}")
@@ -169,6 +182,7 @@ def test_compact_needs_push(hub: HubServer, store: Store, chain: list[str], tmp_
     assert r.status_code == 400
 
 
+@on_every_backend
 def test_compact_reads_no_other_repository(hub: HubServer, store: Store, chain: list[str]) -> None:
     """A pushed subject may name any digest: a layer whose parent lives only in another
     (private) repository is refused, so compaction cannot leak that repository's memory."""
@@ -201,10 +215,12 @@ def test_retention_setting_is_checked(tmp_path: Path) -> None:
     for bad in (-1, 65):
         with pytest.raises(InvalidInput, match="compact_deeper_than"):
             HubSettings(tmp_path, compact_deeper_than=bad).validated()
-    with pytest.raises(InvalidInput, match="fs blob backend"):
-        HubSettings(tmp_path, compact_deeper_than=2, blob_backend="s3", s3_bucket="b").validated()
+    # Compaction works on every blob backend, so the rule does too.
+    s3 = HubSettings(tmp_path, compact_deeper_than=2, blob_backend="s3", s3_bucket="b")
+    assert s3.validated().compact_deeper_than == 2
 
 
+@on_every_backend
 def test_forkd_compact_remote_command(
     hub: HubServer,
     user: tuple[str, str],
@@ -244,10 +260,20 @@ def test_forkd_compact_remote_command(
     assert _lineage(hub, repo, "flat", user)["head"]["compacted_from"] == f"{repo}:v3@{head}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_retention_rule_compacts_deep_chains(
-    tmp_path: Path, store: Store, chain: list[str], images: list[Path]
+    request: pytest.FixtureRequest,
+    backend: str,
+    tmp_path: Path,
+    store: Store,
+    chain: list[str],
+    images: list[Path],
 ) -> None:
-    server = HubServer(tmp_path / "hub", {"compact_deeper_than": 1}).start()
+    settings: dict[str, Any] = {"compact_deeper_than": 1}
+    if backend == "s3":
+        moto: MotoServer = request.getfixturevalue("moto_server")
+        settings.update(s3_settings(moto, moto.new_bucket()))
+    server = HubServer(tmp_path / "hub", settings).start()
     try:
         user = server.add_user("ret")
         target = Hub(server.address, "http")
@@ -287,10 +313,3 @@ def test_retention_rule_compacts_deep_chains(
         assert shallow.digest != deep.digest
     finally:
         server.stop()
-
-
-def test_compaction_refuses_a_non_filesystem_blob_backend() -> None:
-    hub = SimpleNamespace(blobs=object())
-    with pytest.raises(HubError) as info:
-        asyncio.run(compact_tag(hub, "a/b", "v1", "flat", actor="x"))  # type: ignore[arg-type]
-    assert info.value.status == 501 and "filesystem blob backend" in info.value.detail

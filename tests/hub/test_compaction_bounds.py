@@ -21,6 +21,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from compaction_support import (  # noqa: F401  (s3_compaction_hub: a fixture)
+    hub_blobs,
+    on_backend,
+    on_every_backend,
+    s3_compaction_hub,
+)
 from hostile_packs import TIB, Layer, chunk, empty_tib, layer, sparse_tib_chain
 from hub_support import TIMEOUT, HubServer, error_code, http
 
@@ -59,7 +65,14 @@ def blob_path(hub: HubServer, digest: str) -> Path:
     return FsBlobStore(hub.data_dir / "blobs").path(digest)
 
 
+@pytest.fixture
+def hub(request: pytest.FixtureRequest, hub: HubServer) -> HubServer:
+    """The session's filesystem hub, or (parametrized "s3") one whose blobs are in S3."""
+    return on_backend(request, hub)
+
+
 @pytest.mark.timeout(SAFETY_NET)
+@on_every_backend
 def test_compacting_a_1_tib_pack_on_the_hub_does_bounded_work(
     hub: HubServer, user: tuple[str, str]
 ) -> None:
@@ -108,6 +121,7 @@ def padded(imap: ImageMap, size: int) -> bytes:
     return data + b" " * (size - len(data))
 
 
+@on_every_backend
 def test_compaction_answers_alike_for_a_layer_elsewhere_and_nowhere(
     hub: HubServer, user: tuple[str, str]
 ) -> None:
@@ -129,6 +143,7 @@ def test_compaction_answers_alike_for_a_layer_elsewhere_and_nowhere(
     assert status == 400 and f"layer <parent> of the chain is not in {repo}" in text
 
 
+@on_every_backend
 def test_a_blob_the_hub_lost_is_a_logged_500_naming_no_digest(
     hub: HubServer, user: tuple[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -136,14 +151,14 @@ def test_a_blob_the_hub_lost_is_a_logged_500_naming_no_digest(
     base, diff = sparse_tib_chain(f"{repo}:v1")
     upload(hub, user, repo, "v1", base, diff)
     lost = next(d for d in diff.blobs if d not in (diff.digest,) and len(diff.blobs[d]) < 200)
-    path = blob_path(hub, lost)
-    saved = path.read_bytes()
-    path.unlink()
+    blobs = hub_blobs(hub)
+    saved = blobs.read(lost, 200)
+    blobs.delete(lost)
     try:
         with caplog.at_level(logging.ERROR, logger="forkd.hub.compaction"):
             r = compact(hub, user, repo, "v1")
     finally:
-        path.write_bytes(saved)
+        blobs.put_bytes(saved, lost)
     assert r.status_code == 500
     assert "sha256:" not in r.text and "missing" not in r.text
     assert "the hub's fault" in r.json()["errors"][0]["detail"]
@@ -243,6 +258,7 @@ def test_concurrent_pages_parse_one_map_once(tmp_path: Path) -> None:
     assert facts.memory is not None and facts.memory.size == TIB
 
 
+@on_every_backend
 def test_compaction_refuses_a_chain_that_would_write_past_its_bound(
     hub: HubServer, user: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
