@@ -60,6 +60,7 @@ BUNDLED_RECIPES: tuple[str, ...] = (
     "python-numpy.toml",
     "langgraph-react/recipe.toml",
     "coding-agent/recipe.toml",
+    "code-interpreter.toml",
 )
 Say = Callable[[str], None]
 
