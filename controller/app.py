@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -713,3 +714,62 @@ def openapi_document() -> dict[str, Any]:
     """The API's OpenAPI schema (what /schema/openapi.json serves), without a running daemon."""
     schema: dict[str, Any] = create_app(None, None, None, None).openapi_schema.to_schema()
     return schema
+
+
+TS_HEADER = """\
+// The controller API's types, generated from forkd.controller.api (through the OpenAPI
+// document) by forkd.controller.app.typescript_types: do not edit. Regenerate with
+//   python3 -P -c 'from forkd.controller.app import typescript_types as t; print(t(), end="")' \\
+//     > sdk/typescript/src/api.d.ts
+"""
+
+
+def typescript_types() -> str:
+    """The TypeScript declarations of every schema of openapi_document() (sdk/typescript)."""
+    schemas: dict[str, Any] = openapi_document()["components"]["schemas"]
+    out = [TS_HEADER]
+    for name in sorted(schemas):
+        out.append(ts_declaration(name, schemas[name]))
+    return "\n".join(out)
+
+
+def ts_declaration(name: str, schema: dict[str, Any]) -> str:
+    if schema.get("type") != "object" or "properties" not in schema:
+        return f"export type {name} = {ts_type(schema)};\n"
+    required = set(schema.get("required", []))
+    lines = [f"export interface {name} {{"]
+    for prop, sub in schema["properties"].items():
+        optional = "" if prop in required else "?"
+        lines.append(f"  {prop}{optional}: {ts_type(sub)};")
+    lines.append("}\n")
+    return "\n".join(lines)
+
+
+def ts_type(schema: dict[str, Any]) -> str:
+    """A JSON schema (the subset Litestar writes for msgspec types) as a TypeScript type."""
+    if "$ref" in schema:
+        return str(schema["$ref"]).rsplit("/", 1)[-1]
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    for key in ("oneOf", "anyOf"):
+        if key in schema:
+            return " | ".join(dict.fromkeys(ts_type(s) for s in schema[key]))
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " | ".join(ts_type({**schema, "type": k}) for k in kind)
+    if kind == "array":
+        item = ts_type(schema.get("items", {}))
+        return f"({item})[]" if "|" in item else f"{item}[]"
+    if kind == "object":
+        extra = schema.get("additionalProperties")
+        return f"Record<string, {ts_type(extra) if isinstance(extra, dict) else 'unknown'}>"
+    simple = {
+        "string": "string",
+        "integer": "number",
+        "number": "number",
+        "boolean": "boolean",
+        "null": "null",
+    }
+    return simple.get(str(kind), "unknown")

@@ -1,0 +1,354 @@
+// forkd's TypeScript/JavaScript SDK: the controller daemon (`forkd serve`) over its Unix
+// socket or TCP with a bearer token. No runtime dependencies (node:http only), Node >= 20.
+// Types: index.d.ts, and api.d.ts generated from forkd.controller.api (docs/api.md).
+
+import http from "node:http";
+import https from "node:https";
+import os from "node:os";
+import path from "node:path";
+
+// Deadlines (docs/api.md, "Timeouts"): the same as the Python client's.
+export const CONNECT_TIMEOUT_S = 10;
+export const REQUEST_TIMEOUT_S = 600;
+export const ANSWER_GRACE_S = 60;
+export const HEARTBEAT_S = 15;
+export const EVAL_TIMEOUT_S = 300;
+
+/** The daemon answered with an error: `type` is its family, `exitCode` forkd's. */
+export class ForkdError extends Error {
+  constructor(message, { type = "ForkdError", exitCode = 1, status = 0 } = {}) {
+    super(message);
+    this.name = type;
+    this.type = type;
+    this.exitCode = exitCode;
+    this.status = status;
+  }
+}
+export class InvalidInput extends ForkdError {}
+export class NotFound extends ForkdError {}
+export class Conflict extends ForkdError {}
+export class IntegrityError extends ForkdError {}
+const FAMILIES = { InvalidInput, NotFound, Conflict, IntegrityError, ChainError: IntegrityError };
+
+/** Some of the sandboxes asked for did not start; the ones that did were killed. */
+export class SpawnError extends ForkdError {
+  constructor(asked, errors) {
+    super(`${errors.length} of ${asked} sandboxes did not start:\n${errors.slice(0, 5).join("\n")}`,
+      { type: "SpawnError" });
+    this.errors = errors;
+  }
+}
+
+function errorOf(status, text) {
+  let body;
+  try {
+    body = JSON.parse(text).error;
+  } catch {
+    return new ForkdError(`controller answered ${status}: ${text.slice(0, 200)}`, { status });
+  }
+  const Family = FAMILIES[body.type] ?? ForkdError;
+  return new Family(body.message, { type: body.type, exitCode: body.exit_code, status });
+}
+
+/** $FORKD_RUN/controller.sock, with forkd's defaults for $FORKD_RUN (engine/paths.py). */
+export function defaultSocket() {
+  const env = process.env;
+  let run = env.FORKD_RUN;
+  if (!run) {
+    const uid = process.getuid?.() ?? 0;
+    if (uid === 0) run = "/run/forkd";
+    else if (env.XDG_RUNTIME_DIR) run = path.join(env.XDG_RUNTIME_DIR, "forkd");
+    else run = path.join(os.tmpdir(), `forkd-${uid}`, "forkd");
+  }
+  return path.join(run, "controller.sock");
+}
+
+function answerTimeout(commandTimeout) {
+  return commandTimeout == null ? null : commandTimeout + ANSWER_GRACE_S;
+}
+
+export class Controller {
+  /**
+   * @param {{url?: string, token?: string, socket?: string, timeout?: number}} [options]
+   * url: http(s)://HOST:PORT (then token is required by the daemon); else the Unix socket.
+   * timeout: seconds for requests that run no command (default REQUEST_TIMEOUT_S).
+   */
+  constructor({ url, token, socket, timeout = REQUEST_TIMEOUT_S } = {}) {
+    this.url = url ? new URL(url) : null;
+    this.socket = this.url ? null : (socket ?? defaultSocket());
+    this.token = token ?? null;
+    this.timeout = timeout;
+    this.where = this.url ? this.url.href : this.socket;
+  }
+
+  _open(method, route, { query, body, raw, wait }, onResponse, reject) {
+    const qs = query ? `?${new URLSearchParams(query)}` : "";
+    const headers = {};
+    if (this.token) headers.authorization = `Bearer ${this.token}`;
+    let payload = null;
+    if (raw !== undefined) {
+      payload = Buffer.from(raw);
+      headers["content-type"] = "application/octet-stream";
+    } else if (body !== undefined) {
+      payload = Buffer.from(JSON.stringify(body));
+      headers["content-type"] = "application/json";
+    }
+    if (payload) headers["content-length"] = String(payload.length);
+    const options = { method, headers, path: route + qs };
+    let client = http;
+    if (this.url) {
+      Object.assign(options, { hostname: this.url.hostname, port: this.url.port });
+      options.path = this.url.pathname.replace(/\/$/, "") + route + qs;
+      if (this.url.protocol === "https:") client = https;
+    } else {
+      options.socketPath = this.socket;
+    }
+    const req = client.request(options, onResponse);
+    const connect = setTimeout(() => req.destroy(new ForkdError(
+      `controller at ${this.where} did not accept a connection in ${CONNECT_TIMEOUT_S} s`)),
+      CONNECT_TIMEOUT_S * 1000);
+    req.on("socket", (sock) => {
+      if (!sock.connecting) clearTimeout(connect);
+      sock.once("connect", () => clearTimeout(connect));
+    });
+    if (wait != null) {
+      req.setTimeout(wait * 1000, () => req.destroy(new ForkdError(
+        `controller at ${this.where} did not answer ${method} ${route} in ${wait} s; ` +
+        "the request may still be running there")));
+    }
+    req.on("error", (err) => {
+      clearTimeout(connect);
+      reject(err instanceof ForkdError ? err : new ForkdError(
+        `controller at ${this.where} unreachable: ${err.message}; is \`forkd serve\` running?`));
+    });
+    req.end(payload ?? undefined);
+    return req;
+  }
+
+  /** One request; resolves to the answer's bytes (a Buffer), rejects with its error. */
+  request(method, route, { query, body, raw, wait = this.timeout } = {}) {
+    return new Promise((resolve, reject) => {
+      this._open(method, route, { query, body, raw, wait }, (res) => {
+        const parts = [];
+        res.on("data", (c) => parts.push(c));
+        res.on("error", reject);
+        res.on("end", () => {
+          const data = Buffer.concat(parts);
+          if (res.statusCode >= 400) reject(errorOf(res.statusCode, data.toString()));
+          else resolve(data);
+        });
+      }, reject);
+    });
+  }
+
+  async json(method, route, options = {}) {
+    const data = await this.request(method, route, options);
+    return data.length ? JSON.parse(data.toString()) : null;
+  }
+
+  /** NDJSON frames of a streamed route, as they arrive (an async iterator). */
+  async *stream(route, body) {
+    const lines = [];
+    let wake = null;
+    let done = false;
+    let failure = null;
+    const push = () => { if (wake) { wake(); wake = null; } };
+    await new Promise((started, reject) => {
+      this._open("POST", route, { body, wait: 4 * HEARTBEAT_S }, (res) => {
+        if (res.statusCode >= 400) {
+          const parts = [];
+          res.on("data", (c) => parts.push(c));
+          res.on("end", () => reject(errorOf(res.statusCode, Buffer.concat(parts).toString())));
+          return;
+        }
+        let buffer = "";
+        res.setEncoding("utf8");
+        res.on("data", (chunk) => {
+          buffer += chunk;
+          let nl;
+          while ((nl = buffer.indexOf("\n")) >= 0) {
+            const line = buffer.slice(0, nl);
+            buffer = buffer.slice(nl + 1);
+            if (line) lines.push(JSON.parse(line));
+          }
+          push();
+        });
+        res.on("end", () => { done = true; push(); });
+        res.on("error", (err) => { failure = err; push(); });
+        started();
+      }, (err) => { failure = err; push(); reject(err); });
+    });
+    for (;;) {
+      if (lines.length) {
+        const frame = lines.shift();
+        if (frame.error) throw errorOf(500, JSON.stringify({ error: frame.error }));
+        yield frame;
+        if (frame.result) return;
+        continue;
+      }
+      if (failure) throw failure;
+      if (done) throw new ForkdError(`controller at ${this.where} ended ${route} before the result`);
+      await new Promise((r) => { wake = r; });
+    }
+  }
+
+  snapshots() { return this.json("GET", "/v1/snapshots"); }
+
+  /** The daemon's sandboxes (as Sandbox objects). */
+  async sandboxes() {
+    const infos = await this.json("GET", "/v1/sandboxes");
+    return infos.map((info) => new Sandbox(this, info.id));
+  }
+
+  /** Fork n sandboxes of tag: all of them, or SpawnError (the started ones are killed). */
+  async spawnSandboxes(tag, n = 1, options = {}) {
+    const result = await this.json("POST", "/v1/sandboxes", { body: { tag, n, ...options } });
+    const started = result.sandboxes.map((s) => new Sandbox(this, s.id));
+    if (result.errors.length || started.length !== n) {
+      await Promise.allSettled(started.map((sb) => sb.kill()));
+      throw new SpawnError(n, result.errors.length ? result.errors : ["missing, no error given"]);
+    }
+    return started;
+  }
+
+  branchSandbox(sandboxId, tag, { force = false } = {}) {
+    return this.json("POST", `/v1/sandboxes/${sandboxId}/branch`, { body: { tag, force } });
+  }
+}
+
+class CommandHandle {
+  constructor(sandbox, info) {
+    this.sandbox = sandbox;
+    this.handle = info.handle;
+    this.pid = info.pid;
+    this.argv = info.argv;
+  }
+
+  get _route() { return `/v1/sandboxes/${this.sandbox.id}/processes/${this.handle}`; }
+
+  /** Its result once it ends, or null when it still runs after `timeout` seconds. */
+  async wait({ timeout = null } = {}) {
+    const r = await this.sandbox.controller.json("POST", `${this._route}/wait`,
+      { body: { timeout }, wait: answerTimeout(timeout) });
+    return r.running ? null : r;
+  }
+
+  sendStdin(data, { close = false } = {}) {
+    const b64 = Buffer.from(data).toString("base64");
+    return this.sandbox.controller.json("POST", `${this._route}/stdin`,
+      { body: { data_b64: b64, close } });
+  }
+
+  closeStdin() {
+    return this.sandbox.controller.json("POST", `${this._route}/stdin`, { body: { close: true } });
+  }
+
+  kill(signal = "SIGKILL") {
+    return this.sandbox.controller.json("POST", `${this._route}/kill`, { body: { signal } });
+  }
+}
+
+function argvOf(cmd) {
+  return typeof cmd === "string" ? ["/bin/sh", "-c", cmd] : [...cmd];
+}
+
+class Commands {
+  constructor(sandbox) { this.sandbox = sandbox; }
+
+  /**
+   * Run a command to its end (a string goes through /bin/sh -c); never rejects for a
+   * non-zero exit. timeout (s): it is killed then; none: no deadline at all.
+   * onStdout/onStderr: called with the output as it is produced (streamed).
+   * background: true starts it and resolves to a CommandHandle at once.
+   */
+  async run(cmd, { env, cwd, stdin, timeout, onStdout, onStderr, background = false } = {}) {
+    if (background) return this.start(cmd, { env, cwd, stdin });
+    const body = { argv: argvOf(cmd), env, cwd, timeout };
+    if (stdin != null) body.stdin_b64 = Buffer.from(stdin).toString("base64");
+    const ctl = this.sandbox.controller;
+    const route = `/v1/sandboxes/${this.sandbox.id}/exec`;
+    if (!onStdout && !onStderr) {
+      return ctl.json("POST", route, { body, wait: answerTimeout(timeout ?? null) });
+    }
+    for await (const frame of ctl.stream(`${route}/stream`, body)) {
+      if (frame.stdout && onStdout) onStdout(frame.stdout);
+      if (frame.stderr && onStderr) onStderr(frame.stderr);
+      if (frame.result) return frame.result;
+    }
+    throw new ForkdError("the command's stream ended without a result");
+  }
+
+  /** Start a command in the background: a CommandHandle. */
+  async start(cmd, { env, cwd, stdin, pty = false } = {}) {
+    const body = { argv: argvOf(cmd), env, cwd, pty };
+    if (stdin != null) body.stdin_b64 = Buffer.from(stdin).toString("base64");
+    const info = await this.sandbox.controller.json("POST",
+      `/v1/sandboxes/${this.sandbox.id}/processes`, { body });
+    return new CommandHandle(this.sandbox, info);
+  }
+
+  /** The background commands: running, or ended and not waited for. */
+  list() { return this.sandbox.controller.json("GET", `/v1/sandboxes/${this.sandbox.id}/processes`); }
+}
+
+class Files {
+  constructor(sandbox) { this.sandbox = sandbox; }
+
+  /** The file's bytes (a Buffer); rejects with NotFound when there is none. */
+  read(file) {
+    return this.sandbox.controller.request("GET", `/v1/sandboxes/${this.sandbox.id}/files`,
+      { query: { path: file } });
+  }
+
+  async write(file, data, { mode = 0o644 } = {}) {
+    await this.sandbox.controller.request("PUT", `/v1/sandboxes/${this.sandbox.id}/files`,
+      { query: { path: file, mode: String(mode) }, raw: data });
+  }
+}
+
+export class Sandbox {
+  constructor(controller, id) {
+    this.controller = controller;
+    this.id = id;
+    this.commands = new Commands(this);
+    this.files = new Files(this);
+  }
+
+  /** Fork one sandbox of `tag`; options: the fields of SpawnRequest, and `controller`. */
+  static async create(tag, { controller, ...options } = {}) {
+    const [sb] = await (controller ?? new Controller()).spawnSandboxes(tag, 1, options);
+    return sb;
+  }
+
+  /** Attach to a running sandbox by id. */
+  static connect(id, { controller } = {}) {
+    return new Sandbox(controller ?? new Controller(), id);
+  }
+
+  get _route() { return `/v1/sandboxes/${this.id}`; }
+
+  info() { return this.controller.json("GET", this._route); }
+
+  /** Evaluate in the warm interpreter: the trailing expression's value (rejects on error). */
+  async eval(code, { timeout = EVAL_TIMEOUT_S } = {}) {
+    const r = await this.controller.json("POST", `${this._route}/eval`,
+      { body: { code, timeout }, wait: answerTimeout(timeout) });
+    if (r.error) throw new ForkdError(`${r.error.type}: ${r.error.message}`, { type: "EvalError" });
+    return r.value;
+  }
+
+  /** A code-interpreter cell: results (PNG figures, HTML tables...), stdout, stderr, error. */
+  runCode(code, { timeout = EVAL_TIMEOUT_S } = {}) {
+    return this.controller.json("POST", `${this._route}/run_code`,
+      { body: { code, timeout }, wait: answerTimeout(timeout) });
+  }
+
+  branch(tag, { force = false } = {}) {
+    return this.controller.branchSandbox(this.id, tag, { force });
+  }
+
+  extend(seconds) { return this.controller.json("POST", `${this._route}/extend`, { body: { seconds } }); }
+  pause() { return this.controller.json("POST", `${this._route}/pause`); }
+  resume() { return this.controller.json("POST", `${this._route}/resume`); }
+  async kill() { await this.controller.json("DELETE", this._route); }
+}
