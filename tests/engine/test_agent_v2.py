@@ -273,3 +273,15 @@ def test_relay_skips_the_payload_of_an_event_nobody_waits_for(tmp_path: Path) ->
         listener.close()
         for pid in _relay_pids(tmp_path):
             os.kill(pid, 15)
+
+
+def test_the_build_cache_key_follows_the_agent_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent lives in the snapshot's memory: a template built before an agent change
+    must not be reused after it (forkd build boots a new one with the new agent)."""
+    from forkd.engine import build, image, recipe
+
+    r = recipe.parse('[recipe]\nname = "t"\n')
+    before = build._cache_key(r, "tcg")
+    real = image.agent_source()
+    monkeypatch.setattr(image, "agent_source", lambda: real + b"\n# another agent\n")
+    assert build._cache_key(r, "tcg") != before
