@@ -4,22 +4,29 @@
 Prints the pack's stored size per component (forkd inspect), then, for N in --ns: time
 until all N answer an eval (cold boot includes the warm-up import of numpy, fork includes
 restore + entropy fixup), first eval, warm eval round trip, host memory per child (QEMU
-PSS, and guest copy-on-write = `Anonymous` of the RAM
-mapping in smaps), and branch pause with ~20 and ~200 MiB dirty (--branch-dirty-mib), live
-(engine/precopy.py) next to stop-the-world in the same run. Ratios are against
+PSS, and guest copy-on-write = `Anonymous` of the RAM mapping in smaps). Ratios are against
 the cold-boot baseline measured in the same run. Then, per N, the same fork with a
 prewarmed pool of N waiting processes (engine/pool.py), filled before the clock starts, in
 both pool modes: "ahead" (restored, pinged and paused in the pool: a spawn does cont +
 fixup) and "incoming" (`-incoming defer`: a spawn does migrate-incoming + cont + fixup);
-ratio = fork without a pool / fork with one, same run. Needs root; not a pass/fail test.
+ratio = fork without a pool / fork with one, same run.
+
+Then the branch pause (p50, p90) with ~20 and ~200 MiB dirty (--branch-dirty-mib) on a guest
+of --branch-memory-mib (512: the recipe is built again with that memory, in this run): live
+(engine/precopy.py) next to stop-the-world, the baseline, in the same run, on the same child;
+ratio = stop-the-world p50 / live p50. The 1-minute load average is printed with it: on a
+shared host every context switch in the pause waits its turn. Needs root; not a pass/fail test.
 
 usage: sudo python bench/fork_fanout.py [--ns 1,10,50] [--cold-ns 1,10,50] [--recipe PATH]
                                         [--pool-modes ahead,incoming] [--only-pool]
+                                        [--only-branch] [--branch-dirty-mib 20,200]
+                                        [--branch-memory-mib 512] [--branch-rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -166,14 +173,20 @@ def pool_fork_n(store: Store, tag: str, n: int, restore_ahead: bool) -> dict[str
     }
 
 
+def _p(xs: list[float], q: int) -> float:
+    """The q-th percentile (inclusive method: within the samples)."""
+    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
 def branch_bench(store: Store, tag: str, rounds: int, dirty_mib: int) -> dict[str, float]:
     """Pause of a live branch and of a stop-the-world branch of the same child, with a guest
-    process holding dirty_mib MiB it rewrites before each pair (p50 over rounds)."""
+    process holding dirty_mib MiB it rewrites before each branch (then idles)."""
     c = ch.fork(store, tag, 1).children[0]
     live: list[float] = []
     stop: list[float] = []
     pause_pages: list[float] = []
     diffs: list[float] = []
+    forced = 0
     try:
         ch.eval_in(c.id, f"A = np.ones(({dirty_mib} << 20) // 8)")
         for k in range(rounds):
@@ -182,6 +195,7 @@ def branch_bench(store: Store, tag: str, rounds: int, dirty_mib: int) -> dict[st
             live.append(res.pause_ms)
             pause_pages.append(res.pause_pages)
             diffs.append(res.diff_bytes / 2**20)
+            forced += res.forced
             ch.eval_in(c.id, f"A[:] = {k + 102}")
             stop.append(branch(store, c.id, f"bench-branch:stop{k}", force=True,
                                live=False).pause_ms)
@@ -189,12 +203,44 @@ def branch_bench(store: Store, tag: str, rounds: int, dirty_mib: int) -> dict[st
         ch.kill(c.id)
     return {
         "dirty_mib": dirty_mib,
+        "rounds": rounds,
         "live_pause_ms_p50": statistics.median(live),
+        "live_pause_ms_p90": _p(live, 90),
         "live_pause_ms_max": max(live),
         "live_pause_pages_p50": statistics.median(pause_pages),
+        "live_forced": forced,
         "stop_pause_ms_p50": statistics.median(stop),
+        "stop_pause_ms_p90": _p(stop, 90),
         "diff_mib": statistics.median(diffs),
+        "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def branch_guest(store: Store, r: recipe.Recipe, tag: str, memory_mib: int) -> str:
+    """The snapshot the branch pause is measured on: the recipe's own, or the same recipe
+    with more guest memory (built here, in the same run) so the large dirty size fits."""
+    if r.memory_mib >= memory_mib:
+        return tag
+    big = dataclasses.replace(r, memory_mib=memory_mib)
+    big_tag = f"{tag.rsplit(':', 1)[0]}-{memory_mib}m:{tag.rsplit(':', 1)[1]}"
+    t = time.monotonic()
+    build(store, big, big_tag)
+    print(f"built {big_tag} ({memory_mib} MiB guest) for the branch pause in "
+          f"{time.monotonic() - t:.1f} s", flush=True)
+    return big_tag
+
+
+def print_branch(br: dict[str, float], memory_mib: int) -> None:
+    live, stop = br["live_pause_ms_p50"], br["stop_pause_ms_p50"]
+    print(
+        f"branch of a {memory_mib} MiB guest, {br['dirty_mib']:.0f} MiB dirty "
+        f"({br['diff_mib']:.1f} MiB diff), {br['rounds']:.0f} rounds: live pause p50 "
+        f"{live:.1f} ms p90 {br['live_pause_ms_p90']:.1f} (max {br['live_pause_ms_max']:.1f}, "
+        f"{br['live_pause_pages_p50']:.0f} pages in the pause, {br['live_forced']:.0f} forced) | "
+        f"stop-the-world p50 {stop:.1f} ms p90 {br['stop_pause_ms_p90']:.1f} → {stop / live:.1f}x"
+        f" | forkd live anchor 56 ms (KVM) → {56 / live:.1f}x | load {br['load_avg_1m']:.1f}",
+        flush=True,
+    )
 
 
 def pack_sizes(store: Store, tag: str) -> dict[str, object]:
@@ -212,10 +258,12 @@ def main() -> None:
     ap.add_argument("--ns", default="1,10,50")
     ap.add_argument("--cold-ns", default=None, help="N values for cold boot (default: --ns)")
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "python-numpy.toml")
-    ap.add_argument("--branch-rounds", type=int, default=5)
+    ap.add_argument("--branch-rounds", type=int, default=7)
     ap.add_argument("--branch-dirty-mib", default="20,200",
-                    help="dirty sizes for the branch pause (200 needs a guest of >= 512 MiB "
-                         "or a recipe with room for it)")
+                    help="dirty sizes for the branch pause (empty: no branch figures)")
+    ap.add_argument("--branch-memory-mib", type=int, default=512,
+                    help="guest memory for the branch pause: the recipe is built again with "
+                         "this much if it has less (each dirty size must leave 256 MiB free)")
     ap.add_argument(
         "--pool-modes",
         default="ahead,incoming",
@@ -226,16 +274,30 @@ def main() -> None:
         action="store_true",
         help="fork with and without a pool only (no cold boot, no branch)",
     )
+    ap.add_argument(
+        "--only-branch",
+        action="store_true",
+        help="the pack size and the branch pause only (no fork, cold boot or pool)",
+    )
     ap.add_argument("--json", action="store_true")
     o = ap.parse_args()
-    ns = [int(x) for x in o.ns.split(",")]
-    cold_ns = [int(x) for x in (o.cold_ns or o.ns).split(",")] if not o.only_pool else []
+    dirty_mibs = [int(x) for x in o.branch_dirty_mib.split(",") if x]
+    r = recipe.load(o.recipe)
+    branch_mib = max(r.memory_mib, o.branch_memory_mib)
+    too_big = [d for d in dirty_mibs if d + 256 > branch_mib]
+    if too_big and not o.only_pool:
+        ap.error(f"--branch-dirty-mib {too_big} does not fit a {branch_mib} MiB guest with "
+                 "256 MiB for the rest; raise --branch-memory-mib")
+    if o.only_branch:
+        o.ns, o.cold_ns, o.pool_modes = "", "", ""
+    ns = [int(x) for x in o.ns.split(",") if x]
+    cold_ns = ([int(x) for x in (o.cold_ns or o.ns).split(",") if x]
+               if not o.only_pool else [])
     modes = [m for m in o.pool_modes.split(",") if m]
     work = Path(tempfile.mkdtemp(prefix="forkd-bench-", dir="/dev/shm"))
     os.environ.setdefault("FORKD_HOME", str(work / "home"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
     store = Store.open()
-    r = recipe.load(o.recipe)
     tag = f"bench-{r.name}:{secrets.token_hex(2)}"
     results: dict[str, object] = {}
     try:
@@ -293,18 +355,12 @@ def main() -> None:
             if o.json:
                 print(json.dumps(results, indent=1))
             return
-        for mib in (int(x) for x in o.branch_dirty_mib.split(",") if x):
-            br = branch_bench(store, tag, o.branch_rounds, mib)
-            results[f"branch_{mib}mib"] = br
-            print(
-                f"branch with {mib} MiB dirty ({br['diff_mib']:.1f} MiB diff): live pause p50 "
-                f"{br['live_pause_ms_p50']:.1f} ms (max {br['live_pause_ms_max']:.1f}, "
-                f"{br['live_pause_pages_p50']:.0f} pages in the pause) | stop-the-world p50 "
-                f"{br['stop_pause_ms_p50']:.1f} ms → "
-                f"{br['stop_pause_ms_p50'] / br['live_pause_ms_p50']:.1f}x"
-                f" | forkd live anchor 56 ms (KVM) → {56 / br['live_pause_ms_p50']:.1f}x",
-                flush=True,
-            )
+        if dirty_mibs:
+            btag = branch_guest(store, r, tag, branch_mib)
+            for mib in dirty_mibs:
+                br = branch_bench(store, btag, o.branch_rounds, mib)
+                results[f"branch_{mib}mib"] = br
+                print_branch(br, branch_mib)
         if o.json:
             print(json.dumps(results, indent=1))
     finally:

@@ -2,9 +2,9 @@
 
 Live (the default, engine/precopy.py): QEMU's precopy migration streams the guest RAM while
 the guest runs and re-sends what it writes meanwhile; the reader keeps only the pages that
-differ from the parent image. QEMU pauses the guest for the last few pages; in that pause the
-device state is saved (xen-save-devices-state) and the child's disk overlay copied, then the
-guest resumes (`cont`).
+differ from the parent image. QEMU pauses the guest for the last few pages and the device
+sections (the branch's device state); in that pause the pages the guest wrote during the copy
+are read again and the child's disk overlay copied, then the guest resumes (`cont`).
 
 Stop-the-world (live=False, the baseline of bench/fork_fanout.py): pause (QMP stop) → scan
 /proc/PID/pagemap of the guest-RAM mapping: present and not file-backed = a page the child
@@ -146,17 +146,21 @@ class _Copied:
 
 def _copy_live(q: QMP, info: ch.ChildInfo, devstate: Path, overlay_copy: Path,
                settings: precopy.PrecopySettings) -> tuple[_Copied, precopy.LiveCopy]:
+    """The pause holds QEMU's last round, the re-read of rewritten pages and the overlay copy;
+    the rest waits until the guest runs again."""
     first_event = len(q.events)
     lc = precopy.live_copy(q, info.pid, Path(info.memory), info.memory_mib << 20, settings)
     try:
         t = time.monotonic()
         try:
-            save_device_state(q, devstate)
             # the overlay holds the child's writes; QEMU flushed it when the migration ended
             shutil.copyfile(info.path / "disk.qcow2", overlay_copy)
         finally:
             _resume(q, info.id)
-        host_ms = lc.qemu_downtime_ms + (time.monotonic() - t) * 1000
+        resumed_ms = (time.monotonic() - t) * 1000
+        lc.settle(q)
+        devstate.write_bytes(lc.device_state)
+        host_ms = lc.qemu_downtime_ms + resumed_ms
     except BaseException:
         lc.close()
         raise
