@@ -44,7 +44,7 @@ from forkd.engine.egress.policy import Destination, EgressPolicy, parse_destinat
 from forkd.engine.egress.secrets import Secret
 from forkd.errors import ForkdError, InvalidInput
 
-CHUNK = 64 << 10
+CHUNK = 256 << 10  # per read and per write: fewer trips through h11, TLS and the loop
 MAX_AUDIT_TARGET = 300  # characters of a guest-given destination kept in an audit record
 HOP_BY_HOP = {
     b"keep-alive",
