@@ -430,35 +430,59 @@ def exec_stream(
     return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
 
 
+STREAM_FRAMES = 64  # frames waiting to be sent to a streaming client, at most
+
+
 async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
     """The frames as JSON lines, produced in a thread (the backend blocks), with an empty
     frame ``{}`` every ``heartbeat`` seconds without output (so clients and proxies can
-    tell a quiet command from a dead connection), and an ``error`` frame if it fails."""
+    tell a quiet command from a dead connection), and an ``error`` frame if it fails.
+    At most STREAM_FRAMES wait for a slow client; once the client is gone the rest of the
+    command's output is dropped (the command runs to its end or its timeout)."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[ExecFrame | Exception | None] = asyncio.Queue()
+    queue: asyncio.Queue[ExecFrame | Exception | None] = asyncio.Queue(STREAM_FRAMES)
+    gone = threading.Event()
+
+    async def put(item: ExecFrame | Exception | None) -> bool:
+        try:
+            await asyncio.wait_for(queue.put(item), 0.5)
+            return True
+        except TimeoutError:
+            return False
+
+    def deliver(item: ExecFrame | Exception | None) -> None:
+        while not gone.is_set():
+            try:
+                if asyncio.run_coroutine_threadsafe(put(item), loop).result():
+                    return
+            except RuntimeError:  # the event loop is closed: the daemon stops
+                return
 
     def produce() -> None:
         try:
             for frame in frames:
-                loop.call_soon_threadsafe(queue.put_nowait, frame)
+                deliver(frame)
         except Exception as exc:  # sent to the client as its error frame
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+            deliver(exc)
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+            deliver(None)
 
     threading.Thread(target=produce, name="forkd-exec-stream", daemon=True).start()
-    while True:
-        try:
-            item = await asyncio.wait_for(queue.get(), heartbeat)
-        except TimeoutError:
-            yield b"{}\n"
-            continue
-        if item is None:
-            return
-        if isinstance(item, Exception):
-            yield msgspec.json.encode(ExecFrame(error=error_answer(item)[1])) + b"\n"
-            return
-        yield msgspec.json.encode(item) + b"\n"
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), heartbeat)
+            except TimeoutError:
+                yield b"{}\n"
+                continue
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                yield msgspec.json.encode(ExecFrame(error=error_answer(item)[1])) + b"\n"
+                return
+            yield msgspec.json.encode(item) + b"\n"
+    finally:
+        gone.set()
 
 
 @post(

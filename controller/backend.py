@@ -74,50 +74,7 @@ class Backend(Protocol):
     def pause(self, sandbox_id: str) -> SandboxInfo: ...
     def resume(self, sandbox_id: str) -> SandboxInfo: ...
     def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
-        """The command's output as frames while it runs (UTF-8, a character split between
-        two chunks is kept whole), then its result. The command runs in a thread of its own;
-        the frames wait in a queue for the caller."""
-        frames: queue.Queue[ExecFrame | BaseException | None] = queue.Queue()
-        decoders = {
-            name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")
-        }
-
-        def output(name: str) -> Callable[[bytes], None]:
-            def put(data: bytes) -> None:
-                text = decoders[name].decode(data)
-                if text:
-                    frames.put(output_frame(name, text))
-
-            return put
-
-        def run() -> None:
-            try:
-                result = ch.exec_stream(
-                    sandbox_id,
-                    req.argv,
-                    env=req.env,
-                    cwd=req.cwd,
-                    stdin=req.stdin,
-                    timeout=req.timeout,
-                    on_stdout=output("stdout"),
-                    on_stderr=output("stderr"),
-                )
-                for name, decoder in decoders.items():
-                    if rest := decoder.decode(b"", final=True):
-                        frames.put(output_frame(name, rest))
-                frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
-            except BaseException as exc:  # handed to the caller's thread below
-                frames.put(exc)
-            finally:
-                frames.put(None)
-
-        threading.Thread(target=run, name=f"forkd-exec-{sandbox_id}", daemon=True).start()
-        while (item := frames.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]: ...
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult: ...
     def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult: ...
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo: ...
@@ -159,6 +116,32 @@ def limits_of(req: SpawnRequest) -> Limits:
     return Limits(
         req.memory_limit_mib, req.cpus, req.pids_max, req.disk_bps, req.disk_iops, req.net_kbit
     )
+
+
+STREAM_QUEUE = 256  # frames of a streamed command waiting for its reader, at most
+
+
+class Handoff:
+    """A bounded queue from a producing thread to one reader, which may go away: then
+    ``put`` drops instead of blocking forever."""
+
+    def __init__(self, size: int = STREAM_QUEUE) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(size)
+        self._gone = threading.Event()
+
+    def put(self, item: Any) -> None:
+        while not self._gone.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> Any:
+        return self._queue.get()
+
+    def abandon(self) -> None:
+        self._gone.set()
 
 
 def output_frame(stream: str, text: str) -> ExecFrame:
@@ -313,13 +296,55 @@ class LocalBackend:
         return msgspec.convert(result, ExecResult)
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
-        """The command's output as frames, then its result."""
-        result = self.exec(sandbox_id, req)
-        if result.stdout:
-            yield ExecFrame(stdout=result.stdout)
-        if result.stderr:
-            yield ExecFrame(stderr=result.stderr)
-        yield ExecFrame(result=result)
+        """The command's output as frames while it runs (UTF-8, a character split between
+        two chunks is kept whole), then its result. The command runs in a thread of its
+        own; at most STREAM_QUEUE frames wait for the caller (a slow reader slows the
+        command's output, not the host's memory). A caller that stops reading leaves the
+        command running to its end (or timeout), its output dropped."""
+        frames = Handoff()
+
+        def output(name: str) -> Callable[[bytes], None]:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            decoders.append((name, decoder))
+
+            def put(data: bytes) -> None:
+                if text := decoder.decode(data):
+                    frames.put(output_frame(name, text))
+
+            return put
+
+        decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
+        on_stdout, on_stderr = output("stdout"), output("stderr")
+
+        def run() -> None:
+            try:
+                result = ch.exec_stream(
+                    sandbox_id,
+                    req.argv,
+                    env=req.env,
+                    cwd=req.cwd,
+                    stdin=req.stdin,
+                    timeout=req.timeout,
+                    on_stdout=on_stdout,
+                    on_stderr=on_stderr,
+                )
+                for name, decoder in decoders:
+                    if rest := decoder.decode(b"", final=True):
+                        frames.put(output_frame(name, rest))
+                frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
+            except BaseException as exc:  # handed to the caller's thread below
+                frames.put(exc)
+            finally:
+                frames.put(None)
+
+        threading.Thread(target=run, name=f"forkd-exec-{sandbox_id}", daemon=True).start()
+        try:
+            while (item := frames.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            frames.abandon()
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
         return msgspec.convert(ch.eval_in(sandbox_id, req.code, timeout=req.timeout), EvalResult)

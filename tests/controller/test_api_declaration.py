@@ -218,3 +218,63 @@ def test_a_quiet_stream_gets_heartbeats_and_outlives_the_client_timeout(
 def test_frames_are_one_json_object_per_line() -> None:
     line = msgspec.json.encode(ExecFrame(stdout="a\nb"))
     assert b"\n" not in line and msgspec.json.decode(line, type=ExecFrame).stdout == "a\nb"
+
+
+def test_the_backend_protocols_declare_and_do_not_implement() -> None:
+    """Every Backend/PoolBackend method is a stub (``...``): an implementation there would
+    be what a backend that forgot the method silently inherits."""
+    for op in OPERATIONS:
+        source = inspect.getsource(getattr(backend.PoolBackend, op.name)).strip()
+        assert source.endswith("..."), f"Backend.{op.name} has a body:\n{source}"
+
+
+class Flood:
+    """A backend whose command writes FRAMES frames of 64 KiB as fast as it can."""
+
+    FRAMES = 2000
+
+    def __init__(self) -> None:
+        self.produced = 0
+
+    def sandbox(self, sandbox_id: str) -> Any:
+        return {"id": sandbox_id}
+
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+        chunk = "x" * (64 << 10)
+        for _ in range(self.FRAMES):
+            self.produced += 1
+            yield ExecFrame(stdout=chunk)
+        yield ExecFrame(result=ExecResult(status="exited", exit_code=0))
+
+
+def test_a_slow_or_gone_stream_reader_bounds_the_daemon_and_does_not_hang_it(
+    tmp_path: Path,
+) -> None:
+    flood = Flood()
+    sock = tmp_path / "flood.sock"
+    server = uvicorn.Server(uvicorn.Config(_app(flood, tmp_path), uds=str(sock),
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        remote = client.RemoteBackend(socket=sock)
+        frames = remote.exec_stream("f-1", ExecRequest(argv=["flood"]))
+        assert next(frames).stdout
+        time.sleep(1.5)  # a reader that does not read: the daemon waits, it does not buffer
+        waiting = flood.produced
+        assert waiting < 400, f"{waiting} frames of 64 KiB produced for a reader that stopped"
+        frames.close()
+        remote.close()  # the reader is gone: the rest is drained and dropped, nothing hangs
+        deadline = time.monotonic() + 30
+        while flood.produced < Flood.FRAMES:
+            assert time.monotonic() < deadline, f"stuck at {flood.produced} frames"
+            time.sleep(0.05)
+        with client.RemoteBackend(socket=sock).http as http:
+            assert http.get("/healthz").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
