@@ -278,3 +278,11 @@ def test_a_slow_or_gone_stream_reader_bounds_the_daemon_and_does_not_hang_it(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_exec_answer_has_every_field_of_the_engine_result() -> None:
+    from forkd.engine.agent_client import ExecResult as EngineResult
+
+    engine = {f.name for f in fields(EngineResult)}
+    declared = set(api.ExecResult.__struct_fields__)
+    assert engine <= declared, f"add {sorted(engine - declared)} to api.ExecResult"
