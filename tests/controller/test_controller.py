@@ -287,9 +287,10 @@ def test_streamed_output_arrives_while_the_command_runs(daemon: str):
 def test_a_command_longer_than_the_client_timeout_completes_through_the_daemon(daemon: str):
     """RemoteBackend(timeout=2): a 4 s command with its own 60 s timeout still completes
     (the client waits the command's timeout + api.ANSWER_GRACE_S), streamed or not."""
-    ctl = Controller(url=daemon, token=TOKEN)
-    ctl.backend = RemoteBackend(url=daemon, token=TOKEN, timeout=2.0)
-    with Sandbox(TINY_TAG, controller=ctl) as sb:
+    with Sandbox(TINY_TAG, controller=Controller(url=daemon, token=TOKEN)) as spawned:
+        short = Controller(url=daemon, token=TOKEN)
+        short.backend = RemoteBackend(url=daemon, token=TOKEN, timeout=2.0)
+        sb = Sandbox(controller=short, sandbox_id=spawned.id)
         done = sb.commands.run("sleep 4; echo slept", timeout=60)
         assert (done.exit_code, done.stdout) == (0, "slept\n")
         assert done.duration is not None and done.duration >= 4
