@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,6 +273,38 @@ class QuickstartReport:
     seconds: float = 0.0
 
 
+@dataclass
+class GuestPrefetch:
+    """Guest images (debootstrap, root disk) of the bundled recipes that are not built yet,
+    made in a background thread while the base boots, warms and compresses: debootstrap
+    waits on the network and the disk, compression on the CPU. The builds later find the
+    images in $FORKD_CACHE; a failure here is left for that build to meet and report."""
+
+    thread: threading.Thread
+
+    @classmethod
+    def start(cls, store: Store, paths: list[Path], say: Say) -> GuestPrefetch:
+        from forkd.engine import image
+        from forkd.engine import recipe as recipes
+        from forkd.engine.build import cached_snapshot
+
+        def work() -> None:
+            for path in paths:
+                try:
+                    recipe = recipes.load(path)
+                    if cached_snapshot(store, recipe) is None:
+                        image.build_guest(recipe, _prefixed(say, f"  [prefetch {recipe.name}] "))
+                except (ForkdError, OSError) as exc:
+                    say(f"  [prefetch {path}] failed, its build will try again: {exc}")
+
+        thread = threading.Thread(target=work, name="forkd-guest-prefetch", daemon=True)
+        thread.start()
+        return cls(thread)
+
+    def wait(self) -> None:
+        self.thread.join()
+
+
 def bundled_recipe_paths() -> list[Path]:
     """BUNDLED_RECIPES as files of the installed forkd.recipes package."""
     root = Path(str(resources.files("forkd.recipes")))
@@ -360,8 +393,9 @@ def run(
     """The main job (module docstring). ``bundled``: recipes to publish as
     BUNDLED_NAMESPACE/<name> instead of BUNDLED_RECIPES (an empty list: none)."""
     from forkd.engine import children as ch
+    from forkd.engine import image
     from forkd.engine import recipe as recipes
-    from forkd.engine.build import build
+    from forkd.engine.build import build, cached_snapshot
 
     if n <= 0:
         raise InvalidInput(f"number of children must be positive, got {n}")
@@ -390,7 +424,11 @@ def run(
     remote = parse_remote(f"{hub.host}/{repository}:latest", hub)
     tag = f"{repository}:latest"
 
+    bundle_paths: list[Path] = []
+    if embedded is not None:
+        bundle_paths = bundled_recipe_paths() if bundled is None else bundled
     built = pulled = False
+    prefetch: GuestPrefetch | None = None
     with RegistryClient(hub, credentials.load(hub.host)) as client:
         try:
             store.resolve(tag)
@@ -403,6 +441,9 @@ def run(
                 pass
         if not pulled:
             t0 = time.perf_counter()
+            if cached_snapshot(store, recipe) is None:
+                image.build_guest(recipe, _prefixed(say, "  "))  # kernel, initramfs, rootfs
+            prefetch = GuestPrefetch.start(store, bundle_paths, say)
             res = build(store, recipe, tag, progress=lambda m: say(f"  {m}"))
             built = not res.cached
             say(
@@ -411,7 +452,7 @@ def run(
             )
         pushed = push(store, tag, remote, client)
         say(f"push: {pushed.blobs_sent} blobs sent, {pushed.blobs_skipped} already on the hub")
-        if embedded is not None:
+        if embedded is not None and not embedded.is_public(repository, "latest"):
             embedded.make_public(repository)  # so the catalog shows it signed out
         fresh = Store(root / "pulled")
         got = pull(fresh, remote, client, force=True)  # a scratch mirror of the hub's tag
@@ -450,7 +491,8 @@ def run(
     if embedded is None:
         say(f"bundled packs: not published (FORKD_HUB={hub.host} is not this run's hub)")
     else:
-        paths = bundled_recipe_paths() if bundled is None else bundled
-        report.bundled = publish_bundled(store, paths, embedded, say)
+        if prefetch is not None:
+            prefetch.wait()
+        report.bundled = publish_bundled(store, bundle_paths, embedded, say)
     report.seconds = time.perf_counter() - start
     return report

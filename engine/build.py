@@ -103,24 +103,36 @@ def _cache_file(key: str) -> Path:
     return d / f"{digest.hex_part(key)[:32]}.json"
 
 
+def _cache_key(recipe: Recipe, accel: str) -> str:
+    # Everything the snapshot depends on besides the recipe: the guest code, the
+    # accelerator, QEMU, and the kernel command line the engine boots templates with.
+    return recipe.content_digest(
+        image.guest_code_digest() + accel + qemu_version()
+        + kernel_cmdline(accel, "") + SNAPSHOT_LAYOUT
+    )
+
+
+def cached_snapshot(store: Store, recipe: Recipe) -> str | None:
+    """The digest of the snapshot ``recipe`` built before, if ``store`` holds it (then
+    `build` only tags it), else None."""
+    cf = _cache_file(_cache_key(recipe, cached_probe().accel))
+    with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
+        prev_digest = str(json.loads(cf.read_text())["digest"])
+        store.chain(prev_digest)  # the manifest and its chain are in this store
+        return prev_digest
+    return None
+
+
 def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
           progress: Progress = _noop) -> BuildResult:
     t_start = time.monotonic()
     ref = str(parse_ref(tag))
     verdict = cached_probe()
-    # Everything the snapshot depends on besides the recipe: the guest code, the
-    # accelerator, QEMU, and the kernel command line the engine boots templates with.
-    key = recipe.content_digest(
-        image.guest_code_digest() + verdict.accel + qemu_version()
-        + kernel_cmdline(verdict.accel, "") + SNAPSHOT_LAYOUT
-    )
-    cf = _cache_file(key)
+    cf = _cache_file(_cache_key(recipe, verdict.accel))
     # The build cache maps recipe content to the snapshot it produced. Any store that holds
     # that snapshot (the cache is shared by every store of this user) just tags it.
-    if cf.exists() and not force:
-        with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
-            prev_digest = json.loads(cf.read_text())["digest"]
-            store.chain(prev_digest)  # the manifest and its chain are in this store
+    if not force and (prev_digest := cached_snapshot(store, recipe)) is not None:
+        with contextlib.suppress(ForkdError):
             if store.tags.read().get(ref) == prev_digest:
                 progress(f"cached: {ref} is already built from this recipe")
             else:

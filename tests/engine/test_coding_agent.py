@@ -99,6 +99,7 @@ def test_the_checker_flags_every_kind_of_leak():
 
 
 @pytest.mark.vm
+@pytest.mark.timeout(3600)  # builds the recipe into the session's store first (zstd 19, TCG)
 def test_demo_on_real_vms(store: Store, engine_env: dict[str, Path], qemu_pids):
     if os.geteuid() != 0:
         pytest.skip("VM tests need root (debootstrap, cgroups)")
