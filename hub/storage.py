@@ -82,6 +82,18 @@ class UploadArea:
         except FileNotFoundError:
             raise NotFound(f"upload {upload_id} has no data file") from None
 
+    def check_current(self, upload_id: str, f: BinaryIO) -> None:
+        """Raise NotFound unless ``f`` (opened, then locked by the caller) is still the
+        session's own data file: not removed, replaced, or published as a blob meanwhile
+        (a published file has a second link), so a writer never appends to a blob."""
+        st = os.fstat(f.fileno())
+        try:
+            named = self.path(upload_id).stat()
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} has no data file") from None
+        if st.st_nlink != 1 or (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino):
+            raise NotFound(f"upload {upload_id} has no data file")
+
     def remove(self, upload_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(upload_id))

@@ -3,10 +3,14 @@ or cross-repository mount with ``?mount=&from=``), ``PATCH``/``PUT``/``GET``/``D
 /v2/<name>/blobs/uploads/<id>``.
 
 Session bytes go to the uploads area; ``PUT ?digest=`` moves them into the shared
-blob store, which verifies the digest first: on a mismatch nothing is stored and
-the session is dropped (DIGEST_INVALID). A ``PATCH`` must start where the bytes so
-far end (416 otherwise); an interrupted ``PATCH`` keeps what arrived, and
-``GET`` on the session tells the client where to resume.
+blob store after checking the digest: on a mismatch nothing is stored and the session is
+dropped (DIGEST_INVALID). With the filesystem backend the session's file itself becomes
+the blob (a hard link, no copy), hashed as it was received when one request wrote all of
+it (a monolithic upload), else read once to hash it; the session's lock is held from the
+hash to the link, and a writer that finds its file published refuses to append to it.
+Other backends stream the file to the store, which verifies it. A ``PATCH`` must start
+where the bytes so far end (416 otherwise); an interrupted ``PATCH`` keeps what arrived,
+and ``GET`` on the session tells the client where to resume.
 
 Limits (hub/settings.py): a namespace has at most ``upload_sessions_max`` open sessions
 (429 beyond; a monolithic upload holds one while its request runs), a session (or
@@ -26,6 +30,7 @@ import fcntl
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import anyio
@@ -51,6 +56,7 @@ from forkd.hub.oci.common import (
 from forkd.hub.services import Hub
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
+from forkd.store.blobs import FsBlobStore
 
 CONTENT_RANGE_RE = re.compile(r"(?:bytes[ =])?([0-9]+)-([0-9]+)(?:/([0-9]+)|/\*)?", re.ASCII)
 CHALLENGE_SCOPE_RE = re.compile(r'scope="([^"]*)"')
@@ -99,6 +105,24 @@ def _open_append(hub: Hub, upload_id: str) -> BinaryIO:
         raise _unknown(upload_id, "has lost its data") from None
 
 
+def _current(hub: Hub, upload_id: str, f: BinaryIO) -> None:
+    """Under the session's lock: the file is still the session's (not published)."""
+    try:
+        hub.uploads.check_current(upload_id, f)
+    except NotFound:
+        raise _unknown(upload_id, "has lost its data") from None
+
+
+@dataclass(frozen=True)
+class _Received:
+    """What one request appended: the session file's size after it, whether a quota
+    applied (``_Room``), and the file's digest when this request wrote all of it."""
+
+    size: int
+    quota: bool
+    digest: str | None = None
+
+
 class _Room:
     """The room one request may fill in an upload: up to ``upload_max_bytes`` per upload
     (413 beyond) and, under a quota, only bytes it has reserved (403 DENIED when the quota
@@ -108,16 +132,29 @@ class _Room:
     reservation, and given back when the request ends however it ends. No quota limit
     when ``digest`` is known and the namespace holds it already."""
 
-    def __init__(self, ctx: Ctx, repo_id: int, upload_id: str, offset: int, digest: str | None):
+    def __init__(
+        self,
+        ctx: Ctx,
+        repo_id: int,
+        upload_id: str,
+        offset: int,
+        digest: str | None,
+        quota: bool | None = None,
+    ):
         self.ctx, self.repo_id, self.upload_id = ctx, repo_id, upload_id
         self.offset, self.digest = offset, digest
         self.cap = ctx.hub.settings.upload_max_bytes
-        self.quota = False  # whether a quota applies: set by ``open``
+        # Whether a quota applies: given by the caller that read it in this request (the
+        # session's creation), else read by ``open``.
+        self.quota = bool(quota)
+        self.known = quota is not None
         self.end = offset  # the size the file may reach with what is reserved
         self.reserved = False  # whether the row's reserved_bytes was set
         self.refusal: RegistryError | None = None
 
     async def open(self) -> None:
+        if self.known:
+            return
         # Not ``Database.read``: without a running total this sums the namespace's blobs.
         async with self.ctx.hub.db.reading() as session:
             held = await session.run_sync(quotas.uploads_of, self.repo_id, self.digest)
@@ -224,13 +261,18 @@ def _parse_content_range(ctx: Ctx, upload_id: str, offset: int, header: str) -> 
     return start, end
 
 
-async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None) -> int:
-    """Append the request body at the end of the session's bytes; return the new size.
-    ``digest``: the blob's, when the request names it (monolithic POST, closing PUT).
+async def _append(
+    ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None, quota: bool | None = None
+) -> _Received:
+    """Append the request body at the end of the session's bytes.
+    ``digest``: the blob's, when the request names it (monolithic POST, closing PUT);
+    then a body that is the whole blob is hashed as it arrives. ``quota``: whether a
+    quota applies, when this request has read it already.
     With ``Content-Length`` the room for all of it is reserved before a byte is read;
     without (chunked transfer) it is reserved ``RESERVE_STEP`` bytes ahead as it arrives."""
     content_range = ctx.request.headers.get("content-range")
     with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
+        _current(ctx.hub, upload_id, f)
         f.seek(0, 2)
         offset = f.tell()
         expected_len = None
@@ -244,15 +286,16 @@ async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = N
                     headers=_session_headers(ctx, upload_id, offset),
                 )
             expected_len = end - start + 1
-        room = _Room(ctx, repo_id, upload_id, offset, digest)
+        room = _Room(ctx, repo_id, upload_id, offset, digest, quota)
         await room.open()
         target = digest or upload_id
         declared = declared_length(ctx.request)
+        hasher = dg.Hasher(dg.algorithm_of(digest)) if digest and offset == 0 else None
         try:
             try:
                 if declared is not None:
                     await room.ensure(offset + declared, offset + declared)
-                written = await _stream_into(ctx, f, upload_id, offset, room, expected_len)
+                written = await _stream_into(ctx, f, upload_id, offset, room, expected_len, hasher)
             except RegistryError as exc:
                 raise _refused(ctx, exc, target) from None
         finally:
@@ -265,11 +308,17 @@ async def _append(ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = N
                 status=416,
                 headers=_session_headers(ctx, upload_id, offset),
             )
-        return offset + written
+        return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
 
 
 async def _stream_into(
-    ctx: Ctx, f: BinaryIO, upload_id: str, offset: int, room: _Room, expected_len: int | None
+    ctx: Ctx,
+    f: BinaryIO,
+    upload_id: str,
+    offset: int,
+    room: _Room,
+    expected_len: int | None,
+    hasher: dg.Hasher | None,
 ) -> int:
     """Write the request body after ``offset`` within ``room``; return the bytes written.
     A refused chunk is not kept (the file goes back to ``offset``); what arrived before a
@@ -292,38 +341,58 @@ async def _stream_into(
                 f.truncate(offset)
                 raise
             f.write(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
             ctx.hub.metrics.bytes_in.inc(len(chunk))
     finally:
         f.flush()  # keep what arrived, even when the client went away: resumable
     return written
 
 
-async def _finish(ctx: Ctx, repo_id: int, upload_id: str, digest: str) -> Response[object]:
+def _store(hub: Hub, upload_id: str, digest: str, received: _Received) -> int:
+    """Verify the session's bytes against ``digest`` and store them (a thread); return the
+    upload's size (the blob's once verified). Under the session's lock throughout."""
+    try:
+        opened = hub.uploads.open_read(upload_id)
+    except NotFound:
+        raise _unknown(upload_id, "has lost its data") from None
+    with opened as f, _exclusive(f):
+        _current(hub, upload_id, f)
+        size = os.fstat(f.fileno()).st_size
+        if isinstance(hub.blobs, FsBlobStore):
+            # Hashed as received only if no other request appended since (same size).
+            hashed = received.digest if received.size == size else None
+            actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
+            dg.check(digest, actual, f"upload {upload_id}")
+            hub.blobs.link_in(hub.uploads.path(upload_id), digest)
+        elif hub.blobs.has(digest):
+            # The store would skip known content unread: check the client's bytes here.
+            dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")
+        else:
+            hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
+        return size
+
+
+async def _finish(
+    ctx: Ctx, repo_id: int, upload_id: str, digest: str, received: _Received
+) -> Response[object]:
     """Verify and store the session's bytes as ``digest``, link it, drop the session."""
     hub = ctx.hub
 
     def store() -> int:
-        """Verify and store; the size is the upload's (equal to the blob's once verified)."""
-        try:
-            opened = hub.uploads.open_read(upload_id)
-        except NotFound:
-            raise _unknown(upload_id, "has lost its data") from None
-        with opened as f:
-            if hub.blobs.has(digest):
-                # The store would skip known content unread: check the client's bytes here.
-                dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")
-            else:
-                hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
-            return os.fstat(f.fileno()).st_size
+        return _store(hub, upload_id, digest, received)
 
     row_deleted = False
     try:
         try:
             # The quota first, so a refused upload stores nothing; link_blob checks again
-            # under the write lock (concurrent uploads).
+            # under the write lock (concurrent uploads), so with no quota when this request
+            # began (``received.quota``) the read is skipped: a quota set meanwhile still
+            # refuses the link, and what was stored is removed.
             # Not ``Database.read``: with a quota set this sums the namespace's blobs.
-            async with hub.db.reading() as session:
-                await session.run_sync(quotas.check, repo_id, digest, _size(hub, upload_id))
+            if received.quota:
+                async with hub.db.reading() as session:
+                    await session.run_sync(quotas.check, repo_id, digest, _size(hub, upload_id))
         except RegistryError as exc:
             ctx.audit("blob.push", digest, "denied", reason=exc.detail)
             raise
@@ -366,11 +435,13 @@ def _link_upload(
     session.execute(delete(Upload).where(Upload.id == upload_id))
 
 
-def _add_upload(session: Session, hub: Hub, upload_id: str, repo_id: int) -> list[str]:
+def _add_upload(
+    session: Session, hub: Hub, upload_id: str, repo_id: int, digest: str | None
+) -> tuple[list[str], bool]:
     """Record a new session unless its namespace has ``upload_sessions_max`` open ones;
     return the namespace's expired sessions, whose rows this drops (the caller deletes
-    their files)."""
-    held = quotas.upload_sessions_locked(session, repo_id)
+    their files), and whether a quota applies to uploading ``digest`` (``_Room``)."""
+    held = quotas.upload_sessions_locked(session, repo_id, digest)
     live = hub.uploads.live_sizes(held.sessions, hub.settings.upload_idle_timeout)
     expired = [s for s in held.sessions if s not in live]
     if expired:
@@ -384,7 +455,7 @@ def _add_upload(session: Session, hub: Hub, upload_id: str, repo_id: int) -> lis
             f"idle ones expire ({int(hub.settings.upload_idle_timeout)} s)",
         )
     session.add(Upload(id=upload_id, repository_id=repo_id))
-    return expired
+    return expired, held.quota_left is not None
 
 
 async def _discard_unrecorded(hub: Hub, digest: str) -> None:
@@ -421,16 +492,17 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
     )
 
 
-async def _new_session(ctx: Ctx, repo_id: int) -> str:
+async def _new_session(ctx: Ctx, repo_id: int, digest: str | None = None) -> tuple[str, bool]:
+    """A new session's id, and whether a quota applies to uploading ``digest`` into it."""
     upload_id = ctx.hub.uploads.new()
     try:
-        expired = await ctx.hub.db.write(_add_upload, ctx.hub, upload_id, repo_id)
+        expired, quota = await ctx.hub.db.write(_add_upload, ctx.hub, upload_id, repo_id, digest)
     except BaseException:
         ctx.hub.uploads.remove(upload_id)
         raise
     for stale in expired:
         ctx.hub.uploads.remove(stale)
-    return upload_id
+    return upload_id, quota
 
 
 async def _allow_push(ctx: Ctx, mount_source: str | None) -> None:
@@ -470,15 +542,15 @@ async def start(ctx: Ctx) -> Response[object]:
         digest = parse_digest(digest_param)
         # A session row for the request's duration: it counts against
         # ``upload_sessions_max`` and holds the upload's quota reservation.
-        upload_id = await _new_session(ctx, repo.id)
+        upload_id, quota = await _new_session(ctx, repo.id, digest)
         try:
-            await _append(ctx, repo.id, upload_id, digest)
+            received = await _append(ctx, repo.id, upload_id, digest, quota)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await _drop(ctx.hub, upload_id)
             raise
-        return await _finish(ctx, repo.id, upload_id, digest)
-    upload_id = await _new_session(ctx, repo.id)
+        return await _finish(ctx, repo.id, upload_id, digest, received)
+    upload_id, _ = await _new_session(ctx, repo.id)
     return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, 0))
 
 
@@ -525,16 +597,16 @@ def _size(hub: Hub, upload_id: str) -> int:
 async def patch(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     repo_id = await _session(ctx, upload_id)
-    size = await _append(ctx, repo_id, upload_id)
-    return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, size))
+    received = await _append(ctx, repo_id, upload_id)
+    return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, received.size))
 
 
 async def put(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     repo_id = await _session(ctx, upload_id)
     digest = parse_digest(ctx.request.query_params.get("digest", ""))
-    await _append(ctx, repo_id, upload_id, digest)
-    return await _finish(ctx, repo_id, upload_id, digest)
+    received = await _append(ctx, repo_id, upload_id, digest)
+    return await _finish(ctx, repo_id, upload_id, digest, received)
 
 
 async def status(ctx: Ctx, upload_id: str) -> Response[object]:
