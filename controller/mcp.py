@@ -18,6 +18,7 @@ import binascii
 import contextlib
 import functools
 import hmac
+import json
 import threading
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
@@ -26,10 +27,11 @@ import anyio.from_thread
 import msgspec
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
-from forkd.controller.sdk import Controller, EvalError, Sandbox
+from forkd.controller.sdk import Controller, Sandbox
 from forkd.errors import ForkdError, InvalidInput
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
@@ -199,8 +201,9 @@ class Tools:
         timeout_s: Seconds = None,
     ) -> dict[str, Any]:
         """Run a command in a sandbox and wait for it; its output arrives as progress
-        notifications while it runs. Returns exit_code (-N: ended by signal N), stdout,
-        stderr, timed_out and duration; a non-zero exit is a result, not an error."""
+        notifications while it runs. Returns exit_code (-N: ended by signal N), status
+        (exited, signaled, killed, timed_out or oom_killed), stdout, stderr, timed_out and
+        duration; a non-zero exit is a result, not an error."""
         _check_command(command)
         progress = Progress(ctx)
         r = self.sandbox(sandbox_id).commands.run(
@@ -229,20 +232,28 @@ class Tools:
         sandbox_id: SandboxId,
         code: Annotated[str, Field(min_length=1, max_length=MAX_CODE_CHARS)],
         timeout_s: Seconds = None,
-    ) -> dict[str, Any]:
-        """Run Python code in the sandbox's warm interpreter (its variables persist from one
-        call to the next, and into forks of a branch). Returns the value of the last
-        expression (JSON, else null) or the error with its traceback. timeout_s: default
-        300."""
+    ) -> CallToolResult:
+        """Run a Python cell in the sandbox's warm interpreter (its variables persist from
+        one call to the next, and into forks of a branch), like a notebook. Returns stdout,
+        stderr, the value of the last expression, the error with its traceback (a result,
+        not a tool error), and rich results: matplotlib figures as PNG images, pandas
+        DataFrames as HTML and text. timeout_s: default 300."""
         sb = self.sandbox(sandbox_id)
-        try:
-            value = sb.eval(code) if timeout_s is None else sb.eval(code, timeout=timeout_s)
-        except EvalError as exc:
-            return {
-                "value": None,
-                "error": {"type": exc.type, "message": str(exc), "traceback": exc.traceback},
-            }
-        return {"value": value, "error": None}
+        r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
+        r["stdout"], r["stdout_cut_chars"] = clipped(r.get("stdout", ""))
+        r["stderr"], r["stderr_cut_chars"] = clipped(r.get("stderr", ""))
+        images: list[ImageContent] = []
+        shown = dict(r, results=[])
+        for result in r.get("results", []):
+            brief = dict(result)
+            for kind in ("png", "jpeg"):
+                if result.get(kind):
+                    images.append(ImageContent(type="image", data=result[kind],
+                                               mime_type=f"image/{kind}"))
+                    brief[kind] = f"(image {len(images)}, {len(result[kind])} base64 chars)"
+            shown["results"].append(brief)
+        text = TextContent(type="text", text=json.dumps(shown, indent=1, default=str))
+        return CallToolResult(content=[text, *images], structured_content=r)
 
     def read_file(
         self, sandbox_id: SandboxId, path: GuestPath, encoding: Encoding = "utf-8"

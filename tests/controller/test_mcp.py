@@ -34,10 +34,11 @@ def _server_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def stdio_session(env: dict[str, str]) -> AsyncIterator[ClientSession]:
-    params = StdioServerParameters(command=sys.executable,
-                                   args=["-c", "from forkd.cli.main import main; main()", "mcp"],
-                                   env=_server_env(env), cwd="/")
+async def stdio_session(env: dict[str, str], *options: str) -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-c", "from forkd.cli.main import main; main()", "mcp", *options],
+        env=_server_env(env), cwd="/")
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         yield session
@@ -91,7 +92,7 @@ def test_stdio_every_tool_on_real_vms(env: dict[str, str], tiny: str) -> None:
             assert not res.is_error
             r = res.structured_content
             assert r is not None
-            assert r["exit_code"] == 3 and not r["timed_out"]
+            assert r["exit_code"] == 3 and r["status"] == "exited" and not r["timed_out"]
             assert r["stdout"] == "line1\nline2\nline3\n" and r["stderr"] == "oops\n"
             streamed = "".join(m for _, m in pieces)
             assert "line1" in streamed and "line3" in streamed and "stderr: oops" in streamed
@@ -100,7 +101,7 @@ def test_stdio_every_tool_on_real_vms(env: dict[str, str], tiny: str) -> None:
                            cwd="/tmp", env={"X": "1"})
             assert r["stdout"] == "in\n" and r["exit_code"] == 0
             r = await call(s, "run_command", sandbox_id=a, command="sleep 30", timeout_s=1)
-            assert r["timed_out"]
+            assert r["timed_out"] and r["status"] == "timed_out"
 
             # files: text and any bytes
             await call(s, "write_file", sandbox_id=a, path="/root/notes.txt",
@@ -118,10 +119,23 @@ def test_stdio_every_tool_on_real_vms(env: dict[str, str], tiny: str) -> None:
             assert "NotFound" in await error(s, "read_file", sandbox_id=a, path="/no/such")
 
             # code in the warm interpreter; an exception is a result, not a tool error
-            assert (await call(s, "run_code", sandbox_id=a, code="x = 41\nx + 1")
-                    )["value"] == 42
+            r = await call(s, "run_code", sandbox_id=a, code="x = 41\nprint('hi')\nx + 1")
+            assert r["value"] == 42 and r["stdout"] == "hi\n" and r["error"] is None
             r = await call(s, "run_code", sandbox_id=a, code="1 / 0")
-            assert r["value"] is None and "ZeroDivisionError" in r["error"]["traceback"]
+            assert r["value"] is None and r["error"]["type"] == "ZeroDivisionError"
+            assert "ZeroDivisionError" in r["error"]["traceback"]
+            # rich results: images as MCP image content, html in the structured result
+            res = await s.call_tool("run_code", {"sandbox_id": a, "code": (
+                "class Pic:\n"
+                "    def _repr_png_(self): return b'\\x89PNG-pic'\n"
+                "    def _repr_html_(self): return '<b>pic</b>'\n"
+                "Pic()")})
+            assert not res.is_error and res.structured_content is not None
+            images = [c for c in res.content if c.type == "image"]
+            assert [(base64.b64decode(i.data), i.mime_type) for i in images] == [
+                (b"\x89PNG-pic", "image/png")]
+            (main,) = [x for x in res.structured_content["results"] if x["is_main_result"]]
+            assert main["html"] == "<b>pic</b>"
 
             # branch, then fork from the branch: the children start where a was
             branch = (await call(s, "branch_sandbox", sandbox_id=a, tag="mcpbranch:one")
@@ -221,6 +235,59 @@ def test_http_needs_the_token_and_serves_the_tools(env: dict[str, str], tiny: st
                                                  command="true")
                 await call(s, "kill_sandbox", sandbox_id=sid)
 
+        anyio.run(main)
+    assert _children_left() == []
+
+
+@contextlib.contextmanager
+def controller_daemon(env: dict[str, str]) -> Iterator[None]:
+    """`forkd serve` on the module's socket (no TCP), stopped on exit."""
+    sock = os.path.join(env["FORKD_RUN"], "controller.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from forkd.cli.main import main; main()", "serve"],
+        env=_server_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "forkd serve did not start"
+            time.sleep(0.2)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert not os.path.exists(sock)
+
+
+def test_stdio_through_the_daemon(env: dict[str, str], tiny: str) -> None:
+    async def without_daemon() -> None:
+        with pytest.raises(Exception):  # noqa: B017 - the server exits before initialize
+            async with stdio_session(env, "--controller", "daemon"):
+                pass
+
+    anyio.run(without_daemon)
+
+    async def main() -> None:
+        async with stdio_session(env, "--controller", "daemon") as s:
+            (sid,) = (await call(s, "create_sandboxes", tag=tiny, timeout_s=600))["sandboxes"]
+            seen: list[str] = []
+
+            async def on_progress(p: float, t: float | None, m: str | None) -> None:
+                seen.append(m or "")
+
+            res = await s.call_tool("run_command", {
+                "sandbox_id": sid, "command": "echo one; sleep 0.5; echo two"},
+                progress_callback=on_progress)
+            assert res.structured_content is not None
+            assert res.structured_content["stdout"] == "one\ntwo\n"
+            assert "one" in "".join(seen) and "two" in "".join(seen)
+            listed = (await call(s, "list_sandboxes"))["sandboxes"]
+            assert [x["id"] for x in listed] == [sid] and listed[0]["time_left_s"] > 0
+            await call(s, "kill_sandbox", sandbox_id=sid)
+            assert "no child" in await error(s, "kill_sandbox", sandbox_id=sid)
+
+    with controller_daemon(env):
         anyio.run(main)
     assert _children_left() == []
 
