@@ -41,6 +41,43 @@ def test_bundled_recipes_are_one_installed_list():
     assert len(names) == len(set(names))  # one pack per recipe name
 
 
+def test_embedded_hub_namespace_and_visibility(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The admin steps the bundled packs need, on a real embedded hub (no VM: a synthetic
+    pack): the namespace is created once and kept, a pushed pack is private until made
+    public, and an anonymous client can then read it."""
+    from forkd.controller.quickstart import HUB_USER, embedded_hub
+    from forkd.registry import credentials
+    from forkd.registry.client import RegistryClient, RegistryError
+    from forkd.registry.reference import parse_remote
+    from forkd.registry.transfer import push
+    from forkd.store.store import Store
+    from forkd.synthetic import write_base
+
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(tmp_path / "credentials.json"))
+    hub = embedded_hub(tmp_path / "hub", lambda _: None)
+    try:
+        store = Store(tmp_path / "store")
+        image = tmp_path / "mem.img"
+        write_base(image, 4 << 20, seed=3)
+        store.import_layer("pack:v1", memory=image)
+        hub.ensure_namespace("deeplethe")
+        hub.ensure_namespace("deeplethe")  # a second run: the namespace exists, no error
+        with RegistryClient(hub.hub, credentials.Credential(HUB_USER, hub.password)) as client:
+            remote = parse_remote(f"{hub.hub.host}/deeplethe/pack:latest", hub.hub)
+            assert push(store, "pack:v1", remote, client).blobs_sent > 0
+        assert hub.is_public("deeplethe/pack", "latest") is False
+        with RegistryClient(hub.hub, None) as anonymous, pytest.raises(RegistryError):
+            anonymous.get_manifest("deeplethe/pack", "latest")
+        hub.make_public("deeplethe/pack")
+        assert hub.is_public("deeplethe/pack", "latest") is True
+        with pytest.raises(Exception, match="could not create namespace"):
+            hub.ensure_namespace("Not A Namespace")
+    finally:
+        state = json.loads((tmp_path / "hub" / "state.json").read_text())
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(state["pid"], signal.SIGTERM)
+
+
 def _quickstart(env: dict[str, str]) -> dict[str, object]:
     proc = subprocess.run(
         [
