@@ -74,8 +74,11 @@ def standin_endpoint(work: Path) -> Iterator[tuple[ModelEndpoint, StandinModel]]
     with StandinModel(api_key=key, tls=ca.leaf_context(MODEL_HOST)) as server:
         allow = f"{MODEL_HOST}:{server.port}"
         SecretStore(work / "secrets").set("OPENAI_API_KEY", key, [allow])
-        env = {"FORKD_SECRETS": str(work / "secrets"), "FORKD_EGRESS_UPSTREAM_CA": str(ca_file),
-               "FORKD_EGRESS_PINS": f"{MODEL_HOST}=127.0.0.1"}
+        env = {
+            "FORKD_SECRETS": str(work / "secrets"),
+            "FORKD_EGRESS_UPSTREAM_CA": str(ca_file),
+            "FORKD_EGRESS_PINS": f"{MODEL_HOST}=127.0.0.1",
+        }
         yield ModelEndpoint(f"https://{allow}/v1", allow, "standin", env), server
 
 
@@ -94,11 +97,15 @@ def real_endpoint(base_url: str, model: str) -> ModelEndpoint:
     try:
         secret = store.get("OPENAI_API_KEY")
     except ForkdError as e:
-        raise NotFound(f"no secret OPENAI_API_KEY on this host ({e}); run `printenv "
-                       f"OPENAI_API_KEY | forkd secret set OPENAI_API_KEY --bind {allow}`") from e
+        raise NotFound(
+            f"no secret OPENAI_API_KEY on this host ({e}); run `printenv "
+            f"OPENAI_API_KEY | forkd secret set OPENAI_API_KEY --bind {allow}`"
+        ) from e
     if not secret.bound_to(dest):
-        raise InvalidInput(f"the secret OPENAI_API_KEY is not bound to {allow}; run "
-                           f"`... | forkd secret set OPENAI_API_KEY --bind {allow}`")
+        raise InvalidInput(
+            f"the secret OPENAI_API_KEY is not bound to {allow}; run "
+            f"`... | forkd secret set OPENAI_API_KEY --bind {allow}`"
+        )
     return ModelEndpoint(base_url.rstrip("/"), allow, model)
 
 
@@ -157,7 +164,8 @@ def ensure_snapshot(store: Store, tag: str, say: Say) -> None:
         raise NotFound(
             f"no snapshot {tag} here and pulling it failed ({e.__cause__}); run the main job "
             "(it publishes deeplethe/langgraph-react on its hub) or "
-            f"`forkd build {RECIPE} --tag TAG` and pass --tag TAG") from e
+            f"`forkd build {RECIPE} --tag TAG` and pass --tag TAG"
+        ) from e
 
 
 def _eval(child_id: str, code: str) -> Any:
@@ -166,8 +174,10 @@ def _eval(child_id: str, code: str) -> Any:
     r = ch.eval_in(child_id, code, timeout=EVAL_TIMEOUT)
     if r.get("error"):
         err = r["error"]
-        raise ForkdError(f"sandbox {child_id}: {err.get('type')}: {err.get('message')}\n"
-                         f"{err.get('traceback', '')}")
+        raise ForkdError(
+            f"sandbox {child_id}: {err.get('type')}: {err.get('message')}\n"
+            f"{err.get('traceback', '')}"
+        )
     return r.get("value")
 
 
@@ -180,13 +190,26 @@ def _point_at(child_id: str, endpoint: ModelEndpoint) -> None:
 def _continue(child_id: str, ready_ms: float, hint: str) -> Lane:
     t0 = time.perf_counter()
     out = _eval(child_id, f"travel_agent.steer({hint!r})")
-    return Lane(hint, child_id, ready_ms, time.perf_counter() - t0, str(out["answer"]),
-                int(out["model_calls"]), list(out["messages"]))
+    return Lane(
+        hint,
+        child_id,
+        ready_ms,
+        time.perf_counter() - t0,
+        str(out["answer"]),
+        int(out["model_calls"]),
+        list(out["messages"]),
+    )
 
 
-def run(store: Store, endpoint: ModelEndpoint, tag: str = DEFAULT_TAG, *, say: Say,
-        hints: Sequence[str] = HINTS, server: StandinModel | None = None,
-        ) -> LanggraphDemoReport:
+def run(
+    store: Store,
+    endpoint: ModelEndpoint,
+    tag: str = DEFAULT_TAG,
+    *,
+    say: Say,
+    hints: Sequence[str] = HINTS,
+    server: StandinModel | None = None,
+) -> LanggraphDemoReport:
     """The whole demo; every sandbox it starts is killed and its branch tag removed.
     With ``server`` (the stand-in), its recorded requests go into the report and checks."""
     from forkd.engine import branch as br
@@ -202,21 +225,27 @@ def run(store: Store, endpoint: ModelEndpoint, tag: str = DEFAULT_TAG, *, say: S
             started.append(source.id)
             report.source_id = source.id
             report.source_ready_ms = source.timings_ms.get("ready", 0.0)
-            say(f"source {source.id} ready in {report.source_ready_ms:.0f} ms; "
-                f"egress to {endpoint.allow} only")
+            say(
+                f"source {source.id} ready in {report.source_ready_ms:.0f} ms; "
+                f"egress to {endpoint.allow} only"
+            )
             _point_at(source.id, endpoint)
             t0 = time.perf_counter()
             pre = _eval(source.id, f"travel_agent.start({TASK!r}, {PRE_BRANCH_STEPS})")
             report.source_seconds = time.perf_counter() - t0
             report.source_messages = list(pre["messages"])
-            say(f"source: {PRE_BRANCH_STEPS} ReAct steps in {report.source_seconds:.1f} s "
-                f"({len(report.source_messages)} messages; next: {', '.join(pre['next'])})")
+            say(
+                f"source: {PRE_BRANCH_STEPS} ReAct steps in {report.source_seconds:.1f} s "
+                f"({len(report.source_messages)} messages; next: {', '.join(pre['next'])})"
+            )
             t0 = time.perf_counter()
             branched = br.branch(store, source.id, report.branch_tag)
             report.branch_ms = (time.perf_counter() - t0) * 1000
             report.branch_pause_ms = branched.pause_ms
-            say(f"BRANCH {report.branch_tag}: source paused {branched.pause_ms:.1f} ms "
-                f"({report.branch_ms:.0f} ms in all)")
+            say(
+                f"BRANCH {report.branch_tag}: source paused {branched.pause_ms:.1f} ms "
+                f"({report.branch_ms:.0f} ms in all)"
+            )
             t0 = time.perf_counter()
             forked = ch.fork(store, report.branch_tag, len(hints), egress=[endpoint.allow])
             report.fork_ms = (time.perf_counter() - t0) * 1000
@@ -225,9 +254,14 @@ def run(store: Store, endpoint: ModelEndpoint, tag: str = DEFAULT_TAG, *, say: S
                 raise ForkdError("grandchildren failed to start:\n" + "\n".join(forked.errors))
             say(f"{len(hints)} grandchildren ready in {report.fork_ms:.0f} ms")
             with ThreadPoolExecutor(len(hints)) as pool:
-                report.lanes = list(pool.map(
-                    _continue, [c.id for c in forked.children],
-                    [c.timings_ms.get("ready", 0.0) for c in forked.children], hints))
+                report.lanes = list(
+                    pool.map(
+                        _continue,
+                        [c.id for c in forked.children],
+                        [c.timings_ms.get("ready", 0.0) for c in forked.children],
+                        hints,
+                    )
+                )
     finally:
         for child_id in started:
             with contextlib.suppress(ForkdError):
@@ -243,8 +277,11 @@ def run(store: Store, endpoint: ModelEndpoint, tag: str = DEFAULT_TAG, *, say: S
 
 def _is_steered(request: RecordedRequest) -> bool:
     body = request.body if isinstance(request.body, dict) else {}
-    return any("Steering hint:" in str(m.get("content"))
-               for m in body.get("messages", []) if isinstance(m, dict))
+    return any(
+        "Steering hint:" in str(m.get("content"))
+        for m in body.get("messages", [])
+        if isinstance(m, dict)
+    )
 
 
 def check(report: LanggraphDemoReport) -> list[str]:
@@ -266,13 +303,16 @@ def check(report: LanggraphDemoReport) -> list[str]:
     if report.requests:
         before = [r for r in report.requests if not _is_steered(r)]
         if len(before) != PRE_BRANCH_STEPS:
-            problems.append(f"the model got {len(before)} un-steered calls, expected the "
-                            f"source's {PRE_BRANCH_STEPS} only (a pre-branch call was repeated)")
+            problems.append(
+                f"the model got {len(before)} un-steered calls, expected the "
+                f"source's {PRE_BRANCH_STEPS} only (a pre-branch call was repeated)"
+            )
         after = len(report.requests) - len(before)
         expected = sum(lane.model_calls for lane in report.lanes)
         if after != expected:
-            problems.append(f"the model got {after} steered calls, the grandchildren "
-                            f"counted {expected}")
+            problems.append(
+                f"the model got {after} steered calls, the grandchildren counted {expected}"
+            )
     return problems
 
 
@@ -280,14 +320,23 @@ def side_by_side(report: LanggraphDemoReport, width: int = 34) -> list[str]:
     """The day-one plans in columns, with each lane's timings under its hint."""
     cols = []
     for lane in report.lanes:
-        head = [f"hint: {lane.hint}", f"ready {lane.ready_ms:.0f} ms, done {lane.seconds:.1f} s",
-                f"{lane.model_calls} model call(s)", "-" * width]
-        body = [w for line in lane.answer.splitlines() for w in
-                (textwrap.wrap(line, width, subsequent_indent="  ") or [""])]
+        head = [
+            f"hint: {lane.hint}",
+            f"ready {lane.ready_ms:.0f} ms, done {lane.seconds:.1f} s",
+            f"{lane.model_calls} model call(s)",
+            "-" * width,
+        ]
+        body = [
+            w
+            for line in lane.answer.splitlines()
+            for w in (textwrap.wrap(line, width, subsequent_indent="  ") or [""])
+        ]
         cols.append(head + body)
     rows = max(map(len, cols), default=0)
-    return [" | ".join(c[i].ljust(width) if i < len(c) else " " * width for c in cols).rstrip()
-            for i in range(rows)]
+    return [
+        " | ".join(c[i].ljust(width) if i < len(c) else " " * width for c in cols).rstrip()
+        for i in range(rows)
+    ]
 
 
 def summary(report: LanggraphDemoReport) -> list[str]:
@@ -299,14 +348,18 @@ def summary(report: LanggraphDemoReport) -> list[str]:
     ]
     if report.requests:
         steered = sum(1 for r in report.requests if _is_steered(r))
-        lines.append(f"model calls: {len(report.requests) - steered} before the branch "
-                     f"(made once, by the source), {steered} after it")
+        lines.append(
+            f"model calls: {len(report.requests) - steered} before the branch "
+            f"(made once, by the source), {steered} after it"
+        )
     return lines
 
 
 def run_standin(store: Store, tag: str = DEFAULT_TAG, *, say: Say) -> LanggraphDemoReport:
     """The offline demo: run() against the stand-in model."""
-    with tempfile.TemporaryDirectory(prefix="forkd-langgraph-") as tmp, \
-            standin_endpoint(Path(tmp)) as (endpoint, server):
+    with (
+        tempfile.TemporaryDirectory(prefix="forkd-langgraph-") as tmp,
+        standin_endpoint(Path(tmp)) as (endpoint, server),
+    ):
         say(f"model: forkd's stand-in at {endpoint.base_url} (deterministic, no real model)")
         return run(store, endpoint, tag, say=say, server=server)
