@@ -101,23 +101,44 @@ def clipped(text: str, limit: int = MAX_OUTPUT_CHARS) -> tuple[str, int]:
     return text[cut:], cut
 
 
+class Tail:
+    """The last MAX_OUTPUT_CHARS of a stream, in bounded memory, and how much came before."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._size = 0
+        self._cut = 0
+
+    def add(self, text: str) -> None:
+        self._parts.append(text)
+        self._size += len(text)
+        if self._size > 2 * MAX_OUTPUT_CHARS:
+            kept, cut = clipped("".join(self._parts))
+            self._parts, self._size, self._cut = [kept], len(kept), self._cut + cut
+
+    def text(self) -> tuple[str, int]:
+        kept, cut = clipped("".join(self._parts))
+        return kept, self._cut + cut
+
+
 class Progress:
     """Output of a running command sent as MCP progress notifications, from the worker
-    thread the tool runs in: ``progress`` is the characters so far, ``message`` the piece."""
+    thread the tool runs in: ``progress`` is the characters so far, ``message`` the piece.
+    The output's tail is kept for the result."""
 
     def __init__(self, ctx: Context[Any, Any]) -> None:
         self._ctx = ctx
         self._sent = 0
         self._lock = threading.Lock()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
+        self.stdout = Tail()
+        self.stderr = Tail()
 
     def on_stdout(self, text: str) -> None:
-        self.stdout.append(text)
+        self.stdout.add(text)
         self._send(text, "")
 
     def on_stderr(self, text: str) -> None:
-        self.stderr.append(text)
+        self.stderr.add(text)
         self._send(text, "stderr: ")
 
     def _send(self, text: str, prefix: str) -> None:
@@ -215,10 +236,12 @@ class Tools:
             on_stdout=progress.on_stdout,
             on_stderr=progress.on_stderr,
         )
-        stdout, cut_out = clipped(r.stdout or "".join(progress.stdout))
-        stderr, cut_err = clipped(r.stderr or "".join(progress.stderr))
+        # streamed: the result carries no output, the tails have it
+        stdout, cut_out = clipped(r.stdout) if r.stdout else progress.stdout.text()
+        stderr, cut_err = clipped(r.stderr) if r.stderr else progress.stderr.text()
         return {
             "exit_code": r.exit_code,
+            "status": r.status,
             "timed_out": r.timed_out,
             "duration": r.duration,
             "stdout": stdout,
