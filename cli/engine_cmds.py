@@ -70,12 +70,13 @@ def doctor(as_json: bool, no_store: bool) -> None:
 
 
 @click.command()
-@click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("recipe", type=click.Path(exists=True, path_type=Path))
 @click.option("--tag", "-t", required=True, help="Tag of the snapshot, NAME[:TAG].")
 @click.option("--force", is_flag=True, help="Rebuild even if cached; replace the tag.")
 @json_option
 def build(recipe: Path, tag: str, force: bool, as_json: bool) -> None:
-    """Build a warm snapshot from a TOML RECIPE and store it as a base layer."""
+    """Build a warm snapshot from a TOML RECIPE (a file, or a folder with a recipe.toml)
+    and store it as a base layer."""
     from forkd.engine import recipe as rc
     from forkd.engine.build import build as do_build
 

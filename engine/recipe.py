@@ -189,9 +189,13 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
 
 
 def load(path: Path) -> Recipe:
+    """A recipe file, or a recipe folder's ``recipe.toml`` (docs/recipes.md)."""
+    if path.is_dir():
+        path = path / "recipe.toml"
     try:
         text = path.read_text()
     except FileNotFoundError as e:
         raise InvalidInput(
-            f"recipe file {path} does not exist; pass a path to a .toml recipe") from e
+            f"recipe file {path} does not exist; pass a path to a .toml recipe or to a "
+            "folder holding a recipe.toml") from e
     return parse(text, base_dir=path.parent, src=str(path))

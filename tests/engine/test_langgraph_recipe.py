@@ -51,3 +51,11 @@ def test_pip_in_the_chroot_trusts_the_hosts_bundle(tmp_path: Path,
     # requests (inside pip) prefers REQUESTS_CA_BUNDLE over --cert: all of them are set
     assert {"PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE"} <= set(
         image.CA_BUNDLE_VARIABLES)
+
+
+def test_a_recipe_folder_loads_its_recipe_toml(tmp_path: Path) -> None:
+    assert recipe.load(FOLDER) == recipe.load(FOLDER / "recipe.toml")
+    from forkd.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=r"folder holding a recipe\.toml"):
+        recipe.load(tmp_path)
