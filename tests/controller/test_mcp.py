@@ -297,3 +297,20 @@ def test_mcp_help_lists_transports(env: dict[str, str]) -> None:
         [sys.executable, "-c", "from forkd.cli.main import main; main()", "mcp", "--help"],
         env=_server_env(env), capture_output=True, text=True, check=True, cwd="/").stdout
     assert "--transport [stdio|http]" in out and "--controller [auto|daemon|local]" in out
+
+
+def test_streamed_output_keeps_a_bounded_tail() -> None:
+    from forkd.controller.mcp import MAX_OUTPUT_CHARS, Tail
+
+    tail = Tail()
+    piece = "x" * 4095 + "\n"
+    for _ in range(3 * MAX_OUTPUT_CHARS // len(piece)):
+        tail.add(piece)
+    tail.add("the end\n")
+    text, cut = tail.text()
+    assert len(text) == MAX_OUTPUT_CHARS and text.endswith("x\nthe end\n")
+    assert cut + len(text) == 3 * MAX_OUTPUT_CHARS + len("the end\n")
+    small = Tail()
+    small.add("a")
+    small.add("b")
+    assert small.text() == ("ab", 0)
