@@ -288,6 +288,7 @@ class _Stream:
         self.ram_section: int | None = None
         self.scratch = bytearray(PAGE)
         self.end_records = 0  # RAM records of the END section: sent with the guest paused
+        self.paused = threading.Event()  # QEMU stopped the guest: the END section began
         self.header = b""
         self.tail = b""  # after the RAM sections: device sections, EOF, QEMU's description
 
@@ -332,6 +333,8 @@ class _Stream:
                 if section != self.ram_section:
                     raise VMMError(f"migration section {section} is not the RAM section")
                 before = self.diff.records
+                if kind == _END:
+                    self.paused.set()
                 self.ram_records()
                 if kind == _END:
                     self.end_records += self.diff.records - before
@@ -540,7 +543,7 @@ def live_copy(q: QMP, pid: int, parent_image: Path, ram_size: int,
             os.close(w)
         q.command("migrate", {"uri": f"fd:{_FD_NAME}"})
         started = True
-        forced = _wait(q, thread, settings, t0)
+        forced = _wait(q, thread, settings, t0, stream)
         if failure:
             raise failure[0]
         # The stream ended: QEMU completed (guest paused) or failed (guest resumed by QEMU);
@@ -560,7 +563,8 @@ def live_copy(q: QMP, pid: int, parent_image: Path, ram_size: int,
             reader.close()
 
 
-def _wait(q: QMP, thread: threading.Thread, settings: PrecopySettings, t0: float) -> bool:
+def _wait(q: QMP, thread: threading.Thread, settings: PrecopySettings, t0: float,
+          stream: _Stream) -> bool:
     """Until the stream is read to its end. A guest that keeps dirtying faster than QEMU
     converges: after max_rounds QEMU is given a downtime limit the rest always fits, so it
     stops the guest itself and sends the rest paused (returns True). QEMU stopping the guest,
@@ -572,17 +576,26 @@ def _wait(q: QMP, thread: threading.Thread, settings: PrecopySettings, t0: float
         thread.join(timeout=0.02)
         if not thread.is_alive():
             break
-        st = _status(q)
-        status = st.get("status")
-        if status in ("failed", "cancelled"):
-            raise VMMError(f"the live copy {status}: {st.get('error-desc', 'see qemu.log')}")
-        ram = st.get("ram")
-        rounds = int(ram.get("dirty-sync-count", 0)) if isinstance(ram, dict) else 0
-        if not forced and status == "active" and rounds > settings.max_rounds:
-            q.command("migrate-set-parameters", {"downtime-limit": _FORCE_DOWNTIME_MS})
-            forced = True
+        if stream.paused.is_set():  # the guest is stopped: no QMP round trip in its pause
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        elif time.monotonic() <= deadline:
+            forced = _poll(q, settings, forced)
         if time.monotonic() > deadline:
             raise VMMError(f"the live copy did not finish in {settings.timeout_s:.0f} s")
+    return forced
+
+
+def _poll(q: QMP, settings: PrecopySettings, forced: bool) -> bool:
+    """Check the migration; tell QEMU to finish once it passed max_rounds. Returns forced."""
+    st = _status(q)
+    status = st.get("status")
+    if status in ("failed", "cancelled"):
+        raise VMMError(f"the live copy {status}: {st.get('error-desc', 'see qemu.log')}")
+    ram = st.get("ram")
+    rounds = int(ram.get("dirty-sync-count", 0)) if isinstance(ram, dict) else 0
+    if not forced and status == "active" and rounds > settings.max_rounds:
+        q.command("migrate-set-parameters", {"downtime-limit": _FORCE_DOWNTIME_MS})
+        return True
     return forced
 
 
