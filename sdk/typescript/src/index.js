@@ -108,8 +108,8 @@ export class Controller {
       `controller at ${this.where} did not accept a connection in ${CONNECT_TIMEOUT_S} s`)),
       CONNECT_TIMEOUT_S * 1000);
     req.on("socket", (sock) => {
-      if (!sock.connecting) clearTimeout(connect);
-      sock.once("connect", () => clearTimeout(connect));
+      if (sock.connecting) sock.once("connect", () => clearTimeout(connect));
+      else clearTimeout(connect); // a kept-alive socket, connected already
     });
     if (wait != null) {
       req.setTimeout(wait * 1000, () => req.destroy(new ForkdError(
