@@ -127,6 +127,8 @@ def test_demo_on_real_vms(store: Store, engine_env: dict[str, Path], qemu_pids):
     assert len(set(pycs)) == 4
     assert len({v.head for v in report.sandboxes}) == 4
     # nothing left: children killed, the branch tag removed
-    assert not ch.list_children()
+    running = {c.id for c in ch.list_children()}
+    assert not running & {v.child_id for v in report.sandboxes}
     assert report.branch_tag not in store.tags.read()
-    assert not qemu_pids(engine_env["FORKD_RUN"])
+    for view in report.sandboxes:
+        assert not qemu_pids(engine_env["FORKD_RUN"] / "children" / view.child_id)
