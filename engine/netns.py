@@ -143,6 +143,29 @@ def limit_rate(name: str, kbit: int) -> None:
              "burst", str(burst), "latency", "100ms"])
 
 
+def _iptables(args: list[str]) -> None:
+    p = subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True,
+                       check=False, stdin=subprocess.DEVNULL, timeout=20)
+    if p.returncode != 0:
+        raise HostError(f"iptables {' '.join(args)} failed: {p.stderr.strip()}")
+
+
+def redirect_stray_tcp(name: str, proxy_port: int, refusal_port: int) -> None:
+    """In namespace ``name``, send every TCP connection the guest opens that is not to the
+    proxy (GW_IP:proxy_port) to GW_IP:refusal_port instead (nat REDIRECT), where the proxy
+    refuses and audits it with its original destination (SO_ORIGINAL_DST)."""
+    if not name.startswith(PREFIX):
+        raise HostError(f"refusing to manage namespace {name!r} (not {PREFIX}*)")
+    if shutil.which("iptables") is None:
+        raise HostError("iptables is missing (apt-get install -y iptables); egress needs it to "
+                        "refuse and audit connections that bypass the proxy")
+    with entered(name):
+        _iptables(["-t", "nat", "-A", "PREROUTING", "-i", "tap0", "-p", "tcp", "-d", GW_IP,
+                   "--dport", str(proxy_port), "-j", "RETURN"])
+        _iptables(["-t", "nat", "-A", "PREROUTING", "-i", "tap0", "-p", "tcp",
+                   "-j", "REDIRECT", "--to-ports", str(refusal_port)])
+
+
 def exists(name: str) -> bool:
     return (NETNS_DIR / name).exists()
 

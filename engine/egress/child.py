@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from forkd.engine import netns
-from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT
+from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, REFUSAL_PORT
 from forkd.engine.egress.policy import MAX_ENTRIES, EgressPolicy, parse_destination
 from forkd.engine.egress.secrets import SecretStore, guest_environment, secrets_dir
 from forkd.engine.errors import HostError
@@ -165,6 +165,7 @@ def start_proxy(settings: EgressSettings, child_id: str, ns: str, d: Path) -> in
     """Start the child's proxy process (detached, like its QEMU: it outlives the command
     that forked the child); its pid. ``wait_ready`` waits until it listens."""
     (d / READY_FILE).unlink(missing_ok=True)
+    netns.redirect_stray_tcp(ns, DEFAULT_PROXY_PORT, REFUSAL_PORT)
     with (d / LOG_FILE).open("ab") as log:
         proc = subprocess.Popen(proxy_argv(settings, child_id, ns, d), cwd="/",
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ import threading
 from forkd.engine import netns
 
 DEFAULT_PROXY_PORT = 3128
+REFUSAL_PORT = 3129  # where the namespace redirects TCP that bypasses the proxy (netns.py)
 
 
 def listen_in_netns(name: str, address: str, port: int = DEFAULT_PROXY_PORT) -> socket.socket:

@@ -31,6 +31,7 @@ import contextlib
 import ipaddress
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,7 +137,8 @@ class _Peer:
                 return event  # type: ignore[return-value]
             if flush is not None:
                 await flush.flush()
-            data = await asyncio.wait_for(self.reader.read(CHUNK), seconds)
+            async with asyncio.timeout(seconds):  # no task per read, as wait_for makes
+                data = await self.reader.read(CHUNK)
             self.conn.receive_data(data)
 
     async def queue(self, *events: h11.Event) -> None:
@@ -225,6 +227,26 @@ class EgressProxy:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
         return await asyncio.start_server(self._handle, host, port, limit=CHUNK)
+
+    async def serve_refusals(self, sock: socket.socket) -> asyncio.Server:
+        """Refuse (reset) and audit every connection on ``sock``: the guest's TCP that did
+        not go through the proxy, redirected here by its namespace; the record names the
+        destination it was for (SO_ORIGINAL_DST)."""
+        return await asyncio.start_server(self._refuse_direct, sock=sock)
+
+    async def _refuse_direct(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        raw = writer.get_extra_info("socket")
+        peer = writer.get_extra_info("peername")
+        ip = str(peer[0]) if isinstance(peer, tuple) else "-"
+        target = _original_destination(raw) if raw is not None else "-"
+        self._record(ip, "egress.direct", target, "denied",
+                     reason="a connection that did not go through the proxy (HTTPS_PROXY)")
+        if raw is not None:
+            with contextlib.suppress(OSError):  # close with a reset: "connection refused"
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
 
     async def aclose(self) -> None:
         """Drop every open guest connection (close the server first: no new ones)."""
@@ -551,6 +573,19 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
+
+
+def _original_destination(sock: Any) -> str:
+    """``ip:port`` a nat-redirected IPv4 connection was for, or ``-``."""
+    try:
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    except OSError:
+        return "-"
+    port, addr = struct.unpack_from("!2xH4s", raw)
+    return f"{socket.inet_ntoa(addr)}:{port}"
 
 
 def _pinned_address(name: str, address: str) -> str:

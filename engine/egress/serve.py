@@ -27,7 +27,7 @@ from pathlib import Path
 from forkd.audit import AuditLog
 from forkd.engine import netns
 from forkd.engine.egress.ca import EgressCA
-from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, listen_in_netns
+from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, REFUSAL_PORT, listen_in_netns
 from forkd.engine.egress.policy import EgressPolicy
 from forkd.engine.egress.proxy import EgressProxy
 from forkd.engine.egress.secrets import Secret, SecretStore
@@ -77,6 +77,7 @@ def build_proxy(args: argparse.Namespace) -> EgressProxy:
 async def serve(proxy: EgressProxy, store: SecretStore, ns: str, ready: Path) -> None:
     sock = listen_in_netns(ns, netns.GW_IP, DEFAULT_PROXY_PORT)
     server = await proxy.serve(sock)
+    refusals = await proxy.serve_refusals(listen_in_netns(ns, netns.GW_IP, REFUSAL_PORT))
     follower = asyncio.create_task(follow_store(proxy, store))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -87,6 +88,7 @@ async def serve(proxy: EgressProxy, store: SecretStore, ns: str, ready: Path) ->
         await stop.wait()
     finally:
         follower.cancel()
+        refusals.close()
         server.close()
         await proxy.aclose()
 
