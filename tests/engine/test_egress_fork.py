@@ -131,6 +131,27 @@ def test_recipe_egress_key() -> None:
         recipe.parse(base + 'network = true\negress = "api.openai.com"\n')
 
 
+def test_fork_cli_egress_flags_reach_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--egress goes through the backend and the REST body type to children.fork, which
+    checks it before it touches the snapshot; --egress with --no-egress is refused."""
+    from click.testing import CliRunner
+
+    from forkd.cli.main import cli
+
+    for k, v in {"FORKD_HOME": tmp_path / "home", "FORKD_RUN": tmp_path / "run",
+                 "FORKD_SECRETS": tmp_path / "secrets"}.items():
+        monkeypatch.setenv(k, str(v))
+    runner = CliRunner()
+    out = runner.invoke(cli, ["fork", "nothing:here", "--egress", "*.com"])
+    assert out.exit_code != 0 and "wildcard needs at least two labels" in out.output, out.output
+    out = runner.invoke(cli, ["fork", "nothing:here", "--egress", "a.example", "--no-egress"])
+    assert out.exit_code != 0 and "not both" in out.output, out.output
+    out = runner.invoke(cli, ["fork", "nothing:here", "--egress", "api.openai.com"])
+    assert out.exit_code != 0 and "no tag nothing:here" in out.output, out.output
+
+
 # -- real VMs ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
