@@ -469,7 +469,7 @@ class EgressProxy:
             headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
             request = h11.Request(method=event.method, target=target, headers=headers)
             await upstream.queue(request)
-            await self._relay_body(inner, upstream, None)
+            await self._relay_body(inner, upstream, None, hold=_small_body(event))
             await self._relay_response(upstream, inner, secrets)
             if not _both_done(inner.conn, upstream.conn):
                 return
@@ -477,11 +477,17 @@ class EgressProxy:
             upstream.conn.start_next_cycle()
 
     async def _relay_body(
-        self, source: _Peer, sink: _Peer, replacers: list[StreamReplacer] | None
+        self,
+        source: _Peer,
+        sink: _Peer,
+        replacers: list[StreamReplacer] | None,
+        hold: bool = False,
     ) -> None:
-        """Copy one message body from ``source`` to ``sink`` (through ``replacers``)."""
+        """Copy one message body from ``source`` to ``sink`` (through ``replacers``). hold:
+        the body is small and nobody waits for the head alone, so head and body go out as
+        one write when the body is complete (not head first while the body arrives)."""
         while True:
-            event = await source.next_event(self.limits.read_seconds, flush=sink)
+            event = await source.next_event(self.limits.read_seconds, flush=None if hold else sink)
             if isinstance(event, h11.Data):
                 data = _feed(replacers, event.data) if replacers else event.data
                 if data:
@@ -620,6 +626,17 @@ def _flush(replacers: list[StreamReplacer]) -> bytes:
     for r in replacers:
         data = r.feed(data) + r.flush()
     return data
+
+
+def _small_body(request: h11.Request) -> bool:
+    """A request whose whole body (Content-Length ≤ CHUNK) the guest sends without waiting
+    for an answer (no ``Expect: 100-continue``)."""
+    if _header(request.headers, b"expect") is not None:
+        return False
+    length = _header(request.headers, b"content-length")
+    if length is None:
+        return _header(request.headers, b"transfer-encoding") is None  # no body at all
+    return length.isdigit() and int(length) <= CHUNK
 
 
 def _both_done(a: h11.Connection, b: h11.Connection) -> bool:
