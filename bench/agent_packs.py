@@ -14,7 +14,10 @@ Prints each figure for both packs and the ratio langgraph-react / python-numpy: 
 of the bigger pack and of its network device (a netns + tap per child). Needs root; not a
 pass/fail test; the machine is shared, so read one run as one sample.
 
-    sudo python bench/agent_packs.py [--json]
+    sudo python bench/agent_packs.py [--publisher-home DIR] [--json]
+
+--publisher-home: a store that already holds the builds (they are cached by recipe
+content per store: a fresh store builds both, ~5 min at best under TCG).
 """
 
 from __future__ import annotations
@@ -128,12 +131,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--publisher-home", type=Path, default=None,
+                    help="store to build into (default: a fresh one in the work directory)")
     o = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="forkd-agent-bench-"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
     results: dict[str, dict[str, float]] = {}
     try:
-        publisher = Store.open(work / "publisher")
+        publisher = Store.open(o.publisher_home or work / "publisher")
         for name, (path, _) in PACKS.items():
             b = build(publisher, recipe.load(path), f"{name}:latest")
             print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)

@@ -154,11 +154,12 @@ def call_model(state: State) -> dict[str, Any]:
         )
     choice = reply.choices[0]
     message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
-    if choice.message.tool_calls:
+    calls = [c for c in choice.message.tool_calls or () if c.type == "function"]
+    if calls:  # this graph's tools are all functions (a "custom" tool call is not one)
         message["tool_calls"] = [
             {"id": c.id, "type": "function",
              "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in choice.message.tool_calls
+            for c in calls
         ]
     CALLS.append({"s": round(time.monotonic() - t0, 4), "finish": choice.finish_reason})
     return {"messages": [message]}

@@ -30,6 +30,7 @@ def langgraph_react(store: Store) -> str:
     return TAG
 
 
+@pytest.mark.timeout(3600)  # builds the recipe into the session's store first (zstd 19, TCG)
 def test_branch_mid_reasoning_three_hints(
     store: Store, langgraph_react: str, cleanup_children: None
 ) -> None:
