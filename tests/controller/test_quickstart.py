@@ -98,7 +98,7 @@ def _quickstart(env: dict[str, str]) -> dict[str, object]:
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
-        timeout=1200,
+        timeout=3000,  # the first run builds tiny: minutes on a loaded host
     )
     assert proc.returncode == 0, proc.stderr
     report: dict[str, object] = json.loads(proc.stdout)
