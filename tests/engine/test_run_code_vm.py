@@ -12,7 +12,9 @@ import pytest
 
 from forkd.store.store import Store
 
-pytestmark = pytest.mark.vm
+# building the recipe (debootstrap with pandas and matplotlib, boot, warm-up) takes long
+# under TCG on a loaded host
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(3600)]
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "code-interpreter.toml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
