@@ -159,6 +159,12 @@ def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Che
                         else why,
                         "" if why is None else "needed only for `forkd fork --netns`: run as "
                         "root with /dev/net/tun and pyroute2 installed"))
+    iptables = shutil.which("iptables")
+    checks.append(Check("iptables", "ok" if iptables else "warn",
+                        iptables or "iptables not found",
+                        "" if iptables else "needed only for `forkd fork --egress` (it refuses "
+                        "and audits connections that bypass the proxy): apt-get install -y "
+                        "iptables"))
     # guest build tools
     for name, pkg in (("debootstrap", "debootstrap"), ("dpkg-deb", "dpkg"),
                       ("apt-get", "apt"), ("cpio", "cpio"), ("mkfs.ext4", "e2fsprogs"),
