@@ -178,3 +178,88 @@ def test_a_stream_it_cannot_read_cancels_and_the_child_runs_on(
     monkeypatch.undo()
     assert branch(store, a, "tiny:readable").diff_pages > 0
     assert ch.exec_in(a, ["sh", "-c", "echo ok > /root/ok && sync"])["exit_code"] == 0
+
+
+@pytest.mark.parametrize("name", ["idle", "hot"])
+def test_the_streams_device_state_is_what_xen_save_devices_state_writes(
+    store: Store, tiny: str, cleanup_children: None, tmp_path: Path, name: str,
+) -> None:
+    """The branch's device state is cut out of the migration stream instead of saved again in
+    the pause: it must be byte for byte what xen-save-devices-state writes from the same paused
+    guest. hot: a writer keeps the copy from converging and QEMU is told to finish after one
+    round (when forced, QEMU stops the guest itself, so the stream's globalstate still says
+    "running", as xen-save-devices-state's does; a QMP stop would make it "paused")."""
+    from forkd.engine import children as ch
+    from forkd.engine import precopy
+    from forkd.engine.branch import save_device_state
+
+    a = ch.fork(store, tiny, 1).children[0].id
+    if name == "hot":
+        _start_writer(a, f"forkd-devstate-{a}", 0, 0.0)
+    info = ch.get(a)
+    settings = precopy.PrecopySettings(max_rounds=1 if name == "hot" else 12)
+    with ch.locked(info), ch.qmp(info) as q:
+        lc = precopy.live_copy(q, info.pid, Path(info.memory), info.memory_mib << 20, settings)
+        try:
+            save_device_state(q, tmp_path / "xen.vmstate")
+            q.command("cont")
+            lc.settle(q)
+            xen = (tmp_path / "xen.vmstate").read_bytes()
+            assert lc.device_state == xen, (
+                f"{len(lc.device_state)} vs {len(xen)} bytes, forced={lc.forced}")
+            assert b"running" in xen
+        finally:
+            lc.close()
+    assert _val(ch.eval_in(a, "6 * 7")) == 42
+
+
+def test_the_pause_holds_no_qmp_command_but_cont(
+    store: Store, tiny: str, cleanup_children: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between QEMU's STOP and RESUME events the branch sends no device-state save, no
+    status-after-completion check: `cont`, last, and at most the copy's own status poll (every
+    20 ms until the reader reaches QEMU's END section, which trails QEMU's stop by what the
+    pipe holds); and the parent image (unmapping ~80 ms for 512 MiB) is released only once the
+    guest runs. Checked by when each happened, not how long."""
+    import time
+
+    from forkd.engine import children as ch
+    from forkd.engine import precopy
+    from forkd.engine.branch import branch
+    from forkd.engine.qmp import QMP
+
+    sent: list[tuple[str, float]] = []
+    released: list[float] = []
+    qmps: list[QMP] = []
+    command = QMP.command
+    close = precopy.ParentImage.close
+
+    def recording_command(self: QMP, name: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append((name, time.time()))
+        if self not in qmps:
+            qmps.append(self)
+        return command(self, name, *args, **kwargs)
+
+    def recording_close(self: precopy.ParentImage) -> None:
+        released.append(time.time())
+        close(self)
+
+    a = ch.fork(store, tiny, 1).children[0].id
+    _val(ch.eval_in(a, "import os\nD = bytearray(os.urandom(1 << 20) * 8)\nlen(D)"))
+    monkeypatch.setattr(QMP, "command", recording_command)
+    monkeypatch.setattr(precopy.ParentImage, "close", recording_close)
+    res = branch(store, a, "tiny:pause-commands")
+    monkeypatch.undo()
+
+    def at(event: str) -> float:
+        found = [e["timestamp"] for q in qmps for e in q.events if e.get("event") == event]
+        assert len(found) == 1, f"{len(found)} {event} events"
+        return float(found[0]["seconds"]) + float(found[0]["microseconds"]) / 1e6
+
+    stop, resume = at("STOP"), at("RESUME")
+    in_pause = [n for n, t in sent if stop <= t <= resume]
+    assert in_pause[-1:] == ["cont"], (sent, stop, resume)
+    assert in_pause.count("query-migrate") <= 1 and set(in_pause) <= {"cont", "query-migrate"}, (
+        in_pause)
+    assert released and min(released) > resume
+    assert res.diff_pages >= 2048 and res.pause_pages * 10 < res.diff_pages, res
