@@ -81,8 +81,9 @@ def host_agent(d: Path) -> Iterator[subprocess.Popen[bytes]]:
     tty.setraw(slave)
     tty.setraw(master)
     port = os.ttyname(slave)
-    proc = subprocess.Popen([sys.executable, str(AGENT), port], stdout=subprocess.DEVNULL,
-                            stderr=open(d / "agent.log", "wb"), start_new_session=True)
+    with open(d / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(AGENT), port], stdout=subprocess.DEVNULL,
+                                stderr=log, start_new_session=True)
     # the hello line is written at once; read it off so clients start clean
     buf = b""
     while b"\n" not in buf:
