@@ -185,7 +185,7 @@ class AgentClient:
         """Run argv to its end. With on_stdout/on_stderr the output streams to them as it is
         produced (and the result's stdout/stderr are empty); else it is collected (32 MiB
         per stream at most). The host waits as long as the command's own timeout allows."""
-        args = _exec_args(argv, env, cwd, stdin, timeout, pty)
+        args = exec_args(argv, env, cwd, stdin, timeout, pty)
         stream = on_stdout is not None or on_stderr is not None
         if stream:
             args["stream"] = True
@@ -272,8 +272,9 @@ class ExecResult:
         return asdict(self)
 
 
-def _exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
-               stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
+def exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
+              stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
+    """The arguments of an exec or proc_start request (docs/agent-protocol.md)."""
     args: dict[str, Any] = {"argv": argv}
     if env:
         args["env"] = env

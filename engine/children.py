@@ -29,6 +29,7 @@ from forkd.engine.agent_client import (
     ExecResult,
     OnData,
     connect_child,
+    exec_args,
     host_wait,
     splitter,
 )
@@ -560,14 +561,7 @@ def process_start(child_id: str, argv: list[str], *, env: dict[str, str] | None 
     stream, the oldest bytes dropped past that) for process_wait."""
     if not argv:
         raise InvalidInput("nothing to start: give a command")
-    args: dict[str, Any] = {"argv": argv, "pty": pty}
-    if env:
-        args["env"] = env
-    if cwd:
-        args["cwd"] = cwd
-    if stdin is not None:
-        args["stdin"] = base64.b64encode(stdin).decode()
-        args["stdin_b64"] = True
+    args = exec_args(argv, env, cwd, stdin, None, pty)
     with agent(child_id) as a:
         return a.request("proc_start", args)
 
