@@ -196,7 +196,7 @@ def test_cli_talks_to_the_unix_socket(daemon: str, env: dict[str, str]):
     try:
         assert backend.alive()
         assert any(
-            s["ref"] == "tiny:ctl:latest" or s["ref"] == "tiny:ctl" for s in backend.snapshots()
+            s.ref == "tiny:ctl:latest" or s.ref == "tiny:ctl" for s in backend.snapshots()
         )
     finally:
         backend.close()
