@@ -270,6 +270,34 @@ def _host_ca_bundle() -> Path | None:
     return None
 
 
+def mounts_below(path: Path) -> list[Path]:
+    """Mount points at or below ``path`` (from /proc/self/mounts), deepest first."""
+    top = os.path.realpath(path)
+    found: list[Path] = []
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 2:
+                continue
+            point = fields[1].replace("\\040", " ")
+            if point == top or point.startswith(top + "/"):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def discard_partial(base: Path) -> None:
+    """Remove what an interrupted build left at ``base``: a debootstrap killed mid-way leaves
+    /proc (and more) mounted in its chroot, which a plain rmtree cannot remove."""
+    for point in mounts_below(base):
+        subprocess.run(["umount", "-l", str(point)], stdin=subprocess.DEVNULL,
+                       capture_output=True, check=False)
+    shutil.rmtree(base, ignore_errors=True)
+    if base.exists():
+        left = ", ".join(str(p) for p in mounts_below(base)) or "files that cannot be removed"
+        raise HostError(f"an interrupted build left {base} behind ({left}); unmount and remove "
+                        f"it (`umount -R {base}/root; rm -rf {base}`), then build again")
+
+
 def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
     """debootstrap (minbase + the recipe's apt packages, then pip), cached by those inputs."""
     if os.geteuid() != 0:
@@ -279,7 +307,7 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
     root = base / "root"
     if (base / "ok").exists():
         return root
-    shutil.rmtree(base, ignore_errors=True)
+    discard_partial(base)
     base.mkdir(parents=True)
     progress(f"debootstrap {r.suite} minbase + {', '.join(r.apt)} (takes a minute or more)")
     pkgs = list(r.apt) + (["python3-pip"] if r.pip else [])
