@@ -1,0 +1,276 @@
+"""The chunks of one chain, wherever they are: ``ChunkSource.read(digest)`` gives a chunk's
+uncompressed bytes from the local store when it has them, else from the hub.
+
+A chunk from the hub is checked before anything uses it: its size and sha256 against the
+map (``forkd.digest``), a bounded decompression, its blake3; only then is it stored (the
+blob store publishes atomically) and served. A chunk that fails is neither stored nor
+served: the read raises ``IntegrityError`` naming the chunk. A chunk that is not local
+while the hub cannot be reached raises ``ChunkUnavailable`` naming the chunk and the hub.
+Concurrent reads of one chunk fetch it once; decompressed chunks are kept in a small LRU
+(``cached_chunks``) because readers (FUSE, NBD) ask in pieces far smaller than a chunk.
+
+``open_local`` builds a source on a chain the store has; ``open_remote`` resolves a
+chain from the hub's manifests first (manifests, configs, maps and the whole-file blobs
+are fetched into the store, verified; chunks are not).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from forkd import digest as dg
+from forkd.errors import ForkdError, IntegrityError, NotFound
+from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
+from forkd.pack.chunking import decompress
+from forkd.pack.config import SnapshotConfig
+from forkd.pack.imagemap import ChunkRef, check_map_size
+from forkd.pack.manifest import Manifest
+from forkd.registry.client import RegistryClient, RegistryError
+from forkd.registry.reference import RemoteRef
+from forkd.store.assembly import chain_maps
+from forkd.store.blobs import BlobBackendError
+from forkd.store.imports import MAX_FILE_BLOB
+from forkd.store.manifests import chain_files
+from forkd.store.store import Store
+
+CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
+
+
+class ChunkUnavailable(ForkdError):
+    """A chunk is not in the local store and the hub cannot serve it."""
+
+    exit_code = 7
+
+
+@dataclass(frozen=True)
+class Hub:
+    """Where missing chunks come from: a registry client and the repository of the chain."""
+
+    client: RegistryClient
+    repo: str
+
+    def __str__(self) -> str:
+        return f"{self.client.hub}/{self.repo}"
+
+
+class ChunkSource:
+    """Verified uncompressed chunks of ``chain`` (head first); thread-safe."""
+
+    def __init__(self, store: Store, chain: list[Link], name: str, hub: Hub | None = None,
+                 cached_chunks: int = CACHED_CHUNKS) -> None:
+        self.store = store
+        self.chain = chain
+        self.name = name
+        self.hub = hub
+        self.head = chain[0].digest
+        self.config = store.config(self.head)
+        self.refs: dict[str, tuple[ChunkRef, str]] = {}  # digest → (ref, what), oldest last
+        for role in ("memory", "disk"):
+            if not any(role in link.manifest.maps for link in chain):
+                continue
+            for imap in chain_maps(store, chain, role, name):
+                for c in imap.chunks:
+                    self.refs.setdefault(c.digest, (c, f"{name}: {role} chunk {c.digest}"))
+        self.fetched_bytes = 0  # compressed bytes that came from the hub
+        self.fetched_chunks = 0
+        self._cached_chunks = cached_chunks
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._inflight: dict[str, Future[bytes]] = {}
+        self._lock = threading.Lock()
+
+    # -- queries -----------------------------------------------------------
+    def ref(self, digest: str) -> ChunkRef:
+        try:
+            return self.refs[digest][0]
+        except KeyError:
+            raise NotFound(f"{self.name}: no chunk {digest} in its chain") from None
+
+    def has(self, digest: str) -> bool:
+        """Whether the chunk is in the local store (no fetch needed)."""
+        return self.store.blobs.has(digest)
+
+    def missing(self) -> list[str]:
+        """The chain's chunks the local store does not have yet."""
+        return [d for d in self.refs if not self.store.blobs.has(d)]
+
+    # -- reads -------------------------------------------------------------
+    def read(self, digest: str) -> bytes:
+        """The chunk's uncompressed bytes, verified (module docstring)."""
+        with self._lock:
+            data = self._cache.get(digest)
+            if data is not None:
+                self._cache.move_to_end(digest)
+                return data
+            pending = self._inflight.get(digest)
+            mine = pending is None
+            if pending is None:
+                pending = Future()
+                self._inflight[digest] = pending
+        if not mine:
+            return pending.result()
+        try:
+            data = self._load(digest)
+        except BaseException as exc:
+            with self._lock:
+                del self._inflight[digest]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            del self._inflight[digest]
+            self._cache[digest] = data
+            while len(self._cache) > self._cached_chunks:
+                self._cache.popitem(last=False)
+        pending.set_result(data)
+        return data
+
+    def ensure(self, digest: str) -> bool:
+        """Bring the chunk into the local store without decompressing it for a reader;
+        True when it had to be fetched (prefetch)."""
+        if self.has(digest):
+            return False
+        self.read(digest)
+        return True
+
+    def fetch_files(self, roles: tuple[str, ...] = ("vmstate", "kernel", "initrd")) -> int:
+        """The chain's whole-file blobs of ``roles`` into the store, verified; the bytes
+        fetched."""
+        fetched = 0
+        for role, d in chain_files(self.chain).items():
+            if role not in roles or self.store.blobs.has(d.digest):
+                continue
+            if self.hub is None:
+                raise ChunkUnavailable(f"{self.name}: its {role} blob {d.digest} is not in the "
+                                       "local store and there is no hub to fetch it from")
+            if d.size > MAX_FILE_BLOB:
+                raise IntegrityError(f"{self.name}: its {role} blob is {d.size} bytes, over "
+                                     f"the limit of {MAX_FILE_BLOB}")
+            try:
+                with self.store.writing():
+                    _fetch_blob(self.store, self.hub.client, self.hub.repo, d.digest, d.size,
+                                f"{self.name} {role}")
+            except RegistryError as exc:
+                raise ChunkUnavailable(f"{self.name}: its {role} blob {d.digest} is not in the "
+                                       f"local store and the hub {self.hub} cannot serve it "
+                                       f"({exc})") from exc
+            fetched += d.size
+        with self._lock:
+            self.fetched_bytes += fetched
+        return fetched
+
+    def complete(self) -> bool:
+        """Every blob of the chain is in the local store (it can be tagged)."""
+        return all(self.store.blobs.has(d.digest) for link in self.chain
+                   for d in link.manifest.blobs())
+
+    def _load(self, digest: str) -> bytes:
+        ref, what = self.refs.get(digest) or (None, "")
+        if ref is None:
+            raise NotFound(f"{self.name}: no chunk {digest} in its chain")
+        try:
+            blob = self.store.blobs.read(digest, ref.stored, what)
+        except NotFound:
+            blob = self._fetch(ref, what)
+            return self._unpack(blob, ref, what)  # verified before it was stored
+        except BlobBackendError:
+            raise
+        return self._unpack(blob, ref, what)
+
+    def _fetch(self, ref: ChunkRef, what: str) -> bytes:
+        """The chunk's stored bytes from the hub, verified, then put in the store."""
+        if self.hub is None:
+            raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
+                                   "fetch it from; pull the pack again")
+        parts: list[bytes] = []
+
+        def sink(blocks: Iterator[bytes]) -> None:
+            got = 0
+            for block in blocks:
+                got += len(block)
+                if got > ref.stored:
+                    raise IntegrityError(f"{what}: the hub sends more than its "
+                                         f"{ref.stored} bytes; refusing it")
+                parts.append(block)
+
+        try:
+            self.hub.client.get_blob(self.hub.repo, ref.digest, ref.stored, ref.stored, sink)
+        except RegistryError as exc:
+            raise ChunkUnavailable(
+                f"{what} is not in the local store and the hub {self.hub} cannot serve it "
+                f"({exc}); bring the hub back or pull the pack while it is reachable") from exc
+        blob = b"".join(parts)
+        if len(blob) != ref.stored:
+            raise IntegrityError(f"{what}: the hub sent {len(blob)} bytes, the map declares "
+                                 f"{ref.stored}; refusing it")
+        dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
+        self._unpack(blob, ref, what)  # the content must check out before it is kept
+        self.store.blobs.put_bytes(blob, ref.digest)
+        with self._lock:
+            self.fetched_bytes += len(blob)
+            self.fetched_chunks += 1
+        return blob
+
+    @staticmethod
+    def _unpack(blob: bytes, ref: ChunkRef, what: str) -> bytes:
+        data = decompress(blob, ref.size, what)
+        dg.check(f"blake3:{ref.blake3}", f"blake3:{dg.blake3_of(data)}", what)
+        return data
+
+
+# ---------------------------------------------------------------- opening a chain
+def open_local(store: Store, ref: str) -> ChunkSource:
+    """A source on the chain of local tag ``ref`` (no hub: every chunk must be local)."""
+    head = store.resolve(ref)
+    return ChunkSource(store, store.chain(head, ref), ref)
+
+
+def open_remote(store: Store, remote: RemoteRef, client: RegistryClient) -> ChunkSource:
+    """Resolve ``remote``'s chain from the hub's manifests into the store (manifests,
+    configs, maps and whole-file blobs, each verified as the store writes it), and a source
+    whose missing chunks come from that hub. Nothing is tagged: the chain's chunks are not
+    all local yet (the prefetch tags it once they are)."""
+    repo = remote.name
+    name = str(remote)
+    with store.writing():
+        data, head = client.get_manifest(repo, remote.tag)
+        store.blobs.put_bytes(data, head)
+
+        def load(digest: str) -> Manifest:
+            if not store.blobs.has(digest):
+                raw, _ = client.get_manifest(repo, digest)  # checked against the digest
+                store.blobs.put_bytes(raw, digest)
+            return store.manifest(digest)
+
+        chain = walk(head, load, MAX_CHAIN_DEPTH, name)
+        for i, link in enumerate(chain):
+            what = f"{name} layer {i} ({dg.short(link.digest)})"
+            m = link.manifest
+            for role, d in m.maps.items():
+                check_map_size(d.size, f"{what} {role} map")
+                _fetch_blob(store, client, repo, d.digest, d.size, f"{what} {role} map")
+            _fetch_blob(store, client, repo, m.config.digest, m.config.size, f"{what} config")
+            SnapshotConfig.from_bytes(store.blobs.read(m.config.digest, m.config.size,
+                                                       f"{what} config"), f"{what} config")
+    source = ChunkSource(store, chain, name, Hub(client, repo))
+    source.fetch_files(("vmstate",))  # a restore needs it; kernel and initrd can wait
+    return source
+
+
+def _fetch_blob(store: Store, client: RegistryClient, repo: str, digest: str, size: int,
+                what: str) -> None:
+    """One whole blob from the hub into the store (its size and digest checked as it is
+    written; a mismatch is never published)."""
+    if store.blobs.has(digest):
+        return
+
+    def sink(blocks: Iterator[bytes]) -> None:
+        store.blobs.put_stream(blocks, digest, size)
+
+    try:
+        client.get_blob(repo, digest, size, size, sink)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{what}: {exc}") from exc
+

@@ -1,0 +1,82 @@
+"""An image's pages → the chunk pieces that provide them, from the chain's flattened maps
+(``forkd.pack.chain.flatten``): what a lazy reader (the memory file, the disk export)
+needs to produce any byte range without assembling the image.
+
+``ImageLayout.read(offset, length)`` returns those bytes: pages no layer provides are
+zero, the others are sliced from the chunks a ``ChunkSource`` gives. ``chunks_at`` names
+the chunks a range touches (what a reader records for the prefetch).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from forkd.engine.lazy.chunks import ChunkSource
+from forkd.errors import InvalidInput
+from forkd.pack.chain import flatten
+from forkd.pack.imagemap import PAGE_SIZE
+from forkd.store.assembly import chain_maps
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Image pages [page, page + count) are pages [chunk_page, …) of chunk ``digest``."""
+
+    page: int
+    count: int
+    digest: str
+    chunk_page: int
+
+
+class ImageLayout:
+    """Where each page of the chain's ``role`` image comes from."""
+
+    def __init__(self, source: ChunkSource, role: str) -> None:
+        self.source = source
+        self.role = role
+        maps = chain_maps(source.store, source.chain, role, source.name)
+        self.size = maps[0].size
+        plan = flatten(maps, f"{source.name} {role}")
+        segments = sorted((Segment(p.page, p.count, chunk.digest, p.chunk_page)
+                           for chunk, pieces in plan for p in pieces), key=lambda s: s.page)
+        self.segments = segments
+        self._starts = [s.page for s in segments]
+        # the chunks in image order (first touch of each): the prefetch's default order
+        seen: dict[str, None] = {}
+        for s in segments:
+            seen.setdefault(s.digest)
+        self.chunk_order = list(seen)
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise InvalidInput(f"{self.source.name} {self.role}: range {offset}+{length} is "
+                               f"outside the image's {self.size} bytes")
+
+    def pieces(self, offset: int, length: int) -> list[tuple[int, int, Segment]]:
+        """The segments a byte range overlaps: (byte offset in the range, bytes, segment)."""
+        self._check(offset, length)
+        end = offset + length
+        first_page, last_page = offset // PAGE_SIZE, (end - 1) // PAGE_SIZE if length else -1
+        out: list[tuple[int, int, Segment]] = []
+        i = max(bisect.bisect_right(self._starts, first_page) - 1, 0)
+        while i < len(self.segments) and self.segments[i].page <= last_page:
+            s = self.segments[i]
+            a = max(offset, s.page * PAGE_SIZE)
+            b = min(end, (s.page + s.count) * PAGE_SIZE)
+            if a < b:
+                out.append((a - offset, b - a, s))
+            i += 1
+        return out
+
+    def chunks_at(self, offset: int, length: int) -> list[str]:
+        return list(dict.fromkeys(s.digest for _, _, s in self.pieces(offset, length)))
+
+    def read(self, offset: int, length: int) -> bytes:
+        """The image's bytes [offset, offset + length): zeros where no layer provides."""
+        out = bytearray(length)
+        for at, n, s in self.pieces(offset, length):
+            data = self.source.read(s.digest)
+            start = s.chunk_page * PAGE_SIZE + (offset + at - s.page * PAGE_SIZE)
+            out[at : at + n] = data[start : start + n]
+        return bytes(out)
