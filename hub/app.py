@@ -88,6 +88,7 @@ def create_app(settings: HubSettings) -> Litestar:
         if settings.migrate_on_start:
             await hub.db.migrate()
         await bootstrap_admin(hub)
+        await hub.load_key()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(flush_pulls, hub)
             tasks.start_soon(

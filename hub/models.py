@@ -225,6 +225,36 @@ class Upload(Base):
     repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     reserved_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Shared upload sessions (S3 blob backend; hub/shared_uploads.py): the bytes its
+    # chunks hold and when a request last added one (NULL: since ``created_at``). The
+    # file-system backend keeps both in the session's file (hub/storage.py).
+    size: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    touched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class UploadChunk(Base):
+    """One chunk of a shared upload session: ``size`` bytes from ``start``, an object in
+    the bucket under the session's key prefix (hub/shared_uploads.py). The primary key
+    makes two requests writing at one offset exclusive: one insert wins."""
+
+    __tablename__ = "upload_chunks"
+
+    upload_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("uploads.id", ondelete="CASCADE"), primary_key=True
+    )
+    start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[str] = mapped_column(String(64))
+
+
+class HubSecret(Base):
+    """A key the hub generated because none was configured (``token``: bearer tokens and
+    UI sessions), shared by every replica on this database (hub/secrets.py)."""
+
+    __tablename__ = "hub_secrets"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
 
 
 class LoginFailure(Base):

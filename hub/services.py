@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.manifest_cache import ManifestCache
 from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
+from forkd.hub.secrets import load_token_key
 from forkd.hub.settings import HubSettings
 from forkd.hub.storage import UploadArea
 from forkd.hub.tokens import CredentialCache, TokenSigner
@@ -31,6 +33,10 @@ class Hub:
     audit: AuditLog
     pulls: PullCounter
     manifests: ManifestCache = field(default_factory=ManifestCache)
+    # The HMAC key of bearer tokens and UI sessions: a placeholder until ``load_key``
+    # (the app's start) puts the shared one in place (hub/secrets.py); its users follow.
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    rekeyed: list[Callable[[bytes], None]] = field(default_factory=list)
     # Called after a manifest PUT by tag with (repository, tag, digest, parsed manifest);
     # must return at once (the retention rule's compaction queues a job: hub/compaction.py).
     after_push: list[Callable[[str, str, str, dict[str, Any]], None]] = field(default_factory=list)
@@ -39,6 +45,7 @@ class Hub:
     def build(cls, settings: HubSettings) -> Hub:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         db = Database(settings.database_url)
+        placeholder = secrets.token_bytes(32)  # random: nothing signed before the start holds
         return cls(
             settings=settings,
             db=db,
@@ -46,11 +53,19 @@ class Hub:
             uploads=UploadArea(settings.uploads_dir),
             limiter=LoginLimiter(db, settings.login_fail_limit, settings.login_fail_window),
             verified=CredentialCache(),
-            signer=TokenSigner(settings.token_secret(), settings.service, settings.token_ttl),
+            signer=TokenSigner(placeholder, settings.service, settings.token_ttl),
             metrics=Metrics(),
             audit=AuditLog(settings.audit_path),
             pulls=PullCounter(),
+            key=placeholder,
         )
+
+    async def load_key(self) -> None:
+        """Put the shared key in place: configured, else the database's (hub/secrets.py)."""
+        self.key = await load_token_key(self.db, self.settings)
+        self.signer.rekey(self.key)
+        for follow in self.rekeyed:
+            follow(self.key)
 
     async def close(self) -> None:
         await self.pulls.flush(self.db)

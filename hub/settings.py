@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import os
-import secrets
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -248,26 +247,8 @@ class HubSettings:
 
     @property
     def secret_file(self) -> Path:
+        """Where a hub before migration 0009 kept its generated key (hub/secrets.py)."""
         return self.data_dir / "token-secret"
-
-    def token_secret(self) -> bytes:
-        """The bearer-token key: configured, or generated once and kept in the data dir (0600)."""
-        if self.secret:
-            return self.secret.encode()
-        path = self.secret_file
-        try:
-            return path.read_bytes().strip()
-        except FileNotFoundError:
-            pass
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_hex(32).encode()
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process won the race
-            return path.read_bytes().strip()
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-        return key
 
 
 ENV_KEYS = {

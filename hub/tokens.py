@@ -41,6 +41,10 @@ class TokenSigner:
         self.service = service
         self.ttl = ttl
 
+    def rekey(self, key: bytes) -> None:
+        """Sign and check with ``key`` from now on (the shared key, loaded at start)."""
+        self._key = key
+
     def issue(self, principal: Principal, access: dict[str, frozenset[str]]) -> tuple[str, int]:
         now = int(time.time())
         payload = {

@@ -27,7 +27,9 @@ STATIC = Path(__file__).parent / "static"
 
 
 def ui_router(hub: Hub) -> Router:
-    ui = UI(Renderer(), Sessions(hub.settings.token_secret()), FactsCache())
+    sessions = Sessions(hub.key)
+    hub.rekeyed.append(sessions.rekey)
+    ui = UI(Renderer(), sessions, FactsCache())
 
     def provide_ui() -> UI:
         return ui

@@ -143,6 +143,10 @@ class Viewer:
 
 class Sessions:
     def __init__(self, secret: bytes) -> None:
+        self.rekey(secret)
+
+    def rekey(self, secret: bytes) -> None:
+        """Derive the keys from ``secret`` (the hub's shared key, loaded at start)."""
         # A key of its own, derived from the hub's secret: a session cookie is never a
         # bearer token and the other way round.
         self._key = hashlib.sha256(b"forkd-ui-session\x00" + secret).digest()

@@ -49,13 +49,6 @@ def test_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "root-password" not in repr(s)
 
 
-def test_token_secret_is_generated_once_and_private(tmp_path: Path) -> None:
-    s = HubSettings(tmp_path).validated()
-    key = s.token_secret()
-    assert len(key) == 64 and s.token_secret() == key
-    assert (s.secret_file.stat().st_mode & 0o777) == 0o600
-
-
 def test_parse_listen() -> None:
     assert parse_listen("0.0.0.0:8080") == ("0.0.0.0", 8080)
     assert parse_listen(":5001") == ("127.0.0.1", 5001)
