@@ -4,27 +4,24 @@ a chunk the hub corrupts is never stored nor served, a gone hub is named with th
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hub_server import HubServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hub_server import HubServer  # noqa: E402
-
-from forkd.engine.lazy.chunks import ChunkSource, ChunkUnavailable, open_local, open_remote  # noqa: E402
-from forkd.engine.lazy.layout import ImageLayout  # noqa: E402
-from forkd.errors import IntegrityError  # noqa: E402
-from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE  # noqa: E402
-from forkd.registry.client import RegistryClient  # noqa: E402
-from forkd.registry.credentials import Credential  # noqa: E402
-from forkd.registry.reference import parse_remote  # noqa: E402
-from forkd.registry.transfer import push  # noqa: E402
-from forkd.store.blobs import FsBlobStore  # noqa: E402
-from forkd.store.store import Store  # noqa: E402
-from forkd.synthetic import write_base, write_diff  # noqa: E402
+from forkd.engine.lazy.chunks import ChunkSource, ChunkUnavailable, open_local, open_remote
+from forkd.engine.lazy.layout import ImageLayout
+from forkd.errors import IntegrityError
+from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE
+from forkd.registry.client import RegistryClient
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import parse_remote
+from forkd.registry.transfer import push
+from forkd.store.blobs import FsBlobStore
+from forkd.store.store import Store
+from forkd.synthetic import write_base, write_diff
 
 SIZE = 6 * CHUNK_SIZE
 
