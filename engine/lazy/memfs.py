@@ -1,0 +1,143 @@
+"""The memory image as a FUSE file (pyfuse3) whose pages are produced on first access.
+
+One mount per snapshot holds one read-only file, ``memory.img``; children map it
+``share=off`` (MAP_PRIVATE), as they map an assembled image. A read asks the image
+layout (``layout.ImageLayout``) for its bytes, which come from the chain's chunks
+(``chunks.ChunkSource``: the local store, else the hub). The kernel page cache stays on
+(no ``direct_io``, ``keep_cache`` on every open): a page read once is shared by every
+child of the snapshot, and a page no child touches is never produced.
+
+A read that cannot be served (the chunk is missing and the hub is gone, or it failed
+verification) answers EIO: the kernel sends the faulting QEMU SIGBUS and it dies, the
+other children live on. The failure is recorded against the process that opened the
+file (``errors``: pid → message naming the chunk), so the engine reports it with the
+dead child. Open files are counted (``users``): the server exits when none is left.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import cast
+
+import pyfuse3
+import trio
+
+from forkd.engine.lazy.chunks import ChunkUnavailable
+from forkd.engine.lazy.layout import ImageLayout
+from forkd.errors import ForkdError
+
+FILE_NAME = "memory.img"
+FILE_INODE = pyfuse3.ROOT_INODE + 1
+ATTR_TIMEOUT = 3600.0  # the file never changes
+READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
+
+
+class MemoryFile(pyfuse3.Operations):
+    """A one-file file system: ``/memory.img`` of ``layout.size`` bytes."""
+
+    def __init__(self, layout: ImageLayout,
+                 on_chunks: Callable[[list[str]], None] | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.on_chunks = on_chunks
+        self.users = 0  # files open (a mapping keeps its file open)
+        self.errors: dict[int, str] = {}  # pid of the opener → what failed
+        self.last_release = time.monotonic()
+        self._openers: dict[int, int] = {}  # fh → pid
+        self._next_fh = 1
+        self._limit = trio.CapacityLimiter(READ_THREADS)
+        self._lock = threading.Lock()
+
+    def _attrs(self, inode: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        if inode == pyfuse3.ROOT_INODE:
+            a.st_mode, a.st_size, a.st_nlink = stat.S_IFDIR | 0o555, 0, 2
+        elif inode == FILE_INODE:
+            a.st_mode, a.st_size, a.st_nlink = stat.S_IFREG | 0o444, self.layout.size, 1
+        else:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        a.st_ino = inode
+        a.st_uid, a.st_gid = os.getuid(), os.getgid()
+        a.st_blksize = 4096
+        a.st_blocks = (a.st_size + 511) // 512
+        a.attr_timeout = a.entry_timeout = ATTR_TIMEOUT
+        return a
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        return self._attrs(inode)
+
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if parent_inode != pyfuse3.ROOT_INODE or name != FILE_NAME.encode():
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(FILE_INODE)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if inode != pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        if start_id == 0:
+            pyfuse3.readdir_reply(token, FILE_NAME.encode(), self._attrs(FILE_INODE), 1)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
+                   ) -> pyfuse3.FileInfo:
+        """Any open mode is accepted (QEMU opens its memory file read-write, then maps it
+        private); a write is refused (no ``write`` handler: ENOSYS)."""
+        if inode != FILE_INODE:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._openers[fh] = ctx.pid
+            self.users += 1
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
+
+    async def release(self, fh: int) -> None:
+        with self._lock:
+            self._openers.pop(fh, None)
+            self.users -= 1
+            self.last_release = time.monotonic()
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        size = max(0, min(size, self.layout.size - off))
+        if size == 0:
+            return b""
+        try:
+            if self.on_chunks is not None:
+                self.on_chunks(self.layout.chunks_at(off, size))
+            data = await trio.to_thread.run_sync(self.layout.read, off, size,
+                                                 limiter=self._limit)
+            return cast(bytes, data)
+        except (ChunkUnavailable, ForkdError, OSError) as exc:
+            with self._lock:
+                pid = self._openers.get(fh, 0)
+                self.errors[pid] = str(exc)
+            raise pyfuse3.FUSEError(errno.EIO) from exc
+
+
+def mount(ops: MemoryFile, mountpoint: str) -> None:
+    """Mount ``ops`` at ``mountpoint`` (serve it with ``pyfuse3.main`` under trio)."""
+    options = set(pyfuse3.default_options) - {"default_permissions"}
+    options |= {"fsname=forkd-lazy", "subtype=forkd", "allow_other"}
+    pyfuse3.init(ops, mountpoint, options)
+
+
+def our_mounts(under: str = "") -> list[str]:
+    """Mount points of forkd's lazy memory files (fsname forkd-lazy), below ``under``."""
+    found = []
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 2 and fields[0] == "forkd-lazy":
+                point = fields[1].replace("\\040", " ")
+                if point.startswith(under):
+                    found.append(point)
+    return found

@@ -1,0 +1,141 @@
+"""Record the order children touch a snapshot's chunks, and fetch the rest of its chain
+in that order in the background (REAP's record-and-prefetch, per chunk).
+
+``AccessOrder`` notes each chunk the first time a reader (the memory file, the disk
+export) needs it. The first run that finds no recorded order saves what it saw
+(``order.json`` in the snapshot's lazy directory, and as an optional blob of the pack:
+docs/pack-format.md, "Access order"); later runs prefetch in that order: the recorded
+chunks first, then every other chunk of the chain in image order (memory, then disk),
+then the whole-file blobs. Once nothing is missing the chain is tagged locally, so the
+snapshot forks, branches and pushes like a pulled one; children keep running unchanged
+(they read the same bytes, now from the store).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from forkd import digest as dg
+from forkd import jsondoc
+from forkd.engine.lazy.chunks import ChunkSource
+from forkd.errors import ForkdError, InvalidInput
+
+ORDER_VERSION = 1
+MAX_ORDER_CHUNKS = 1 << 20  # an order names each chunk of a chain once, at most
+PREFETCH_WORKERS = 2
+
+
+class AccessOrder:
+    """The chunks of one snapshot in the order readers first needed them; thread-safe."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, digests: Iterable[str]) -> None:
+        with self._lock:
+            for d in digests:
+                if d not in self._seen:
+                    self._seen.add(d)
+                    self.digests.append(d)
+
+    def to_bytes(self, head: str) -> bytes:
+        with self._lock:
+            doc = {"version": ORDER_VERSION, "manifest": head, "chunks": list(self.digests)}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def parse_order(data: bytes, head: str, what: str) -> list[str]:
+    """The chunk digests of an untrusted order document recorded for manifest ``head``."""
+    raw = jsondoc.loads(data, what)
+    if not isinstance(raw, dict) or raw.get("version") != ORDER_VERSION:
+        raise InvalidInput(f"{what}: not an access order of version {ORDER_VERSION}")
+    if raw.get("manifest") != head:
+        raise InvalidInput(f"{what}: recorded for {raw.get('manifest')!r}, not {head}")
+    chunks = raw.get("chunks")
+    if not isinstance(chunks, list) or len(chunks) > MAX_ORDER_CHUNKS:
+        raise InvalidInput(f"{what}: chunks must be a list of at most {MAX_ORDER_CHUNKS}")
+    return [dg.validate(c) for c in chunks]
+
+
+def load_order(path: Path, head: str) -> list[str] | None:
+    """A saved order, or None when there is none (or it is unusable: the default applies)."""
+    try:
+        return parse_order(path.read_bytes(), head, str(path))
+    except (OSError, ForkdError):
+        return None
+
+
+@dataclass
+class Progress:
+    """What the prefetch did (written as JSON next to the server's other files)."""
+
+    state: str = "waiting"  # waiting, running, done, failed
+    chunks: int = 0  # chunks of the chain
+    fetched: int = 0  # chunks it fetched
+    fetched_bytes: int = 0
+    recorded: int = 0  # chunks fetched in the recorded order
+    tagged: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def plan(source: ChunkSource, recorded: list[str] | None, image_order: list[str]) -> list[str]:
+    """Every chunk of the chain, the recorded ones first (those the chain has)."""
+    known = set(source.refs)
+    out = [d for d in dict.fromkeys(recorded or []) if d in known]
+    listed = set(out)
+    out += [d for d in dict.fromkeys([*image_order, *source.refs]) if d not in listed]
+    return out
+
+
+def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress,
+        report: Path, tag: str | None) -> None:
+    """Fetch what ``order`` names and the store lacks, then the files; tag when complete."""
+    t0 = time.monotonic()
+    progress.state, progress.chunks, progress.recorded = "running", len(order), recorded
+    _save(report, progress)
+    lock = threading.Lock()
+
+    def one(digest: str) -> None:
+        if source.ensure(digest):
+            with lock:
+                progress.fetched += 1
+                progress.fetched_bytes += source.ref(digest).stored
+
+    try:
+        with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS) as pool:
+            list(pool.map(one, order))
+        progress.fetched_bytes += source.fetch_files()
+        if not source.complete():
+            raise ForkdError(f"{source.name}: blobs are still missing after the prefetch")
+        if tag is not None:
+            source.store.tag(tag, source.head)
+            progress.tagged = tag
+        progress.state = "done"
+    except ForkdError as exc:
+        progress.state, progress.error = "failed", str(exc)
+    progress.seconds = round(time.monotonic() - t0, 3)
+    _save(report, progress)
+
+
+def _save(report: Path, progress: Progress) -> None:
+    tmp = report.with_name(report.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(progress)))
+    tmp.replace(report)
+
+
+def read_progress(report: Path) -> Progress | None:
+    try:
+        raw = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return None
+    return Progress(**raw) if isinstance(raw, dict) else None

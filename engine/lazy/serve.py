@@ -1,0 +1,205 @@
+"""The lazy server of one snapshot: ``python3 -m forkd.engine.lazy.serve DIR`` (started by
+``lazy.fork``; one per snapshot on the host, shared by all its children).
+
+It serves the chain's memory image as a FUSE file (``DIR/mnt/memory.img``, memfs) and
+its disk as an NBD export (``DIR/disk.nbd.sock``, nbd.py, with an empty child overlay
+on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the store, else the hub).
+It records the order readers need chunks (``order.json``), prefetches the rest of the
+chain once ``DIR/prefetch.go`` appears (or ``PREFETCH_AFTER`` seconds after it is
+ready), and exits when no file of its mount is open any more (every child gone) for
+``LINGER`` seconds, unmounting first. Its files in DIR:
+
+    server.json   what to serve (written by lazy.fork before the start)
+    server.lock   held by the running server
+    ready.json    {pid, memory, overlay}: present while it serves
+    errors.json   {"<pid>": message} reads that failed, by the QEMU that opened the file
+                  ("disk": the export's failures)
+    prefetch.json prefetch progress (prefetch.Progress)
+    server.log    its log
+While it runs it holds the store's gc lock shared: no `forkd gc` removes the chunks it
+fetched before the chain is tagged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from forkd.engine.lazy import memfs, prefetch
+from forkd.engine.lazy.chunks import ChunkSource, Hub
+from forkd.engine.lazy.layout import ImageLayout
+from forkd.engine.lazy.nbd import DiskExport, start_disk_export
+from forkd.registry import credentials
+from forkd.registry.client import RegistryClient
+from forkd.registry.reference import parse_hub
+from forkd.store.store import Store
+
+LINGER = 1.0  # seconds with no open file before the server exits
+PREFETCH_AFTER = 5.0  # seconds after ready when the prefetch starts without a signal
+POLL = 0.1
+log = logging.getLogger("forkd.lazy")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What a server serves (server.json)."""
+
+    home: str
+    head: str
+    name: str
+    tag: str | None  # the local tag given once the chain is complete
+    hub: str | None  # hub address, for missing chunks
+    repo: str | None
+
+    def save(self, d: Path) -> None:
+        tmp = d / "server.json.tmp"
+        tmp.write_text(json.dumps(self.__dict__))
+        tmp.replace(d / "server.json")
+
+    @classmethod
+    def load(cls, d: Path) -> ServerSpec:
+        return cls(**json.loads((d / "server.json").read_text()))
+
+
+class Server:
+    def __init__(self, d: Path, spec: ServerSpec) -> None:
+        self.dir = d
+        self.spec = spec
+        self.store = Store(Path(spec.home))
+        hub = None
+        if spec.hub and spec.repo:
+            target = parse_hub(spec.hub)
+            hub = Hub(RegistryClient(target, credentials.load(target.host)), spec.repo)
+        self.source = ChunkSource(self.store, self.store.chain(spec.head, spec.name),
+                                  spec.name, hub)
+        self.recorded = prefetch.load_order(d / "order.json", spec.head)
+        self.order = prefetch.AccessOrder()
+        self.memory = ImageLayout(self.source, "memory")
+        self.ops = memfs.MemoryFile(self.memory, self.order.note)
+        self.export: DiskExport | None = None
+        self.progress = prefetch.Progress()
+        self.stopping = False
+        self._errors_seen = 0
+
+    def start_disk(self) -> Path | None:
+        if not any("disk" in link.manifest.maps for link in self.source.chain):
+            return None
+        self.export = start_disk_export(self.source, self.dir,
+                                        on_access=lambda d: self.order.note((d,)))
+        overlay = self.dir / "empty.qcow2"
+        overlay.unlink(missing_ok=True)
+        self.export.create_overlay(overlay)
+        return overlay
+
+    async def watch(self) -> None:
+        """Exit once nothing is open for LINGER seconds; start the prefetch; keep the
+        error and order files current."""
+        ready_at = time.monotonic()
+        started = False
+        while not self.stopping:
+            await trio.sleep(POLL)
+            self.save_errors()
+            if not started and ((self.dir / "prefetch.go").exists()
+                                or time.monotonic() - ready_at > PREFETCH_AFTER):
+                started = True
+                self.save_order()
+                threading.Thread(target=self.prefetch, daemon=True).start()
+            idle = time.monotonic() - max(self.ops.last_release, ready_at)
+            if self.ops.users == 0 and idle > LINGER:
+                (self.dir / "ready.json").unlink(missing_ok=True)
+                await trio.sleep(0)
+                if self.ops.users == 0:
+                    break
+                self.write_ready()  # an open raced the shutdown: serve on
+        pyfuse3.terminate()
+
+    def prefetch(self) -> None:
+        plan = prefetch.plan(self.source, self.recorded, self.image_order())
+        prefetch.run(self.source, plan, len(self.recorded or []), self.progress,
+                     self.dir / "prefetch.json", self.spec.tag)
+        log.info("prefetch %s: %s", self.progress.state, self.progress.error or "")
+
+    def image_order(self) -> list[str]:
+        order = list(self.memory.chunk_order)
+        if self.export is not None:
+            order += ImageLayout(self.source, "disk").chunk_order
+        return order
+
+    def save_order(self) -> None:
+        if self.recorded is None and self.order.digests:
+            path = self.dir / "order.json"
+            path.with_name("order.json.tmp").write_bytes(self.order.to_bytes(self.spec.head))
+            path.with_name("order.json.tmp").replace(path)
+
+    def save_errors(self) -> None:
+        errors: dict[str, str] = {str(pid): msg for pid, msg in self.ops.errors.items()}
+        if self.export is not None and self.export.errors:
+            errors["disk"] = list(self.export.errors)[-1]
+        if len(errors) != self._errors_seen:
+            self._errors_seen = len(errors)
+            tmp = self.dir / "errors.json.tmp"
+            tmp.write_text(json.dumps(errors))
+            tmp.replace(self.dir / "errors.json")
+
+    def write_ready(self, overlay: Path | None = None) -> None:
+        tmp = self.dir / "ready.json.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(),
+                                   "memory": str(self.dir / "mnt" / memfs.FILE_NAME),
+                                   "overlay": str(overlay) if overlay else None}))
+        tmp.replace(self.dir / "ready.json")
+
+
+def serve(d: Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    lock = os.open(d / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("another server serves %s", d)
+        return 0
+    for name in ("ready.json", "prefetch.go", "errors.json", "prefetch.json"):
+        (d / name).unlink(missing_ok=True)
+    server = Server(d, ServerSpec.load(d))
+    mnt = d / "mnt"
+    mnt.mkdir(exist_ok=True)
+    with server.store.writing():
+        overlay = server.start_disk()
+        memfs.mount(server.ops, str(mnt))
+        try:
+            server.write_ready(overlay)
+            log.info("serving %s at %s", server.spec.name, mnt)
+            signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))
+
+            async def main() -> None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(server.watch)
+                    await pyfuse3.main()
+
+            trio.run(main)
+        finally:
+            (d / "ready.json").unlink(missing_ok=True)
+            server.save_order()
+            server.save_errors()
+            pyfuse3.close(unmount=True)
+            if server.export is not None:
+                server.export.close()
+            with contextlib.suppress(OSError):
+                mnt.rmdir()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(Path(sys.argv[1])))
