@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
+import uvloop
 
 from forkd.audit import AuditLog
 from forkd.engine.egress.ca import EgressCA
@@ -57,6 +58,13 @@ HOP_BY_HOP = {
     b"upgrade",
 }
 Headers = list[tuple[bytes, bytes]]
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop a proxy runs on: uvloop. Its transports and its TLS are C (libuv,
+    Cython); asyncio's TLS layer (sslproto) is pure Python and was the largest share of
+    the proxy's CPU per terminated request (bench/egress_proxy.py prints it)."""
+    return uvloop.new_event_loop()
 
 
 @dataclass(frozen=True)

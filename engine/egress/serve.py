@@ -29,7 +29,7 @@ from forkd.engine import netns
 from forkd.engine.egress.ca import EgressCA
 from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, REFUSAL_PORT, listen_in_netns
 from forkd.engine.egress.policy import EgressPolicy
-from forkd.engine.egress.proxy import EgressProxy
+from forkd.engine.egress.proxy import EgressProxy, new_event_loop
 from forkd.engine.egress.secrets import Secret, SecretStore
 from forkd.errors import ForkdError
 
@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         proxy = build_proxy(args)
-        asyncio.run(serve(proxy, SecretStore(Path(args.secrets)), args.netns, Path(args.ready)))
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(serve(proxy, SecretStore(Path(args.secrets)), args.netns, Path(args.ready)))
     except (ForkdError, OSError, ValueError) as exc:
         print(f"forkd egress proxy for {args.child}: {exc}", file=sys.stderr)
         return 1

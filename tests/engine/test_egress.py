@@ -40,7 +40,7 @@ from forkd.engine.egress import (
     parse_destination,
 )
 from forkd.engine.egress.netns_listen import listen_in_netns
-from forkd.engine.egress.proxy import ProxyLimits, StreamReplacer
+from forkd.engine.egress.proxy import ProxyLimits, StreamReplacer, new_event_loop
 from forkd.engine.egress.secrets import PLACEHOLDER_RE
 from forkd.engine.egress.standin import Answer, Plan, StandinModel, ToolCall
 from forkd.errors import InvalidInput, NotFound
@@ -53,11 +53,12 @@ CHILD = "c-7f3a"
 
 
 class ProxyThread:
-    """An EgressProxy served on 127.0.0.1 by an event loop in its own thread."""
+    """An EgressProxy served on 127.0.0.1 by an event loop in its own thread (the loop
+    the proxy process runs on, serve.py's)."""
 
     def __init__(self, proxy: EgressProxy, sock: socket.socket | None = None) -> None:
         self.proxy = proxy
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         started = proxy.serve(sock) if sock is not None else proxy.start()
