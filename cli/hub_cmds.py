@@ -250,6 +250,7 @@ def gc(
                 if upload_ttl_hours is not None
                 else timedelta(seconds=settings.upload_idle_timeout),
                 dry_run=dry_run,
+                shared=hub_.shared,
             )
             if not dry_run:
                 hub_.audit.record(

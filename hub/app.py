@@ -92,7 +92,12 @@ def create_app(settings: HubSettings) -> Litestar:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(flush_pulls, hub)
             tasks.start_soon(
-                gc.expire_forever, hub.db, hub.blobs, hub.uploads, settings.upload_idle_timeout
+                gc.expire_forever,
+                hub.db,
+                hub.blobs,
+                hub.uploads,
+                settings.upload_idle_timeout,
+                hub.shared,
             )
             if retention is not None:
                 await tasks.start(retention.run)  # queues from the first request on

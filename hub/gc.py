@@ -31,17 +31,18 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, timedelta
 from itertools import islice
 from pathlib import Path
 
 import anyio
-from sqlalchemy import delete, exists, select, union
+from sqlalchemy import delete, exists, func, select, union
 
 from forkd.errors import NotFound
 from forkd.hub import quotas
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Manifest, ManifestReference, RepositoryBlob, Upload, utcnow
+from forkd.hub.shared_uploads import SharedUploads, expired_before
 from forkd.hub.storage import UPLOAD_ID_RE, UploadArea
 from forkd.store.blobs import BlobStore, FsBlobStore
 
@@ -81,6 +82,7 @@ async def collect(
     grace: timedelta,
     upload_ttl: timedelta,
     dry_run: bool = False,
+    shared: SharedUploads | None = None,
 ) -> GcReport:
     report = GcReport(dry_run=dry_run)
     cutoff = utcnow() - grace
@@ -118,16 +120,24 @@ async def collect(
             for digest in [*report.blobs, *report.orphan_files]:
                 blobs.delete(digest)
 
-    report.uploads = await expire_uploads(db, uploads, upload_ttl, dry_run=dry_run)
+    report.uploads = await expire_uploads(db, uploads, upload_ttl, dry_run=dry_run, shared=shared)
     report.temp_files = sweep_temp_files(blobs, grace, dry_run=dry_run)
     return report
 
 
 async def expire_uploads(
-    db: Database, uploads: UploadArea, idle: timedelta, *, dry_run: bool = False
+    db: Database,
+    uploads: UploadArea,
+    idle: timedelta,
+    *,
+    dry_run: bool = False,
+    shared: SharedUploads | None = None,
 ) -> list[str]:
     """Delete upload sessions whose bytes have not changed for ``idle`` (rows and files),
-    rows whose file vanished, and stray files as old; return their ids."""
+    rows whose file vanished, and stray files as old; return their ids. With ``shared``
+    sessions (any replica's), see ``expire_shared``."""
+    if shared is not None:
+        return await expire_shared(db, uploads, shared, idle, dry_run=dry_run)
     stale_ts = time.time() - idle.total_seconds()
     found: list[str] = []
     async with db.transaction() as session:
@@ -147,6 +157,47 @@ async def expire_uploads(
         for upload_id in found:
             uploads.remove(upload_id)
     return found
+
+
+async def expire_shared(
+    db: Database,
+    uploads: UploadArea,
+    shared: SharedUploads,
+    idle: timedelta,
+    *,
+    dry_run: bool = False,
+) -> list[str]:
+    """Shared sessions: rows no request added to for ``idle`` (the database's
+    ``touched_at``, whichever replica wrote), with their chunks; chunk objects of sessions
+    that are gone, as old; and this process's staging files as old. Never judged by this
+    data directory's files: other replicas' sessions have none here."""
+    oldest = expired_before(idle.total_seconds())
+    async with db.transaction() as session:
+        rows = (
+            await session.execute(
+                select(Upload.id, func.coalesce(Upload.touched_at, Upload.created_at))
+            )
+        ).all()
+        known = {upload_id for upload_id, _ in rows}
+        found = sorted(
+            u for u, at in rows if (at if at.tzinfo else at.replace(tzinfo=UTC)) < oldest
+        )
+        if not dry_run:
+            for batch in _batches(found):
+                await session.execute(delete(Upload).where(Upload.id.in_(batch)))
+    stray = await anyio.to_thread.run_sync(shared.stray_sessions, known, oldest)
+    stale_ts = oldest.timestamp()
+    staging = []
+    for name in sorted(os.listdir(uploads.root)):
+        with contextlib.suppress(FileNotFoundError):
+            if UPLOAD_ID_RE.match(name) and (uploads.root / name).stat().st_mtime < stale_ts:
+                staging.append(name)
+    if not dry_run:
+        for upload_id in [*found, *stray]:
+            await anyio.to_thread.run_sync(shared.delete_session, upload_id)
+        for name in staging:
+            uploads.remove(name)
+    return sorted({*found, *stray, *staging})
 
 
 TEMP_MIN_AGE_S = 60.0  # temporary files younger than this are never swept
@@ -191,13 +242,19 @@ def sweep_interval(idle_timeout: float) -> float:
     return max(1.0, min(300.0, idle_timeout / 4))
 
 
-async def expire_forever(db: Database, blobs: BlobStore, uploads: UploadArea, idle: float) -> None:
+async def expire_forever(
+    db: Database,
+    blobs: BlobStore,
+    uploads: UploadArea,
+    idle: float,
+    shared: SharedUploads | None = None,
+) -> None:
     """The hub's periodic work: expired upload sessions and stale temporary files, every
     ``sweep_interval``, until cancelled."""
     while True:
         await anyio.sleep(sweep_interval(idle))
         try:
-            await expire_uploads(db, uploads, timedelta(seconds=idle))
+            await expire_uploads(db, uploads, timedelta(seconds=idle), shared=shared)
             await anyio.to_thread.run_sync(sweep_temp_files, blobs, timedelta(seconds=idle))
         except Exception:  # a busy or restarting database: next time
             log.warning("could not expire upload sessions", exc_info=True)

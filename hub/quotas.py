@@ -34,7 +34,8 @@ accounting.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, text, union, update
@@ -189,6 +190,9 @@ class NamespaceUploads:
     quota_left: int | None  # quota minus stored usage; None: no quota (or not charged)
     sessions: list[str]  # ids of its upload session rows (expired ones included)
     reserved: dict[str, int]  # reserved_bytes of the sessions a request is writing
+    # id → (bytes recorded, last activity): what shared sessions (hub/shared_uploads.py)
+    # hold; file-system sessions keep both in their files instead.
+    recorded: dict[str, tuple[int, datetime]] = field(default_factory=dict)
 
     def in_flight(self, live: Mapping[str, int], besides: str) -> int:
         """Bytes the ``live`` sessions (id → file size) other than ``besides`` hold: each
@@ -206,7 +210,12 @@ def uploads_of(session: Session, repository_id: int, digest: str | None = None) 
     no headroom limit then."""
     row = _namespace_of(session, repository_id)
     sessions = session.execute(
-        select(Upload.id, Upload.reserved_bytes)
+        select(
+            Upload.id,
+            Upload.reserved_bytes,
+            Upload.size,
+            func.coalesce(Upload.touched_at, Upload.created_at),
+        )
         .join(Repository, Repository.id == Upload.repository_id)
         .where(Repository.namespace_id == row.id)
     ).all()
@@ -220,8 +229,9 @@ def uploads_of(session: Session, repository_id: int, digest: str | None = None) 
         row.name,
         row.quota_bytes,
         left,
-        [upload_id for upload_id, _ in sessions],
-        {upload_id: reserved for upload_id, reserved in sessions if reserved},
+        [upload_id for upload_id, *_ in sessions],
+        {upload_id: reserved for upload_id, reserved, *_ in sessions if reserved},
+        {upload_id: (size, at) for upload_id, _, size, at in sessions},
     )
 
 

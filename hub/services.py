@@ -15,9 +15,11 @@ from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
 from forkd.hub.secrets import load_token_key
 from forkd.hub.settings import HubSettings
+from forkd.hub.shared_uploads import SharedUploads
 from forkd.hub.storage import UploadArea
 from forkd.hub.tokens import CredentialCache, TokenSigner
 from forkd.store.blobs import BlobStore, FsBlobStore
+from forkd.store.s3 import S3BlobStore
 
 
 @dataclass
@@ -32,6 +34,9 @@ class Hub:
     metrics: Metrics
     audit: AuditLog
     pulls: PullCounter
+    # Upload sessions in the bucket and the database, continued by any replica (the S3
+    # blob backend; hub/shared_uploads.py). None: sessions are files in ``uploads``.
+    shared: SharedUploads | None = None
     manifests: ManifestCache = field(default_factory=ManifestCache)
     # The HMAC key of bearer tokens and UI sessions: a placeholder until ``load_key``
     # (the app's start) puts the shared one in place (hub/secrets.py); its users follow.
@@ -46,10 +51,15 @@ class Hub:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         db = Database(settings.database_url)
         placeholder = secrets.token_bytes(32)  # random: nothing signed before the start holds
+        blobs = open_blob_store(settings)
+        shared = None
+        if isinstance(blobs, S3BlobStore):
+            shared = SharedUploads(blobs.client, blobs.bucket, blobs.prefix)
         return cls(
             settings=settings,
             db=db,
-            blobs=open_blob_store(settings),
+            blobs=blobs,
+            shared=shared,
             uploads=UploadArea(settings.uploads_dir),
             limiter=LoginLimiter(db, settings.login_fail_limit, settings.login_fail_window),
             verified=CredentialCache(),
@@ -76,7 +86,7 @@ class Hub:
 def open_blob_store(settings: HubSettings) -> BlobStore:
     """The blob backend the settings name; an S3 bucket is checked here, at start."""
     if settings.blob_backend == "s3":
-        from forkd.store.s3 import S3BlobStore, make_client
+        from forkd.store.s3 import make_client
 
         store = S3BlobStore(
             make_client(

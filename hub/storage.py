@@ -76,6 +76,12 @@ class UploadArea:
         except FileNotFoundError:
             raise NotFound(f"upload {upload_id} has no data file") from None
 
+    def open_staging(self, upload_id: str) -> BinaryIO:
+        """The session's file, made empty if this process has none: with shared sessions
+        (hub/shared_uploads.py) it holds only what the request writing it received."""
+        fd = os.open(self.path(upload_id), os.O_RDWR | os.O_CREAT, 0o600)
+        return os.fdopen(fd, "r+b")
+
     def open_read(self, upload_id: str) -> BinaryIO:
         try:
             return open(self.path(upload_id), "rb")

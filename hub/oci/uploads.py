@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -53,7 +54,9 @@ from forkd.hub.oci.common import (
     parse_count,
     parse_digest,
 )
+from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
+from forkd.hub.shared_uploads import chunk_keys, commit_chunk, expired_before, idle_seconds
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 from forkd.store.blobs import FsBlobStore
@@ -99,10 +102,81 @@ def _unknown(upload_id: str, why: str) -> RegistryError:
 
 
 def _open_append(hub: Hub, upload_id: str) -> BinaryIO:
+    """The file this request appends to: the session's own, or with shared sessions this
+    process's staging file for it (made on first use: another process may have begun it)."""
+    if hub.shared is not None:
+        return hub.uploads.open_staging(upload_id)
     try:
         return hub.uploads.open_append(upload_id)
     except NotFound:
         raise _unknown(upload_id, "has lost its data") from None
+
+
+async def _recorded(hub: Hub, upload_id: str, f: BinaryIO) -> int:
+    """Under the file's lock, before a request appends: the session's bytes that are not
+    in ``f``. With shared sessions, the bytes its recorded chunks hold (``f``, the staging
+    file, is emptied: what a request cut short left there was never recorded); else 0."""
+    if hub.shared is None:
+        return 0
+    f.truncate(0)
+    upload = await hub.db.read(_upload, upload_id)
+    if upload is None:
+        raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
+    return upload.size
+
+
+async def _commit(hub: Hub, upload_id: str, offset: int, written: int, f: BinaryIO) -> None:
+    """With shared sessions: record the ``written`` bytes of the staging file ``f`` as the
+    chunk at ``offset`` (an object in the bucket, then its row); 416 when another request
+    recorded one there first. The staging file is emptied whatever happens."""
+    shared = hub.shared
+    if shared is None:
+        return
+    try:
+        key = ""
+        if written:
+            key = await anyio.to_thread.run_sync(shared.put_chunk, upload_id, offset, f)
+        recorded = False
+        try:
+            recorded = await hub.db.write(commit_chunk, upload_id, offset, written, key)
+        finally:
+            if not recorded and key:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(shared.delete_keys, [key])
+        if not recorded:
+            upload = await hub.db.read(_upload, upload_id)
+            if upload is None:
+                raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
+            raise RegistryError(
+                Code.BLOB_UPLOAD_INVALID,
+                f"another request wrote this upload at byte {offset} meanwhile; it now has "
+                f"{upload.size} bytes: resume from there (GET the upload for its Range)",
+                status=416,
+                headers={"Range": _range_header(upload.size)},
+            )
+    finally:
+        f.truncate(0)
+
+
+def _live(hub: Hub, held: NamespaceUploads) -> dict[str, int]:
+    """Sizes of the namespace's sessions that have not expired (id → bytes)."""
+    timeout = hub.settings.upload_idle_timeout
+    if hub.shared is None:
+        return hub.uploads.live_sizes(held.sessions, timeout)
+    oldest = expired_before(timeout)
+    return {
+        upload_id: size
+        for upload_id, (size, at) in held.recorded.items()
+        if (at if at.tzinfo else at.replace(tzinfo=oldest.tzinfo)) >= oldest
+    }
+
+
+async def _remove_bytes(hub: Hub, upload_id: str) -> None:
+    """Delete a session's bytes: its file (or staging file) and its chunks in the bucket."""
+    hub.uploads.remove(upload_id)
+    if hub.shared is not None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(hub.shared.delete_session, upload_id)
 
 
 def _current(hub: Hub, upload_id: str, f: BinaryIO) -> None:
@@ -216,7 +290,7 @@ def _reserve(
     held = quotas.upload_sessions_locked(session, repo_id, digest)
     if held.quota_left is None:
         return wanted, None
-    live = hub.uploads.live_sizes(held.sessions, hub.settings.upload_idle_timeout)
+    live = _live(hub, held)
     in_flight = held.in_flight(live, upload_id)
     granted = max(offset, min(wanted, held.quota_left - in_flight))
     session.execute(update(Upload).where(Upload.id == upload_id).values(reserved_bytes=granted))
@@ -262,19 +336,29 @@ def _parse_content_range(ctx: Ctx, upload_id: str, offset: int, header: str) -> 
 
 
 async def _append(
-    ctx: Ctx, repo_id: int, upload_id: str, digest: str | None = None, quota: bool | None = None
+    ctx: Ctx,
+    repo_id: int,
+    upload_id: str,
+    digest: str | None = None,
+    quota: bool | None = None,
+    *,
+    commit: bool = False,
 ) -> _Received:
     """Append the request body at the end of the session's bytes.
     ``digest``: the blob's, when the request names it (monolithic POST, closing PUT);
     then a body that is the whole blob is hashed as it arrives. ``quota``: whether a
-    quota applies, when this request has read it already.
+    quota applies, when this request has read it already. ``commit`` (a ``PATCH``):
+    with shared sessions, record what arrived as a chunk before answering (the closing
+    ``PUT`` and a monolithic upload store the staging file's bytes directly instead).
     With ``Content-Length`` the room for all of it is reserved before a byte is read;
     without (chunked transfer) it is reserved ``RESERVE_STEP`` bytes ahead as it arrives."""
     content_range = ctx.request.headers.get("content-range")
     with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
         _current(ctx.hub, upload_id, f)
+        recorded = await _recorded(ctx.hub, upload_id, f)
         f.seek(0, 2)
-        offset = f.tell()
+        start = f.tell()  # where this request's bytes begin in the file
+        offset = recorded + start  # and in the upload
         expected_len = None
         if content_range:
             start, end = _parse_content_range(ctx, upload_id, offset, content_range)
@@ -295,19 +379,23 @@ async def _append(
             try:
                 if declared is not None:
                     await room.ensure(offset + declared, offset + declared)
-                written = await _stream_into(ctx, f, upload_id, offset, room, expected_len, hasher)
+                written = await _stream_into(
+                    ctx, f, upload_id, offset, start, room, expected_len, hasher
+                )
             except RegistryError as exc:
                 raise _refused(ctx, exc, target) from None
         finally:
             await room.release()
         if expected_len is not None and written != expected_len:
-            f.truncate(offset)
+            f.truncate(start)
             raise RegistryError(
                 Code.SIZE_INVALID,
                 f"chunk has {written} bytes, Content-Range said {expected_len}",
                 status=416,
                 headers=_session_headers(ctx, upload_id, offset),
             )
+        if commit:
+            await _commit(ctx.hub, upload_id, offset, written, f)
         return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
 
 
@@ -316,19 +404,21 @@ async def _stream_into(
     f: BinaryIO,
     upload_id: str,
     offset: int,
+    start: int,
     room: _Room,
     expected_len: int | None,
     hasher: dg.Hasher | None,
 ) -> int:
-    """Write the request body after ``offset`` within ``room``; return the bytes written.
-    A refused chunk is not kept (the file goes back to ``offset``); what arrived before a
-    client went away is (resumable)."""
+    """Write the request body after ``offset`` (the upload's; ``start`` in ``f``) within
+    ``room``; return the bytes written. A refused chunk is not kept (the file goes back to
+    ``start``); what arrived before a client went away is (resumable; with shared
+    sessions only once recorded, so it is not: the client resends from the Range)."""
     written = 0
     try:
         async for chunk in ctx.request.stream():
             written += len(chunk)
             if expected_len is not None and written > expected_len:
-                f.truncate(offset)
+                f.truncate(start)
                 raise RegistryError(
                     Code.SIZE_INVALID,
                     f"chunk is longer than its Content-Range ({expected_len} bytes)",
@@ -338,7 +428,7 @@ async def _stream_into(
             try:
                 await room.ensure(offset + written, offset + written + RESERVE_STEP)
             except RegistryError:
-                f.truncate(offset)
+                f.truncate(start)
                 raise
             f.write(chunk)
             if hasher is not None:
@@ -349,17 +439,26 @@ async def _stream_into(
     return written
 
 
-def _store(hub: Hub, upload_id: str, digest: str, received: _Received) -> int:
+def _store(hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _Chunks) -> int:
     """Verify the session's bytes against ``digest`` and store them (a thread); return the
-    upload's size (the blob's once verified). Under the session's lock throughout."""
+    upload's size (the blob's once verified). Under the session's lock throughout. The
+    bytes: ``chunks`` (shared sessions' recorded chunks, in the bucket), then the file."""
     try:
         opened = hub.uploads.open_read(upload_id)
     except NotFound:
         raise _unknown(upload_id, "has lost its data") from None
     with opened as f, _exclusive(f):
         _current(hub, upload_id, f)
-        size = os.fstat(f.fileno()).st_size
-        if isinstance(hub.blobs, FsBlobStore):
+        size = chunks.size + os.fstat(f.fileno()).st_size
+        if hub.shared is not None:
+            parts = itertools.chain(
+                hub.shared.read(chunks.keys), iter(lambda: f.read(STREAM_CHUNK), b"")
+            )
+            if hub.blobs.has(digest):
+                dg.check(digest, _hash(parts, digest), f"upload {upload_id}")
+            else:
+                hub.blobs.put_stream(parts, expected=digest)
+        elif isinstance(hub.blobs, FsBlobStore):
             # Hashed as received only if no other request appended since (same size).
             hashed = received.digest if received.size == size else None
             actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
@@ -373,14 +472,37 @@ def _store(hub: Hub, upload_id: str, digest: str, received: _Received) -> int:
         return size
 
 
+def _hash(parts: Iterable[bytes], digest: str) -> str:
+    hasher = dg.Hasher(dg.algorithm_of(digest))
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest()
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """A shared session's recorded chunks (object keys, in order) and their bytes."""
+
+    keys: tuple[str, ...] = ()
+    size: int = 0
+
+
+async def _chunks(hub: Hub, upload_id: str) -> _Chunks:
+    if hub.shared is None:
+        return _Chunks()
+    keys, size = await hub.db.read(chunk_keys, upload_id)
+    return _Chunks(tuple(keys), size)
+
+
 async def _finish(
     ctx: Ctx, repo_id: int, upload_id: str, digest: str, received: _Received
 ) -> Response[object]:
     """Verify and store the session's bytes as ``digest``, link it, drop the session."""
     hub = ctx.hub
+    chunks = await _chunks(hub, upload_id)
 
     def store() -> int:
-        return _store(hub, upload_id, digest, received)
+        return _store(hub, upload_id, digest, received, chunks)
 
     row_deleted = False
     try:
@@ -392,7 +514,8 @@ async def _finish(
             # Not ``Database.read``: with a quota set this sums the namespace's blobs.
             if received.quota:
                 async with hub.db.reading() as session:
-                    await session.run_sync(quotas.check, repo_id, digest, _size(hub, upload_id))
+                    size = chunks.size + _size(hub, upload_id)
+                    await session.run_sync(quotas.check, repo_id, digest, size)
         except RegistryError as exc:
             ctx.audit("blob.push", digest, "denied", reason=exc.detail)
             raise
@@ -415,7 +538,7 @@ async def _finish(
             # grace period), so storing it again now cannot race one.
             size = await anyio.to_thread.run_sync(store)
     finally:
-        hub.uploads.remove(upload_id)
+        await _remove_bytes(hub, upload_id)
         if not row_deleted:
             async with hub.db.transaction() as session:
                 await session.execute(delete(Upload).where(Upload.id == upload_id))
@@ -442,7 +565,7 @@ def _add_upload(
     return the namespace's expired sessions, whose rows this drops (the caller deletes
     their files), and whether a quota applies to uploading ``digest`` (``_Room``)."""
     held = quotas.upload_sessions_locked(session, repo_id, digest)
-    live = hub.uploads.live_sizes(held.sessions, hub.settings.upload_idle_timeout)
+    live = _live(hub, held)
     expired = [s for s in held.sessions if s not in live]
     if expired:
         session.execute(delete(Upload).where(Upload.id.in_(expired)))
@@ -501,7 +624,7 @@ async def _new_session(ctx: Ctx, repo_id: int, digest: str | None = None) -> tup
         ctx.hub.uploads.remove(upload_id)
         raise
     for stale in expired:
-        ctx.hub.uploads.remove(stale)
+        await _remove_bytes(ctx.hub, stale)
     return upload_id, quota
 
 
@@ -558,8 +681,8 @@ def _upload(session: Session, upload_id: str) -> Upload | None:
     return session.get(Upload, upload_id)
 
 
-async def _session(ctx: Ctx, upload_id: str) -> int:
-    """Validate the session id and that it belongs to this repository; return the repo id."""
+async def _session(ctx: Ctx, upload_id: str) -> Upload:
+    """Validate the session id and that it belongs to this repository; return its row."""
     try:
         validate_upload_id(upload_id)
     except InvalidInput as exc:
@@ -570,19 +693,23 @@ async def _session(ctx: Ctx, upload_id: str) -> int:
         raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, f"upload {upload_id} not found")
     timeout = ctx.hub.settings.upload_idle_timeout
     try:
-        idle = ctx.hub.uploads.idle_seconds(upload_id)
+        idle = (
+            idle_seconds(upload)
+            if ctx.hub.shared is not None
+            else ctx.hub.uploads.idle_seconds(upload_id)
+        )
     except NotFound:
         await _drop(ctx.hub, upload_id)
         raise _unknown(upload_id, "has lost its data") from None
     if idle > timeout:
         await _drop(ctx.hub, upload_id)
         raise _unknown(upload_id, f"expired after {int(timeout)} s without a PATCH or PUT")
-    return repo.id
+    return upload
 
 
 async def _drop(hub: Hub, upload_id: str) -> None:
-    """Delete a session: its file and its row."""
-    hub.uploads.remove(upload_id)
+    """Delete a session: its bytes and its row."""
+    await _remove_bytes(hub, upload_id)
     async with hub.db.transaction() as session:
         await session.execute(delete(Upload).where(Upload.id == upload_id))
 
@@ -596,14 +723,14 @@ def _size(hub: Hub, upload_id: str) -> int:
 
 async def patch(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
-    repo_id = await _session(ctx, upload_id)
-    received = await _append(ctx, repo_id, upload_id)
+    repo_id = (await _session(ctx, upload_id)).repository_id
+    received = await _append(ctx, repo_id, upload_id, commit=True)
     return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, received.size))
 
 
 async def put(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
-    repo_id = await _session(ctx, upload_id)
+    repo_id = (await _session(ctx, upload_id)).repository_id
     digest = parse_digest(ctx.request.query_params.get("digest", ""))
     received = await _append(ctx, repo_id, upload_id, digest)
     return await _finish(ctx, repo_id, upload_id, digest, received)
@@ -611,8 +738,9 @@ async def put(ctx: Ctx, upload_id: str) -> Response[object]:
 
 async def status(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
-    await _session(ctx, upload_id)
-    size = _size(ctx.hub, upload_id)
+    upload = await _session(ctx, upload_id)
+    # Shared sessions: the bytes recorded (what any process would continue from).
+    size = upload.size if ctx.hub.shared is not None else _size(ctx.hub, upload_id)
     return Response(b"", status_code=204, headers=_session_headers(ctx, upload_id, size))
 
 
