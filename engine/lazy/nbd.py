@@ -24,10 +24,13 @@ export's end or longer than the block size limit gets ``EINVAL``, a write's payl
 ``MAX_REQUEST_BYTES`` ends the connection instead of being read.
 
 Memory: the ``ChunkSource``'s LRU of decompressed chunks (16 x 2 MiB, shared by all
-connections), plus per connection at most the request being answered: a structured reply
-streams from the decoded chunks without a copy, a simple one is built in a buffer of the
-request's length (at most ``MAX_BLOCK_BYTES`` for a client that asked for the block sizes,
-``MAX_REQUEST_BYTES`` for one that did not). At most ``MAX_CONNECTIONS`` at a time.
+connections), plus per connection at most the request being answered (at most
+``MAX_BLOCK_BYTES`` for a client that asked for the block sizes, ``MAX_REQUEST_BYTES`` for
+one that did not). A structured reply goes run by run: the pieces of a request that chunks
+provide, joined across gaps under ``MIN_HOLE_BYTES`` (sent as zeros; larger gaps are
+holes), one data chunk per run, straight from the decoded chunk when the run is one piece,
+else through a buffer of the run's length. A simple reply is built in one buffer of the
+request's length. At most ``MAX_CONNECTIONS`` clients at a time.
 """
 
 from __future__ import annotations

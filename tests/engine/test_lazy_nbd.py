@@ -294,6 +294,20 @@ def test_bad_requests_get_einval(export: DiskExport) -> None:
         assert c.closed()
 
 
+def test_connections_and_handshakes_are_bounded(export: DiskExport,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nbd, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(nbd, "HANDSHAKE_TIMEOUT", 0.5)
+    with _Client(export.socket) as a, _Client(export.socket, handshake=False) as idle:
+        idle.greeting()  # then says nothing: cut off after the handshake timeout
+        with _Client(export.socket, handshake=False) as extra:
+            assert extra.closed()  # over the limit: closed at once, no greeting
+        assert idle.closed()
+        assert a.read(0, 512)[0] == 0  # a client past the handshake has no timeout
+        with _Client(export.socket) as b:  # the idle one's place is free again
+            assert b.read(11 * MiB, 4096) == (0, b"\x03" * 4096)
+
+
 def test_close_leaves_nothing(chain: Chain) -> None:
     ex = start_disk_export(open_local(chain.store, REF), chain.run)
     clients = [_Client(ex.socket) for _ in range(3)]
