@@ -129,6 +129,9 @@ def _egress_option(egress: tuple[str, ...], no_egress: bool) -> list[str] | None
               help="A destination children may reach through their egress proxy (repeatable; "
                    "default: the recipe's; docs/agents.md).")
 @click.option("--no-egress", is_flag=True, help="No egress, not even the recipe's default.")
+@click.option("--lazy", is_flag=True,
+              help="TAG is HUB/NS/NAME[:TAG]: fork before the pack has arrived, its memory and "
+                   "disk fetched on first access (docs/engine.md, \"Lazy fork\").")
 @json_option
 def fork(
     tag: str,
@@ -145,6 +148,7 @@ def fork(
     net_kbit: int | None,
     egress: tuple[str, ...],
     no_egress: bool,
+    lazy: bool,
     as_json: bool,
 ) -> None:
     """Fork COUNT copy-on-write children of snapshot TAG; they keep running after exit."""
@@ -154,21 +158,35 @@ def fork(
         raise InvalidInput(f"-n must be at least 1, got {count}")
     from forkd.controller.api import SpawnRequest
 
-    res = _plain(_backend().spawn(SpawnRequest(
-        tag=tag,
-        n=count,
-        memory_limit_mib=memory_limit_mib,
-        netns=netns,
-        sandbox=not no_sandbox,
-        timeout=parse_duration(timeout) if timeout is not None else None,
-        on_timeout=on_timeout,  # type: ignore[arg-type]  # click.Choice: "kill" or "pause"
-        cpus=cpus,
-        pids_max=pids_max,
-        disk_bps=disk_bps,
-        disk_iops=disk_iops,
-        net_kbit=net_kbit,
-        egress=_egress_option(egress, no_egress),
-    )))
+    if lazy:
+        from forkd.engine.lazy import fork as lazy_fork
+        from forkd.engine.lifecycle import Lifetime, Limits
+
+        got = lazy_fork.fork(
+            _store(), tag, count, sandbox=not no_sandbox, with_netns=netns, progress=_say,
+            limits=Limits(memory_limit_mib, cpus, pids_max, disk_bps, disk_iops, net_kbit),
+            lifetime=Lifetime(parse_duration(timeout) if timeout is not None else None,
+                              on_timeout),
+            egress=_egress_option(egress, no_egress))
+        res: dict[str, Any] = {
+            "sandboxes": [asdict(c) for c in got.children], "assemble_ms": got.assemble_ms,
+            "total_ms": got.total_ms, "errors": got.errors}
+    else:
+        res = _plain(_backend().spawn(SpawnRequest(
+            tag=tag,
+            n=count,
+            memory_limit_mib=memory_limit_mib,
+            netns=netns,
+            sandbox=not no_sandbox,
+            timeout=parse_duration(timeout) if timeout is not None else None,
+            on_timeout=on_timeout,  # type: ignore[arg-type]  # click.Choice: "kill" or "pause"
+            cpus=cpus,
+            pids_max=pids_max,
+            disk_bps=disk_bps,
+            disk_iops=disk_iops,
+            net_kbit=net_kbit,
+            egress=_egress_option(egress, no_egress),
+        )))
     if as_json:
         emit_json(
             {

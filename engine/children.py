@@ -42,6 +42,7 @@ from forkd.engine.errors import (
     HostError,
     VMMError,
 )
+from forkd.engine.lazy.failures import failure_of
 from forkd.engine.lifecycle import (
     CHILD_FILE,
     ChildVM,
@@ -336,12 +337,15 @@ def with_memory(limits: Limits | None, memory_limit_mib: int | None) -> Limits:
 
 
 def prepare(store: Store, ref: str, *, limits: Limits | None = None,
-            with_netns: bool = False, progress: Progress = _noop) -> tuple[Assembled, bool]:
-    """Assemble the snapshot, check it against this host and settle the network option:
-    (assembled images, whether each child gets a network namespace)."""
+            with_netns: bool = False, progress: Progress = _noop,
+            assembled: Assembled | None = None) -> tuple[Assembled, bool]:
+    """Assemble the snapshot (unless ``assembled`` gives its images: the lazy path), check
+    it against this host and settle the network option: (assembled images, whether each
+    child gets a network namespace)."""
     limits = (limits or Limits()).checked()
     memory_limit_mib = limits.memory_mib
-    asm = store.assemble(ref)  # verifies chunks while writing the image: corrupt → no VM
+    # verifies chunks while writing the image: corrupt → no VM
+    asm = assembled if assembled is not None else store.assemble(ref)
     check_compat(asm, cached_probe())
     assert asm.disk is not None and asm.config.compat is not None and asm.vmstate is not None
     nic = has_nic(asm.vmstate)
@@ -386,13 +390,15 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
          limits: Limits | None = None, lifetime: Lifetime | None = None,
          sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
          parallel: int | None = None, pool: WaitingSource | None = None,
-         egress: list[str] | None = None) -> ForkResult:
+         egress: list[str] | None = None, assembled: Assembled | None = None,
+         overlay_template: Path | None = None) -> ForkResult:
     """N children of ref. With a pool, its waiting processes for ref are used first (only
     restore + fixup remain for them); the pool refills in the background afterwards.
     limits: per-child resource limits; lifetime: when each child is killed or paused (the
     deadline is in its record; lifetimes.py enforces it). egress: the HOST[:PORT]
     destinations its children may reach through their proxy (None: the recipe's
-    defaults; none: no network at all)."""
+    defaults; none: no network at all). assembled + overlay_template: the images and the
+    empty child overlay to use instead of assembling (engine/lazy/fork.py)."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
         raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
     limits = with_memory(limits, memory_limit_mib)
@@ -400,7 +406,7 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     t0 = time.monotonic()
     settings = EgressSettings.resolve(egress) if egress else None  # checked before assembly
     asm, with_netns = prepare(store, ref, limits=limits, with_netns=with_netns or bool(egress),
-                              progress=progress)
+                              progress=progress, assembled=assembled)
     if egress is None:  # not asked: the recipe's defaults; [] asks for none
         settings = recipe_egress(asm)
     if settings is not None and not with_netns:
@@ -419,8 +425,8 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     errors: list[str] = []
     tpl_dir: Path | None = None
     try:
-        overlay = Path()
-        if len(taken) < n:
+        overlay = overlay_template or Path()
+        if len(taken) < n and overlay_template is None:
             tpl_dir = children_dir() / f".overlay-{secrets.token_hex(4)}"
             tpl_dir.mkdir()
             overlay = tpl_dir / "empty.qcow2"
@@ -498,7 +504,11 @@ def agent(child_id: str, timeout: float = 10.0) -> Iterator[AgentClient]:
     """A client of the child's agent, through its relay (agent_client.connect_child): any
     number at once, from any process; one per concurrent caller."""
     info = get(child_id)
-    require_running(info)
+    try:
+        require_running(info)
+    except ChildDead as e:
+        failure = failure_of(info.memory, info.pid)  # a lazy child's failed read, if any
+        raise ChildDead(f"{e}; {failure}" if failure else str(e)) from None
     with _requests_allowed(info):
         try:
             client = connect_child(info.path, timeout=timeout,

@@ -29,9 +29,9 @@ import trio
 
 from forkd.engine.lazy.chunks import ChunkUnavailable
 from forkd.engine.lazy.layout import ImageLayout
+from forkd.engine.lazy.paths import FILE_NAME
 from forkd.errors import ForkdError
 
-FILE_NAME = "memory.img"
 FILE_INODE = pyfuse3.ROOT_INODE + 1
 ATTR_TIMEOUT = 3600.0  # the file never changes
 READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)

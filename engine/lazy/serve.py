@@ -41,6 +41,7 @@ from forkd.engine.lazy import memfs, prefetch
 from forkd.engine.lazy.chunks import ChunkSource, Hub
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
+from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_hub
@@ -156,7 +157,7 @@ class Server:
     def write_ready(self, overlay: Path | None = None) -> None:
         tmp = self.dir / "ready.json.tmp"
         tmp.write_text(json.dumps({"pid": os.getpid(),
-                                   "memory": str(self.dir / "mnt" / memfs.FILE_NAME),
+                                   "memory": str(self.dir / MOUNT_DIR / FILE_NAME),
                                    "overlay": str(overlay) if overlay else None}))
         tmp.replace(self.dir / "ready.json")
 
@@ -172,7 +173,7 @@ def serve(d: Path) -> int:
     for name in ("ready.json", "prefetch.go", "errors.json", "prefetch.json"):
         (d / name).unlink(missing_ok=True)
     server = Server(d, ServerSpec.load(d))
-    mnt = d / "mnt"
+    mnt = d / MOUNT_DIR
     mnt.mkdir(exist_ok=True)
     with server.store.writing():
         overlay = server.start_disk()

@@ -1,0 +1,160 @@
+"""``forkd fork HUB/NS/NAME[:TAG] -n N --lazy``: children of a snapshot this host has
+never seen, before its pack has arrived.
+
+1. Resolve the chain from the hub's manifests (``chunks.open_remote``: manifests,
+   configs, maps and the device state; no chunk).
+2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
+   file, the disk as an NBD export, one per snapshot on the host).
+3. Fork the children on its memory file and on copies of its empty overlay, holding the
+   file open meanwhile (the server exits once nothing has it open).
+4. Let the prefetch start: it fetches the rest of the chain and tags it locally as
+   ``NS/NAME:TAG`` once complete.
+No image is assembled on this path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd.engine import children as ch
+from forkd.engine.errors import EngineError, HostError
+from forkd.engine.lazy.chunks import ChunkSource, open_remote
+from forkd.engine.lazy.paths import server_dir
+from forkd.engine.qemu import pid_alive
+from forkd.registry import credentials
+from forkd.registry.client import RegistryClient
+from forkd.registry.reference import RemoteRef, parse_remote
+from forkd.store.assembly import Assembled
+from forkd.store.blobs import local_path
+from forkd.store.manifests import chain_files
+from forkd.store.store import Store
+
+READY_TIMEOUT = 120.0  # seconds for a server to mount its file (imports under load)
+
+
+@dataclass(frozen=True)
+class LazySnapshot:
+    """A running lazy server's files."""
+
+    dir: Path
+    pid: int
+    memory: Path
+    overlay: Path | None
+
+    def prefetch_now(self) -> None:
+        (self.dir / "prefetch.go").touch()
+
+
+def _ready(d: Path) -> LazySnapshot | None:
+    try:
+        raw = json.loads((d / "ready.json").read_text())
+    except (OSError, ValueError):
+        return None
+    pid = int(raw["pid"])
+    if not pid_alive(pid):
+        return None
+    overlay = raw.get("overlay")
+    return LazySnapshot(d, pid, Path(raw["memory"]), Path(overlay) if overlay else None)
+
+
+def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
+                 tag: str | None) -> LazySnapshot:
+    """The lazy server of ``source``'s head: the running one, else a new one (detached,
+    in its own session: it outlives this command)."""
+    from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
+
+    d = server_dir(store.home, source.head)
+    found = _ready(d)
+    if found is not None:
+        return found
+    d.mkdir(parents=True, exist_ok=True)
+    ServerSpec(str(store.home), source.head, source.name, tag,
+               remote.hub.address if remote else None, remote.name if remote else None
+               ).save(d)
+    with (d / "server.log").open("ab") as log:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.lazy.serve", str(d)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        found = _ready(d)
+        if found is not None:
+            return found
+        if proc.poll() not in (None, 0):
+            break
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        if proc.poll() is None:
+            proc.kill()
+    proc.wait()
+    tail = (d / "server.log").read_text(errors="replace").splitlines()[-15:]
+    raise HostError(f"the lazy server of {source.name} did not start (log {d / 'server.log'}):\n"
+                    + "\n".join(tail))
+
+
+@contextlib.contextmanager
+def holding(snap: LazySnapshot) -> Iterator[None]:
+    """Keep the memory file open (the server serves on while a file is open)."""
+    fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def assembled(store: Store, source: ChunkSource, snap: LazySnapshot) -> Assembled:
+    """What children.fork needs, on the lazy server's files (no image assembled)."""
+    files = chain_files(source.chain)
+    vmstate = files.get("vmstate")
+    path = local_path(store.blobs, vmstate.digest) if vmstate else None
+    disk = snap.overlay.parent / "disk.nbd.sock" if snap.overlay else None
+    return Assembled(source.head, source.config, snap.memory, disk, path, {})
+
+
+def fork(store: Store, remote_text: str, n: int, **options: Any) -> ch.ForkResult:
+    """N children of ``remote_text`` (``[HUB/]NS/NAME[:TAG]``) before its pack is here;
+    ``options`` as children.fork's."""
+    remote = parse_remote(remote_text)
+    with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
+        source = open_remote(store, remote, client)
+    tag = f"{remote.name}:{remote.tag}"
+    snap = start_server(store, source, remote, tag if _may_tag(store, tag, source) else None)
+    try:
+        with holding(snap):
+            asm = assembled(store, source, snap)
+            res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,
+                          **options)
+    except EngineError as exc:
+        failure = _failures(snap)
+        raise type(exc)(f"{exc}{failure}") from exc
+    finally:
+        snap.prefetch_now()
+    if res.errors:
+        res = ch.ForkResult(res.children, res.assemble_ms, res.total_ms,
+                            [*res.errors, *_failures(snap).splitlines()[1:]])
+    return res
+
+
+def _may_tag(store: Store, tag: str, source: ChunkSource) -> bool:
+    """The chain may get the local tag (none yet, or the same content)."""
+    return store.tags.read().get(tag, source.head) == source.head
+
+
+def _failures(snap: LazySnapshot) -> str:
+    try:
+        errors = json.loads((snap.dir / "errors.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return "".join(f"\nlazy read failed: {msg}" for msg in dict(errors).values())
+
+
+__all__ = ["LazySnapshot", "assembled", "fork", "start_server"]

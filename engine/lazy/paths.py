@@ -1,0 +1,27 @@
+"""Where a lazy server lives: ``$FORKD_HOME/lazy/<manifest hex>/`` (under the store, so
+the children of its memory file count as the store's: children.of_store), its memory
+file at ``mnt/memory.img``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forkd import digest as dg
+
+LAZY_DIR = "lazy"
+MOUNT_DIR = "mnt"
+FILE_NAME = "memory.img"
+
+
+def server_dir(home: Path, head: str) -> Path:
+    return home / LAZY_DIR / dg.hex_part(head)
+
+
+def server_dir_of(memory: Path) -> Path | None:
+    """The server directory of a lazy memory file's path, or None for any other path."""
+    if memory.name != FILE_NAME or memory.parent.name != MOUNT_DIR:
+        return None
+    d = memory.parent.parent
+    if d.parent.name != LAZY_DIR:
+        return None
+    return d
