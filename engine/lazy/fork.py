@@ -67,9 +67,10 @@ def _ready(d: Path) -> LazySnapshot | None:
 
 
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
-                 tag: str | None) -> LazySnapshot:
+                 tag: str | None, prefetch: bool = True) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
-    in its own session: it outlives this command)."""
+    in its own session: it outlives this command). prefetch False: a new server fetches
+    only what readers ask for."""
     from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
 
     d = server_dir(store.home, source.head)
@@ -78,8 +79,8 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
         return found
     d.mkdir(parents=True, exist_ok=True)
     ServerSpec(str(store.home), source.head, source.name, tag,
-               remote.hub.address if remote else None, remote.name if remote else None
-               ).save(d)
+               remote.hub.address if remote else None, remote.name if remote else None,
+               prefetch).save(d)
     with (d / "server.log").open("ab") as log:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.lazy.serve", str(d)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -120,14 +121,17 @@ def assembled(store: Store, source: ChunkSource, snap: LazySnapshot) -> Assemble
     return Assembled(source.head, source.config, snap.memory, disk, path, {})
 
 
-def fork(store: Store, remote_text: str, n: int, **options: Any) -> ch.ForkResult:
+def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
+         **options: Any) -> ch.ForkResult:
     """N children of ``remote_text`` (``[HUB/]NS/NAME[:TAG]``) before its pack is here;
-    ``options`` as children.fork's."""
+    ``options`` as children.fork's. prefetch False: chunks arrive on demand only (a new
+    server's setting)."""
     remote = parse_remote(remote_text)
     with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
         source = open_remote(store, remote, client)
     tag = f"{remote.name}:{remote.tag}"
-    snap = start_server(store, source, remote, tag if _may_tag(store, tag, source) else None)
+    snap = start_server(store, source, remote, tag if _may_tag(store, tag, source) else None,
+                        prefetch)
     try:
         with holding(snap):
             asm = assembled(store, source, snap)
@@ -137,7 +141,8 @@ def fork(store: Store, remote_text: str, n: int, **options: Any) -> ch.ForkResul
         failure = _failures(snap)
         raise type(exc)(f"{exc}{failure}") from exc
     finally:
-        snap.prefetch_now()
+        if prefetch:
+            snap.prefetch_now()
     if res.errors:
         res = ch.ForkResult(res.children, res.assemble_ms, res.total_ms,
                             [*res.errors, *_failures(snap).splitlines()[1:]])

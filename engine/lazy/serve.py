@@ -63,6 +63,7 @@ class ServerSpec:
     tag: str | None  # the local tag given once the chain is complete
     hub: str | None  # hub address, for missing chunks
     repo: str | None
+    prefetch: bool = True  # False: fetch on demand only (no prefetch.go, no timer)
 
     def save(self, d: Path) -> None:
         tmp = d / "server.json.tmp"
@@ -112,8 +113,9 @@ class Server:
         while not self.stopping:
             await trio.sleep(POLL)
             self.save_errors()
-            if not started and ((self.dir / "prefetch.go").exists()
-                                or time.monotonic() - ready_at > PREFETCH_AFTER):
+            if not started and self.spec.prefetch and (
+                    (self.dir / "prefetch.go").exists()
+                    or time.monotonic() - ready_at > PREFETCH_AFTER):
                 started = True
                 self.save_order()
                 threading.Thread(target=self.prefetch, daemon=True).start()

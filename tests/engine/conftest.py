@@ -4,6 +4,7 @@ built once per session, and teardown that leaves no VM, cgroup or socket behind.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -41,6 +42,19 @@ def qemu_pids_under(d: Path) -> list[int]:
     return out
 
 
+def lazy_mounts_under(d: Path, wait: float = 15.0) -> list[str]:
+    """forkd's lazy FUSE mounts (fsname forkd-lazy) below d, once their servers had
+    ``wait`` seconds to see their last child go and unmount."""
+    deadline = time.monotonic() + wait
+    while True:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            found = [line.split()[1] for line in f
+                     if line.startswith("forkd-lazy ") and line.split()[1].startswith(str(d))]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def qemu_pids() -> Callable[[Path], list[int]]:
     return qemu_pids_under
@@ -65,12 +79,14 @@ def engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
 
         ch.kill_all()
         leftovers = qemu_pids_under(env["FORKD_RUN"])
+        mounts = lazy_mounts_under(base)
         for k, value in old.items():
             if value is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = value
         assert not leftovers, f"QEMU processes left behind: {leftovers}"
+        assert not mounts, f"lazy FUSE mounts left behind: {mounts}"
 
 
 @pytest.fixture(scope="session")
