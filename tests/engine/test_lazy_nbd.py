@@ -12,6 +12,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,10 +20,17 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hub_server import HubServer
+
 from forkd.engine.lazy import nbd
-from forkd.engine.lazy.chunks import open_local
+from forkd.engine.lazy.chunks import open_local, open_remote
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
+from forkd.registry.client import RegistryClient
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import parse_remote
+from forkd.registry.transfer import push
 from forkd.store.blobs import FsBlobStore
 from forkd.store.store import Store
 
@@ -208,6 +216,35 @@ def test_unreadable_chunk_fails_that_read_only(chain: Chain) -> None:
         with _Client(ex.socket, structured=False) as c:
             assert c.read(5 * MiB, 4096) == (nbd.EIO, b"")
             assert c.read(0, 4096)[0] == 0
+
+
+def test_blocks_come_from_the_hub_on_first_access(chain: Chain, tmp_path: Path) -> None:
+    hub = HubServer(tmp_path / "hub").start()
+    try:
+        who = hub.add_user("nbd")
+        remote = parse_remote(f"{hub.address}/nbd/{REF}")
+        with RegistryClient(hub.target, Credential(*who)) as client:
+            push(chain.store, REF, remote, client)
+        fresh = Store(tmp_path / "fresh")
+        with RegistryClient(hub.target, Credential(*who), timeout=5) as client:
+            source = open_remote(fresh, remote, client)
+            layout = ImageLayout(source, "disk")
+            with start_disk_export(source, tmp_path / "run") as ex:
+                r = _qemu_io(ex.backing_spec(), "read -P 0x02 4k 4k", "read -P 0 3M 2M")
+                assert r.returncode == 0 and "failed" not in r.stdout, r.stdout + r.stderr
+                first = layout.chunks_at(4096, 4096)
+                assert source.fetched_chunks == 1 and all(fresh.blobs.has(d) for d in first)
+                later = layout.chunks_at(5 * MiB, 4096)[0]  # a chunk of the base layer
+                assert not fresh.blobs.has(later)
+                hub.stop()  # mid-run: what is not local yet cannot come any more
+                with _Client(ex.socket) as c:
+                    assert c.read(5 * MiB, 4096)[0] == nbd.EIO
+                    assert c.read(4096, 4096) == (0, b"\x02" * 4096)  # fetched: still served
+                    assert c.read(11 * MiB, 4096) == (0, b"\x03" * 4096)  # same diff chunk
+                assert any(later in e and hub.address in e for e in ex.errors), ex.errors
+        assert not fresh.blobs.has(later) and fresh.verify() == []
+    finally:
+        hub.stop()
 
 
 def test_corrupt_chunk_is_never_served(chain: Chain) -> None:
