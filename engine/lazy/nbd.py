@@ -43,6 +43,7 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from forkd.engine.errors import VMMError
@@ -134,6 +135,16 @@ MIN_HOLE_BYTES = 64 << 10  # a gap between data pieces sent as a hole, not as ze
 Piece = tuple[int, int, Segment]  # ImageLayout.pieces: (offset in the request, bytes, segment)
 
 
+@dataclass(frozen=True)
+class ReadFailure:
+    """A read that failed because a chunk could not be had: which client (the QEMU's pid,
+    from the socket's peer credentials; 0 if unknown), which chunk, and why."""
+
+    pid: int
+    digest: str
+    message: str
+
+
 class _Hangup(Exception):
     """The connection ends here: the peer left, or broke the protocol (logged)."""
 
@@ -152,7 +163,7 @@ class NbdServer:
         self.layout = layout
         self.socket_path = socket_path
         self.on_access = on_access
-        self._errors: deque[str] = deque(maxlen=KEPT_ERRORS)
+        self._failures: deque[ReadFailure] = deque(maxlen=KEPT_ERRORS)
         self._lock = threading.Lock()
         self._clients: dict[socket.socket, threading.Thread] = {}
         self._closing = False
@@ -169,10 +180,10 @@ class NbdServer:
         self._acceptor.start()
 
     @property
-    def errors(self) -> list[str]:
-        """The most recent failed reads (at most ``KEPT_ERRORS``), each naming its chunk."""
+    def failures(self) -> list[ReadFailure]:
+        """The most recent failed reads (at most ``KEPT_ERRORS``), oldest first."""
         with self._lock:
-            return list(self._errors)
+            return list(self._failures)
 
     @property
     def connections(self) -> int:
@@ -224,10 +235,10 @@ class NbdServer:
                 self._clients.pop(sock, None)
             sock.close()
 
-    def record_failure(self, message: str) -> None:
-        log.error("%s", message)
+    def record_failure(self, failure: ReadFailure) -> None:
+        log.error("%s", failure.message)
         with self._lock:
-            self._errors.append(message)
+            self._failures.append(failure)
 
 
 class _Session:
@@ -239,6 +250,7 @@ class _Session:
         self.sock = sock
         self.structured = False
         self.max_request = MAX_REQUEST_BYTES
+        self.pid = _peer_pid(sock)
 
     def run(self) -> None:
         try:
@@ -422,8 +434,9 @@ class _Session:
                 self.server.on_access(digest)
             return self.layout.source.read(digest)
         except Exception as exc:  # any failure of one chunk fails one read, not the server
-            self.server.record_failure(f"{self.server.socket_path}: disk chunk {digest} cannot "
-                                       f"be read: {exc}")
+            self.server.record_failure(ReadFailure(
+                self.pid, digest, f"{self.server.socket_path}: disk chunk {digest} cannot be "
+                f"read for client pid {self.pid}: {exc}"))
             return None
 
     def _read_structured(self, handle: int, offset: int, length: int) -> None:
@@ -479,6 +492,15 @@ class _Session:
         self._send(_SIMPLE_REPLY.pack(SIMPLE_REPLY_MAGIC, 0, handle), data)
 
 
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a unix socket (0 when unknown)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return 0
+    return int(struct.unpack("3i", creds)[0])
+
+
 def _runs(pieces: list[Piece]) -> Iterator[tuple[int, int, list[Piece]]]:
     """Group a request's pieces (sorted) into runs: (start, stop, pieces), a gap of less
     than ``MIN_HOLE_BYTES`` inside a run (sent as zeros), larger gaps between runs (holes).
@@ -511,7 +533,13 @@ class DiskExport:
 
     @property
     def errors(self) -> list[str]:
-        return self.server.errors
+        """The most recent failed reads, each naming its chunk and client pid."""
+        return [f.message for f in self.server.failures]
+
+    @property
+    def failures(self) -> list[ReadFailure]:
+        """The same as records: which child's QEMU (pid) could not read which chunk."""
+        return self.server.failures
 
     def backing_spec(self) -> str:
         """What a qcow2 overlay names as its backing file (format raw): QEMU's NBD URL."""

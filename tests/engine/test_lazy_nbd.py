@@ -206,10 +206,15 @@ def test_unreadable_chunk_fails_that_read_only(chain: Chain) -> None:
     assert isinstance(chain.store.blobs, FsBlobStore)
     chain.store.blobs.delete(lost[0])  # not local, and no hub to fetch it from
     with start_disk_export(source, chain.run) as ex:
-        r = _qemu_io(ex.backing_spec(), "read -P 0x01 5M 8k", "read -P 0x03 11M 4k")
-        assert "Input/output error" in r.stdout + r.stderr, r.stdout + r.stderr
-        assert "read 4096/4096 bytes at offset 11534336" in r.stdout  # the next read works
+        io = subprocess.Popen(["qemu-io", "-r", "-f", "raw", "-c", "read -P 0x01 5M 8k",
+                               "-c", "read -P 0x03 11M 4k", ex.backing_spec()],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True)
+        out = io.communicate(timeout=120)[0]
+        assert "Input/output error" in out, out
+        assert "read 4096/4096 bytes at offset 11534336" in out  # the next read works
         assert any(lost[0] in e for e in ex.errors), ex.errors
+        assert [(f.pid, f.digest) for f in ex.failures] == [(io.pid, lost[0])]  # which child
         with _Client(ex.socket) as c:
             assert c.read(5 * MiB, 4096)[0] == nbd.EIO
             assert c.read(11 * MiB, 4096) == (0, b"\x03" * 4096)
