@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException
 from litestar.logging import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
+from sqlalchemy import text
 
 import forkd
 from forkd.hub import accounts, gc
@@ -22,6 +23,7 @@ from forkd.hub import retention as retention_rules
 from forkd.hub.auth import token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
+from forkd.hub.db import MIGRATE_LOCK
 from forkd.hub.errors import RegistryError, registry_error_handler
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
@@ -36,8 +38,12 @@ log = logging.getLogger("forkd.hub")
 
 
 async def bootstrap_admin(hub: Hub) -> None:
-    """On an empty database, create the first admin (from settings, else a generated password)."""
+    """On an empty database, create the first admin (from settings, else a generated
+    password). Replicas starting together on one PostgreSQL take turns (an advisory
+    lock), so one creates it and the others find it."""
     async with hub.db.transaction() as session:
+        if not hub.db.is_sqlite:
+            await session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATE_LOCK})
         if await accounts.has_users(session):
             return
         name = hub.settings.admin_user or "admin"

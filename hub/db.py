@@ -31,6 +31,7 @@ SQLITE_BUSY_TIMEOUT_S = 30
 # up and runs through aiosqlite's thread instead, where waiting blocks nothing else.
 INLINE_BUSY_TIMEOUT_S = 0.05
 GC_LOCK = 0x666F726B64  # "forkd": the advisory lock key between blob writers and GC
+MIGRATE_LOCK = 0x6D69677261  # "migra": one migrating process at a time (PostgreSQL)
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -163,6 +164,9 @@ class Database:
 
         if not self.is_sqlite:
             async with self.engine.begin() as conn:
+                # Replicas starting together migrate one after another: the later ones
+                # find the schema at head and do nothing.
+                await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATE_LOCK})
                 await conn.run_sync(upgrade)
             return
 

@@ -244,7 +244,7 @@ class UploadChunk(Base):
     )
     start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger)
-    key: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(64))  # the object's name under the session's prefix
 
 
 class HubSecret(Base):

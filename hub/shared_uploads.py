@@ -59,16 +59,18 @@ class SharedUploads:
         return f"{self.root}{validate_upload_id(upload_id)}/"
 
     def put_chunk(self, upload_id: str, start: int, f: BinaryIO) -> str:
-        """Put the staging file ``f`` (from its start) as a new object; return its key."""
-        key = f"{self._session_prefix(upload_id)}{start:020d}-{secrets.token_hex(8)}"
+        """Put the staging file ``f`` (from its start) as a new object; return its name
+        (what ``upload_chunks.key`` records: the object's key after the session's prefix)."""
+        name = f"{start:020d}-{secrets.token_hex(8)}"
+        key = self._session_prefix(upload_id) + name
         f.seek(0)
         with translated(f"PUT {key}"):
             self.client.put_object(Bucket=self.bucket, Key=key, Body=f)
-        return key
+        return name
 
-    def read(self, keys: Iterable[str]) -> Iterator[bytes]:
-        """The chunks' bytes, in the order given."""
-        for key in keys:
+    def read(self, upload_id: str, names: Iterable[str]) -> Iterator[bytes]:
+        """The bytes of the session's chunks ``names``, in the order given."""
+        for key in (self._session_prefix(upload_id) + name for name in names):
             with translated(f"GET {key}", f"upload chunk {key} is missing from the bucket"):
                 body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
                 try:
@@ -76,7 +78,10 @@ class SharedUploads:
                 finally:
                     body.close()
 
-    def delete_keys(self, keys: list[str]) -> None:
+    def delete_chunks(self, upload_id: str, names: list[str]) -> None:
+        self._delete_keys([self._session_prefix(upload_id) + name for name in names])
+
+    def _delete_keys(self, keys: list[str]) -> None:
         for i in range(0, len(keys), DELETE_BATCH):
             batch = [{"Key": k} for k in keys[i : i + DELETE_BATCH]]
             with translated(f"DELETE {len(batch)} upload chunks"):
@@ -84,7 +89,7 @@ class SharedUploads:
 
     def delete_session(self, upload_id: str) -> None:
         """Delete every object of the session, recorded or not."""
-        self.delete_keys([key for key, _ in self._objects(self._session_prefix(upload_id))])
+        self._delete_keys([key for key, _ in self._objects(self._session_prefix(upload_id))])
 
     def stray_sessions(self, known: set[str], older_than: datetime) -> list[str]:
         """Sessions with objects in the bucket but no row (gone), none of them newer
@@ -125,7 +130,7 @@ def commit_chunk(session: Session, upload_id: str, start: int, size: int, key: s
 
 
 def chunk_keys(session: Session, upload_id: str) -> tuple[list[str], int]:
-    """The session's chunk keys in order (checked to follow one another from 0), and
+    """The names of the session's chunks in order (checked to follow one another from 0), and
     the bytes they hold."""
     rows = session.execute(
         select(UploadChunk.start, UploadChunk.size, UploadChunk.key)

@@ -142,7 +142,7 @@ async def _commit(hub: Hub, upload_id: str, offset: int, written: int, f: Binary
         finally:
             if not recorded and key:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(shared.delete_keys, [key])
+                    await anyio.to_thread.run_sync(shared.delete_chunks, upload_id, [key])
         if not recorded:
             upload = await hub.db.read(_upload, upload_id)
             if upload is None:
@@ -452,7 +452,7 @@ def _store(hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _
         size = chunks.size + os.fstat(f.fileno()).st_size
         if hub.shared is not None:
             parts = itertools.chain(
-                hub.shared.read(chunks.keys), iter(lambda: f.read(STREAM_CHUNK), b"")
+                hub.shared.read(upload_id, chunks.keys), iter(lambda: f.read(STREAM_CHUNK), b"")
             )
             if hub.blobs.has(digest):
                 dg.check(digest, _hash(parts, digest), f"upload {upload_id}")
