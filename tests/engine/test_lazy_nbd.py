@@ -320,6 +320,24 @@ def test_malformed_options_get_errors(export: DiskExport) -> None:
         assert c.closed()
 
 
+def test_export_name_option_of_older_clients(chain: Chain, export: DiskExport) -> None:
+    with _Client(export.socket, handshake=False) as c:
+        c.greeting()
+        c.sock.sendall(struct.pack(">I", nbd.FLAG_FIXED_NEWSTYLE))  # no NO_ZEROES
+        c.option(nbd.OPT_EXPORT_NAME, b"disk")
+        size, flags = struct.unpack(">QH", c.recv(10))
+        assert size == DISK_SIZE and flags & nbd.FLAG_READ_ONLY
+        assert c.recv(124) == bytes(124)
+        c.structured = False
+        want = chain.assembled.read_bytes()
+        assert c.read(0, 4 * MiB) == (0, want[: 4 * MiB])  # no block sizes agreed: up to 32 MiB
+    with _Client(export.socket, handshake=False) as c:
+        c.greeting()
+        c.sock.sendall(struct.pack(">I", 3))
+        c.option(nbd.OPT_EXPORT_NAME, b"elsewhere")  # no way to answer an error: hang up
+        assert c.closed()
+
+
 def test_bad_requests_get_einval(export: DiskExport) -> None:
     for structured in (True, False):
         with _Client(export.socket, structured=structured) as c:
