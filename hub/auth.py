@@ -118,7 +118,7 @@ async def login(
     # Counted per client address only: a count per user name would let anyone lock
     # someone else out (docs/hub.md, "Security model").
     keys = [f"ip:{host}"]
-    wait = await hub.limiter.retry_after(keys)
+    wait, attempt = await hub.limiter.attempt(keys)  # counted as a failure until it is not
     if wait:
         hub.audit.record(user[:64], host, "login", "-", "rate-limited")
         raise RegistryError(
@@ -129,10 +129,10 @@ async def login(
     async with hub.db.reading() as session:
         principal = await accounts.authenticate_password(session, user, password)
     if principal is None:
-        await hub.limiter.failed(keys)
         hub.metrics.auth_failures.inc()
         hub.audit.record(user[:64], host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
+    await hub.limiter.succeeded(attempt)
     hub.verified.put(principal, cache_key)
     return principal
 

@@ -1,24 +1,32 @@
-"""The failed-login limiter: at most ``limit`` failed logins per client address and per
-user name in ``window`` seconds, then 429 until the oldest failure leaves the window.
+"""The failed-login limiter: at most ``limit`` failed logins per key (hub/auth.py counts
+per client address) in ``window`` seconds, then 429 until the oldest failure leaves the window.
 
 The failures are rows in the database (``login_failures``), so the worker processes of
-``forkd hub serve --workers N`` (and hubs sharing one PostgreSQL) share one count: a
-limiter per process would let a guesser try N times as often. Only logins that are not
-in the verified-credential cache reach it, and they pay an argon2 verification anyway;
-the check is one indexed read, a failure one small write that also drops expired rows.
+``forkd hub serve --workers N`` and hub replicas sharing one PostgreSQL share one count:
+a limiter per process would let a guesser try N times as often.
+
+The count is never read and then acted on apart: ``attempt`` counts the key's failures
+and, when there is room, records this attempt as one in the same transaction, under the
+key's lock (PostgreSQL: a transaction-scoped advisory lock per key; SQLite: writers are
+serial), before the password is checked. A login that then succeeds takes its row back
+(``succeeded``). So ``limit`` guesses sent at once through every replica still get
+``limit`` verifications, not one each. Only logins that are not in the
+verified-credential cache reach it, and they pay an argon2 verification anyway; an
+attempt is one small write that also drops expired rows, a success one more.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
 from forkd.hub.db import Database
 from forkd.hub.models import LoginFailure, utcnow
 
 KEY_MAX = 80
+LOGIN_LOCK_CLASS = 0x6C6F6769  # "logi": apart from the GC and quota locks
 
 
 def _key(key: str) -> str:
@@ -31,12 +39,35 @@ class LoginLimiter:
         self.limit = limit
         self.window = timedelta(seconds=window)
 
-    async def retry_after(self, keys: list[str]) -> int:
-        """Seconds until a login may be tried again (0: allowed now)."""
-        return await self.db.read(self._retry_after, [_key(k) for k in keys])
+    async def attempt(self, keys: list[str]) -> tuple[int, list[int]]:
+        """Start a login attempt: (seconds until one may be tried again, 0 when it may go
+        ahead; the ids of the rows that count it as a failure until ``succeeded``)."""
+        return await self.db.write(self._attempt, sorted({_key(k) for k in keys}))
 
-    async def failed(self, keys: list[str]) -> None:
-        await self.db.write(self._failed, [_key(k) for k in keys])
+    async def succeeded(self, attempt: list[int]) -> None:
+        """The attempt's password was right: it is no failure."""
+        if attempt:
+            await self.db.write(self._forget, attempt)
+
+    def _attempt(self, session: Session, keys: list[str]) -> tuple[int, list[int]]:
+        if session.get_bind().dialect.name == "postgresql":
+            for key in keys:  # sorted: two attempts never wait for each other in a cycle
+                session.execute(
+                    text("SELECT pg_advisory_xact_lock(:cls, hashtext(:key))"),
+                    {"cls": LOGIN_LOCK_CLASS, "key": key},
+                )
+        now = utcnow()
+        session.execute(delete(LoginFailure).where(LoginFailure.at <= now - self.window))
+        wait = self._retry_after(session, keys)
+        if wait:
+            return wait, []
+        rows = [LoginFailure(key=k, at=now) for k in keys]
+        session.add_all(rows)
+        session.flush()
+        return 0, [row.id for row in rows]
+
+    def _forget(self, session: Session, ids: list[int]) -> None:
+        session.execute(delete(LoginFailure).where(LoginFailure.id.in_(ids)))
 
     def _retry_after(self, session: Session, keys: list[str]) -> int:
         now = utcnow()
@@ -52,8 +83,3 @@ class LoginLimiter:
                     oldest = oldest.replace(tzinfo=now.tzinfo)
                 wait = max(wait, (oldest + self.window - now).total_seconds())
         return int(wait) + 1 if wait > 0 else 0
-
-    def _failed(self, session: Session, keys: list[str]) -> None:
-        now = utcnow()
-        session.execute(delete(LoginFailure).where(LoginFailure.at <= now - self.window))
-        session.execute(insert(LoginFailure), [{"key": k, "at": now} for k in keys])

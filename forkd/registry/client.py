@@ -5,6 +5,16 @@ realm=…,service=…,scope=…`` sends the stored credential (Basic) to the rea
 and retries with the token; a ``Basic`` challenge is answered directly.
 Tokens are cached per scope. Errors carry the registry's OCI error codes.
 
+Retries: a request whose connection failed or broke before an answer arrived, or that
+a load balancer answered 502/503/504 (its replica went away), is sent again after a
+pause, ``RETRY_DELAYS`` (about 8 s in all: longer than a balancer's health checks take
+to drop a dead replica), so a client behind several hub replicas rides out the loss of
+one. Every request this client sends is safe to repeat: reads, manifest PUTs, blob
+uploads addressed by digest (the same content twice is one blob), and chunk PATCHes
+with a ``Content-Range``, which a registry that already has the chunk refuses with 416:
+then the upload goes on from where the registry says it stands (``GET`` on the session),
+and an upload whose session was lost (its replica's) starts again.
+
 Credentials go only to the registry's own origin (same scheme, host and port) or to a
 token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS``
 (comma-separated origins such as ``https://auth.example.com``). A challenge naming any
@@ -18,6 +28,7 @@ import base64
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +44,10 @@ from forkd.registry.reference import Hub
 
 MANIFEST_ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX])
 UPLOAD_CHUNK = 16 << 20
+# Pauses before the retries of a request that got no answer or a balancer's 502/503/504.
+RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
+RETRY_STATUSES = (502, 503, 504)
+UPLOAD_RESTARTS = 3  # times a chunked upload whose session was lost starts again
 _CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
 TRUSTED_REALMS_ENV = "FORKD_TRUSTED_REALMS"
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -40,16 +55,22 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 class RegistryError(ForkdError):
     """The registry refused a request or could not be reached; ``codes`` are the OCI
-    error codes of its answer, ``details`` their detail texts."""
+    error codes of its answer, ``details`` their detail texts, ``status`` its HTTP
+    status (None: no answer)."""
 
     exit_code = 7
 
     def __init__(
-        self, message: str, codes: tuple[str, ...] = (), details: tuple[str, ...] = ()
+        self,
+        message: str,
+        codes: tuple[str, ...] = (),
+        details: tuple[str, ...] = (),
+        status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.codes = codes
         self.details = details
+        self.status = status
 
 
 class AuthError(RegistryError):
@@ -131,15 +152,7 @@ class RegistryClient:
     ) -> httpx.Response:
         """Send a request, answering one auth challenge; raise unless the status is in ``ok``."""
         for attempt in (1, 2):
-            req = self.http.build_request(
-                method, url, headers={**(headers or {}), **self._auth_header(scope)}, **kwargs
-            )
-            try:
-                resp = self.http.send(req, stream=stream)
-            except httpx.HTTPError as exc:
-                raise RegistryError(
-                    f"{self.hub}: {method} {url} failed: {exc}; is the hub running and reachable?"
-                ) from exc
+            resp = self._send(method, url, scope, stream, headers, kwargs)
             if resp.status_code == 401 and attempt == 1:
                 resp.read()
                 self._authenticate(resp.headers.get("www-authenticate", ""), scope)
@@ -149,6 +162,36 @@ class RegistryClient:
                 raise self._error(method, url, resp)
             return resp
         raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
+
+    def _send(
+        self,
+        method: str,
+        url: str,
+        scope: str,
+        stream: bool,
+        headers: dict[str, str] | None,
+        kwargs: dict[str, Any],
+    ) -> httpx.Response:
+        """One request, sent again after ``RETRY_DELAYS`` while there is no answer or a
+        balancer's 502/503/504 (the last such answer is returned)."""
+        for delay in (*RETRY_DELAYS, None):
+            req = self.http.build_request(
+                method, url, headers={**(headers or {}), **self._auth_header(scope)}, **kwargs
+            )
+            try:
+                resp = self.http.send(req, stream=stream)
+            except httpx.TransportError as exc:
+                if delay is None:
+                    raise RegistryError(
+                        f"{self.hub}: {method} {url} failed: {exc}; is the hub running and "
+                        "reachable?"
+                    ) from exc
+            else:
+                if resp.status_code not in RETRY_STATUSES or delay is None:
+                    return resp
+                resp.close()
+            time.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _auth_header(self, scope: str) -> dict[str, str]:
         with self._lock:
@@ -220,13 +263,17 @@ class RegistryClient:
         except (InvalidInput, AttributeError, TypeError):
             detail = resp.text[:200]
         msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
-        if resp.status_code in (401, 403):
+        status = resp.status_code
+        if status in (401, 403):
             return AuthError(
-                f"{msg}; log in with `forkd login {self.hub}` or ask for the scope", codes, details
+                f"{msg}; log in with `forkd login {self.hub}` or ask for the scope",
+                codes,
+                details,
+                status,
             )
-        if resp.status_code == 404:
-            return RegistryNotFound(msg, codes, details)
-        return RegistryError(msg, codes, details)
+        if status == 404:
+            return RegistryNotFound(msg, codes, details, status)
+        return RegistryError(msg, codes, details, status)
 
     # -- API ----------------------------------------------------------------
     @staticmethod
@@ -309,25 +356,49 @@ class RegistryClient:
                     headers={"Content-Type": "application/octet-stream"},
                 )
             return
+        for restart in range(UPLOAD_RESTARTS + 1):
+            try:
+                self._put_chunked(repo, digest, size, read, scope)
+                return
+            except RegistryNotFound as exc:
+                if "BLOB_UPLOAD_UNKNOWN" not in exc.codes:
+                    raise
+                if self.has_blob(repo, digest, scope):  # the closing PUT's answer was lost
+                    return
+                if restart == UPLOAD_RESTARTS:
+                    raise
+
+    def _put_chunked(
+        self, repo: str, digest: str, size: int, read: Callable[[int, int], bytes], scope: str
+    ) -> None:
+        """One upload session: PATCH chunks, going on from the registry's Range when it
+        refuses one (416: it has more, or fewer, bytes than this client thought)."""
         resp = self.request(
             "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
         )
         location = resp.headers["location"]
-        offset = 0
+        offset = resyncs = 0
         while offset < size:
             data = read(offset, min(UPLOAD_CHUNK, size - offset))
-            resp = self.request(
-                "PATCH",
-                location,
-                scope,
-                ok=(202,),
-                content=data,
-                headers={
-                    "Content-Type": "application/octet-stream",
-                    "Content-Range": f"{offset}-{offset + len(data) - 1}",
-                    "Content-Length": str(len(data)),
-                },
-            )
+            try:
+                resp = self.request(
+                    "PATCH",
+                    location,
+                    scope,
+                    ok=(202,),
+                    content=data,
+                    headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Range": f"{offset}-{offset + len(data) - 1}",
+                        "Content-Length": str(len(data)),
+                    },
+                )
+            except RegistryError as exc:
+                resyncs += 1
+                if exc.status != 416 or resyncs > UPLOAD_RESTARTS:
+                    raise
+                offset, location = self._upload_progress(location, scope, size)
+                continue
             location = resp.headers.get("location", location)
             offset += len(data)
         self.request(
@@ -337,6 +408,18 @@ class RegistryClient:
             ok=(201,),
             headers={"Content-Length": "0"},
         )
+
+    def _upload_progress(self, location: str, scope: str, size: int) -> tuple[int, str]:
+        """Where an upload session stands (``GET`` on it): the next offset, its location.
+        ``Range: 0-0`` is read as empty (registries answer it for 0 bytes and for 1; a
+        wrong guess is one more 416, and the resyncs are bounded)."""
+        resp = self.request("GET", location, scope, ok=(204,))
+        match = re.fullmatch(r"0-([0-9]+)", resp.headers.get("range", "").strip())
+        end = int(match.group(1)) if match else 0
+        offset = end + 1 if end else 0
+        if offset > size:
+            raise RegistryError(f"{self.hub}: upload {location} has {offset} bytes, over {size}")
+        return offset, resp.headers.get("location", location)
 
     def _cancel(self, repo: str, resp: httpx.Response) -> None:
         location = resp.headers.get("location")
