@@ -2,18 +2,21 @@
 
 One child of the tiny recipe. For each size it times, guest → host:
 
-- **stdout, v2**: `exec_stream` of `yes | head -c SIZE` (1 MiB base64 event frames
-  while it runs);
+- **stdout, v2**: `exec_stream` of `yes | head -c SIZE` (event frames of up to 1 MiB,
+  raw payloads spliced from the command's pipe into the port, while it runs); also
+  with one writer, `head -c SIZE /dev/zero`, and the writer alone (`yes | head -c SIZE
+  > /dev/null` in the guest: the ceiling the producer itself puts on the stdout figure,
+  both share the guest's one vCPU);
 - **stdout, v1 form**: the same command as a protocol-1 `exec` (the whole output in one
   reply line);
-- **file, v2**: a streamed `get` (1 MiB chunk events);
+- **file, v2**: a streamed `get` (1 MiB chunk events, sent from the page cache);
 - **file, v1 form**: a protocol-1 `get` (the whole file in one reply; at most 32 MiB).
 
 With `--old-agent REV` it also builds a snapshot whose agent is engine/guest/agent.py at
 git revision REV (the agent lives in the snapshot's memory) and times the same protocol-1
 requests against that agent: today's figure before v2 (its write loop re-sliced its
 buffer, quadratic: keep its sizes small with --old-sizes). No assertions; MB/s and the
-ratio to the old path.
+ratio to the old path, with the 1-minute load average (the machine may be shared).
 
     python -P bench/agent_throughput.py [--sizes 4,16,64] [--old-agent a10ab1f --old-sizes 1,4]
 """
@@ -41,35 +44,54 @@ def _timed(fn: Callable[[], int]) -> tuple[int, float]:
     return n, time.monotonic() - t0
 
 
+STDOUT_WRITERS = {
+    # printable bytes: a protocol-1 reply carries stdout as a JSON string, where a NUL
+    # would take 6 bytes (\u0000)
+    "yes | head": "yes | head -c {size}",  # two guest processes and a pipe between them
+    "head /dev/zero": "head -c {size} /dev/zero",  # one writer: the cheapest producer
+}
+
+
+def _stdout(child_id: str, cmd: list[str], v2: bool) -> tuple[int, float]:
+    """(bytes, seconds) of cmd's stdout: streamed (v2) or in the reply (v1 form)."""
+    from forkd.engine import children as ch
+
+    if not v2:
+        return _timed(lambda: len(ch.exec_in(child_id, cmd)["stdout"]))
+    got = [0]
+
+    def count(b: bytes) -> None:
+        got[0] += len(b)
+
+    return _timed(lambda: (ch.exec_stream(child_id, cmd, on_stdout=count), got[0])[1])
+
+
 def measure(child_id: str, size: int, *, v2: bool) -> dict[str, float]:
     from forkd.engine import children as ch
 
-    # printable bytes: a protocol-1 reply carries stdout as a JSON string, where a NUL
-    # would take 6 bytes (\u0000)
-    cmd = ["sh", "-c", f"yes | head -c {size}"]
     out: dict[str, float] = {}
-    if v2:
-        got = [0]
-
-        def count(b: bytes) -> None:
-            got[0] += len(b)
-
-        n, dt = _timed(lambda: (ch.exec_stream(child_id, cmd, on_stdout=count), got[0])[1])
-    else:
-        n, dt = _timed(lambda: len(ch.exec_in(child_id, cmd)["stdout"]))
-    assert n == size, f"{n} of {size} bytes arrived"
-    out["stdout"] = _mbps(size, dt)
+    for name, shell in STDOUT_WRITERS.items():
+        if not v2 and name != "yes | head":
+            continue
+        n, dt = _stdout(child_id, ["sh", "-c", shell.format(size=size)], v2)
+        assert n == size, f"{n} of {size} bytes arrived"
+        out[f"stdout {name}"] = _mbps(size, dt)
+    if v2:  # the producer alone, its output dropped in the guest: the ceiling for stdout
+        cmd = ["sh", "-c", f"{STDOUT_WRITERS['yes | head'].format(size=size)} > /dev/null"]
+        _, dt = _timed(lambda: ch.exec_in(child_id, cmd)["exit_code"])
+        out["yes | head > /dev/null"] = _mbps(size, dt)
     ch.exec_in(child_id, ["sh", "-c", f"head -c {size} /dev/urandom > /root/bench.bin"])
     with ch.agent(child_id) as a:
         if v2:
             n, dt = _timed(lambda: len(a.get("/root/bench.bin")))
         elif size <= 32 << 20:
-            n, dt = _timed(lambda: len(a.get_v1("/root/bench.bin")))
+            n, dt = _timed(lambda: len(a.get_v1("/root/bench.bin", timeout=600)))
         else:
             n, dt = size, float("nan")
+    ch.exec_in(child_id, ["rm", "-f", "/root/bench.bin"])
     out["file"] = _mbps(size, dt)
-    print(f"  {'v2' if v2 else 'v1 form'} {size >> 20} MiB: stdout {out['stdout']:.2f} MB/s, "
-          f"file {out['file']:.2f} MB/s", flush=True)
+    shown = ", ".join(f"{k} {v:.2f} MB/s" for k, v in out.items())
+    print(f"  {'v2' if v2 else 'v1 form'} {size >> 20} MiB: {shown}", flush=True)
     return out
 
 
@@ -122,17 +144,24 @@ def main() -> None:
     os.environ.setdefault("FORKD_HOME", str(base / "home"))
     os.environ.setdefault("FORKD_RUN", str(base / "run"))
     home = Path(os.environ["FORKD_HOME"])
+    load_before = os.getloadavg()[0]
     print("guest → host throughput, MB/s (one tiny child, TCG or KVM as the host has)")
     both = one_child("bench-agent:v2", REPO / "recipes" / "tiny.toml", sizes, (True, False),
                      home)
     v2, v1_form = both[True], both[False]
+    print(f"1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
+          f"({os.cpu_count()} CPUs, shared)")
     print(f"{'size':>8} {'stdout v2':>10} {'v1 form':>9} {'ratio':>6}   "
-          f"{'file v2':>8} {'v1 form':>9} {'ratio':>6}")
+          f"{'file v2':>8} {'v1 form':>9} {'ratio':>6}   {'stdout v2, one writer':>22}   "
+          f"{'writer alone':>12}")
     for s in sizes:
         a, b = v2[s], v1_form[s]
-        print(f"{s >> 20:>5} MiB {a['stdout']:>10.1f} {b['stdout']:>9.2f} "
-              f"{a['stdout'] / b['stdout']:>6.1f}   {a['file']:>8.1f} {b['file']:>9.2f} "
-              f"{a['file'] / b['file']:>6.1f}")
+        key = "stdout yes | head"
+        print(f"{s >> 20:>5} MiB {a[key]:>10.1f} {b[key]:>9.2f} {a[key] / b[key]:>6.1f}   "
+              f"{a['file']:>8.1f} {b['file']:>9.2f} {a['file'] / b['file']:>6.1f}   "
+              f"{a['stdout head /dev/zero']:>22.1f}   {a['yes | head > /dev/null']:>12.1f}")
+    print("stdout: `yes | head -c SIZE`; one writer: `head -c SIZE /dev/zero`; writer alone: "
+          "`yes | head -c SIZE > /dev/null` in the guest (the producer's own ceiling)")
     if args.old_agent:
         old_sizes = [int(s) << 20 for s in args.old_sizes.split(",")]
         old = old_agent_run(args.old_agent, old_sizes, home)
@@ -140,9 +169,10 @@ def main() -> None:
         for s in old_sizes:
             o = old[s]
             ref = v2.get(s)
-            ratio = (f"   v2 is {ref['stdout'] / o['stdout']:.0f}x stdout, "
+            ratio = (f"   v2 is {ref['stdout yes | head'] / o['stdout yes | head']:.0f}x stdout, "
                      f"{ref['file'] / o['file']:.0f}x file") if ref else ""
-            print(f"{s >> 20:>5} MiB stdout {o['stdout']:>8.2f}   file {o['file']:>8.2f}{ratio}")
+            print(f"{s >> 20:>5} MiB stdout {o['stdout yes | head']:>8.2f}   "
+                  f"file {o['file']:>8.2f}{ratio}")
 
 
 if __name__ == "__main__":

@@ -234,9 +234,9 @@ class AgentClient:
                              f"{res.get('bytes')}")
         return data
 
-    def get_v1(self, path: str) -> bytes:
+    def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
-        return base64.b64decode(self.request("get", {"path": path})["data"])
+        return base64.b64decode(self.request("get", {"path": path}, timeout=timeout)["data"])
 
     def close(self) -> None:
         self._ls.close()

@@ -13,6 +13,7 @@ import ast
 import base64
 import contextlib
 import ctypes
+import errno
 import fcntl
 import io
 import json
@@ -30,7 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 PROTOCOL = 2
 ACCEPTED_VERSIONS = (1, 2)  # v1 requests mean what they meant; v2 adds ops and fields
@@ -45,6 +46,11 @@ PIPE_SIZE = 1 << 20
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 F_SETPIPE_SZ = 1031
+FIONREAD = 0x541B
+# A pipe that is still filling is left to fill for up to this long (in 1 ms steps while it
+# grows) before its bytes go out as one frame: a writer that writes 4-8 KiB at a time then
+# yields frames of up to CHUNK instead of one per write (each frame costs guest CPU).
+GATHER_S = 0.02
 # Safety net only: SIGIO wakes the idle agent when the host connects or sends.
 IDLE_WAIT_S = 60.0
 WRITE_GIVE_UP_S = 5.0  # a frame the host does not take for this long is dropped
@@ -110,7 +116,7 @@ class Channel:
         with self.lock:
             self._write_all(data)
 
-    def _write_all(self, data: bytes) -> None:
+    def _write_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         off = 0
         give_up = None
@@ -127,21 +133,99 @@ class Channel:
                     return
                 time.sleep(0.05)
 
-    def event(self, rid: object, ev: str, data: bytes) -> None:
+    def event(self, rid: object, ev: str, data: bytes | memoryview) -> None:
         """A header line with the payload's size, then the raw bytes (no base64 or JSON
-        encoding of the payload: under TCG those cost more than the transfer)."""
+        encoding of the payload: under TCG those cost more than the transfer), written
+        one after the other (not joined: a join is one more copy of the payload)."""
         head = _line({"id": rid, "ev": ev, "size": len(data)})
         with self.lock:
-            self._write_all(head + data)
+            self._write_all(head)
+            self._write_all(data)
+
+    def event_from(self, rid: object, ev: str, fd: int, n: int, offset: int | None) -> int:
+        """An event whose n-byte payload goes from fd (a pipe, or with offset a file)
+        straight into the port: splice / sendfile, so the bytes never pass through the
+        agent (under TCG each copy of the payload costs about as much as the transfer).
+        Returns the payload bytes that came from fd; a file that shrank meanwhile is
+        padded with zeros to the n announced (the reply's count tells)."""
+        head = _line({"id": rid, "ev": ev, "size": n})
+        with self.lock:
+            self._write_all(head)
+            return self._move(fd, n, offset)
+
+    def _move(self, fd: int, n: int, offset: int | None) -> int:
+        left = n
+        give_up = None
+        while left > 0 and _ZERO_COPY[offset is None]:
+            try:
+                if offset is None:
+                    moved = os.splice(fd, self.fd, left)
+                else:
+                    moved = os.sendfile(self.fd, fd, offset, left)
+                    offset += moved
+            except OSError as exc:
+                if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and left == n:
+                    _ZERO_COPY[offset is None] = False  # this port cannot: copy from now on
+                    break
+                now = time.monotonic()  # the host went away mid-frame, as in _write_all
+                give_up = give_up or now + WRITE_GIVE_UP_S
+                if now > give_up:
+                    return n - left + len(_read(fd, left, offset))  # drained, dropped
+                time.sleep(0.05)
+                continue
+            if moved == 0:
+                break  # the file ended early
+            left -= moved
+            give_up = None
+        if left:  # no zero copy here, or a file shorter than it was: copy the rest
+            data = _read(fd, left, offset)
+            self._write_all(data)
+            self._write_all(bytes(left - len(data)))
+            left -= len(data)
+        return n - left
+
+
+# whether splice (True: from a pipe) / sendfile (False: from a file) into the port works
+_ZERO_COPY = {True: True, False: True}
+
+
+def _read(fd: int, n: int, offset: int | None) -> bytes:
+    """Up to n bytes of fd (at offset: a file; else a pipe, read until n or EOF)."""
+    if offset is not None:
+        return os.pread(fd, n, offset)
+    parts, got = [], 0
+    while got < n and (piece := os.read(fd, n - got)):
+        parts.append(piece)
+        got += len(piece)
+    return b"".join(parts)
 
 
 CHANNEL: Channel | None = None
 
 
-def _emit(rid: object) -> Callable[[str, bytes], None]:
+class Emitter:
+    """The events of one request: bytes given, or bytes moved from a pipe or a file."""
+
+    def __init__(self, ch: Channel, rid: object) -> None:
+        self.ch, self.rid = ch, rid
+
+    def __call__(self, ev: str, data: bytes | memoryview) -> None:
+        self.ch.event(self.rid, ev, data)
+
+    def splice(self, ev: str, fd: int, n: int) -> None:
+        self.ch.event_from(self.rid, ev, fd, n, None)
+
+    def sendfile(self, ev: str, fd: int, offset: int, n: int) -> int:
+        return self.ch.event_from(self.rid, ev, fd, n, offset)
+
+
+class Emit(Protocol):
+    def __call__(self, ev: str, data: bytes | memoryview) -> None: ...
+
+
+def _emit(rid: object) -> Emitter:
     assert CHANNEL is not None
-    ch = CHANNEL
-    return lambda ev, data: ch.event(rid, ev, data)
+    return Emitter(CHANNEL, rid)
 
 
 def _reap_orphans() -> None:
@@ -259,7 +343,7 @@ class Sink:
         self.keep_tail = keep_tail  # background: drop the oldest bytes; collected: the newest
         self.buf = bytearray()
         self.dropped = 0
-        self.emit: Callable[[str, bytes], None] | None = None
+        self.emit: Emitter | None = None
         self.lock = threading.Lock()
 
     def write(self, data: bytes) -> None:
@@ -268,6 +352,15 @@ class Sink:
                 self.emit(self.name, data)
             else:
                 self._keep(data)
+
+    def move(self, fd: int, n: int) -> bool:
+        """Send n bytes waiting in pipe fd as one event, straight from the pipe (False,
+        nothing read, when this stream is not streaming: the caller reads them)."""
+        with self.lock:
+            if self.emit is None:
+                return False
+            self.emit.splice(self.name, fd, n)
+            return True
 
     def _keep(self, data: bytes) -> None:
         self.buf += data
@@ -279,7 +372,7 @@ class Sink:
             else:
                 del self.buf[self.bound:]
 
-    def attach(self, emit: Callable[[str, bytes], None] | None) -> None:
+    def attach(self, emit: Emitter | None) -> None:
         """Send what is buffered, then everything new, as events (None: buffer again)."""
         with self.lock:
             if emit is not None and self.buf:
@@ -299,7 +392,8 @@ class Sink:
 class Proc:
     """One command in its own session (process group), its output pumped into sinks."""
 
-    def __init__(self, req: dict[str, Any], background: bool) -> None:
+    def __init__(self, req: dict[str, Any], background: bool, emit: Emitter | None) -> None:
+        """emit: stream the output as events from its first byte (else it is kept)."""
         self.argv = _argv(req)
         self.timeout = _timeout(req)
         self.pty = bool(req.get("pty"))
@@ -308,6 +402,7 @@ class Proc:
         bound = MAX_PROC_BUFFER if background else MAX_COLLECTED
         self.stdout = Sink("stdout", bound, keep_tail=background)
         self.stderr = Sink("stderr", bound, keep_tail=background)
+        self.stdout.emit = self.stderr.emit = emit
         self.t0 = time.monotonic()
         self.oom_before = _oom_kills()
         self.timed_out = False
@@ -363,29 +458,50 @@ class Proc:
         return p, stdin_fd, outs
 
     def _pump(self, fd: int, sink: Sink) -> None:
-        """Read until EOF, gathering what is already there into frames of up to CHUNK."""
         try:
-            while True:
-                try:
-                    data = os.read(fd, CHUNK)
-                except OSError:  # EIO: the PTY's other side is gone
-                    data = b""
-                if not data:
-                    return
-                if len(data) < CHUNK:
-                    more = bytearray(data)
-                    while len(more) < CHUNK and select.select([fd], [], [], 0)[0]:
-                        try:
-                            piece = os.read(fd, CHUNK - len(more))
-                        except OSError:
-                            piece = b""
-                        if not piece:
-                            break
-                        more += piece
-                    data = bytes(more)
-                sink.write(data)
+            if self.pty:
+                self._pump_reads(fd, sink)
+            else:
+                self._pump_pipe(fd, sink)
         finally:
             os.close(fd)
+
+    def _pump_pipe(self, fd: int, sink: Sink) -> None:
+        """Until EOF: wait for the pipe, let it fill (GATHER_S), then move up to CHUNK of
+        it as one event without copying it through the agent (Sink.move), or read it into
+        the sink when nobody streams it."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while True:
+            poller.poll()
+            n = _gather(fd)
+            if n == 0:
+                return  # readable and empty: every writer closed it
+            if not sink.move(fd, n):
+                sink.write(os.read(fd, n))
+
+    def _pump_reads(self, fd: int, sink: Sink) -> None:
+        """A PTY (no splice from it): read until EOF, gathering what is already there
+        into frames of up to CHUNK."""
+        while True:
+            try:
+                data = os.read(fd, CHUNK)
+            except OSError:  # EIO: the PTY's other side is gone
+                data = b""
+            if not data:
+                return
+            if len(data) < CHUNK:
+                more = bytearray(data)
+                while len(more) < CHUNK and select.select([fd], [], [], 0)[0]:
+                    try:
+                        piece = os.read(fd, CHUNK - len(more))
+                    except OSError:
+                        piece = b""
+                    if not piece:
+                        break
+                    more += piece
+                data = bytes(more)
+            sink.write(data)
 
     def _feed(self, data: bytes, close: bool) -> None:
         with contextlib.suppress(OSError):
@@ -474,9 +590,26 @@ _PROC_LOCK = threading.Lock()
 _HANDLES = iter(range(1, 1 << 62))
 
 
-def _start(req: dict[str, Any], background: bool) -> Proc:
+def _pipe_bytes(fd: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, FIONREAD, b"\0\0\0\0"))[0]  # type: ignore[no-any-return]
+
+
+def _gather(fd: int) -> int:
+    """Bytes in pipe fd (at most CHUNK) once it stops growing, is full or GATHER_S passed."""
+    n = _pipe_bytes(fd)
+    deadline = time.monotonic() + GATHER_S
+    while 0 < n < CHUNK and time.monotonic() < deadline:
+        time.sleep(0.001)
+        grown = _pipe_bytes(fd)
+        if grown == n:
+            break
+        n = grown
+    return min(n, CHUNK)
+
+
+def _start(req: dict[str, Any], background: bool, emit: Emitter | None = None) -> Proc:
     try:
-        return Proc(req, background)
+        return Proc(req, background, emit)
     except FileNotFoundError as e:
         raise _SpawnFailed(127, str(e)) from None
     except PermissionError as e:
@@ -495,14 +628,11 @@ def op_exec(req: dict[str, Any]) -> dict[str, Any]:
     stream = bool(req.get("stream"))
     t0 = time.monotonic()
     try:
-        p = _start(req, background=False)
+        p = _start(req, background=False, emit=_emit(rid) if stream else None)
     except _SpawnFailed as e:
         return {"status": "exited", "exit_code": e.code, "signal": None, "signal_name": None,
                 "timed_out": False, "killed": False, "oom_killed": False,
                 "duration": time.monotonic() - t0, "stdout": "", "stderr": str(e)}
-    if stream:
-        p.stdout.attach(_emit(rid))
-        p.stderr.attach(_emit(rid))
     FOREGROUND[rid] = p
     try:
         p.done.wait()
@@ -642,7 +772,7 @@ class _Capture(io.TextIOBase):
     """sys.stdout/sys.stderr during eval/run_code: kept for the reply, and sent as events
     too when the request streams."""
 
-    def __init__(self, name: str, emit: Callable[[str, bytes], None] | None) -> None:
+    def __init__(self, name: str, emit: Emit | None) -> None:
         self.name = name
         self.parts: list[str] = []
         self.emit = emit
@@ -873,7 +1003,14 @@ def op_get(req: dict[str, Any]) -> dict[str, Any]:
             raise ProtocolError(f"get: {path} is {size} bytes, more than 4 GiB")
         emit = _emit(req.get("id"))
         total = 0
-        while total <= MAX_STREAMED_FILE:
+        while total < size:  # what it holds now goes from the page cache to the port
+            n = min(CHUNK, size - total)
+            got = emit.sendfile("chunk", fd, total, n)
+            total += got
+            if got < n:  # it shrank meanwhile (the frame was padded): the count says so
+                return {"bytes": total}
+        os.lseek(fd, total, os.SEEK_SET)
+        while total <= MAX_STREAMED_FILE:  # what was appended meanwhile, or a /proc file
             chunk = f.read(CHUNK)
             if not chunk:
                 break

@@ -12,9 +12,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from agent_harness import host_agent
+from agent_harness import AGENT, host_agent
 
 from forkd.engine import agent_client as ac
 from forkd.errors import Conflict, NotFound
@@ -285,3 +286,112 @@ def test_the_build_cache_key_follows_the_agent_source(monkeypatch: pytest.Monkey
     real = image.agent_source()
     monkeypatch.setattr(image, "agent_source", lambda: real + b"\n# another agent\n")
     assert build._cache_key(r, "tcg") != before
+
+
+def _guest_agent() -> Any:
+    """engine/guest/agent.py as a module (it is a script in the guest)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("forkd_guest_agent_v2", AGENT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _frames(data: bytes) -> list[tuple[dict[str, Any], bytes]]:
+    """(header, payload) of each event frame in data, as a host reader splits them."""
+    import json
+
+    out = []
+    while data:
+        head, _, data = data.partition(b"\n")
+        frame = json.loads(head)
+        out.append((frame, data[:frame["size"]]))
+        data = data[frame["size"]:]
+    return out
+
+
+@pytest.fixture
+def port() -> Iterator[tuple[int, Callable[[], bytes]]]:
+    """A pipe standing in for the agent's port: (its write end, read all that came)."""
+    r, w = os.pipe()
+    got = bytearray()
+    t = threading.Thread(
+        target=lambda: [got.extend(b) for b in iter(lambda: os.read(r, 1 << 20), b"")],
+        daemon=True)
+    t.start()
+
+    def read_all() -> bytes:
+        os.close(w)
+        t.join(10)
+        return bytes(got)
+
+    yield w, read_all
+    os.close(r)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_event_payloads_go_from_pipe_and_file_into_the_port_whole(
+    tmp_path: Path, port: tuple[int, Callable[[], bytes]], zero_copy: bool,
+) -> None:
+    """Streamed output (a pipe) and file chunks are moved into the port by splice/sendfile
+    (never read into the agent) or, where the port cannot, copied: the frames are the same.
+    A file that shrank under a get is padded to the size announced and the count says so."""
+    agent = _guest_agent()
+    w, read_all = port
+    ch = agent.Channel(w)
+    if not zero_copy:
+        agent._ZERO_COPY.update({True: False, False: False})
+    out = os.urandom(60_000)
+    r_pipe, w_pipe = os.pipe()
+    os.write(w_pipe, out + b"the next frame's")
+    ch.event_from("a", "stdout", r_pipe, 60_000, None)
+    assert os.read(r_pipe, 100) == b"the next frame's"  # exactly the size announced moved
+    os.close(w_pipe)
+    file_data = os.urandom(3 << 20 | 123)
+    (tmp_path / "f").write_bytes(file_data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert ch.event_from("b", "chunk", fd, 2 << 20, 1 << 20) == 2 << 20
+        assert ch.event_from("b", "chunk", fd, 4 << 20, 1 << 20) == (2 << 20) + 123  # shrank
+    finally:
+        os.close(fd)
+    frames = _frames(read_all())
+    assert [(f["id"], f["ev"], f["size"]) for f, _ in frames] == [
+        ("a", "stdout", 60_000), ("b", "chunk", 2 << 20), ("b", "chunk", 4 << 20)]
+    assert frames[0][1] == out
+    assert frames[1][1] == file_data[1 << 20:3 << 20]
+    assert frames[2][1] == file_data[1 << 20:] + bytes((4 << 20) - (2 << 20) - 123)
+    used = agent._ZERO_COPY
+    assert used[True] is zero_copy and used[False] is zero_copy, \
+        "splice/sendfile into a pipe port fell back to copying"
+    os.close(r_pipe)
+
+
+def test_streamed_output_is_spliced_not_read(port: tuple[int, Callable[[], bytes]]) -> None:
+    """exec with stream: the command's stdout reaches the port whole, through Sink.move
+    (splice) and not through a read into the agent."""
+    agent = _guest_agent()
+    w, read_all = port
+    agent.CHANNEL = agent.Channel(w)
+    reads: list[int] = []
+    real_read = agent.os.read
+
+    class _Os:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        @staticmethod
+        def read(fd: int, n: int) -> bytes:
+            reads.append(n)
+            return real_read(fd, n)
+
+    agent.os = _Os()
+    res = agent.op_exec({"id": "x", "argv": ["head", "-c", str(5 << 20), "/dev/urandom"],
+                         "stream": True})
+    frames = _frames(read_all())
+    assert res["status"] == "exited" and res["exit_code"] == 0
+    assert sum(f["size"] for f, _ in frames if f["ev"] == "stdout") == 5 << 20
+    assert all(f["size"] <= agent.CHUNK for f, _ in frames)
+    assert reads == [], "the agent read streamed output into its own memory"
