@@ -247,3 +247,96 @@ def test_probe_path_answers_on_the_real_server(workload: tuple[str, str], tmp_pa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+# -- the hub with the Deployment's environment, on a real PostgreSQL and S3 API --------
+
+def _hub_fixtures() -> None:
+    """tests/hub's PostgreSQL fixture (a throwaway cluster), importable from here."""
+    hub_tests = str(Path(__file__).resolve().parent / "hub")
+    if hub_tests not in sys.path:
+        sys.path.append(hub_tests)
+
+
+_hub_fixtures()
+import hub_support  # noqa: E402
+
+postgres_server = hub_support.postgres_server  # the fixture, by its name
+
+
+def _resolved_env(c: Doc, secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The container's env as the kubelet makes it: values, and secretKeyRefs from
+    ``secrets`` ((name, key) → value); a missing optional key leaves the variable unset."""
+    env: dict[str, str] = {}
+    for e in c["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+            continue
+        ref = e["valueFrom"]["secretKeyRef"]
+        if (ref["name"], ref["key"]) in secrets:
+            env[e["name"]] = secrets[(ref["name"], ref["key"])]
+        else:
+            assert ref.get("optional"), f"{e['name']}: Secret key {ref} missing"
+    return env
+
+
+def test_hub_runs_on_postgresql_and_s3_with_the_deployments_env(
+    tmp_path: Path, postgres_server: Any, moto_server: Any
+) -> None:
+    """The Deployment's command, args and env (its Secret filled with a throwaway
+    PostgreSQL database and a moto S3 bucket): the hub starts, a pushed blob lands in the
+    bucket and comes back, and no SQLite database appears in the data directory."""
+    import hashlib
+
+    from s3_support import MOTO_CREDENTIALS
+
+    c = container(find("Deployment", "forkd-hub"))
+    port = _free_port()
+    bucket = moto_server.new_bucket()
+    secrets = {("forkd-hub", k): v for k, v in {
+        "database-url": postgres_server(), "s3-bucket": bucket,
+        "s3-endpoint-url": moto_server.url, "s3-region": "us-east-1",
+        "s3-access-key-id": MOTO_CREDENTIALS["access_key_id"],
+        "s3-secret-access-key": MOTO_CREDENTIALS["secret_access_key"],
+        "admin-user": "admin", "admin-password": "admin-password-1",
+        "public-url": f"http://127.0.0.1:{port}"}.items()}
+    argv, _ = _started(c, tmp_path, port)
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "AWS_"))}
+    proc = subprocess.Popen(argv, env={**keep, **_resolved_env(c, secrets)},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise AssertionError(f"the hub exited {proc.returncode}: {err[-2000:]}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the hub did not answer /healthz in 120 s"
+            time.sleep(0.2)
+        token = httpx.get(f"{url}/token", params={"scope": "repository:acme/app:pull,push"},
+                          auth=("admin", "admin-password-1"), timeout=60).json()["token"]
+        headers = {"Authorization": f"Bearer {token}"}
+        blob = os.urandom(64 << 10)
+        digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+        r = httpx.post(f"{url}/v2/acme/app/blobs/uploads/", params={"digest": digest},
+                       content=blob, headers=headers, timeout=60)
+        assert r.status_code == 201, r.text
+        assert httpx.get(f"{url}/v2/acme/app/blobs/{digest}", headers=headers,
+                         timeout=60).content == blob
+        keys = [o["Key"] for o in moto_server.client().list_objects_v2(Bucket=bucket)
+                .get("Contents", [])]
+        assert f"blobs/sha256/{digest.split(':')[1]}" in keys
+        assert not (tmp_path / "data" / "hub.db").exists()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
