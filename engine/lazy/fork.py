@@ -48,7 +48,8 @@ class LazySnapshot:
     dir: Path
     pid: int
     memory: Path
-    overlay: Path | None
+    overlay: Path | None  # an empty child overlay on the disk export
+    disk: Path | None  # the disk export's socket
 
     def prefetch_now(self) -> None:
         (self.dir / "prefetch.go").touch()
@@ -62,8 +63,9 @@ def _ready(d: Path) -> LazySnapshot | None:
     pid = int(raw["pid"])
     if not pid_alive(pid):
         return None
-    overlay = raw.get("overlay")
-    return LazySnapshot(d, pid, Path(raw["memory"]), Path(overlay) if overlay else None)
+    overlay, disk = raw.get("overlay"), raw.get("disk")
+    return LazySnapshot(d, pid, Path(raw["memory"]), Path(overlay) if overlay else None,
+                        Path(disk) if disk else None)
 
 
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
@@ -117,8 +119,7 @@ def assembled(store: Store, source: ChunkSource, snap: LazySnapshot) -> Assemble
     files = chain_files(source.chain)
     vmstate = files.get("vmstate")
     path = local_path(store.blobs, vmstate.digest) if vmstate else None
-    disk = snap.overlay.parent / "disk.nbd.sock" if snap.overlay else None
-    return Assembled(source.head, source.config, snap.memory, disk, path, {})
+    return Assembled(source.head, source.config, snap.memory, snap.disk, path, {})
 
 
 def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,

@@ -1,6 +1,7 @@
 """Where a lazy server lives: ``$FORKD_HOME/lazy/<manifest hex>/`` (under the store, so
 the children of its memory file count as the store's: children.of_store), its memory
-file at ``mnt/memory.img``."""
+file at ``mnt/memory.img``; its sockets in ``$FORKD_RUN/lazy/<hex[:16]>/`` (a unix
+socket's path is at most 107 bytes)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ FILE_NAME = "memory.img"
 
 def server_dir(home: Path, head: str) -> Path:
     return home / LAZY_DIR / dg.hex_part(head)
+
+
+def socket_dir(head: str) -> Path:
+    from forkd.engine.paths import run_dir
+
+    d = run_dir() / LAZY_DIR / dg.hex_part(head)[:16]
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def server_dir_of(memory: Path) -> Path | None:

@@ -2,8 +2,9 @@
 ``lazy.fork``; one per snapshot on the host, shared by all its children).
 
 It serves the chain's memory image as a FUSE file (``DIR/mnt/memory.img``, memfs) and
-its disk as an NBD export (``DIR/disk.nbd.sock``, nbd.py, with an empty child overlay
-on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the store, else the hub).
+its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, nbd.py, with an
+empty child overlay on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the
+store, else the hub).
 It records the order readers need chunks (``order.json``), prefetches the rest of the
 chain once ``DIR/prefetch.go`` appears (or ``PREFETCH_AFTER`` seconds after it is
 ready), and exits when no file of its mount is open any more (every child gone) for
@@ -11,7 +12,7 @@ ready), and exits when no file of its mount is open any more (every child gone) 
 
     server.json   what to serve (written by lazy.fork before the start)
     server.lock   held by the running server
-    ready.json    {pid, memory, overlay}: present while it serves
+    ready.json    {pid, memory, overlay, disk}: present while it serves
     errors.json   {"<pid>": message} reads that failed, by the QEMU that opened the file
                   ("disk": the export's failures)
     prefetch.json prefetch progress (prefetch.Progress)
@@ -41,7 +42,7 @@ from forkd.engine.lazy import memfs, prefetch
 from forkd.engine.lazy.chunks import ChunkSource, Hub
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
-from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR
+from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR, socket_dir
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_hub
@@ -98,7 +99,7 @@ class Server:
     def start_disk(self) -> Path | None:
         if not any("disk" in link.manifest.maps for link in self.source.chain):
             return None
-        self.export = start_disk_export(self.source, self.dir,
+        self.export = start_disk_export(self.source, socket_dir(self.spec.head),
                                         on_access=lambda d: self.order.note((d,)))
         overlay = self.dir / "empty.qcow2"
         overlay.unlink(missing_ok=True)
@@ -160,7 +161,8 @@ class Server:
         tmp = self.dir / "ready.json.tmp"
         tmp.write_text(json.dumps({"pid": os.getpid(),
                                    "memory": str(self.dir / MOUNT_DIR / FILE_NAME),
-                                   "overlay": str(overlay) if overlay else None}))
+                                   "overlay": str(overlay) if overlay else None,
+                                   "disk": str(self.export.socket) if self.export else None}))
         tmp.replace(self.dir / "ready.json")
 
 

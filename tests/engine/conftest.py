@@ -56,6 +56,11 @@ def lazy_mounts_under(d: Path, wait: float = 15.0) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def lazy_mounts() -> Callable[..., list[str]]:
+    return lazy_mounts_under
+
+
+@pytest.fixture(scope="session")
 def qemu_pids() -> Callable[[Path], list[int]]:
     return qemu_pids_under
 

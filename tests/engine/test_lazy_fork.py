@@ -1,0 +1,169 @@
+"""`forkd fork HUB/NS/NAME --lazy` with real QEMU and a real hub started here: children of
+a pack this store has never seen behave like eager ones; a gone hub fails only the child
+that faults on a missing chunk (named); a chunk the hub corrupts is never served; the
+prefetch completes and children keep running. docs/engine.md, "Lazy fork"."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hub_server import HubServer
+
+from forkd.engine import children as ch
+from forkd.engine.errors import ChildDead, VMMError
+from forkd.errors import ForkdError
+from forkd.store.store import Store
+
+pytestmark = pytest.mark.vm
+PREFETCH_TIMEOUT = 300.0
+
+
+def _val(r: dict[str, Any]) -> object:
+    assert r["error"] is None, r["error"]
+    return r["value"]
+
+
+@dataclass
+class Published:
+    hub: HubServer
+    remote: str  # HUB/NS/NAME:TAG
+    local: str  # the tag the lazy path gives it once complete
+    fresh: Store  # a store that has never seen the pack
+
+
+@pytest.fixture
+def published(store: Store, tiny: str, tmp_path: Path,
+              lazy_mounts: Callable[..., list[str]]) -> Iterator[Published]:
+    """The tiny snapshot pushed to a hub of this test (public: no login needed), and an
+    empty store to fork it lazily into; its children and lazy server are gone after."""
+    hub = HubServer(tmp_path / "hub").start()
+    fresh = Store(tmp_path / "fresh")
+    try:
+        who = hub.add_user("lazy")
+        hub.push(store, tiny, "lazy/tiny:v1", who)
+        hub.public("lazy/tiny")
+        yield Published(hub, f"{hub.address}/lazy/tiny:v1", "lazy/tiny:v1", fresh)
+    finally:
+        ch.kill_all(fresh)
+        hub.stop()
+    assert lazy_mounts(fresh.home) == []  # the server unmounted after its last child
+
+
+def _server_dir(fresh: Store) -> Path:
+    return next((fresh.home / "lazy").iterdir())
+
+
+def _prefetch(fresh: Store) -> dict[str, Any]:
+    report = _server_dir(fresh) / "prefetch.json"
+    deadline = time.monotonic() + PREFETCH_TIMEOUT
+    while time.monotonic() < deadline:
+        if report.exists():
+            got: dict[str, Any] = json.loads(report.read_text())
+            if got["state"] in ("done", "failed"):
+                return got
+        time.sleep(0.5)
+    raise AssertionError(f"prefetch did not finish in {PREFETCH_TIMEOUT} s")
+
+
+def test_lazy_children_behave_like_eager(published: Published, cleanup_children: None,
+                                         lazy_mounts: Callable[..., list[str]]) -> None:
+    from forkd.engine.branch import branch
+    from forkd.engine.lazy import fork as lazy
+
+    fresh = published.fresh
+    res = lazy.fork(fresh, published.remote, 3)
+    assert len(res.children) == 3 and not res.errors
+    ids = [c.id for c in res.children]
+    for c in res.children:  # mapped private from the lazy server's FUSE file
+        cmd = b" ".join(Path(f"/proc/{c.pid}/cmdline").read_bytes().split(b"\0"))
+        assert b"share=off" in cmd and b"/mnt/memory.img" in cmd
+    assert not list(fresh.cache_dir.glob("*/memory.img"))  # no assembly on this path
+    for i in ids:
+        assert _val(ch.eval_in(i, "WARM['ready']")) is True
+        assert ch.exec_in(i, ["hostname"])["stdout"].strip() == i
+    urandom = [_val(ch.eval_in(i, "import os; os.urandom(16).hex()")) for i in ids]
+    prng = [_val(ch.eval_in(i, "import random; random.getrandbits(64)")) for i in ids]
+    assert len(set(urandom)) == 3 and len(set(prng)) == 3
+    w = ch.exec_in(ids[0], ["sh", "-c", "echo secret > /root/only-here && sync"])
+    assert w["exit_code"] == 0
+    for i in ids[1:]:
+        assert ch.exec_in(i, ["test", "-e", "/root/only-here"])["exit_code"] == 1
+
+    # the prefetch brings the rest of the chain and tags it; children run on unchanged
+    got = _prefetch(fresh)
+    assert got["state"] == "done" and got["tagged"] == published.local, got
+    assert fresh.resolve(published.local) == res.children[0].digest
+    assert fresh.verify() == []
+    order = json.loads((_server_dir(fresh) / "order.json").read_text())
+    assert order["manifest"] == res.children[0].digest and order["chunks"]
+    for i in ids:
+        assert _val(ch.eval_in(i, "6*7")) == 42
+    assert ch.exec_in(ids[0], ["cat", "/root/only-here"])["stdout"] == "secret\n"
+
+    # branch a lazy child, then fork the branch (eagerly: the chain is local now)
+    _val(ch.eval_in(ids[1], "marker = 'lazy-branch'"))
+    ch.exec_in(ids[1], ["sh", "-c", "echo b1 > /root/branch-file && sync"])
+    b = branch(fresh, ids[1], "lazy/tiny:b1")
+    assert b.depth == 1 and b.parent == published.local
+    for g in ch.fork(fresh, "lazy/tiny:b1", 2).children:
+        got_g = _val(ch.eval_in(g.id, "[marker, open('/root/branch-file').read()]"))
+        assert got_g == ["lazy-branch", "b1\n"]
+    # a second lazy fork of the same snapshot reuses its server: one mount
+    again = lazy.fork(fresh, published.remote, 1).children[0]
+    assert Path(again.memory) == Path(res.children[0].memory)
+    assert len(lazy_mounts(fresh.home, wait=0)) == 1
+
+
+def test_hub_gone_fails_only_the_faulting_child(published: Published,
+                                                cleanup_children: None) -> None:
+    from forkd.engine.lazy import fork as lazy
+
+    fresh = published.fresh
+    res = lazy.fork(fresh, published.remote, 2, prefetch=False)
+    a, b = (c.id for c in res.children)
+    for _ in range(3):  # b's code paths are in memory before the hub goes
+        assert _val(ch.eval_in(b, "6*7")) == 42
+    published.hub.stop()
+    # a touches most of its memory: free guest pages are not zero, their chunks are not here
+    with pytest.raises(ForkdError):
+        ch.eval_in(a, "X = bytearray(120 << 20)\nlen(X)", timeout=120)
+    with pytest.raises(ChildDead, match=r"chunk sha256:[0-9a-f]{64}.*hub"):
+        ch.eval_in(a, "1")
+    assert _val(ch.eval_in(b, "6*7")) == 42  # the other child lives on
+    assert fresh.verify() == []  # what arrived is sound (nothing is tagged: incomplete)
+    assert fresh.tags.read() == {}
+
+
+def test_corrupt_chunk_from_the_hub_is_never_served(published: Published,
+                                                    cleanup_children: None) -> None:
+    from forkd.engine.lazy import fork as lazy
+    from forkd.engine.lazy.chunks import open_remote
+    from forkd.registry.client import RegistryClient
+    from forkd.registry.reference import parse_remote
+
+    fresh = published.fresh
+    remote = parse_remote(published.remote)
+    with RegistryClient(remote.hub) as client:
+        memory = {d for d, (_, what) in open_remote(Store(fresh.home.parent / "probe"),
+                                                    remote, client).refs.items()
+                  if " memory chunk " in what}
+    hub_dir = published.hub.data_dir
+    for digest in memory:  # every memory chunk on the hub's disk gets one byte flipped
+        path = next(hub_dir.rglob(digest.split(":")[1]))
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with pytest.raises(VMMError, match=r"chunk sha256:[0-9a-f]{64}.*digest mismatch") as caught:
+        lazy.fork(fresh, published.remote, 1, prefetch=False)
+    named = {d for d in memory if d in str(caught.value)}
+    assert named, caught.value
+    for digest in memory:
+        assert not fresh.blobs.has(digest)  # refused: never stored
+    assert fresh.verify() == []
