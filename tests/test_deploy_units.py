@@ -273,18 +273,7 @@ def test_hub_maps_no_writable_executable_memory(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, hub)
-        auth = ("admin", "admin-password-1")
-        token = httpx.get(f"{url}/token", params={"scope": "repository:acme/app:pull,push"},
-                          auth=auth, timeout=60).json()["token"]
-        headers = {"Authorization": f"Bearer {token}"}
-        blob = os.urandom(1 << 20)
-        digest = "sha256:" + hashlib.sha256(blob).hexdigest()
-        r = httpx.post(f"{url}/v2/acme/app/blobs/uploads/", params={"digest": digest},
-                       content=blob, headers=headers, timeout=60)
-        assert r.status_code == 201, r.text
-        r = httpx.get(f"{url}/v2/acme/app/blobs/{digest}", headers=headers, timeout=60)
-        assert r.content == blob
-        assert httpx.get(f"{url}/metrics", timeout=60).status_code == 200
+        _exercise_hub(url)
         assert writable_executable_maps(hub.pid) == []
     finally:
         hub.send_signal(signal.SIGTERM)
@@ -307,6 +296,132 @@ def test_maps_check_sees_writable_executable_memory() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# -- the hub under its SystemCallFilter ------------------------------------------------
+
+def syscall_groups() -> dict[str, list[str]]:
+    """systemd's syscall groups (`systemd-analyze syscall-filter`): name → members."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    groups: dict[str, list[str]] = {}
+    current = ""
+    for line in out.splitlines():
+        if line.startswith("@"):
+            current = line.strip()
+            groups[current] = []
+        elif current and line.strip() and not line.strip().startswith("#"):
+            groups[current].append(line.strip())
+    return groups
+
+
+def syscalls_of(names: list[str], groups: dict[str, list[str]]) -> set[str]:
+    """Syscall names, with every @group expanded (groups nest)."""
+    out: set[str] = set()
+    for name in names:
+        out |= syscalls_of(groups[name], groups) if name.startswith("@") else {name}
+    return out
+
+
+def filter_refuses(unit_text: str, used: set[str]) -> set[str]:
+    """The syscalls of ``used`` that the unit's SystemCallFilter lines refuse (an allow
+    list, then ``~`` deny lists, in order, as systemd applies them)."""
+    groups = syscall_groups()
+    allowed: set[str] | None = None
+    for value in unit_values(unit_text, "SystemCallFilter"):
+        deny = value.startswith("~")
+        names = syscalls_of(value.lstrip("~").split(), groups)
+        if deny:
+            allowed = (allowed if allowed is not None else used) - names
+        else:
+            allowed = (allowed or set()) | names
+    return used - (allowed if allowed is not None else used)
+
+
+TRACE_LINE = re.compile(r"^\d+\s+([a-z0-9_]+)\((.*)")
+
+
+def traced_calls(trace: Path) -> list[tuple[str, str]]:
+    """(syscall, arguments) of an `strace -f -y` trace (fds shown with their paths)."""
+    calls = []
+    for line in trace.read_text(errors="replace").splitlines():
+        m = TRACE_LINE.match(line)
+        if m:
+            calls.append((m.group(1), m.group(2)))
+    return calls
+
+
+def root_only(call: tuple[str, str]) -> bool:
+    """A call the hub makes only because this test runs it as root: SQLite gives its
+    journal, WAL and shm files the database's owner when its euid is 0 (os_unix.c,
+    robustFchown); under DynamicUser it never is, and never calls fchown."""
+    name, args = call
+    return (os.geteuid() == 0 and name == "fchown"
+            and re.match(r"\d+<[^>]*/hub\.db-(journal|wal|shm)>", args) is not None)
+
+
+@analyze
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace missing (apt: strace)")
+def test_hub_syscalls_pass_its_filter(tmp_path: Path) -> None:
+    """Every syscall the hub makes (traced with strace through start, migrations, login,
+    push, pull, metrics and stop) is one forkd-hub.service's SystemCallFilter allows."""
+    trace = tmp_path / "strace.txt"
+    port = _free_port()
+    env = {**os.environ, "FORKD_HUB_ADMIN_USER": "admin",
+           "FORKD_HUB_ADMIN_PASSWORD": "admin-password-1"}
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-y", "-s", "0", "-o", str(trace), str(forkd_entry_point()),
+         "hub", "serve", "--data", str(tmp_path / "hub"), "--listen", f"127.0.0.1:{port}"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, tracer)
+        _exercise_hub(url)
+        hub_pid = _only_child(tracer.pid)
+        os.kill(hub_pid, signal.SIGTERM)
+        tracer.wait(timeout=60)
+    finally:
+        if tracer.poll() is None:
+            tracer.kill()
+            tracer.wait(timeout=10)
+    calls = [c for c in traced_calls(trace) if not root_only(c)]
+    used = {name for name, _ in calls}
+    assert {"openat", "socket", "accept4"} <= used, f"strace saw too little: {sorted(used)}"
+    refused = filter_refuses((SYSTEMD / "forkd-hub.service").read_text(), used)
+    assert refused == set(), f"the hub calls {sorted(refused)}, which its filter refuses"
+
+
+@analyze
+def test_filter_check_sees_a_refused_syscall() -> None:
+    text = (SYSTEMD / "forkd-hub.service").read_text()
+    assert filter_refuses(text, {"read", "chroot", "setrlimit"}) == {"chroot", "setrlimit"}
+    assert not root_only(("fchown", "8</etc/passwd>, 0, 0"))
+    assert not root_only(("fchownat", "8</var/lib/forkd-hub/hub.db-wal>, 0, 0"))
+
+
+def _only_child(pid: int) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} has no child")
+
+
+def _exercise_hub(url: str) -> None:
+    """Log in (argon2), push and pull a blob, read the metrics."""
+    token = httpx.get(f"{url}/token", params={"scope": "repository:acme/app:pull,push"},
+                      auth=("admin", "admin-password-1"), timeout=60).json()["token"]
+    headers = {"Authorization": f"Bearer {token}"}
+    blob = os.urandom(1 << 20)
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    r = httpx.post(f"{url}/v2/acme/app/blobs/uploads/", params={"digest": digest},
+                   content=blob, headers=headers, timeout=60)
+    assert r.status_code == 201, r.text
+    r = httpx.get(f"{url}/v2/acme/app/blobs/{digest}", headers=headers, timeout=60)
+    assert r.content == blob
+    assert httpx.get(f"{url}/metrics", timeout=60).status_code == 200
 
 
 def _free_port() -> int:
