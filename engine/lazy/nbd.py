@@ -43,6 +43,7 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,8 @@ SOCKET_NAME = "disk.nbd.sock"
 
 # Limits (docs/engine.md, "Disk over NBD").
 MAX_CONNECTIONS = 256  # one per child QEMU; more are closed at once
+READ_WORKERS = 8  # threads answering reads, shared by the export's connections
+MAX_READS_PER_CONNECTION = 4  # a client's reads queued or being answered at once
 MAX_OPTIONS = 32  # options one client may send before it must choose the export
 MAX_OPTION_BYTES = 4096 + 64  # the longest option we read: an export name (<= 4096) + header
 MIN_BLOCK_BYTES = 1  # any alignment is served
@@ -167,6 +170,7 @@ class NbdServer:
         self._lock = threading.Lock()
         self._clients: dict[socket.socket, threading.Thread] = {}
         self._closing = False
+        self.reads = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="nbd read")
         socket_path.unlink(missing_ok=True)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -174,6 +178,7 @@ class NbdServer:
             self._listener.listen(64)
         except OSError:
             self._listener.close()
+            self.reads.shutdown()
             raise
         self._acceptor = threading.Thread(target=self._accept, name=f"nbd {socket_path.name}",
                                           daemon=True)
@@ -206,6 +211,7 @@ class NbdServer:
                 sock.shutdown(socket.SHUT_RDWR)
         for _, thread in clients:
             thread.join()
+        self.reads.shutdown(wait=True)
         self.socket_path.unlink(missing_ok=True)
 
     def _accept(self) -> None:
@@ -242,7 +248,11 @@ class NbdServer:
 
 
 class _Session:
-    """One client: the handshake, then its requests in order."""
+    """One client: the handshake, then its requests. Its thread reads the requests and
+    answers all but reads itself; reads go to the export's workers (at most
+    ``MAX_READS_PER_CONNECTION`` of this client's at once), so a read waiting for the hub
+    does not hold up the next. Replies may come out of order (the protocol allows it);
+    each message is sent whole, under the connection's send lock."""
 
     def __init__(self, server: NbdServer, sock: socket.socket) -> None:
         self.server = server
@@ -251,6 +261,8 @@ class _Session:
         self.structured = False
         self.max_request = MAX_REQUEST_BYTES
         self.pid = _peer_pid(sock)
+        self._send_lock = threading.Lock()
+        self._read_slots = threading.BoundedSemaphore(MAX_READS_PER_CONNECTION)
 
     def run(self) -> None:
         try:
@@ -258,7 +270,10 @@ class _Session:
             if not self._handshake():
                 return
             self.sock.settimeout(None)
-            self._transmission()
+            try:
+                self._transmission()
+            finally:
+                self._wait_for_reads()
         except (_Hangup, OSError) as exc:
             if str(exc):
                 log.info("%s: client connection ends: %s", self.server.socket_path, exc)
@@ -278,13 +293,14 @@ class _Session:
     def _send(self, *parts: bytes | bytearray | memoryview) -> None:
         """All of ``parts``, in order, with as few system calls as the socket allows."""
         views = [memoryview(p).cast("B") for p in parts if len(p)]
-        while views:
-            sent = self.sock.sendmsg(views)
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
+        with self._send_lock:
+            while views:
+                sent = self.sock.sendmsg(views)
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if sent:
+                    views[0] = views[0][sent:]
 
     # -- handshake ------------------------------------------------------------
     def _handshake(self) -> bool:
@@ -380,7 +396,8 @@ class _Session:
             if command == CMD_DISC:
                 return
             if command == CMD_READ:
-                self._read(handle, offset, length)
+                self._read_slots.acquire()
+                self.server.reads.submit(self._read_task, handle, offset, length)
             elif command == CMD_FLUSH:
                 self._status(handle, 0)
             elif command in WRITING_COMMANDS:
@@ -389,6 +406,31 @@ class _Session:
                 self._status(handle, EPERM, "the export is read-only; write to an overlay")
             else:
                 self._status(handle, EINVAL, f"command {command} is not supported")
+
+    def _read_task(self, handle: int, offset: int, length: int) -> None:
+        """One read, on a worker; a broken connection wakes the request reader."""
+        try:
+            self._read(handle, offset, length)
+        except OSError:
+            self._hang_up()
+        except Exception:  # a bug: drop this client (it would wait forever), keep the export
+            log.exception("%s: answering a read of client pid %d failed", self.server.socket_path,
+                          self.pid)
+            self._hang_up()
+        finally:
+            self._read_slots.release()
+
+    def _hang_up(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _wait_for_reads(self) -> None:
+        """Until every read of this client is answered (or failed): before its socket
+        closes, as a disconnect requires."""
+        for _ in range(MAX_READS_PER_CONNECTION):
+            self._read_slots.acquire()
+        for _ in range(MAX_READS_PER_CONNECTION):
+            self._read_slots.release()
 
     def _drain(self, length: int) -> None:
         """Read and drop a write's payload, bounded."""

@@ -172,6 +172,34 @@ def test_two_clients_at_once(chain: Chain, export: DiskExport) -> None:
         assert export.server.connections == 2
 
 
+def test_pipelined_reads_are_all_answered(chain: Chain, export: DiskExport) -> None:
+    want = chain.assembled.read_bytes()
+    ranges = [(i * MiB + 3, 70000) for i in range(11)] + [(3 * MiB, 2 * MiB)]
+    with _Client(export.socket) as c:
+        handles = {c.send_read(offset, length): (offset, length) for offset, length in ranges}
+        got = c.replies(handles)  # more than a connection's read slots, in any order
+        assert got == {h: (0, want[o : o + n]) for h, (o, n) in handles.items()}
+        assert c.read(0, 4096) == (0, want[:4096])
+
+
+def test_a_slow_chunk_does_not_hold_up_the_next_read(chain: Chain) -> None:
+    source = open_local(chain.store, REF)
+    slow = ImageLayout(source, "disk").chunks_at(5 * MiB, 4096)[0]
+    gate = threading.Event()
+
+    def on_access(digest: str) -> None:
+        if digest == slow:  # as if this chunk were still on its way from the hub
+            assert gate.wait(60)
+
+    with start_disk_export(source, chain.run, on_access=on_access) as ex, \
+            _Client(ex.socket) as c:
+        a = c.send_read(5 * MiB, 4096)
+        b = c.send_read(11 * MiB, 4096)
+        assert c.replies({b: (11 * MiB, 4096)}) == {b: (0, b"\x03" * 4096)}
+        gate.set()
+        assert c.replies({a: (5 * MiB, 4096)}) == {a: (0, b"\x01" * 4096)}
+
+
 def test_overlay_takes_the_writes(chain: Chain, export: DiskExport, tmp_path: Path) -> None:
     overlay = tmp_path / "child.qcow2"
     export.create_overlay(overlay)
@@ -509,25 +537,37 @@ class _Client:
 
     def read(self, offset: int, length: int) -> tuple[int, bytes]:
         """(error, the bytes read): what one READ answers, simple or structured."""
-        handle = self._request(nbd.CMD_READ, offset, length)
+        handle = self.send_read(offset, length)
         if not self.structured:
             magic, error, got = struct.unpack(">IIQ", self.recv(16))
             assert magic == nbd.SIMPLE_REPLY_MAGIC and got == handle
             return error, b"" if error else self.recv(length)
-        out = bytearray(length)
-        error = 0
-        while True:
-            magic, flags, kind, got, size = struct.unpack(">IHHQI", self.recv(20))
-            assert magic == nbd.STRUCTURED_REPLY_MAGIC and got == handle
+        return self.replies({handle: (offset, length)})[handle]
+
+    def send_read(self, offset: int, length: int) -> int:
+        return self._request(nbd.CMD_READ, offset, length)
+
+    def replies(self, reads: dict[int, tuple[int, int]]) -> dict[int, tuple[int, bytes]]:
+        """The structured replies to ``reads`` (handle → offset, length), in any order:
+        handle → (error, bytes; on an error zeros but for any data chunks sent)."""
+        out = {h: bytearray(n) for h, (_, n) in reads.items()}
+        errors = dict.fromkeys(reads, 0)
+        done: set[int] = set()
+        while len(done) < len(reads):
+            magic, flags, kind, handle, size = struct.unpack(">IHHQI", self.recv(20))
+            assert magic == nbd.STRUCTURED_REPLY_MAGIC and handle in reads and handle not in done
+            offset, length = reads[handle]
             payload = self.recv(size)
             if kind == nbd.REPLY_TYPE_OFFSET_DATA:
                 at = struct.unpack_from(">Q", payload)[0] - offset
-                out[at : at + size - 8] = payload[8:]
+                assert at >= 0 and at + size - 8 <= length
+                out[handle][at : at + size - 8] = payload[8:]
             elif kind == nbd.REPLY_TYPE_OFFSET_HOLE:
                 at, n = struct.unpack_from(">QI", payload)
                 assert offset <= at and at + n <= offset + length
             elif kind & (1 << 15):
-                error = struct.unpack_from(">I", payload)[0]
+                errors[handle] = struct.unpack_from(">I", payload)[0]
             if flags & nbd.REPLY_FLAG_DONE:
-                return error, bytes(out)  # on an error: zeros but for any data chunks sent
+                done.add(handle)
+        return {h: (errors[h], bytes(out[h])) for h in reads}
 
