@@ -16,21 +16,27 @@ Protocol (github.com/NetworkBlockDevice/nbd doc/proto.md), the subset QEMU's cli
   Any other command gets ``EINVAL``.
 
 A chunk that cannot be read (missing and the hub gone, or failing verification) fails that
-read with ``EIO``, is logged and kept in ``NbdServer.errors`` with its digest; the
-connection and the server go on. Client input is untrusted: a wrong magic, unknown client
-flags, an option longer than ``MAX_OPTION_BYTES`` or more than ``MAX_OPTIONS`` options end
-the connection (after an error reply where the protocol has one); a request past the
-export's end or longer than the block size limit gets ``EINVAL``, a write's payload over
-``MAX_REQUEST_BYTES`` ends the connection instead of being read.
+read with ``EIO``, is logged and kept in ``NbdServer.failures`` with its digest and the
+client's pid; the connection and the server go on. Client input is untrusted: a wrong
+magic, unknown client flags, an option longer than ``MAX_OPTION_BYTES`` or more than
+``MAX_OPTIONS`` options end the connection (after an error reply where the protocol has
+one); a request past the export's end or longer than the block size limit gets
+``EINVAL``; a write's payload over ``MAX_REQUEST_BYTES`` ends the connection instead of
+being read; a client has ``HANDSHAKE_TIMEOUT`` seconds to choose the export.
 
-Memory: the ``ChunkSource``'s LRU of decompressed chunks (16 x 2 MiB, shared by all
-connections), plus per connection at most the request being answered (at most
-``MAX_BLOCK_BYTES`` for a client that asked for the block sizes, ``MAX_REQUEST_BYTES`` for
-one that did not). A structured reply goes run by run: the pieces of a request that chunks
-provide, joined across gaps under ``MIN_HOLE_BYTES`` (sent as zeros; larger gaps are
-holes), one data chunk per run, straight from the decoded chunk when the run is one piece,
-else through a buffer of the run's length. A simple reply is built in one buffer of the
-request's length. At most ``MAX_CONNECTIONS`` clients at a time.
+Threads: one per connection reads its requests; reads are answered by ``READ_WORKERS``
+threads shared by the export, at most ``MAX_READS_PER_CONNECTION`` of one client's at a
+time, so a read waiting for a chunk from the hub does not hold up the client's next one.
+Replies may come out of order (handles tell them apart); each message is sent whole.
+
+Memory: the ``ChunkSource``'s LRU of decompressed chunks (16 x 2 MiB, shared), plus the
+reads being answered, at most ``READ_WORKERS`` at once, each at most ``MAX_BLOCK_BYTES``
+(``MAX_REQUEST_BYTES`` for a client that did not ask for the block sizes). A structured
+reply goes run by run: the pieces of a request that chunks provide, joined across gaps
+under ``MIN_HOLE_BYTES`` (sent as zeros; larger gaps are holes), one data chunk per run,
+straight from the decoded chunk when the run is one piece, else through a buffer of the
+run's length. A simple reply is built in one buffer of the request's length. At most
+``MAX_CONNECTIONS`` clients at a time.
 """
 
 from __future__ import annotations
