@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Eager next to lazy fork of a pack this host has never seen, one run, loopback hub
+(issue 14, item 4): python-numpy and langgraph-react.
+
+Both recipes are built into a publisher store (cached by recipe content: pass a store that
+holds them with --publisher-home) and pushed to a `forkd hub serve` on loopback (the repos
+made public: the lazy server fetches without a login). Then, per pack, each figure from the
+command to the answers, each in an empty store:
+
+- **local fork** (the baseline: the pack is in the store, its images assembled): one child,
+  then ten, answering an eval;
+- **eager** (pull the whole pack, assemble, fork): one child, then ten, answering;
+- **lazy** (`forkd fork HUB/NS/NAME --lazy`: manifests, maps and device state only, then
+  memory and disk on first access): one child, then ten, answering;
+- **bytes fetched before the first answer**: the eager pull's bytes; for lazy, the bytes of
+  the blobs in the store when the first child answered;
+- **warm eval** after the prefetch completed, median of 20 round trips, lazy child next to a
+  local one.
+Ratios against the local fork of the same run. Needs root; not a pass/fail test; the
+machine is shared, so one run is one sample.
+
+    sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from forkd.engine import children as ch
+from forkd.engine import recipe
+from forkd.engine.build import build
+from forkd.engine.lazy import fork as lazy
+from forkd.errors import ForkdError
+from forkd.registry.client import RegistryClient
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import Hub, parse_remote
+from forkd.registry.transfer import pull, push
+from forkd.store.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+PACKS = {
+    "python-numpy": (REPO / "recipes" / "python-numpy.toml", "numpy.__version__"),
+    "langgraph-react": (REPO / "recipes" / "langgraph-react" / "recipe.toml",
+                        "sorted(travel_agent.GRAPH.get_graph().nodes)"),
+}
+ADMIN = "bench"
+SECRET = secrets.token_urlsafe(16)
+PREFETCH_TIMEOUT = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def embedded_hub(data: Path) -> Iterator[Hub]:
+    """`forkd hub serve` on loopback (SQLite + filesystem blobs), admin ADMIN."""
+    port = free_port()
+    env = {**os.environ, "FORKD_HUB_ADMIN_USER": ADMIN, "FORKD_HUB_ADMIN_PASSWORD": SECRET}
+    proc = subprocess.Popen(["forkd", "hub", "serve", "--data", str(data), "--listen",
+                             f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the embedded hub did not come up")
+            time.sleep(0.1)
+        yield Hub(f"127.0.0.1:{port}", "http")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def make_public(data: Path, repo: str) -> None:
+    subprocess.run(["forkd", "hub", "repo", "visibility", "--data", str(data), repo, "public"],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
+
+
+def eval_ok(child_id: str, code: str) -> object:
+    r = ch.eval_in(child_id, code, timeout=300)
+    if r.get("error"):
+        raise RuntimeError(f"eval in {child_id} failed: {r['error'].get('message')}")
+    return r.get("value")
+
+
+def blob_bytes(store: Store) -> int:
+    return sum(store.blobs.size(d) for d in store.blobs.digests())
+
+
+def timed(n: int, probe: str, start: Callable[[], list[str]],
+          started: list[str]) -> tuple[float, float]:
+    """Seconds from now to the first child answering ``probe`` and to all n answering."""
+    t0 = time.perf_counter()
+    ids = start()
+    started.extend(ids)
+    if len(ids) != n:
+        raise RuntimeError(f"{len(ids)} of {n} children started")
+    eval_ok(ids[0], probe)
+    first = time.perf_counter() - t0
+    for i in ids[1:]:
+        eval_ok(i, probe)
+    return first, time.perf_counter() - t0
+
+
+def warm_ms(child_id: str) -> float:
+    with ch.agent(child_id) as a:
+        a.eval("1")
+        times = []
+        for _ in range(20):
+            t = time.perf_counter()
+            a.eval("1 + 1")
+            times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def wait_prefetch(store: Store) -> dict[str, Any]:
+    report = next((store.home / "lazy").iterdir()) / "prefetch.json"
+    deadline = time.monotonic() + PREFETCH_TIMEOUT
+    while time.monotonic() < deadline:
+        if report.exists():
+            got: dict[str, Any] = json.loads(report.read_text())
+            if got["state"] in ("done", "failed"):
+                return got
+        time.sleep(0.2)
+    raise RuntimeError("the prefetch did not finish")
+
+
+def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work: Path,
+            n: int) -> dict[str, float]:
+    probe = PACKS[name][1]
+    tag = f"{name}:latest"
+    remote_text = f"{hub}/bench/{name}:latest"
+    remote = parse_remote(remote_text)
+    out: dict[str, float] = {}
+    stores: list[Store] = []
+
+    def fresh(label: str) -> Store:
+        s = Store.open(work / f"{label}-{name}")
+        stores.append(s)
+        return s
+
+    started: list[str] = []
+    try:
+        publisher.assemble(tag)  # the local baseline forks assembled images
+        out["local_first_s"], _ = timed(1, probe, lambda: [
+            c.id for c in ch.fork(publisher, tag, 1).children], started)
+        _, out["local_n_s"] = timed(n, probe, lambda: [
+            c.id for c in ch.fork(publisher, tag, n).children], started)
+        local_child = started[0]
+        pulled: dict[str, int] = {}
+
+        def eager(store: Store, k: int) -> list[str]:
+            got = pull(store, remote, client, local=tag)
+            pulled["bytes"] = got.bytes_sent
+            return [c.id for c in ch.fork(store, tag, k).children]
+
+        out["eager_first_s"], _ = timed(1, probe, lambda: eager(fresh("eager1"), 1), started)
+        out["eager_bytes_mib"] = pulled["bytes"] / 2**20
+        _, out["eager_n_s"] = timed(n, probe, lambda: eager(fresh("eagern"), n), started)
+
+        lazy1 = fresh("lazy1")
+        out["lazy_first_s"], _ = timed(1, probe, lambda: [
+            c.id for c in lazy.fork(lazy1, remote_text, 1).children], started)
+        out["lazy_bytes_mib"] = blob_bytes(lazy1) / 2**20
+        lazy_child = started[-1]
+        lazyn = fresh("lazyn")
+        _, out["lazy_n_s"] = timed(n, probe, lambda: [
+            c.id for c in lazy.fork(lazyn, remote_text, n).children], started)
+        got = wait_prefetch(lazy1)
+        if got["state"] != "done":
+            raise RuntimeError(f"{name}: prefetch failed: {got['error']}")
+        out["prefetch_s"] = got["seconds"]
+        out["pack_mib"] = blob_bytes(lazy1) / 2**20
+        eval_ok(lazy_child, probe)  # still running, unchanged
+        out["warm_lazy_ms"] = warm_ms(lazy_child)
+        out["warm_local_ms"] = warm_ms(local_child)
+    finally:
+        for s in stores:
+            ch.kill_all(s)
+        for cid in started:  # the local baseline's (the others went with their store)
+            with contextlib.suppress(ForkdError):
+                ch.kill(cid, publisher)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--publisher-home", type=Path, default=None,
+                    help="store to build into (default: a fresh one in the work directory)")
+    o = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="forkd-lazy-bench-"))
+    os.environ.setdefault("FORKD_RUN", str(work / "run"))
+    results: dict[str, dict[str, float]] = {}
+    try:
+        publisher = Store.open(o.publisher_home or work / "publisher")
+        for name, (path, _) in PACKS.items():
+            b = build(publisher, recipe.load(path), f"{name}:latest")
+            print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)
+        with embedded_hub(work / "hub") as hub, \
+                RegistryClient(hub, Credential(ADMIN, SECRET)) as client:
+            for name in PACKS:
+                push(publisher, f"{name}:latest", parse_remote(f"{hub}/bench/{name}:latest"),
+                     client)
+                make_public(work / "hub", f"bench/{name}")
+            for name in PACKS:
+                results[name] = measure(name, publisher, hub, client, work, o.n)
+                print(f"measured {name}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = [("pack (all blobs)", "pack_mib", "MiB"),
+            ("local fork → 1st answer", "local_first_s", "s"),
+            ("eager → 1st answer", "eager_first_s", "s"),
+            ("lazy → 1st answer", "lazy_first_s", "s"),
+            (f"local fork → {o.n} answering", "local_n_s", "s"),
+            (f"eager → {o.n} answering", "eager_n_s", "s"),
+            (f"lazy → {o.n} answering", "lazy_n_s", "s"),
+            ("eager: fetched before 1st", "eager_bytes_mib", "MiB"),
+            ("lazy: fetched before 1st", "lazy_bytes_mib", "MiB"),
+            ("lazy: prefetch of the rest", "prefetch_s", "s"),
+            ("warm eval, local child", "warm_local_ms", "ms"),
+            ("warm eval, lazy child", "warm_lazy_ms", "ms")]
+    for name, r in results.items():
+        print(f"\n{name}")
+        for label, key, unit in rows:
+            print(f"  {label:30} {r[key]:10.3f} {unit}")
+        print(f"  lazy 1st / local 1st:   {r['lazy_first_s'] / r['local_first_s']:.2f}x  "
+              f"(target <= 2x, <= 1 s)")
+        print(f"  lazy 1st / eager 1st:   {r['lazy_first_s'] / r['eager_first_s']:.2f}x")
+        print(f"  lazy {o.n} / eager {o.n}:     {r['lazy_n_s'] / r['eager_n_s']:.2f}x")
+        print(f"  warm lazy / warm local: {r['warm_lazy_ms'] / r['warm_local_ms']:.2f}x")
+    if o.json:
+        print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
