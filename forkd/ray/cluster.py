@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from forkd.errors import ForkdError
@@ -76,7 +76,7 @@ def result(ref: Any, node_name: str) -> Any:
         if isinstance(exc.cause, ForkdError):
             raise exc.cause from None
         raise
-    except (ActorDiedError, ActorUnavailableError) as exc:
+    except RayActorError as exc:  # died, or unavailable while Ray restarts it
         raise NodeGone(
             f"node {node_name}'s forkd agent is gone ({type(exc).__name__}): the node left "
             "the Ray cluster or its Ray processes died; its sandboxes may still run there "

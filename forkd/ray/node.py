@@ -88,10 +88,6 @@ class NodeAgent:
         return max(0, slots - len(running))
 
     @on_node
-    def where(self) -> dict[str, str]:
-        return {"name": self.name, "socket": str(self.socket), "home": str(Store.open().home)}
-
-    @on_node
     def free(self, slots: int) -> int:
         """Slots not taken by a running sandbox of this node's controller (whoever made it)."""
         return self._free(slots)
@@ -111,24 +107,16 @@ class NodeAgent:
             return [sb.info for sb in ctl.spawn_sandboxes(local, n, **options)]
 
     def _pull(self, ref: str) -> str:
+        """Pull the hub reference ``ref`` into this node's store; its local tag."""
         remote = parse_remote(ref)
         with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
             return pull(Store.open(), remote, client).ref
 
-    @on_node
-    def pull(self, ref: str) -> str:
-        """Pull the hub reference ``ref`` into this node's store; its local tag."""
-        return self._pull(ref)
-
     def _push(self, tag: str, ref: str) -> TransferResult:
+        """Push local ``tag`` with its chain to the hub reference ``ref``."""
         remote = parse_remote(ref)
         with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
             return push(Store.open(), tag, remote, client)
-
-    @on_node
-    def push(self, tag: str, ref: str) -> TransferResult:
-        """Push local ``tag`` with its chain to the hub reference ``ref``."""
-        return self._push(tag, ref)
 
     @on_node
     def sandboxes(self) -> list[SandboxInfo]:

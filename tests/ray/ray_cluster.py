@@ -20,17 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Ray replaces a loopback address by the host's own (its route to the outside) unless this
-# is off: then every node, the head's address and the driver stay on 127.0.0.1. It is read
-# when Ray is imported, so it is set before (tests/ray and bench import this module first).
-LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-os.environ.update(LOOPBACK_ONLY)
+# Every node, the head's address and the driver are on this loopback address. Not
+# 127.0.0.1 nor localhost: Ray replaces those by the host's own outside address.
+NODE_IP = "127.0.0.2"
 START_S = 120.0  # a `ray start` or `forkd serve` is up within this (2 shared cores)
 
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((NODE_IP, 0))
         return int(s.getsockname()[1])
 
 
@@ -89,7 +87,6 @@ class LocalNode:
             "FORKD_RUN": str(self.dir / "run"),
             "FORKD_CREDENTIALS": str(self.dir / "client" / "credentials.json"),
             "RAY_USAGE_STATS_ENABLED": "0",
-            **LOOPBACK_ONLY,
         }
 
     @property
@@ -137,7 +134,7 @@ class LocalNode:
         """``ray start`` of this node: the head listens on ``port``, a worker joins ``head``."""
         resources = {"forkd_slots": self.slots, f"forkd_node:{self.name}": 1}
         argv = [
-            "ray", "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+            "ray", "start", "--block", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--temp-dir={self.dir / 'ray'}", f"--resources={json.dumps(resources)}",
             "--object-store-memory=100000000", "--disable-usage-stats",
         ]
@@ -161,7 +158,7 @@ class LocalNode:
 
 @dataclass
 class LocalCluster:
-    """A head (the first node) and workers, all on 127.0.0.1; ``connect`` is the driver."""
+    """A head (the first node) and workers, all on NODE_IP; ``connect`` is the driver."""
 
     nodes: list[LocalNode]
     base: Path
@@ -182,7 +179,7 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{NODE_IP}:{self.port}"
 
     def start(self, nodes: int | None = None) -> None:
         """forkd serve on every node, then Ray on the first ``nodes`` (default all)."""
@@ -199,7 +196,7 @@ class LocalCluster:
         deadline = time.monotonic() + START_S
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), 1).close()
+                socket.create_connection((NODE_IP, self.port), 1).close()
                 return
             except OSError:
                 assert self.head.ray is not None and self.head.ray.poll() is None, (
@@ -212,17 +209,15 @@ class LocalCluster:
         """ray.init as a driver on this machine, then wait until ``expect`` forkd nodes
         (default all) are in the cluster."""
         import ray
-        from ray._private import ray_constants
 
         import forkd.ray
 
-        assert not ray_constants.ENABLE_RAY_CLUSTER, "Ray was imported before ray_cluster"
         # Ray puts the driver's working directory first on its workers' sys.path: in a
         # checkout, its forkd/ folder would shadow the installed package there.
         here = os.getcwd()
         os.chdir(self.base)
         try:
-            ray.init(address=self.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+            ray.init(address=self.address, _node_ip_address=NODE_IP, log_to_driver=False)
         finally:
             os.chdir(here)
         want = expect or len(self.nodes)
