@@ -118,7 +118,8 @@ async def login(
     # Counted per client address only: a count per user name would let anyone lock
     # someone else out (docs/hub.md, "Security model").
     keys = [f"ip:{host}"]
-    wait, attempt = await hub.limiter.attempt(keys)  # counted as a failure until it is not
+    # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
+    wait, attempt = await hub.limiter.attempt(keys, cache_key)
     if wait:
         hub.audit.record(user[:64], host, "login", "-", "rate-limited")
         raise RegistryError(

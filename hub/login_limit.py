@@ -10,7 +10,10 @@ and, when there is room, records this attempt as one in the same transaction, un
 key's lock (PostgreSQL: a transaction-scoped advisory lock per key; SQLite: writers are
 serial), before the password is checked. A login that then succeeds takes its row back
 (``succeeded``). So ``limit`` guesses sent at once through every replica still get
-``limit`` verifications, not one each. Only logins that are not in the
+``limit`` verifications, not one each. What is counted is distinct credentials (rows
+carry a hash of the one tried): a client that sends one credential from many threads
+at once, or resends a wrong one, is not guessing, and its attempts in flight count once.
+Only logins that are not in the
 verified-credential cache reach it, and they pay an argon2 verification anyway; an
 attempt is one small write that also drops expired rows, a success one more.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import case, delete, func, select, text
 from sqlalchemy.orm import Session
 
 from forkd.hub.db import Database
@@ -39,17 +42,18 @@ class LoginLimiter:
         self.limit = limit
         self.window = timedelta(seconds=window)
 
-    async def attempt(self, keys: list[str]) -> tuple[int, list[int]]:
-        """Start a login attempt: (seconds until one may be tried again, 0 when it may go
-        ahead; the ids of the rows that count it as a failure until ``succeeded``)."""
-        return await self.db.write(self._attempt, sorted({_key(k) for k in keys}))
+    async def attempt(self, keys: list[str], credential: str) -> tuple[int, list[int]]:
+        """Start a login attempt with ``credential`` (a hash of what is tried): (seconds
+        until one may be tried again, 0 when it may go ahead; the ids of the rows that
+        count it as a failure until ``succeeded``)."""
+        return await self.db.write(self._attempt, sorted({_key(k) for k in keys}), credential)
 
     async def succeeded(self, attempt: list[int]) -> None:
         """The attempt's password was right: it is no failure."""
         if attempt:
             await self.db.write(self._forget, attempt)
 
-    def _attempt(self, session: Session, keys: list[str]) -> tuple[int, list[int]]:
+    def _attempt(self, session: Session, keys: list[str], credential: str) -> tuple[int, list[int]]:
         if session.get_bind().dialect.name == "postgresql":
             for key in keys:  # sorted: two attempts never wait for each other in a cycle
                 session.execute(
@@ -58,10 +62,10 @@ class LoginLimiter:
                 )
         now = utcnow()
         session.execute(delete(LoginFailure).where(LoginFailure.at <= now - self.window))
-        wait = self._retry_after(session, keys)
+        wait = self._retry_after(session, keys, credential)
         if wait:
             return wait, []
-        rows = [LoginFailure(key=k, at=now) for k in keys]
+        rows = [LoginFailure(key=k, at=now, attempt=credential) for k in keys]
         session.add_all(rows)
         session.flush()
         return 0, [row.id for row in rows]
@@ -69,16 +73,22 @@ class LoginLimiter:
     def _forget(self, session: Session, ids: list[int]) -> None:
         session.execute(delete(LoginFailure).where(LoginFailure.id.in_(ids)))
 
-    def _retry_after(self, session: Session, keys: list[str]) -> int:
+    def _retry_after(self, session: Session, keys: list[str], credential: str) -> int:
+        """Seconds until an attempt with ``credential`` may go ahead (0: now). One whose
+        credential is counted already (being checked, or failed) adds nothing."""
         now = utcnow()
+        distinct = func.count(func.distinct(LoginFailure.attempt)) + func.sum(
+            case((LoginFailure.attempt.is_(None), 1), else_=0)
+        )
+        known = func.max(case((LoginFailure.attempt == credential, 1), else_=0))
         rows = session.execute(
-            select(func.count(), func.min(LoginFailure.at))
+            select(distinct, func.min(LoginFailure.at), known)
             .where(LoginFailure.key.in_(keys), LoginFailure.at > now - self.window)
             .group_by(LoginFailure.key)
         ).all()
         wait = 0.0
-        for count, oldest in rows:
-            if count >= self.limit:
+        for count, oldest, counted in rows:
+            if count - counted >= self.limit:
                 if oldest.tzinfo is None:  # SQLite returns naive UTC
                     oldest = oldest.replace(tzinfo=now.tzinfo)
                 wait = max(wait, (oldest + self.window - now).total_seconds())

@@ -258,8 +258,9 @@ class HubSecret(Base):
 
 
 class LoginFailure(Base):
-    """One failed login, counted per key (``ip:ADDRESS``, ``user:NAME``) by the limiter
-    (hub/login_limit.py). In the database, so every worker process shares the count."""
+    """One failed login, or one being checked, counted per key (``ip:ADDRESS``) by the
+    limiter (hub/login_limit.py). In the database, so every worker process and replica
+    shares the count."""
 
     __tablename__ = "login_failures"
     __table_args__ = NO_REUSE
@@ -267,6 +268,9 @@ class LoginFailure(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key: Mapped[str] = mapped_column(String(80), index=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    # A hash of the credential tried: attempts of one credential count once (NULL: a
+    # failure recorded before migration 0009, counted on its own).
+    attempt: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class UiSession(Base):

@@ -8,6 +8,9 @@ PostgreSQL and one S3 bucket (docs/hub.md, "Running several replicas"):
   (with the S3 blob backend its bytes are chunk objects in the bucket);
 * ``upload_chunks``: one row per chunk of a session whose bytes are in the bucket,
   keyed by its offset (the key is what makes two writers of one offset exclusive);
+* ``login_failures.attempt``: which credential an attempt tried (a hash), so the
+  limiter records an attempt before checking it and counts each credential once
+  (hub/login_limit.py);
 * ``hub_secrets``: the HMAC key of bearer tokens and UI sessions when none is
   configured, generated once per database instead of once per data directory.
 
@@ -34,6 +37,8 @@ def upgrade() -> None:
     with op.batch_alter_table("uploads") as batch:
         batch.add_column(sa.Column("size", sa.BigInteger, nullable=False, server_default="0"))
         batch.add_column(sa.Column("touched_at", sa.DateTime(timezone=True), nullable=True))
+    with op.batch_alter_table("login_failures") as batch:
+        batch.add_column(sa.Column("attempt", sa.String(64), nullable=True))
     op.create_table(
         "upload_chunks",
         sa.Column(
@@ -56,6 +61,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("hub_secrets")
     op.drop_table("upload_chunks")
+    with op.batch_alter_table("login_failures") as batch:
+        batch.drop_column("attempt")
     with op.batch_alter_table("uploads") as batch:
         batch.drop_column("touched_at")
         batch.drop_column("size")

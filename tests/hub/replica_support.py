@@ -40,13 +40,14 @@ CHECK_INTER_MS = 300
 CHECK_FALL = 2
 
 
-def haproxy_config(port: int, servers: list[int]) -> str:
+def haproxy_config(port: int, servers: list[int], stats: Path | None = None) -> str:
     """Round-robin over ``servers`` with health checks; a request whose connection to a
     replica fails is sent to another one (``retries`` + ``option redispatch``). The same
     shape as the example in docs/hub.md ("Running several replicas")."""
     lines = [
         "global",
         "    maxconn 4096",
+        *([f"    stats socket {stats} mode 600 level admin"] if stats else []),
         "defaults",
         "    mode http",
         "    timeout connect 2s",
@@ -117,6 +118,11 @@ class Replica:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(TIMEOUT)
 
+    def freeze(self) -> None:
+        """SIGSTOP: requests sent to it hang (until ``kill``)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
@@ -181,7 +187,8 @@ class ReplicaSet:
             replica.wait_ready(deadline)
         self.port = free_port()
         cfg = self.root / "haproxy.cfg"
-        cfg.write_text(haproxy_config(self.port, [r.port for r in self.replicas]))
+        ports = [r.port for r in self.replicas]
+        cfg.write_text(haproxy_config(self.port, ports, self.root / "haproxy.sock"))
         haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
         with open(self.root / "haproxy.log", "ab") as log:
             self._haproxy = subprocess.Popen(
@@ -206,6 +213,21 @@ class ReplicaSet:
             if time.monotonic() > deadline:
                 raise RuntimeError("haproxy did not come up")
             time.sleep(0.1)
+
+    def in_flight(self, replica: Replica) -> int:
+        """Requests HAProxy has open on ``replica`` now (its stats socket's ``scur``)."""
+        index = self.replicas.index(replica)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(self.root / "haproxy.sock"))
+            s.sendall(b"show stat\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        for line in data.decode().splitlines():
+            fields = line.split(",")
+            if fields[:2] == ["replicas", f"r{index}"]:
+                return int(fields[4] or 0)
+        raise AssertionError(f"haproxy reports no server r{index}")
 
     def stop(self) -> None:
         procs = [r.proc for r in self.replicas if r.proc is not None]
@@ -293,8 +315,8 @@ def start_replicas(
 TEST_SETTINGS = {"login_fail_limit": 5, "login_fail_window": 300.0}
 
 
-@pytest.fixture(scope="module")
-def replicas(
+@pytest.fixture(scope="module", name="replicas")
+def replicas_fixture(
     tmp_path_factory: pytest.TempPathFactory,
     postgres_server: Callable[[], str],
     moto_server: MotoServer,
@@ -308,8 +330,8 @@ def replicas(
         started.stop()
 
 
-@pytest.fixture
-def fresh_replicas(
+@pytest.fixture(name="fresh_replicas")
+def fresh_replicas_fixture(
     tmp_path: Path, postgres_server: Callable[[], str], moto_server: MotoServer
 ) -> Iterator[ReplicaSet]:
     started = start_replicas(tmp_path / "replicas", postgres_server, moto_server, TEST_SETTINGS)
