@@ -27,8 +27,10 @@ from typing import Any
 
 from forkd.engine import children as ch
 from forkd.engine.errors import EngineError, HostError
+from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource, open_remote
 from forkd.engine.lazy.paths import server_dir
+from forkd.engine.lazy.prefetch import save_order
 from forkd.engine.qemu import pid_alive
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -130,6 +132,12 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     remote = parse_remote(remote_text)
     with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
         source = open_remote(store, remote, client)
+        order_file = server_dir(store.home, source.head) / "order.json"
+        if not order_file.exists():  # recorded by an earlier lazy fork, on any host
+            found = orders.fetch(client, remote.name, source.head)
+            if found:
+                order_file.parent.mkdir(parents=True, exist_ok=True)
+                save_order(order_file, source.head, found)
     tag = f"{remote.name}:{remote.tag}"
     snap = start_server(store, source, remote, tag if _may_tag(store, tag, source) else None,
                         prefetch)

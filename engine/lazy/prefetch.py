@@ -21,13 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from forkd import digest as dg
-from forkd import jsondoc
 from forkd.engine.lazy.chunks import ChunkSource
-from forkd.errors import ForkdError, InvalidInput
+from forkd.errors import ForkdError
+from forkd.pack import accessorder
 
-ORDER_VERSION = 1
-MAX_ORDER_CHUNKS = 1 << 20  # an order names each chunk of a chain once, at most
 PREFETCH_WORKERS = 2
 
 
@@ -48,29 +45,21 @@ class AccessOrder:
 
     def to_bytes(self, head: str) -> bytes:
         with self._lock:
-            doc = {"version": ORDER_VERSION, "manifest": head, "chunks": list(self.digests)}
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def parse_order(data: bytes, head: str, what: str) -> list[str]:
-    """The chunk digests of an untrusted order document recorded for manifest ``head``."""
-    raw = jsondoc.loads(data, what)
-    if not isinstance(raw, dict) or raw.get("version") != ORDER_VERSION:
-        raise InvalidInput(f"{what}: not an access order of version {ORDER_VERSION}")
-    if raw.get("manifest") != head:
-        raise InvalidInput(f"{what}: recorded for {raw.get('manifest')!r}, not {head}")
-    chunks = raw.get("chunks")
-    if not isinstance(chunks, list) or len(chunks) > MAX_ORDER_CHUNKS:
-        raise InvalidInput(f"{what}: chunks must be a list of at most {MAX_ORDER_CHUNKS}")
-    return [dg.validate(c) for c in chunks]
+            return accessorder.encode(head, list(self.digests))
 
 
 def load_order(path: Path, head: str) -> list[str] | None:
     """A saved order, or None when there is none (or it is unusable: the default applies)."""
     try:
-        return parse_order(path.read_bytes(), head, str(path))
+        return accessorder.decode(path.read_bytes(), head, str(path))
     except (OSError, ForkdError):
         return None
+
+
+def save_order(path: Path, head: str, chunks: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(accessorder.encode(head, chunks))
+    tmp.replace(path)
 
 
 @dataclass

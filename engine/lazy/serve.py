@@ -38,11 +38,12 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from forkd.engine.lazy import memfs, prefetch
+from forkd.engine.lazy import memfs, orders, prefetch
 from forkd.engine.lazy.chunks import ChunkSource, Hub
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
 from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR, socket_dir
+from forkd.errors import ForkdError
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_hub
@@ -118,8 +119,9 @@ class Server:
                     (self.dir / "prefetch.go").exists()
                     or time.monotonic() - ready_at > PREFETCH_AFTER):
                 started = True
+                recorded = self.recorded
                 self.save_order()
-                threading.Thread(target=self.prefetch, daemon=True).start()
+                threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
             idle = time.monotonic() - max(self.ops.last_release, ready_at)
             if self.ops.users == 0 and idle > LINGER:
                 (self.dir / "ready.json").unlink(missing_ok=True)
@@ -129,9 +131,9 @@ class Server:
                 self.write_ready()  # an open raced the shutdown: serve on
         pyfuse3.terminate()
 
-    def prefetch(self) -> None:
-        plan = prefetch.plan(self.source, self.recorded, self.image_order())
-        prefetch.run(self.source, plan, len(self.recorded or []), self.progress,
+    def prefetch(self, recorded: list[str] | None) -> None:
+        plan = prefetch.plan(self.source, recorded, self.image_order())
+        prefetch.run(self.source, plan, len(recorded or []), self.progress,
                      self.dir / "prefetch.json", self.spec.tag)
         log.info("prefetch %s: %s", self.progress.state, self.progress.error or "")
 
@@ -142,10 +144,22 @@ class Server:
         return order
 
     def save_order(self) -> None:
-        if self.recorded is None and self.order.digests:
-            path = self.dir / "order.json"
-            path.with_name("order.json.tmp").write_bytes(self.order.to_bytes(self.spec.head))
-            path.with_name("order.json.tmp").replace(path)
+        """Keep the order this run recorded when none was known (the first run's is the
+        true demand order), and publish it next to the pack (orders.publish: best effort,
+        it needs a push right on the repository)."""
+        if self.recorded is not None or not self.order.digests:
+            return
+        chunks = list(self.order.digests)
+        prefetch.save_order(self.dir / "order.json", self.spec.head, chunks)
+        self.recorded = chunks
+        hub = self.source.hub
+        if hub is not None:
+            try:
+                orders.publish(hub.client, hub.repo, self.spec.head,
+                               self.order.to_bytes(self.spec.head))
+                log.info("published the access order (%d chunks) to %s", len(chunks), hub)
+            except ForkdError as exc:
+                log.info("the access order stays local: %s", exc)
 
     def save_errors(self) -> None:
         errors: dict[str, str] = {str(pid): msg for pid, msg in self.ops.errors.items()}

@@ -14,6 +14,7 @@ from hub_server import HubServer
 from forkd.engine.lazy.chunks import ChunkSource, ChunkUnavailable, open_local, open_remote
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.errors import IntegrityError
+from forkd.pack.accessorder import decode, encode
 from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
@@ -145,3 +146,25 @@ def test_local_source_without_hub_names_the_missing_chunk(chain_store: tuple[Sto
     store.blobs.delete(victim)
     with pytest.raises(ChunkUnavailable, match=victim):
         ChunkSource(store, source.chain, "app:v2").read(victim)
+
+
+def test_access_order_travels_next_to_the_pack(chain_store: tuple[Store, Path], hub: HubServer,
+                                               tmp_path: Path) -> None:
+    from forkd.engine.lazy import orders
+    from forkd.registry.transfer import pull
+
+    store, head_image = chain_store
+    remote, who = _pushed(hub, store)
+    head = store.resolve("app:v2")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        assert orders.fetch(client, "lazy/app", head) is None  # none recorded yet
+        chunks = list(open_local(store, "app:v2").refs)[::-1]
+        orders.publish(client, "lazy/app", head, encode(head, chunks))
+        assert orders.fetch(client, "lazy/app", head) == chunks
+        # the pack itself is unchanged: same head digest, pulls and assembles as before
+        other = Store(tmp_path / "other")
+        assert pull(other, parse_remote(remote), client).digest == head
+        assert other.assemble("lazy/app:v2").memory.read_bytes() == head_image.read_bytes()
+        # an order recorded for another manifest is refused, not used
+        with pytest.raises(IntegrityError, match="recorded for"):
+            decode(encode(head, chunks), store.resolve("app:v1"), "order")
