@@ -1,6 +1,7 @@
-"""Hub replicas for tests: three `forkd hub serve` processes, each with its own data
-directory, sharing one PostgreSQL database and one S3 bucket (a moto server), behind
-HAProxy (Debian's `haproxy`) balancing round-robin with health checks on /healthz.
+"""Hub replicas for tests (and bench/hub_replicas.py): three `forkd hub serve` processes,
+each with its own data directory, sharing one PostgreSQL database and one S3 bucket (a
+moto server), behind HAProxy (Debian's `haproxy`) balancing round-robin with health
+checks on /healthz.
 
 ``replicas`` (one set per test module) and ``fresh_replicas`` (one per test, for tests
 that kill a replica) start everything on free loopback ports and stop it afterwards,
@@ -144,6 +145,7 @@ class ReplicaSet:
     moto: MotoServer
     bucket: str
     settings: dict[str, Any] = field(default_factory=dict)
+    count: int = REPLICAS
     replicas: list[Replica] = field(default_factory=list)
     port: int = 0
     _haproxy: subprocess.Popen[bytes] | None = None
@@ -174,7 +176,7 @@ class ReplicaSet:
         return "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
 
     def start(self) -> ReplicaSet:
-        for i in range(REPLICAS):
+        for i in range(self.count):
             data = self.root / f"replica{i}"
             data.mkdir(parents=True)
             config = data.parent / f"replica{i}.toml"
@@ -301,9 +303,10 @@ def start_replicas(
     postgres_server: Callable[[], str],
     moto: MotoServer,
     settings: dict[str, Any] | None = None,
+    count: int = REPLICAS,
 ) -> ReplicaSet:
     _haproxy_or_skip()
-    replicas = ReplicaSet(root, postgres_server(), moto, moto.new_bucket(), settings or {})
+    replicas = ReplicaSet(root, postgres_server(), moto, moto.new_bucket(), settings or {}, count)
     try:
         return replicas.start()
     except BaseException:
