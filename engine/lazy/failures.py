@@ -22,7 +22,7 @@ def failure_of(memory: str, pid: int) -> str | None:
         return None
     if not isinstance(errors, dict):
         return None
-    found = errors.get(str(pid)) or errors.get("disk")
+    found = errors.get(str(pid))
     return str(found) if found else None
 
 

@@ -13,8 +13,8 @@ ready), and exits when no file of its mount is open any more (every child gone) 
     server.json   what to serve (written by lazy.fork before the start)
     server.lock   held by the running server
     ready.json    {pid, memory, overlay, disk}: present while it serves
-    errors.json   {"<pid>": message} reads that failed, by the QEMU that opened the file
-                  ("disk": the export's failures)
+    errors.json   {"<pid>": message} reads that failed, by the QEMU that read (the one
+                  that opened the memory file, the peer of the NBD connection)
     prefetch.json prefetch progress (prefetch.Progress)
     server.log    its log
 While it runs it holds the store's gc lock shared: no `forkd gc` removes the chunks it
@@ -163,8 +163,8 @@ class Server:
 
     def save_errors(self) -> None:
         errors: dict[str, str] = {str(pid): msg for pid, msg in self.ops.errors.items()}
-        if self.export is not None and self.export.errors:
-            errors["disk"] = list(self.export.errors)[-1]
+        for failure in self.export.failures if self.export is not None else []:
+            errors.setdefault(str(failure.pid), failure.message)  # the QEMU that read it
         if len(errors) != self._errors_seen:
             self._errors_seen = len(errors)
             tmp = self.dir / "errors.json.tmp"
