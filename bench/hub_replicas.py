@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent / "tests" / "hub")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent / "tests" / "hub")]
 
 import hub_support  # noqa: E402  (the tests' helpers, on the path above)
 from hub_support import ADMIN, artifact  # noqa: E402
