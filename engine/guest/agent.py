@@ -110,6 +110,7 @@ class Channel:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.lock = threading.Lock()
+        self._stage_pipe: tuple[int, int] | None = None  # see _stage
 
     def send(self, obj: dict[str, Any]) -> None:
         data = _line(obj)
@@ -153,7 +154,39 @@ class Channel:
             self._write_all(head)
             return self._move(fd, n, offset)
 
+    def _stage(self, fd: int, n: int) -> int:
+        """Move n bytes from pipe fd into the channel's own pipe (pipe to pipe: page
+        references, no copy) and return its read end, which then holds exactly them. A
+        virtio port's splice sends every buffer of the pipe it reads as one element, but
+        fills only those within the length asked for: from a pipe its command keeps
+        writing into, the rest would go out empty, and QEMU fails the device ("zero sized
+        buffers are not allowed")."""
+        if self._stage_pipe is None:
+            r, w = os.pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, F_SETPIPE_SZ, CHUNK)
+            self._stage_pipe = r, w
+        r, w = self._stage_pipe
+        staged = 0
+        try:
+            while staged < n:
+                staged += os.splice(fd, w, n - staged)
+        except OSError:
+            if staged == 0:
+                _ZERO_COPY[True] = False  # no splice here: copy from fd from now on
+                return fd
+            self._write_staged(w, _read(fd, n - staged, None))
+        return r
+
+    @staticmethod
+    def _write_staged(w: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view):]
+
     def _move(self, fd: int, n: int, offset: int | None) -> int:
+        if offset is None and _ZERO_COPY[True]:
+            fd = self._stage(fd, n)
         left = n
         give_up = None
         while left > 0 and _ZERO_COPY[offset is None]:

@@ -337,7 +337,9 @@ def test_event_payloads_go_from_pipe_and_file_into_the_port_whole(
 ) -> None:
     """Streamed output (a pipe) and file chunks are moved into the port by splice/sendfile
     (never read into the agent) or, where the port cannot, copied: the frames are the same.
-    A file that shrank under a get is padded to the size announced and the count says so."""
+    The pipe a port splices from holds exactly the frame's bytes (a virtio port sends every
+    buffer of it: with more, QEMU saw empty ones and failed the device). A file that shrank
+    under a get is padded to the size announced and the count says so."""
     agent = _guest_agent()
     w, read_all = port
     ch = agent.Channel(w)
@@ -348,6 +350,13 @@ def test_event_payloads_go_from_pipe_and_file_into_the_port_whole(
     os.write(w_pipe, out + b"the next frame's")
     ch.event_from("a", "stdout", r_pipe, 60_000, None)
     assert os.read(r_pipe, 100) == b"the next frame's"  # exactly the size announced moved
+    if zero_copy:  # what the port splices from holds exactly the frame, never more
+        os.write(w_pipe, out)
+        staged = ch._stage(r_pipe, 1000)
+        assert staged != r_pipe and agent._pipe_bytes(staged) == 1000
+        assert agent._pipe_bytes(r_pipe) == len(out) - 1000
+        assert os.read(staged, 2000) == out[:1000]
+        assert os.read(r_pipe, len(out)) == out[1000:]
     os.close(w_pipe)
     file_data = os.urandom(3 << 20 | 123)
     (tmp_path / "f").write_bytes(file_data)
