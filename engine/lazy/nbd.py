@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import struct
 import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +80,7 @@ MAX_REQUEST_BYTES = 32 << 20  # what the protocol lets a client send without blo
 HANDSHAKE_TIMEOUT = 30.0  # seconds a client may take to reach the transmission phase
 ERROR_MESSAGE_BYTES = 1024
 KEPT_ERRORS = 64
+ACCEPT_RETRY_SECONDS = 0.1
 UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 # -- protocol constants (doc/proto.md, "Values") ------------------------------------------
@@ -181,6 +184,7 @@ class NbdServer:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(str(socket_path))
+            os.chmod(socket_path, 0o600)  # the disk may hold secrets: its owner (QEMU) only
             self._listener.listen(64)
         except OSError:
             self._listener.close()
@@ -224,8 +228,12 @@ class NbdServer:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closing:
+                    return
+                log.warning("%s: accept failed (%s); retrying", self.socket_path, exc)
+                time.sleep(ACCEPT_RETRY_SECONDS)  # e.g. out of file descriptors for a moment
+                continue
             with self._lock:
                 refuse = self._closing or len(self._clients) >= MAX_CONNECTIONS
                 if not refuse:

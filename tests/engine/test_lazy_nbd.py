@@ -120,6 +120,7 @@ def _qemu_io(target: str, *commands: str, fmt: str = "raw", readonly: bool = Tru
 # -- real QEMU clients -----------------------------------------------------------------
 def test_export_equals_the_assembled_disk(chain: Chain, export: DiskExport) -> None:
     assert export.size == DISK_SIZE
+    assert export.socket.stat().st_mode & 0o777 == 0o600  # only its owner may read the disk
     r = _run("qemu-img", "compare", "-f", "raw", "-F", "raw", str(chain.assembled),
              export.backing_spec())
     assert r.returncode == 0, r.stdout + r.stderr
