@@ -90,3 +90,19 @@ def controller_env_names() -> frozenset[str]:
                         and node.value.upper() == node.value):
                     names.add(node.value)
     return frozenset(names)
+
+
+def unit_bounding_set(unit: Path) -> list[str]:
+    """A unit's CapabilityBoundingSet as setpriv names them (``CAP_NET_ADMIN`` →
+    ``net_admin``)."""
+    values = [line.partition("=")[2].split() for line in unit.read_text().splitlines()
+              if line.startswith("CapabilityBoundingSet=")]
+    assert len(values) == 1, f"{unit.name}: expected one CapabilityBoundingSet line"
+    return [c.lower().removeprefix("cap_") for c in values[0]]
+
+
+def setpriv_bounded(caps: list[str]) -> list[str]:
+    """The setpriv prefix that starts a command as systemd starts a root service with
+    CapabilityBoundingSet=caps: root, nothing else in the bounding set, none inherited."""
+    return ["setpriv", "--bounding-set=" + ",".join(["-all", *(f"+{c}" for c in caps)]),
+            "--inh-caps=-all"]

@@ -24,6 +24,8 @@ from deploy_support import (
     forkd_entry_point,
     hub_env_names,
     parse_args,
+    setpriv_bounded,
+    unit_bounding_set,
 )
 
 SYSTEMD = DEPLOY / "systemd"
@@ -211,17 +213,17 @@ def hub_only() -> set[str]:
 # -- the controller's capability set, tried on the engine's real operations --------------
 
 def bounding_set() -> list[str]:
-    (value,) = unit_values((SYSTEMD / "forkd.service").read_text(), "CapabilityBoundingSet")
-    return [c.lower().removeprefix("cap_") for c in value.split()]
+    return unit_bounding_set(SYSTEMD / "forkd.service")
+
+
+PROBE = "deploy_caps_probe.py"
 
 
 def run_probe(caps: list[str]) -> subprocess.CompletedProcess[str]:
     """tests/deploy_caps_probe.py as root with only ``caps`` in the bounding set, as
     systemd starts forkd.service (root, CapabilityBoundingSet)."""
-    spec = ",".join(["-all", *(f"+{c}" for c in caps)])
     return subprocess.run(
-        ["setpriv", f"--bounding-set={spec}", "--inh-caps=-all", sys.executable, "-P",
-         str(REPO / "tests" / "deploy_caps_probe.py")],
+        [*setpriv_bounded(caps), sys.executable, "-P", str(REPO / "tests" / PROBE)],
         capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
 
 
