@@ -107,11 +107,29 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
 
 
 @contextlib.contextmanager
-def holding(snap: LazySnapshot) -> Iterator[None]:
-    """Keep the memory file open (the server serves on while a file is open)."""
-    fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
+def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
+            prefetch: bool = True) -> Iterator[LazySnapshot]:
+    """A serving lazy server whose memory file is held open meanwhile (the server serves
+    on while a file is open). A server found just as it exits is waited for, and a new
+    one started."""
+    for _ in range(3):
+        snap = start_server(store, source, remote, tag, prefetch)
+        try:
+            fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0 and (snap.dir / "ready.json").exists():
+            break
+        if fd >= 0:
+            os.close(fd)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while pid_alive(snap.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # it was exiting: let it unmount
+    else:
+        raise HostError(f"the lazy server of {source.name} exits as it is found; see "
+                        f"{server_dir(store.home, source.head) / 'server.log'}")
     try:
-        yield
+        yield snap
     finally:
         os.close(fd)
 
@@ -139,19 +157,17 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
                 order_file.parent.mkdir(parents=True, exist_ok=True)
                 save_order(order_file, source.head, found)
     tag = f"{remote.name}:{remote.tag}"
-    snap = start_server(store, source, remote, tag if _may_tag(store, tag, source) else None,
-                        prefetch)
-    try:
-        with holding(snap):
+    with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
+                 prefetch) as snap:
+        try:
             asm = assembled(store, source, snap)
             res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,
                           **options)
-    except EngineError as exc:
-        failure = _failures(snap)
-        raise type(exc)(f"{exc}{failure}") from exc
-    finally:
-        if prefetch:
-            snap.prefetch_now()
+        except EngineError as exc:
+            raise type(exc)(f"{exc}{_failures(snap)}") from exc
+        finally:
+            if prefetch:
+                snap.prefetch_now()
     if res.errors:
         res = ch.ForkResult(res.children, res.assemble_ms, res.total_ms,
                             [*res.errors, *_failures(snap).splitlines()[1:]])

@@ -46,6 +46,7 @@ class MemoryFile(pyfuse3.Operations):
         self.layout = layout
         self.on_chunks = on_chunks
         self.users = 0  # files open (a mapping keeps its file open)
+        self.opens = 0  # opens so far
         self.errors: dict[int, str] = {}  # pid of the opener → what failed
         self.last_release = time.monotonic()
         self._openers: dict[int, int] = {}  # fh → pid
@@ -98,6 +99,7 @@ class MemoryFile(pyfuse3.Operations):
             self._next_fh += 1
             self._openers[fh] = ctx.pid
             self.users += 1
+            self.opens += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     async def release(self, fh: int) -> None:

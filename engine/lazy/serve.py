@@ -50,6 +50,8 @@ from forkd.registry.reference import parse_hub
 from forkd.store.store import Store
 
 LINGER = 1.0  # seconds with no open file before the server exits
+FIRST_OPEN_GRACE = 60.0  # seconds it waits for its first open (a loaded host's forker)
+LOCK_WAIT = 30.0  # seconds a new server waits for an exiting one to unmount
 PREFETCH_AFTER = 5.0  # seconds after ready when the prefetch starts without a signal
 POLL = 0.1
 log = logging.getLogger("forkd.lazy")
@@ -123,7 +125,8 @@ class Server:
                 self.save_order()
                 threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
             idle = time.monotonic() - max(self.ops.last_release, ready_at)
-            if self.ops.users == 0 and idle > LINGER:
+            waited = self.ops.opens > 0 or time.monotonic() - ready_at > FIRST_OPEN_GRACE
+            if self.ops.users == 0 and idle > LINGER and waited:
                 (self.dir / "ready.json").unlink(missing_ok=True)
                 await trio.sleep(0)
                 if self.ops.users == 0:
@@ -183,11 +186,16 @@ class Server:
 def serve(d: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     lock = os.open(d / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log.info("another server serves %s", d)
-        return 0
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:  # an exiting server of the same snapshot may still be unmounting
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.info("another server serves %s", d)
+                return 0
+            time.sleep(0.05)
     for name in ("ready.json", "prefetch.go", "errors.json", "prefetch.json"):
         (d / name).unlink(missing_ok=True)
     server = Server(d, ServerSpec.load(d))
