@@ -11,8 +11,9 @@ re-tags) and pushed to a `forkd hub serve` on loopback. Then, per pack, in an em
   branch, until all three are ready (their agents answered the engine's fixup).
 
 Prints each figure for both packs and the ratio langgraph-react / python-numpy: the price
-of the bigger pack and of its network device (a netns + tap per child). Needs root; not a
-pass/fail test; the machine is shared, so read one run as one sample.
+of the bigger pack and of its network device (a netns + tap per child), with the 1-minute
+load average around each measurement. Needs root; not a pass/fail test; the machine is
+shared, so read one run as one sample.
 
     sudo python bench/agent_packs.py [--publisher-home DIR] [--json]
 
@@ -137,6 +138,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="forkd-agent-bench-"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
     results: dict[str, dict[str, float]] = {}
+    load: list[float] = []  # 1-minute load average before each pack's measurement
     try:
         publisher = Store.open(o.publisher_home or work / "publisher")
         for name, (path, _) in PACKS.items():
@@ -148,7 +150,9 @@ def main() -> None:
                 push(publisher, f"{name}:latest", parse_remote(f"{hub}/bench/{name}:latest"),
                      client)
             for name in PACKS:
+                load.append(os.getloadavg()[0])
                 results[name] = measure(name, hub, client, work)
+            load.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base, agent = results["python-numpy"], results["langgraph-react"]
@@ -157,13 +161,15 @@ def main() -> None:
             ("pull + first answer", "pull_first_answer_s", "s"),
             ("branch pause", "branch_pause_ms", "ms"),
             ("branch → 3 grandchildren ready", "branch_to_3_ready_s", "s")]
+    print(f"1-minute load average: {load[0]:.2f} before python-numpy, {load[1]:.2f} before "
+          f"langgraph-react, {load[2]:.2f} after ({os.cpu_count()} CPUs, shared)")
     print(f"{'':32} {'python-numpy':>14} {'langgraph-react':>16} {'ratio':>7}")
     for label, key, unit in rows:
         ratio = agent[key] / base[key] if base[key] else float("nan")
         print(f"{label:32} {base[key]:10.2f} {unit:3} {agent[key]:12.2f} {unit:3} "
               f"{ratio:6.2f}x")
     if o.json:
-        print(json.dumps(results, indent=1))
+        print(json.dumps({**results, "load_average_1m": load}, indent=1))
 
 
 if __name__ == "__main__":
