@@ -185,6 +185,7 @@ class Server:
 
 def serve(d: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per chunk
     lock = os.open(d / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + LOCK_WAIT
     while True:  # an exiting server of the same snapshot may still be unmounting
