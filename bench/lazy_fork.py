@@ -47,6 +47,7 @@ from forkd.engine import recipe
 from forkd.engine.build import build
 from forkd.engine.lazy import fork as lazy
 from forkd.errors import ForkdError
+from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
 from forkd.registry.reference import Hub, parse_remote
@@ -218,6 +219,9 @@ def main() -> None:
     o = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="forkd-lazy-bench-"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
+    # the lazy servers log in as the publisher: the first publishes its access order and
+    # the second lazy fork (another empty store) prefetches in that order from the start
+    os.environ["FORKD_CREDENTIALS"] = str(work / "credentials.json")
     results: dict[str, dict[str, float]] = {}
     try:
         publisher = Store.open(o.publisher_home or work / "publisher")
@@ -226,6 +230,7 @@ def main() -> None:
             print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)
         with embedded_hub(work / "hub") as hub, \
                 RegistryClient(hub, Credential(ADMIN, SECRET)) as client:
+            credentials.save(hub.host, Credential(ADMIN, SECRET))
             for name in PACKS:
                 push(publisher, f"{name}:latest", parse_remote(f"{hub}/bench/{name}:latest"),
                      client)

@@ -98,8 +98,9 @@ class ChunkSource:
         return [d for d in self.refs if not self.store.blobs.has(d)]
 
     # -- reads -------------------------------------------------------------
-    def read(self, digest: str) -> bytes:
-        """The chunk's uncompressed bytes, verified (module docstring)."""
+    def read(self, digest: str, keep: bool = True) -> bytes:
+        """The chunk's uncompressed bytes, verified (module docstring); keep False: not
+        kept in the LRU of decompressed chunks (a prefetch must not evict readers')."""
         with self._lock:
             data = self._cache.get(digest)
             if data is not None:
@@ -121,9 +122,10 @@ class ChunkSource:
             raise
         with self._lock:
             del self._inflight[digest]
-            self._cache[digest] = data
-            while len(self._cache) > self._cached_chunks:
-                self._cache.popitem(last=False)
+            if keep:
+                self._cache[digest] = data
+                while len(self._cache) > self._cached_chunks:
+                    self._cache.popitem(last=False)
         pending.set_result(data)
         return data
 
@@ -132,7 +134,7 @@ class ChunkSource:
         True when it had to be fetched (prefetch)."""
         if self.has(digest):
             return False
-        self.read(digest)
+        self.read(digest, keep=False)
         return True
 
     def fetch_files(self, roles: tuple[str, ...] = ("vmstate", "kernel", "initrd")) -> int:

@@ -6,9 +6,9 @@ its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, nbd.py,
 empty child overlay on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the
 store, else the hub).
 It records the order readers need chunks (``order.json``), prefetches the rest of the
-chain once ``DIR/prefetch.go`` appears (or ``PREFETCH_AFTER`` seconds after it is
-ready), and exits when no file of its mount is open any more (every child gone) for
-``LINGER`` seconds, unmounting first. Its files in DIR:
+chain at once when an order was recorded before, else once ``DIR/prefetch.go`` appears
+(or ``PREFETCH_AFTER`` seconds after it is ready), and exits when no file of its mount
+is open any more (every child gone) for ``LINGER`` seconds, unmounting first. Its files in DIR:
 
     server.json   what to serve (written by lazy.fork before the start)
     server.lock   held by the running server
@@ -118,7 +118,8 @@ class Server:
             await trio.sleep(POLL)
             self.save_errors()
             if not started and self.spec.prefetch and (
-                    (self.dir / "prefetch.go").exists()
+                    self.recorded is not None  # a known working set: fetch it now (REAP)
+                    or (self.dir / "prefetch.go").exists()
                     or time.monotonic() - ready_at > PREFETCH_AFTER):
                 started = True
                 recorded = self.recorded
