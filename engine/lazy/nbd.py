@@ -24,14 +24,16 @@ one); a request past the export's end or longer than the block size limit gets
 ``EINVAL``; a write's payload over ``MAX_REQUEST_BYTES`` ends the connection instead of
 being read; a client has ``HANDSHAKE_TIMEOUT`` seconds to choose the export.
 
-Threads: one per connection reads its requests; reads are answered by ``READ_WORKERS``
-threads shared by the export, at most ``MAX_READS_PER_CONNECTION`` of one client's at a
-time, so a read waiting for a chunk from the hub does not hold up the client's next one.
-Replies may come out of order (handles tell them apart); each message is sent whole.
+Threads: per connection, one reads its requests and up to ``MAX_READS_PER_CONNECTION``
+answer its reads, so a read waiting for a chunk from the hub does not hold up the client's
+next one, and a client that stops reading its replies (a frozen QEMU) blocks only its own
+threads. Replies may come out of order (handles tell them apart); each message is sent
+whole.
 
 Memory: the ``ChunkSource``'s LRU of decompressed chunks (16 x 2 MiB, shared), plus the
-reads being answered, at most ``READ_WORKERS`` at once, each at most ``MAX_BLOCK_BYTES``
-(``MAX_REQUEST_BYTES`` for a client that did not ask for the block sizes). A structured
+reads being answered, at most ``MAX_READS_PER_CONNECTION`` per connection, each at most
+``MAX_BLOCK_BYTES`` (``MAX_REQUEST_BYTES`` for a client that did not ask for the block
+sizes). A structured
 reply goes run by run: the pieces of a request that chunks provide, joined across gaps
 under ``MIN_HOLE_BYTES`` (sent as zeros; larger gaps are holes), one data chunk per run,
 straight from the decoded chunk when the run is one piece, else through a buffer of the
@@ -69,8 +71,7 @@ SOCKET_NAME = "disk.nbd.sock"
 
 # Limits (docs/engine.md, "Disk over NBD").
 MAX_CONNECTIONS = 256  # one per child QEMU; more are closed at once
-READ_WORKERS = 8  # threads answering reads, shared by the export's connections
-MAX_READS_PER_CONNECTION = 4  # a client's reads queued or being answered at once
+MAX_READS_PER_CONNECTION = 4  # a client's reads answered at once, each by its own thread
 MAX_OPTIONS = 32  # options one client may send before it must choose the export
 MAX_OPTION_BYTES = 4096 + 64  # the longest option we read: an export name (<= 4096) + header
 MIN_BLOCK_BYTES = 1  # any alignment is served
@@ -179,7 +180,6 @@ class NbdServer:
         self._lock = threading.Lock()
         self._clients: dict[socket.socket, threading.Thread] = {}
         self._closing = False
-        self.reads = ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="nbd read")
         socket_path.unlink(missing_ok=True)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -188,7 +188,6 @@ class NbdServer:
             self._listener.listen(64)
         except OSError:
             self._listener.close()
-            self.reads.shutdown()
             raise
         self._acceptor = threading.Thread(target=self._accept, name=f"nbd {socket_path.name}",
                                           daemon=True)
@@ -221,7 +220,6 @@ class NbdServer:
                 sock.shutdown(socket.SHUT_RDWR)
         for _, thread in clients:
             thread.join()
-        self.reads.shutdown(wait=True)
         self.socket_path.unlink(missing_ok=True)
 
     def _accept(self) -> None:
@@ -263,10 +261,11 @@ class NbdServer:
 
 class _Session:
     """One client: the handshake, then its requests. Its thread reads the requests and
-    answers all but reads itself; reads go to the export's workers (at most
-    ``MAX_READS_PER_CONNECTION`` of this client's at once), so a read waiting for the hub
-    does not hold up the next. Replies may come out of order (the protocol allows it);
-    each message is sent whole, under the connection's send lock."""
+    answers all but reads itself; reads go to the connection's own workers (at most
+    ``MAX_READS_PER_CONNECTION``), so a read waiting for the hub does not hold up the next,
+    and a client that stops reading its replies blocks only its own threads. Replies may
+    come out of order (the protocol allows it); each message is sent whole, under the
+    connection's send lock."""
 
     def __init__(self, server: NbdServer, sock: socket.socket) -> None:
         self.server = server
@@ -277,6 +276,8 @@ class _Session:
         self.pid = _peer_pid(sock)
         self._send_lock = threading.Lock()
         self._read_slots = threading.BoundedSemaphore(MAX_READS_PER_CONNECTION)
+        self._reads = ThreadPoolExecutor(max_workers=MAX_READS_PER_CONNECTION,
+                                         thread_name_prefix="nbd read")
 
     def run(self) -> None:
         try:
@@ -284,13 +285,12 @@ class _Session:
             if not self._handshake():
                 return
             self.sock.settimeout(None)
-            try:
-                self._transmission()
-            finally:
-                self._wait_for_reads()
+            self._transmission()
         except (_Hangup, OSError) as exc:
             if str(exc):
                 log.info("%s: client connection ends: %s", self.server.socket_path, exc)
+        finally:
+            self._reads.shutdown(wait=True)  # every read answered (or failed) before it closes
 
     # -- I/O ------------------------------------------------------------------
     def _recv(self, n: int) -> bytes:
@@ -411,7 +411,7 @@ class _Session:
                 return
             if command == CMD_READ:
                 self._read_slots.acquire()
-                self.server.reads.submit(self._read_task, handle, offset, length)
+                self._reads.submit(self._read_task, handle, offset, length)
             elif command == CMD_FLUSH:
                 self._status(handle, 0)
             elif command in WRITING_COMMANDS:
@@ -437,14 +437,6 @@ class _Session:
     def _hang_up(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-
-    def _wait_for_reads(self) -> None:
-        """Until every read of this client is answered (or failed): before its socket
-        closes, as a disconnect requires."""
-        for _ in range(MAX_READS_PER_CONNECTION):
-            self._read_slots.acquire()
-        for _ in range(MAX_READS_PER_CONNECTION):
-            self._read_slots.release()
 
     def _drain(self, length: int) -> None:
         """Read and drop a write's payload, bounded."""

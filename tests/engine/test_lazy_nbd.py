@@ -201,6 +201,20 @@ def test_a_slow_chunk_does_not_hold_up_the_next_read(chain: Chain) -> None:
         assert c.replies({a: (5 * MiB, 4096)}) == {a: (0, b"\x01" * 4096)}
 
 
+def test_clients_that_stop_reading_block_only_themselves(chain: Chain,
+                                                        export: DiskExport) -> None:
+    stuck = [_Client(export.socket) for _ in range(3)]
+    try:
+        for c in stuck:  # replies far larger than the socket's buffer, never read
+            for _ in range(nbd.MAX_READS_PER_CONNECTION + 1):
+                c.send_read(0, nbd.MAX_BLOCK_BYTES)
+        with _Client(export.socket) as c:
+            assert c.read(11 * MiB, 4096) == (0, b"\x03" * 4096)
+    finally:
+        for c in stuck:
+            c.close()
+
+
 def test_overlay_takes_the_writes(chain: Chain, export: DiskExport, tmp_path: Path) -> None:
     overlay = tmp_path / "child.qcow2"
     export.create_overlay(overlay)
