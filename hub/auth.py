@@ -130,6 +130,7 @@ async def login(
     async with hub.db.reading() as session:
         principal = await accounts.authenticate_password(session, user, password)
     if principal is None:
+        await hub.limiter.failed(attempt)
         hub.metrics.auth_failures.inc()
         hub.audit.record(user[:64], host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")

@@ -10,9 +10,10 @@ and, when there is room, records this attempt as one in the same transaction, un
 key's lock (PostgreSQL: a transaction-scoped advisory lock per key; SQLite: writers are
 serial), before the password is checked. A login that then succeeds takes its row back
 (``succeeded``). So ``limit`` guesses sent at once through every replica still get
-``limit`` verifications, not one each. What is counted is distinct credentials (rows
-carry a hash of the one tried): a client that sends one credential from many threads
-at once, or resends a wrong one, is not guessing, and its attempts in flight count once.
+``limit`` verifications, not one each. An attempt in flight carries a hash of the
+credential it tries, and those in flight count once per credential (a client sending one
+credential from many threads at once is not guessing); a failure (``failed``) drops the
+hash, and every failure counts, a wrong password sent again too.
 Only logins that are not in the
 verified-credential cache reach it, and they pay an argon2 verification anyway; an
 attempt is one small write that also drops expired rows, a success one more.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import case, delete, func, select, text
+from sqlalchemy import case, delete, func, select, text, update
 from sqlalchemy.orm import Session
 
 from forkd.hub.db import Database
@@ -48,6 +49,11 @@ class LoginLimiter:
         count it as a failure until ``succeeded``)."""
         return await self.db.write(self._attempt, sorted({_key(k) for k in keys}), credential)
 
+    async def failed(self, attempt: list[int]) -> None:
+        """The attempt's password was wrong: a failure of its own from now on."""
+        if attempt:
+            await self.db.write(self._fail, attempt)
+
     async def succeeded(self, attempt: list[int]) -> None:
         """The attempt's password was right: it is no failure."""
         if attempt:
@@ -70,12 +76,16 @@ class LoginLimiter:
         session.flush()
         return 0, [row.id for row in rows]
 
+    def _fail(self, session: Session, ids: list[int]) -> None:
+        session.execute(update(LoginFailure).where(LoginFailure.id.in_(ids)).values(attempt=None))
+
     def _forget(self, session: Session, ids: list[int]) -> None:
         session.execute(delete(LoginFailure).where(LoginFailure.id.in_(ids)))
 
     def _retry_after(self, session: Session, keys: list[str], credential: str) -> int:
-        """Seconds until an attempt with ``credential`` may go ahead (0: now). One whose
-        credential is counted already (being checked, or failed) adds nothing."""
+        """Seconds until an attempt with ``credential`` may go ahead (0: now): failures
+        (no hash) count each, attempts in flight once per credential, and one whose
+        credential is in flight already adds nothing."""
         now = utcnow()
         distinct = func.count(func.distinct(LoginFailure.attempt)) + func.sum(
             case((LoginFailure.attempt.is_(None), 1), else_=0)

@@ -268,8 +268,8 @@ class LoginFailure(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key: Mapped[str] = mapped_column(String(80), index=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    # A hash of the credential tried: attempts of one credential count once (NULL: a
-    # failure recorded before migration 0009, counted on its own).
+    # While the attempt is checked, a hash of the credential tried (attempts in flight
+    # count once per credential); NULL once it failed (each failure counts).
     attempt: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 

@@ -171,12 +171,19 @@ def _live(hub: Hub, held: NamespaceUploads) -> dict[str, int]:
     }
 
 
-async def _remove_bytes(hub: Hub, upload_id: str) -> None:
-    """Delete a session's bytes: its file (or staging file) and its chunks in the bucket."""
+async def _remove_bytes(hub: Hub, upload_id: str, chunks: _Chunks | None = None) -> None:
+    """Delete a session's bytes: its file (or staging file) and its chunks in the bucket:
+    ``chunks`` when the caller read them (no listing; an object no row recorded is left to
+    GC's sweep of sessions that are gone), else every object under the session's prefix."""
     hub.uploads.remove(upload_id)
-    if hub.shared is not None:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(hub.shared.delete_session, upload_id)
+    shared = hub.shared
+    if shared is None or (chunks is not None and not chunks.keys):
+        return
+    with anyio.CancelScope(shield=True):
+        if chunks is None:
+            await anyio.to_thread.run_sync(shared.delete_session, upload_id)
+        else:
+            await anyio.to_thread.run_sync(shared.delete_chunks, upload_id, list(chunks.keys))
 
 
 def _current(hub: Hub, upload_id: str, f: BinaryIO) -> None:
@@ -538,7 +545,7 @@ async def _finish(
             # grace period), so storing it again now cannot race one.
             size = await anyio.to_thread.run_sync(store)
     finally:
-        await _remove_bytes(hub, upload_id)
+        await _remove_bytes(hub, upload_id, chunks)
         if not row_deleted:
             async with hub.db.transaction() as session:
                 await session.execute(delete(Upload).where(Upload.id == upload_id))

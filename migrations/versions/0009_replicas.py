@@ -8,9 +8,9 @@ PostgreSQL and one S3 bucket (docs/hub.md, "Running several replicas"):
   (with the S3 blob backend its bytes are chunk objects in the bucket);
 * ``upload_chunks``: one row per chunk of a session whose bytes are in the bucket,
   keyed by its offset (the key is what makes two writers of one offset exclusive);
-* ``login_failures.attempt``: which credential an attempt tried (a hash), so the
-  limiter records an attempt before checking it and counts each credential once
-  (hub/login_limit.py);
+* ``login_failures.attempt``: which credential an attempt in flight tries (a hash), so
+  the limiter records an attempt before checking it, counting concurrent attempts of one
+  credential once (hub/login_limit.py);
 * ``hub_secrets``: the HMAC key of bearer tokens and UI sessions when none is
   configured, generated once per database instead of once per data directory.
 
