@@ -453,7 +453,7 @@ class _Session:
             self._send(_SIMPLE_REPLY.pack(SIMPLE_REPLY_MAGIC, error, handle))
 
     def _error_chunk(self, handle: int, error: int, message: str) -> None:
-        text = message.encode()[:ERROR_MESSAGE_BYTES]
+        text = message.encode()[:ERROR_MESSAGE_BYTES].decode(errors="ignore").encode()  # UTF-8
         payload = struct.pack(">IH", error, len(text)) + text
         self._send(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, handle,
                                len(payload)), payload)
