@@ -20,7 +20,7 @@ from forkd.engine.errors import ChildDead, VMMError
 from forkd.errors import ForkdError
 from forkd.store.store import Store
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(3600)]  # the tiny build, on a loaded host
 PREFETCH_TIMEOUT = 300.0
 
 
