@@ -19,7 +19,7 @@ command to the answers, each in an empty store:
 Ratios against the local fork of the same run. Needs root; not a pass/fail test; the
 machine is shared, so one run is one sample.
 
-    sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--json]
+    sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--packs A,B] [--json]
 """
 
 from __future__ import annotations
@@ -214,6 +214,8 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--packs", default=",".join(PACKS),
+                    help="comma-separated packs to measure (default: all)")
     ap.add_argument("--publisher-home", type=Path, default=None,
                     help="store to build into (default: a fresh one in the work directory)")
     o = ap.parse_args()
@@ -223,19 +225,20 @@ def main() -> None:
     # the second lazy fork (another empty store) prefetches in that order from the start
     os.environ["FORKD_CREDENTIALS"] = str(work / "credentials.json")
     results: dict[str, dict[str, float]] = {}
+    packs = {name: PACKS[name] for name in o.packs.split(",")}
     try:
         publisher = Store.open(o.publisher_home or work / "publisher")
-        for name, (path, _) in PACKS.items():
+        for name, (path, _) in packs.items():
             b = build(publisher, recipe.load(path), f"{name}:latest")
             print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)
         with embedded_hub(work / "hub") as hub, \
                 RegistryClient(hub, Credential(ADMIN, SECRET)) as client:
             credentials.save(hub.host, Credential(ADMIN, SECRET))
-            for name in PACKS:
+            for name in packs:
                 push(publisher, f"{name}:latest", parse_remote(f"{hub}/bench/{name}:latest"),
                      client)
                 make_public(work / "hub", f"bench/{name}")
-            for name in PACKS:
+            for name in packs:
                 results[name] = measure(name, publisher, hub, client, work, o.n)
                 print(f"measured {name}", flush=True)
     finally:
