@@ -4,7 +4,8 @@ One child of the tiny recipe. For each size it times, guest → host:
 
 - **stdout, v2**: `exec_stream` of `yes | head -c SIZE` (event frames of up to 1 MiB,
   raw payloads spliced from the command's pipe into the port, while it runs); also
-  with one writer, `head -c SIZE /dev/zero`, and the writer alone (`yes | head -c SIZE
+  with one writer, `head -c SIZE /dev/zero` (8 KiB writes) and `dd bs=1M` (1 MiB
+  writes: the least guest CPU per byte written), and the writer alone (`yes | head -c SIZE
   > /dev/null` in the guest: the ceiling the producer itself puts on the stdout figure,
   both share the guest's one vCPU);
 - **stdout, v1 form**: the same command as a protocol-1 `exec` (the whole output in one
@@ -48,7 +49,8 @@ STDOUT_WRITERS = {
     # printable bytes: a protocol-1 reply carries stdout as a JSON string, where a NUL
     # would take 6 bytes (\u0000)
     "yes | head": "yes | head -c {size}",  # two guest processes and a pipe between them
-    "head /dev/zero": "head -c {size} /dev/zero",  # one writer: the cheapest producer
+    "head /dev/zero": "head -c {size} /dev/zero",  # one writer, 8 KiB writes
+    "dd bs=1M": "dd if=/dev/zero bs=1M count={mib} status=none",  # 1 MiB writes: cheapest
 }
 
 
@@ -71,9 +73,9 @@ def measure(child_id: str, size: int, *, v2: bool) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for name, shell in STDOUT_WRITERS.items():
-        if not v2 and name != "yes | head":
-            continue
-        n, dt = _stdout(child_id, ["sh", "-c", shell.format(size=size)], v2)
+        if not v2 and (name != "yes | head" or size > 32 << 20):
+            continue  # a protocol-1 reply holds at most 32 MiB of stdout
+        n, dt = _stdout(child_id, ["sh", "-c", shell.format(size=size, mib=size >> 20)], v2)
         assert n == size, f"{n} of {size} bytes arrived"
         out[f"stdout {name}"] = _mbps(size, dt)
     if v2:  # the producer alone, its output dropped in the guest: the ceiling for stdout
@@ -152,16 +154,19 @@ def main() -> None:
     print(f"1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
           f"({os.cpu_count()} CPUs, shared)")
     print(f"{'size':>8} {'stdout v2':>10} {'v1 form':>9} {'ratio':>6}   "
-          f"{'file v2':>8} {'v1 form':>9} {'ratio':>6}   {'stdout v2, one writer':>22}   "
-          f"{'writer alone':>12}")
+          f"{'file v2':>8} {'v1 form':>9} {'ratio':>6}   {'head /dev/zero':>14} "
+          f"{'dd bs=1M':>9}   {'writer alone':>12}")
     for s in sizes:
         a, b = v2[s], v1_form[s]
         key = "stdout yes | head"
-        print(f"{s >> 20:>5} MiB {a[key]:>10.1f} {b[key]:>9.2f} {a[key] / b[key]:>6.1f}   "
+        old = b.get(key, float("nan"))
+        print(f"{s >> 20:>5} MiB {a[key]:>10.1f} {old:>9.2f} {a[key] / old:>6.1f}   "
               f"{a['file']:>8.1f} {b['file']:>9.2f} {a['file'] / b['file']:>6.1f}   "
-              f"{a['stdout head /dev/zero']:>22.1f}   {a['yes | head > /dev/null']:>12.1f}")
-    print("stdout: `yes | head -c SIZE`; one writer: `head -c SIZE /dev/zero`; writer alone: "
-          "`yes | head -c SIZE > /dev/null` in the guest (the producer's own ceiling)")
+              f"{a['stdout head /dev/zero']:>14.1f} {a['stdout dd bs=1M']:>9.1f}   "
+              f"{a['yes | head > /dev/null']:>12.1f}")
+    print("stdout: `yes | head -c SIZE`; head /dev/zero, dd bs=1M: one writer (8 KiB, 1 MiB "
+          "writes); writer alone: `yes | head -c SIZE > /dev/null` in the guest (the "
+          "producer's own ceiling); v1 forms up to 32 MiB")
     if args.old_agent:
         old_sizes = [int(s) << 20 for s in args.old_sizes.split(",")]
         old = old_agent_run(args.old_agent, old_sizes, home)
