@@ -176,9 +176,9 @@ class RegistryClient:
         """One request, sent again after ``RETRY_DELAYS`` while there is no answer or a
         balancer's 502/503/504 (the last such answer is returned)."""
         for delay in (*RETRY_DELAYS, None):
-            req = self.http.build_request(
-                method, url, headers={**(headers or {}), **self._auth_header(scope)}, **kwargs
-            )
+            req = self.http.build_request(method, url, headers=headers, **kwargs)
+            if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
+                req.headers.update(self._auth_header(scope))
             try:
                 resp = self.http.send(req, stream=stream)
             except httpx.TransportError as exc:
@@ -390,9 +390,10 @@ class RegistryClient:
             "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
         )
         location = resp.headers["location"]
-        offset = resyncs = 0
+        offset = resyncs = sent = 0  # sent: the furthest byte any PATCH so far carried
         while offset < size:
             data = read(offset, min(UPLOAD_CHUNK, size - offset))
+            sent = max(sent, offset + len(data))
             try:
                 resp = self.request(
                     "PATCH",
@@ -410,7 +411,7 @@ class RegistryClient:
                 resyncs += 1
                 if exc.status != 416 or resyncs > UPLOAD_RESTARTS:
                     raise
-                offset, location = self._upload_progress(location, scope, size)
+                offset, location = self._upload_progress(location, scope, sent)
                 continue
             location = resp.headers.get("location", location)
             offset += len(data)
@@ -422,16 +423,20 @@ class RegistryClient:
             headers={"Content-Length": "0"},
         )
 
-    def _upload_progress(self, location: str, scope: str, size: int) -> tuple[int, str]:
+    def _upload_progress(self, location: str, scope: str, sent: int) -> tuple[int, str]:
         """Where an upload session stands (``GET`` on it): the next offset, its location.
         ``Range: 0-0`` is read as empty (registries answer it for 0 bytes and for 1; a
-        wrong guess is one more 416, and the resyncs are bounded)."""
+        wrong guess is one more 416, and the resyncs are bounded). A registry cannot hold
+        more than the ``sent`` bytes this client has sent it: claiming more is an error."""
         resp = self.request("GET", location, scope, ok=(204,))
         match = re.fullmatch(r"0-([0-9]+)", resp.headers.get("range", "").strip())
         end = int(match.group(1)) if match else 0
         offset = end + 1 if end else 0
-        if offset > size:
-            raise RegistryError(f"{self.hub}: upload {location} has {offset} bytes, over {size}")
+        if offset > sent:
+            raise RegistryError(
+                f"{self.hub}: upload {location} claims {offset} bytes, but only {sent} were "
+                "sent to it; the registry's upload session is corrupt: try the push again"
+            )
         return offset, resp.headers.get("location", location)
 
     def _cancel(self, repo: str, resp: httpx.Response) -> None:
