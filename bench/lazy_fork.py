@@ -151,6 +151,15 @@ def wait_prefetch(store: Store) -> dict[str, Any]:
     raise RuntimeError("the prefetch did not finish")
 
 
+def wait_unmounted(work: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            if not any(line.startswith("forkd-lazy ") and str(work) in line for line in f):
+                return
+        time.sleep(0.2)
+
+
 def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work: Path,
             n: int) -> dict[str, float]:
     probe = PACKS[name][1]
@@ -242,6 +251,7 @@ def main() -> None:
                 results[name] = measure(name, publisher, hub, client, work, o.n)
                 print(f"measured {name}", flush=True)
     finally:
+        wait_unmounted(work)  # the lazy servers exit a second after their last child
         shutil.rmtree(work, ignore_errors=True)
     rows = [("pack (all blobs)", "pack_mib", "MiB"),
             ("local fork → 1st answer", "local_first_s", "s"),
