@@ -13,7 +13,10 @@ serial), before the password is checked. A login that then succeeds takes its ro
 ``limit`` verifications, not one each. An attempt in flight carries a hash of the
 credential it tries, and those in flight count once per credential (a client sending one
 credential from many threads at once is not guessing); a failure (``failed``) drops the
-hash, and every failure counts, a wrong password sent again too.
+hash, and every failure counts, a wrong password sent again too. The hash is an HMAC under
+the hub's shared key (``rekey``), never a plain hash of the password: a row left behind
+(a process killed while it checked a password) or a copy of the table is no fast way to
+guess the password that argon2 protects.
 Only logins that are not in the
 verified-credential cache reach it, and they pay an argon2 verification anyway; an
 attempt is one small write that also drops expired rows, a success one more.
@@ -21,6 +24,9 @@ attempt is one small write that also drops expired rows, a success one more.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from datetime import timedelta
 
 from sqlalchemy import case, delete, func, select, text, update
@@ -42,12 +48,24 @@ class LoginLimiter:
         self.db = db
         self.limit = limit
         self.window = timedelta(seconds=window)
+        # A placeholder until the hub's start puts its shared key in place (``rekey``).
+        self._key = secrets.token_bytes(32)
+
+    def rekey(self, key: bytes) -> None:
+        """Tag credentials with ``key`` (the hub's shared key) from now on; a key of its
+        own derived from it, so a tag is never a token's or a UI session's signature."""
+        self._key = hashlib.sha256(b"forkd-login-limit\x00" + key).digest()
+
+    def tag(self, credential: str) -> str:
+        """What the database holds of ``credential`` while it is checked (64 hex)."""
+        return hmac.new(self._key, credential.encode(), hashlib.sha256).hexdigest()
 
     async def attempt(self, keys: list[str], credential: str) -> tuple[int, list[int]]:
         """Start a login attempt with ``credential`` (a hash of what is tried): (seconds
         until one may be tried again, 0 when it may go ahead; the ids of the rows that
         count it as a failure until ``succeeded``)."""
-        return await self.db.write(self._attempt, sorted({_key(k) for k in keys}), credential)
+        keys = sorted({_key(k) for k in keys})
+        return await self.db.write(self._attempt, keys, self.tag(credential))
 
     async def failed(self, attempt: list[int]) -> None:
         """The attempt's password was wrong: a failure of its own from now on."""

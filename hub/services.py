@@ -74,6 +74,7 @@ class Hub:
         """Put the shared key in place: configured, else the database's (hub/secrets.py)."""
         self.key = await load_token_key(self.db, self.settings)
         self.signer.rekey(self.key)
+        self.limiter.rekey(self.key)
         for follow in self.rekeyed:
             follow(self.key)
 
