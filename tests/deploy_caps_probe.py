@@ -25,9 +25,15 @@ from forkd.engine.qemu import QEMU
 
 
 def start_qemu(d: Path, name: str, user: str) -> subprocess.Popen[bytes]:
-    """A QEMU with no machine, paused, that drops to ``user``; started inside netns ``name``."""
+    """A QEMU with no machine, paused, that drops to ``user``; started inside netns ``name``.
+    Its memory backend is a read-only (0444) file opened copy-on-write, as a child's
+    assembled memory image is (QEMU opens it O_RDWR with share=off)."""
     qmp = d / "qmp.sock"
+    memory = d / "memory.img"
+    memory.write_bytes(bytes(1 << 20))
+    memory.chmod(0o444)
     argv = [QEMU, "-machine", "none", "-nodefaults", "-display", "none", "-S",
+            "-object", f"memory-backend-file,id=mem,size=1M,mem-path={memory},share=off",
             "-sandbox", "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny",
             "-runas", user, "-qmp", f"unix:{qmp},server=on,wait=off"]
     with netns.entered(name):
