@@ -43,6 +43,9 @@ from forkd.hub.storage import validate_upload_id
 from forkd.store.s3_client import translated
 
 READ_CHUNK = 1 << 20
+# The most one PATCH may carry: its bytes become one object, and S3 takes at most 5 GiB in
+# one PutObject. Refused (413) before a byte is written, not after it reached the disk.
+CHUNK_MAX = 5 << 30
 DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 KEY_RE = re.compile(r"\A[0-9]{20}-[0-9a-f]{16}\Z")
 

@@ -56,7 +56,13 @@ from forkd.hub.oci.common import (
 )
 from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
-from forkd.hub.shared_uploads import chunk_keys, commit_chunk, expired_before, idle_seconds
+from forkd.hub.shared_uploads import (
+    CHUNK_MAX,
+    chunk_keys,
+    commit_chunk,
+    expired_before,
+    idle_seconds,
+)
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
 from forkd.store.blobs import FsBlobStore
@@ -221,10 +227,12 @@ class _Room:
         offset: int,
         digest: str | None,
         quota: bool | None = None,
+        chunk_max: int | None = None,
     ):
         self.ctx, self.repo_id, self.upload_id = ctx, repo_id, upload_id
         self.offset, self.digest = offset, digest
         self.cap = ctx.hub.settings.upload_max_bytes
+        self.chunk_max = chunk_max  # the most this request may add (None: up to ``cap``)
         # Whether a quota applies: given by the caller that read it in this request (the
         # session's creation), else read by ``open``.
         self.quota = bool(quota)
@@ -253,6 +261,13 @@ class _Room:
         the next chunks need no new reservation); raise the refusal otherwise."""
         if needed > self.cap:
             raise self.too_big()
+        if self.chunk_max is not None and needed - self.offset > self.chunk_max:
+            raise RegistryError(
+                Code.SIZE_INVALID,
+                f"one PATCH carries at most {self.chunk_max} bytes with the S3 blob backend: "
+                "send the upload in smaller chunks",
+                status=413,
+            )
         if not self.quota or needed <= self.end:
             return
         hub = self.ctx.hub
@@ -377,7 +392,9 @@ async def _append(
                     headers=_session_headers(ctx, upload_id, offset),
                 )
             expected_len = end - start + 1
-        room = _Room(ctx, repo_id, upload_id, offset, digest, quota)
+        # A shared session's PATCH becomes one object in the bucket: at most CHUNK_MAX.
+        chunk_max = CHUNK_MAX if commit and ctx.hub.shared is not None else None
+        room = _Room(ctx, repo_id, upload_id, offset, digest, quota, chunk_max)
         await room.open()
         target = digest or upload_id
         declared = declared_length(ctx.request)

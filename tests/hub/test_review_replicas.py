@@ -1,17 +1,26 @@
 """Review of the replica-safe hub: what the login limiter keeps in the database of a
-credential it is checking (a row any replica reads, and one a killed process leaves)."""
+credential it is checking (a row any replica reads, and one a killed process leaves); a
+shared (S3) session's PATCH bounded by what one S3 object holds before a byte is read."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import pytest
+from s3_support import MotoServer
 from sqlalchemy import select
+from test_s3_backend import S3Hub, s3_settings
 
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.models import LoginFailure
+from forkd.hub.shared_uploads import CHUNK_MAX
 from forkd.hub.tokens import CredentialCache
 
 KEY = b"k" * 32
@@ -63,3 +72,42 @@ def test_replicas_with_one_key_count_one_credential_in_flight_once(tmp_path: Pat
     a, b, c = asyncio.run(go())
     assert (a, b) == (0, 0)
     assert c > 0
+
+
+@pytest.fixture
+def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
+    bucket = moto_server.new_bucket()
+    server = S3Hub(tmp_path / "hub", s3_settings(moto_server, bucket))
+    server.bucket, server.moto = bucket, moto_server
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _answer_to_headers(address: str, request: bytes) -> bytes:
+    """Send only ``request``'s head (no body) and read the answer's first line."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(request)
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_a_patch_larger_than_one_s3_object_is_refused_before_its_body(s3_hub: S3Hub) -> None:
+    """A shared session's PATCH becomes one object (S3: at most 5 GiB per PutObject): one
+    declaring more is refused at once (413), not streamed to the disk and then lost."""
+    user = s3_hub.add_user("bigpatch")
+    with httpx.Client(base_url=s3_hub.url, auth=user, timeout=30) as c:
+        location = c.post("/v2/bigpatch/app/blobs/uploads/").headers["location"]
+    auth = base64.b64encode(f"{user[0]}:{user[1]}".encode()).decode()
+    head = (
+        f"PATCH {location} HTTP/1.1\r\nHost: {s3_hub.address}\r\n"
+        f"Authorization: Basic {auth}\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {CHUNK_MAX + 1}\r\n\r\n"
+    )
+    assert b" 413 " in _answer_to_headers(s3_hub.address, head.encode())
+    with httpx.Client(base_url=s3_hub.url, auth=user, timeout=30) as c:
+        r = c.get(location)
+        assert r.status_code == 204 and r.headers["range"] == "0-0"
+        assert c.delete(location).status_code == 204
