@@ -6,6 +6,7 @@ bytes than it has sent."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -137,3 +138,68 @@ def test_a_range_beyond_the_bytes_sent_is_refused(
     ):
         client.put_blob("r", DIGEST, len(BLOB), lambda at, n: BLOB[at : at + n])
     assert [m for m, _, _ in _ClaimsMore.seen] == ["POST", "PATCH", "GET"]
+
+
+HEAD = "sha256:" + "a" * 64
+CHUNKS = ["sha256:" + f"{i:064x}" for i in range(40_000)]  # 3 MB: over a 1 MiB block
+
+
+class _OrderBreaksOff(_Handler):
+    """Serves an access order (engine/lazy/orders.py) whose blob stream breaks off half-way
+    the first time it is fetched, as when its replica goes away."""
+
+    seen: ClassVar[list[tuple[str, str, str | None]]] = []
+    order: ClassVar[bytes] = b""
+    manifest: ClassVar[bytes] = b""
+
+    def _body(self, body: bytes, content_type: str, whole: bool = True) -> None:
+        self.seen.append((self.command, self.path, None))
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body if whole else body[: len(body) // 2])
+        if not whole:
+            self.wfile.flush()
+            self.close_connection = True
+
+    def do_GET(self) -> None:
+        from forkd import digest as dg
+        from forkd.pack import accessorder as ao
+
+        if "/referrers/" in self.path:
+            index = {
+                "manifests": [
+                    {"artifactType": ao.ACCESS_ORDER_ARTIFACT, "digest": dg.of_bytes(self.manifest)}
+                ]
+            }
+            self._body(json.dumps(index).encode(), "application/vnd.oci.image.index.v1+json")
+        elif "/manifests/" in self.path:
+            self._body(self.manifest, "application/vnd.oci.image.manifest.v1+json")
+        else:
+            blob_gets = sum(1 for m, p, _ in self.seen if "/blobs/" in p)
+            self._body(self.order, "application/octet-stream", whole=blob_gets > 0)
+
+
+def test_an_access_order_whose_stream_breaks_off_is_read_again_whole(
+    serve: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``get_blob`` calls its sink again after a stream broke off: a sink that kept the
+    first call's blocks joined them with the second's (the order then failed its digest
+    check and the prefetch lost it)."""
+    from forkd.engine.lazy import orders
+    from forkd.pack import accessorder as ao
+    from forkd.pack import mediatypes as mt
+    from forkd.pack.manifest import Descriptor
+
+    monkeypatch.setattr(registry_client, "RETRY_DELAYS", (0.05,))
+    start = serve
+    assert callable(start)
+    _OrderBreaksOff.order = ao.encode(HEAD, CHUNKS)
+    _OrderBreaksOff.manifest = ao.artifact(
+        Descriptor(mt.OCI_MANIFEST, HEAD, 100), _OrderBreaksOff.order
+    )
+    hub = Hub(start(_OrderBreaksOff), "http")
+    with RegistryClient(hub) as client:
+        assert orders.fetch(client, "r", HEAD) == CHUNKS
+    assert sum(1 for _, p, _ in _OrderBreaksOff.seen if "/blobs/" in p) == 2

@@ -14,7 +14,8 @@ uploads addressed by digest (the same content twice is one blob), and chunk PATC
 with a ``Content-Range``, which a registry that already has the chunk refuses with 416:
 then the upload goes on from where the registry says it stands (``GET`` on the session),
 and an upload whose session was lost (its replica's) starts again. A blob stream that
-breaks off mid-body is fetched again from the start (``get_blob``).
+breaks off mid-body is fetched again from the start, its sink going on where it
+stopped (``get_blob``).
 
 Credentials go only to the registry's own origin (same scheme, host and port) or to a
 token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS``
@@ -303,31 +304,50 @@ class RegistryClient:
         sink: Callable[[Iterator[bytes]], None],
     ) -> None:
         """Stream a blob into ``sink`` (which verifies it), refusing more than ``limit`` bytes.
-        A stream that breaks (its replica went away) is fetched again from the start, after
-        ``RETRY_DELAYS``, into a new call of ``sink``."""
-        for delay in (*RETRY_DELAYS, None):
-            resp = self.request(
-                "GET", f"/v2/{repo}/blobs/{digest}", self.pull_scope(repo), stream=True
-            )
-            try:
-                declared = resp.headers.get("content-length")
-                if declared is not None and (
-                    int(declared) > limit or (size is not None and int(declared) != size)
-                ):
-                    raise IntegrityError(
-                        f"{repo}@{digest}: registry sends {declared} bytes, "
-                        f"expected {size if size is not None else limit}"
-                    )
-                sink(resp.iter_bytes(1 << 20))
-                return
-            except httpx.TransportError as exc:
-                if delay is None:
-                    raise RegistryError(
-                        f"{self.hub}: GET /v2/{repo}/blobs/{digest} broke off: {exc}"
-                    ) from exc
-            finally:
+        ``sink`` is called once: a stream that breaks (its replica went away) is fetched
+        again from the start after ``RETRY_DELAYS`` and goes on where the sink's stream
+        stopped (the bytes it has are skipped), so no sink sees a block twice."""
+        url = f"/v2/{repo}/blobs/{digest}"
+
+        def answer() -> httpx.Response:
+            resp = self.request("GET", url, self.pull_scope(repo), stream=True)
+            declared = resp.headers.get("content-length")
+            if declared is not None and (
+                int(declared) > limit or (size is not None and int(declared) != size)
+            ):
                 resp.close()
-            time.sleep(delay)
+                raise IntegrityError(
+                    f"{repo}@{digest}: registry sends {declared} bytes, "
+                    f"expected {size if size is not None else limit}"
+                )
+            return resp
+
+        def blocks(resp: httpx.Response) -> Iterator[bytes]:
+            got = 0  # bytes the sink has
+            for delay in (*RETRY_DELAYS, None):
+                skip = got
+                try:
+                    for block in resp.iter_bytes(1 << 20):
+                        if skip >= len(block):
+                            skip -= len(block)
+                            continue
+                        block, skip = block[skip:], 0
+                        got += len(block)
+                        yield block
+                    return
+                except httpx.TransportError as exc:
+                    if delay is None:
+                        raise RegistryError(f"{self.hub}: GET {url} broke off: {exc}") from exc
+                finally:
+                    resp.close()
+                time.sleep(delay)
+                resp = answer()
+
+        first = answer()
+        try:
+            sink(blocks(first))
+        finally:
+            first.close()
 
     def mount_blob(self, repo: str, digest: str, source: str) -> bool:
         resp = self.request(
