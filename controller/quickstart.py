@@ -53,6 +53,7 @@ HOST_PREREQUISITES: list[tuple[str, str]] = [
     ("mkfs.ext4", "e2fsprogs"),
     ("lz4", "lz4"),
     ("iptables", "iptables"),  # `forkd fork --egress`: a child's direct TCP is refused
+    ("tc", "iproute2"),  # `forkd fork --net-kbit`: a tbf qdisc on the child's tap
     ("fusermount3", "fuse3"),  # `forkd fork --lazy`: the memory image as a FUSE file
 ]
 HUB_USER = "forkd"  # the embedded hub's admin; the base goes to its namespace
