@@ -132,6 +132,21 @@ def commit_chunk(session: Session, upload_id: str, start: int, size: int, key: s
     return True
 
 
+def touch(session: Session, upload_id: str) -> bool:
+    """Mark the session active now: a request is still streaming into it (a long
+    ``PATCH``, ``PUT`` or monolithic ``POST`` must not expire meanwhile: nothing else
+    moves ``touched_at`` until it ends). False when the session is gone."""
+    moved = session.execute(
+        update(Upload).where(Upload.id == upload_id).values(touched_at=utcnow())
+    )
+    return bool(moved.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def touch_every(idle: float) -> float:
+    """Seconds between a streaming request's ``touch``es: well inside ``idle``."""
+    return min(60.0, idle / 4)
+
+
 def chunk_keys(session: Session, upload_id: str) -> tuple[list[str], int]:
     """The names of the session's chunks in order (checked to follow one another from 0), and
     the bytes they hold."""

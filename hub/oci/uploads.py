@@ -30,6 +30,7 @@ import fcntl
 import itertools
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -62,6 +63,8 @@ from forkd.hub.shared_uploads import (
     commit_chunk,
     expired_before,
     idle_seconds,
+    touch,
+    touch_every,
 )
 from forkd.hub.storage import validate_upload_id
 from forkd.names import validate_name
@@ -438,6 +441,9 @@ async def _stream_into(
     ``start``); what arrived before a client went away is (resumable; with shared
     sessions only once recorded, so it is not: the client resends from the Range)."""
     written = 0
+    shared = ctx.hub.shared is not None
+    every = touch_every(ctx.hub.settings.upload_idle_timeout)
+    touched = time.monotonic()
     try:
         async for chunk in ctx.request.stream():
             written += len(chunk)
@@ -458,6 +464,12 @@ async def _stream_into(
             if hasher is not None:
                 hasher.update(chunk)
             ctx.hub.metrics.bytes_in.inc(len(chunk))
+            if shared and time.monotonic() - touched > every:
+                # Still in use: a shared session's idleness is its row's (other replicas'
+                # sweeps read it), which nothing else moves until this request ends.
+                touched = time.monotonic()
+                if not await ctx.hub.db.write(touch, upload_id):
+                    raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
     finally:
         f.flush()  # keep what arrived, even when the client went away: resumable
     return written

@@ -1,6 +1,7 @@
 """Review of the replica-safe hub: what the login limiter keeps in the database of a
 credential it is checking (a row any replica reads, and one a killed process leaves); a
-shared (S3) session's PATCH bounded by what one S3 object holds before a byte is read."""
+shared (S3) session's PATCH bounded by what one S3 object holds before a byte is read, and
+kept alive while it streams for longer than the idle timeout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +113,45 @@ def test_a_patch_larger_than_one_s3_object_is_refused_before_its_body(s3_hub: S3
         r = c.get(location)
         assert r.status_code == 204 and r.headers["range"] == "0-0"
         assert c.delete(location).status_code == 204
+
+
+IDLE = 2.0  # upload_idle_timeout: the hub's sweep runs every second
+
+
+@pytest.fixture
+def quick_expiry_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
+    bucket = moto_server.new_bucket()
+    settings = {**s3_settings(moto_server, bucket), "upload_idle_timeout": IDLE}
+    server = S3Hub(tmp_path / "hub", settings)
+    server.bucket, server.moto = bucket, moto_server
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_patch_streaming_longer_than_the_idle_timeout_keeps_its_session(
+    quick_expiry_hub: S3Hub,
+) -> None:
+    """A shared session's idleness is its row's ``touched_at``, read by every replica's
+    sweep; a PATCH still streaming (a slow link, a docker push's one PATCH of a large
+    layer) moves it, so the session does not expire under it and lose what it sent."""
+    hub = quick_expiry_hub
+    user = hub.add_user("slowpatch")
+    parts = [bytes([i]) * 1024 for i in range(int(IDLE * 3 / 0.25))]
+
+    def slowly() -> Iterator[bytes]:
+        for part in parts:
+            yield part
+            time.sleep(0.25)
+
+    with httpx.Client(base_url=hub.url, auth=user, timeout=60) as c:
+        location = c.post("/v2/slowpatch/app/blobs/uploads/").headers["location"]
+        r = c.patch(location, content=slowly())
+        assert r.status_code == 202, r.text
+        data = b"".join(parts)
+        assert r.headers["range"] == f"0-{len(data) - 1}"
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        assert c.put(location, params={"digest": digest}).status_code == 201
+        assert c.get(f"/v2/slowpatch/app/blobs/{digest}").content == data
