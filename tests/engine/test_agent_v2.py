@@ -404,3 +404,44 @@ def test_streamed_output_is_spliced_not_read(port: tuple[int, Callable[[], bytes
     assert sum(f["size"] for f, _ in frames if f["ev"] == "stdout") == 5 << 20
     assert all(f["size"] <= agent.CHUNK for f, _ in frames)
     assert reads == [], "the agent read streamed output into its own memory"
+
+
+def test_a_protocol_1_get_reply_holds_about_one_copy_of_the_file(tmp_path: Path) -> None:
+    """A get without stream answers with the file base64-encoded in one JSON line: the
+    agent writes that line in pieces, holding about one copy of the file (building it
+    whole took ~5 copies, and a 16 MiB get ran the 160 MiB tiny guest out of memory).
+    The line is the same JSON as before."""
+    import base64
+    import json
+    import tracemalloc
+
+    agent = _guest_agent()
+    r, w = os.pipe()
+    sink = tmp_path / "port"
+
+    def drain() -> None:  # to a file, so the line is not held in this process's memory
+        with sink.open("wb") as f:
+            for piece in iter(lambda: os.read(r, 1 << 16), b""):
+                f.write(piece)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    agent.CHANNEL = agent.Channel(w)
+    size = 8 << 20
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    tracemalloc.start()
+    try:
+        agent._serve_one({"id": "g", "op": "get", "path": str(tmp_path / "f")})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        os.close(w)
+        reader.join(10)
+        os.close(r)
+    line = sink.read_bytes()
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    reply = json.loads(line)
+    assert reply == {"id": "g", "ok": True,
+                     "result": {"bytes": size, "data": base64.b64encode(data).decode()}}
+    assert peak < 1.5 * size, f"the agent held {peak / size:.1f}x the file to answer a get"

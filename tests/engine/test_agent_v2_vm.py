@@ -5,6 +5,7 @@ run_code; NotFound for a missing file; v1 snapshots refused with what to do."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import threading
@@ -129,6 +130,21 @@ def test_run_code_and_missing_file(child: str) -> None:
         ch.read_file(child, "/root/missing")
     ch.write_file(child, "/root/f", b"x" * (3 << 20))
     assert ch.read_file(child, "/root/f") == b"x" * (3 << 20)
+
+
+def test_a_protocol_1_get_of_a_large_file_answers(child: str) -> None:
+    """A protocol-1 get of 24 MiB (the reply: one 32 MiB JSON line) from the 160 MiB tiny
+    guest: the agent encodes it piece by piece. Built whole, the line took ~5 copies of
+    the file and a 16 MiB get ran the guest out of memory (its kernel panicked)."""
+    from forkd.engine import children as ch
+
+    size = 24 << 20
+    ch.exec_in(child, ["sh", "-c", f"head -c {size} /dev/urandom > /tmp/big"])
+    want = ch.exec_in(child, ["sha256sum", "/tmp/big"])["stdout"].split()[0]
+    with ch.agent(child) as a:
+        got = a.get_v1("/tmp/big", timeout=300)
+    assert len(got) == size and hashlib.sha256(got).hexdigest() == want
+    assert ch.exec_in(child, ["true"])["exit_code"] == 0  # and the guest goes on
 
 
 def test_guest_to_host_throughput_is_reported(child: str, capsys: pytest.CaptureFixture[str]
