@@ -8,6 +8,10 @@ served: the read raises ``IntegrityError`` naming the chunk. A chunk that is not
 while the hub cannot be reached raises ``ChunkUnavailable`` naming the chunk and the hub.
 Concurrent reads of one chunk fetch it once; decompressed chunks are kept in a small LRU
 (``cached_chunks``) because readers (FUSE, NBD) ask in pieces far smaller than a chunk.
+A fetched chunk is decompressed and checked once, and served before it is on disk: the
+store write (with its fsyncs) runs on a writer thread, off the faulting reader's path; up
+to ``MAX_UNSTORED`` verified chunks wait for it (beyond that a fetch writes inline), and
+``flush`` waits for them (before the chain is called complete, before the server exits).
 
 ``open_local`` builds a source on a chain the store has; ``open_remote`` resolves a
 chain from the hub's manifests first (manifests, configs, maps and the whole-file blobs
@@ -19,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from forkd import digest as dg
@@ -38,6 +42,7 @@ from forkd.store.manifests import chain_files
 from forkd.store.store import Store
 
 CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
+MAX_UNSTORED = 32  # verified fetched chunks waiting for the store writer (compressed)
 
 
 class ChunkUnavailable(ForkdError):
@@ -81,6 +86,9 @@ class ChunkSource:
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._inflight: dict[str, Future[bytes]] = {}
         self._lock = threading.Lock()
+        self._unstored: dict[str, bytes] = {}  # verified, fetched, not yet in the store
+        self._store_errors: list[str] = []
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-store")
 
     # -- queries -----------------------------------------------------------
     def ref(self, digest: str) -> ChunkRef:
@@ -131,7 +139,11 @@ class ChunkSource:
 
     def ensure(self, digest: str) -> bool:
         """Bring the chunk into the local store without decompressing it for a reader;
-        True when it had to be fetched (prefetch)."""
+        True when it had to be fetched (prefetch). A chunk on its way to the store counts
+        as there (``flush`` waits for it)."""
+        with self._lock:
+            if digest in self._unstored:
+                return False
         if self.has(digest):
             return False
         self.read(digest, keep=False)
@@ -163,6 +175,23 @@ class ChunkSource:
             self.fetched_bytes += fetched
         return fetched
 
+    def flush(self) -> None:
+        """Wait until every fetched chunk is in the store; a failed store write raises
+        (the chunk is not in the store: it is fetched again when next needed)."""
+        self._writer.submit(lambda: None).result()  # one writer: it runs after the rest
+        with self._lock:
+            errors, self._store_errors = self._store_errors, []
+        if errors:
+            raise ForkdError(f"{self.name}: {len(errors)} fetched chunks could not be stored: "
+                             f"{errors[0]}; check the store's disk")
+
+    def close(self) -> None:
+        """Flush, then stop the store writer."""
+        try:
+            self.flush()
+        finally:
+            self._writer.shutdown(wait=True)
+
     def complete(self) -> bool:
         """Every blob of the chain is in the local store (it can be tagged)."""
         return all(self.store.blobs.has(d.digest) for link in self.chain
@@ -172,17 +201,20 @@ class ChunkSource:
         ref, what = self.refs.get(digest) or (None, "")
         if ref is None:
             raise NotFound(f"{self.name}: no chunk {digest} in its chain")
-        try:
-            blob = self.store.blobs.read(digest, ref.stored, what)
-        except NotFound:
-            blob = self._fetch(ref, what)
-            return self._unpack(blob, ref, what)  # verified before it was stored
-        except BlobBackendError:
-            raise
+        with self._lock:
+            blob = self._unstored.get(digest)
+        if blob is None:
+            try:
+                blob = self.store.blobs.read(digest, ref.stored, what)
+            except NotFound:
+                return self._fetch(ref, what)  # verified, decompressed
+            except BlobBackendError:
+                raise
         return self._unpack(blob, ref, what)
 
     def _fetch(self, ref: ChunkRef, what: str) -> bytes:
-        """The chunk's stored bytes from the hub, verified, then put in the store."""
+        """The chunk from the hub, verified and decompressed; handed to the store writer
+        (written inline when MAX_UNSTORED chunks already wait for it)."""
         if self.hub is None:
             raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
                                    "fetch it from; pull the pack again")
@@ -208,12 +240,29 @@ class ChunkSource:
             raise IntegrityError(f"{what}: the hub sent {len(blob)} bytes, the map declares "
                                  f"{ref.stored}; refusing it")
         dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
-        self._unpack(blob, ref, what)  # the content must check out before it is kept
-        self.store.blobs.put_bytes(blob, ref.digest)
+        data = self._unpack(blob, ref, what)  # the content must check out before it is kept
         with self._lock:
             self.fetched_bytes += len(blob)
             self.fetched_chunks += 1
-        return blob
+            inline = len(self._unstored) >= MAX_UNSTORED
+            if not inline:
+                self._unstored[ref.digest] = blob
+        if inline:
+            self.store.blobs.put_bytes(blob, ref.digest)
+        else:
+            self._writer.submit(self._store, ref.digest, blob)
+        return data
+
+    def _store(self, digest: str, blob: bytes) -> None:
+        """The store writer: one verified chunk into the store."""
+        try:
+            self.store.blobs.put_bytes(blob, digest)
+        except (ForkdError, OSError) as exc:
+            with self._lock:
+                self._store_errors.append(f"{digest}: {exc}")
+        finally:
+            with self._lock:
+                self._unstored.pop(digest, None)
 
     @staticmethod
     def _unpack(blob: bytes, ref: ChunkRef, what: str) -> bytes:

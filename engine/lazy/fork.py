@@ -2,7 +2,8 @@
 never seen, before its pack has arrived.
 
 1. Resolve the chain from the hub's manifests (``chunks.open_remote``: manifests,
-   configs, maps and the device state; no chunk).
+   configs, maps and the device state; no chunk). Meanwhile a server process loads
+   Python and its modules (``Spawn``: the larger part of a server's start).
 2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
    file, the disk as an NBD export, one per snapshot on the host).
 3. Fork the children on its memory file and on copies of its empty overlay, holding the
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,25 +72,70 @@ def _ready(d: Path) -> LazySnapshot | None:
                         Path(disk) if disk else None)
 
 
+class Spawn:
+    """A lazy server process started before its snapshot is known: it loads Python and
+    the server's modules, then waits for ``go`` to name its directory on its stdin (it
+    exits on EOF). Detached, in its own session: it outlives this command. Its output
+    goes to a temporary log until it moves to the directory's server.log."""
+
+    def __init__(self) -> None:
+        fd, name = tempfile.mkstemp(prefix="forkd-lazy-spawn-", suffix=".log")
+        self.log = Path(name)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "forkd.engine.lazy.serve", "-", str(self.log)],
+                stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True)
+        finally:
+            os.close(fd)
+
+    def go(self, d: Path) -> subprocess.Popen[bytes]:
+        """Serve the snapshot whose spec is in ``d``."""
+        stdin = self.proc.stdin
+        assert stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died loading: its log says why
+            stdin.write(f"{d}\n".encode())
+            stdin.close()
+        return self.proc
+
+    def cancel(self) -> None:
+        """Not needed (a server was running): end it, before it serves anything."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+        self.log.unlink(missing_ok=True)
+
+
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
-                 tag: str | None, prefetch: bool = True) -> LazySnapshot:
+                 tag: str | None, prefetch: bool = True,
+                 spawn: Spawn | None = None) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
-    in its own session: it outlives this command). prefetch False: a new server fetches
-    only what readers ask for."""
+    in its own session: it outlives this command), ``spawn``'s process when given (it
+    is ended when a server runs). prefetch False: a new server fetches only what readers
+    ask for."""
     from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
 
     d = server_dir(store.home, source.head)
     found = _ready(d)
     if found is not None:
+        if spawn is not None:
+            spawn.cancel()
         return found
     d.mkdir(parents=True, exist_ok=True)
     ServerSpec(str(store.home), source.head, source.name, tag,
                remote.hub.address if remote else None, remote.name if remote else None,
                prefetch).save(d)
-    with (d / "server.log").open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.lazy.serve", str(d)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+    if spawn is not None:
+        proc = spawn.go(d)
+    else:
+        with (d / "server.log").open("ab") as log:
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.lazy.serve",
+                                     str(d)], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    close_fds=True)
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         found = _ready(d)
@@ -101,19 +148,23 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
         if proc.poll() is None:
             proc.kill()
     proc.wait()
-    tail = (d / "server.log").read_text(errors="replace").splitlines()[-15:]
-    raise HostError(f"the lazy server of {source.name} did not start (log {d / 'server.log'}):\n"
+    log_file = d / "server.log"
+    if spawn is not None and spawn.log.exists():  # it died before moving to server.log
+        log_file = spawn.log
+    tail = log_file.read_text(errors="replace").splitlines()[-15:] if log_file.exists() else []
+    raise HostError(f"the lazy server of {source.name} did not start (log {log_file}):\n"
                     + "\n".join(tail))
 
 
 @contextlib.contextmanager
 def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
-            prefetch: bool = True) -> Iterator[LazySnapshot]:
+            prefetch: bool = True, spawn: Spawn | None = None) -> Iterator[LazySnapshot]:
     """A serving lazy server whose memory file is held open meanwhile (the server serves
-    on while a file is open). A server found just as it exits is waited for, and a new
-    one started."""
+    on while a file is open); ``spawn``: the process a new server runs in. A server found
+    just as it exits is waited for, and a new one started."""
     for _ in range(3):
-        snap = start_server(store, source, remote, tag, prefetch)
+        snap = start_server(store, source, remote, tag, prefetch, spawn)
+        spawn = None  # used or ended
         try:
             fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -148,17 +199,22 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     ``options`` as children.fork's. prefetch False: chunks arrive on demand only (a new
     server's setting)."""
     remote = parse_remote(remote_text)
-    with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
-        source = open_remote(store, remote, client)
-        order_file = server_dir(store.home, source.head) / "order.json"
-        if not order_file.exists():  # recorded by an earlier lazy fork, on any host
-            found = orders.fetch(client, remote.name, source.head)
-            if found:
-                order_file.parent.mkdir(parents=True, exist_ok=True)
-                save_order(order_file, source.head, found)
+    spawn = Spawn()  # loads while the chain is resolved
+    try:
+        with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
+            source = open_remote(store, remote, client)
+            order_file = server_dir(store.home, source.head) / "order.json"
+            if not order_file.exists():  # recorded by an earlier lazy fork, on any host
+                found = orders.fetch(client, remote.name, source.head)
+                if found:
+                    order_file.parent.mkdir(parents=True, exist_ok=True)
+                    save_order(order_file, source.head, found)
+    except BaseException:
+        spawn.cancel()
+        raise
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
-                 prefetch) as snap:
+                 prefetch, spawn) as snap:
         try:
             asm = assembled(store, source, snap)
             res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,
@@ -187,4 +243,4 @@ def _failures(snap: LazySnapshot) -> str:
     return "".join(f"\nlazy read failed: {msg}" for msg in dict(errors).values())
 
 
-__all__ = ["LazySnapshot", "assembled", "fork", "start_server"]
+__all__ = ["LazySnapshot", "Spawn", "assembled", "fork", "start_server"]

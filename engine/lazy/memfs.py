@@ -41,10 +41,14 @@ class MemoryFile(pyfuse3.Operations):
     """A one-file file system: ``/memory.img`` of ``layout.size`` bytes."""
 
     def __init__(self, layout: ImageLayout,
-                 on_chunks: Callable[[list[str]], None] | None = None) -> None:
+                 on_chunks: Callable[[list[str]], None] | None = None,
+                 on_error: Callable[[], None] | None = None) -> None:
+        """on_error: called once a failed read is recorded in ``errors``, before the
+        reader gets its EIO (so whoever sees the child die finds the reason)."""
         super().__init__()
         self.layout = layout
         self.on_chunks = on_chunks
+        self.on_error = on_error
         self.users = 0  # files open (a mapping keeps its file open)
         self.opens = 0  # opens so far
         self.errors: dict[int, str] = {}  # pid of the opener → what failed
@@ -122,6 +126,8 @@ class MemoryFile(pyfuse3.Operations):
             with self._lock:
                 pid = self._openers.get(fh, 0)
                 self.errors[pid] = str(exc)
+            if self.on_error is not None:
+                self.on_error()
             raise pyfuse3.FUSEError(errno.EIO) from exc
 
 

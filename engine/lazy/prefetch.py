@@ -104,6 +104,7 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS) as pool:
             list(pool.map(one, order))
         progress.fetched_bytes += source.fetch_files()
+        source.flush()  # the fetched chunks are in the store
         if not source.complete():
             raise ForkdError(f"{source.name}: blobs are still missing after the prefetch")
         if tag is not None:

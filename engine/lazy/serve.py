@@ -1,6 +1,10 @@
 """The lazy server of one snapshot: ``python3 -m forkd.engine.lazy.serve DIR`` (started by
 ``lazy.fork``; one per snapshot on the host, shared by all its children).
 
+``python3 -m forkd.engine.lazy.serve - SPAWN_LOG`` loads first and reads DIR from its
+stdin (``fork.Spawn``: it exits on EOF), then moves its output from SPAWN_LOG to DIR's
+server.log.
+
 It serves the chain's memory image as a FUSE file (``DIR/mnt/memory.img``, memfs) and
 its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, nbd.py, with an
 empty child overlay on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the
@@ -93,11 +97,12 @@ class Server:
         self.recorded = prefetch.load_order(d / "order.json", spec.head)
         self.order = prefetch.AccessOrder()
         self.memory = ImageLayout(self.source, "memory")
-        self.ops = memfs.MemoryFile(self.memory, self.order.note)
+        self.ops = memfs.MemoryFile(self.memory, self.order.note, self.save_errors)
         self.export: DiskExport | None = None
         self.progress = prefetch.Progress()
         self.stopping = False
         self._errors_seen = 0
+        self._errors_lock = threading.Lock()
 
     def start_disk(self) -> Path | None:
         if not any("disk" in link.manifest.maps for link in self.source.chain):
@@ -166,7 +171,13 @@ class Server:
                 log.info("the access order stays local: %s", exc)
 
     def save_errors(self) -> None:
-        errors: dict[str, str] = {str(pid): msg for pid, msg in self.ops.errors.items()}
+        """errors.json current: polled, and at once when a memory read fails (before its
+        EIO kills the reading QEMU, so the fork that sees it die reads why)."""
+        with self._errors_lock:
+            self._save_errors()
+
+    def _save_errors(self) -> None:
+        errors: dict[str, str] = {str(pid): msg for pid, msg in dict(self.ops.errors).items()}
         for failure in self.export.failures if self.export is not None else []:
             errors.setdefault(str(failure.pid), failure.message)  # the QEMU that read it
         if len(errors) != self._errors_seen:
@@ -222,6 +233,8 @@ def serve(d: Path) -> int:
             server.save_order()
             server.save_errors()
             pyfuse3.close(unmount=True)
+            with contextlib.suppress(ForkdError):
+                server.source.close()  # the fetched chunks into the store before the gc lock goes
             if server.export is not None:
                 server.export.close()
             with contextlib.suppress(OSError):
@@ -230,5 +243,30 @@ def serve(d: Path) -> int:
     return 0
 
 
+def _spawned(spawn_log: Path) -> Path | None:
+    """The directory named on stdin (None at EOF); output moved to its server.log."""
+    line = sys.stdin.readline().strip()
+    if not line:
+        spawn_log.unlink(missing_ok=True)
+        return None
+    d = Path(line)
+    log_fd = os.open(d / "server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+    with contextlib.suppress(OSError):
+        os.write(log_fd, spawn_log.read_bytes())  # what it said while loading
+    for fd in (1, 2):
+        os.dup2(log_fd, fd)
+    os.close(log_fd)
+    spawn_log.unlink(missing_ok=True)
+    return d
+
+
+def main(argv: list[str]) -> int:
+    if argv[1] != "-":
+        return serve(Path(argv[1]))
+    d = _spawned(Path(argv[2]))
+    return 0 if d is None else serve(d)
+
+
 if __name__ == "__main__":
-    sys.exit(serve(Path(sys.argv[1])))
+    sys.exit(main(sys.argv))

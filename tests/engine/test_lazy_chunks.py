@@ -88,6 +88,7 @@ def test_remote_source_fetches_only_what_is_read(chain_store: tuple[Store, Path]
             t.join()
         assert results == [want] * 8
         assert source.fetched_chunks == len(touched)  # concurrent readers: one fetch each
+        source.flush()  # the store writer has them
         for d in touched:
             assert fresh.blobs.has(d)
         assert len(source.missing()) == len(source.refs) - len(touched)
@@ -95,6 +96,7 @@ def test_remote_source_fetches_only_what_is_read(chain_store: tuple[Store, Path]
         for d in source.missing():
             assert source.ensure(d)
         source.fetch_files()
+        source.flush()
         assert source.complete() and not source.missing()
         assert layout.read(0, SIZE) == head.read_bytes()
     assert fresh.verify() == []
@@ -168,3 +170,43 @@ def test_access_order_travels_next_to_the_pack(chain_store: tuple[Store, Path], 
         # an order recorded for another manifest is refused, not used
         with pytest.raises(IntegrityError, match="recorded for"):
             decode(encode(head, chunks), store.resolve("app:v1"), "order")
+
+
+def test_fetched_chunk_is_served_before_the_store_write(chain_store: tuple[Store, Path],
+                                                        hub: HubServer, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault waits for the fetch and one verification, not for the store's fsyncs: the
+    chunk is served while the store writer is held up, decompressed once, counted as on
+    its way by ensure, served again from the waiting blob, and in the store after flush."""
+    from forkd.engine.lazy import chunks
+
+    unpacked: list[int] = []
+
+    def counting(blob: bytes, size: int, what: str) -> bytes:
+        unpacked.append(size)
+        return chunks.decompress.__wrapped__(blob, size, what)  # type: ignore[attr-defined]
+
+    counting.__wrapped__ = chunks.decompress  # type: ignore[attr-defined]
+    monkeypatch.setattr(chunks, "decompress", counting)
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    fresh = Store(tmp_path / "fresh")
+    gate = threading.Event()
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        source = ChunkSource(fresh, source.chain, source.name, source.hub, cached_chunks=0)
+        layout = ImageLayout(source, "memory")
+        source._writer.submit(gate.wait, 30)  # the store writer is busy elsewhere
+        offset = 3 * CHUNK_SIZE
+        (digest,) = layout.chunks_at(offset, PAGE_SIZE)
+        want = head.read_bytes()[offset : offset + PAGE_SIZE]
+        assert layout.read(offset, PAGE_SIZE) == want
+        assert unpacked == [source.ref(digest).size]  # verified and decompressed once
+        assert not fresh.blobs.has(digest) and not source.ensure(digest)
+        assert layout.read(offset, PAGE_SIZE) == want  # no LRU: from the waiting blob
+        assert source.fetched_chunks == 1
+        gate.set()
+        source.flush()
+        assert fresh.blobs.has(digest)
+        source.close()
+    assert fresh.verify() == []

@@ -281,6 +281,7 @@ def test_blocks_come_from_the_hub_on_first_access(chain: Chain, tmp_path: Path) 
                 r = _qemu_io(ex.backing_spec(), "read -P 0x02 4k 4k", "read -P 0 3M 2M")
                 assert r.returncode == 0 and "failed" not in r.stdout, r.stdout + r.stderr
                 first = layout.chunks_at(4096, 4096)
+                source.flush()
                 assert source.fetched_chunks == 1 and all(fresh.blobs.has(d) for d in first)
                 later = layout.chunks_at(5 * MiB, 4096)[0]  # a chunk of the base layer
                 assert not fresh.blobs.has(later)
