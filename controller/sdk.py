@@ -51,6 +51,16 @@ Output = Callable[[str], object]  # a streaming callback: called with each piece
 Cmd = str | list[str]  # a string runs through /bin/sh -c, a list is the argv
 
 
+def command_argv(cmd: Cmd) -> list[str]:
+    """The argv of a command: a string runs through ``/bin/sh -c``, a list is the argv."""
+    return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+
+
+def stdin_bytes(stdin: bytes | str | None) -> bytes | None:
+    """A command's stdin as bytes (a string is UTF-8)."""
+    return stdin.encode() if isinstance(stdin, str) else stdin
+
+
 class EvalError(ForkdError):
     """Code evaluated in the sandbox raised; ``.type``, ``.traceback`` tell what."""
 
@@ -214,9 +224,8 @@ class Commands:
         pty: bool = False,
     ) -> CommandHandle:
         """Start a command in the background (``commands.run(..., background=True)``)."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        req = ProcessStartRequest(argv=argv, env=env, cwd=cwd, stdin=data, pty=pty)
+        req = ProcessStartRequest(argv=command_argv(cmd), env=env, cwd=cwd,
+                                  stdin=stdin_bytes(stdin), pty=pty)
         return CommandHandle(self._sb, self._sb.controller.backend.process_start(self._sb.id, req))
 
     def list(self) -> list[ProcessInfo]:
@@ -276,9 +285,8 @@ class Commands:
                     "give them to its handle's wait() or kill() it"
                 )
             return self.start(cmd, env=env, cwd=cwd, stdin=stdin)
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        req = ExecRequest(argv=argv, env=env, cwd=cwd, stdin=data, timeout=timeout)
+        req = ExecRequest(argv=command_argv(cmd), env=env, cwd=cwd, stdin=stdin_bytes(stdin),
+                          timeout=timeout)
         backend = self._sb.controller.backend
         if on_stdout is None and on_stderr is None:
             return CommandResult.of(backend.exec(self._sb.id, req))

@@ -18,7 +18,7 @@ from forkd.controller.api import (
     ExecResult,
     SandboxInfo,
 )
-from forkd.controller.sdk import Cmd, CommandResult, EvalError
+from forkd.controller.sdk import Cmd, CommandResult, EvalError, command_argv, stdin_bytes
 from forkd.ray import cluster
 
 
@@ -83,9 +83,8 @@ class RayCommands:
     ) -> CommandResult:
         """Run a command (a string goes through ``/bin/sh -c``); never raises for a non-zero
         exit. ``timeout`` (s): its process group is killed then; none: no deadline."""
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        req = ExecRequest(argv=argv, env=env, cwd=cwd, stdin=data, timeout=timeout)
+        req = ExecRequest(argv=command_argv(cmd), env=env, cwd=cwd, stdin=stdin_bytes(stdin),
+                          timeout=timeout)
         result: ExecResult = self._sb._call("exec", req)
         return CommandResult.of(result)
 
