@@ -19,7 +19,8 @@ command to the answers, each in an empty store:
 Ratios against the local fork of the same run. Needs root; not a pass/fail test; the
 machine is shared, so one run is one sample.
 
-    sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--packs A,B] [--json]
+    sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--packs A,B] [--phases]
+                                       [--json]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -227,7 +229,12 @@ def main() -> None:
                     help="comma-separated packs to measure (default: all)")
     ap.add_argument("--publisher-home", type=Path, default=None,
                     help="store to build into (default: a fresh one in the work directory)")
+    ap.add_argument("--phases", action="store_true",
+                    help="log each lazy fork's phases (chain resolved, server ready, forked)")
     o = ap.parse_args()
+    if o.phases:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+        logging.getLogger("forkd.lazy.fork").setLevel(logging.DEBUG)
     work = Path(tempfile.mkdtemp(prefix="forkd-lazy-bench-"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
     # the lazy servers log in as the publisher: the first publishes its access order and

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from forkd.store.manifests import chain_files
 from forkd.store.store import Store
 
 READY_TIMEOUT = 120.0  # seconds for a server to mount its file (imports under load)
+log = logging.getLogger("forkd.lazy.fork")  # DEBUG: the fork's phases, timed
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,7 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     ``options`` as children.fork's. prefetch False: chunks arrive on demand only (a new
     server's setting)."""
     remote = parse_remote(remote_text)
+    t0 = time.perf_counter()
     spawn = Spawn()  # loads while the chain is resolved
     try:
         with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
@@ -212,13 +215,17 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     except BaseException:
         spawn.cancel()
         raise
+    log.debug("lazy fork %s: chain resolved at %.3f s", remote_text, time.perf_counter() - t0)
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
                  prefetch, spawn) as snap:
+        log.debug("lazy fork %s: server ready at %.3f s", remote_text, time.perf_counter() - t0)
         try:
             asm = assembled(store, source, snap)
             res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,
                           **options)
+            log.debug("lazy fork %s: %d children forked at %.3f s", remote_text,
+                      len(res.children), time.perf_counter() - t0)
         except EngineError as exc:
             raise type(exc)(f"{exc}{_failures(snap)}") from exc
         finally:

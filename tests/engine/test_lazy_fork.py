@@ -121,11 +121,16 @@ def test_lazy_children_behave_like_eager(published: Published, cleanup_children:
 
 
 def test_hub_gone_fails_only_the_faulting_child(published: Published,
-                                                cleanup_children: None) -> None:
+                                                cleanup_children: None,
+                                                caplog: pytest.LogCaptureFixture) -> None:
     from forkd.engine.lazy import fork as lazy
 
     fresh = published.fresh
-    res = lazy.fork(fresh, published.remote, 2, prefetch=False)
+    with caplog.at_level("DEBUG", logger="forkd.lazy.fork"):
+        res = lazy.fork(fresh, published.remote, 2, prefetch=False)
+    phases = [r.getMessage().split(": ", 1)[1].rsplit(" at ", 1)[0] for r in caplog.records
+              if r.name == "forkd.lazy.fork"]
+    assert phases == ["chain resolved", "server ready", "2 children forked"], phases
     a, b = (c.id for c in res.children)
     for _ in range(3):  # b's code paths are in memory before the hub goes
         assert _val(ch.eval_in(b, "6*7")) == 42
