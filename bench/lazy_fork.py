@@ -30,19 +30,15 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
-import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from forkd.engine import children as ch
 from forkd.engine import recipe
@@ -56,59 +52,21 @@ from forkd.registry.reference import Hub, parse_remote
 from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
 
-REPO = Path(__file__).resolve().parents[1]
-PACKS = {
-    "python-numpy": (REPO / "recipes" / "python-numpy.toml", "numpy.__version__"),
-    "langgraph-react": (REPO / "recipes" / "langgraph-react" / "recipe.toml",
-                        "sorted(travel_agent.GRAPH.get_graph().nodes)"),
-}
-ADMIN = "bench"
-SECRET = secrets.token_urlsafe(16)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_packs import (  # one loopback hub and pack list for both benches
+    ADMIN,
+    PACKS,
+    SECRET,
+    embedded_hub,
+    eval_ok,
+)
+
 PREFETCH_TIMEOUT = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextmanager
-def embedded_hub(data: Path) -> Iterator[Hub]:
-    """`forkd hub serve` on loopback (SQLite + filesystem blobs), admin ADMIN."""
-    port = free_port()
-    env = {**os.environ, "FORKD_HUB_ADMIN_USER": ADMIN, "FORKD_HUB_ADMIN_PASSWORD": SECRET}
-    proc = subprocess.Popen(["forkd", "hub", "serve", "--data", str(data), "--listen",
-                             f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the embedded hub did not come up")
-            time.sleep(0.1)
-        yield Hub(f"127.0.0.1:{port}", "http")
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def make_public(data: Path, repo: str) -> None:
     subprocess.run(["forkd", "hub", "repo", "visibility", "--data", str(data), repo, "public"],
                    check=True, capture_output=True, stdin=subprocess.DEVNULL)
-
-
-def eval_ok(child_id: str, code: str) -> object:
-    r = ch.eval_in(child_id, code, timeout=300)
-    if r.get("error"):
-        raise RuntimeError(f"eval in {child_id} failed: {r['error'].get('message')}")
-    return r.get("value")
 
 
 def blob_bytes(store: Store) -> int:
