@@ -179,6 +179,9 @@ class NbdServer:
         self._failures: deque[ReadFailure] = deque(maxlen=KEPT_ERRORS)
         self._lock = threading.Lock()
         self._clients: dict[socket.socket, threading.Thread] = {}
+        # Every client thread not yet joined: one that has left _clients (its connection
+        # ended, its place is free) may still be finishing; close() waits for it too.
+        self._threads: set[threading.Thread] = set()
         self._closing = False
         socket_path.unlink(missing_ok=True)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -211,6 +214,7 @@ class NbdServer:
                 return
             self._closing = True
             clients = list(self._clients.items())
+            threads = list(self._threads)
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -218,7 +222,7 @@ class NbdServer:
         for sock, _ in clients:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        for _, thread in clients:
+        for thread in threads:
             thread.join()
         self.socket_path.unlink(missing_ok=True)
 
@@ -238,12 +242,13 @@ class NbdServer:
                     thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                               name=f"nbd client {self.socket_path.name}")
                     self._clients[sock] = thread
+                    self._threads = {t for t in self._threads if t.is_alive()}
+                    self._threads.add(thread)
+                    thread.start()  # under the lock: close() never joins an unstarted thread
             if refuse:
                 log.warning("%s: refusing a client: %d connections already (the limit)",
                             self.socket_path, MAX_CONNECTIONS)
                 sock.close()
-                continue
-            thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
