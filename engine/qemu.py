@@ -173,13 +173,15 @@ def drive_throttling(cfg: VMConfig) -> str:
     return out
 
 
-def create_overlay(path: Path, backing: Path, backing_fmt: str) -> None:
-    """A qcow2 overlay on an absolute backing path (never move the backing file)."""
-    p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", str(backing.resolve()),
+def create_overlay(path: Path, backing: Path | str, backing_fmt: str) -> None:
+    """A qcow2 overlay on ``backing``: a file (made absolute: never move the backing file)
+    or a QEMU URL such as an NBD export's ``nbd+unix:///NAME?socket=PATH``."""
+    spec = str(backing.resolve()) if isinstance(backing, Path) else backing
+    p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", spec,
                         "-F", backing_fmt, str(path)], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, check=False)
     if p.returncode != 0:
-        raise VMMError(f"qemu-img create {path} failed: {p.stderr.strip()}")
+        raise VMMError(f"qemu-img create {path} on {spec} failed: {p.stderr.strip()}")
 
 
 def unprivileged_user() -> str | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from forkd import digest as dg
 from forkd.errors import ForkdError, IntegrityError, NotFound
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
-from forkd.pack.chunking import decompress
+from forkd.pack.chunking import unpack_chunk
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import ChunkRef, check_map_size
 from forkd.pack.manifest import Manifest
@@ -210,7 +210,7 @@ class ChunkSource:
                 return self._fetch(ref, what)  # verified, decompressed
             except BlobBackendError:
                 raise
-        return self._unpack(blob, ref, what)
+        return unpack_chunk(blob, ref, what)
 
     def _fetch(self, ref: ChunkRef, what: str) -> bytes:
         """The chunk from the hub, verified and decompressed; handed to the store writer
@@ -240,7 +240,7 @@ class ChunkSource:
             raise IntegrityError(f"{what}: the hub sent {len(blob)} bytes, the map declares "
                                  f"{ref.stored}; refusing it")
         dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
-        data = self._unpack(blob, ref, what)  # the content must check out before it is kept
+        data = unpack_chunk(blob, ref, what)  # the content must check out before it is kept
         with self._lock:
             self.fetched_bytes += len(blob)
             self.fetched_chunks += 1
@@ -264,11 +264,6 @@ class ChunkSource:
             with self._lock:
                 self._unstored.pop(digest, None)
 
-    @staticmethod
-    def _unpack(blob: bytes, ref: ChunkRef, what: str) -> bytes:
-        data = decompress(blob, ref.size, what)
-        dg.check(f"blake3:{ref.blake3}", f"blake3:{dg.blake3_of(data)}", what)
-        return data
 
 
 # ---------------------------------------------------------------- opening a chain

@@ -48,7 +48,6 @@ import logging
 import os
 import socket
 import struct
-import subprocess
 import threading
 import time
 from collections import deque
@@ -57,10 +56,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkd.engine.errors import VMMError
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.engine.lazy.layout import ImageLayout, Segment
-from forkd.engine.qemu import QEMU_IMG
+from forkd.engine.qemu import create_overlay
 from forkd.errors import InvalidInput
 from forkd.pack.imagemap import PAGE_SIZE
 
@@ -601,12 +599,7 @@ class DiskExport:
     def create_overlay(self, path: Path) -> None:
         """An empty qcow2 overlay at ``path`` on this export: the child's writes land in it,
         never in the export (which refuses writes)."""
-        p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", self.backing_spec(),
-                            "-F", "raw", str(path)], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, check=False)
-        if p.returncode != 0:
-            raise VMMError(f"qemu-img create {path} on {self.backing_spec()} failed: "
-                           f"{p.stderr.strip()}")
+        create_overlay(path, self.backing_spec(), "raw")
 
     def close(self) -> None:
         self.server.close()

@@ -81,6 +81,15 @@ def decompress(blob: bytes, expected_size: int, what: str) -> bytes:
     return data
 
 
+def unpack_chunk(blob: bytes, ref: ChunkRef, what: str) -> bytes:
+    """A stored chunk's content: decompressed within its declared size and checked against
+    the blake3 its map names (the one check of a chunk's content, for the store and the
+    lazy path alike)."""
+    data = decompress(blob, ref.size, what)
+    dg.check(f"blake3:{ref.blake3}", f"blake3:{dg.blake3_of(data)}", what)
+    return data
+
+
 def _nonzero_pages(region: bytes, first_page: int) -> list[int]:
     mv = memoryview(region)
     return [

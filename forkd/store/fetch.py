@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from forkd import digest as dg
 from forkd.errors import IntegrityError
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
-from forkd.pack.chunking import decompress
+from forkd.pack.chunking import unpack_chunk
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import ChunkRef, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -76,8 +76,7 @@ def fetch_chain(store: Store, head: str, name: str, fetch: Fetcher) -> list[Link
 
         def verify(item: tuple[ChunkRef, str]) -> None:
             c, w = item
-            raw = decompress(store.blobs.read(c.digest, c.stored, w), c.size, w)
-            dg.check(f"blake3:{c.blake3}", f"blake3:{dg.blake3_of(raw)}", w)
+            unpack_chunk(store.blobs.read(c.digest, c.stored, w), c, w)
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(verify, chunks))

@@ -15,7 +15,7 @@ from forkd.engine.lazy.chunks import ChunkSource, ChunkUnavailable, open_local, 
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.errors import IntegrityError
 from forkd.pack.accessorder import decode, encode
-from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE
+from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE, ChunkRef
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
 from forkd.registry.reference import parse_remote
@@ -182,12 +182,13 @@ def test_fetched_chunk_is_served_before_the_store_write(chain_store: tuple[Store
 
     unpacked: list[int] = []
 
-    def counting(blob: bytes, size: int, what: str) -> bytes:
-        unpacked.append(size)
-        return chunks.decompress.__wrapped__(blob, size, what)  # type: ignore[attr-defined]
+    real_unpack = chunks.unpack_chunk
 
-    counting.__wrapped__ = chunks.decompress  # type: ignore[attr-defined]
-    monkeypatch.setattr(chunks, "decompress", counting)
+    def counting(blob: bytes, ref: ChunkRef, what: str) -> bytes:
+        unpacked.append(ref.size)
+        return real_unpack(blob, ref, what)
+
+    monkeypatch.setattr(chunks, "unpack_chunk", counting)
     store, head = chain_store
     remote, who = _pushed(hub, store)
     fresh = Store(tmp_path / "fresh")
