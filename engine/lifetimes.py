@@ -23,7 +23,14 @@ from typing import Any
 
 from forkd.engine import children as ch
 from forkd.engine.errors import ChildNotFound, EngineError
-from forkd.engine.lifecycle import ChildInfo, check_seconds, child_dir, record_lock, require_running
+from forkd.engine.lifecycle import (
+    MAX_TIMEOUT_S,
+    ChildInfo,
+    check_seconds,
+    child_dir,
+    record_lock,
+    require_running,
+)
 from forkd.engine.paths import run_dir
 from forkd.errors import ForkdError, InvalidInput
 from forkd.store.store import Store
@@ -52,8 +59,9 @@ def time_left(info: ChildInfo, now: float | None = None) -> float | None:
 
 def extend(child_id: str, seconds: float) -> ChildInfo:
     """Move the child's deadline ``seconds`` later (from now when it had none, or when it
-    has passed but the sweeper has not acted yet). A paused child has no deadline: its
-    lifetime starts again when it is resumed, and this extends that lifetime."""
+    has passed but the sweeper has not acted yet), and lengthen its lifetime (``timeout_s``)
+    by as much: a paused child has no deadline and a resume gives it its lifetime again,
+    so an extension is not lost across a pause."""
     check_seconds("extension", seconds)
     d = child_dir(child_id)
     with record_lock(d):
@@ -66,6 +74,7 @@ def extend(child_id: str, seconds: float) -> ChildInfo:
             require_running(info)
             info.deadline = max(info.deadline or now, now) + seconds
             check_seconds("the time left", info.deadline - now)  # extends add up: bounded too
+            info.timeout_s = min((info.timeout_s or 0.0) + seconds, MAX_TIMEOUT_S)  # resumable
         info.save()
     info.status = info.state()
     return info

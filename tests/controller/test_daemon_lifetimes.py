@@ -85,7 +85,9 @@ def test_rest_timeout_extend_pause_resume(env: dict[str, str], daemon: object, t
     assert p.status_code == 200 and p.json()["status"] == "paused", p.text
     dead = http.post(f"/v1/sandboxes/{kept}/exec", json={"argv": ["true"]})
     assert dead.status_code == 500 and "paused" in dead.json()["error"]["message"]
-    assert http.post(f"/v1/sandboxes/{kept}/resume").json()["status"] == "running"
+    back = http.post(f"/v1/sandboxes/{kept}/resume").json()
+    assert back["status"] == "running"
+    assert back["timeout_s"] == 604 and back["time_left_s"] > 590  # the extension is kept
     assert http.post(f"/v1/sandboxes/{kept}/resume").status_code == 409
     out = http.post(f"/v1/sandboxes/{kept}/exec", json={"argv": ["cat", "/root/x"]}).json()
     assert out["stdout"] == "hi\n"

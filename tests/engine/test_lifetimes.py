@@ -66,6 +66,7 @@ def test_deadline_kills_without_a_daemon_and_extend_moves_it(
     assert 0 < short["time_left_s"] <= 3 and short["on_timeout"] == "kill"
     extended = plain(backend.extend(kept["id"], ExtendRequest(seconds=120)))
     assert extended["time_left_s"] > 100
+    assert extended["timeout_s"] == 123  # the lifetime a resume would give again
     assert watchdog.running_pid() is not None
     _until("the short-lived child to be killed", lambda: _gone(short["id"]), 60)
     assert short["pid"] not in qemu_pids(engine_env["FORKD_RUN"])
