@@ -12,7 +12,7 @@ The API a child's lifecycle calls::
     ca.cert_pem                                   # for the guest's trust store
 
 Names are imported on first use (``forkd.engine.egress.child``, which every child's
-lifecycle imports, needs neither h11 nor cryptography).
+lifecycle imports, needs neither httptools nor cryptography).
 """
 
 from __future__ import annotations

@@ -35,18 +35,20 @@ import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
-import h11
 import uvloop
 
 from forkd.audit import AuditLog
+from forkd.engine.egress import http1
 from forkd.engine.egress.ca import EgressCA
+from forkd.engine.egress.http1 import END, Head, MessageReader, ProtocolError
 from forkd.engine.egress.policy import Destination, EgressPolicy, parse_destination
 from forkd.engine.egress.secrets import Secret
 from forkd.errors import ForkdError, InvalidInput
 
-CHUNK = 256 << 10  # per read and per write: fewer trips through h11, TLS and the loop
+CHUNK = 256 << 10  # per read and per write: fewer trips through the parser, TLS and the loop
 MAX_AUDIT_TARGET = 300  # characters of a guest-given destination kept in an audit record
 HOP_BY_HOP = {
     b"keep-alive",
@@ -122,7 +124,7 @@ class StreamReplacer:
 
 
 class _Peer:
-    """One side of a relay: an h11 connection over an asyncio stream.
+    """One side of a relay: a message reader over an asyncio stream.
 
     Outgoing bytes are queued and written when the relay is about to wait for the
     network (``next_event(…, flush=other)``) or at the end of a message: a head, its
@@ -131,29 +133,31 @@ class _Peer:
 
     def __init__(
         self,
-        conn: h11.Connection,
+        parser: MessageReader,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        self.conn, self.reader, self.writer = conn, reader, writer
+        self.parser, self.reader, self.writer = parser, reader, writer
         self._out = bytearray()
 
-    async def next_event(self, seconds: float, flush: _Peer | None = None) -> h11.Event:
-        while True:
-            event = self.conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
+    async def next_event(self, seconds: float, flush: _Peer | None = None) -> http1.Event | None:
+        """The next event; None once the peer has closed between messages."""
+        events = self.parser.events
+        while not events:
+            if self.parser.done:
+                return None
             if flush is not None:
                 await flush.flush()
             async with asyncio.timeout(seconds):  # no task per read, as wait_for makes
                 data = await self.reader.read(CHUNK)
-            self.conn.receive_data(data)
-
-    async def queue(self, *events: h11.Event) -> None:
-        for event in events:
-            data = self.conn.send(event)
             if data:
-                self._out += data
+                self.parser.feed(data)
+            else:
+                self.parser.feed_eof()
+        return events.popleft()
+
+    async def queue(self, data: bytes) -> None:
+        self._out += data
         if len(self._out) >= CHUNK:
             await self.flush()
 
@@ -163,16 +167,9 @@ class _Peer:
             self._out.clear()
             await self.writer.drain()
 
-    async def send(self, *events: h11.Event) -> None:
-        await self.queue(*events)
+    async def send(self, data: bytes) -> None:
+        await self.queue(data)
         await self.flush()
-
-
-def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key.lower() == name:
-            return value
-    return None
 
 
 def _forwarded(headers: Iterable[tuple[bytes, bytes]], drop: set[bytes]) -> Headers:
@@ -225,8 +222,8 @@ class EgressProxy:
             raise InvalidInput("secrets are bound to allowed destinations: give the egress CA")
         self._bound = bound
 
-    def _h11(self, role: type[h11.CLIENT] | type[h11.SERVER]) -> h11.Connection:
-        return h11.Connection(role, max_incomplete_event_size=self.limits.head_bytes)
+    def _reader(self, response: bool) -> MessageReader:
+        return MessageReader(response, self.limits.head_bytes)
 
     # -- serving -----------------------------------------------------------------------
 
@@ -280,14 +277,14 @@ class EgressProxy:
         _no_delay(writer)
         peer = writer.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) else "-"
-        guest = _Peer(self._h11(h11.SERVER), reader, writer)
+        guest = _Peer(self._reader(response=False), reader, writer)
         self._open += 1
         try:
             if self._open > self.limits.max_connections:
                 await self._refuse(guest, ip, "egress", "-", Refused(503, "too many connections"))
                 return
             await self._first_request(guest, ip)
-        except (OSError, EOFError, TimeoutError, h11.ProtocolError, ssl.SSLError):
+        except (OSError, EOFError, TimeoutError, ProtocolError, ssl.SSLError):
             pass  # the guest or the upstream went away or broke the protocol: drop it
         finally:
             self._open -= 1
@@ -298,10 +295,10 @@ class EgressProxy:
     async def _first_request(self, guest: _Peer, ip: str) -> None:
         try:
             event = await guest.next_event(self.limits.head_seconds)
-        except h11.RemoteProtocolError as exc:
-            await self._refuse(guest, ip, "egress", "-", Refused(exc.error_status_hint, str(exc)))
+        except ProtocolError as exc:
+            await self._refuse(guest, ip, "egress", "-", Refused(exc.status, str(exc)))
             return
-        if not isinstance(event, h11.Request):
+        if not isinstance(event, Head):
             return
         if event.method == b"CONNECT":
             await self._connect(guest, ip, event)
@@ -351,17 +348,13 @@ class EgressProxy:
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
-        with contextlib.suppress(h11.LocalProtocolError):
-            await guest.send(
-                h11.Response(status_code=refused.status, headers=headers),
-                h11.Data(data=body),
-                h11.EndOfMessage(),
-            )
+        reason = HTTPStatus(refused.status).phrase.encode()
+        await guest.send(http1.response_head(refused.status, reason, headers) + body)
         await _linger(guest, self.limits.head_bytes)
 
     # -- CONNECT -----------------------------------------------------------------------
 
-    async def _connect(self, guest: _Peer, ip: str, request: h11.Request) -> None:
+    async def _connect(self, guest: _Peer, ip: str, request: Head) -> None:
         authority = request.target.decode("ascii", "replace")
         try:
             dest = self._decide(authority, default_port=None)
@@ -377,11 +370,8 @@ class EgressProxy:
             mode = "terminated" if secrets else "tunnel"
             names = [s.name for s in secrets]
             self._record(ip, "egress.connect", str(dest), "ok", tls=mode, secrets=names)
-            established = h11.Response(
-                status_code=200, reason=b"Connection Established", headers=[]
-            )
-            await guest.send(established)
-            early, _ = guest.conn.trailing_data
+            await guest.send(http1.response_head(200, b"Connection Established", []))
+            early = guest.parser.early
             if secrets:
                 if early:
                     return  # the guest spoke before the tunnel was up: not TLS we can answer
@@ -455,16 +445,17 @@ class EgressProxy:
         assert self.ca is not None
         ctx = self.ca.leaf_context(dest.host)
         await guest.writer.start_tls(ctx, ssl_handshake_timeout=self.limits.connect_seconds)
-        inner = _Peer(self._h11(h11.SERVER), guest.reader, guest.writer)
-        upstream = _Peer(self._h11(h11.CLIENT), up_reader, up_writer)
+        inner = _Peer(self._reader(response=False), guest.reader, guest.writer)
+        upstream = _Peer(self._reader(response=True), up_reader, up_writer)
         wait = self.limits.keepalive_seconds
         while True:
             try:
                 event = await inner.next_event(wait)
-            except h11.RemoteProtocolError as exc:
-                await self._refuse(inner, ip, "egress.request", str(dest), Refused(400, str(exc)))
+            except ProtocolError as exc:
+                refused = Refused(exc.status, str(exc))
+                await self._refuse(inner, ip, "egress.request", str(dest), refused)
                 return
-            if not isinstance(event, h11.Request):
+            if not isinstance(event, Head):
                 return
             try:
                 target = _origin_target(event, dest)
@@ -472,68 +463,97 @@ class EgressProxy:
                 await self._refuse(inner, ip, "egress.request", str(dest), refused)
                 return
             # exactly one Host, the checked one: a second Host could route elsewhere
-            headers = _forwarded(event.headers, {b"accept-encoding", b"host"})
+            headers = _forwarded(event.headers, {b"accept-encoding", b"host", b"connection"})
             headers = [(k, _swap(v, secrets, to_value=True)) for k, v in headers]
             headers.insert(0, (b"host", _authority(dest, 443)))
             headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
-            request = h11.Request(method=event.method, target=target, headers=headers)
-            await upstream.queue(request)
-            await self._relay_body(inner, upstream, None, hold=_small_body(event))
-            await self._relay_response(upstream, inner, secrets)
-            if not _both_done(inner.conn, upstream.conn):
+            if not _guest_keeps(event):
+                headers.append((b"connection", b"close"))
+            await self._relay_request(inner, upstream, event, target, headers)
+            if not await self._relay_response(upstream, inner, event, secrets):
                 return
-            inner.conn.start_next_cycle()
-            upstream.conn.start_next_cycle()
+
+    async def _relay_request(
+        self, guest: _Peer, upstream: _Peer, request: Head, target: bytes, headers: Headers
+    ) -> None:
+        """Send the request head and body upstream, in the framing the guest gave (the
+        body is not changed: Content-Length stays true)."""
+        upstream.parser.no_body_next = request.method == b"HEAD"
+        await upstream.queue(http1.request_head(request.method, target, headers))
+        await self._relay_body(guest, upstream, None, request.chunked, hold=_small_body(request))
 
     async def _relay_body(
         self,
         source: _Peer,
         sink: _Peer,
         replacers: list[StreamReplacer] | None,
+        chunked: bool,
         hold: bool = False,
     ) -> None:
-        """Copy one message body from ``source`` to ``sink`` (through ``replacers``). hold:
-        the body is small and nobody waits for the head alone, so head and body go out as
-        one write when the body is complete (not head first while the body arrives)."""
+        """Copy one message body from ``source`` to ``sink`` (through ``replacers``),
+        chunked or as it is. hold: the body is small and nobody waits for the head alone,
+        so head and body go out as one write when the body is complete (not head first
+        while the body arrives)."""
         while True:
             event = await source.next_event(self.limits.read_seconds, flush=None if hold else sink)
-            if isinstance(event, h11.Data):
-                data = _feed(replacers, event.data) if replacers else event.data
+            if isinstance(event, bytes):
+                data = _feed(replacers, event) if replacers else event
                 if data:
-                    await sink.queue(h11.Data(data=data))
-            elif isinstance(event, h11.EndOfMessage):
+                    await sink.queue(http1.chunk(data) if chunked else data)
+            elif event is END:
                 rest = _flush(replacers) if replacers else b""
                 if rest:
-                    await sink.queue(h11.Data(data=rest))
-                await sink.send(h11.EndOfMessage())
+                    await sink.queue(http1.chunk(rest) if chunked else rest)
+                await sink.send(http1.LAST_CHUNK if chunked else b"")
                 return
             else:
                 raise EOFError("the peer closed the connection in the middle of a message")
 
-    async def _response_head(self, upstream: _Peer, guest: _Peer) -> h11.Response:
-        """The upstream's response head; 1xx responses before it go to the guest as they are."""
+    async def _response_head(self, upstream: _Peer, guest: _Peer, secrets: list[Secret]) -> Head:
+        """The upstream's response head; 1xx responses before it go to the guest."""
         while True:
             event = await upstream.next_event(self.limits.read_seconds)
-            if isinstance(event, h11.InformationalResponse):
-                await guest.send(event)
-            elif isinstance(event, h11.Response):
+            if isinstance(event, Head) and event.status >= 200:
                 return event
-            else:
+            if isinstance(event, Head):
+                headers = [(k, _swap(v, secrets, to_value=False)) for k, v in event.headers]
+                await guest.send(http1.response_head(event.status, event.reason, headers))
+            elif event is not END:  # END: the end of a 1xx
                 raise EOFError("the upstream closed the connection before answering")
 
-    async def _relay_response(self, upstream: _Peer, guest: _Peer, secrets: list[Secret]) -> None:
-        event = await self._response_head(upstream, guest)
-        # The body may change length when a secret is swapped back to its placeholder:
-        # drop the upstream's framing and let h11 frame it (chunked, or close for 1.0).
-        headers = _forwarded(event.headers, {b"content-length", b"transfer-encoding"})
+    async def _relay_response(
+        self,
+        upstream: _Peer,
+        guest: _Peer,
+        request: Head,
+        secrets: list[Secret],
+        close: bool = False,
+    ) -> bool:
+        """Relay one response; True if both connections may carry the next request.
+
+        The body may change length when a secret is swapped back to its placeholder:
+        the upstream's framing is dropped and the guest gets it chunked (HTTP/1.1) or
+        delimited by the close (HTTP/1.0)."""
+        head = await self._response_head(upstream, guest, secrets)
+        headers = _forwarded(head.headers, {b"content-length", b"transfer-encoding", b"connection"})
         headers = [(k, _swap(v, secrets, to_value=False)) for k, v in headers]
-        await guest.queue(_response(event, headers))
+        keep = not close and head.keep_alive and _guest_keeps(request)
+        body = head.has_body and request.method != b"HEAD"
+        chunked = body and request.version == "1.1"
+        if chunked:
+            headers.append((b"transfer-encoding", b"chunked"))
+        elif body:
+            keep = False  # an HTTP/1.0 guest: the body ends when the proxy closes
+        if not keep:
+            headers.append((b"connection", b"close"))
+        await guest.queue(http1.response_head(head.status, head.reason, headers))
         replacers = [StreamReplacer(s.value.encode(), s.placeholder.encode()) for s in secrets]
-        await self._relay_body(upstream, guest, replacers)
+        await self._relay_body(upstream, guest, replacers or None, chunked)
+        return keep
 
     # -- plain HTTP ----------------------------------------------------------------------
 
-    async def _plain(self, guest: _Peer, ip: str, request: h11.Request) -> None:
+    async def _plain(self, guest: _Peer, ip: str, request: Head) -> None:
         target = request.target.decode("ascii", "replace")
         try:
             authority, path = _split_http_url(target)
@@ -553,25 +573,17 @@ class EgressProxy:
         self._writers.add(up_writer)
         try:
             self._record(ip, "egress.http", str(dest), "ok", method=request.method.decode())
-            upstream = _Peer(self._h11(h11.CLIENT), up_reader, up_writer)
+            upstream = _Peer(self._reader(response=True), up_reader, up_writer)
             headers = _forwarded(request.headers, {b"host", b"connection"})
             headers = [(b"host", authority.encode()), *headers, (b"connection", b"close")]
-            await upstream.queue(h11.Request(method=request.method, target=path, headers=headers))
-            await self._relay_body(guest, upstream, None)
-            event = await self._response_head(upstream, guest)
-            headers = [*_forwarded(event.headers, {b"connection"}), (b"connection", b"close")]
-            await guest.queue(_response(event, headers))
-            await self._relay_body(upstream, guest, None)
+            await self._relay_request(guest, upstream, request, path, headers)
+            await self._relay_response(upstream, guest, request, [], close=True)
         finally:
             self._writers.discard(up_writer)
             up_writer.close()
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def _response(head: h11.Response, headers: Headers) -> h11.Response:
-    return h11.Response(status_code=head.status_code, headers=headers, reason=head.reason)
 
 
 def _default_trust() -> ssl.SSLContext:
@@ -637,20 +649,20 @@ def _flush(replacers: list[StreamReplacer]) -> bytes:
     return data
 
 
-def _small_body(request: h11.Request) -> bool:
+def _small_body(request: Head) -> bool:
     """A request whose whole body (Content-Length ≤ CHUNK) the guest sends without waiting
     for an answer (no ``Expect: 100-continue``)."""
-    if _header(request.headers, b"expect") is not None:
+    if request.header(b"expect") is not None:
         return False
-    length = _header(request.headers, b"content-length")
+    length = request.header(b"content-length")
     if length is None:
-        return _header(request.headers, b"transfer-encoding") is None  # no body at all
+        return not request.chunked  # no body at all
     return length.isdigit() and int(length) <= CHUNK
 
 
-def _both_done(a: h11.Connection, b: h11.Connection) -> bool:
-    states = (a.our_state, a.their_state, b.our_state, b.their_state)
-    return all(state is h11.DONE for state in states)
+def _guest_keeps(request: Head) -> bool:
+    """The guest may send another request on this connection after this one's answer."""
+    return request.keep_alive and request.version == "1.1"
 
 
 def _host_destination(host: bytes, default_port: int) -> Destination | None:
@@ -665,10 +677,10 @@ def _authority(dest: Destination, default_port: int) -> bytes:
     return (host if dest.port == default_port else f"{host}:{dest.port}").encode()
 
 
-def _origin_target(request: h11.Request, dest: Destination) -> bytes:
+def _origin_target(request: Head, dest: Destination) -> bytes:
     """The request's origin-form target, once its authority is checked to be ``dest``."""
     target = request.target
-    authority = _header(request.headers, b"host")
+    authority = request.header(b"host")
     if target.startswith(b"https://"):
         rest = target[len(b"https://") :]
         end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
