@@ -469,7 +469,12 @@ class EgressProxy:
             headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
             if not _guest_keeps(event):
                 headers.append((b"connection", b"close"))
-            await self._relay_request(inner, upstream, event, target, headers)
+            try:
+                await self._relay_request(inner, upstream, event, target, headers)
+            except ProtocolError as exc:  # the guest's body broke the framing
+                refused = Refused(exc.status, str(exc))
+                await self._refuse(inner, ip, "egress.request", str(dest), refused)
+                return
             if not await self._relay_response(upstream, inner, event, secrets):
                 return
 
@@ -576,7 +581,12 @@ class EgressProxy:
             upstream = _Peer(self._reader(response=True), up_reader, up_writer)
             headers = _forwarded(request.headers, {b"host", b"connection"})
             headers = [(b"host", authority.encode()), *headers, (b"connection", b"close")]
-            await self._relay_request(guest, upstream, request, path, headers)
+            try:
+                await self._relay_request(guest, upstream, request, path, headers)
+            except ProtocolError as exc:  # the guest's body broke the framing
+                refused = Refused(exc.status, str(exc))
+                await self._refuse(guest, ip, "egress.http", str(dest), refused)
+                return
             await self._relay_response(upstream, guest, request, [], close=True)
         finally:
             self._writers.discard(up_writer)
