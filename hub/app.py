@@ -18,13 +18,14 @@ from litestar.types import Scope
 from sqlalchemy import text
 
 import forkd
+from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
 from forkd.hub.auth import token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
-from forkd.hub.errors import RegistryError, registry_error_handler
+from forkd.hub.errors import RegistryError, invalid_input_handler, registry_error_handler
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
@@ -57,7 +58,7 @@ async def bootstrap_admin(hub: Hub) -> None:
 
 async def log_unexpected(exc: Exception, scope: Scope) -> None:
     """Registry errors are answers; anything else is a bug worth a traceback."""
-    if not isinstance(exc, RegistryError | HTTPException):
+    if not isinstance(exc, RegistryError | HTTPException | InvalidInput):
         log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
 
 
@@ -145,7 +146,10 @@ def create_app(settings: HubSettings) -> Litestar:
         ),
         middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
-        exception_handlers={RegistryError: registry_error_handler},
+        exception_handlers={
+            RegistryError: registry_error_handler,
+            InvalidInput: invalid_input_handler,
+        },
         lifespan=[lifespan],
         # Log through the "litestar" logger only; the root logger belongs to the process.
         logging_config=LoggingConfig(configure_root_logger=False),

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Insert
 
 import forkd.migrations
+from forkd.errors import InvalidInput
 
 SQLITE_BUSY_TIMEOUT_S = 30
 # How long a read on the event loop's thread may wait for a lock (WAL readers normally
@@ -32,6 +33,8 @@ SQLITE_BUSY_TIMEOUT_S = 30
 INLINE_BUSY_TIMEOUT_S = 0.05
 GC_LOCK = 0x666F726B64  # "forkd": the advisory lock key between blob writers and GC
 MIGRATE_LOCK = 0x6D69677261  # "migra": one migrating process at a time (PostgreSQL)
+# The integers both backends store (BIGINT, SQLite INTEGER): a signed 64-bit number.
+MIN_STORABLE, MAX_STORABLE = -(1 << 63), (1 << 63) - 1
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -82,6 +85,9 @@ class Database:
             self.read_engine = self.engine
             self.inline_engine = None
             self.thread_engine = None
+        for engine in (self.engine, self.read_engine, self.inline_engine, self.thread_engine):
+            if engine is not None:
+                refuse_unstorable(engine)
         self._writer: anyio.CapacityLimiter | None = None  # made in the event loop
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.read_sessions = async_sessionmaker(self.read_engine, expire_on_commit=False)
@@ -241,6 +247,57 @@ class Database:
             self.inline_engine.dispose()
         if self.thread_engine is not None:
             self.thread_engine.dispose()
+
+
+class UnstorableValue(InvalidInput):
+    """A value from a client that no backend stores as sent: text with a NUL character
+    (PostgreSQL refuses it) or a lone surrogate (not UTF-8), or an integer past 64 bits."""
+
+
+def check_storable(value: object) -> None:
+    """Raise ``UnstorableValue`` unless every text and integer in ``value`` (a statement's
+    parameters: a tuple, list or dict of them, nested for executemany) can be stored."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise UnstorableValue(
+                f"text {value[:40]!r} contains a NUL character, which the hub cannot store; "
+                "remove it"
+            )
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise UnstorableValue(
+                f"text {value[:40]!r} is not valid Unicode (a lone surrogate); send UTF-8"
+            ) from exc
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not MIN_STORABLE <= value <= MAX_STORABLE:
+            raise UnstorableValue(
+                f"number {str(value)[:40]} is out of range: use at most {MAX_STORABLE}"
+            )
+    elif isinstance(value, dict):
+        for item in value.values():
+            check_storable(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            check_storable(item)
+
+
+def refuse_unstorable(engine: AsyncEngine | Engine) -> None:
+    """Check every statement's parameters before they reach the database (the one place
+    every query goes through), so a NUL in a name, tag or query text from any route is a
+    400 on both backends, not a 500 from PostgreSQL."""
+    sync_engine = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+
+    @event.listens_for(sync_engine, "before_cursor_execute")
+    def check(
+        _conn: Connection,
+        _cursor: Any,
+        _statement: str,
+        parameters: Any,
+        _context: Any,
+        _executemany: bool,
+    ) -> None:
+        check_storable(parameters)
 
 
 def _busy(exc: OperationalError) -> bool:

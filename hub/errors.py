@@ -12,6 +12,8 @@ from enum import Enum
 from litestar import Request, Response
 from litestar.datastructures import State
 
+from forkd.errors import InvalidInput
+
 
 class Code(Enum):
     """The spec's error codes with their default HTTP status and message."""
@@ -64,3 +66,17 @@ def registry_error_handler(_: Request[object, object, State], exc: Exception) ->
     assert isinstance(exc, RegistryError)
     body = {"errors": [{"code": exc.code.name, "message": exc.message, "detail": exc.detail}]}
     return Response(body, status_code=exc.status, headers=exc.headers)
+
+
+def invalid_input_handler(
+    request: Request[object, object, State], exc: Exception
+) -> Response[object]:
+    """``InvalidInput`` that no route turned into its own answer (e.g. a value the database
+    refused, hub/db.py ``check_storable``) is the client's error, 400, never a 500: in the
+    registry's error body on ``/v2/``, Litestar's elsewhere."""
+    assert isinstance(exc, InvalidInput)
+    if request.url.path.startswith("/v2/"):
+        return registry_error_handler(
+            request, RegistryError(Code.UNSUPPORTED, str(exc), status=400)
+        )
+    return Response({"status_code": 400, "detail": str(exc)}, status_code=400)

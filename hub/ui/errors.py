@@ -9,6 +9,7 @@ from litestar import Request, Response
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, NotFoundException
 
+from forkd.errors import InvalidInput
 from forkd.hub.ui.render import Renderer
 
 log = logging.getLogger("forkd.hub.ui")
@@ -46,6 +47,11 @@ def http_error(request: Request[Any, Any, State], exc: Exception) -> Response[st
     return _page(request, status, TITLES.get(status, "Error"), detail)
 
 
+def invalid_input(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
+    """A value the hub refused (e.g. one the database cannot store): 400, as a page."""
+    return _page(request, 400, TITLES[400], str(exc))
+
+
 def server_error(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
     log.error("error rendering %s", request.url.path, exc_info=exc)
     return _page(request, 500, "Hub error", "Something went wrong on the hub; it was logged.")
@@ -53,5 +59,6 @@ def server_error(request: Request[Any, Any, State], exc: Exception) -> Response[
 
 HTML_ERRORS: dict[type[Exception] | int, Any] = {
     HTTPException: http_error,
+    InvalidInput: invalid_input,
     500: server_error,
 }
