@@ -53,6 +53,7 @@ class Head:
     status: int = 0
     reason: bytes = b""
     chunked: bool = False  # the body is chunked (else Content-Length, close, or none)
+    length: int | None = None  # its Content-Length (llhttp checked it: digits, one)
     has_body: bool = True  # a response that may carry a body (not 1xx, 204, 304, HEAD)
 
     def header(self, name: bytes) -> bytes | None:
@@ -189,11 +190,12 @@ class MessageReader:
         if te and (len(te) > 1 or te[0].strip().lower() != b"chunked"):
             raise ProtocolError(501, "only Transfer-Encoding: chunked is supported")
         head = Head(self._headers, version, bool(parser.should_keep_alive()), chunked=bool(te))
+        length = head.header(b"content-length")
+        head.length = int(length) if length is not None else None
         if isinstance(parser, httptools.HttpResponseParser):
             head.status = parser.get_status_code()
             head.reason = bytes(self._line)
             head.has_body = head.status >= 200 and head.status not in (204, 304)
-            length = head.header(b"content-length")
             self._until_close = head.has_body and not te and length is None
         elif isinstance(parser, httptools.HttpRequestParser):
             head.method = parser.get_method()

@@ -553,7 +553,9 @@ class EgressProxy:
             headers.append((b"connection", b"close"))
         await guest.queue(http1.response_head(head.status, head.reason, headers))
         replacers = [StreamReplacer(s.value.encode(), s.placeholder.encode()) for s in secrets]
-        await self._relay_body(upstream, guest, replacers or None, chunked)
+        # a small body of known length (not a stream): head and body go out as one write
+        hold = head.length is not None and head.length <= CHUNK
+        await self._relay_body(upstream, guest, replacers or None, chunked, hold=hold)
         return keep
 
     # -- plain HTTP ----------------------------------------------------------------------
@@ -664,10 +666,9 @@ def _small_body(request: Head) -> bool:
     for an answer (no ``Expect: 100-continue``)."""
     if request.header(b"expect") is not None:
         return False
-    length = request.header(b"content-length")
-    if length is None:
+    if request.length is None:
         return not request.chunked  # no body at all
-    return length.isdigit() and int(length) <= CHUNK
+    return request.length <= CHUNK
 
 
 def _guest_keeps(request: Head) -> bool:
@@ -702,7 +703,10 @@ def _origin_target(request: Head, dest: Destination) -> bytes:
     hosts = [v for k, v in request.headers if k.lower() == b"host"]
     if len(hosts) > 1:
         raise Refused(400, "a request must carry one Host header")
-    if authority is None or _host_destination(authority, 443) != dest:
+    # the canonical spelling of dest needs no parse (the same bytes name the same place)
+    if authority is None or (
+        authority != _authority(dest, 443) and _host_destination(authority, 443) != dest
+    ):
         shown = authority[:80] if authority is not None else b"(none)"
         raise Refused(421, f"this connection is for {dest}; the request names {shown!r}")
     return target
