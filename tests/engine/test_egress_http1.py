@@ -153,6 +153,21 @@ def test_the_http_version_and_host_are_checked(plain: StandinModel, audit_path: 
     assert plain.requests == []
 
 
+def test_an_http_1_0_guest_gets_the_body_delimited_by_the_close(
+    plain: StandinModel, audit_path: Path
+) -> None:
+    proxy = make_proxy([f"plain.test:{plain.port}"], audit_path)
+    try:
+        url = f"http://plain.test:{plain.port}/download?bytes=70000"
+        reply = raw_request(proxy.port, f"GET {url} HTTP/1.0\r\n\r\n".encode())
+    finally:
+        proxy.stop()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"chunked" not in head.lower()
+    assert b"connection: close" in head.lower()
+    assert body == (bytes(range(256)) * 274)[:70000]  # the stand-in's pattern, whole
+
+
 def test_an_oversize_head_is_refused_whole_or_in_pieces(
     plain: StandinModel, audit_path: Path
 ) -> None:
