@@ -52,6 +52,7 @@ class SpawnRequest(Request):
     disk_iops: int | None = None  # disk operations/s, read + write
     net_kbit: int | None = None  # network kbit/s to the sandbox (tbf on its tap)
     egress: list[str] | None = None  # HOST[:PORT] it may reach (None: recipe's; []: none)
+    lazy: bool = False  # tag is [HUB/]NS/NAME[:TAG]: fork before the pack has arrived
 
 
 class PoolRequest(Request):

@@ -118,6 +118,15 @@ def limits_of(req: SpawnRequest) -> Limits:
     )
 
 
+def _local_tag(store: Store, text: str) -> bool:
+    """``text`` names a tag of the local store."""
+    try:
+        store.resolve(text)
+    except (InvalidInput, NotFound):
+        return False
+    return True
+
+
 STREAM_QUEUE = 256  # frames of a streamed command waiting for its reader, at most
 
 
@@ -206,17 +215,20 @@ class LocalBackend:
         if req.prewarm is not None:
             self._check_prewarm(req.prewarm)
         limits = limits_of(req)
-        result = ch.fork(
-            self.store,
-            req.tag,
-            req.n,
-            limits=limits,
-            lifetime=Lifetime(req.timeout, req.on_timeout),
-            with_netns=req.netns,
-            sandbox=req.sandbox,
-            pool=self.pool,
-            egress=req.egress,
-        )
+        if req.lazy:
+            result = self._lazy_fork(req, limits)
+        else:
+            result = ch.fork(
+                self.store,
+                req.tag,
+                req.n,
+                limits=limits,
+                lifetime=Lifetime(req.timeout, req.on_timeout),
+                with_netns=req.netns,
+                sandbox=req.sandbox,
+                pool=self.pool,
+                egress=req.egress,
+            )
         if req.timeout is not None:
             self._deadlines_changed()
         if req.prewarm is not None and self.pool is not None:
@@ -233,6 +245,41 @@ class LocalBackend:
             assemble_ms=round(result.assemble_ms, 1),
             total_ms=round(result.total_ms, 1),
             errors=list(result.errors),
+        )
+
+    def _lazy_fork(self, req: SpawnRequest, limits: Limits) -> ch.ForkResult:
+        """``lazy``: children of a hub's pack before it has arrived (docs/engine.md, "Lazy
+        fork"); the tag must name a hub reference and no pool (its processes wait on a
+        local tag)."""
+        from forkd.engine.lazy import fork as lazy_fork
+        from forkd.registry.reference import parse_remote
+
+        if req.prewarm is not None:
+            raise InvalidInput(
+                "lazy and prewarm do not go together: a pool keeps processes of a local tag; "
+                "spawn lazily without prewarm, then prewarm the local tag once it is complete"
+            )
+        if _local_tag(self.store, req.tag):
+            raise InvalidInput(
+                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {req.tag!r} is a local "
+                "snapshot tag: spawn it without lazy, or name the hub it comes from"
+            )
+        try:
+            parse_remote(req.tag)
+        except InvalidInput as exc:
+            raise InvalidInput(
+                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got {req.tag!r}: "
+                f"{exc}"
+            ) from None
+        return lazy_fork.fork(
+            self.store,
+            req.tag,
+            req.n,
+            limits=limits,
+            lifetime=Lifetime(req.timeout, req.on_timeout),
+            with_netns=req.netns,
+            sandbox=req.sandbox,
+            egress=req.egress,
         )
 
     def sandboxes(self) -> list[SandboxInfo]:

@@ -180,11 +180,15 @@ class Tools:
         n: Count = 1,
         timeout_s: Seconds = None,
         memory_limit_mib: Annotated[int | None, Field(ge=64)] = None,
+        lazy: Annotated[
+            bool,
+            Field(description="tag is a hub's HUB/NS/NAME[:TAG]: fork before its pack is here."),
+        ] = False,
     ) -> dict[str, Any]:
         """Fork n sandboxes (copy-on-write VMs) from snapshot `tag`, ready in about a second
         each. timeout_s: each is killed that many seconds after it is ready. All of them
         start or none (the ones that did are killed). Returns their ids."""
-        return self._spawn(tag, n, timeout_s, memory_limit_mib)
+        return self._spawn(tag, n, timeout_s, memory_limit_mib, lazy)
 
     def fork_from_branch(
         self,
@@ -198,9 +202,14 @@ class Tools:
         return self._spawn(tag, n, timeout_s, None)
 
     def _spawn(
-        self, tag: str, n: int, timeout_s: float | None, memory_limit_mib: int | None
+        self,
+        tag: str,
+        n: int,
+        timeout_s: float | None,
+        memory_limit_mib: int | None,
+        lazy: bool = False,
     ) -> dict[str, Any]:
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s
         if memory_limit_mib is not None:

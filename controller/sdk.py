@@ -327,7 +327,9 @@ class Sandbox:
         """``options``: the fields of api.SpawnRequest, e.g. ``timeout`` (seconds: the
         sandbox is killed then, or paused with ``on_timeout="pause"``; ``extend()`` moves
         it), ``memory_limit_mib``, ``netns``, ``cpus``, ``pids_max``, ``disk_bps``,
-        ``disk_iops``, ``net_kbit`` (docs/engine.md, "Limits")."""
+        ``disk_iops``, ``net_kbit`` (docs/engine.md, "Limits"); ``lazy=True`` with a hub
+        reference ``HUB/NS/NAME[:TAG]`` forks before its pack is here (docs/engine.md, "Lazy
+        fork")."""
         self.controller = controller or Controller()
         if sandbox_id is None:
             if tag is None:

@@ -264,6 +264,7 @@ export interface SpawnRequest {
   disk_iops?: number | null;
   net_kbit?: number | null;
   egress?: string[] | null;
+  lazy?: boolean;
 }
 
 export interface SpawnResult {
