@@ -33,6 +33,8 @@ from forkd.names import validate_name
 
 SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
+# Every answer that carries a credential (RFC 6749 5.1): never kept by a cache.
+SECRET_HEADERS = {"Cache-Control": "no-store", "Pragma": "no-cache"}
 
 
 # -- per-request authentication ------------------------------------------------
@@ -278,5 +280,6 @@ async def token_endpoint(
             "access_token": token,
             "expires_in": hub.signer.ttl,
             "issued_at": issued_at,
-        }
+        },
+        headers=SECRET_HEADERS,
     )

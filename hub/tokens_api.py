@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from forkd.errors import InvalidInput
 from forkd.hub import accounts
-from forkd.hub.auth import authenticate, client_ip
+from forkd.hub.auth import SECRET_HEADERS, authenticate, client_ip
 from forkd.hub.models import ApiToken
 from forkd.hub.services import Hub
 
@@ -76,7 +76,7 @@ class TokenController(Controller):
             )
             return [_info(t) for t in rows.all()]
 
-    @post("/")
+    @post("/", response_headers=SECRET_HEADERS)
     async def create_token(
         self,
         request: Request[object, object, State],

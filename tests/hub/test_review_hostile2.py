@@ -120,3 +120,19 @@ def test_check_storable_refuses(params: object) -> None:
 
 def test_check_storable_takes_what_both_backends_store() -> None:
     check_storable(("text é ✓", (1 << 63) - 1, -(1 << 63), True, None, b"\x00", 1.5, [{"a": 1}]))
+
+
+def test_answers_that_carry_a_credential_are_never_cached(
+    hub: HubServer, user: tuple[str, str]
+) -> None:
+    """RFC 6749 5.1: a registry token from /token and an API token's secret from
+    POST /api/v1/tokens come with Cache-Control: no-store (a cache between client and hub
+    must not keep them)."""
+    with httpx.Client(base_url=hub.url, auth=user, timeout=30) as client:
+        bearer = client.get("/token", params={"scope": f"repository:{user[0]}/app:pull"})
+        assert bearer.status_code == 200 and bearer.json()["token"]
+        api = client.post("/api/v1/tokens/", json={"name": "ci", "scopes": [f"{user[0]}:pull"]})
+        assert api.status_code == 201 and api.json()["token"]
+    for answer in (bearer, api):
+        assert answer.headers.get("cache-control") == "no-store", answer.headers
+        assert answer.headers.get("pragma") == "no-cache"
