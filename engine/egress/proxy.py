@@ -452,8 +452,8 @@ class EgressProxy:
             try:
                 event = await inner.next_event(wait)
             except ProtocolError as exc:
-                refused = Refused(exc.status, str(exc))
-                await self._refuse(inner, ip, "egress.request", str(dest), refused)
+                broken = Refused(exc.status, str(exc))
+                await self._refuse(inner, ip, "egress.request", str(dest), broken)
                 return
             if not isinstance(event, Head):
                 return
@@ -472,8 +472,8 @@ class EgressProxy:
             try:
                 await self._relay_request(inner, upstream, event, target, headers)
             except ProtocolError as exc:  # the guest's body broke the framing
-                refused = Refused(exc.status, str(exc))
-                await self._refuse(inner, ip, "egress.request", str(dest), refused)
+                broken = Refused(exc.status, str(exc))
+                await self._refuse(inner, ip, "egress.request", str(dest), broken)
                 return
             if not await self._relay_response(upstream, inner, event, secrets):
                 return
@@ -586,8 +586,8 @@ class EgressProxy:
             try:
                 await self._relay_request(guest, upstream, request, path, headers)
             except ProtocolError as exc:  # the guest's body broke the framing
-                refused = Refused(exc.status, str(exc))
-                await self._refuse(guest, ip, "egress.http", str(dest), refused)
+                broken = Refused(exc.status, str(exc))
+                await self._refuse(guest, ip, "egress.http", str(dest), broken)
                 return
             await self._relay_response(upstream, guest, request, [], close=True)
         finally:
