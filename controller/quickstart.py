@@ -366,7 +366,9 @@ def publish_bundled(
                     namespace_ready = True
                 remote = parse_remote(f"{embedded.hub.host}/{tag}", embedded.hub)
                 report.pushed = True
+                t1 = time.perf_counter()
                 report.push_blobs = push(store, tag, remote, client).blobs_sent
+                say(f"  [{recipe.name}] phase push: {time.perf_counter() - t1:.1f} s")
             if not embedded.is_public(repository, "latest"):
                 embedded.make_public(repository)
             say(
@@ -453,7 +455,9 @@ def run(
                 f"base: {res.ref} {'cached' if res.cached else 'built'} in "
                 f"{time.perf_counter() - t0:.1f} s"
             )
+        t0 = time.perf_counter()
         pushed = push(store, tag, remote, client)
+        say(f"  phase push: {time.perf_counter() - t0:.1f} s")
         say(f"push: {pushed.blobs_sent} blobs sent, {pushed.blobs_skipped} already on the hub")
         if embedded is not None and not embedded.is_public(repository, "latest"):
             embedded.make_public(repository)  # so the catalog shows it signed out

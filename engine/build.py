@@ -19,6 +19,7 @@ from forkd.engine.accel import cached_probe
 from forkd.engine.agent_client import PROTOCOL, AgentClient
 from forkd.engine.errors import AgentError, GuestBuildError, HostError, VMMError
 from forkd.engine.paths import cache_dir, work_dir
+from forkd.engine.phases import done, phase
 from forkd.engine.qemu import (
     CPU_MODEL,
     MACHINE,
@@ -175,7 +176,8 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                 raise GuestBuildError(f"template did not boot: {e}\n{vm.log_tail()}") from e
             agent.ping()
             boot_s = time.monotonic() - t0
-            progress(f"agent ready after {boot_s:.2f} s; warming up")
+            done("boot", recipe.name, boot_s, progress)
+            progress("agent ready; warming up")
             t1 = time.monotonic()
             if recipe.warmup.strip():
                 r = agent.eval(recipe.warmup, timeout=900)
@@ -192,22 +194,24 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                                       + str(shrink["error"]))
             agent.eval("del _forkd_zeroed", timeout=60)
             warm_s = time.monotonic() - t1
+            done("warm-up", recipe.name, warm_s, progress)
             assert vm.qmp is not None
             t2 = time.monotonic()
-            vm.qmp.command("stop")
-            vm.qmp.command("xen-save-devices-state",
-                           {"filename": str(work / "vmstate"), "live": False})
+            with phase("snapshot", recipe.name, progress):
+                vm.qmp.command("stop")
+                vm.qmp.command("xen-save-devices-state",
+                               {"filename": str(work / "vmstate"), "live": False})
             snap_ms = (time.monotonic() - t2) * 1000
-            progress(f"snapshot taken in {snap_ms:.1f} ms")
             agent.close()
         finally:
             vm.shutdown()  # the template never runs again after its snapshot
             if ns_name is not None:
                 netns.remove(ns_name)
         raw = work / "disk.raw"
-        p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(tpl_disk),
-                            str(raw)], capture_output=True, text=True, check=False,
-                           stdin=subprocess.DEVNULL)
+        with phase("disk convert", recipe.name, progress):
+            p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(tpl_disk),
+                                str(raw)], capture_output=True, text=True, check=False,
+                               stdin=subprocess.DEVNULL)
         if p.returncode != 0:
             raise VMMError(f"qemu-img convert of the template disk failed: {p.stderr.strip()}")
         compat = Compat(vmm="qemu", vmm_version=qemu_version(), machine=MACHINE,
@@ -217,10 +221,11 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
         progress("storing the base layer (chunked, compressed)")
         # No kernel or initramfs blobs: a fork restores RAM and never boots (QEMU gets no
         # -kernel); the config records the kernel's digest and the recipe rebuilds the guest.
-        info = store.import_layer(ref, memory=mem, vmstate=work / "vmstate", disk=raw,
-                                  compat=compat,
-                                  description=recipe.description, recipe=recipe.to_dict(),
-                                  force=True)  # a build replaces the tag, like `docker build -t`
+        with phase("store layer", recipe.name, progress):
+            info = store.import_layer(ref, memory=mem, vmstate=work / "vmstate", disk=raw,
+                                      compat=compat, description=recipe.description,
+                                      recipe=recipe.to_dict(),
+                                      force=True)  # a build replaces the tag, like docker build
         cf.write_text(json.dumps({"ref": ref, "digest": info.digest}))
         return BuildResult(ref, info.digest, False, verdict.accel, boot_s, warm_s, snap_ms,
                            time.monotonic() - t_start, info.stored_bytes)

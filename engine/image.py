@@ -6,6 +6,8 @@ second build of the same recipe reuses the rootfs, kernel and images.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import io
 import json
@@ -15,7 +17,7 @@ import re
 import shutil
 import ssl
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 from forkd import digest
 from forkd.engine.errors import GuestBuildError, HostError
 from forkd.engine.paths import cache_dir
+from forkd.engine.phases import phase
 from forkd.engine.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -251,10 +254,95 @@ def build_initrd(kernel: Kernel, progress: Progress = _noop) -> Path:
 
 
 # ---------------------------------------------------------------- rootfs
+# The debootstrap every recipe starts from (docs/engine.md, "Shared base"): minbase plus
+# these packages (the guest agent needs python3), made once per suite, mirror and
+# architecture; a recipe's rootfs is a copy of it plus `apt-get install` of its own packages.
+BASE_PACKAGES = ("python3",)
+BASE_LAYOUT = "1"  # bumped whenever the steps that make the shared base change
+
+
+def host_arch() -> str:
+    return _run(["dpkg", "--print-architecture"], "dpkg --print-architecture").strip()
+
+
+def base_key(suite: str, mirror: str) -> str:
+    """The shared base's cache key: what its content depends on."""
+    body = json.dumps({"suite": suite, "mirror": mirror, "arch": host_arch(),
+                       "packages": sorted(BASE_PACKAGES), "layout": BASE_LAYOUT},
+                      sort_keys=True)
+    return digest.hex_part(digest.of_bytes(body.encode()))[:16]
+
+
 def _rootfs_key(r: Recipe) -> str:
     body = json.dumps({"suite": r.suite, "mirror": r.mirror, "apt": sorted(r.apt),
-                       "pip": sorted(r.pip)}, sort_keys=True)
+                       "pip": sorted(r.pip), "base": base_key(r.suite, r.mirror)},
+                      sort_keys=True)
     return digest.hex_part(digest.of_bytes(body.encode()))[:16]
+
+
+def recipe_packages(r: Recipe) -> list[str]:
+    """The apt packages a recipe installs on top of the shared base, in its order."""
+    wanted = list(r.apt) + (["python3-pip"] if r.pip else [])
+    return [p for i, p in enumerate(wanted) if p not in BASE_PACKAGES and p not in wanted[:i]]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path``: one process (or thread) builds a cache entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _debootstrap(suite: str, mirror: str, root: Path, packages: list[str]) -> None:
+    _run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
+          str(root), mirror], "debootstrap", timeout=3600)
+    _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean")
+
+
+def shared_base(suite: str, mirror: str, progress: Progress = _noop) -> Path:
+    """The shared base's root directory, debootstrapped once per ``base_key``. It is built
+    in a ``.partial`` directory renamed into place when complete, so an interrupted build
+    is never used (its leftovers are removed by the next one)."""
+    entry = cache_dir() / "base" / base_key(suite, mirror)
+    if (entry / "ok").is_file():
+        return entry / "root"
+    with _locked(entry.with_name(entry.name + ".lock")):
+        if (entry / "ok").is_file():  # another build finished it while we waited
+            return entry / "root"
+        partial = entry.with_name(entry.name + ".partial")
+        discard_partial(partial)
+        discard_partial(entry)  # a complete-looking entry without its marker is not trusted
+        partial.mkdir(parents=True)
+        progress(f"debootstrap {suite} minbase + {', '.join(BASE_PACKAGES)}, the base every "
+                 "recipe shares (once; takes a minute or more)")
+        with phase("debootstrap", "shared base", progress):
+            _debootstrap(suite, mirror, partial / "root", list(BASE_PACKAGES))
+        (partial / "ok").write_text("ok\n")
+        os.rename(partial, entry)
+    return entry / "root"
+
+
+def _apt_install(root: Path, packages: list[str]) -> None:
+    """`apt-get install` packages into a rootfs (with the package lists debootstrap left
+    there; no recommends, like debootstrap's own --include)."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    policy = root / "usr" / "sbin" / "policy-rc.d"  # nothing is started in the chroot
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    (root / "proc").mkdir(exist_ok=True)
+    _run(["mount", "-t", "proc", "proc", str(root / "proc")], "mount /proc in the rootfs")
+    try:
+        _run(["chroot", str(root), "apt-get", "install", "-y", "-q", "--no-install-recommends",
+              *packages], "apt-get install in the guest rootfs", timeout=3600, env=env)
+    finally:
+        subprocess.run(["umount", "-l", str(root / "proc")], stdin=subprocess.DEVNULL,
+                       capture_output=True, check=False)
+        policy.unlink(missing_ok=True)
 
 
 HOST_CA_IN_CHROOT = "/tmp/forkd-host-ca.pem"
@@ -299,7 +387,8 @@ def discard_partial(base: Path) -> None:
 
 
 def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
-    """debootstrap (minbase + the recipe's apt packages, then pip), cached by those inputs."""
+    """A copy of the shared base plus the recipe's apt packages, then pip; cached by those
+    inputs."""
     if os.geteuid() != 0:
         raise HostError("building a guest root filesystem needs root (debootstrap, chroot); "
                         "run `sudo forkd build ...`")
@@ -307,12 +396,16 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
     root = base / "root"
     if (base / "ok").exists():
         return root
+    shared = shared_base(r.suite, r.mirror, progress)
     discard_partial(base)
     base.mkdir(parents=True)
-    progress(f"debootstrap {r.suite} minbase + {', '.join(r.apt)} (takes a minute or more)")
-    pkgs = list(r.apt) + (["python3-pip"] if r.pip else [])
-    _run(["debootstrap", "--variant=minbase", f"--include={','.join(pkgs)}", r.suite, str(root),
-          r.mirror], "debootstrap", timeout=3600)
+    with phase("copy base", r.name, progress):
+        _run(["cp", "-a", "--reflink=auto", str(shared), str(root)], "copy the shared base")
+    extra = recipe_packages(r)
+    if extra:
+        progress(f"apt-get install {' '.join(extra)}")
+        with phase("apt install", r.name, progress):
+            _apt_install(root, extra)
     if r.pip:
         progress(f"pip install {' '.join(r.pip)}")
         # pip in the chroot trusts the host's CA bundle (a TLS-inspecting proxy's CA, say),
@@ -325,9 +418,10 @@ def build_rootfs(r: Recipe, progress: Progress = _noop) -> Path:
             env |= dict.fromkeys(CA_BUNDLE_VARIABLES, HOST_CA_IN_CHROOT)
             env.pop("SSL_CERT_DIR", None)
         try:
-            _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
-                  "--break-system-packages", *r.pip], "pip install in the guest rootfs",
-                 timeout=3600, env=env)
+            with phase("pip install", r.name, progress):
+                _run(["chroot", str(root), "python3", "-m", "pip", "install", "--no-cache-dir",
+                      "--break-system-packages", *r.pip], "pip install in the guest rootfs",
+                     timeout=3600, env=env)
         finally:
             (root / HOST_CA_IN_CHROOT.lstrip("/")).unlink(missing_ok=True)
     _run(["chroot", str(root), "apt-get", "clean"], "apt-get clean")
@@ -423,6 +517,12 @@ def build_root_image(r: Recipe, rootfs: Path, progress: Progress = _noop) -> Pat
     if out.exists():
         return out
     progress("building root disk image")
+    with phase("root disk", r.name, progress):
+        _make_root_image(r, rootfs, key, out)
+    return out
+
+
+def _make_root_image(r: Recipe, rootfs: Path, key: str, out: Path) -> None:
     stage = cache_dir() / "images" / f"root-{key}.d"
     shutil.rmtree(stage, ignore_errors=True)
     _run(["cp", "-a", "--reflink=auto", str(rootfs), str(stage)], "copy rootfs")
@@ -448,7 +548,6 @@ def build_root_image(r: Recipe, rootfs: Path, progress: Progress = _noop) -> Pat
         tmp.rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return out
 
 
 def build_guest(r: Recipe, progress: Progress = _noop) -> GuestImage:

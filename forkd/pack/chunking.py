@@ -45,8 +45,10 @@ class ChunkSink(Protocol):
 # every level; compression does not, so the strong level is spent once, on the flat layers a
 # build publishes, and layers made while a sandbox waits (diffs, compaction) use the fast one.
 ZSTD_LEVEL = 3  # diff layers and the regions a compaction writes anew
-ZSTD_LEVEL_FLAT = 19  # flat layers imported from whole images (forkd build's base layers)
-COMPRESS_THREADS = 2
+# 18, not 19: on a root disk's 2 MiB chunks 19 takes 30% more CPU (874 vs 670 ms a chunk)
+# for 0.2% smaller chunks (486 vs 487 KiB); 17 is 16% faster again but 5% larger
+ZSTD_LEVEL_FLAT = 18  # flat layers imported from whole images (forkd build's base layers)
+COMPRESS_THREADS = os.cpu_count() or 2  # zstd releases the GIL: one chunk per core
 ZERO_PAGE = bytes(PAGE_SIZE)
 ZERO_REGION = bytes(CHUNK_SIZE)
 
