@@ -236,7 +236,7 @@ class AccountController(Controller):
         error: str = "",
         status: int = 200,
     ) -> Response[str]:
-        async with hub.db.transaction() as session:
+        async with hub.db.reading() as session:
             mine = (
                 await session.scalars(
                     select(ApiToken)

@@ -151,7 +151,7 @@ class BrowseController(Controller):
 
     async def _namespace(self, request: HubRequest, hub: Hub, ui: UI, name: str) -> Response[str]:
         who = await viewer(ui, hub, request)
-        async with hub.db.transaction() as session:
+        async with hub.db.reading() as session:
             ns = await accounts.get_namespace(session, name)
             if ns is None:
                 raise NotFoundException(f"no user or organisation named {name}")

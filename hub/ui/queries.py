@@ -271,7 +271,7 @@ async def search(
 ) -> tuple[list[PackSummary], int]:
     """One page of the packs ``principal`` may see that match ``filters``, and the total."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
-    async with hub.db.transaction() as session:
+    async with hub.db.reading() as session:
         where = [await session.run_sync(authz.visible, principal)]
         if filters.q:
             pattern = f"%{like_literal(filters.q)}%"
@@ -363,7 +363,7 @@ async def pack(
 ) -> PackDetail | None:
     """A repository with its tags; None when it does not exist or ``principal`` cannot see it."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
-    async with hub.db.transaction() as session:
+    async with hub.db.reading() as session:
         repo = (
             await session.scalars(
                 select(Repository).where(

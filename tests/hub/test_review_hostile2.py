@@ -9,6 +9,7 @@ statement's parameters in one place (hub/db.py ``check_storable``), so each of t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -136,3 +137,33 @@ def test_answers_that_carry_a_credential_are_never_cached(
     for answer in (bearer, api):
         assert answer.headers.get("cache-control") == "no-store", answer.headers
         assert answer.headers.get("pragma") == "no-cache"
+
+
+def test_browsing_pages_do_not_take_the_write_lock(tmp_path: Path) -> None:
+    """The home, search, namespace and pack pages only read: on SQLite they must not queue
+    for the single write lock (BEGIN IMMEDIATE), or anonymous browsing holds up every push
+    and, while a writer holds the lock, waits up to 30 s and fails. Here another
+    connection holds the write lock while the pages are asked for."""
+    hub = HubServer(tmp_path / "hub", {"default_visibility": "public"}).start()
+    try:
+        _browse_while_a_writer_holds_the_lock(hub)
+    finally:
+        hub.stop()
+
+
+def _browse_while_a_writer_holds_the_lock(hub: HubServer) -> None:
+    import sqlite3
+
+    owner = hub.add_user("olga")
+    with hub.client(owner) as client:
+        artifact(client, "olga/app", b"layer", tag="v1")
+        assert client.post("/api/v1/orgs/", json={"name": "acme"}).status_code == 201
+    writer = sqlite3.connect(hub.data_dir / "hub.db", isolation_level=None, timeout=0)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with httpx.Client(base_url=hub.url, timeout=20) as browser:
+            for page in ("/", "/-/search?q=app", "/olga", "/acme", "/olga/app"):
+                assert browser.get(page).status_code == 200, page
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
