@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 from hub_support import HubServer
+from s3_hub_support import s3_settings
 from s3_support import MotoServer
-from test_s3_backend import s3_settings
 
 from forkd.hub.services import open_blob_store
 from forkd.hub.settings import HubSettings

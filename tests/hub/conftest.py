@@ -9,3 +9,4 @@ from hub_support import (  # noqa: F401  (fixtures are found by name)
     postgres_url,
     user,
 )
+from s3_hub_support import s3_hub  # noqa: F401

@@ -21,8 +21,8 @@ from compaction_support import (  # noqa: F401  (s3_compaction_hub: a fixture)
     s3_compaction_hub,
 )
 from hub_support import TIMEOUT, HubServer, http
+from s3_hub_support import s3_settings
 from s3_support import MotoServer
-from test_s3_backend import s3_settings
 
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub.settings import HubSettings, load_config

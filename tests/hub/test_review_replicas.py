@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from s3_hub_support import S3Hub, s3_settings
 from s3_support import MotoServer
 from sqlalchemy import select
-from test_s3_backend import S3Hub, s3_settings
 
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
@@ -76,16 +76,6 @@ def test_replicas_with_one_key_count_one_credential_in_flight_once(tmp_path: Pat
     assert c > 0
 
 
-@pytest.fixture
-def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
-    bucket = moto_server.new_bucket()
-    server = S3Hub(tmp_path / "hub", s3_settings(moto_server, bucket))
-    server.bucket, server.moto = bucket, moto_server
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _answer_to_headers(address: str, request: bytes) -> bytes:

@@ -4,17 +4,15 @@ start-up checks of the S3 settings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from hub_support import HubServer, error_code, push_blob, sha
+from hub_support import error_code, push_blob, sha
+from s3_hub_support import PREFIX, S3Hub, s3_settings
 from s3_support import (
     MOTO_CREDENTIALS,
     MotoServer,
-    s3_leftovers,
 )
 
 from forkd.cli.hub_cmds import hub as hub_group
@@ -27,50 +25,7 @@ from forkd.registry.reference import Hub, parse_remote
 from forkd.registry.transfer import pull, push
 from forkd.store.store import Store
 
-PREFIX = "hub"
 MiB = 1 << 20
-
-
-def s3_settings(server: MotoServer, bucket: str) -> dict[str, Any]:
-    return {
-        "blob_backend": "s3",
-        "s3_bucket": bucket,
-        "s3_endpoint_url": server.url,
-        "s3_region": "us-east-1",
-        "s3_prefix": PREFIX,
-        "s3_access_key_id": MOTO_CREDENTIALS["access_key_id"],
-        "s3_secret_access_key": MOTO_CREDENTIALS["secret_access_key"],
-    }
-
-
-class S3Hub(HubServer):
-    bucket: str = ""
-    moto: MotoServer | None = None
-
-    def objects(self) -> set[str]:
-        assert self.moto is not None
-        pages = self.moto.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
-        return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
-
-    def key(self, digest: str) -> str:
-        return f"{PREFIX}/blobs/sha256/{digest.split(':', 1)[1]}"
-
-    def leftovers(self) -> list[str]:
-        assert self.moto is not None
-        return s3_leftovers(self.moto.client(), self.bucket, f"{PREFIX}/")
-
-
-@pytest.fixture
-def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
-    bucket = moto_server.new_bucket()
-    server = S3Hub(tmp_path / "hub", s3_settings(moto_server, bucket))
-    server.bucket, server.moto = bucket, moto_server
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-    assert server.leftovers() == []
 
 
 def test_push_pull_chain_with_blobs_in_s3(

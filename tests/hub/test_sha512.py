@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from hub_support import EMPTY_CONFIG, EMPTY_MEDIA, OCI_MANIFEST, HubServer, error_code, sha
+from s3_hub_support import PREFIX, S3Hub
 from s3_support import MOTO_CREDENTIALS, MotoServer
-from test_s3_backend import PREFIX, S3Hub, s3_settings
 
 from forkd import digest as dg
 from forkd.cli.hub_cmds import hub as hub_group
@@ -342,17 +341,6 @@ def test_gc_keeps_referenced_sha512_blobs_and_sweeps_the_rest(fresh_hub: HubServ
 # -- the same on the S3 backend --------------------------------------------------------------
 
 
-@pytest.fixture
-def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
-    bucket = moto_server.new_bucket()
-    server = S3Hub(tmp_path / "hub", s3_settings(moto_server, bucket))
-    server.bucket, server.moto = bucket, moto_server
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-    assert server.leftovers() == []
 
 
 def test_sha512_on_the_s3_backend(
