@@ -20,7 +20,12 @@ Ratios against the local fork of the same run. Needs root; not a pass/fail test;
 machine is shared, so one run is one sample.
 
     sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--packs A,B] [--phases]
-                                       [--json]
+                                       [--no-recorded-order] [--json]
+
+By default the publisher records each pack's access order (engine/lazy/record.py: one lazy
+child of its own store, up to its first answer) and publishes it with the pack, so even the
+first lazy fork prefetches its working set from the start; --no-recorded-order leaves it
+to the first lazy fork.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from forkd.engine import children as ch
 from forkd.engine import recipe
 from forkd.engine.build import build
 from forkd.engine.lazy import fork as lazy
+from forkd.engine.lazy import record
 from forkd.errors import ForkdError
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -187,6 +193,9 @@ def main() -> None:
                     help="comma-separated packs to measure (default: all)")
     ap.add_argument("--publisher-home", type=Path, default=None,
                     help="store to build into (default: a fresh one in the work directory)")
+    ap.add_argument("--no-recorded-order", action="store_true",
+                    help="publish no access order with the pack (the first lazy fork then "
+                         "records it; the second prefetches in that order)")
     ap.add_argument("--phases", action="store_true",
                     help="log each lazy fork's phases (chain resolved, server ready, forked)")
     o = ap.parse_args()
@@ -212,6 +221,12 @@ def main() -> None:
                 push(publisher, f"{name}:latest", parse_remote(f"{hub}/bench/{name}:latest"),
                      client)
                 make_public(work / "hub", f"bench/{name}")
+                if not o.no_recorded_order:  # as a publisher does: the working set with it
+                    t0 = time.perf_counter()
+                    record.publish_order(publisher, f"{name}:latest", client, f"bench/{name}",
+                                         PACKS[name][1])
+                    print(f"recorded and published the access order of {name} in "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
             for name in packs:
                 results[name] = measure(name, publisher, hub, client, work, o.n)
                 print(f"measured {name}", flush=True)

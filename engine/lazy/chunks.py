@@ -101,6 +101,14 @@ class ChunkSource:
         """Whether the chunk is in the local store (no fetch needed)."""
         return self.store.blobs.has(digest)
 
+    def available(self, digest: str) -> bool:
+        """Whether reading the chunk needs no fetch (decoded, waiting for the store, or in
+        it)."""
+        with self._lock:
+            if digest in self._cache or digest in self._unstored:
+                return True
+        return self.has(digest)
+
     def missing(self) -> list[str]:
         """The chain's chunks the local store does not have yet."""
         return [d for d in self.refs if not self.store.blobs.has(d)]

@@ -35,6 +35,8 @@ from forkd.errors import ForkdError
 FILE_INODE = pyfuse3.ROOT_INODE + 1
 ATTR_TIMEOUT = 3600.0  # the file never changes
 READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
+STORE_WINDOW = 2 << 20  # bytes pushed into the page cache around a first read (notify_store)
+STORE_QUEUE = 64  # windows waiting to be pushed; a read past that pushes nothing
 
 
 class MemoryFile(pyfuse3.Operations):
@@ -57,6 +59,50 @@ class MemoryFile(pyfuse3.Operations):
         self._next_fh = 1
         self._limit = trio.CapacityLimiter(READ_THREADS)
         self._lock = threading.Lock()
+        self.stored_windows: set[int] = set()  # windows pushed (or on their way) to the cache
+        self.pushed = 0  # windows pushed into the page cache
+        self._to_store: trio.MemorySendChannel[int] | None = None
+        self._store_limit = trio.CapacityLimiter(1)
+
+    async def push_windows(self) -> None:
+        """Serve forever: after a read, the rest of its ``STORE_WINDOW``-aligned window goes
+        into the kernel page cache (``notify_store``) once its chunks need no fetch, so the
+        neighbouring pages do not each fault into this process. Run it in the trio nursery
+        that runs ``pyfuse3.main``. Pushing happens after the read is answered (the kernel
+        holds the read's page locked until then)."""
+        send, receive = trio.open_memory_channel[int](STORE_QUEUE)
+        self._to_store = send
+        async with receive:
+            async for window in receive:
+                await trio.to_thread.run_sync(self._push, window, limiter=self._store_limit)
+
+    def _push(self, window: int) -> None:
+        start = window * STORE_WINDOW
+        size = min(STORE_WINDOW, self.layout.size - start)
+        if not all(self.layout.source.available(d) for d in self.layout.chunks_at(start, size)):
+            with self._lock:
+                self.stored_windows.discard(window)  # a later read of it tries again
+            return
+        try:
+            pyfuse3.notify_store(FILE_INODE, start, self.layout.read(start, size))
+        except (ForkdError, OSError):
+            with self._lock:
+                self.stored_windows.discard(window)  # reads still produce its pages
+            return
+        with self._lock:
+            self.pushed += 1
+
+    def _queue_window(self, off: int) -> None:
+        window = off // STORE_WINDOW
+        with self._lock:
+            if self._to_store is None or window in self.stored_windows:
+                return
+            self.stored_windows.add(window)
+        try:
+            self._to_store.send_nowait(window)
+        except trio.WouldBlock:
+            with self._lock:
+                self.stored_windows.discard(window)
 
     def _attrs(self, inode: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -121,6 +167,7 @@ class MemoryFile(pyfuse3.Operations):
                 self.on_chunks(self.layout.chunks_at(off, size))
             data = await trio.to_thread.run_sync(self.layout.read, off, size,
                                                  limiter=self._limit)
+            self._queue_window(off)
             return cast(bytes, data)
         except (ChunkUnavailable, ForkdError, OSError) as exc:
             with self._lock:

@@ -25,7 +25,8 @@ from forkd.engine.lazy.chunks import ChunkSource
 from forkd.errors import ForkdError
 from forkd.pack import accessorder
 
-PREFETCH_WORKERS = 2
+PREFETCH_WORKERS = 2  # fetches at once for the chunks past the recorded working set
+RECORDED_WORKERS = 4  # fetches at once for the recorded working set (HTTP connections)
 
 
 class AccessOrder:
@@ -101,8 +102,10 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
                 progress.fetched_bytes += source.ref(digest).stored
 
     try:
+        with ThreadPoolExecutor(max_workers=RECORDED_WORKERS) as pool:
+            list(pool.map(one, order[:recorded]))  # what the children are about to fault on
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS) as pool:
-            list(pool.map(one, order))
+            list(pool.map(one, order[recorded:]))
         progress.fetched_bytes += source.fetch_files()
         source.flush()  # the fetched chunks are in the store
         if not source.complete():

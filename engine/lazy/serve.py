@@ -225,7 +225,9 @@ def serve(d: Path) -> int:
             async def main() -> None:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(server.watch)
+                    nursery.start_soon(server.ops.push_windows)
                     await pyfuse3.main()
+                    nursery.cancel_scope.cancel()  # the page-cache pusher
 
             trio.run(main)
         finally:

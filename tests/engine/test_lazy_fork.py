@@ -35,6 +35,7 @@ class Published:
     remote: str  # HUB/NS/NAME:TAG
     local: str  # the tag the lazy path gives it once complete
     fresh: Store  # a store that has never seen the pack
+    who: tuple[str, str]  # the publisher (push right on lazy/tiny)
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def published(store: Store, tiny: str, tmp_path: Path,
         who = hub.add_user("lazy")
         hub.push(store, tiny, "lazy/tiny:v1", who)
         hub.public("lazy/tiny")
-        yield Published(hub, f"{hub.address}/lazy/tiny:v1", "lazy/tiny:v1", fresh)
+        yield Published(hub, f"{hub.address}/lazy/tiny:v1", "lazy/tiny:v1", fresh, who)
     finally:
         ch.kill_all(fresh)
         hub.stop()
@@ -118,6 +119,28 @@ def test_lazy_children_behave_like_eager(published: Published, cleanup_children:
     again = lazy.fork(fresh, published.remote, 1).children[0]
     assert Path(again.memory) == Path(res.children[0].memory)
     assert len(lazy_mounts(fresh.home, wait=0)) == 1
+
+
+def test_an_order_recorded_at_publish_time_is_prefetched_by_the_first_lazy_fork(
+        published: Published, store: Store, tiny: str, cleanup_children: None) -> None:
+    """record.publish_order: the publisher's own lazy child records the working set and
+    pushes it with the pack; the very first lazy fork on a new store fetches it and
+    prefetches it from the start (without it the first fork has no recorded order)."""
+    from forkd.engine.lazy import fork as lazy
+    from forkd.engine.lazy import orders, record
+    from forkd.engine.lazy.chunks import ChunkSource
+
+    head = store.resolve(tiny)
+    with published.hub.forkd_client(published.who) as client:
+        record.publish_order(store, tiny, client, "lazy/tiny")
+        chunks = orders.fetch(client, "lazy/tiny", head)
+    assert chunks, "no access order on the hub"
+    assert set(chunks) <= set(ChunkSource(store, store.chain(head, tiny), tiny).refs)
+    res = lazy.fork(published.fresh, published.remote, 1)
+    assert len(res.children) == 1 and not res.errors
+    got = _prefetch(published.fresh)
+    assert got["state"] == "done" and got["recorded"] == len(chunks), got
+    assert _val(ch.eval_in(res.children[0].id, "6*7")) == 42
 
 
 def test_hub_gone_fails_only_the_faulting_child(published: Published,

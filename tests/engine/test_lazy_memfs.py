@@ -1,0 +1,91 @@
+"""The lazy memory file over a real FUSE mount (no VM; root): its bytes are the assembled
+image's, and after the first read of a window the rest of that window is in the kernel
+page cache (notify_store), so reading a neighbouring page does not reach the server."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.engine.lazy.chunks import open_local
+from forkd.engine.lazy.layout import ImageLayout
+from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE
+from forkd.store.store import Store
+from forkd.synthetic import write_base
+
+pyfuse3 = pytest.importorskip("pyfuse3")
+trio = pytest.importorskip("trio")
+from forkd.engine.lazy import memfs  # noqa: E402  (needs pyfuse3)
+
+SIZE = 4 * CHUNK_SIZE
+
+
+class CountingFile(memfs.MemoryFile):
+    """The memory file, counting the reads that reach it."""
+
+    reads: list[tuple[int, int]]
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        self.reads.append((off, size))
+        return await super().read(fh, off, size)
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[tuple[CountingFile, Path, bytes]]:
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    store = Store(tmp_path / "home")
+    image = tmp_path / "base.img"
+    write_base(image, SIZE, seed=7, random_share=0.5)
+    store.import_layer("app:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "app:v1"), "memory"))
+    ops.reads = []
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    memfs.mount(ops, str(mnt))
+    tokens: list[object] = []
+
+    async def main() -> None:
+        tokens.append(trio.lowlevel.current_trio_token())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.push_windows)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    try:
+        yield ops, mnt / memfs.FILE_NAME, image.read_bytes()
+    finally:
+        while not tokens:
+            time.sleep(0.01)
+        trio.from_thread.run_sync(pyfuse3.terminate, trio_token=tokens[0])
+        thread.join(30)
+        pyfuse3.close(unmount=True)
+    assert memfs.our_mounts(str(tmp_path)) == []
+
+
+def test_a_first_read_pushes_its_window_into_the_page_cache(
+        mounted: tuple[CountingFile, Path, bytes]) -> None:
+    ops, path, want = mounted
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, PAGE_SIZE, 0) == want[:PAGE_SIZE]
+        deadline = time.monotonic() + 30
+        while ops.pushed < 1:
+            assert time.monotonic() < deadline, "the first window never reached the page cache"
+            time.sleep(0.01)
+        before = len(ops.reads)
+        far = memfs.STORE_WINDOW - 4 * PAGE_SIZE  # past any readahead of the first read
+        assert os.pread(fd, PAGE_SIZE, far) == want[far : far + PAGE_SIZE]
+        assert ops.reads[before:] == [], "a page of a pushed window reached the server"
+        other = memfs.STORE_WINDOW + 8 * PAGE_SIZE  # a window nobody read: served by a read
+        assert os.pread(fd, PAGE_SIZE, other) == want[other : other + PAGE_SIZE]
+        assert len(ops.reads) > before
+    finally:
+        os.close(fd)
