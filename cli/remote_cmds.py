@@ -120,6 +120,12 @@ def logout(hub: str) -> None:
     help="Markdown file to publish as the pack's README (forkd hub only).",
 )
 @click.option("--description", help="One-line description shown in the catalog (forkd hub only).")
+@click.option(
+    "--access-order",
+    is_flag=True,
+    help="Record the working set (one lazy child of TAG, here) and publish it with the pack, "
+    'so the first lazy fork on any host prefetches it (docs/engine.md, "Lazy fork").',
+)
 @json_option
 def push_cmd(
     tag: str,
@@ -127,6 +133,7 @@ def push_cmd(
     hub: str | None,
     readme: Path | None,
     description: str | None,
+    access_order: bool,
     as_json: bool,
 ) -> None:
     """Push local TAG with its ancestors to [HUB/]NS/NAME[:TAG]; only missing blobs are sent.
@@ -141,6 +148,10 @@ def push_cmd(
         result = push(store, tag, ref, client, progress=advance)
         if text is not None or description is not None:
             set_readme(client, ref.name, text, description)
+        if access_order:
+            from forkd.engine.lazy import record
+
+            record.publish_order(store, tag, client, ref.name)
     _report(result, "pushed", time.perf_counter() - start, as_json)
 
 
