@@ -220,9 +220,13 @@ def page_chunks(pages: Iterable[tuple[int, bytes]], zero: list[Extent]) -> Itera
     zero.extend(runs(zero_pages))
 
 
-def store_chunk(blobs: ChunkSink, raw: RawChunk, level: int = ZSTD_LEVEL) -> ChunkRef:
-    """Compress one chunk and store it (once: equal chunks have equal digests)."""
-    packed = compress(raw.data, level)
+def store_chunk(
+    blobs: ChunkSink, raw: RawChunk, level: int = ZSTD_LEVEL, packed: bytes | None = None
+) -> ChunkRef:
+    """Compress one chunk (unless ``packed`` is its frame already) and store it (once:
+    equal chunks have equal digests)."""
+    if packed is None:
+        packed = compress(raw.data, level)
     digest = blobs.put_bytes(packed, dg.of_bytes(packed))
     return ChunkRef(
         digest=digest,
@@ -234,6 +238,34 @@ def store_chunk(blobs: ChunkSink, raw: RawChunk, level: int = ZSTD_LEVEL) -> Chu
 
 
 ChunkKey = tuple[str, tuple[Extent, ...]]  # (blake3 of the uncompressed bytes, extents)
+PRECOMPRESS_MAX_BYTES = 256 << 20  # compressed frames a Precompressed holds at most
+
+
+class Precompressed:
+    """Chunks of an image compressed ahead of its import, by content and place: `forkd
+    build` compresses the root disk on the core its template's TCG boot leaves idle; the
+    disk the template leaves behind equals it in every region the guest did not write, and
+    those regions are not compressed again. Holds compressed frames only, at most
+    ``max_bytes`` of them (then it stops adding)."""
+
+    def __init__(self, level: int, max_bytes: int = PRECOMPRESS_MAX_BYTES) -> None:
+        self.level = level
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._frames: dict[ChunkKey, bytes] = {}
+
+    def add_image(self, path: str, stop: Callable[[], bool]) -> None:
+        """Compress the chunks of the image at ``path`` until done, full, or ``stop()``."""
+        with open(path, "rb") as f:
+            for raw in flat_chunks(f, image_size(f, path)):
+                if stop() or self.held >= self.max_bytes:
+                    return
+                frame = compress(raw.data, self.level)
+                self._frames[(dg.blake3_of(raw.data), tuple(raw.extents))] = frame
+                self.held += len(frame)
+
+    def frame(self, key: ChunkKey) -> bytes | None:
+        return self._frames.get(key)
 
 
 def known_chunks(maps: Iterable[ImageMap]) -> dict[ChunkKey, ChunkRef]:
@@ -249,19 +281,27 @@ def build_map(
     zero: list[Extent],
     level: int | None = None,
     reuse: Mapping[ChunkKey, ChunkRef] | None = None,
+    ready: Precompressed | None = None,
 ) -> ImageMap:
     """Store every chunk and return the layer's image map (zero extents filled by ``chunks``).
 
     ``level`` defaults to ZSTD_LEVEL_FLAT for flat layers and ZSTD_LEVEL for diffs. A chunk
     whose bytes and extents equal one in ``reuse`` (chunks already in this store) is not
     compressed again: its stored blob serves, whatever level made it, so a compaction shares
-    every unchanged region with its base."""
+    every unchanged region with its base. A chunk ``ready`` holds a frame of (at the level
+    chosen) is stored from that frame, not compressed again."""
     chosen = level if level is not None else ZSTD_LEVEL_FLAT if kind == "flat" else ZSTD_LEVEL
     known = reuse or {}
+    frames = ready if ready is not None and ready.level == chosen else None
 
     def one(raw: RawChunk) -> ChunkRef:
-        hit = known.get((dg.blake3_of(raw.data), tuple(raw.extents))) if known else None
-        return hit if hit is not None else store_chunk(blobs, raw, chosen)
+        if not known and frames is None:
+            return store_chunk(blobs, raw, chosen)
+        key = (dg.blake3_of(raw.data), tuple(raw.extents))
+        hit = known.get(key)
+        if hit is not None:
+            return hit
+        return store_chunk(blobs, raw, chosen, frames.frame(key) if frames else None)
 
     refs = tuple(_bounded_map(one, chunks, COMPRESS_THREADS))
     imap = ImageMap(

@@ -15,6 +15,7 @@ from forkd.names import Ref, parse_ref
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link
 from forkd.pack.chunking import (
+    Precompressed,
     Progress,
     RawChunk,
     build_map,
@@ -45,6 +46,7 @@ class ImageSource:
 
     path: Path | None = None
     pages: Iterable[tuple[int, bytes]] | None = None
+    ready: Precompressed | None = None  # chunks of a flat image compressed ahead
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,9 @@ def _image_map(
                 f"memory image {source.path} is {size} bytes but the parent's is "
                 f"{parent_image.stat().st_size}; a diff layer keeps the parent's memory size"
             )
-        return build_map(store.blobs, "flat", size, flat_chunks(f, size, progress), zero)
+        return build_map(
+            store.blobs, "flat", size, flat_chunks(f, size, progress), zero, ready=source.ready
+        )
 
 
 def _put_file(store: Store, role: str, path: Path) -> Descriptor:

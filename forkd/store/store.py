@@ -27,7 +27,7 @@ from typing import Any
 from forkd.errors import InvalidInput, NotFound
 from forkd.names import Ref, parse_ref
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
-from forkd.pack.chunking import Progress
+from forkd.pack.chunking import Precompressed, Progress
 from forkd.pack.config import Compat, Provenance, SnapshotConfig
 from forkd.pack.imagemap import ImageMap, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -167,15 +167,17 @@ class Store:
         recipe: dict[str, Any] | None = None,
         force: bool = False,
         progress: Progress | None = None,
+        disk_ready: Precompressed | None = None,
     ) -> LayerInfo:
-        """A layer from raw files; with ``parent`` only pages that differ are stored."""
+        """A layer from raw files; with ``parent`` only pages that differ are stored.
+        ``disk_ready``: chunks of the disk compressed ahead (chunking.Precompressed)."""
         return imports.import_layer(
             self,
             imports.LayerSources(
                 ref,
                 ImageSource(path=memory),
                 vmstate=vmstate,
-                disk=ImageSource(path=disk) if disk else None,
+                disk=ImageSource(path=disk, ready=disk_ready) if disk else None,
                 parent=parent,
                 compat=compat,
                 files=dict(files or {}),
