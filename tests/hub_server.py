@@ -5,7 +5,6 @@ so any test folder can import it)."""
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,8 @@ def _installed_subpackages() -> None:
 
 _installed_subpackages()
 
+from net_support import free_port  # noqa: E402 (hub tests import it from here)
+
 from forkd.cli.hub_cmds import hub as hub_group  # noqa: E402
 from forkd.hub.app import create_app  # noqa: E402
 from forkd.hub.settings import HubSettings  # noqa: E402
@@ -51,12 +52,6 @@ from forkd.store.store import Store  # noqa: E402
 ADMIN = ("admin", "admin-password-1")
 # Generous timeouts: the suite shares two cores with VM tests and benchmarks.
 TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sha(data: bytes) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,17 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from net_support import free_port
 
 from forkd.registry.reference import Hub
 
 REGISTRY = shutil.which("docker-registry")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def mkdir(p: Path) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
+from net_support import free_port
 
 from forkd.store.s3 import make_client
 
 START_TIMEOUT = 60.0
 MOTO_CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MotoServer:

@@ -25,6 +25,7 @@ from deploy_support import (
     hub_env_names,
     parse_args,
 )
+from net_support import free_port
 
 K8S = DEPLOY / "k8s"
 KUBERNETES_VERSION = "1.30"  # the oldest minor the manifests are checked against
@@ -198,12 +199,6 @@ def test_node_has_kvm_store_and_privileges() -> None:
 
 # -- the probes against the real servers, started as the manifests start them ---------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _started(c: Doc, tmp: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -221,7 +216,7 @@ def _started(c: Doc, tmp: Path, port: int) -> tuple[list[str], dict[str, str]]:
 @pytest.mark.parametrize("workload", sorted(WORKLOADS), ids=lambda w: w[1])
 def test_probe_path_answers_on_the_real_server(workload: tuple[str, str], tmp_path: Path) -> None:
     c = container(find(*workload))
-    port = _free_port()
+    port = free_port()
     argv, env = _started(c, tmp_path, port)
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -291,7 +286,7 @@ def test_hub_runs_on_postgresql_and_s3_with_the_deployments_env(
     from s3_support import MOTO_CREDENTIALS
 
     c = container(find("Deployment", "forkd-hub"))
-    port = _free_port()
+    port = free_port()
     bucket = moto_server.new_bucket()
     secrets = {("forkd-hub", k): v for k, v in {
         "database-url": postgres_server(), "s3-bucket": bucket,

@@ -27,6 +27,7 @@ from deploy_support import (
     setpriv_bounded,
     unit_bounding_set,
 )
+from net_support import free_port
 
 SYSTEMD = DEPLOY / "systemd"
 DOCUMENTED_FORKD = "/usr/local/bin/forkd"  # where the units expect the console script
@@ -265,7 +266,7 @@ def test_hub_maps_no_writable_executable_memory(tmp_path: Path) -> None:
     """MemoryDenyWriteExecute=yes refuses mappings both writable and executable: the
     hub, started by its console script, logging in (argon2), pushing and pulling a blob
     and serving metrics, has none (so the setting cannot break it on these paths)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "FORKD_HUB_ADMIN_USER": "admin",
            "FORKD_HUB_ADMIN_PASSWORD": "admin-password-1"}
     hub = subprocess.Popen([str(forkd_entry_point()), "hub", "serve", "--data",
@@ -368,7 +369,7 @@ def test_hub_syscalls_pass_its_filter(tmp_path: Path) -> None:
     """Every syscall the hub makes (traced with strace through start, migrations, login,
     push, pull, metrics and stop) is one forkd-hub.service's SystemCallFilter allows."""
     trace = tmp_path / "strace.txt"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "FORKD_HUB_ADMIN_USER": "admin",
            "FORKD_HUB_ADMIN_PASSWORD": "admin-password-1"}
     tracer = subprocess.Popen(
@@ -426,12 +427,6 @@ def _exercise_hub(url: str) -> None:
     assert httpx.get(f"{url}/metrics", timeout=60).status_code == 200
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_support import socket_daemon
 
 from forkd import Controller, Sandbox
 from forkd.engine import watchdog
@@ -29,20 +30,7 @@ def _until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
 
 
 def _start(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    sock = Path(env["FORKD_RUN"], "controller.sock")
-    proc = subprocess.Popen(["forkd", "serve"], env={**os.environ, **env},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(Path(env["FORKD_HOME"]) / "serve.log", "ab"))  # noqa: SIM115
-
-    def up() -> bool:
-        assert proc.poll() is None, "forkd serve exited"
-        try:
-            return sock.exists() and _client(env).get("/healthz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _until("forkd serve", up, 30)
-    return proc
+    return socket_daemon({**os.environ, **env}, Path(env["FORKD_HOME"]) / "serve.log", 30)
 
 
 def _client(env: dict[str, str]) -> httpx.Client:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from net_support import free_port
 
 from forkd.controller.api import PoolRequest, SpawnRequest
 from forkd.controller.backend import LocalBackend
@@ -24,13 +24,6 @@ TOKEN = "pool-token-0123456789-0123456789-0123456789"  # >= 32 bytes
 TAG = "tiny:pool"
 TINY_TAG = TAG
 pytestmark = pytest.mark.vm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _qemu_pids(d: Path) -> list[int]:
@@ -62,7 +55,7 @@ def _pool(http: httpx.Client, tag: str = TAG) -> dict[str, Any]:
 
 def test_daemon_pool_round_trip_and_clean_stop(env: dict[str, str], tiny: str):
     run = Path(env["FORKD_RUN"])
-    port = _free_port()
+    port = free_port()
     log_path = Path(env["FORKD_HOME"]) / "serve-pool.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -21,6 +21,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from net_support import free_port
 
 TOKEN = "mcp-test-token-" + "m" * 40
 TINY_TAG = "mcptiny:latest"
@@ -175,15 +176,9 @@ def test_stdio_every_tool_on_real_vms(env: dict[str, str], tiny: str) -> None:
     assert _children_left() == []
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def http_server(env: dict[str, str]) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", "from forkd.cli.main import main; main()", "mcp",
          "--transport", "http", "--port", str(port)],

@@ -10,14 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+from daemon_support import tcp_daemon
 
 from forkd.controller.app import typescript_types
 
@@ -70,37 +68,10 @@ def _major(binary: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def daemon(env: dict[str, str], tiny: str) -> Iterator[str]:
-    port = _free_port()
-    log = open(Path(env["FORKD_HOME"]) / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        ["forkd", "serve", "--listen", f"127.0.0.1:{port}"],
-        env={**os.environ, **env}, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "forkd serve did not start"
-        time.sleep(0.1)
-    try:
+    with tcp_daemon(env, Path(env["FORKD_HOME"]) / "serve.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
 
 
 @pytest.mark.vm

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import net_support
+
 REPO = Path(__file__).resolve().parents[2]
 # Every node, the head's address and the driver are on this loopback address. Not
 # 127.0.0.1 nor localhost: Ray replaces those by the host's own outside address.
@@ -27,9 +29,7 @@ START_S = 120.0  # a `ray start` or `forkd serve` is up within this (2 shared co
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((NODE_IP, 0))
-        return int(s.getsockname()[1])
+    return net_support.free_port(NODE_IP)
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -6,7 +6,6 @@ a hub reference, or lazy with prewarm, is a 400 that says what to write instead.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_support import socket_daemon
 from hub_server import HubServer
 
 from forkd import Controller, Sandbox
@@ -38,26 +38,6 @@ def _sock(run: Path) -> Path:
     return run / "controller.sock"
 
 
-def _serve(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        proc = subprocess.Popen(["forkd", "serve"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=out)
-    sock = _sock(Path(env["FORKD_RUN"]))
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, f"forkd serve exited; see {log}"
-        if sock.exists():
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
-                              base_url="http://forkd") as probe:
-                try:
-                    if probe.get("/healthz").status_code == 200:
-                        return proc
-                except httpx.HTTPError:
-                    pass
-        assert time.monotonic() < deadline, f"forkd serve did not start; see {log}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def lazy_daemon(env: dict[str, str], tiny: str,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LazyDaemon]:
@@ -76,7 +56,7 @@ def lazy_daemon(env: dict[str, str], tiny: str,
         who = hub.add_user("lazyctl")
         hub.push(Store.open(), tiny, "lazyctl/tiny:v1", who)
         hub.public("lazyctl/tiny")
-        proc = _serve(daemon_env, base / "serve.log")
+        proc = socket_daemon(daemon_env, base / "serve.log")
         sock = _sock(base / "run")
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://forkd",
                           timeout=300) as http:
