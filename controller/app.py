@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, delete, get, post, put
+from litestar import Litestar, Request, Response, Router, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import NotAuthorizedException, ValidationException
@@ -195,9 +195,11 @@ def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
     return f"{host}:{client.port}"
 
 
-def require_token(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+def require_token(
+    connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler
+) -> None:
     ctl: Controller = connection.app.state.controller
-    if ctl.token is None:
+    if ctl.token is None or is_public(handler):
         return
     if not token_matches(presented_token(connection), ctl.token):
         ctl.audit.record("-", peer(connection), "auth", connection.url.path, "denied")
@@ -263,11 +265,18 @@ def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
     return controller
 
 
-GUARDED = [require_token]
+def is_public(handler: BaseRouteHandler) -> bool:
+    """The only routes a TCP caller may use without the token: liveness (``opt public``)
+    and the OpenAPI document (the router under OPENAPI.path). Decided on the route that
+    matched, never on the request's path."""
+    if handler.opt.get("public") is True:
+        return True
+    return any(isinstance(layer, Router) and layer.path == OPENAPI.path
+               for layer in handler.ownership_layers)
 
 
 # -- routes -------------------------------------------------------------------
-@get("/healthz", sync_to_thread=False)
+@get("/healthz", opt={"public": True}, sync_to_thread=False)
 def healthz() -> Health:
     return Health(status="ok", version=forkd.__version__)
 
@@ -275,7 +284,6 @@ def healthz() -> Health:
 @get(
     "/metrics",
     media_type="text/plain; version=0.0.4",
-    guards=GUARDED,
     responses=ERRORS,
     sync_to_thread=True,
 )
@@ -284,19 +292,18 @@ def metrics_endpoint(ctl: Ctl) -> bytes:
     return generate_latest(ctl.metrics.registry)
 
 
-@get("/v1/snapshots", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+@get("/v1/snapshots", responses=ERRORS, sync_to_thread=True)
 def list_snapshots(ctl: Ctl) -> list[LayerInfo]:
     return ctl.backend.snapshots()
 
 
-@get("/v1/snapshots/{ref:path}", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+@get("/v1/snapshots/{ref:path}", responses=ERRORS, sync_to_thread=True)
 def get_snapshot(ctl: Ctl, ref: FromPath[str]) -> dict[str, Any]:
     return ctl.backend.snapshot(ref.lstrip("/"))
 
 
 @delete(
     "/v1/snapshots/{ref:path}",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -309,14 +316,14 @@ def delete_snapshot(
     return result
 
 
-@post("/v1/compact", guards=GUARDED, responses=ERRORS, status_code=201, sync_to_thread=True)
+@post("/v1/compact", responses=ERRORS, status_code=201, sync_to_thread=True)
 def compact(request: Req, ctl: Ctl, data: JSONBody[CompactRequest]) -> LayerInfo:
     result = ctl.backend.compact(data)
     audited(request, ctl, "snapshot.compact", data.ref, "ok", to=data.to)
     return result
 
 
-@post("/v1/sandboxes", guards=GUARDED, responses=ERRORS, status_code=201, sync_to_thread=True)
+@post("/v1/sandboxes", responses=ERRORS, status_code=201, sync_to_thread=True)
 def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
     start = time.perf_counter()
     result = ctl.backend.spawn(data)
@@ -334,19 +341,18 @@ def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
     return result
 
 
-@get("/v1/sandboxes", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+@get("/v1/sandboxes", responses=ERRORS, sync_to_thread=True)
 def list_sandboxes(ctl: Ctl) -> list[SandboxInfo]:
     return ctl.backend.sandboxes()
 
 
-@get("/v1/sandboxes/{sandbox_id:str}", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+@get("/v1/sandboxes/{sandbox_id:str}", responses=ERRORS, sync_to_thread=True)
 def get_sandbox(ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxInfo:
     return ctl.backend.sandbox(sandbox_id)
 
 
 @delete(
     "/v1/sandboxes/{sandbox_id:str}",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -359,7 +365,6 @@ def kill_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxIn
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/extend",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -374,7 +379,6 @@ def extend_sandbox(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/pause",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -387,7 +391,6 @@ def pause_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> SandboxI
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/resume",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -400,7 +403,6 @@ def resume_sandbox(request: Req, ctl: Ctl, sandbox_id: FromPath[str]) -> Sandbox
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/exec",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -415,7 +417,6 @@ def exec_in(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/exec/stream",
-    guards=GUARDED,
     status_code=200,
     sync_to_thread=True,
     media_type="application/x-ndjson",
@@ -487,7 +488,6 @@ async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/eval",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -502,7 +502,6 @@ def eval_in(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/run_code",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -517,7 +516,6 @@ def run_code(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/processes",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=201,
     sync_to_thread=True,
@@ -540,7 +538,6 @@ def process_start(
 
 @get(
     "/v1/sandboxes/{sandbox_id:str}/processes",
-    guards=GUARDED,
     responses=ERRORS,
     sync_to_thread=True,
 )
@@ -550,7 +547,6 @@ def processes(ctl: Ctl, sandbox_id: FromPath[str]) -> list[ProcessInfo]:
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/wait",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -566,7 +562,6 @@ def process_wait(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/stdin",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -594,7 +589,6 @@ def process_stdin(
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/processes/{handle:str}/kill",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=200,
     sync_to_thread=True,
@@ -615,7 +609,6 @@ def process_kill(
 
 @put(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=204,
     sync_to_thread=True,
@@ -635,7 +628,6 @@ def write_file(
 
 @get(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    guards=GUARDED,
     responses=ERRORS,
     sync_to_thread=True,
     media_type="application/octet-stream",
@@ -646,7 +638,6 @@ def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> byte
 
 @post(
     "/v1/sandboxes/{sandbox_id:str}/branch",
-    guards=GUARDED,
     responses=ERRORS,
     status_code=201,
     sync_to_thread=True,
@@ -659,12 +650,12 @@ def branch(
     return result
 
 
-@get("/v1/pools", guards=GUARDED, responses=ERRORS, sync_to_thread=True)
+@get("/v1/pools", responses=ERRORS, sync_to_thread=True)
 def list_pools(ctl: Ctl) -> list[PoolStatus]:
     return ctl.backend.pools()
 
 
-@post("/v1/pools", guards=GUARDED, responses=ERRORS, status_code=200, sync_to_thread=True)
+@post("/v1/pools", responses=ERRORS, status_code=200, sync_to_thread=True)
 def fill_pool(request: Req, ctl: Ctl, data: JSONBody[PoolRequest]) -> PoolStatus:
     result = ctl.backend.fill_pool(data)
     audited(request, ctl, "pool.fill", data.tag, "ok", k=data.k)
@@ -672,7 +663,7 @@ def fill_pool(request: Req, ctl: Ctl, data: JSONBody[PoolRequest]) -> PoolStatus
 
 
 @delete(
-    "/v1/pools/{tag:path}", guards=GUARDED, responses=ERRORS, status_code=200, sync_to_thread=True
+    "/v1/pools/{tag:path}", responses=ERRORS, status_code=200, sync_to_thread=True
 )
 def remove_pool(request: Req, ctl: Ctl, tag: FromPath[str]) -> PoolRemoved:
     result = ctl.backend.remove_pool(tag.lstrip("/"))
@@ -724,6 +715,7 @@ def create_app(
         raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
     app = Litestar(
         route_handlers=ROUTES,
+        guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         openapi_config=OPENAPI,

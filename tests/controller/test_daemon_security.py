@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import stat
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_support import tcp_daemon
+from net_support import free_port
 
 from forkd.controller.app import MIN_TOKEN_BYTES, create_app, token_matches
 from forkd.errors import InvalidInput
@@ -26,13 +29,6 @@ from forkd.private import create_private_file, private_dir, read_private_file
 
 OTHER_UID = 65534  # nobody
 GOOD_TOKEN = secrets.token_urlsafe(32)  # 43 bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -61,7 +57,7 @@ class Outcome:
 def _serve(place: Place, *args: str, port: int | None = None, **env: str) -> Outcome:
     """Run `forkd serve --listen` until it either exits (refused) or answers /healthz
     (started; then it is stopped again)."""
-    port = port or _free_port()
+    port = port or free_port()
     err = place.home.parent / f"serve-{port}.err"
     with err.open("wb") as log:
         proc = subprocess.Popen(
@@ -139,31 +135,9 @@ def test_made_token_file_is_private_and_reused(place: Place):
 
 @pytest.fixture
 def daemon(place: Place) -> Iterator[str]:
-    port = _free_port()
-    err = (place.home.parent / "daemon.err").open("wb")
-    proc = subprocess.Popen(
-        ["forkd", "serve", "--listen", f"127.0.0.1:{port}"],
-        env={**place.env, "FORKD_CONTROLLER_TOKEN": GOOD_TOKEN},
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        stdin=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "forkd serve did not start"
-        time.sleep(0.1)
-    try:
+    with tcp_daemon({**place.env, "FORKD_CONTROLLER_TOKEN": GOOD_TOKEN},
+                    place.home.parent / "daemon.err", timeout=60) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        err.close()
 
 
 ROUTES = [("GET", "/v1/snapshots"), ("GET", "/v1/sandboxes"), ("GET", "/metrics")]
@@ -401,3 +375,51 @@ def test_private_dir_refuses_a_file_in_the_way(tmp_path: Path):
     (tmp_path / "run").write_text("")
     with pytest.raises(InvalidInput, match="not a directory"):
         private_dir(tmp_path / "run")
+
+
+# -- the token guard is app-wide -------------------------------------------------
+def _filled(path: str) -> str:
+    """A route's path template with every parameter filled in (``{id:str}`` → ``x-1``)."""
+    return re.sub(r"\{[^}]+\}", "x-1", path)
+
+
+def test_every_route_but_liveness_and_the_schema_needs_the_token(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enumerated from the app itself, so a route added later without thinking of the
+    token is caught here: the guard is app-wide and only /healthz and the schema are open."""
+    from litestar.routes import HTTPRoute
+    from litestar.testing import TestClient
+
+    from forkd.audit import AuditLog
+    from forkd.controller.app import ControllerMetrics
+    from forkd.controller.backend import LocalBackend
+    from forkd.store.store import Store
+
+    monkeypatch.setenv("FORKD_HOME", str(place.home))
+    monkeypatch.setenv("FORKD_RUN", str(place.run))
+    backend = LocalBackend(Store.open())
+    app = create_app(backend, AuditLog(place.home / "audit.log"), ControllerMetrics(),
+                     GOOD_TOKEN.encode())
+    asked = 0
+    with TestClient(app) as client:
+        for route in app.routes:
+            if not isinstance(route, HTTPRoute):
+                continue
+            for method in sorted(route.methods - {"OPTIONS", "HEAD"}):
+                url = _filled(route.path)
+                public = url == "/healthz" or url == "/schema" or url.startswith("/schema/")
+                for headers in ({}, {"Authorization": "Bearer " + "x" * 43}):
+                    answer = client.request(method, url, headers=headers, json={})
+                    asked += 1
+                    if public:
+                        assert answer.status_code != 401, (method, url)
+                    else:
+                        assert answer.status_code == 401, (method, url, answer.text)
+        assert asked > 60
+        for sneaky in ("/schema/../v1/sandboxes", "/schema/%2e%2e/v1/sandboxes",
+                       "/healthz/../v1/sandboxes", "//v1/sandboxes", "/v1/sandboxes/"):
+            answer = client.get(sneaky)
+            assert answer.status_code in (401, 404), (sneaky, answer.status_code)
+        ok = client.get("/v1/sandboxes", headers={"Authorization": f"Bearer {GOOD_TOKEN}"})
+        assert ok.status_code == 200 and ok.json() == []
