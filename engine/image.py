@@ -6,8 +6,7 @@ second build of the same recipe reuses the rootfs, kernel and images.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import functools
 import gzip
 import io
 import json
@@ -17,7 +16,7 @@ import re
 import shutil
 import ssl
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,6 +26,7 @@ from forkd.engine.errors import GuestBuildError, HostError
 from forkd.engine.paths import cache_dir
 from forkd.engine.phases import phase
 from forkd.engine.recipe import Recipe
+from forkd.store.tags import flock
 
 Progress = Callable[[str], None]
 
@@ -261,7 +261,10 @@ BASE_PACKAGES = ("python3",)
 BASE_LAYOUT = "1"  # bumped whenever the steps that make the shared base change
 
 
+@functools.cache
 def host_arch() -> str:
+    """dpkg's name for this host's architecture (asked once per process: every rootfs key
+    includes it)."""
     return _run(["dpkg", "--print-architecture"], "dpkg --print-architecture").strip()
 
 
@@ -286,18 +289,6 @@ def recipe_packages(r: Recipe) -> list[str]:
     return [p for i, p in enumerate(wanted) if p not in BASE_PACKAGES and p not in wanted[:i]]
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive flock on ``path``: one process (or thread) builds a cache entry."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _debootstrap(suite: str, mirror: str, root: Path, packages: list[str]) -> None:
     _run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite,
           str(root), mirror], "debootstrap", timeout=3600)
@@ -311,7 +302,8 @@ def shared_base(suite: str, mirror: str, progress: Progress = _noop) -> Path:
     entry = cache_dir() / "base" / base_key(suite, mirror)
     if (entry / "ok").is_file():
         return entry / "root"
-    with _locked(entry.with_name(entry.name + ".lock")):
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with flock(entry.with_name(entry.name + ".lock"), exclusive=True):  # one builder at a time
         if (entry / "ok").is_file():  # another build finished it while we waited
             return entry / "root"
         partial = entry.with_name(entry.name + ".partial")

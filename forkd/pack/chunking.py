@@ -221,16 +221,21 @@ def page_chunks(pages: Iterable[tuple[int, bytes]], zero: list[Extent]) -> Itera
 
 
 def store_chunk(
-    blobs: ChunkSink, raw: RawChunk, level: int = ZSTD_LEVEL, packed: bytes | None = None
+    blobs: ChunkSink,
+    raw: RawChunk,
+    level: int = ZSTD_LEVEL,
+    packed: bytes | None = None,
+    blake3: str | None = None,
 ) -> ChunkRef:
     """Compress one chunk (unless ``packed`` is its frame already) and store it (once:
-    equal chunks have equal digests)."""
+    equal chunks have equal digests). ``blake3``: the content's hash, when the caller has
+    it already (chunk_key), so it is not computed twice."""
     if packed is None:
         packed = compress(raw.data, level)
     digest = blobs.put_bytes(packed, dg.of_bytes(packed))
     return ChunkRef(
         digest=digest,
-        blake3=dg.blake3_of(raw.data),
+        blake3=blake3 if blake3 is not None else dg.blake3_of(raw.data),
         size=len(raw.data),
         stored=len(packed),
         extents=tuple(raw.extents),
@@ -238,6 +243,12 @@ def store_chunk(
 
 
 ChunkKey = tuple[str, tuple[Extent, ...]]  # (blake3 of the uncompressed bytes, extents)
+
+
+def chunk_key(raw: RawChunk) -> ChunkKey:
+    """A chunk by content and place: what reuse and ready-made frames are looked up by."""
+    return dg.blake3_of(raw.data), tuple(raw.extents)
+
 PRECOMPRESS_MAX_BYTES = 256 << 20  # compressed frames a Precompressed holds at most
 
 
@@ -261,7 +272,7 @@ class Precompressed:
                 if stop() or self.held >= self.max_bytes:
                     return
                 frame = compress(raw.data, self.level)
-                self._frames[(dg.blake3_of(raw.data), tuple(raw.extents))] = frame
+                self._frames[chunk_key(raw)] = frame
                 self.held += len(frame)
 
     def frame(self, key: ChunkKey) -> bytes | None:
@@ -297,11 +308,11 @@ def build_map(
     def one(raw: RawChunk) -> ChunkRef:
         if not known and frames is None:
             return store_chunk(blobs, raw, chosen)
-        key = (dg.blake3_of(raw.data), tuple(raw.extents))
+        key = chunk_key(raw)
         hit = known.get(key)
         if hit is not None:
             return hit
-        return store_chunk(blobs, raw, chosen, frames.frame(key) if frames else None)
+        return store_chunk(blobs, raw, chosen, frames.frame(key) if frames else None, key[0])
 
     refs = tuple(_bounded_map(one, chunks, COMPRESS_THREADS))
     imap = ImageMap(
