@@ -3,6 +3,7 @@ bucket's view of it, and the ``s3_hub`` fixture the S3 tests share."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,16 +44,24 @@ class S3Hub(HubServer):
         return s3_leftovers(self.moto.client(), self.bucket, f"{PREFIX}/")
 
 
-@pytest.fixture
-def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
-    """A hub process whose blobs are in a fresh bucket of the moto server; at the end the
-    bucket holds nothing of it (no orphaned upload parts or blobs)."""
-    bucket = moto_server.new_bucket()
-    server = S3Hub(tmp_path / "hub", s3_settings(moto_server, bucket))
-    server.bucket, server.moto = bucket, moto_server
+@contextlib.contextmanager
+def running_s3_hub(moto: MotoServer, data: Path, **settings: Any) -> Iterator[S3Hub]:
+    """A hub process whose blobs are in a fresh bucket of the moto server (``settings``
+    over the S3 ones), stopped however the block ends."""
+    bucket = moto.new_bucket()
+    server = S3Hub(data, {**s3_settings(moto, bucket), **settings})
+    server.bucket, server.moto = bucket, moto
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def s3_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
+    """``running_s3_hub``; at the end the bucket holds nothing of it (no orphaned upload
+    parts or blobs)."""
+    with running_s3_hub(moto_server, tmp_path / "hub") as server:
+        yield server
     assert server.leftovers() == []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from s3_hub_support import S3Hub, s3_settings
+from s3_hub_support import S3Hub, running_s3_hub
 from s3_support import MotoServer
 from sqlalchemy import select
 
@@ -110,15 +110,8 @@ IDLE = 2.0  # upload_idle_timeout: the hub's sweep runs every second
 
 @pytest.fixture
 def quick_expiry_hub(moto_server: MotoServer, tmp_path: Path) -> Iterator[S3Hub]:
-    bucket = moto_server.new_bucket()
-    settings = {**s3_settings(moto_server, bucket), "upload_idle_timeout": IDLE}
-    server = S3Hub(tmp_path / "hub", settings)
-    server.bucket, server.moto = bucket, moto_server
-    server.start()
-    try:
+    with running_s3_hub(moto_server, tmp_path / "hub", upload_idle_timeout=IDLE) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_patch_streaming_longer_than_the_idle_timeout_keeps_its_session(
