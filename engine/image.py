@@ -254,7 +254,7 @@ def build_initrd(kernel: Kernel, progress: Progress = _noop) -> Path:
 
 
 # ---------------------------------------------------------------- rootfs
-# The debootstrap every recipe starts from (docs/engine.md, "Shared base"): minbase plus
+# The debootstrap every recipe starts from (docs/recipes.md, "Build time"): minbase plus
 # these packages (the guest agent needs python3), made once per suite, mirror and
 # architecture; a recipe's rootfs is a copy of it plus `apt-get install` of its own packages.
 BASE_PACKAGES = ("python3",)
