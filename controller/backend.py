@@ -9,6 +9,7 @@ daemon runs. Both take and answer the types of forkd.controller.api, one method 
 from __future__ import annotations
 
 import codecs
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -215,20 +216,17 @@ class LocalBackend:
         if req.prewarm is not None:
             self._check_prewarm(req.prewarm)
         limits = limits_of(req)
-        if req.lazy:
-            result = self._lazy_fork(req, limits)
-        else:
-            result = ch.fork(
-                self.store,
-                req.tag,
-                req.n,
-                limits=limits,
-                lifetime=Lifetime(req.timeout, req.on_timeout),
-                with_netns=req.netns,
-                sandbox=req.sandbox,
-                pool=self.pool,
-                egress=req.egress,
-            )
+        fork = self._lazy_fork(req) if req.lazy else functools.partial(ch.fork, pool=self.pool)
+        result = fork(
+            self.store,
+            req.tag,
+            req.n,
+            limits=limits,
+            lifetime=Lifetime(req.timeout, req.on_timeout),
+            with_netns=req.netns,
+            sandbox=req.sandbox,
+            egress=req.egress,
+        )
         if req.timeout is not None:
             self._deadlines_changed()
         if req.prewarm is not None and self.pool is not None:
@@ -247,10 +245,10 @@ class LocalBackend:
             errors=list(result.errors),
         )
 
-    def _lazy_fork(self, req: SpawnRequest, limits: Limits) -> ch.ForkResult:
-        """``lazy``: children of a hub's pack before it has arrived (docs/engine.md, "Lazy
-        fork"); the tag must name a hub reference and no pool (its processes wait on a
-        local tag)."""
+    def _lazy_fork(self, req: SpawnRequest) -> Callable[..., ch.ForkResult]:
+        """``lazy``: the fork of children of a hub's pack before it has arrived
+        (docs/engine.md, "Lazy fork"), once the request is checked: the tag must name a hub
+        reference and no pool (its processes wait on a local tag)."""
         from forkd.engine.lazy import fork as lazy_fork
         from forkd.registry.reference import parse_remote
 
@@ -271,16 +269,7 @@ class LocalBackend:
                 f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got {req.tag!r}: "
                 f"{exc}"
             ) from None
-        return lazy_fork.fork(
-            self.store,
-            req.tag,
-            req.n,
-            limits=limits,
-            lifetime=Lifetime(req.timeout, req.on_timeout),
-            with_netns=req.netns,
-            sandbox=req.sandbox,
-            egress=req.egress,
-        )
+        return lazy_fork.fork
 
     def sandboxes(self) -> list[SandboxInfo]:
         return [sandbox_view(c) for c in ch.list_children()]
