@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 from pathlib import Path
 
 import pytest
+from image_support import REGIONS, text_image
 
 from forkd.pack import mediatypes as mt
 from forkd.pack.chunking import ZSTD_LEVEL, ZSTD_LEVEL_FLAT, compress, decompress
 from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE, ImageMap
 from forkd.store.store import Store
-
-REGIONS = 4
-
-
-def _text_image(path: Path, seed: int) -> bytes:
-    """Compressible, non-trivial bytes (zstd levels give different frames for them)."""
-    rng = random.Random(seed)
-    words = [bytes(rng.choice(b"abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(400)]
-    out = bytearray()
-    while len(out) < REGIONS * CHUNK_SIZE:
-        out += rng.choice(words) + b" "
-    data = bytes(out[: REGIONS * CHUNK_SIZE])
-    path.write_bytes(data)
-    return data
 
 
 def _map(store: Store, tag: str, role: str = "memory") -> ImageMap:
@@ -49,7 +35,7 @@ def store(tmp_path: Path) -> Store:
 
 def test_flat_layers_use_the_strong_level_and_diffs_the_fast_one(store: Store, tmp_path: Path):
     base = tmp_path / "base.img"
-    data = _text_image(base, 1)
+    data = text_image(base, 1)
     store.import_layer("t:base", memory=base)
     flat = _map(store, "t:base")
     for c in flat.chunks:
@@ -68,7 +54,7 @@ def test_flat_layers_use_the_strong_level_and_diffs_the_fast_one(store: Store, t
 
 def test_compaction_reuses_the_base_chunks_of_unchanged_regions(store: Store, tmp_path: Path):
     base = tmp_path / "base.img"
-    data = _text_image(base, 2)
+    data = text_image(base, 2)
     store.import_layer("t:base", memory=base)
     changed = bytearray(data)
     changed[CHUNK_SIZE + 7 * PAGE_SIZE : CHUNK_SIZE + 8 * PAGE_SIZE] = b"y" * PAGE_SIZE
@@ -89,8 +75,8 @@ def test_compaction_reuses_the_base_chunks_of_unchanged_regions(store: Store, tm
 
 def test_inspect_components_add_up_to_the_stored_size(store: Store, tmp_path: Path):
     mem, disk = tmp_path / "mem.img", tmp_path / "disk.img"
-    _text_image(mem, 3)
-    _text_image(disk, 4)
+    text_image(mem, 3)
+    text_image(disk, 4)
     state, kernel = tmp_path / "state", tmp_path / "vmlinux"
     state.write_bytes(b"state" * 100)
     kernel.write_bytes(b"kernel" * 1000)

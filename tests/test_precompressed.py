@@ -5,27 +5,14 @@ byte for byte; the holder is bounded."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
+from image_support import REGIONS, text_image
 
 from forkd.pack.chunking import ZSTD_LEVEL_FLAT, Precompressed, compress, unpack_chunk
 from forkd.pack.imagemap import CHUNK_SIZE
 from forkd.store.store import Store
-
-REGIONS = 4
-
-
-def _image(path: Path, seed: int) -> bytes:
-    rng = random.Random(seed)
-    words = [bytes(rng.choice(b"abcdefgh") for _ in range(rng.randint(2, 9))) for _ in range(300)]
-    out = bytearray()
-    while len(out) < REGIONS * CHUNK_SIZE:
-        out += rng.choice(words) + b" "
-    data = bytes(out[: REGIONS * CHUNK_SIZE])
-    path.write_bytes(data)
-    return data
 
 
 def _frames_at_level_1(path: Path) -> Precompressed:
@@ -39,7 +26,7 @@ def _frames_at_level_1(path: Path) -> Precompressed:
 
 def test_import_stores_the_ready_frames_of_unwritten_regions(tmp_path: Path) -> None:
     root = tmp_path / "root.raw"
-    data = _image(root, 1)
+    data = text_image(root, 1)
     ready = _frames_at_level_1(root)
     written = bytearray(data)
     written[CHUNK_SIZE + 100 : CHUNK_SIZE + 200] = b"x" * 100  # the guest wrote region 1
@@ -63,7 +50,7 @@ def test_import_stores_the_ready_frames_of_unwritten_regions(tmp_path: Path) -> 
 
 def test_frames_at_another_level_are_not_used(tmp_path: Path) -> None:
     root = tmp_path / "root.raw"
-    data = _image(root, 2)
+    data = text_image(root, 2)
     ready = Precompressed(1)
     ready.add_image(str(root), lambda: False)
     store = Store(tmp_path / "home")
@@ -80,7 +67,7 @@ def test_frames_at_another_level_are_not_used(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bound", ["stop", "max_bytes"])
 def test_precompressed_is_bounded(tmp_path: Path, bound: str) -> None:
     root = tmp_path / "root.raw"
-    _image(root, 3)
+    text_image(root, 3)
     if bound == "stop":
         ready = Precompressed(1)
         calls = iter(range(100))
