@@ -109,6 +109,13 @@ class ChunkSource:
                 return True
         return self.has(digest)
 
+    def local(self, digest: str) -> bool:
+        """Whether the chunk is here, in the store or on its way to it (no fetch needed)."""
+        with self._lock:
+            if digest in self._unstored:
+                return True
+        return self.has(digest)
+
     def missing(self) -> list[str]:
         """The chain's chunks the local store does not have yet."""
         return [d for d in self.refs if not self.store.blobs.has(d)]
@@ -149,10 +156,7 @@ class ChunkSource:
         """Bring the chunk into the local store without decompressing it for a reader;
         True when it had to be fetched (prefetch). A chunk on its way to the store counts
         as there (``flush`` waits for it)."""
-        with self._lock:
-            if digest in self._unstored:
-                return False
-        if self.has(digest):
+        if self.local(digest):
             return False
         self.read(digest, keep=False)
         return True
@@ -220,9 +224,27 @@ class ChunkSource:
                 raise
         return unpack_chunk(blob, ref, what)
 
-    def _fetch(self, ref: ChunkRef, what: str) -> bytes:
-        """The chunk from the hub, verified and decompressed; handed to the store writer
-        (written inline when MAX_UNSTORED chunks already wait for it)."""
+    def fetch_into_store(self, digest: str) -> bool:
+        """Bring a chunk that is not here into the store without decompressing it (its
+        size and digest checked; its content is checked when it is read): what a lazy fork
+        does for the recorded working set while its server is still starting. True when
+        it was fetched."""
+        if self.local(digest):
+            return False
+        ref, what = self.refs.get(digest) or (None, "")
+        if ref is None:
+            raise NotFound(f"{self.name}: no chunk {digest} in its chain")
+        blob = self._download(ref, what)
+        with self.store.writing():
+            self.store.blobs.put_bytes(blob, digest)
+        with self._lock:
+            self.fetched_bytes += len(blob)
+            self.fetched_chunks += 1
+        return True
+
+    def _download(self, ref: ChunkRef, what: str) -> bytes:
+        """The chunk's stored (compressed) bytes from the hub, their size and digest
+        checked."""
         if self.hub is None:
             raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
                                    "fetch it from; pull the pack again")
@@ -248,6 +270,12 @@ class ChunkSource:
             raise IntegrityError(f"{what}: the hub sent {len(blob)} bytes, the map declares "
                                  f"{ref.stored}; refusing it")
         dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
+        return blob
+
+    def _fetch(self, ref: ChunkRef, what: str) -> bytes:
+        """The chunk from the hub, verified and decompressed; handed to the store writer
+        (written inline when MAX_UNSTORED chunks already wait for it)."""
+        blob = self._download(ref, what)
         data = unpack_chunk(blob, ref, what)  # the content must check out before it is kept
         with self._lock:
             self.fetched_bytes += len(blob)

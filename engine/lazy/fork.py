@@ -3,7 +3,10 @@ never seen, before its pack has arrived.
 
 1. Resolve the chain from the hub's manifests (``chunks.open_remote``: manifests,
    configs, maps and the device state; no chunk). Meanwhile a server process loads
-   Python and its modules (``Spawn``: the larger part of a server's start).
+   Python and its modules (``Spawn``: the larger part of a server's start), unless a
+   spare one waits already loaded (``spare.py``: each lazy fork leaves one for the next).
+   With a recorded access order, this command starts fetching the working set into the
+   store at once (``_working_set``), before the server is up.
 2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
    file, the disk as an NBD export, one per snapshot on the host).
 3. Fork the children on its memory file and on copies of its empty overlay, holding the
@@ -24,17 +27,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from forkd.engine import children as ch
 from forkd.engine.errors import EngineError, HostError
 from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource, open_remote
 from forkd.engine.lazy.paths import server_dir
-from forkd.engine.lazy.prefetch import save_order
+from forkd.engine.lazy.prefetch import RECORDED_WORKERS, load_order, save_order
+from forkd.engine.lazy.spare import Taken, ensure_spare
 from forkd.engine.qemu import pid_alive
+from forkd.errors import ForkdError
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import RemoteRef, parse_remote
@@ -72,6 +78,27 @@ def _ready(d: Path) -> LazySnapshot | None:
     overlay, disk = raw.get("overlay"), raw.get("disk")
     return LazySnapshot(d, pid, Path(raw["memory"]), Path(overlay) if overlay else None,
                         Path(disk) if disk else None)
+
+
+class ServerProcess(Protocol):
+    """A lazy server's process as start_server watches it (a Popen, or a taken spare)."""
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self) -> object: ...
+
+
+class Starter(Protocol):
+    """What becomes a snapshot's server once told its directory: a ``Spawn`` or a spare
+    taken from ``spare.Taken.take``."""
+
+    log: Path
+
+    def go(self, d: Path) -> ServerProcess: ...
+
+    def cancel(self) -> None: ...
 
 
 class Spawn:
@@ -113,7 +140,7 @@ class Spawn:
 
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
                  tag: str | None, prefetch: bool = True,
-                 spawn: Spawn | None = None) -> LazySnapshot:
+                 spawn: Starter | None = None) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
     in its own session: it outlives this command), ``spawn``'s process when given (it
     is ended when a server runs). prefetch False: a new server fetches only what readers
@@ -130,6 +157,7 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
     ServerSpec(str(store.home), source.head, source.name, tag,
                remote.hub.address if remote else None, remote.name if remote else None,
                prefetch).save(d)
+    proc: ServerProcess
     if spawn is not None:
         proc = spawn.go(d)
     else:
@@ -160,7 +188,7 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
 
 @contextlib.contextmanager
 def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
-            prefetch: bool = True, spawn: Spawn | None = None) -> Iterator[LazySnapshot]:
+            prefetch: bool = True, spawn: Starter | None = None) -> Iterator[LazySnapshot]:
     """A serving lazy server whose memory file is held open meanwhile (the server serves
     on while a file is open); ``spawn``: the process a new server runs in. A server found
     just as it exits is waited for, and a new one started."""
@@ -202,29 +230,72 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     server's setting)."""
     remote = parse_remote(remote_text)
     t0 = time.perf_counter()
-    spawn = Spawn()  # loads while the chain is resolved
-    try:
-        with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
+    # a spare server (loaded: an earlier lazy fork or the daemon left it), else a new
+    # process that loads while the chain is resolved
+    spawn: Starter = Taken.take() or Spawn()
+    with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
+        try:
             source = open_remote(store, remote, client)
             order_file = server_dir(store.home, source.head) / "order.json"
-            if not order_file.exists():  # recorded by an earlier lazy fork, on any host
-                found = orders.fetch(client, remote.name, source.head)
-                if found:
+            order = load_order(order_file, source.head)
+            if order is None:  # recorded by an earlier lazy fork, on any host
+                order = orders.fetch(client, remote.name, source.head)
+                if order:
                     order_file.parent.mkdir(parents=True, exist_ok=True)
-                    save_order(order_file, source.head, found)
+                    save_order(order_file, source.head, order)
+        except BaseException:
+            spawn.cancel()
+            raise
+        log.debug("lazy fork %s: chain resolved at %.3f s", remote_text,
+                  time.perf_counter() - t0)
+        with _working_set(source, order if prefetch and _new_server(store, source) else None):
+            res = _fork_on_server(store, source, remote, n, prefetch, spawn, t0, options)
+    ensure_spare()  # for the next lazy fork on this host
+    return res
+
+
+@contextlib.contextmanager
+def _working_set(source: ChunkSource, order: list[str] | None) -> Iterator[None]:
+    """While a new server still loads, this command already fetches the recorded working
+    set (``order``) into the store, in order, so the server finds it local (best effort:
+    a chunk it misses is fetched when read). Waited for at the end, cancelled on error."""
+    if not order:
+        yield
+        return
+    pool = ThreadPoolExecutor(max_workers=RECORDED_WORKERS, thread_name_prefix="working-set")
+
+    def one(digest: str) -> None:
+        with contextlib.suppress(ForkdError):
+            source.fetch_into_store(digest)
+
+    for digest in order:
+        if digest in source.refs:
+            pool.submit(one, digest)
+    try:
+        yield
     except BaseException:
-        spawn.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
-    log.debug("lazy fork %s: chain resolved at %.3f s", remote_text, time.perf_counter() - t0)
+    pool.shutdown(wait=True)
+
+
+def _new_server(store: Store, source: ChunkSource) -> bool:
+    """No server of this snapshot runs yet (one that does has its chunks coming)."""
+    return _ready(server_dir(store.home, source.head)) is None
+
+
+def _fork_on_server(store: Store, source: ChunkSource, remote: RemoteRef, n: int,
+                    prefetch: bool, spawn: Starter, t0: float,
+                    options: dict[str, Any]) -> ch.ForkResult:
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
                  prefetch, spawn) as snap:
-        log.debug("lazy fork %s: server ready at %.3f s", remote_text, time.perf_counter() - t0)
+        log.debug("lazy fork %s: server ready at %.3f s", remote, time.perf_counter() - t0)
         try:
             asm = assembled(store, source, snap)
             res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,
                           **options)
-            log.debug("lazy fork %s: %d children forked at %.3f s", remote_text,
+            log.debug("lazy fork %s: %d children forked at %.3f s", remote,
                       len(res.children), time.perf_counter() - t0)
         except EngineError as exc:
             raise type(exc)(f"{exc}{_failures(snap)}") from exc

@@ -47,6 +47,9 @@ class ImageLayout:
         for s in segments:
             seen.setdefault(s.digest)
         self.chunk_order = list(seen)
+        self.by_chunk: dict[str, list[Segment]] = {}  # where each chunk's pages go
+        for s in segments:
+            self.by_chunk.setdefault(s.digest, []).append(s)
 
     def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -71,6 +74,15 @@ class ImageLayout:
 
     def chunks_at(self, offset: int, length: int) -> list[str]:
         return list(dict.fromkeys(s.digest for _, _, s in self.pieces(offset, length)))
+
+    def placed(self, digest: str, data: bytes) -> list[tuple[int, memoryview]]:
+        """Chunk ``digest``'s uncompressed ``data`` as the image uses it: (byte offset in
+        the image, the bytes there), one per segment (none when the image does not use
+        the chunk)."""
+        view = memoryview(data)
+        return [(s.page * PAGE_SIZE,
+                 view[s.chunk_page * PAGE_SIZE : (s.chunk_page + s.count) * PAGE_SIZE])
+                for s in self.by_chunk.get(digest, [])]
 
     def read(self, offset: int, length: int) -> bytes:
         """The image's bytes [offset, offset + length): zeros where no layer provides."""

@@ -37,6 +37,7 @@ ATTR_TIMEOUT = 3600.0  # the file never changes
 READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
 STORE_WINDOW = 2 << 20  # bytes pushed into the page cache around a first read (notify_store)
 STORE_QUEUE = 64  # windows waiting to be pushed; a read past that pushes nothing
+CACHE_READY_WAIT = 30.0  # seconds push_chunk waits for the file to be looked up
 
 
 class MemoryFile(pyfuse3.Operations):
@@ -63,6 +64,29 @@ class MemoryFile(pyfuse3.Operations):
         self.pushed = 0  # windows pushed into the page cache
         self._to_store: trio.MemorySendChannel[int] | None = None
         self._store_limit = trio.CapacityLimiter(1)
+        self.read_requests = 0  # reads that reached this process (a page-cache miss each)
+        self.pushed_chunks = 0  # chunks pushed whole into the page cache (push_chunk)
+        # set once the kernel knows the file's inode (a lookup of it was answered): a
+        # notify_store of an inode the kernel has not looked up fails (ENOENT)
+        self.cache_ready = threading.Event()
+
+    def push_chunk(self, digest: str, data: bytes) -> bool:
+        """Put a chunk's pages (``data``: its verified uncompressed bytes) into the kernel
+        page cache wherever the image uses them, so no child's fault on them reaches this
+        process (the prefetch calls it as each memory chunk arrives; it waits for
+        ``cache_ready``). False when they could not be pushed: the file was not looked up
+        in time, or the kernel refused (its pages are then produced by reads, as before)."""
+        if not self.cache_ready.wait(CACHE_READY_WAIT):
+            return False
+        try:
+            for offset, piece in self.layout.placed(digest, data):
+                # any buffer does (pyfuse3 takes its buffer; the stub says bytes): no copy
+                pyfuse3.notify_store(FILE_INODE, offset, cast(bytes, piece))
+        except OSError:
+            return False
+        with self._lock:
+            self.pushed_chunks += 1
+        return True
 
     async def push_windows(self) -> None:
         """Serve forever: after a read, the rest of its ``STORE_WINDOW``-aligned window goes
@@ -162,6 +186,7 @@ class MemoryFile(pyfuse3.Operations):
         size = max(0, min(size, self.layout.size - off))
         if size == 0:
             return b""
+        self.read_requests += 1  # the trio thread only: no lock
         try:
             if self.on_chunks is not None:
                 self.on_chunks(self.layout.chunks_at(off, size))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,15 +88,25 @@ def plan(source: ChunkSource, recorded: list[str] | None, image_order: list[str]
 
 
 def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress,
-        report: Path, tag: str | None) -> None:
-    """Fetch what ``order`` names and the store lacks, then the files; tag when complete."""
+        report: Path, tag: str | None,
+        on_chunk: Callable[[str, bytes], object] | None = None,
+        handed: Iterable[str] = ()) -> None:
+    """Fetch what ``order`` names and the store lacks, then the files; tag when complete.
+    ``on_chunk``: given each chunk of ``handed`` (local or fetched) decompressed and
+    verified, as it arrives (the memory file pushes it into the page cache)."""
     t0 = time.monotonic()
     progress.state, progress.chunks, progress.recorded = "running", len(order), recorded
     _save(report, progress)
     lock = threading.Lock()
+    to_hand = set(handed) if on_chunk is not None else set()
 
     def one(digest: str) -> None:
-        if source.ensure(digest):
+        if digest in to_hand and on_chunk is not None:
+            fetched = not source.local(digest)
+            on_chunk(digest, source.read(digest, keep=False))
+        else:
+            fetched = source.ensure(digest)
+        if fetched:
             with lock:
                 progress.fetched += 1
                 progress.fetched_bytes += source.ref(digest).stored

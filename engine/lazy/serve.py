@@ -101,6 +101,7 @@ class Server:
         self.export: DiskExport | None = None
         self.progress = prefetch.Progress()
         self.stopping = False
+        self.prefetch_started = False
         self._errors_seen = 0
         self._errors_lock = threading.Lock()
 
@@ -118,18 +119,14 @@ class Server:
         """Exit once nothing is open for LINGER seconds; start the prefetch; keep the
         error and order files current."""
         ready_at = time.monotonic()
-        started = False
+        # the kernel must know the file before the prefetch can push pages into its cache
+        await trio.to_thread.run_sync(os.stat, self.dir / MOUNT_DIR / FILE_NAME)
+        self.ops.cache_ready.set()
         while not self.stopping:
             await trio.sleep(POLL)
             self.save_errors()
-            if not started and self.spec.prefetch and (
-                    self.recorded is not None  # a known working set: fetch it now (REAP)
-                    or (self.dir / "prefetch.go").exists()
-                    or time.monotonic() - ready_at > PREFETCH_AFTER):
-                started = True
-                recorded = self.recorded
-                self.save_order()
-                threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
+            if (self.dir / "prefetch.go").exists() or time.monotonic() - ready_at > PREFETCH_AFTER:
+                self.start_prefetch()
             idle = time.monotonic() - max(self.ops.last_release, ready_at)
             waited = self.ops.opens > 0 or time.monotonic() - ready_at > FIRST_OPEN_GRACE
             if self.ops.users == 0 and idle > LINGER and waited:
@@ -140,11 +137,25 @@ class Server:
                 self.write_ready()  # an open raced the shutdown: serve on
         pyfuse3.terminate()
 
+    def start_prefetch(self) -> None:
+        """Start the background fetch of the chain, once (not when the spec says on demand
+        only). With a recorded order it starts as the server starts (REAP): the working
+        set is fetched while the children are still being started."""
+        if self.prefetch_started or not self.spec.prefetch:
+            return
+        self.prefetch_started = True
+        recorded = self.recorded
+        self.save_order()
+        threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
+
     def prefetch(self, recorded: list[str] | None) -> None:
         plan = prefetch.plan(self.source, recorded, self.image_order())
         prefetch.run(self.source, plan, len(recorded or []), self.progress,
-                     self.dir / "prefetch.json", self.spec.tag)
-        log.info("prefetch %s: %s", self.progress.state, self.progress.error or "")
+                     self.dir / "prefetch.json", self.spec.tag,
+                     on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk)
+        log.info("prefetch %s in %.2f s: %d chunks fetched, %d pushed into the page cache; %s",
+                 self.progress.state, self.progress.seconds, self.progress.fetched,
+                 self.ops.pushed_chunks, self.progress.error or "")
 
     def image_order(self) -> list[str]:
         order = list(self.memory.chunk_order)
@@ -215,6 +226,8 @@ def serve(d: Path) -> int:
     mnt = d / MOUNT_DIR
     mnt.mkdir(exist_ok=True)
     with server.store.writing():
+        if server.recorded is not None:  # a known working set: fetch it from now on
+            server.start_prefetch()
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))
         try:
@@ -241,7 +254,8 @@ def serve(d: Path) -> int:
                 server.export.close()
             with contextlib.suppress(OSError):
                 mnt.rmdir()
-    log.info("stopped")
+    log.info("stopped: %d reads reached the server, %d chunks were pushed into the page "
+             "cache", server.ops.read_requests, server.ops.pushed_chunks)
     return 0
 
 
@@ -252,15 +266,21 @@ def _spawned(spawn_log: Path) -> Path | None:
         spawn_log.unlink(missing_ok=True)
         return None
     d = Path(line)
+    adopt_log(d, spawn_log)
+    return d
+
+
+def adopt_log(d: Path, loading_log: Path) -> None:
+    """This process's output from ``loading_log`` (what it said while it loaded, kept) to
+    ``d``'s server.log; ``loading_log`` is removed."""
     log_fd = os.open(d / "server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                      0o600)
     with contextlib.suppress(OSError):
-        os.write(log_fd, spawn_log.read_bytes())  # what it said while loading
+        os.write(log_fd, loading_log.read_bytes())
     for fd in (1, 2):
         os.dup2(log_fd, fd)
     os.close(log_fd)
-    spawn_log.unlink(missing_ok=True)
-    return d
+    loading_log.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from daemon_support import socket_daemon
 from hub_server import HubServer
+from spare_support import end_spares
 
 from forkd import Controller, Sandbox
 from forkd.store.store import Store
@@ -67,6 +68,7 @@ def lazy_daemon(env: dict[str, str], tiny: str,
             proc.wait(30)
         ch.kill_all(fresh)
         hub.stop()
+    assert end_spares(base / "run") == [], "spare lazy servers left behind"
 
 
 def _lazy_memory(fresh: Store, info: dict[str, object]) -> None:

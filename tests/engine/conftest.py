@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from spare_support import end_spares
 
 from forkd.store.store import Store
 
@@ -83,6 +84,7 @@ def engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
         from forkd.engine import children as ch
 
         ch.kill_all()
+        spares = end_spares(env["FORKD_RUN"])  # each lazy fork leaves one for the next
         leftovers = qemu_pids_under(env["FORKD_RUN"])
         mounts = lazy_mounts_under(base)
         for k, value in old.items():
@@ -92,6 +94,7 @@ def engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, P
                 os.environ[k] = value
         assert not leftovers, f"QEMU processes left behind: {leftovers}"
         assert not mounts, f"lazy FUSE mounts left behind: {mounts}"
+        assert not spares, f"spare lazy servers left behind: {spares}"
 
 
 @pytest.fixture(scope="session")

@@ -211,3 +211,48 @@ def test_fetched_chunk_is_served_before_the_store_write(chain_store: tuple[Store
         assert fresh.blobs.has(digest)
         source.close()
     assert fresh.verify() == []
+
+
+def test_working_set_fetch_stores_checked_chunks_and_refuses_corrupt_ones(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """fetch_into_store (what a lazy fork does while its server starts): the chunk is in
+    the store, checked, and reads of it fetch nothing more; a chunk the hub corrupts is
+    refused and not stored."""
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        good, victim = source.missing()[:2]
+        assert source.fetch_into_store(good) is True
+        assert fresh.blobs.has(good) and source.fetch_into_store(good) is False
+        layout = ImageLayout(source, "memory")
+        segment = layout.by_chunk[good][0]
+        offset, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+        fetched = source.fetched_chunks
+        assert layout.read(offset, length) == head.read_bytes()[offset : offset + length]
+        assert source.fetched_chunks == fetched, "a stored chunk was fetched again"
+        on_hub = next((tmp_path / "hub").rglob(victim.split(":")[1]))
+        on_hub.chmod(0o644)
+        data = bytearray(on_hub.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        on_hub.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match=victim):
+            source.fetch_into_store(victim)
+        assert not fresh.blobs.has(victim)
+    assert fresh.verify() == []
+
+
+def test_placed_gives_a_chunks_pages_where_the_image_has_them(
+        chain_store: tuple[Store, Path]) -> None:
+    store, head = chain_store
+    source = open_local(store, "app:v2")
+    layout = ImageLayout(source, "memory")
+    want = head.read_bytes()
+    covered = 0
+    for digest in layout.by_chunk:
+        for offset, piece in layout.placed(digest, source.read(digest)):
+            assert bytes(piece) == want[offset : offset + len(piece)]
+            covered += len(piece)
+    assert covered == sum(s.count for s in layout.segments) * PAGE_SIZE
+    assert layout.placed("sha256:" + "0" * 64, b"") == []

@@ -89,3 +89,23 @@ def test_a_first_read_pushes_its_window_into_the_page_cache(
         assert len(ops.reads) > before
     finally:
         os.close(fd)
+
+
+def test_a_pushed_chunk_is_read_from_the_page_cache(
+        mounted: tuple[CountingFile, Path, bytes]) -> None:
+    """push_chunk (the prefetch, as each memory chunk arrives): every page of the chunk is
+    in the page cache, so reading them reaches the server not once."""
+    ops, path, want = mounted
+    os.stat(path)  # the kernel knows the inode now
+    ops.cache_ready.set()
+    digest = next(iter(ops.layout.by_chunk))
+    assert ops.push_chunk(digest, ops.layout.source.read(digest))
+    assert ops.pushed_chunks == 1
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset, piece in ops.layout.placed(digest, ops.layout.source.read(digest)):
+            got = os.pread(fd, len(piece), offset)
+            assert got == want[offset : offset + len(piece)]
+    finally:
+        os.close(fd)
+    assert ops.reads == [], "a page of a pushed chunk reached the server"

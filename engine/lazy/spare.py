@@ -1,0 +1,206 @@
+"""A spare lazy server: a process that has loaded the server's modules and waits to be
+told which snapshot to serve, so a lazy fork does not wait for an interpreter to start
+and import pyfuse3, trio and httpx (about 0.3 s on a 2-core host).
+
+``python3 -m forkd.engine.lazy.spare`` (started detached by ``ensure_spare`` after a lazy
+fork, and by the controller daemon) holds ``spare.lock`` in ``$FORKD_RUN/lazy/``, so at
+most one waits per run directory, and listens on ``spare.sock`` there (the run directory
+is private to its user). A lazy fork that finds the socket connects (``take``):
+
+    spare → taker   "<pid> <its log>\\n"
+    taker → spare   one JSON line: {"dir": DIR, "env": {...}, "cwd": CWD}
+
+The spare stops listening at the first connection (one taker), takes the taker's
+environment and working directory (so it logs in and resolves paths as a server that
+taker started would), and serves DIR as ``python3 -m forkd.engine.lazy.serve DIR`` does.
+A taker that hangs up without a line ends it. Unused for ``SPARE_IDLE`` seconds, it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from forkd.engine.lazy.paths import LAZY_DIR
+
+SPARE_IDLE = 600.0  # seconds a spare waits for a taker
+TAKE_TIMEOUT = 2.0  # seconds a taker waits for the spare's pid, and the spare for its line
+SOCKET, LOCK, PID = "spare.sock", "spare.lock", "spare.pid"
+MODULE = "forkd.engine.lazy.spare"
+
+
+def spare_dir(run: Path | None = None) -> Path:
+    """Where the spare of ``run`` (default: this process's run directory) waits."""
+    from forkd.engine.paths import run_dir
+
+    d = (run or run_dir()) / LAZY_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def ensure_spare() -> None:
+    """Start a spare unless one waits (a second one started at once exits at its lock)."""
+    d = spare_dir()
+    if (d / SOCKET).exists():
+        return
+    fd, log = tempfile.mkstemp(prefix="spare-", suffix=".log", dir=d)
+    try:
+        subprocess.Popen([sys.executable, "-P", "-m", MODULE, log], stdin=subprocess.DEVNULL,
+                         stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
+                         close_fds=True)
+    finally:
+        os.close(fd)
+
+
+def end_spare(run: Path | None = None) -> bool:
+    """End the waiting spare of run directory ``run`` (default: this process's), if any;
+    True when one was ended."""
+    d = spare_dir(run)
+    try:
+        pid = int((d / PID).read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    if MODULE.encode() not in cmdline:
+        return False  # a stale pid file: that number is someone else's now
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    return True
+
+
+def spares_of(run: Path) -> list[int]:
+    """The pids of spares started for run directory ``run`` (waiting or not yet taken):
+    what a test checks is gone."""
+    want = f"FORKD_RUN={run}".encode()
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if (p.name.isdigit() and MODULE.encode() in (p / "cmdline").read_bytes()
+                    and want in (p / "environ").read_bytes().split(b"\0")):
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
+
+
+class Taken:
+    """A spare taken by this lazy fork: ``go`` tells it its directory. It looks like the
+    process a ``fork.Spawn`` starts (``poll``, ``kill``, ``wait``), but is no child of
+    this process."""
+
+    def __init__(self, conn: socket.socket, pid: int, log: Path) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.log = log  # its output until it serves (then its directory's server.log)
+
+    @classmethod
+    def take(cls) -> Taken | None:
+        path = spare_dir() / SOCKET
+        if not path.exists():
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(TAKE_TIMEOUT)
+        try:
+            conn.connect(str(path))
+            pid, log = conn.makefile("rb").readline().decode().rstrip("\n").split(" ", 1)
+            return cls(conn, int(pid), Path(log))
+        except (OSError, ValueError):  # gone, or taken by another fork just now
+            conn.close()
+            return None
+
+    def go(self, d: Path) -> Taken:
+        line = json.dumps({"dir": str(d), "env": dict(os.environ), "cwd": os.getcwd()})
+        with contextlib.suppress(OSError):
+            self.conn.sendall(line.encode() + b"\n")
+        self.conn.close()
+        return self
+
+    def cancel(self) -> None:
+        self.conn.close()  # it reads EOF and exits
+
+    def poll(self) -> int | None:
+        from forkd.engine.qemu import pid_alive
+
+        return None if pid_alive(self.pid) else 1
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> None:
+        """Not a child: nothing to reap."""
+
+
+def _wait_for_taker(d: Path) -> socket.socket | None:
+    """Listen until the first taker connects (its connection), or None after SPARE_IDLE."""
+    path = d / SOCKET
+    path.unlink(missing_ok=True)  # a dead spare's: this one holds the lock
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(8)
+        (d / PID).write_text(str(os.getpid()))
+        listener.settimeout(SPARE_IDLE)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            return None
+    finally:
+        path.unlink(missing_ok=True)  # one taker: later ones find no socket
+        (d / PID).unlink(missing_ok=True)
+        listener.close()
+    return conn
+
+
+def main(log: Path) -> int:
+    d = spare_dir()
+    lock = os.open(d / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.unlink(missing_ok=True)
+        return 0  # another spare waits
+    from forkd.engine.lazy import serve  # what a spare is for: loaded before it is needed
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        conn = _wait_for_taker(d)
+    except SystemExit:  # ended (end_spare) while it waited
+        log.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(lock)  # taken, idle or ended: the next spare may start
+    request = None
+    if conn is not None:
+        with conn:
+            conn.settimeout(TAKE_TIMEOUT)
+            try:
+                conn.sendall(f"{os.getpid()} {log}\n".encode())
+                line = conn.makefile("rb").readline()
+                request = json.loads(line) if line else None
+            except (OSError, ValueError):
+                request = None
+    if not isinstance(request, dict) or not isinstance(request.get("dir"), str):
+        log.unlink(missing_ok=True)
+        return 0  # idle, or the taker hung up (it found a server running)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in dict(request.get("env") or {}).items()})
+    with contextlib.suppress(OSError, TypeError):
+        os.chdir(str(request.get("cwd")))
+    target = Path(request["dir"])
+    serve.adopt_log(target, log)
+    return serve.serve(target)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

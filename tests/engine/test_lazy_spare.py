@@ -1,0 +1,84 @@
+"""The spare lazy server (engine/lazy/spare.py): one waits per run directory, loaded; the
+first taker gets it (later ones find none), it serves the directory the taker names in
+the taker's working directory, logging there; ended or hung up on, it leaves no process,
+no socket and no log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.engine.lazy.spare import (
+    PID,
+    SOCKET,
+    Taken,
+    end_spare,
+    ensure_spare,
+    spare_dir,
+    spares_of,
+)
+from forkd.engine.qemu import pid_alive
+
+WAIT = 120.0  # seconds for a spare to load on a loaded host
+
+
+def _until(what: str, ok: object) -> None:
+    deadline = time.monotonic() + WAIT
+    while not ok():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    yield spare_dir()
+    end_spare()
+    _until("a spare was left running", lambda: spares_of(tmp_path / "run") == [])
+
+
+def _waiting(d: Path) -> int:
+    _until("no spare came up", lambda: (d / SOCKET).exists() and (d / PID).exists())
+    return int((d / PID).read_text())
+
+
+def test_one_spare_waits_and_the_first_taker_gets_it(run_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Taken.take() is None
+    ensure_spare()
+    ensure_spare()  # while the first loads: this one exits at the lock
+    pid = _waiting(run_dir)
+    taken = Taken.take()
+    assert taken is not None and taken.pid == pid
+    assert Taken.take() is None, "a second taker got the same spare"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "snap").mkdir()
+    proc = taken.go(Path("snap"))  # relative: resolved in the taker's directory
+    _until("the taken spare did not end", lambda: proc.poll() is not None)
+    said = (tmp_path / "snap" / "server.log").read_text()
+    assert "server.json" in said, said  # no spec there: it fails, and says so in its log
+    assert not taken.log.exists()
+    assert not (run_dir / SOCKET).exists()
+    assert spares_of(run_dir.parent) == [], "a second spare was left waiting"
+
+
+def test_a_taker_that_hangs_up_ends_the_spare(run_dir: Path) -> None:
+    ensure_spare()
+    pid = _waiting(run_dir)
+    taken = Taken.take()
+    assert taken is not None
+    taken.cancel()
+    _until("the spare outlived its taker", lambda: not pid_alive(pid))
+    assert not taken.log.exists()
+
+
+def test_end_spare_ends_the_waiting_one(run_dir: Path) -> None:
+    ensure_spare()
+    pid = _waiting(run_dir)
+    assert end_spare()
+    _until("the ended spare is still running", lambda: not pid_alive(pid))
+    assert not (run_dir / SOCKET).exists() and not (run_dir / PID).exists()
+    assert not end_spare()
