@@ -6,7 +6,7 @@ never seen, before its pack has arrived.
    Python and its modules (``Spawn``: the larger part of a server's start), unless a
    spare one waits already loaded (``spare.py``: each lazy fork leaves one for the next).
    With a recorded access order, this command starts fetching the working set into the
-   store at once (``_working_set``), before the server is up.
+   store at once (``WorkingSetFetch``), until the server is up.
 2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
    file, the disk as an NBD export, one per snapshot on the host).
 3. Fork the children on its memory file and on copies of its empty overlay, holding the
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,35 +248,42 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
             raise
         log.debug("lazy fork %s: chain resolved at %.3f s", remote_text,
                   time.perf_counter() - t0)
-        with _working_set(source, order if prefetch and _new_server(store, source) else None):
-            res = _fork_on_server(store, source, remote, n, prefetch, spawn, t0, options)
+        fetch = WorkingSetFetch(source, order if prefetch and _new_server(store, source)
+                                else None)
+        try:
+            res = _fork_on_server(store, source, remote, n, prefetch, spawn, t0, options,
+                                  fetch.stop)
+        finally:
+            fetch.stop()
     ensure_spare()  # for the next lazy fork on this host
     return res
 
 
-@contextlib.contextmanager
-def _working_set(source: ChunkSource, order: list[str] | None) -> Iterator[None]:
+class WorkingSetFetch:
     """While a new server still loads, this command already fetches the recorded working
     set (``order``) into the store, in order, so the server finds it local (best effort:
-    a chunk it misses is fetched when read). Waited for at the end, cancelled on error."""
-    if not order:
-        yield
-        return
-    pool = ThreadPoolExecutor(max_workers=RECORDED_WORKERS, thread_name_prefix="working-set")
+    a chunk it misses is fetched when read). ``stop`` once the server is up (it fetches
+    the rest itself, from the front of the same order, so going on would fetch chunks
+    twice): chunks not started are dropped, the ones on their way are waited for."""
 
-    def one(digest: str) -> None:
-        with contextlib.suppress(ForkdError):
-            source.fetch_into_store(digest)
+    def __init__(self, source: ChunkSource, order: list[str] | None) -> None:
+        self.pool: ThreadPoolExecutor | None = None
+        if not order:
+            return
+        self.pool = ThreadPoolExecutor(max_workers=RECORDED_WORKERS,
+                                       thread_name_prefix="working-set")
 
-    for digest in order:
-        if digest in source.refs:
-            pool.submit(one, digest)
-    try:
-        yield
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
+        def one(digest: str) -> None:
+            with contextlib.suppress(ForkdError):
+                source.fetch_into_store(digest)
+
+        for digest in order:
+            if digest in source.refs:
+                self.pool.submit(one, digest)
+
+    def stop(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _new_server(store: Store, source: ChunkSource) -> bool:
@@ -285,12 +292,13 @@ def _new_server(store: Store, source: ChunkSource) -> bool:
 
 
 def _fork_on_server(store: Store, source: ChunkSource, remote: RemoteRef, n: int,
-                    prefetch: bool, spawn: Starter, t0: float,
-                    options: dict[str, Any]) -> ch.ForkResult:
+                    prefetch: bool, spawn: Starter, t0: float, options: dict[str, Any],
+                    on_ready: Callable[[], None]) -> ch.ForkResult:
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
                  prefetch, spawn) as snap:
         log.debug("lazy fork %s: server ready at %.3f s", remote, time.perf_counter() - t0)
+        on_ready()
         try:
             asm = assembled(store, source, snap)
             res = ch.fork(store, tag, n, assembled=asm, overlay_template=snap.overlay,

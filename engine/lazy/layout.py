@@ -72,6 +72,19 @@ class ImageLayout:
             i += 1
         return out
 
+    def holes(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """The runs of a byte range that no layer provides (zeros): (byte offset in the
+        image, bytes)."""
+        out: list[tuple[int, int]] = []
+        at = offset
+        for start, n, _ in self.pieces(offset, length):
+            if offset + start > at:
+                out.append((at, offset + start - at))
+            at = offset + start + n
+        if offset + length > at:
+            out.append((at, offset + length - at))
+        return out
+
     def chunks_at(self, offset: int, length: int) -> list[str]:
         return list(dict.fromkeys(s.digest for _, _, s in self.pieces(offset, length)))
 

@@ -16,6 +16,7 @@ dead child. Open files are counted (``users``): the server exits when none is le
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -38,6 +39,7 @@ READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
 STORE_WINDOW = 2 << 20  # bytes pushed into the page cache around a first read (notify_store)
 STORE_QUEUE = 64  # windows waiting to be pushed; a read past that pushes nothing
 CACHE_READY_WAIT = 30.0  # seconds push_chunk waits for the file to be looked up
+ZEROS = memoryview(bytes(STORE_WINDOW))  # a window's holes are pushed from this
 
 
 class MemoryFile(pyfuse3.Operations):
@@ -66,6 +68,8 @@ class MemoryFile(pyfuse3.Operations):
         self._store_limit = trio.CapacityLimiter(1)
         self.read_requests = 0  # reads that reached this process (a page-cache miss each)
         self.pushed_chunks = 0  # chunks pushed whole into the page cache (push_chunk)
+        self.pushed_digests: set[str] = set()
+        self.filled_windows: set[int] = set()  # windows whose holes are in the page cache
         # set once the kernel knows the file's inode (a lookup of it was answered): a
         # notify_store of an inode the kernel has not looked up fails (ENOENT)
         self.cache_ready = threading.Event()
@@ -86,6 +90,7 @@ class MemoryFile(pyfuse3.Operations):
             return False
         with self._lock:
             self.pushed_chunks += 1
+            self.pushed_digests.add(digest)
         return True
 
     async def push_windows(self) -> None:
@@ -101,20 +106,46 @@ class MemoryFile(pyfuse3.Operations):
                 await trio.to_thread.run_sync(self._push, window, limiter=self._store_limit)
 
     def _push(self, window: int) -> None:
+        """Push the pieces of ``window``'s chunks that are here and not pushed whole
+        already (its holes went in with its first read: ``_read``). A window with a chunk
+        still on its way is tried again at its next read."""
         start = window * STORE_WINDOW
         size = min(STORE_WINDOW, self.layout.size - start)
-        if not all(self.layout.source.available(d) for d in self.layout.chunks_at(start, size)):
-            with self._lock:
-                self.stored_windows.discard(window)  # a later read of it tries again
-            return
+        complete = True
         try:
-            pyfuse3.notify_store(FILE_INODE, start, self.layout.read(start, size))
+            for at, length, segment in self.layout.pieces(start, size):
+                if segment.digest in self.pushed_digests:
+                    continue
+                if not self.layout.source.available(segment.digest):
+                    complete = False
+                    continue
+                pyfuse3.notify_store(FILE_INODE, start + at,
+                                     self.layout.read(start + at, length))
         except (ForkdError, OSError):
-            with self._lock:
-                self.stored_windows.discard(window)  # reads still produce its pages
-            return
+            complete = False  # reads still produce its pages
         with self._lock:
-            self.pushed += 1
+            if complete:
+                self.pushed += 1
+            else:
+                self.stored_windows.discard(window)
+
+    def _read(self, off: int, size: int, fill_holes: bool) -> bytes:
+        """The bytes of a read; fill_holes: also put the holes (zeros) of its window
+        around it into the page cache before it is answered, so the guest's next faults
+        there (free memory it starts to use: most of what it faults on outside the
+        recorded chunks) do not come back one page at a time. Only the window's first
+        reader fills, and never its own pages (the kernel holds them locked until the
+        answer): another reader's locked page only makes this push wait for that reader's
+        answer, which does not wait for anything."""
+        data = self.layout.read(off, size)
+        if fill_holes:
+            window = off // STORE_WINDOW * STORE_WINDOW
+            end = min(window + STORE_WINDOW, self.layout.size)
+            with contextlib.suppress(OSError):  # refused: reads still produce them
+                for at, length in [(window, off - window), (off + size, end - off - size)]:
+                    for hole, n in self.layout.holes(at, length) if length > 0 else []:
+                        pyfuse3.notify_store(FILE_INODE, hole, cast(bytes, ZEROS[:n]))
+        return data
 
     def _queue_window(self, off: int) -> None:
         window = off // STORE_WINDOW
@@ -190,7 +221,11 @@ class MemoryFile(pyfuse3.Operations):
         try:
             if self.on_chunks is not None:
                 self.on_chunks(self.layout.chunks_at(off, size))
-            data = await trio.to_thread.run_sync(self.layout.read, off, size,
+            window = off // STORE_WINDOW
+            with self._lock:
+                first = window not in self.filled_windows
+                self.filled_windows.add(window)
+            data = await trio.to_thread.run_sync(self._read, off, size, first,
                                                  limiter=self._limit)
             self._queue_window(off)
             return cast(bytes, data)

@@ -72,6 +72,7 @@ class Progress:
     fetched: int = 0  # chunks it fetched
     fetched_bytes: int = 0
     recorded: int = 0  # chunks fetched in the recorded order
+    recorded_seconds: float = 0.0  # until the recorded working set was here (pushed)
     tagged: str | None = None
     error: str | None = None
     seconds: float = 0.0
@@ -114,6 +115,7 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
     try:
         with ThreadPoolExecutor(max_workers=RECORDED_WORKERS) as pool:
             list(pool.map(one, order[:recorded]))  # what the children are about to fault on
+        progress.recorded_seconds = round(time.monotonic() - t0, 3)
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS) as pool:
             list(pool.map(one, order[recorded:]))
         progress.fetched_bytes += source.fetch_files()

@@ -195,3 +195,35 @@ def test_corrupt_chunk_from_the_hub_is_never_served(published: Published,
     for digest in memory:
         assert not fresh.blobs.has(digest)  # refused: never stored
     assert fresh.verify() == []
+
+
+def test_push_access_order_on_the_command_line(published: Published, store: Store, tiny: str,
+                                                tmp_path: Path, cleanup_children: None) -> None:
+    """`forkd push TAG REMOTE --access-order` (logged in with `forkd login`): the pack and
+    its recorded working set reach the hub, and the first lazy fork of a new store
+    prefetches that order from the start."""
+    import os
+    import subprocess
+
+    from forkd.engine.lazy import fork as lazy
+    from forkd.engine.lazy import orders
+
+    env = {**os.environ, "FORKD_CREDENTIALS": str(tmp_path / "creds.json")}
+    hub = published.hub.address
+    login = subprocess.run(["forkd", "login", hub, "-u", published.who[0], "--password-stdin"],
+                           input=published.who[1] + "\n", text=True, capture_output=True,
+                           env=env, timeout=60)
+    assert login.returncode == 0, login.stderr
+    pushed = subprocess.run(["forkd", "push", tiny, f"{hub}/lazy/ordered:v1", "--access-order",
+                             "--json"], text=True, capture_output=True, env=env, timeout=900,
+                            stdin=subprocess.DEVNULL)
+    assert pushed.returncode == 0, pushed.stderr
+    published.hub.public("lazy/ordered")
+    with published.hub.forkd_client(published.who) as client:
+        chunks = orders.fetch(client, "lazy/ordered", store.resolve(tiny))
+    assert chunks, "the pushed pack has no access order on the hub"
+    res = lazy.fork(published.fresh, f"{hub}/lazy/ordered:v1", 1)
+    assert len(res.children) == 1 and not res.errors
+    got = _prefetch(published.fresh)
+    assert got["state"] == "done" and got["recorded"] == len(chunks), got
+    assert _val(ch.eval_in(res.children[0].id, "6*7")) == 42

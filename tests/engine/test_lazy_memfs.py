@@ -4,6 +4,7 @@ page cache (notify_store), so reading a neighbouring page does not reach the ser
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -35,17 +36,9 @@ class CountingFile(memfs.MemoryFile):
         return await super().read(fh, off, size)
 
 
-@pytest.fixture
-def mounted(tmp_path: Path) -> Iterator[tuple[CountingFile, Path, bytes]]:
-    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
-        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
-    store = Store(tmp_path / "home")
-    image = tmp_path / "base.img"
-    write_base(image, SIZE, seed=7, random_share=0.5)
-    store.import_layer("app:v1", memory=image)
-    ops = CountingFile(ImageLayout(open_local(store, "app:v1"), "memory"))
-    ops.reads = []
-    mnt = tmp_path / "mnt"
+@contextlib.contextmanager
+def _serving(ops: CountingFile, mnt: Path) -> Iterator[Path]:
+    """``ops`` mounted at ``mnt`` and served (with its page-cache pusher) until the end."""
     mnt.mkdir()
     memfs.mount(ops, str(mnt))
     tokens: list[object] = []
@@ -60,14 +53,28 @@ def mounted(tmp_path: Path) -> Iterator[tuple[CountingFile, Path, bytes]]:
     thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
     thread.start()
     try:
-        yield ops, mnt / memfs.FILE_NAME, image.read_bytes()
+        yield mnt / memfs.FILE_NAME
     finally:
         while not tokens:
             time.sleep(0.01)
         trio.from_thread.run_sync(pyfuse3.terminate, trio_token=tokens[0])
         thread.join(30)
         pyfuse3.close(unmount=True)
-    assert memfs.our_mounts(str(tmp_path)) == []
+    assert memfs.our_mounts(str(mnt)) == []
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[tuple[CountingFile, Path, bytes]]:
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    store = Store(tmp_path / "home")
+    image = tmp_path / "base.img"
+    write_base(image, SIZE, seed=7, random_share=0.5)
+    store.import_layer("app:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "app:v1"), "memory"))
+    ops.reads = []
+    with _serving(ops, tmp_path / "mnt") as path:
+        yield ops, path, image.read_bytes()
 
 
 def test_a_first_read_pushes_its_window_into_the_page_cache(
@@ -109,3 +116,31 @@ def test_a_pushed_chunk_is_read_from_the_page_cache(
     finally:
         os.close(fd)
     assert ops.reads == [], "a page of a pushed chunk reached the server"
+
+
+def test_the_first_read_of_a_window_fills_its_holes(tmp_path: Path) -> None:
+    """A read of a page no layer provides (free guest memory) puts the window's other
+    zero pages into the page cache before it is answered: reading them later reaches the
+    server not once, and they read as zeros; a page with data there still reads right."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    store = Store(tmp_path / "home")
+    image = tmp_path / "sparse.img"
+    data = bytearray(2 * memfs.STORE_WINDOW)
+    data[8 * PAGE_SIZE : 9 * PAGE_SIZE] = os.urandom(PAGE_SIZE)  # one page with data
+    image.write_bytes(bytes(data))
+    store.import_layer("sparse:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "sparse:v1"), "memory"))
+    ops.reads = []
+    with _serving(ops, tmp_path / "mnt") as path:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            hole = 200 * PAGE_SIZE  # far from the data page and from any readahead
+            assert os.pread(fd, PAGE_SIZE, hole) == bytes(PAGE_SIZE)
+            before = len(ops.reads)
+            for page in (0, 100, 400, 511):
+                assert os.pread(fd, PAGE_SIZE, page * PAGE_SIZE) == bytes(PAGE_SIZE)
+            assert ops.reads[before:] == [], "a zero page of a filled window reached the server"
+            assert os.pread(fd, PAGE_SIZE, 8 * PAGE_SIZE) == data[8 * PAGE_SIZE : 9 * PAGE_SIZE]
+        finally:
+            os.close(fd)
