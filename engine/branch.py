@@ -33,6 +33,7 @@ from forkd.engine import children as ch
 from forkd.engine import precopy
 from forkd.engine.build import scratch_dir
 from forkd.engine.errors import HostError, VMMError
+from forkd.engine.lazy.prefetch import wait_complete
 from forkd.engine.precopy import PAGE, ram_mapping, read_pages
 from forkd.engine.qemu import QEMU_IMG
 from forkd.engine.qmp import QMP
@@ -213,6 +214,7 @@ def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: 
     ref = str(parse_ref(tag))
     info = ch.get(child_id)
     ch._require_running(info)
+    wait_complete(info.memory, f"child {child_id}")  # a lazy child: its chain arrives first
     if store.resolve(info.ref) != info.digest:
         raise Conflict(f"tag {info.ref} has moved since child {child_id} was forked from it; "
                        "the diff would have the wrong parent. Re-tag the old digest first.")

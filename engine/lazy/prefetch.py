@@ -13,7 +13,9 @@ snapshot forks, branches and pushes like a pulled one; children keep running unc
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,11 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from forkd.engine.lazy.chunks import ChunkSource
-from forkd.errors import ForkdError
+from forkd.errors import Conflict, ForkdError
 from forkd.pack import accessorder
 
 PREFETCH_WORKERS = 2  # fetches at once for the chunks past the recorded working set
 RECORDED_WORKERS = 4  # fetches at once for the recorded working set (HTTP connections)
+BACKGROUND_NICE = 19  # niceness of the threads that fetch the rest of the chain
+COMPLETE_WAIT = 300.0  # seconds a branch of a lazy child waits for its chain
 
 
 class AccessOrder:
@@ -116,8 +120,8 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         with ThreadPoolExecutor(max_workers=RECORDED_WORKERS) as pool:
             list(pool.map(one, order[:recorded]))  # what the children are about to fault on
         progress.recorded_seconds = round(time.monotonic() - t0, 3)
-        with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS) as pool:
-            list(pool.map(one, order[recorded:]))
+        with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, initializer=_background) as pool:
+            list(pool.map(one, order[recorded:]))  # what no child needed yet
         progress.fetched_bytes += source.fetch_files()
         source.flush()  # the fetched chunks are in the store
         if not source.complete():
@@ -132,6 +136,13 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
     _save(report, progress)
 
 
+def _background() -> None:
+    """This thread yields the CPU to the children (and to the faults they still take):
+    the rest of the chain is not what they wait for (Linux: niceness is per thread)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
 def _save(report: Path, progress: Progress) -> None:
     tmp = report.with_name(report.name + ".tmp")
     tmp.write_text(json.dumps(asdict(progress)))
@@ -144,3 +155,37 @@ def read_progress(report: Path) -> Progress | None:
     except (OSError, ValueError):
         return None
     return Progress(**raw) if isinstance(raw, dict) else None
+
+
+def wait_complete(memory: str | Path, what: str, timeout: float = COMPLETE_WAIT) -> None:
+    """For a child of a lazy server (its memory file is the server's): wait until the
+    prefetch has brought the whole chain and tagged it, since a branch stacks a layer on
+    that tag; raise, saying why, when it failed, cannot complete (the server fetches on
+    demand only) or is still running after ``timeout`` seconds. Any other child: return."""
+    from forkd.engine.lazy.paths import server_dir_of
+
+    d = server_dir_of(Path(memory))
+    if d is None:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read_progress(d / "prefetch.json")
+        if got is not None and got.state == "done":
+            return
+        if got is not None and got.state == "failed":
+            raise ForkdError(f"{what} was forked lazily and its chain did not arrive "
+                             f"({got.error}); fork it again while its hub is reachable, or "
+                             "pull the pack")
+        try:
+            on_demand = json.loads((d / "server.json").read_text()).get("prefetch") is False
+        except (OSError, ValueError):
+            on_demand = False
+        if on_demand:
+            raise Conflict(f"{what} was forked lazily with the prefetch off, so its chain is "
+                           "not complete here; pull the pack (forkd pull), then branch")
+        if time.monotonic() > deadline:
+            fetched = f"{got.fetched} of {got.chunks} chunks" if got else "nothing yet"
+            raise Conflict(f"{what} was forked lazily and its chain is still arriving "
+                           f"({fetched} after {timeout:.0f} s; {d / 'prefetch.json'}); "
+                           "branch it once that says done")
+        time.sleep(0.1)

@@ -47,10 +47,16 @@ def spare_dir(run: Path | None = None) -> Path:
 
 
 def ensure_spare() -> None:
-    """Start a spare unless one waits (a second one started at once exits at its lock)."""
+    """Start a spare unless one waits or loads (it holds the lock; a second one started
+    at once exits at the lock). A socket left by a killed spare does not count."""
     d = spare_dir()
-    if (d / SOCKET).exists():
-        return
+    fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # a spare holds it
+    finally:
+        os.close(fd)  # (releases the probe's lock)
     fd, log = tempfile.mkstemp(prefix="spare-", suffix=".log", dir=d)
     try:
         subprocess.Popen([sys.executable, "-P", "-m", MODULE, log], stdin=subprocess.DEVNULL,

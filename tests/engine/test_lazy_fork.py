@@ -227,3 +227,29 @@ def test_push_access_order_on_the_command_line(published: Published, store: Stor
     got = _prefetch(published.fresh)
     assert got["state"] == "done" and got["recorded"] == len(chunks), got
     assert _val(ch.eval_in(res.children[0].id, "6*7")) == 42
+
+
+def test_a_branch_right_after_a_lazy_fork_waits_for_the_chain(published: Published,
+                                                               cleanup_children: None) -> None:
+    """A branch stacks a layer on the tag the child was forked from, which exists once the
+    prefetch has brought the whole chain: a branch at once waits for it, then forks like
+    any. With the prefetch off the chain never completes here: the branch says to pull."""
+    from forkd.engine.branch import branch
+    from forkd.engine.lazy import fork as lazy
+    from forkd.errors import Conflict
+
+    res = lazy.fork(published.fresh, published.remote, 1)
+    child = res.children[0].id
+    b = branch(published.fresh, child, "lazy/tiny:right-away")  # no wait for the prefetch
+    assert b.parent == published.local
+    assert published.fresh.resolve(published.local) == res.children[0].digest
+    grandchild = ch.fork(published.fresh, "lazy/tiny:right-away", 1).children[0]
+    assert _val(ch.eval_in(grandchild.id, "6*7")) == 42
+
+    on_demand = Store(published.fresh.home.parent / "on-demand")
+    try:
+        lone = lazy.fork(on_demand, published.remote, 1, prefetch=False).children[0]
+        with pytest.raises(Conflict, match="forkd pull"):
+            branch(on_demand, lone.id, "lazy/tiny:never")
+    finally:
+        ch.kill_all(on_demand)

@@ -82,3 +82,20 @@ def test_end_spare_ends_the_waiting_one(run_dir: Path) -> None:
     _until("the ended spare is still running", lambda: not pid_alive(pid))
     assert not (run_dir / SOCKET).exists() and not (run_dir / PID).exists()
     assert not end_spare()
+
+
+def test_a_killed_spare_is_replaced(run_dir: Path) -> None:
+    """A spare killed outright leaves its socket: a taker finds nobody there (and starts
+    its own server), and the next ensure_spare starts a new spare all the same."""
+    import os
+    import signal
+
+    ensure_spare()
+    pid = _waiting(run_dir)
+    os.kill(pid, signal.SIGKILL)
+    _until("the killed spare is still running", lambda: not pid_alive(pid))
+    assert (run_dir / SOCKET).exists()  # nobody cleaned up
+    assert Taken.take() is None
+    ensure_spare()
+    _until("no new spare came up", lambda: (run_dir / PID).exists()
+           and int((run_dir / PID).read_text()) != pid)
