@@ -58,6 +58,13 @@ def setup(yes: bool) -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Publish this recipe as deeplethe/NAME instead of the bundled packs; repeatable.",
 )
+@click.option(
+    "--wait",
+    "wait_bundles",
+    is_flag=True,
+    help="Build and publish the bundled packs before returning (default: in the background "
+    "when some need a build; a later run waits for them).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def quickstart(
     yes: bool,
@@ -66,6 +73,7 @@ def quickstart(
     code: str,
     keep: bool,
     bundles: tuple[Path, ...],
+    wait_bundles: bool,
     as_json: bool,
 ) -> None:
     """From a fresh machine to N warm forks: prerequisites, hub, build, push, pull, fork, eval."""
@@ -81,6 +89,7 @@ def quickstart(
         confirm=lambda q: click.confirm(q, default=True),
         say=lambda m: click.echo(m, err=True),
         bundled=list(bundles) or None,
+        wait_bundles=wait_bundles,
     )
     if as_json:
         emit_json(asdict(report))
@@ -94,6 +103,11 @@ def quickstart(
     click.echo(f"\ncatalog: {report.catalog_url}")
     if report.bundled:
         click.echo("bundled packs (forkd pull NS/NAME, then forkd fork NS/NAME -n 3):")
+    if report.bundles_log:
+        click.echo(
+            "bundled packs (deeplethe/…): being built and published in the background; "
+            f"follow {report.bundles_log}, or run `forkd quickstart` again to wait for them"
+        )
     for b in report.bundled:
         what = "built" if b.built else "cached"
         sent = f"pushed {b.push_blobs} blobs" if b.pushed else "nothing pushed (on the hub)"

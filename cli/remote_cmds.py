@@ -12,7 +12,7 @@ import click
 from forkd.cli.output import emit_json, human, progress_bar
 from forkd.errors import InvalidInput
 from forkd.registry import credentials
-from forkd.registry.client import RegistryClient
+from forkd.registry.client import RegistryClient, RegistryNotFound
 from forkd.registry.readme import read_readme, set_readme
 from forkd.registry.reference import (
     SET_HUB_HINT,
@@ -173,7 +173,15 @@ def pull_cmd(remote: str, hub: str | None, local: str | None, force: bool, as_js
     store = Store.open()
     start = time.perf_counter()
     with client, progress_bar(f"pulling {remote}", None) as advance:
-        result = pull(store, ref, client, local, progress=advance, force=force)
+        try:
+            result = pull(store, ref, client, local, progress=advance, force=force)
+        except RegistryNotFound as exc:
+            from forkd.controller.bundles_job import pending_hint
+
+            hint = pending_hint(store.home / "quickstart", ref.name)
+            if hint is None:
+                raise
+            raise RegistryNotFound(f"{exc}; {hint}") from exc
     problems = _host_problems(store, result.digest)
     if as_json:
         emit_json(

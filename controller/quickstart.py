@@ -15,6 +15,9 @@ Steps (each reuses what an earlier run left, so a second run takes seconds):
 7. on the embedded hub, the bundled packs (BUNDLED_RECIPES): each built (cached by
    recipe content), pushed as ``deeplethe/<recipe name>:latest`` unless the hub already
    has that digest, and made public, so ``forkd pull deeplethe/NAME`` works anywhere.
+   When some still need a build (the first run: minutes), a background job publishes them
+   (controller/bundles_job.py) and the command returns after step 6; a later run waits
+   for that job. ``--wait`` publishes them before returning.
 """
 
 from __future__ import annotations
@@ -273,6 +276,7 @@ class QuickstartReport:
     children: list[ChildReport] = field(default_factory=list)
     catalog_url: str = ""
     bundled: list[BundledReport] = field(default_factory=list)
+    bundles_log: str = ""  # the background job publishing the bundled packs (none: "")
     seconds: float = 0.0
 
 
@@ -334,10 +338,15 @@ def hub_digest(client: RegistryClient, repository: str, tag: str) -> str | None:
 
 
 def publish_bundled(
-    store: Store, paths: list[Path], embedded: EmbeddedHub, say: Say
+    store: Store,
+    paths: list[Path],
+    embedded: EmbeddedHub,
+    say: Say,
+    on_published: Callable[[BundledReport], None] | None = None,
 ) -> list[BundledReport]:
     """Build each recipe as BUNDLED_NAMESPACE/<name>:latest (cached by content), push it
-    unless the hub has that digest under the tag already, and make it public."""
+    unless the hub has that digest under the tag already, and make it public;
+    ``on_published`` hears of each pack once it is public."""
     from forkd.engine import recipe as recipes
     from forkd.engine.build import build
 
@@ -381,7 +390,37 @@ def publish_bundled(
                 )
             )
             reports.append(report)
+            if on_published is not None:
+                on_published(report)
     return reports
+
+
+def bundles(
+    store: Store,
+    root: Path,
+    paths: list[Path],
+    embedded: EmbeddedHub,
+    say: Say,
+    wait: bool,
+) -> tuple[list[BundledReport], str]:
+    """The bundled packs: published here when none needs a build (seconds) or ``wait``,
+    else by a background job (controller/bundles_job.py) whose log is returned. A job an
+    earlier run started is waited for first, so one recipe is never built twice at once."""
+    from forkd.controller import bundles_job
+    from forkd.engine import recipe as recipes
+    from forkd.engine.build import cached_snapshot
+
+    bundles_job.wait(root, say)
+    loaded = [recipes.load(p) for p in paths]
+    to_build = [r.name for r in loaded if cached_snapshot(store, r) is None]
+    if wait or not to_build:
+        return publish_bundled(store, paths, embedded, say), ""
+    log = bundles_job.start(root, paths, [f"{BUNDLED_NAMESPACE}/{r.name}" for r in loaded])
+    say(
+        f"bundled packs: {', '.join(to_build)} to build; publishing all {len(paths)} in the "
+        f"background (log {log}); `forkd quickstart` again waits for them"
+    )
+    return [], str(log)
 
 
 def run(
@@ -394,9 +433,11 @@ def run(
     confirm: Callable[[str], bool],
     say: Say,
     bundled: list[Path] | None = None,
+    wait_bundles: bool = False,
 ) -> QuickstartReport:
     """The main job (module docstring). ``bundled``: recipes to publish as
-    BUNDLED_NAMESPACE/<name> instead of BUNDLED_RECIPES (an empty list: none)."""
+    BUNDLED_NAMESPACE/<name> instead of BUNDLED_RECIPES (an empty list: none);
+    wait_bundles: publish them before returning even when some need a build."""
     from forkd.engine import children as ch
     from forkd.engine import image
     from forkd.engine import recipe as recipes
@@ -500,6 +541,8 @@ def run(
     else:
         if prefetch is not None:
             prefetch.wait()
-        report.bundled = publish_bundled(store, bundle_paths, embedded, say)
+        report.bundled, report.bundles_log = bundles(
+            store, root, bundle_paths, embedded, say, wait_bundles
+        )
     report.seconds = time.perf_counter() - start
     return report

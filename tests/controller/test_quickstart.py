@@ -78,7 +78,8 @@ def test_embedded_hub_namespace_and_visibility(tmp_path: Path, monkeypatch: pyte
             os.killpg(state["pid"], signal.SIGTERM)
 
 
-def _quickstart(env: dict[str, str]) -> dict[str, object]:
+def _quickstart(env: dict[str, str], bundle: Path = REPO / "recipes" / "tiny.toml"
+                ) -> dict[str, object]:
     proc = subprocess.run(
         [
             "forkd",
@@ -91,7 +92,7 @@ def _quickstart(env: dict[str, str]) -> dict[str, object]:
             "--eval",
             "WARM['recipe'] + str(len(__import__('os').urandom(4)))",
             "--bundle",
-            str(REPO / "recipes" / "tiny.toml"),
+            str(bundle),
             "--json",
         ],
         env=env,
@@ -155,6 +156,63 @@ def test_quickstart_twice(tmp_path: Path):
         assert httpx.get(f"http://{first['hub']}/v2/", timeout=5).status_code in (200, 401)
         assert not list((tmp_path / "run" / "children").glob("tiny-*"))  # children killed
     finally:
+        if state.exists():
+            pid = json.loads(state.read_text())["pid"]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+
+
+@pytest.mark.timeout(3600)
+def test_background_bundles(tmp_path: Path):
+    """The main job returns once its forks answered; a bundled pack that still needs a
+    build is published by a background job. Pulling it meanwhile says so; the next
+    quickstart waits for the job, and then the pack pulls and forks."""
+    if os.geteuid() != 0:
+        pytest.skip("quickstart forks VMs: needs root")
+    variant = tmp_path / "tiny-later.toml"  # a recipe no cache holds: it needs a build
+    variant.write_text((REPO / "recipes" / "tiny.toml").read_text()
+                       .replace('name = "tiny"', 'name = "tiny-later"'))
+    home = tmp_path / "home"
+    env = {
+        **os.environ,
+        "FORKD_HOME": str(home),
+        "FORKD_RUN": str(tmp_path / "run"),
+        "FORKD_CREDENTIALS": str(tmp_path / "credentials.json"),
+    }
+    env.pop("FORKD_HUB", None)
+    state = home / "quickstart" / "hub" / "state.json"
+    job = home / "quickstart" / "bundles.json"
+    try:
+        first = _quickstart(env, variant)
+        assert len(first["children"]) == 3  # type: ignore[arg-type]
+        assert first["bundled"] == [] and str(first["bundles_log"]).endswith("bundles.log")
+        assert json.loads(job.read_text())["state"] == "running"
+        early = subprocess.run(["forkd", "pull", "deeplethe/tiny-later", "--tag", "early"],
+                               env=env, capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=120)
+        assert early.returncode != 0
+        assert "still being built by `forkd quickstart` in the background" in early.stderr
+
+        second = _quickstart(env, variant)  # waits for the job, then finds it all published
+        assert second["bundles_log"] == ""
+        [again] = second["bundled"]  # type: ignore[misc]
+        assert again["repository"] == "deeplethe/tiny-later" and again["built"] is False
+        assert again["pushed"] is False  # the background job pushed it
+        done = json.loads(job.read_text())
+        assert done["state"] == "done" and done["bundled"][0]["digest"] == again["digest"]
+
+        fresh = {**env, "FORKD_HOME": str(tmp_path / "fresh"), "FORKD_RUN": str(tmp_path / "run2")}
+        pulled = json.loads(_forkd(fresh, "pull", "deeplethe/tiny-later", "--json"))
+        assert pulled["digest"] == again["digest"]
+        try:
+            forked = json.loads(_forkd(fresh, "fork", "deeplethe/tiny-later", "-n", "1", "--json"))
+            assert len(forked["children"]) == 1 and not forked["errors"]
+        finally:
+            _forkd(fresh, "kill", "--all")
+    finally:
+        if job.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(json.loads(job.read_text())["pid"]), signal.SIGTERM)
         if state.exists():
             pid = json.loads(state.read_text())["pid"]
             with contextlib.suppress(ProcessLookupError):
