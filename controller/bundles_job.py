@@ -109,13 +109,17 @@ def pending_hint(root: Path, repository: str) -> str | None:
 
 def main(paths: list[str]) -> int:
     from forkd.controller import quickstart as qs
+    from forkd.engine import recipe as recipes
     from forkd.errors import ForkdError
     from forkd.store.store import Store
 
     store = Store.open()
     root = store.home / "quickstart"
-    state = status(root) or {"repositories": []}
-    state.update({"state": "running", "pid": os.getpid(), "bundled": [], "error": None})
+    recipe_paths = [Path(p) for p in paths]
+    # its own state from the start (what `start` wrote may come after this process began)
+    state: dict[str, Any] = {
+        "state": "running", "pid": os.getpid(), "bundled": [], "error": None,
+        "repositories": [f"{qs.BUNDLED_NAMESPACE}/{recipes.load(p).name}" for p in recipe_paths]}
     _save(root, state)
 
     def say(message: str) -> None:
@@ -128,7 +132,7 @@ def main(paths: list[str]) -> int:
             state["bundled"].append(asdict(report))
             _save(root, state)
 
-        qs.publish_bundled(store, [Path(p) for p in paths], embedded, say, published)
+        qs.publish_bundled(store, recipe_paths, embedded, say, published)
         state["state"] = "done"
         say("bundled packs: all published")
     except (ForkdError, OSError) as exc:

@@ -78,6 +78,20 @@ def test_embedded_hub_namespace_and_visibility(tmp_path: Path, monkeypatch: pyte
             os.killpg(state["pid"], signal.SIGTERM)
 
 
+def _pull_and_fork(env: dict[str, str], tmp_path: Path, repository: str, digest: str,
+                   n: int) -> None:
+    """In a fresh FORKD_HOME (the default hub the main job set): pull ``repository`` (it is
+    ``digest``), fork ``n`` children of it, kill them."""
+    fresh = {**env, "FORKD_HOME": str(tmp_path / "fresh"), "FORKD_RUN": str(tmp_path / "run2")}
+    pulled = json.loads(_forkd(fresh, "pull", repository, "--json"))
+    assert pulled["digest"] == digest
+    try:
+        forked = json.loads(_forkd(fresh, "fork", repository, "-n", str(n), "--json"))
+        assert len(forked["children"]) == n and not forked["errors"]
+    finally:
+        _forkd(fresh, "kill", "--all")
+
+
 def _quickstart(env: dict[str, str], bundle: Path = REPO / "recipes" / "tiny.toml"
                 ) -> dict[str, object]:
     proc = subprocess.run(
@@ -136,14 +150,7 @@ def test_quickstart_twice(tmp_path: Path):
         assert anonymous.status_code == 200  # public: no credentials needed
 
         # a fresh FORKD_HOME, the default hub the main job set: pull, then fork
-        fresh = {**env, "FORKD_HOME": str(tmp_path / "fresh"), "FORKD_RUN": str(tmp_path / "run2")}
-        pulled = json.loads(_forkd(fresh, "pull", "deeplethe/tiny", "--json"))
-        assert pulled["digest"] == bundled["digest"]
-        try:
-            forked = json.loads(_forkd(fresh, "fork", "deeplethe/tiny", "-n", "3", "--json"))
-            assert len(forked["children"]) == 3 and not forked["errors"]
-        finally:
-            _forkd(fresh, "kill", "--all")
+        _pull_and_fork(env, tmp_path, "deeplethe/tiny", str(bundled["digest"]), 3)
 
         second = _quickstart(env)
         assert second["built"] is False and second["pulled_from_hub"] is False
@@ -201,14 +208,7 @@ def test_background_bundles(tmp_path: Path):
         done = json.loads(job.read_text())
         assert done["state"] == "done" and done["bundled"][0]["digest"] == again["digest"]
 
-        fresh = {**env, "FORKD_HOME": str(tmp_path / "fresh"), "FORKD_RUN": str(tmp_path / "run2")}
-        pulled = json.loads(_forkd(fresh, "pull", "deeplethe/tiny-later", "--json"))
-        assert pulled["digest"] == again["digest"]
-        try:
-            forked = json.loads(_forkd(fresh, "fork", "deeplethe/tiny-later", "-n", "1", "--json"))
-            assert len(forked["children"]) == 1 and not forked["errors"]
-        finally:
-            _forkd(fresh, "kill", "--all")
+        _pull_and_fork(env, tmp_path, "deeplethe/tiny-later", str(again["digest"]), 1)
     finally:
         if job.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
