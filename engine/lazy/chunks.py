@@ -105,9 +105,9 @@ class ChunkSource:
         """Whether reading the chunk needs no fetch (decoded, waiting for the store, or in
         it)."""
         with self._lock:
-            if digest in self._cache or digest in self._unstored:
+            if digest in self._cache:
                 return True
-        return self.has(digest)
+        return self.local(digest)
 
     def local(self, digest: str) -> bool:
         """Whether the chunk is here, in the store or on its way to it (no fetch needed)."""
@@ -225,26 +225,28 @@ class ChunkSource:
         return unpack_chunk(blob, ref, what)
 
     def fetch_into_store(self, digest: str) -> bool:
-        """Bring a chunk that is not here into the store without decompressing it (its
-        size and digest checked; its content is checked when it is read): what a lazy fork
-        does for the recorded working set while its server is still starting. True when
-        it was fetched."""
+        """Bring a chunk that is not here into the store without decompressing it (streamed
+        in, its size and digest checked as the store writes it; its content is checked when
+        it is read): what a lazy fork does for the recorded working set while its server is
+        still starting. True when it was fetched."""
         if self.local(digest):
             return False
         ref, what = self.refs.get(digest) or (None, "")
         if ref is None:
             raise NotFound(f"{self.name}: no chunk {digest} in its chain")
-        blob = self._download(ref, what)
+        if self.hub is None:
+            raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
+                                   "fetch it from; pull the pack again")
         with self.store.writing():
-            self.store.blobs.put_bytes(blob, digest)
+            _fetch_blob(self.store, self.hub.client, self.hub.repo, digest, ref.stored, what)
         with self._lock:
-            self.fetched_bytes += len(blob)
+            self.fetched_bytes += ref.stored
             self.fetched_chunks += 1
         return True
 
-    def _download(self, ref: ChunkRef, what: str) -> bytes:
-        """The chunk's stored (compressed) bytes from the hub, their size and digest
-        checked."""
+    def _fetch(self, ref: ChunkRef, what: str) -> bytes:
+        """The chunk from the hub, verified and decompressed; handed to the store writer
+        (written inline when MAX_UNSTORED chunks already wait for it)."""
         if self.hub is None:
             raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
                                    "fetch it from; pull the pack again")
@@ -270,12 +272,6 @@ class ChunkSource:
             raise IntegrityError(f"{what}: the hub sent {len(blob)} bytes, the map declares "
                                  f"{ref.stored}; refusing it")
         dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
-        return blob
-
-    def _fetch(self, ref: ChunkRef, what: str) -> bytes:
-        """The chunk from the hub, verified and decompressed; handed to the store writer
-        (written inline when MAX_UNSTORED chunks already wait for it)."""
-        blob = self._download(ref, what)
         data = unpack_chunk(blob, ref, what)  # the content must check out before it is kept
         with self._lock:
             self.fetched_bytes += len(blob)

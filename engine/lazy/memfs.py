@@ -67,8 +67,7 @@ class MemoryFile(pyfuse3.Operations):
         self._to_store: trio.MemorySendChannel[int] | None = None
         self._store_limit = trio.CapacityLimiter(1)
         self.read_requests = 0  # reads that reached this process (a page-cache miss each)
-        self.pushed_chunks = 0  # chunks pushed whole into the page cache (push_chunk)
-        self.pushed_digests: set[str] = set()
+        self.pushed_digests: set[str] = set()  # chunks pushed whole (push_chunk)
         self.filled_windows: set[int] = set()  # windows whose holes are in the page cache
         # set once the kernel knows the file's inode (a lookup of it was answered): a
         # notify_store of an inode the kernel has not looked up fails (ENOENT)
@@ -89,7 +88,6 @@ class MemoryFile(pyfuse3.Operations):
         except OSError:
             return False
         with self._lock:
-            self.pushed_chunks += 1
             self.pushed_digests.add(digest)
         return True
 

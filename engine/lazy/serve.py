@@ -125,7 +125,8 @@ class Server:
         while not self.stopping:
             await trio.sleep(POLL)
             self.save_errors()
-            if (self.dir / "prefetch.go").exists() or time.monotonic() - ready_at > PREFETCH_AFTER:
+            if not self.prefetch_started and ((self.dir / "prefetch.go").exists()
+                                              or time.monotonic() - ready_at > PREFETCH_AFTER):
                 self.start_prefetch()
             idle = time.monotonic() - max(self.ops.last_release, ready_at)
             waited = self.ops.opens > 0 or time.monotonic() - ready_at > FIRST_OPEN_GRACE
@@ -155,7 +156,7 @@ class Server:
                      on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk)
         log.info("prefetch %s in %.2f s: %d chunks fetched, %d pushed into the page cache; %s",
                  self.progress.state, self.progress.seconds, self.progress.fetched,
-                 self.ops.pushed_chunks, self.progress.error or "")
+                 len(self.ops.pushed_digests), self.progress.error or "")
 
     def image_order(self) -> list[str]:
         order = list(self.memory.chunk_order)
@@ -255,7 +256,7 @@ def serve(d: Path) -> int:
             with contextlib.suppress(OSError):
                 mnt.rmdir()
     log.info("stopped: %d reads reached the server, %d chunks were pushed into the page "
-             "cache", server.ops.read_requests, server.ops.pushed_chunks)
+             "cache", server.ops.read_requests, len(server.ops.pushed_digests))
     return 0
 
 

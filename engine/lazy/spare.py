@@ -33,6 +33,7 @@ from forkd.engine.lazy.paths import LAZY_DIR
 
 SPARE_IDLE = 600.0  # seconds a spare waits for a taker
 TAKE_TIMEOUT = 2.0  # seconds a taker waits for the spare's pid, and the spare for its line
+MAX_REQUEST = 1 << 20  # bytes of a taker's line (its directory, environment, cwd)
 SOCKET, LOCK, PID = "spare.sock", "spare.lock", "spare.pid"
 MODULE = "forkd.engine.lazy.spare"
 
@@ -191,18 +192,19 @@ def main(log: Path) -> int:
             conn.settimeout(TAKE_TIMEOUT)
             try:
                 conn.sendall(f"{os.getpid()} {log}\n".encode())
-                line = conn.makefile("rb").readline()
-                request = json.loads(line) if line else None
+                line = conn.makefile("rb").readline(MAX_REQUEST + 1)
+                request = json.loads(line) if 0 < len(line) <= MAX_REQUEST else None
             except (OSError, ValueError):
                 request = None
-    if not isinstance(request, dict) or not isinstance(request.get("dir"), str):
+    if not (isinstance(request, dict) and isinstance(request.get("dir"), str)
+            and isinstance(request.get("env"), dict) and isinstance(request.get("cwd"), str)):
         log.unlink(missing_ok=True)
-        return 0  # idle, or the taker hung up (it found a server running)
+        return 0  # idle, the taker hung up (it found a server running), or not a request
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in dict(request.get("env") or {}).items()})
-    with contextlib.suppress(OSError, TypeError):
-        os.chdir(str(request.get("cwd")))
+    os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+    with contextlib.suppress(OSError):
+        os.chdir(request["cwd"])
     target = Path(request["dir"])
     serve.adopt_log(target, log)
     return serve.serve(target)

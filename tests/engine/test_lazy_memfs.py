@@ -107,7 +107,7 @@ def test_a_pushed_chunk_is_read_from_the_page_cache(
     ops.cache_ready.set()
     digest = next(iter(ops.layout.by_chunk))
     assert ops.push_chunk(digest, ops.layout.source.read(digest))
-    assert ops.pushed_chunks == 1
+    assert ops.pushed_digests == {digest}
     fd = os.open(path, os.O_RDONLY)
     try:
         for offset, piece in ops.layout.placed(digest, ops.layout.source.read(digest)):

@@ -5,6 +5,7 @@ no socket and no log."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,3 +100,20 @@ def test_a_killed_spare_is_replaced(run_dir: Path) -> None:
     ensure_spare()
     _until("no new spare came up", lambda: (run_dir / PID).exists()
            and int((run_dir / PID).read_text()) != pid)
+
+
+@pytest.mark.parametrize("line", [b"not json\n", b'{"dir": 3}\n', b'["dir"]\n',
+                                  b'{"dir": "x", "env": "PATH=/", "cwd": "/"}\n'],
+                         ids=["not-json", "dir-not-text", "not-an-object", "env-not-object"])
+def test_a_spare_refuses_what_is_not_a_request(run_dir: Path, line: bytes) -> None:
+    """A line that is not {"dir", "env", "cwd"} of the right types serves nothing: the
+    spare ends, leaving no log."""
+    ensure_spare()
+    pid = _waiting(run_dir)
+    taken = Taken.take()
+    assert taken is not None
+    with contextlib.suppress(OSError):
+        taken.conn.sendall(line)
+    taken.conn.close()
+    _until("the spare served a bad request", lambda: not pid_alive(pid))
+    assert not taken.log.exists()
