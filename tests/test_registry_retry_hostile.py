@@ -195,11 +195,11 @@ def test_an_access_order_whose_stream_breaks_off_is_read_again_whole(
     monkeypatch.setattr(registry_client, "RETRY_DELAYS", (0.05,))
     start = serve
     assert callable(start)
-    _OrderBreaksOff.order = ao.encode(HEAD, CHUNKS)
+    _OrderBreaksOff.order = ao.encode(HEAD, ao.Order(CHUNKS))
     _OrderBreaksOff.manifest = ao.artifact(
         Descriptor(mt.OCI_MANIFEST, HEAD, 100), _OrderBreaksOff.order
     )
     hub = Hub(start(_OrderBreaksOff), "http")
     with RegistryClient(hub) as client:
-        assert orders.fetch(client, "r", HEAD) == CHUNKS
+        assert orders.fetch(client, "r", HEAD) == ao.Order(CHUNKS)
     assert sum(1 for _, p, _ in _OrderBreaksOff.seen if "/blobs/" in p) == 2

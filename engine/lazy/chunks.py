@@ -13,6 +13,9 @@ store write (with its fsyncs) runs on a writer thread, off the faulting reader's
 to ``MAX_UNSTORED`` verified chunks wait for it (beyond that a fetch writes inline), and
 ``flush`` waits for them (before the chain is called complete, before the server exits).
 
+``claim`` / ``arrived`` / ``unclaim`` let the working set's one request (workingset.py)
+bring chunks that readers then wait for, each checked as above before anything uses it.
+
 ``open_local`` builds a source on a chain the store has; ``open_remote`` resolves a
 chain from the hub's manifests first (manifests, configs, maps and the whole-file blobs
 are fetched into the store, verified; chunks are not).
@@ -43,6 +46,11 @@ from forkd.store.store import Store
 
 CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
 MAX_UNSTORED = 32  # verified fetched chunks waiting for the store writer (compressed)
+
+
+class _LeftToReaders(Exception):
+    """A chunk the working set's stream claimed but did not bring (it stopped first): its
+    waiting readers fetch it themselves."""
 
 
 class ChunkUnavailable(ForkdError):
@@ -135,7 +143,10 @@ class ChunkSource:
                 pending = Future()
                 self._inflight[digest] = pending
         if not mine:
-            return pending.result()
+            try:
+                return pending.result()
+            except _LeftToReaders:  # the working set's stream stopped before it: fetch it
+                return self.read(digest, keep)
         try:
             data = self._load(digest)
         except BaseException as exc:
@@ -244,6 +255,58 @@ class ChunkSource:
             self.fetched_chunks += 1
         return True
 
+    # -- claims: a working set's stream (workingset.py) brings these chunks -----
+    def claim(self, digests: list[str]) -> dict[str, Future[bytes]]:
+        """Claim the chunks of ``digests`` that are not here, nor decoded, nor on their
+        way: a reader of one waits for ``arrived`` (or, after ``unclaim``, fetches it
+        itself). The claims made."""
+        here = {d for d in digests if self.has(d)}
+        with self._lock:
+            claims: dict[str, Future[bytes]] = {
+                d: Future() for d in digests if d not in here and d not in self._cache
+                and d not in self._inflight and d not in self._unstored}
+            self._inflight.update(claims)
+        return claims
+
+    def arrived(self, digest: str, blob: bytes) -> bytes:
+        """A claimed chunk's stored bytes: checked (digest, size, content) as a fetched
+        chunk is, handed to the store writer and to the readers waiting for it; its
+        uncompressed bytes. A chunk that fails raises and stays claimed (``unclaim``)."""
+        ref, what = self.refs[digest]
+        if len(blob) != ref.stored:
+            raise IntegrityError(f"{what}: {len(blob)} bytes, the map declares {ref.stored}")
+        dg.check(digest, dg.of_bytes(blob), what)
+        data = unpack_chunk(blob, ref, what)
+        self._keep_fetched(digest, blob)
+        with self._lock:
+            pending = self._inflight.pop(digest)
+        pending.set_result(data)
+        return data
+
+    def unclaim(self, claims: dict[str, Future[bytes]]) -> None:
+        """Give up those of ``claims`` that have not arrived: their waiting readers (and
+        later ones) fetch them one by one."""
+        with self._lock:
+            left = [(d, f) for d, f in claims.items() if self._inflight.get(d) is f]
+            for d, _ in left:
+                del self._inflight[d]
+        for digest, pending in left:
+            pending.set_exception(_LeftToReaders(digest))
+
+    def _keep_fetched(self, digest: str, blob: bytes) -> None:
+        """A fetched, verified chunk's stored bytes: counted, and to the store writer (or
+        written inline when MAX_UNSTORED chunks already wait for it)."""
+        with self._lock:
+            self.fetched_bytes += len(blob)
+            self.fetched_chunks += 1
+            inline = len(self._unstored) >= MAX_UNSTORED
+            if not inline:
+                self._unstored[digest] = blob
+        if inline:
+            self.store.blobs.put_bytes(blob, digest)
+        else:
+            self._writer.submit(self._store, digest, blob)
+
     def _fetch(self, ref: ChunkRef, what: str) -> bytes:
         """The chunk from the hub, verified and decompressed; handed to the store writer
         (written inline when MAX_UNSTORED chunks already wait for it)."""
@@ -273,16 +336,7 @@ class ChunkSource:
                                  f"{ref.stored}; refusing it")
         dg.check(ref.digest, dg.of_bytes(blob), f"{what} from {self.hub}")
         data = unpack_chunk(blob, ref, what)  # the content must check out before it is kept
-        with self._lock:
-            self.fetched_bytes += len(blob)
-            self.fetched_chunks += 1
-            inline = len(self._unstored) >= MAX_UNSTORED
-            if not inline:
-                self._unstored[ref.digest] = blob
-        if inline:
-            self.store.blobs.put_bytes(blob, ref.digest)
-        else:
-            self._writer.submit(self._store, ref.digest, blob)
+        self._keep_fetched(ref.digest, blob)
         return data
 
     def _store(self, digest: str, blob: bytes) -> None:

@@ -5,8 +5,10 @@ never seen, before its pack has arrived.
    configs, maps and the device state; no chunk). Meanwhile a server process loads
    Python and its modules (``Spawn``: the larger part of a server's start), unless a
    spare one waits already loaded (``spare.py``: each lazy fork leaves one for the next).
-   With a recorded access order, this command starts fetching the working set into the
-   store at once (``WorkingSetFetch``), until the server is up.
+   With a recorded access order, the recorded chunks start coming at once: a new server
+   fetches the hub's working-set blob in one request from its start; without that blob
+   this command fetches them into the store one by one (``WorkingSetFetch``) until the
+   server is up.
 2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
    file, the disk as an NBD export, one per snapshot on the host).
 3. Fork the children on its memory file and on copies of its empty overlay, holding the
@@ -41,6 +43,7 @@ from forkd.engine.lazy.prefetch import RECORDED_WORKERS, load_order, save_order
 from forkd.engine.lazy.spare import Taken, ensure_spare
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
+from forkd.pack.manifest import Descriptor
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import RemoteRef, parse_remote
@@ -140,11 +143,12 @@ class Spawn:
 
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
                  tag: str | None, prefetch: bool = True,
-                 spawn: Starter | None = None) -> LazySnapshot:
+                 spawn: Starter | None = None,
+                 working_set: Descriptor | None = None) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
     in its own session: it outlives this command), ``spawn``'s process when given (it
     is ended when a server runs). prefetch False: a new server fetches only what readers
-    ask for."""
+    ask for; ``working_set``: the blob a new server fetches the recorded chunks in."""
     from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
 
     d = server_dir(store.home, source.head)
@@ -156,7 +160,7 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
     d.mkdir(parents=True, exist_ok=True)
     ServerSpec(str(store.home), source.head, source.name, tag,
                remote.hub.address if remote else None, remote.name if remote else None,
-               prefetch).save(d)
+               prefetch, working_set.to_json() if working_set else None).save(d)
     proc: ServerProcess
     if spawn is not None:
         proc = spawn.go(d)
@@ -188,12 +192,13 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
 
 @contextlib.contextmanager
 def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
-            prefetch: bool = True, spawn: Starter | None = None) -> Iterator[LazySnapshot]:
+            prefetch: bool = True, spawn: Starter | None = None,
+            working_set: Descriptor | None = None) -> Iterator[LazySnapshot]:
     """A serving lazy server whose memory file is held open meanwhile (the server serves
     on while a file is open); ``spawn``: the process a new server runs in. A server found
     just as it exits is waited for, and a new one started."""
     for _ in range(3):
-        snap = start_server(store, source, remote, tag, prefetch, spawn)
+        snap = start_server(store, source, remote, tag, prefetch, spawn, working_set)
         spawn = None  # used or ended
         try:
             fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
@@ -240,7 +245,7 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
             order = load_order(order_file, source.head)
             if order is None:  # recorded by an earlier lazy fork, on any host
                 order = orders.fetch(client, remote.name, source.head)
-                if order:
+                if order is not None and order.chunks:
                     order_file.parent.mkdir(parents=True, exist_ok=True)
                     save_order(order_file, source.head, order)
         except BaseException:
@@ -248,11 +253,14 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
             raise
         log.debug("lazy fork %s: chain resolved at %.3f s", remote_text,
                   time.perf_counter() - t0)
-        fetch = WorkingSetFetch(source, order if prefetch and _new_server(store, source)
-                                else None)
+        working_set = order.working_set if order is not None else None
+        # with a working-set blob the new server fetches the recorded chunks in one
+        # request from its start; without, this command begins them one by one
+        fetch = WorkingSetFetch(source, order.chunks if order and prefetch and not working_set
+                                and _new_server(store, source) else None)
         try:
             res = _fork_on_server(store, source, remote, n, prefetch, spawn, t0, options,
-                                  fetch.stop)
+                                  fetch.stop, working_set)
         finally:
             fetch.stop()
     ensure_spare()  # for the next lazy fork on this host
@@ -293,10 +301,11 @@ def _new_server(store: Store, source: ChunkSource) -> bool:
 
 def _fork_on_server(store: Store, source: ChunkSource, remote: RemoteRef, n: int,
                     prefetch: bool, spawn: Starter, t0: float, options: dict[str, Any],
-                    on_ready: Callable[[], None]) -> ch.ForkResult:
+                    on_ready: Callable[[], None],
+                    working_set: Descriptor | None) -> ch.ForkResult:
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
-                 prefetch, spawn) as snap:
+                 prefetch, spawn, working_set) as snap:
         log.debug("lazy fork %s: server ready at %.3f s", remote, time.perf_counter() - t0)
         on_ready()
         try:

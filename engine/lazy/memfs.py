@@ -32,11 +32,12 @@ from forkd.engine.lazy.chunks import ChunkUnavailable
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.paths import FILE_NAME
 from forkd.errors import ForkdError
+from forkd.pack.accessorder import WINDOW_BYTES
 
 FILE_INODE = pyfuse3.ROOT_INODE + 1
 ATTR_TIMEOUT = 3600.0  # the file never changes
 READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
-STORE_WINDOW = 2 << 20  # bytes pushed into the page cache around a first read (notify_store)
+STORE_WINDOW = WINDOW_BYTES  # bytes pushed into the page cache around a first read (notify_store)
 STORE_QUEUE = 64  # windows waiting to be pushed; a read past that pushes nothing
 CACHE_READY_WAIT = 30.0  # seconds push_chunk waits for the file to be looked up
 ZEROS = memoryview(bytes(STORE_WINDOW))  # a window's holes are pushed from this
@@ -47,12 +48,16 @@ class MemoryFile(pyfuse3.Operations):
 
     def __init__(self, layout: ImageLayout,
                  on_chunks: Callable[[list[str]], None] | None = None,
-                 on_error: Callable[[], None] | None = None) -> None:
-        """on_error: called once a failed read is recorded in ``errors``, before the
-        reader gets its EIO (so whoever sees the child die finds the reason)."""
+                 on_error: Callable[[], None] | None = None,
+                 on_window: Callable[[int], None] | None = None) -> None:
+        """on_chunks: hears of the chunks each read needs; on_window: of each window
+        whose holes a read fills (its first read, unless push_zeros was first);
+        on_error: called once a failed read is recorded in ``errors``, before the reader
+        gets its EIO (so whoever sees the child die finds the reason)."""
         super().__init__()
         self.layout = layout
         self.on_chunks = on_chunks
+        self.on_window = on_window
         self.on_error = on_error
         self.users = 0  # files open (a mapping keeps its file open)
         self.opens = 0  # opens so far
@@ -90,6 +95,32 @@ class MemoryFile(pyfuse3.Operations):
         with self._lock:
             self.pushed_digests.add(digest)
         return True
+
+    def push_zeros(self, windows: list[int]) -> int:
+        """Put the holes (zeros) of ``windows`` into the page cache before any read of
+        them, so a child's first touches of free memory there (what it faults on outside
+        the recorded chunks) cost no read at all: the prefetch's first step, for the
+        windows recorded before (it waits for ``cache_ready``). A window a read reached
+        already is skipped (that read fills it); the windows pushed."""
+        if not self.cache_ready.wait(CACHE_READY_WAIT):
+            return 0
+        pushed = 0
+        for window in windows:
+            start = window * STORE_WINDOW
+            if start >= self.layout.size:
+                continue  # recorded for a larger image: advice, not a fact
+            with self._lock:
+                if window in self.filled_windows:
+                    continue
+                self.filled_windows.add(window)
+            try:
+                for hole, n in self.layout.holes(start, min(STORE_WINDOW,
+                                                            self.layout.size - start)):
+                    pyfuse3.notify_store(FILE_INODE, hole, cast(bytes, ZEROS[:n]))
+            except OSError:
+                return pushed  # refused: reads produce them, as before
+            pushed += 1
+        return pushed
 
     async def push_windows(self) -> None:
         """Serve forever: after a read, the rest of its ``STORE_WINDOW``-aligned window goes
@@ -223,6 +254,8 @@ class MemoryFile(pyfuse3.Operations):
             with self._lock:
                 first = window not in self.filled_windows
                 self.filled_windows.add(window)
+            if first and self.on_window is not None:
+                self.on_window(window)
             data = await trio.to_thread.run_sync(self._read, off, size, first,
                                                  limiter=self._limit)
             self._queue_window(off)

@@ -2,13 +2,15 @@
 in that order in the background (REAP's record-and-prefetch, per chunk).
 
 ``AccessOrder`` notes each chunk the first time a reader (the memory file, the disk
-export) needs it. The first run that finds no recorded order saves what it saw
-(``order.json`` in the snapshot's lazy directory, and as an optional blob of the pack:
-docs/pack-format.md, "Access order"); later runs prefetch in that order: the recorded
-chunks first, then every other chunk of the chain in image order (memory, then disk),
-then the whole-file blobs. Once nothing is missing the chain is tagged locally, so the
-snapshot forks, branches and pushes like a pulled one; children keep running unchanged
-(they read the same bytes, now from the store).
+export) needs it, and each 2 MiB window of the memory image the first time a read
+reaches it. The first run that finds no recorded order saves what it saw (``order.json``
+in the snapshot's lazy directory, and as an optional blob of the pack:
+docs/pack-format.md, "Access order"); later runs push the recorded windows' holes into
+the page cache (``memfs.push_zeros``) and prefetch in that order: the recorded chunks
+first, then every other chunk of the chain in image order (memory, then disk), then the
+whole-file blobs. Once nothing is missing the chain is tagged locally, so the snapshot
+forks, branches and pushes like a pulled one; children keep running unchanged (they read
+the same bytes, now from the store).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from forkd.engine.lazy import workingset
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.errors import Conflict, ForkdError
 from forkd.pack import accessorder
+from forkd.pack.accessorder import Order
+from forkd.pack.manifest import Descriptor
 
 PREFETCH_WORKERS = 2  # fetches at once for the chunks past the recorded working set
 RECORDED_WORKERS = 4  # fetches at once for the recorded working set (HTTP connections)
@@ -34,11 +39,14 @@ COMPLETE_WAIT = 300.0  # seconds a branch of a lazy child waits for its chain
 
 
 class AccessOrder:
-    """The chunks of one snapshot in the order readers first needed them; thread-safe."""
+    """The chunks of one snapshot, and the windows of its memory image, in the order
+    readers first needed them; thread-safe."""
 
     def __init__(self) -> None:
         self.digests: list[str] = []
+        self.windows: list[int] = []
         self._seen: set[str] = set()
+        self._seen_windows: set[int] = set()
         self._lock = threading.Lock()
 
     def note(self, digests: Iterable[str]) -> None:
@@ -48,12 +56,18 @@ class AccessOrder:
                     self._seen.add(d)
                     self.digests.append(d)
 
-    def to_bytes(self, head: str) -> bytes:
+    def note_window(self, window: int) -> None:
         with self._lock:
-            return accessorder.encode(head, list(self.digests))
+            if window not in self._seen_windows:
+                self._seen_windows.add(window)
+                self.windows.append(window)
+
+    def recorded(self) -> Order:
+        with self._lock:
+            return Order(list(self.digests), list(self.windows))
 
 
-def load_order(path: Path, head: str) -> list[str] | None:
+def load_order(path: Path, head: str) -> Order | None:
     """A saved order, or None when there is none (or it is unusable: the default applies)."""
     try:
         return accessorder.decode(path.read_bytes(), head, str(path))
@@ -61,9 +75,9 @@ def load_order(path: Path, head: str) -> list[str] | None:
         return None
 
 
-def save_order(path: Path, head: str, chunks: list[str]) -> None:
+def save_order(path: Path, head: str, order: Order) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(accessorder.encode(head, chunks))
+    tmp.write_bytes(accessorder.encode(head, order))
     tmp.replace(path)
 
 
@@ -76,6 +90,7 @@ class Progress:
     fetched: int = 0  # chunks it fetched
     fetched_bytes: int = 0
     recorded: int = 0  # chunks fetched in the recorded order
+    streamed: int = 0  # of those, the chunks that came in the working set's one request
     recorded_seconds: float = 0.0  # until the recorded working set was here (pushed)
     tagged: str | None = None
     error: str | None = None
@@ -95,10 +110,11 @@ def plan(source: ChunkSource, recorded: list[str] | None, image_order: list[str]
 def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress,
         report: Path, tag: str | None,
         on_chunk: Callable[[str, bytes], object] | None = None,
-        handed: Iterable[str] = ()) -> None:
+        handed: Iterable[str] = (), working_set: Descriptor | None = None) -> None:
     """Fetch what ``order`` names and the store lacks, then the files; tag when complete.
     ``on_chunk``: given each chunk of ``handed`` (local or fetched) decompressed and
-    verified, as it arrives (the memory file pushes it into the page cache)."""
+    verified, as it arrives (the memory file pushes it into the page cache);
+    ``working_set``: the recorded chunks' blob, fetched first in one request."""
     t0 = time.monotonic()
     progress.state, progress.chunks, progress.recorded = "running", len(order), recorded
     _save(report, progress)
@@ -117,8 +133,21 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
                 progress.fetched_bytes += source.ref(digest).stored
 
     try:
+        first = order[:recorded]  # what the children are about to fault on
+        if working_set is not None:
+            try:
+                brought = workingset.fetch(source, working_set, first, on_chunk, to_hand)
+            except ForkdError as exc:  # it does not fit the order: chunk by chunk
+                progress.errors.append(str(exc))
+                brought = []
+            progress.streamed = len(brought)
+            with lock:
+                progress.fetched += len(brought)
+                progress.fetched_bytes += sum(source.ref(d).stored for d in brought)
+            got = set(brought)
+            first = [d for d in first if d not in got]
         with ThreadPoolExecutor(max_workers=RECORDED_WORKERS) as pool:
-            list(pool.map(one, order[:recorded]))  # what the children are about to fault on
+            list(pool.map(one, first))
         progress.recorded_seconds = round(time.monotonic() - t0, 3)
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, initializer=_background) as pool:
             list(pool.map(one, order[recorded:]))  # what no child needed yet

@@ -7,6 +7,7 @@ it lets even the first lazy fork on a new host prefetch its working set from the
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from forkd.engine import children as ch
@@ -22,14 +23,15 @@ from forkd.registry.client import RegistryClient
 from forkd.store.store import Store
 
 
-def record_order(store: Store, tag: str, probe: str | None = None) -> list[str]:
-    """The chunks a lazy child of local ``tag`` needs up to its first answer (``probe``:
-    code it evaluates too), in the order it first needs them. Kept as the snapshot's
-    order.json in the store's lazy directory: a second call reads it."""
+def record_order(store: Store, tag: str, probe: str | None = None) -> accessorder.Order:
+    """The chunks (and memory windows) a lazy child of local ``tag`` needs up to its
+    first answer (``probe``: code it evaluates too), in the order it first needs them.
+    Kept as the snapshot's order.json in the store's lazy directory: a second call reads
+    it."""
     head = store.resolve(tag)
     order_file = server_dir(store.home, head) / "order.json"
     found = load_order(order_file, head)
-    if found:
+    if found is not None and found.chunks:
         return found
     source = ChunkSource(store, store.chain(head, tag), tag)
     with holding(store, source, None, None, prefetch=False) as snap:
@@ -48,7 +50,7 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> list[str]:
     while pid_alive(snap.pid) and time.monotonic() < deadline:
         time.sleep(0.05)  # it writes order.json as it exits, a second after the kill
     found = load_order(order_file, head)
-    if not found:
+    if found is None or not found.chunks:
         raise HostError(f"the lazy server of {tag} recorded no access order; see "
                         f"{order_file.parent / 'server.log'}")
     return found
@@ -57,10 +59,13 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> list[str]:
 def publish_order(store: Store, tag: str, client: RegistryClient, repo: str,
                   probe: str | None = None) -> str:
     """Record ``tag``'s access order (record_order) and push it next to its manifest in
-    ``repo`` (pushed before); the artifact's digest."""
+    ``repo`` (pushed before), with its working set (the recorded chunks in one blob);
+    the order artifact's digest."""
     head = store.resolve(tag)
-    chunks = record_order(store, tag, probe)
-    return orders.publish(client, repo, head, accessorder.encode(head, chunks))
+    order = record_order(store, tag, probe)
+    held = list(itertools.takewhile(store.blobs.has, order.chunks))  # all, in a publisher
+    return orders.publish(client, repo, head, accessorder.encode(head, order),
+                          orders.WorkingSet(store, held) if held else None)
 
 
 __all__ = ["publish_order", "record_order"]

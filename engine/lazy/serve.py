@@ -36,8 +36,10 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -48,6 +50,10 @@ from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
 from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR, socket_dir
 from forkd.errors import ForkdError
+from forkd.pack import accessorder
+from forkd.pack.accessorder import Order
+from forkd.pack.manifest import Descriptor
+from forkd.registry import client as registry_client
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_hub
@@ -72,6 +78,7 @@ class ServerSpec:
     hub: str | None  # hub address, for missing chunks
     repo: str | None
     prefetch: bool = True  # False: fetch on demand only (no prefetch.go, no timer)
+    working_set: dict[str, Any] | None = None  # the recorded chunks' blob (a descriptor)
 
     def save(self, d: Path) -> None:
         tmp = d / "server.json.tmp"
@@ -95,9 +102,12 @@ class Server:
         self.source = ChunkSource(self.store, self.store.chain(spec.head, spec.name),
                                   spec.name, hub)
         self.recorded = prefetch.load_order(d / "order.json", spec.head)
+        self.working_set = (Descriptor.from_json(spec.working_set, "the working set")
+                            if spec.working_set is not None else None)
         self.order = prefetch.AccessOrder()
         self.memory = ImageLayout(self.source, "memory")
-        self.ops = memfs.MemoryFile(self.memory, self.order.note, self.save_errors)
+        self.ops = memfs.MemoryFile(self.memory, self.order.note, self.save_errors,
+                                    self.order.note_window)
         self.export: DiskExport | None = None
         self.progress = prefetch.Progress()
         self.stopping = False
@@ -105,15 +115,26 @@ class Server:
         self._errors_seen = 0
         self._errors_lock = threading.Lock()
 
-    def start_disk(self) -> Path | None:
+    def start_disk(self) -> Future[Path] | None:
+        """Start the disk export; its empty child overlay is made meanwhile (qemu-img,
+        while the memory file mounts): the future gives its path."""
         if not any("disk" in link.manifest.maps for link in self.source.chain):
             return None
-        self.export = start_disk_export(self.source, socket_dir(self.spec.head),
-                                        on_access=lambda d: self.order.note((d,)))
+        export = start_disk_export(self.source, socket_dir(self.spec.head),
+                                   on_access=lambda d: self.order.note((d,)))
+        self.export = export
         overlay = self.dir / "empty.qcow2"
         overlay.unlink(missing_ok=True)
-        self.export.create_overlay(overlay)
-        return overlay
+
+        def make() -> Path:
+            export.create_overlay(overlay)
+            return overlay
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlay")
+        try:
+            return pool.submit(make)
+        finally:
+            pool.shutdown(wait=False)  # it runs on; the caller waits for its result
 
     async def watch(self) -> None:
         """Exit once nothing is open for LINGER seconds; start the prefetch; keep the
@@ -147,15 +168,22 @@ class Server:
         self.prefetch_started = True
         recorded = self.recorded
         self.save_order()
+        if recorded is not None and recorded.windows:  # their holes: no fetch, no wait
+            threading.Thread(target=self.ops.push_zeros, args=(recorded.windows,),
+                             daemon=True).start()
         threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
 
-    def prefetch(self, recorded: list[str] | None) -> None:
-        plan = prefetch.plan(self.source, recorded, self.image_order())
-        prefetch.run(self.source, plan, len(recorded or []), self.progress,
+    def prefetch(self, recorded: Order | None) -> None:
+        chunks = recorded.chunks if recorded is not None else []
+        plan = prefetch.plan(self.source, chunks, self.image_order())
+        prefetch.run(self.source, plan, len(chunks), self.progress,
                      self.dir / "prefetch.json", self.spec.tag,
-                     on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk)
-        log.info("prefetch %s in %.2f s: %d chunks fetched, %d pushed into the page cache; %s",
+                     on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk,
+                     working_set=self.working_set if recorded is not None else None)
+        log.info("prefetch %s in %.2f s: %d chunks fetched (%d in the working set's one "
+                 "request; the recorded ones in %.2f s), %d pushed into the page cache; %s",
                  self.progress.state, self.progress.seconds, self.progress.fetched,
+                 self.progress.streamed, self.progress.recorded_seconds,
                  len(self.ops.pushed_digests), self.progress.error or "")
 
     def image_order(self) -> list[str]:
@@ -170,15 +198,16 @@ class Server:
         it needs a push right on the repository)."""
         if self.recorded is not None or not self.order.digests:
             return
-        chunks = list(self.order.digests)
-        prefetch.save_order(self.dir / "order.json", self.spec.head, chunks)
-        self.recorded = chunks
+        order = self.order.recorded()
+        prefetch.save_order(self.dir / "order.json", self.spec.head, order)
+        self.recorded = order
         hub = self.source.hub
         if hub is not None:
             try:
                 orders.publish(hub.client, hub.repo, self.spec.head,
-                               self.order.to_bytes(self.spec.head))
-                log.info("published the access order (%d chunks) to %s", len(chunks), hub)
+                               accessorder.encode(self.spec.head, order))
+                log.info("published the access order (%d chunks, %d memory windows) to %s",
+                         len(order.chunks), len(order.windows), hub)
             except ForkdError as exc:
                 log.info("the access order stays local: %s", exc)
 
@@ -207,6 +236,12 @@ class Server:
         tmp.replace(self.dir / "ready.json")
 
 
+def warm_up() -> None:
+    """Load what a server's first minutes would: a server process that waits to be told
+    its directory (a spare, a ``fork.Spawn``) does this first."""
+    registry_client.warm_up()
+
+
 def serve(d: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per chunk
@@ -232,7 +267,7 @@ def serve(d: Path) -> int:
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))
         try:
-            server.write_ready(overlay)
+            server.write_ready(overlay.result() if overlay is not None else None)
             log.info("serving %s at %s", server.spec.name, mnt)
             signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))
 
@@ -287,6 +322,7 @@ def adopt_log(d: Path, loading_log: Path) -> None:
 def main(argv: list[str]) -> int:
     if argv[1] != "-":
         return serve(Path(argv[1]))
+    warm_up()
     d = _spawned(Path(argv[2]))
     return 0 if d is None else serve(d)
 

@@ -178,6 +178,8 @@ def main(log: Path) -> int:
         return 0  # another spare waits
     from forkd.engine.lazy import serve  # what a spare is for: loaded before it is needed
 
+    serve.warm_up()
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         conn = _wait_for_taker(d)

@@ -27,8 +27,10 @@ anything is sent; without credentials an anonymous token may come from any realm
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +112,24 @@ def trusted_realm_origins(configured: tuple[str, ...] | None = None) -> set[Orig
     return found
 
 
+def tls_context() -> ssl.SSLContext:
+    """The TLS trust every RegistryClient of this process shares: building it (the CA
+    bundle loaded) costs tens of milliseconds, once per trust setting (SSL_CERT_FILE and
+    SSL_CERT_DIR, which httpx reads)."""
+    return _tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=4)
+def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    return httpx.create_ssl_context()
+
+
+def warm_up() -> None:
+    """Load what a process's first client loads (httpx's transport, the TLS trust):
+    what a waiting lazy server does before it is needed."""
+    httpx.Client(verify=tls_context()).close()
+
+
 class RegistryClient:
     def __init__(
         self,
@@ -123,6 +143,7 @@ class RegistryClient:
         self.realm_origins = {origin(hub.url)} | trusted_realm_origins(trusted_realms)
         self.http = httpx.Client(
             base_url=hub.url,
+            verify=tls_context(),
             timeout=timeout,
             follow_redirects=True,
             limits=httpx.Limits(max_connections=16),

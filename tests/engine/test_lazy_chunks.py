@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hub_server import HubServer
 
+from forkd import digest as dg
 from forkd.engine.lazy.chunks import ChunkSource, ChunkUnavailable, open_local, open_remote
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.errors import IntegrityError
-from forkd.pack.accessorder import decode, encode
+from forkd.pack.accessorder import Order, decode, encode
 from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE, ChunkRef
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
@@ -161,15 +163,15 @@ def test_access_order_travels_next_to_the_pack(chain_store: tuple[Store, Path], 
     with RegistryClient(hub.target, Credential(*who)) as client:
         assert orders.fetch(client, "lazy/app", head) is None  # none recorded yet
         chunks = list(open_local(store, "app:v2").refs)[::-1]
-        orders.publish(client, "lazy/app", head, encode(head, chunks))
-        assert orders.fetch(client, "lazy/app", head) == chunks
+        orders.publish(client, "lazy/app", head, encode(head, Order(chunks, [3, 1])))
+        assert orders.fetch(client, "lazy/app", head) == Order(chunks, [3, 1])
         # the pack itself is unchanged: same head digest, pulls and assembles as before
         other = Store(tmp_path / "other")
         assert pull(other, parse_remote(remote), client).digest == head
         assert other.assemble("lazy/app:v2").memory.read_bytes() == head_image.read_bytes()
         # an order recorded for another manifest is refused, not used
         with pytest.raises(IntegrityError, match="recorded for"):
-            decode(encode(head, chunks), store.resolve("app:v1"), "order")
+            decode(encode(head, Order(chunks)), store.resolve("app:v1"), "order")
 
 
 def test_fetched_chunk_is_served_before_the_store_write(chain_store: tuple[Store, Path],
@@ -256,3 +258,104 @@ def test_placed_gives_a_chunks_pages_where_the_image_has_them(
             covered += len(piece)
     assert covered == sum(s.count for s in layout.segments) * PAGE_SIZE
     assert layout.placed("sha256:" + "0" * 64, b"") == []
+
+
+def _published_working_set(hub: HubServer, store: Store, who: tuple[str, str],
+                           chunks: list[str], tamper: str | None = None) -> Order:
+    """The order of ``chunks`` and its working set on the hub (``tamper``: that chunk's
+    bytes altered in the blob, which is pushed under its own, matching digest); what a
+    lazy fork finds there."""
+    from forkd.engine.lazy import orders
+
+    head = store.resolve("app:v2")
+    working_set = orders.WorkingSet(store, chunks)
+    if tamper is not None:
+        whole = bytearray(working_set.read(0, working_set.descriptor.size))
+        at = working_set.starts[chunks.index(tamper)]
+        whole[at + 10] ^= 0xFF
+        tampered = bytes(whole)
+        working_set.read = lambda offset, size: tampered[offset : offset + size]  # type: ignore[method-assign]
+        working_set.descriptor = replace(working_set.descriptor, digest=dg.of_bytes(tampered))
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        orders.publish(client, "lazy/app", head, encode(head, Order(chunks)), working_set)
+        found = orders.fetch(client, "lazy/app", head)
+    assert found is not None and found.working_set is not None
+    assert found.working_set.digest == working_set.descriptor.digest
+    return found
+
+
+def test_the_working_set_comes_in_one_request_each_chunk_checked(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """workingset.fetch: every chunk of the working set not here arrives from its one
+    blob, checked, and is served and stored; readers waiting for one get it; nothing
+    else is fetched."""
+    from forkd.engine.lazy import workingset
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        handed: list[str] = []
+        brought = workingset.fetch(source, order.working_set, order.chunks,
+                                   lambda d, data: handed.append(d), set(chunks[:2]))
+        assert sorted(brought) == sorted(chunks) and sorted(handed) == sorted(chunks[:2])
+        assert source.fetched_chunks == len(chunks)
+        layout = ImageLayout(source, "memory")
+        for digest in chunks:
+            for segment in layout.by_chunk.get(digest, []):
+                offset, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+                assert layout.read(offset, length) == head.read_bytes()[offset : offset + length]
+        assert source.fetched_chunks == len(chunks), "a streamed chunk was fetched again"
+        source.close()
+    assert all(fresh.blobs.has(d) for d in chunks)
+    assert fresh.verify() == []
+
+
+def test_a_tampered_working_set_chunk_is_never_served(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """A working set whose third chunk's bytes differ from the chunk its map names: the
+    stream stops there, that chunk is neither served nor stored from it (the others it
+    brought each checked out), and a reader of it gets the true chunk by a single fetch."""
+    from forkd.engine.lazy import workingset
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks, tamper=chunks[2])
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        brought = workingset.fetch(source, order.working_set, order.chunks)
+        assert chunks[2] not in brought and set(brought) <= set(chunks)
+        assert not source.local(chunks[2])
+        ref = source.ref(chunks[2])
+        assert dg.of_bytes(store.blobs.read(chunks[2], ref.stored)) == chunks[2]
+        layout = ImageLayout(source, "memory")
+        segment = layout.by_chunk[chunks[2]][0]
+        offset, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+        assert layout.read(offset, length) == head.read_bytes()[offset : offset + length]
+        source.close()
+    assert fresh.verify() == []
+
+
+def test_a_working_set_that_does_not_fit_its_order_is_not_used(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    from forkd.engine.lazy import workingset
+
+    store, _ = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:3]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        with pytest.raises(IntegrityError, match="do not add up"):
+            workingset.fetch(source, order.working_set, chunks[1:])
+        assert source.fetched_chunks == 0
+        source.close()

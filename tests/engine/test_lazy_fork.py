@@ -124,8 +124,10 @@ def test_lazy_children_behave_like_eager(published: Published, cleanup_children:
 def test_an_order_recorded_at_publish_time_is_prefetched_by_the_first_lazy_fork(
         published: Published, store: Store, tiny: str, cleanup_children: None) -> None:
     """record.publish_order: the publisher's own lazy child records the working set and
-    pushes it with the pack; the very first lazy fork on a new store fetches it and
-    prefetches it from the start (without it the first fork has no recorded order)."""
+    pushes it with the pack (the order, the memory windows it read, the recorded chunks
+    in one blob); the very first lazy fork on a new store fetches the order and brings
+    those chunks in that blob's one request from the start (without it the first fork
+    has no recorded order)."""
     from forkd.engine.lazy import fork as lazy
     from forkd.engine.lazy import orders, record
     from forkd.engine.lazy.chunks import ChunkSource
@@ -133,13 +135,16 @@ def test_an_order_recorded_at_publish_time_is_prefetched_by_the_first_lazy_fork(
     head = store.resolve(tiny)
     with published.hub.forkd_client(published.who) as client:
         record.publish_order(store, tiny, client, "lazy/tiny")
-        chunks = orders.fetch(client, "lazy/tiny", head)
-    assert chunks, "no access order on the hub"
+        order = orders.fetch(client, "lazy/tiny", head)
+    assert order is not None and order.chunks, "no access order on the hub"
+    assert order.windows, "the order names no memory window the child read"
+    chunks = order.chunks
     assert set(chunks) <= set(ChunkSource(store, store.chain(head, tiny), tiny).refs)
     res = lazy.fork(published.fresh, published.remote, 1)
     assert len(res.children) == 1 and not res.errors
     got = _prefetch(published.fresh)
     assert got["state"] == "done" and got["recorded"] == len(chunks), got
+    assert got["streamed"] == len(chunks), "the working set did not come in its one request"
     assert _val(ch.eval_in(res.children[0].id, "6*7")) == 42
 
 
@@ -220,8 +225,9 @@ def test_push_access_order_on_the_command_line(published: Published, store: Stor
     assert pushed.returncode == 0, pushed.stderr
     published.hub.public("lazy/ordered")
     with published.hub.forkd_client(published.who) as client:
-        chunks = orders.fetch(client, "lazy/ordered", store.resolve(tiny))
-    assert chunks, "the pushed pack has no access order on the hub"
+        order = orders.fetch(client, "lazy/ordered", store.resolve(tiny))
+    assert order is not None and order.chunks, "the pushed pack has no access order on the hub"
+    chunks = order.chunks
     res = lazy.fork(published.fresh, f"{hub}/lazy/ordered:v1", 1)
     assert len(res.children) == 1 and not res.errors
     got = _prefetch(published.fresh)

@@ -144,3 +144,43 @@ def test_the_first_read_of_a_window_fills_its_holes(tmp_path: Path) -> None:
             assert os.pread(fd, PAGE_SIZE, 8 * PAGE_SIZE) == data[8 * PAGE_SIZE : 9 * PAGE_SIZE]
         finally:
             os.close(fd)
+
+
+def test_recorded_windows_get_their_holes_before_any_read(tmp_path: Path) -> None:
+    """A read that fills a window's holes is heard (on_window: what the access order
+    records);
+    push_zeros (a later server, for the recorded windows) puts a window's holes into the
+    page cache before any read, so reading them reaches the server not once, while the
+    window's page with data is still read from its chunk, unchanged."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    store = Store(tmp_path / "home")
+    image = tmp_path / "sparse.img"
+    data = bytearray(3 * memfs.STORE_WINDOW)
+    data[8 * PAGE_SIZE : 9 * PAGE_SIZE] = os.urandom(PAGE_SIZE)  # window 0 has data
+    image.write_bytes(bytes(data))
+    store.import_layer("sparse:v1", memory=image)
+    heard: list[int] = []
+    ops = CountingFile(ImageLayout(open_local(store, "sparse:v1"), "memory"),
+                       on_window=heard.append)
+    ops.reads = []
+    with _serving(ops, tmp_path / "mnt") as path:
+        os.stat(path)
+        ops.cache_ready.set()
+        assert ops.push_zeros([2, 0, 99]) == 2  # 99: past this image, ignored
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for window in (0, 2):
+                for page in (0, 100, 511):
+                    at = window * memfs.STORE_WINDOW + page * PAGE_SIZE
+                    assert os.pread(fd, PAGE_SIZE, at) == bytes(PAGE_SIZE)
+            assert ops.reads == [], "a hole of a pushed window reached the server"
+            assert heard == []
+            assert os.pread(fd, PAGE_SIZE, 8 * PAGE_SIZE) == data[8 * PAGE_SIZE : 9 * PAGE_SIZE]
+            assert ops.reads, "the page with data was not read from its chunk"
+            one = memfs.STORE_WINDOW + 300 * PAGE_SIZE  # window 1: nobody pushed it
+            assert os.pread(fd, PAGE_SIZE, one) == bytes(PAGE_SIZE)
+            assert heard == [1]  # window 0's holes were in already: no read filled them
+        finally:
+            os.close(fd)
+    assert ops.push_zeros([1]) == 0  # read already: its first read filled it

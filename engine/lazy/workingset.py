@@ -1,0 +1,91 @@
+"""The recorded working set in one request: a lazy server fetches the working-set blob
+next to the pack (docs/pack-format.md, "Access order": the stored bytes of the recorded
+chunks, concatenated in order) instead of a request per chunk, the hub's per-request
+cost being most of what those chunks cost it.
+
+``fetch`` claims the chunks that are not here (``ChunkSource.claim``: a reader of one
+waits for it), splits the stream at the chunk sizes the maps declare, and has each piece
+checked against its digest, decompressed and checked (``ChunkSource.arrived``) on
+``CHECKERS`` threads while the stream goes on. A piece that fails its check, or a stream
+that breaks off, ends it: that chunk and the ones not yet read are given up
+(``unclaim``), so their readers fetch them one by one (pieces already read are still
+checked, each on its own), and no unchecked byte is ever served. Each memory chunk
+is handed to ``on_chunk`` (a page-cache push) on a thread of its own: a push may wait for
+a page a reader holds while that reader waits for a later chunk of this stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from forkd import digest as dg
+from forkd.engine.lazy.chunks import ChunkSource
+from forkd.errors import ForkdError
+from forkd.pack.accessorder import working_set_chunks
+from forkd.pack.manifest import Descriptor
+
+CHECKERS = 2  # threads checking and decompressing the stream's chunks
+log = logging.getLogger("forkd.lazy")
+
+
+def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
+          on_chunk: Callable[[str, bytes], object] | None = None,
+          hand: Collection[str] = ()) -> list[str]:
+    """The chunks of working-set ``blob`` (the first chunks of ``order``) from the hub in
+    one request; the ones it brought. IntegrityError when the blob does not fit the order
+    (it is not used then)."""
+    hub = source.hub
+    if hub is None:
+        return []
+    what = f"{source.name}: working set {dg.short(blob.digest)}"
+    stored = {d: ref.stored for d, (ref, _) in source.refs.items()}
+    held = working_set_chunks(order, stored, blob.size, what)
+    claims = source.claim(held)
+    brought: list[str] = []
+    failed = threading.Event()
+    lock = threading.Lock()
+    checking = ThreadPoolExecutor(max_workers=CHECKERS, thread_name_prefix="working-set")
+    handing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="working-set-hand")
+
+    def check(digest: str, piece: bytes) -> None:
+        if failed.is_set():
+            return
+        try:
+            data = source.arrived(digest, piece)
+        except ForkdError as exc:
+            log.info("%s: %s; the rest come one by one", what, exc)
+            failed.set()
+            return
+        with lock:
+            brought.append(digest)
+        if on_chunk is not None and digest in hand:
+            handing.submit(on_chunk, digest, data)
+
+    def sink(blocks: Iterator[bytes]) -> None:
+        buf = bytearray()
+        at = 0  # chunks of held the stream has passed
+        for block in blocks:
+            if failed.is_set():
+                return  # a chunk failed: stop reading
+            buf.extend(block)
+            while at < len(held) and len(buf) >= stored[held[at]]:
+                digest, n = held[at], stored[held[at]]
+                piece = bytes(buf[:n])
+                del buf[:n]
+                at += 1
+                if digest in claims:  # else here already, or on its way
+                    checking.submit(check, digest, piece)
+
+    try:
+        hub.client.get_blob(hub.repo, blob.digest, blob.size, blob.size, sink)
+    except (ForkdError, OSError) as exc:
+        log.info("%s stopped after %d chunks (%s); the rest come one by one", what,
+                 len(brought), exc)
+    finally:
+        checking.shutdown(wait=True)
+        source.unclaim(claims)
+        handing.shutdown(wait=True)
+    return brought
