@@ -3,13 +3,19 @@ states that must not be lost.
 
 * a malformed manifest reference (digest or tag) is the client's error (400) on every
   method, as it is on the blob and referrers routes, never 404 MANIFEST_UNKNOWN;
+* /metrics counts private repositories: it is for a metrics token and site admins only;
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
-from hub_support import HubServer, artifact, error_code
+from hub_support import ADMIN, HubServer, artifact, error_code
+
+from forkd.errors import InvalidInput
+from forkd.hub.settings import HubSettings
 
 BAD_DIGESTS = ["sha256:xyz", "sha256:" + "a" * 63, "md5:abcd", "sha256:" + "A" * 64, "sha256:"]
 BAD_TAGS = ["-tag", "x" * 129, ".dot", "a~b"]
@@ -49,3 +55,62 @@ def test_a_malformed_reference_tells_nothing_about_a_hidden_repository(
                 assert r.status_code == 404 and error_code(r) == "NAME_UNKNOWN", r.text
     r = httpx.get(f"{hub.url}/v2/{owner[0]}/secret/manifests/sha256:xyz")
     assert r.status_code == 401
+
+
+# -- /metrics ------------------------------------------------------------------------
+METRICS_TOKEN = "m" * 12 + "-scrape-token"
+
+
+def test_metrics_are_for_the_metrics_token_and_site_admins_only(tmp_path: Path) -> None:
+    """The counts cover private repositories (how many, their blobs and bytes, every
+    request's route and status), so an outsider watching them learns when someone creates
+    or pushes to one: anonymous callers get 401, users who are not site admins 403, and
+    neither a registry bearer token nor a narrower API token of an admin reads them."""
+    hub = HubServer(tmp_path / "hub", {"metrics_token": METRICS_TOKEN}).start()
+    try:
+        owner = hub.add_user("olga")
+        with hub.client(owner) as c:
+            artifact(c, "olga/private", b"layer", tag="v1")
+            narrow = c.post("/api/v1/tokens", json={"name": "t", "scopes": ["olga:admin"]})
+        url = f"{hub.url}/metrics"
+        r = httpx.get(url)
+        assert r.status_code == 401 and "metrics_token" in r.text
+        assert r.headers["www-authenticate"].startswith("Bearer ")
+        assert "forkd_hub_repositories" not in r.text
+        for header in (f"Bearer {METRICS_TOKEN}x", "Bearer", f"Basic {METRICS_TOKEN}"):
+            r = httpx.get(url, headers={"Authorization": header})
+            assert r.status_code == 401, (header, r.status_code)
+        not_ascii = "Bearer \u00e9t\u00e9".encode("latin-1")
+        r = httpx.get(url, headers={"Authorization": not_ascii})
+        assert r.status_code == 401
+        assert httpx.get(url, auth=owner).status_code == 403
+        bearer = httpx.get(
+            f"{hub.url}/token", params={"scope": "repository:olga/private:pull"}, auth=ADMIN
+        ).json()["token"]
+        r = httpx.get(url, headers={"Authorization": f"Bearer {bearer}"})
+        assert r.status_code == 403
+        admin_narrow = _admin_token(hub, ["olga:pull"])
+        assert httpx.get(url, auth=("admin", admin_narrow)).status_code == 403
+        assert narrow.status_code == 201
+        for auth in (
+            {"headers": {"Authorization": f"Bearer {METRICS_TOKEN}"}},
+            {"auth": ADMIN},
+            {"auth": ("admin", _admin_token(hub, ["*:admin"]))},
+        ):
+            r = httpx.get(url, **auth)  # type: ignore[arg-type]
+            assert r.status_code == 200, (auth, r.text[:200])
+            assert "forkd_hub_repositories 1.0" in r.text
+    finally:
+        hub.stop()
+
+
+def _admin_token(hub: HubServer, scopes: list[str]) -> str:
+    with hub.client(ADMIN) as c:
+        r = c.post("/api/v1/tokens", json={"name": "m", "scopes": scopes})
+    assert r.status_code == 201, r.text
+    return str(r.json()["token"])
+
+
+def test_a_short_metrics_token_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="at least 16"):
+        HubSettings(tmp_path, metrics_token="short").validated()
