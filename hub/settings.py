@@ -254,6 +254,11 @@ class HubSettings:
         return self.data_dir / "uploads"
 
     @property
+    def blob_directory_id_file(self) -> Path:
+        """This data directory's id, recorded in the database (hub/secrets.py)."""
+        return self.data_dir / "blobs-id"
+
+    @property
     def audit_path(self) -> Path:
         return self.data_dir / "audit.log"
 
