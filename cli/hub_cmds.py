@@ -163,6 +163,7 @@ def serve(
     if workers > 1:
         prefork.serve(settings, workers)
         return
+    prefork.prepare(settings)  # a refused start says why here, not in a lifespan traceback
     uvicorn.Server(prefork.server_config(settings)).run()
 
 

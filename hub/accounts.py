@@ -165,6 +165,14 @@ class Principal:
     def anonymous(self) -> bool:
         return self.user_id is None
 
+    @property
+    def site_admin(self) -> bool:
+        """A site admin acting as one: with the password (or a UI session), or an API
+        token with scope ``*:admin``; never through a registry bearer token."""
+        if not self.is_admin or self.bearer_access is not None:
+            return False
+        return self.token_scopes is None or self.token_scopes.get("*") == "admin"
+
 
 ANONYMOUS = Principal()
 

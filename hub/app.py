@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import sys
@@ -9,9 +10,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
-from litestar import Litestar, get
+from litestar import Litestar, Request, get
+from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
 from litestar.logging import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
@@ -21,7 +23,7 @@ import forkd
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
-from forkd.hub.auth import token_endpoint
+from forkd.hub.auth import authenticate, client_ip, token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
@@ -30,6 +32,7 @@ from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
+from forkd.hub.secrets import claim_blob_directory
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 from forkd.hub.tokens_api import TokenController
@@ -72,8 +75,25 @@ async def flush_pulls(hub: Hub) -> None:
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
-async def metrics(hub: NamedDependency[Hub]) -> bytes:
-    """Prometheus text exposition."""
+async def metrics(request: Request[object, object, State], hub: NamedDependency[Hub]) -> bytes:
+    """Prometheus text exposition, for the configured ``metrics_token`` (as a Bearer
+    token) or a site admin: the counts cover private repositories, and their changes
+    tell an outsider when someone pushes to one."""
+    token = hub.settings.metrics_token
+    header = request.headers.get("authorization", "")
+    kind, _, value = header.partition(" ")
+    given = value.strip().encode()  # bytes: compare_digest takes str only when ASCII
+    if not (token and kind.lower() == "bearer" and hmac.compare_digest(given, token.encode())):
+        principal = (await authenticate(hub, request)).principal
+        if principal.anonymous:
+            raise NotAuthorizedException(
+                "metrics need Authorization: Bearer METRICS_TOKEN (the metrics_token "
+                "setting) or a site admin's credentials",
+                headers={"WWW-Authenticate": f'Bearer realm="{hub.settings.service} metrics"'},
+            )
+        if not principal.site_admin:
+            hub.audit.record(principal.name, client_ip(request), "metrics", "-", "denied")
+            raise PermissionDeniedException("only site admins and the metrics token read metrics")
     return await hub.metrics.render(hub.db)
 
 
@@ -94,6 +114,7 @@ def create_app(settings: HubSettings) -> Litestar:
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         if settings.migrate_on_start:
             await hub.db.migrate()
+        await claim_blob_directory(hub.db, settings)
         await bootstrap_admin(hub)
         await hub.load_key()
         async with anyio.create_task_group() as tasks:

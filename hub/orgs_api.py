@@ -356,11 +356,7 @@ class QuotaController(Controller):
         principal = (await authenticate(hub, request)).principal
         if principal.anonymous:
             raise NotAuthorizedException("log in as a site admin")
-        if (
-            not principal.is_admin
-            or principal.bearer_access is not None
-            or (principal.token_scopes is not None and principal.token_scopes.get("*") != "admin")
-        ):
+        if not principal.site_admin:
             hub.audit.record(principal.name, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
         async with _writing(hub) as session:

@@ -19,6 +19,7 @@ SQLITE_PREFIX = "sqlite+aiosqlite:///"
 POSTGRES_PREFIX = "postgresql+asyncpg://"
 VISIBILITIES = ("public", "private")
 BLOB_BACKENDS = ("fs", "s3")
+MIN_METRICS_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class HubSettings:
     public_url: str = ""  # base URL clients see (token realm); derived per request when empty
     service: str = "forkd-hub"
     secret: str = field(default="", repr=False)  # HMAC key for bearer tokens
+    # What a scraper sends as ``Authorization: Bearer`` to read /metrics (site admins
+    # may too); empty: only site admins (app.py ``metrics``).
+    metrics_token: str = field(default="", repr=False)
     token_ttl: int = 300
     admin_user: str = ""
     admin_password: str = field(default="", repr=False)
@@ -156,6 +160,13 @@ class HubSettings:
             raise InvalidInput("upload_sessions_max and upload_max_bytes must be > 0")
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
+        if self.metrics_token and (
+            len(self.metrics_token) < MIN_METRICS_TOKEN or not self.metrics_token.isprintable()
+        ):
+            raise InvalidInput(
+                f"metrics_token (FORKD_HUB_METRICS_TOKEN) must be at least {MIN_METRICS_TOKEN} "
+                "printable characters, e.g. from `openssl rand -hex 32`"
+            )
         if bool(self.admin_user) != bool(self.admin_password):
             raise InvalidInput(
                 "set both FORKD_HUB_ADMIN_USER and FORKD_HUB_ADMIN_PASSWORD, or neither"
@@ -172,6 +183,7 @@ class HubSettings:
             public_url=self.public_url.rstrip("/"),
             service=self.service,
             secret=self.secret,
+            metrics_token=self.metrics_token,
             token_ttl=self.token_ttl,
             admin_user=self.admin_user,
             admin_password=self.admin_password,
@@ -242,6 +254,11 @@ class HubSettings:
         return self.data_dir / "uploads"
 
     @property
+    def blob_directory_id_file(self) -> Path:
+        """This data directory's id, recorded in the database (hub/secrets.py)."""
+        return self.data_dir / "blobs-id"
+
+    @property
     def audit_path(self) -> Path:
         return self.data_dir / "audit.log"
 
@@ -256,6 +273,7 @@ ENV_KEYS = {
     "database_url": "FORKD_HUB_DATABASE_URL",
     "public_url": "FORKD_HUB_PUBLIC_URL",
     "secret": "FORKD_HUB_SECRET",
+    "metrics_token": "FORKD_HUB_METRICS_TOKEN",
     "admin_user": "FORKD_HUB_ADMIN_USER",
     "admin_password": "FORKD_HUB_ADMIN_PASSWORD",
     "default_visibility": "FORKD_HUB_DEFAULT_VISIBILITY",

@@ -82,12 +82,6 @@ class UploadArea:
         fd = os.open(self.path(upload_id), os.O_RDWR | os.O_CREAT, 0o600)
         return os.fdopen(fd, "r+b")
 
-    def open_read(self, upload_id: str) -> BinaryIO:
-        try:
-            return open(self.path(upload_id), "rb")
-        except FileNotFoundError:
-            raise NotFound(f"upload {upload_id} has no data file") from None
-
     def check_current(self, upload_id: str, f: BinaryIO) -> None:
         """Raise NotFound unless ``f`` (opened, then locked by the caller) is still the
         session's own data file: not removed, replaced, or published as a blob meanwhile

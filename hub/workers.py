@@ -22,6 +22,7 @@ import uvicorn
 
 from forkd.errors import InvalidInput
 from forkd.hub.app import bootstrap_admin, create_app
+from forkd.hub.secrets import claim_blob_directory
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 
@@ -66,15 +67,22 @@ async def _prepare(settings: HubSettings) -> None:
     try:
         if settings.migrate_on_start:
             await hub.db.migrate()
+        await claim_blob_directory(hub.db, settings)
         await bootstrap_admin(hub)
     finally:
         await hub.close()
 
 
+def prepare(settings: HubSettings) -> None:
+    """Before serving, once: migrations, the checks that refuse a misconfigured start
+    (InvalidInput, reported by the CLI without a traceback), the first admin."""
+    asyncio.run(_prepare(settings))
+
+
 def serve(settings: HubSettings, workers: int) -> None:
     """Serve with ``workers`` processes until SIGTERM/SIGINT; blocks."""
     check(settings, workers)
-    asyncio.run(_prepare(settings))
+    prepare(settings)
     sock = socket.create_server((settings.host, settings.port), backlog=2048)
     # Accepted sockets inherit this. asyncio sets it only on sockets created with
     # proto=IPPROTO_TCP, which create_server's are not; without it a response written in

@@ -424,7 +424,9 @@ def _exercise_hub(url: str) -> None:
     assert r.status_code == 201, r.text
     r = httpx.get(f"{url}/v2/acme/app/blobs/{digest}", headers=headers, timeout=60)
     assert r.content == blob
-    assert httpx.get(f"{url}/metrics", timeout=60).status_code == 200
+    assert httpx.get(f"{url}/metrics", timeout=60).status_code == 401  # site admins only
+    metrics = httpx.get(f"{url}/metrics", auth=("admin", "admin-password-1"), timeout=60)
+    assert metrics.status_code == 200
 
 
 

@@ -17,13 +17,12 @@ from litestar.response import Stream
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from forkd.errors import InvalidInput
 from forkd.hub import quotas
 from forkd.hub.accounts import Principal
 from forkd.hub.authz import access
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob
-from forkd.hub.oci.common import STREAM_CHUNK, Ctx, parse_count, parse_digest
+from forkd.hub.oci.common import STREAM_CHUNK, Ctx, parse_bound, parse_digest
 from forkd.hub.services import Hub
 from forkd.store.blobs import FsBlobStore
 
@@ -33,15 +32,13 @@ OCTET = "application/octet-stream"
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
     """``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` → inclusive (start, end); None if
-    unusable (416), including numbers ``parse_count`` refuses."""
+    unusable (416). Per RFC 9110 14.1.1 a number past the blob's size, of any length,
+    means "to the end" (an end, a suffix length) or is unsatisfiable (a start)."""
     m = RANGE_RE.fullmatch(header.strip())
     if not m or (not m.group(1) and not m.group(2)):
         return None
-    try:
-        first = parse_count(m.group(1), "range start") if m.group(1) else None
-        last = parse_count(m.group(2), "range end") if m.group(2) else None
-    except InvalidInput:
-        return None
+    first = parse_bound(m.group(1), "range start") if m.group(1) else None
+    last = parse_bound(m.group(2), "range end") if m.group(2) else None
     if first is None:
         assert last is not None  # one of the two is there
         if last == 0 or size == 0:

@@ -32,9 +32,12 @@ IN_CHUNK = 500
 # What a client is told to wait after the database stayed locked (503 + Retry-After).
 RETRY_AFTER_S = 2
 # A number a client sends (header or query): ASCII digits only (``str.isdigit`` takes
-# '²', which ``int`` refuses) and at most 19 of them (``int`` refuses past 4300 digits,
-# and a byte count or page size past a signed 64-bit integer is never meaningful).
+# '²', which ``int`` refuses). An exact count (a length, a chunk's range) has at most 19
+# of them (``int`` refuses past 4300 digits, and a byte count past a signed 64-bit
+# integer is never meaningful); a bound (a page size, a Range position) may have any
+# number, and one past 64 bits means "more than there is" (``parse_bound``).
 COUNT_RE = re.compile(r"[0-9]{1,19}", re.ASCII)
+DIGITS_RE = re.compile(r"[0-9]+", re.ASCII)
 MAX_COUNT = (1 << 63) - 1
 
 
@@ -120,6 +123,19 @@ def parse_count(text: str, what: str, maximum: int = MAX_COUNT) -> int:
     return value
 
 
+def parse_bound(text: str, what: str, cap: int = MAX_COUNT) -> int:
+    """A non-negative whole number from a client that only bounds something (a page size,
+    a Range position): ASCII digits of any length, capped at ``cap`` (a value past it,
+    however many digits, is ``cap``: never converted, so no digit count costs time);
+    else InvalidInput. RFC 9110 14.1.1: a Range end past the blob means its end."""
+    if not DIGITS_RE.fullmatch(text):
+        raise InvalidInput(f"{what} must be a whole number of ASCII digits, got {text[:40]!r}")
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(cap)):
+        return cap
+    return min(int(digits), cap)
+
+
 def declared_length(request: HubRequest) -> int | None:
     """The request's ``Content-Length``, None without one (chunked transfer); 400 when it
     is not a number ``parse_count`` takes."""
@@ -134,11 +150,11 @@ def declared_length(request: HubRequest) -> int | None:
 
 def page_size(text: str | None, max_page: int) -> int:
     """The ``n`` of a paginated list (tags, catalog): absent means ``max_page``, larger
-    values are capped at it; not a number is 400."""
+    values (of any length) are capped at it; not a number is 400."""
     if text is None:
         return max_page
     try:
-        return min(parse_count(text, "n"), max_page)
+        return parse_bound(text, "n", max_page)
     except InvalidInput as exc:
         raise RegistryError(Code.UNSUPPORTED, str(exc), status=400) from exc
 

@@ -236,19 +236,22 @@ def _is_digest(reference: str) -> bool:
     return ":" in reference
 
 
-def _check_reference(reference: str, code: Code) -> None:
+def _check_reference(reference: str) -> None:
+    """A manifest reference is a digest (else 400 DIGEST_INVALID) or a tag (else 400
+    MANIFEST_INVALID), on every method: a malformed one names nothing that could exist,
+    so it is the client's error, not an unknown manifest (404)."""
+    if _is_digest(reference):
+        parse_digest(reference)
+        return
     try:
-        if _is_digest(reference):
-            dg.validate_oci(reference)
-        else:
-            validate_tag(reference)
+        validate_tag(reference)
     except InvalidInput as exc:
-        raise RegistryError(code, str(exc)) from exc
+        raise RegistryError(Code.MANIFEST_INVALID, str(exc)) from exc
 
 
 async def put(ctx: Ctx, reference: str) -> Response[object]:
     await ctx.allow("push")
-    _check_reference(reference, Code.MANIFEST_INVALID)
+    _check_reference(reference)
     body = await _read_body(ctx)
     content_type = ctx.request.headers.get("content-type", "").split(";", 1)[0].strip()
     # Pushed by digest: verified, stored and known by that digest's algorithm (sha256 or
@@ -462,7 +465,7 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
         _pull_lookup, ctx.caller.principal, ctx.name, reference
     )
     ctx.permit("pull", repo, held)
-    _check_reference(reference, Code.MANIFEST_UNKNOWN)
+    _check_reference(reference)
     repo = ctx.known()
     if manifest is None:
         raise _unknown(ctx.name, reference)
@@ -495,7 +498,7 @@ async def delete_manifest(ctx: Ctx, reference: str) -> Response[object]:
     manifests that name it as ``subject`` stay and list it as their subject still, except
     that a forkd snapshot other forkd snapshots build on is refused (405)."""
     await ctx.allow("delete")
-    _check_reference(reference, Code.MANIFEST_UNKNOWN)
+    _check_reference(reference)
     repo = ctx.known()
     with database_contention():
         await ctx.hub.db.write(_delete, repo.id, ctx.name, reference)

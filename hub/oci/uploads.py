@@ -6,8 +6,9 @@ Session bytes go to the uploads area; ``PUT ?digest=`` moves them into the share
 blob store after checking the digest: on a mismatch nothing is stored and the session is
 dropped (DIGEST_INVALID). With the filesystem backend the session's file itself becomes
 the blob (a hard link, no copy), hashed as it was received when one request wrote all of
-it (a monolithic upload), else read once to hash it; the session's lock is held from the
-hash to the link, and a writer that finds its file published refuses to append to it.
+it (a monolithic upload), else read once to hash it. The closing request holds the
+session's lock from its first byte to the link (a ``PATCH`` meanwhile gets 416 and the
+session stays whole), and a writer that finds its file published refuses to append to it.
 Other backends stream the file to the store, which verifies it. A ``PATCH`` must start
 where the bytes so far end (416 otherwise); an interrupted ``PATCH`` keeps what arrived,
 and ``GET`` on the session tells the client where to resume.
@@ -377,53 +378,80 @@ async def _append(
     ``PUT`` and a monolithic upload store the staging file's bytes directly instead).
     With ``Content-Length`` the room for all of it is reserved before a byte is read;
     without (chunked transfer) it is reserved ``RESERVE_STEP`` bytes ahead as it arrives."""
-    content_range = ctx.request.headers.get("content-range")
     with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
-        _current(ctx.hub, upload_id, f)
-        recorded = await _recorded(ctx.hub, upload_id, f)
-        f.seek(0, 2)
-        start = f.tell()  # where this request's bytes begin in the file
-        offset = recorded + start  # and in the upload
-        expected_len = None
-        if content_range:
-            start, end = _parse_content_range(ctx, upload_id, offset, content_range)
-            if start != offset:
-                raise RegistryError(
-                    Code.BLOB_UPLOAD_INVALID,
-                    f"chunk starts at {start} but the upload has {offset} bytes",
-                    status=416,
-                    headers=_session_headers(ctx, upload_id, offset),
-                )
-            expected_len = end - start + 1
-        # A shared session's PATCH becomes one object in the bucket: at most CHUNK_MAX.
-        chunk_max = CHUNK_MAX if commit and ctx.hub.shared is not None else None
-        room = _Room(ctx, repo_id, upload_id, offset, digest, quota, chunk_max)
-        await room.open()
-        target = digest or upload_id
-        declared = declared_length(ctx.request)
-        hasher = dg.Hasher(dg.algorithm_of(digest)) if digest and offset == 0 else None
-        try:
-            try:
-                if declared is not None:
-                    await room.ensure(offset + declared, offset + declared)
-                written = await _stream_into(
-                    ctx, f, upload_id, offset, start, room, expected_len, hasher
-                )
-            except RegistryError as exc:
-                raise _refused(ctx, exc, target) from None
-        finally:
-            await room.release()
-        if expected_len is not None and written != expected_len:
-            f.truncate(start)
+        return await _append_locked(ctx, f, repo_id, upload_id, digest, quota, commit=commit)
+
+
+async def _append_and_finish(
+    ctx: Ctx, repo_id: int, upload_id: str, digest: str, quota: bool | None = None
+) -> Response[object]:
+    """The closing ``PUT`` (or a monolithic ``POST``): append the body, verify and store
+    the session's bytes as ``digest``, under one hold of the session's lock, so no
+    ``PATCH`` slips in between the last byte and the store (it gets 416 while this runs,
+    BLOB_UPLOAD_UNKNOWN after), and no other request's lock makes this one drop the
+    session."""
+    with _open_append(ctx.hub, upload_id) as f, _exclusive(f):
+        received = await _append_locked(ctx, f, repo_id, upload_id, digest, quota)
+        return await _finish(ctx, repo_id, upload_id, digest, received, f)
+
+
+async def _append_locked(
+    ctx: Ctx,
+    f: BinaryIO,
+    repo_id: int,
+    upload_id: str,
+    digest: str | None,
+    quota: bool | None,
+    *,
+    commit: bool = False,
+) -> _Received:
+    """``_append`` into ``f``, the session's file, which the caller opened and locked."""
+    content_range = ctx.request.headers.get("content-range")
+    _current(ctx.hub, upload_id, f)
+    recorded = await _recorded(ctx.hub, upload_id, f)
+    f.seek(0, 2)
+    start = f.tell()  # where this request's bytes begin in the file
+    offset = recorded + start  # and in the upload
+    expected_len = None
+    if content_range:
+        start, end = _parse_content_range(ctx, upload_id, offset, content_range)
+        if start != offset:
             raise RegistryError(
-                Code.SIZE_INVALID,
-                f"chunk has {written} bytes, Content-Range said {expected_len}",
+                Code.BLOB_UPLOAD_INVALID,
+                f"chunk starts at {start} but the upload has {offset} bytes",
                 status=416,
                 headers=_session_headers(ctx, upload_id, offset),
             )
-        if commit:
-            await _commit(ctx.hub, upload_id, offset, written, f)
-        return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
+        expected_len = end - start + 1
+    # A shared session's PATCH becomes one object in the bucket: at most CHUNK_MAX.
+    chunk_max = CHUNK_MAX if commit and ctx.hub.shared is not None else None
+    room = _Room(ctx, repo_id, upload_id, offset, digest, quota, chunk_max)
+    await room.open()
+    target = digest or upload_id
+    declared = declared_length(ctx.request)
+    hasher = dg.Hasher(dg.algorithm_of(digest)) if digest and offset == 0 else None
+    try:
+        try:
+            if declared is not None:
+                await room.ensure(offset + declared, offset + declared)
+            written = await _stream_into(
+                ctx, f, upload_id, offset, start, room, expected_len, hasher
+            )
+        except RegistryError as exc:
+            raise _refused(ctx, exc, target) from None
+    finally:
+        await room.release()
+    if expected_len is not None and written != expected_len:
+        f.truncate(start)
+        raise RegistryError(
+            Code.SIZE_INVALID,
+            f"chunk has {written} bytes, Content-Range said {expected_len}",
+            status=416,
+            headers=_session_headers(ctx, upload_id, offset),
+        )
+    if commit:
+        await _commit(ctx.hub, upload_id, offset, written, f)
+    return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
 
 
 async def _stream_into(
@@ -475,37 +503,36 @@ async def _stream_into(
     return written
 
 
-def _store(hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _Chunks) -> int:
+def _store(
+    hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _Chunks, f: BinaryIO
+) -> int:
     """Verify the session's bytes against ``digest`` and store them (a thread); return the
-    upload's size (the blob's once verified). Under the session's lock throughout. The
-    bytes: ``chunks`` (shared sessions' recorded chunks, in the bucket), then the file."""
-    try:
-        opened = hub.uploads.open_read(upload_id)
-    except NotFound:
-        raise _unknown(upload_id, "has lost its data") from None
-    with opened as f, _exclusive(f):
-        _current(hub, upload_id, f)
-        size = chunks.size + os.fstat(f.fileno()).st_size
-        if hub.shared is not None:
-            parts = itertools.chain(
-                hub.shared.read(upload_id, chunks.keys), iter(lambda: f.read(STREAM_CHUNK), b"")
-            )
-            if hub.blobs.has(digest):
-                dg.check(digest, _hash(parts, digest), f"upload {upload_id}")
-            else:
-                hub.blobs.put_stream(parts, expected=digest)
-        elif isinstance(hub.blobs, FsBlobStore):
-            # Hashed as received only if no other request appended since (same size).
-            hashed = received.digest if received.size == size else None
-            actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
-            dg.check(digest, actual, f"upload {upload_id}")
-            hub.blobs.link_in(hub.uploads.path(upload_id), digest)
-        elif hub.blobs.has(digest):
-            # The store would skip known content unread: check the client's bytes here.
-            dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")
+    upload's size (the blob's once verified). ``f``: the session's file, locked by the
+    caller throughout. The bytes: ``chunks`` (shared sessions' recorded chunks, in the
+    bucket), then the file."""
+    f.seek(0)
+    _current(hub, upload_id, f)
+    size = chunks.size + os.fstat(f.fileno()).st_size
+    if hub.shared is not None:
+        parts = itertools.chain(
+            hub.shared.read(upload_id, chunks.keys), iter(lambda: f.read(STREAM_CHUNK), b"")
+        )
+        if hub.blobs.has(digest):
+            dg.check(digest, _hash(parts, digest), f"upload {upload_id}")
         else:
-            hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
-        return size
+            hub.blobs.put_stream(parts, expected=digest)
+    elif isinstance(hub.blobs, FsBlobStore):
+        # Hashed as received only if no other request appended since (same size).
+        hashed = received.digest if received.size == size else None
+        actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
+        dg.check(digest, actual, f"upload {upload_id}")
+        hub.blobs.link_in(hub.uploads.path(upload_id), digest)
+    elif hub.blobs.has(digest):
+        # The store would skip known content unread: check the client's bytes here.
+        dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")
+    else:
+        hub.blobs.put_stream(iter(lambda: f.read(STREAM_CHUNK), b""), expected=digest)
+    return size
 
 
 def _hash(parts: Iterable[bytes], digest: str) -> str:
@@ -531,14 +558,25 @@ async def _chunks(hub: Hub, upload_id: str) -> _Chunks:
 
 
 async def _finish(
-    ctx: Ctx, repo_id: int, upload_id: str, digest: str, received: _Received
+    ctx: Ctx, repo_id: int, upload_id: str, digest: str, received: _Received, f: BinaryIO
 ) -> Response[object]:
-    """Verify and store the session's bytes as ``digest``, link it, drop the session."""
+    """Verify and store the session's bytes as ``digest``, link it, drop the session.
+    ``f``: the session's file (with shared sessions this process's staging file), locked
+    by the caller. With shared sessions, a ``PATCH`` another replica recorded after this
+    request began is 416 and keeps the session (its bytes are not this request's)."""
     hub = ctx.hub
     chunks = await _chunks(hub, upload_id)
+    if hub.shared is not None and chunks.size + os.fstat(f.fileno()).st_size != received.size:
+        raise RegistryError(
+            Code.BLOB_UPLOAD_INVALID,
+            f"another request wrote this upload meanwhile; it now has {chunks.size} bytes "
+            "recorded: resume from there (GET the upload for its Range), then PUT again",
+            status=416,
+            headers={"Range": _range_header(chunks.size)},
+        )
 
     def store() -> int:
-        return _store(hub, upload_id, digest, received, chunks)
+        return _store(hub, upload_id, digest, received, chunks, f)
 
     row_deleted = False
     try:
@@ -703,12 +741,11 @@ async def start(ctx: Ctx) -> Response[object]:
         # ``upload_sessions_max`` and holds the upload's quota reservation.
         upload_id, quota = await _new_session(ctx, repo.id, digest)
         try:
-            received = await _append(ctx, repo.id, upload_id, digest, quota)
+            return await _append_and_finish(ctx, repo.id, upload_id, digest, quota)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await _drop(ctx.hub, upload_id)
             raise
-        return await _finish(ctx, repo.id, upload_id, digest, received)
     upload_id, _ = await _new_session(ctx, repo.id)
     return Response(b"", status_code=202, headers=_session_headers(ctx, upload_id, 0))
 
@@ -768,8 +805,7 @@ async def put(ctx: Ctx, upload_id: str) -> Response[object]:
     await ctx.allow("push")
     repo_id = (await _session(ctx, upload_id)).repository_id
     digest = parse_digest(ctx.request.query_params.get("digest", ""))
-    received = await _append(ctx, repo_id, upload_id, digest)
-    return await _finish(ctx, repo_id, upload_id, digest, received)
+    return await _append_and_finish(ctx, repo_id, upload_id, digest)
 
 
 async def status(ctx: Ctx, upload_id: str) -> Response[object]:

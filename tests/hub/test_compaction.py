@@ -20,7 +20,7 @@ from compaction_support import (  # noqa: F401  (s3_compaction_hub: a fixture)
     on_every_backend,
     s3_compaction_hub,
 )
-from hub_support import TIMEOUT, HubServer, http
+from hub_support import ADMIN, TIMEOUT, HubServer, http
 from s3_hub_support import s3_settings
 from s3_support import MotoServer
 
@@ -47,7 +47,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def _uploads(server: HubServer) -> tuple[float, float]:
     """(upload requests, blob bytes received) so far, from the hub's /metrics."""
-    text = http.get(f"{server.url}/metrics").text
+    text = http.get(f"{server.url}/metrics", auth=ADMIN).text
     return (
         _metric(text, "forkd_hub_requests_total", route="blobs/uploads"),
         _metric(text, "forkd_hub_blob_bytes_received_total"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hub_support import HubServer, artifact, http, sha
+from hub_support import ADMIN, HubServer, artifact, http, sha
 
 
 def test_healthz(hub: HubServer) -> None:
@@ -28,7 +28,7 @@ def test_metrics_count_requests_bytes_and_blobs(fresh_hub: HubServer) -> None:
         assert c.get(f"/v2/metered/app/blobs/{sha(payload)}").content == payload
         assert c.get("/v2/metered/app/manifests/none").status_code == 404
     http.get(f"{fresh_hub.url}/token", auth=("metered", "wrong-password"))
-    r = http.get(f"{fresh_hub.url}/metrics")
+    r = http.get(f"{fresh_hub.url}/metrics", auth=ADMIN)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert (

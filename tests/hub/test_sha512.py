@@ -252,12 +252,13 @@ def test_malformed_sha512_is_digest_invalid(hub: HubServer, user: tuple[str, str
             r = c.post(f"/v2/{repo}/blobs/uploads/", params={"mount": bad, "from": repo})
             assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
             r = put_manifest(c, repo, bad, b"{}")
-            assert r.status_code == 400 and error_code(r) == "MANIFEST_INVALID"
+            assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
             for r in (
                 c.get(f"/v2/{repo}/manifests/{bad}"),
                 c.delete(f"/v2/{repo}/manifests/{bad}"),
             ):
-                assert r.status_code == 404 and error_code(r) == "MANIFEST_UNKNOWN"
+                assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
+            assert c.head(f"/v2/{repo}/manifests/{bad}").status_code == 400
 
 
 def test_manifest_with_sha512_descriptors_and_put_by_sha512(backend_hub: HubServer) -> None:
