@@ -14,6 +14,8 @@ The spare stops listening at the first connection (one taker), takes the taker's
 environment and working directory (so it logs in and resolves paths as a server that
 taker started would), and serves DIR as ``python3 -m forkd.engine.lazy.serve DIR`` does.
 A taker that hangs up without a line ends it. Unused for ``SPARE_IDLE`` seconds, it exits.
+Run as root, it loads at niceness ``LOAD_NICE`` (the children of the fork that started it
+take their first steps meanwhile) and is back at its own before it listens.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SPARE_IDLE = 600.0  # seconds a spare waits for a taker
 TAKE_TIMEOUT = 2.0  # seconds a taker waits for the spare's pid, and the spare for its line
 MAX_REQUEST = 1 << 20  # bytes of a taker's line (its directory, environment, cwd)
 SOCKET, LOCK, PID = "spare.sock", "spare.lock", "spare.pid"
+LOAD_NICE = 19  # niceness while a spare loads (then it waits, idle, at its own)
 MODULE = "forkd.engine.lazy.spare"
 
 
@@ -176,9 +179,17 @@ def main(log: Path) -> int:
     except BlockingIOError:
         log.unlink(missing_ok=True)
         return 0  # another spare waits
+    # it loads while the children of the fork that started it take their first steps:
+    # at a low priority (root only: only root may raise it again once taken)
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = os.geteuid() == 0
+    if lowered:
+        os.setpriority(os.PRIO_PROCESS, 0, LOAD_NICE)
     from forkd.engine.lazy import serve  # what a spare is for: loaded before it is needed
 
     serve.warm_up()
+    if lowered:
+        os.setpriority(os.PRIO_PROCESS, 0, priority)  # a spare taken serves at full speed
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

@@ -6,6 +6,7 @@ no socket and no log."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,10 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     _until("a spare was left running", lambda: spares_of(tmp_path / "run") == [])
 
 
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def _waiting(d: Path) -> int:
     _until("no spare came up", lambda: (d / SOCKET).exists() and (d / PID).exists())
     return int((d / PID).read_text())
@@ -52,6 +57,8 @@ def test_one_spare_waits_and_the_first_taker_gets_it(run_dir: Path, tmp_path: Pa
     ensure_spare()
     ensure_spare()  # while the first loads: this one exits at the lock
     pid = _waiting(run_dir)
+    if os.geteuid() == 0:  # it loaded at a low priority; waiting, it is back at its own
+        assert _nice(pid) == os.getpriority(os.PRIO_PROCESS, 0)
     taken = Taken.take()
     assert taken is not None and taken.pid == pid
     assert Taken.take() is None, "a second taker got the same spare"
@@ -88,7 +95,6 @@ def test_end_spare_ends_the_waiting_one(run_dir: Path) -> None:
 def test_a_killed_spare_is_replaced(run_dir: Path) -> None:
     """A spare killed outright leaves its socket: a taker finds nobody there (and starts
     its own server), and the next ensure_spare starts a new spare all the same."""
-    import os
     import signal
 
     ensure_spare()
