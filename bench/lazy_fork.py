@@ -81,6 +81,16 @@ def blob_bytes(store: Store) -> int:
     return sum(store.blobs.size(d) for d in store.blobs.digests())
 
 
+def ids(res: ch.ForkResult) -> list[str]:
+    """The children's ids; a child that did not start is an error of the run, with why."""
+    if res.errors:
+        for c in res.children:
+            with contextlib.suppress(ForkdError):
+                ch.kill(c.id)
+        raise RuntimeError("children did not start: " + "; ".join(res.errors))
+    return [c.id for c in res.children]
+
+
 def timed(n: int, probe: str, start: Callable[[], list[str]],
           started: list[str]) -> tuple[float, float]:
     """Seconds from now to the first child answering ``probe`` and to all n answering."""
@@ -164,18 +174,16 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
 
     try:
         publisher.assemble(tag)  # the local baseline forks assembled images
-        out["local_first_s"], _ = timed(1, probe, lambda: [
-            c.id for c in ch.fork(publisher, tag, 1).children], started)
+        out["local_first_s"], _ = timed(1, probe, lambda: ids(ch.fork(publisher, tag, 1)), started)
         done_with(publisher)
-        _, out["local_n_s"] = timed(n, probe, lambda: [
-            c.id for c in ch.fork(publisher, tag, n).children], started)
+        _, out["local_n_s"] = timed(n, probe, lambda: ids(ch.fork(publisher, tag, n)), started)
         done_with(publisher)
         pulled: dict[str, int] = {}
 
         def eager(store: Store, k: int) -> list[str]:
             got = pull(store, remote, client, local=tag)
             pulled["bytes"] = got.bytes_sent
-            return [c.id for c in ch.fork(store, tag, k).children]
+            return ids(ch.fork(store, tag, k))
 
         eager1 = fresh("eager1")
         out["eager_first_s"], _ = timed(1, probe, lambda: eager(eager1, 1), started)
@@ -186,8 +194,8 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
         done_with(eagern)
 
         lazy1 = fresh("lazy1")
-        out["lazy_first_s"], _ = timed(1, probe, lambda: [
-            c.id for c in lazy.fork(lazy1, remote_text, 1).children], started)
+        out["lazy_first_s"], _ = timed(1, probe, lambda: ids(lazy.fork(lazy1, remote_text, 1)),
+                                       started)
         out["lazy_bytes_mib"] = blob_bytes(lazy1) / 2**20
         lazy_child = started[-1]
         got = wait_prefetch(lazy1)
@@ -206,13 +214,12 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
         done_with(publisher)
         wait_spare()  # the first lazy fork left it: what any later lazy fork finds
         lazys = fresh("lazys")
-        out["lazy_spare_first_s"], _ = timed(1, probe, lambda: [
-            c.id for c in lazy.fork(lazys, remote_text, 1).children], started)
+        out["lazy_spare_first_s"], _ = timed(
+            1, probe, lambda: ids(lazy.fork(lazys, remote_text, 1)), started)
         done_with(lazys)
         wait_spare()
         lazyn = fresh("lazyn")
-        _, out["lazy_n_s"] = timed(n, probe, lambda: [
-            c.id for c in lazy.fork(lazyn, remote_text, n).children], started)
+        _, out["lazy_n_s"] = timed(n, probe, lambda: ids(lazy.fork(lazyn, remote_text, n)), started)
         done_with(lazyn)
     finally:
         for s in stores:

@@ -10,7 +10,8 @@ Concurrent reads of one chunk fetch it once; decompressed chunks are kept in a s
 (``cached_chunks``) because readers (FUSE, NBD) ask in pieces far smaller than a chunk.
 A fetched chunk is decompressed and checked once, and served before it is on disk: the
 store write (with its fsyncs) runs on a writer thread, off the faulting reader's path; up
-to ``MAX_UNSTORED`` verified chunks wait for it (beyond that a fetch writes inline), and
+to ``MAX_UNSTORED`` bytes of verified chunks wait for it (beyond that a fetch writes
+inline: a store's fsyncs, a few ms a chunk, must not pace a working set's stream), and
 ``flush`` waits for them (before the chain is called complete, before the server exits).
 
 ``claim`` / ``arrived`` / ``unclaim`` let the working set's one request (workingset.py)
@@ -45,7 +46,7 @@ from forkd.store.manifests import chain_files
 from forkd.store.store import Store
 
 CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
-MAX_UNSTORED = 32  # verified fetched chunks waiting for the store writer (compressed)
+MAX_UNSTORED = 64 << 20  # bytes of verified fetched chunks waiting for the store writer
 
 
 class _LeftToReaders(Exception):
@@ -95,6 +96,7 @@ class ChunkSource:
         self._inflight: dict[str, Future[bytes]] = {}
         self._lock = threading.Lock()
         self._unstored: dict[str, bytes] = {}  # verified, fetched, not yet in the store
+        self._unstored_bytes = 0
         self._store_errors: list[str] = []
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-store")
 
@@ -295,13 +297,16 @@ class ChunkSource:
 
     def _keep_fetched(self, digest: str, blob: bytes) -> None:
         """A fetched, verified chunk's stored bytes: counted, and to the store writer (or
-        written inline when MAX_UNSTORED chunks already wait for it)."""
+        written inline when MAX_UNSTORED bytes already wait for it)."""
         with self._lock:
             self.fetched_bytes += len(blob)
             self.fetched_chunks += 1
-            inline = len(self._unstored) >= MAX_UNSTORED
+            if digest in self._unstored:
+                return  # on its way to the store already
+            inline = self._unstored_bytes + len(blob) > MAX_UNSTORED
             if not inline:
                 self._unstored[digest] = blob
+                self._unstored_bytes += len(blob)
         if inline:
             self.store.blobs.put_bytes(blob, digest)
         else:
@@ -309,7 +314,7 @@ class ChunkSource:
 
     def _fetch(self, ref: ChunkRef, what: str) -> bytes:
         """The chunk from the hub, verified and decompressed; handed to the store writer
-        (written inline when MAX_UNSTORED chunks already wait for it)."""
+        (written inline when MAX_UNSTORED bytes already wait for it)."""
         if self.hub is None:
             raise ChunkUnavailable(f"{what} is not in the local store and there is no hub to "
                                    "fetch it from; pull the pack again")
@@ -348,7 +353,7 @@ class ChunkSource:
                 self._store_errors.append(f"{digest}: {exc}")
         finally:
             with self._lock:
-                self._unstored.pop(digest, None)
+                self._unstored_bytes -= len(self._unstored.pop(digest, b""))
 
 
 
