@@ -101,27 +101,13 @@ def decode(data: bytes, head: str, what: str) -> Order:
 
 def artifact(head: Descriptor, order: bytes) -> bytes:
     """The referrer manifest carrying ``order`` for the snapshot manifest ``head``."""
-    doc = {
-        "schemaVersion": 2,
-        "mediaType": mt.OCI_MANIFEST,
-        "artifactType": ACCESS_ORDER_ARTIFACT,
-        "config": {"mediaType": OCI_EMPTY, "digest": dg.of_bytes(EMPTY_CONFIG), "size": 2},
-        "layers": [{"mediaType": ACCESS_ORDER, "digest": dg.of_bytes(order),
-                    "size": len(order)}],
-        "subject": head.to_json(),
-    }
-    return json.dumps(doc, indent=2).encode()
+    return _referrer(ACCESS_ORDER_ARTIFACT, head,
+                     Descriptor(ACCESS_ORDER, dg.of_bytes(order), len(order)))
 
 
 def order_layer(data: bytes, what: str) -> Descriptor:
     """The order blob's descriptor of an untrusted referrer manifest."""
-    raw = jsondoc.loads(data, what)
-    if not isinstance(raw, dict) or raw.get("artifactType") != ACCESS_ORDER_ARTIFACT:
-        raise IntegrityError(f"{what}: not a forkd access-order artifact")
-    layers = raw.get("layers")
-    if not isinstance(layers, list) or len(layers) != 1:
-        raise IntegrityError(f"{what}: an access-order artifact has exactly one layer")
-    d = Descriptor.from_json(layers[0], f"{what} layer")
+    d = _one_layer(data, ACCESS_ORDER_ARTIFACT, "an access-order", what)
     if d.media_type != ACCESS_ORDER or d.size > MAX_ORDER_BYTES:
         raise IntegrityError(f"{what}: its layer is not an access order of at most "
                              f"{MAX_ORDER_BYTES} bytes")
@@ -131,34 +117,44 @@ def order_layer(data: bytes, what: str) -> Descriptor:
 def working_set_artifact(head: Descriptor, order_digest: str, blob: Descriptor) -> bytes:
     """The referrer manifest of ``head`` carrying the working-set blob cut from the order
     blob ``order_digest``."""
-    layer = Descriptor(WORKING_SET, blob.digest, blob.size,
-                       {ORDER_ANNOTATION: dg.validate(order_digest)})
-    doc = {
-        "schemaVersion": 2,
-        "mediaType": mt.OCI_MANIFEST,
-        "artifactType": WORKING_SET_ARTIFACT,
-        "config": {"mediaType": OCI_EMPTY, "digest": dg.of_bytes(EMPTY_CONFIG), "size": 2},
-        "layers": [layer.to_json()],
-        "subject": head.to_json(),
-    }
-    return json.dumps(doc, indent=2).encode()
+    return _referrer(WORKING_SET_ARTIFACT, head,
+                     Descriptor(WORKING_SET, blob.digest, blob.size,
+                                {ORDER_ANNOTATION: dg.validate(order_digest)}))
 
 
 def working_set_layer(data: bytes, order_digest: str, what: str) -> Descriptor:
     """The working-set blob's descriptor of an untrusted referrer manifest, when it was
     cut from the order blob ``order_digest`` (else IntegrityError)."""
-    raw = jsondoc.loads(data, what)
-    if not isinstance(raw, dict) or raw.get("artifactType") != WORKING_SET_ARTIFACT:
-        raise IntegrityError(f"{what}: not a forkd working-set artifact")
-    layers = raw.get("layers")
-    if not isinstance(layers, list) or len(layers) != 1:
-        raise IntegrityError(f"{what}: a working-set artifact has exactly one layer")
-    d = Descriptor.from_json(layers[0], f"{what} layer")
+    d = _one_layer(data, WORKING_SET_ARTIFACT, "a working-set", what)
     if d.media_type != WORKING_SET:
         raise IntegrityError(f"{what}: its layer is not a working set ({WORKING_SET})")
     if d.annotations.get(ORDER_ANNOTATION) != order_digest:
         raise IntegrityError(f"{what}: cut from another access order, not {order_digest}")
     return d
+
+
+def _referrer(artifact_type: str, subject: Descriptor, layer: Descriptor) -> bytes:
+    """An OCI artifact manifest of ``artifact_type``: the empty config, one layer."""
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": mt.OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": {"mediaType": OCI_EMPTY, "digest": dg.of_bytes(EMPTY_CONFIG), "size": 2},
+        "layers": [layer.to_json()],
+        "subject": subject.to_json(),
+    }
+    return json.dumps(doc, indent=2).encode()
+
+
+def _one_layer(data: bytes, artifact_type: str, kind: str, what: str) -> Descriptor:
+    """The one layer of an untrusted artifact manifest of ``artifact_type``."""
+    raw = jsondoc.loads(data, what)
+    if not isinstance(raw, dict) or raw.get("artifactType") != artifact_type:
+        raise IntegrityError(f"{what}: not a forkd {kind.split(' ', 1)[1]} artifact")
+    layers = raw.get("layers")
+    if not isinstance(layers, list) or len(layers) != 1:
+        raise IntegrityError(f"{what}: {kind} artifact has exactly one layer")
+    return Descriptor.from_json(layers[0], f"{what} layer")
 
 
 def working_set_chunks(chunks: list[str], stored: dict[str, int], size: int,
