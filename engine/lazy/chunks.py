@@ -364,15 +364,17 @@ def open_local(store: Store, ref: str) -> ChunkSource:
     return ChunkSource(store, store.chain(head, ref), ref)
 
 
-def open_remote(store: Store, remote: RemoteRef, client: RegistryClient) -> ChunkSource:
+def open_remote(store: Store, remote: RemoteRef, client: RegistryClient,
+                head_manifest: tuple[bytes, str] | None = None) -> ChunkSource:
     """Resolve ``remote``'s chain from the hub's manifests into the store (manifests,
     configs, maps and whole-file blobs, each verified as the store writes it), and a source
-    whose missing chunks come from that hub. Nothing is tagged: the chain's chunks are not
-    all local yet (the prefetch tags it once they are)."""
+    whose missing chunks come from that hub; ``head_manifest``: its tag's manifest and
+    digest, fetched already (``client.get_manifest``). Nothing is tagged: the chain's
+    chunks are not all local yet (the prefetch tags it once they are)."""
     repo = remote.name
     name = str(remote)
     with store.writing():
-        data, head = client.get_manifest(repo, remote.tag)
+        data, head = head_manifest or client.get_manifest(repo, remote.tag)
         store.blobs.put_bytes(data, head)
 
         def load(digest: str) -> Manifest:

@@ -240,14 +240,20 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     spawn: Starter = Taken.take() or Spawn()
     with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
         try:
-            source = open_remote(store, remote, client)
-            order_file = server_dir(store.home, source.head) / "order.json"
-            order = load_order(order_file, source.head)
-            if order is None:  # recorded by an earlier lazy fork, on any host
-                order = orders.fetch(client, remote.name, source.head)
-                if order is not None and order.chunks:
-                    order_file.parent.mkdir(parents=True, exist_ok=True)
-                    save_order(order_file, source.head, order)
+            head_manifest = client.get_manifest(remote.name, remote.tag)
+            head = head_manifest[1]
+            order_file = server_dir(store.home, head) / "order.json"
+            order = load_order(order_file, head)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="order") as pool:
+                # recorded by an earlier lazy fork, on any host: looked up meanwhile
+                found = pool.submit(orders.fetch, client, remote.name, head) if order is None \
+                    else None
+                source = open_remote(store, remote, client, head_manifest)
+                if found is not None:
+                    order = found.result()
+                    if order is not None and order.chunks:
+                        order_file.parent.mkdir(parents=True, exist_ok=True)
+                        save_order(order_file, head, order)
         except BaseException:
             spawn.cancel()
             raise
