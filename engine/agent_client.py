@@ -30,6 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from forkd.engine.commands import (
+    check_command,
+    check_guest_path,
+    check_mode,
+    check_payload,
+    check_timeout,
+)
 from forkd.engine.errors import AgentError
 from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
@@ -197,6 +204,7 @@ class AgentClient:
         return res
 
     def eval(self, code: str, timeout: float | None = 300.0) -> dict[str, Any]:
+        check_timeout("timeout", timeout)
         args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
@@ -205,6 +213,7 @@ class AgentClient:
     def run_code(self, code: str, *, timeout: float | None = 300.0,
                  on_stdout: OnData | None = None,
                  on_stderr: OnData | None = None) -> dict[str, Any]:
+        check_timeout("timeout", timeout)
         args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
@@ -215,11 +224,15 @@ class AgentClient:
                             on_event=splitter(on_stdout, on_stderr) if stream else None)
 
     def put(self, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
+        check_guest_path(path)
+        check_payload("the file", data)
+        check_mode(mode)
         return self.request("put", {"path": path, "data": base64.b64encode(data).decode(),
                                     "mode": mode}, timeout=DEFAULT_REQUEST_S + len(data) / 1e6)
 
     def get(self, path: str, timeout: float | None = None) -> bytes:
         """A guest file's bytes, streamed in 1 MiB chunks (up to 4 GiB)."""
+        check_guest_path(path)
         parts: list[bytes] = []
 
         def chunk(ev: str, data: bytes) -> None:
@@ -274,7 +287,11 @@ class ExecResult:
 
 def exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
               stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
-    """The arguments of an exec or proc_start request (docs/agent-protocol.md)."""
+    """The arguments of an exec or proc_start request (docs/agent-protocol.md), checked
+    (engine/commands.py)."""
+    check_command(argv, env, cwd)
+    check_payload("stdin", stdin)
+    check_timeout("timeout", timeout)
     args: dict[str, Any] = {"argv": argv}
     if env:
         args["env"] = env

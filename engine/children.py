@@ -33,6 +33,13 @@ from forkd.engine.agent_client import (
     host_wait,
     splitter,
 )
+from forkd.engine.commands import (
+    check_guest_path,
+    check_mode,
+    check_payload,
+    check_signal,
+    check_timeout,
+)
 from forkd.engine.egress.child import EgressSettings, configure_guest
 from forkd.engine.errors import (
     AgentError,
@@ -583,6 +590,7 @@ def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
     output so far and while waiting goes to the callbacks (or, with none, into the result's
     stdout/stderr). {running: bool, handle, ...}; once it has ended, also its result
     (status, exit_code, signal, ...) and the handle is forgotten."""
+    check_timeout("timeout", timeout)
     args: dict[str, Any] = {"handle": handle}
     if timeout is not None:
         args["timeout"] = timeout
@@ -601,6 +609,7 @@ def process_stdin(child_id: str, handle: str, data: bytes, *,
                   close: bool = False) -> dict[str, Any]:
     """Write data to a background process's stdin; close: close it afterwards. Conflict
     when the process has ended or its stdin is closed, NotFound for an unknown handle."""
+    check_payload("stdin", data)
     args = {"handle": handle, "data": base64.b64encode(data).decode(), "close": close}
     with agent(child_id) as a:
         return a.request("proc_stdin", args)
@@ -613,6 +622,7 @@ def process_close_stdin(child_id: str, handle: str) -> dict[str, Any]:
 
 def process_kill(child_id: str, handle: str, signal: int | str = "SIGKILL") -> dict[str, Any]:
     """Signal the process's whole group (default SIGKILL). Conflict when it has ended."""
+    check_signal(signal)
     with agent(child_id) as a:
         return a.request("proc_kill", {"handle": handle, "signal": signal})
 
@@ -641,21 +651,18 @@ def run_code(child_id: str, code: str, *, timeout: float | None = 300.0,
 
 def read_file(child_id: str, path: str) -> bytes:
     """A guest file's bytes (streamed; up to 4 GiB). NotFound when it does not exist."""
-    _absolute(path)
+    check_guest_path(path)
     with agent(child_id) as a:
         return a.get(path)
 
 
 def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-    """Write a guest file (up to 32 MiB; its directories are made)."""
-    _absolute(path)
+    """Write a guest file (up to 32 MiB; its directories are made), checked first."""
+    check_guest_path(path)
+    check_payload("the file", data)
+    check_mode(mode)
     with agent(child_id) as a:
         a.put(path, data, mode)
-
-
-def _absolute(path: str) -> None:
-    if not path.startswith("/") or "\0" in path:
-        raise InvalidInput(f"guest path {path!r} must be absolute")
 
 
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:
