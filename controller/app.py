@@ -66,6 +66,7 @@ from forkd.controller.api import (
     StdinWritten,
 )
 from forkd.controller.backend import PoolBackend
+from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.errors import (
     ChainError,
     Conflict,
@@ -74,6 +75,7 @@ from forkd.errors import (
     InvalidInput,
     NotFound,
 )
+from forkd.jsondoc import check_nesting
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (InvalidInput, 400),
@@ -82,7 +84,7 @@ STATUS: list[tuple[type[ForkdError], int]] = [
     (IntegrityError, 422),
     (ChainError, 422),
 ]
-MAX_FILE_BYTES = 64 << 20
+MAX_FILE_BYTES = MAX_PUT_BYTES  # PUT .../files: what one request carries into a guest
 MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
 MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
@@ -258,6 +260,14 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
     return Response(ErrorAnswer(error=body), status_code=status)
+
+
+async def refuse_deep_json(request: Request[Any, Any, Any]) -> None:
+    """A JSON body nested deeper than jsondoc.MAX_DEPTH is an InvalidInput (400) before it
+    is parsed: the parser recurses once per level, and thousands of ``[`` would end in a
+    RecursionError (a 500). Runs after the token guard, on the routes that take JSON."""
+    if "data" in request.route_handler.parsed_fn_signature.parameters:
+        check_nesting(await request.body(), "the request body")
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -716,6 +726,7 @@ def create_app(
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
+        before_request=refuse_deep_json,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         openapi_config=OPENAPI,
