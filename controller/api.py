@@ -355,7 +355,7 @@ class Operation:
     body: type[Request] | type[bytes] | None = None
     query: tuple[str, ...] = ()
     status: int = 200
-    stream: bool = False  # the answer is NDJSON lines of ``answer``
+    stream: bool = False  # the answer is NDJSON lines of ``answer``, or raw bytes in chunks
 
 
 SANDBOX = "/v1/sandboxes/{sandbox_id}"
@@ -391,7 +391,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "write_file", "PUT", SANDBOX + "/files", None, bytes, query=("path", "mode"), status=204
     ),
-    Operation("read_file", "GET", SANDBOX + "/files", bytes, query=("path",)),
+    Operation("read_file", "GET", SANDBOX + "/files", bytes, query=("path",), stream=True),
     Operation("branch", "POST", SANDBOX + "/branch", BranchResult, BranchRequest, status=201),
     Operation("pools", "GET", "/v1/pools", list[PoolStatus]),
     Operation("fill_pool", "POST", "/v1/pools", PoolStatus, PoolRequest),

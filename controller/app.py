@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, delete, get, post, put
@@ -147,6 +147,7 @@ STREAM = ResponseSpec(
     generate_examples=False,
 )
 Req = Request[Any, Any, Any]
+T = TypeVar("T")
 
 
 # request and answer types: forkd.controller.api
@@ -441,59 +442,99 @@ def exec_stream(
     return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
 
 
-STREAM_FRAMES = 64  # frames waiting to be sent to a streaming client, at most
+STREAM_FRAMES = 64  # frames of a streamed command waiting to be sent to a client, at most
+FILE_CHUNKS = 4  # chunks of a file (1 MiB each) waiting to be sent to a client, at most
+_END = object()  # what follows the last item in relayed's queue
 
 
-async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
-    """The frames as JSON lines, produced in a thread (the backend blocks), with an empty
-    frame ``{}`` every ``heartbeat`` seconds without output (so clients and proxies can
-    tell a quiet command from a dead connection), and an ``error`` frame if it fails.
-    At most STREAM_FRAMES wait for a slow client; once the client is gone the rest of the
-    command's output is dropped (the command runs to its end or its timeout)."""
+async def relayed(
+    items: Iterator[T], heartbeat: float | None, size: int
+) -> AsyncIterator[T | None]:
+    """``items`` produced in a thread (the backend blocks) and handed to the event loop,
+    None after every ``heartbeat`` seconds without one (never, for None); the iterator's
+    exception is raised here after the items before it. At most ``size`` wait for a slow
+    client. Once the client is gone (this generator is closed) the producer stops
+    and closes ``items``: a command runs on to its end or its timeout with its output
+    dropped (LocalBackend.exec_stream), a file's transfer ends."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[ExecFrame | Exception | None] = asyncio.Queue(STREAM_FRAMES)
+    queue: asyncio.Queue[object] = asyncio.Queue(size)
     gone = threading.Event()
 
-    async def put(item: ExecFrame | Exception | None) -> bool:
+    async def put(item: object) -> bool:
         try:
             await asyncio.wait_for(queue.put(item), 0.5)
             return True
         except TimeoutError:
             return False
 
-    def deliver(item: ExecFrame | Exception | None) -> None:
+    def deliver(item: object) -> bool:
         while not gone.is_set():
             try:
                 if asyncio.run_coroutine_threadsafe(put(item), loop).result():
-                    return
+                    return True
             except RuntimeError:  # the event loop is closed: the daemon stops
-                return
+                return False
+        return False
 
     def produce() -> None:
         try:
-            for frame in frames:
-                deliver(frame)
-        except Exception as exc:  # sent to the client as its error frame
+            for item in items:
+                if not deliver(item):
+                    return
+        except Exception as exc:  # raised in the client's coroutine below
             deliver(exc)
         finally:
-            deliver(None)
+            close = getattr(items, "close", None)  # a generator's: tells the backend
+            if close is not None:
+                close()
+            deliver(_END)
 
-    threading.Thread(target=produce, name="forkd-exec-stream", daemon=True).start()
+    threading.Thread(target=produce, name="forkd-relay", daemon=True).start()
     try:
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), heartbeat)
             except TimeoutError:
-                yield b"{}\n"
+                yield None
                 continue
-            if item is None:
+            if item is _END:
                 return
             if isinstance(item, Exception):
-                yield msgspec.json.encode(ExecFrame(error=error_answer(item)[1])) + b"\n"
-                return
-            yield msgspec.json.encode(item) + b"\n"
+                raise item
+            yield item  # type: ignore[misc]  # what items gave: a T
     finally:
         gone.set()
+
+
+async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
+    """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
+    clients and proxies can tell a quiet command from a dead connection), and an
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone)."""
+    try:
+        async for frame in relayed(frames, heartbeat, STREAM_FRAMES):
+            yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
+    except Exception as exc:  # the client gets it as its error frame
+        yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
+
+
+def prepended(first: T, rest: Iterator[T]) -> Iterator[T]:
+    """``first``, then ``rest``; closing this closes ``rest`` (a chain would not)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        close = getattr(rest, "close", None)
+        if close is not None:
+            close()
+
+
+async def passed_on(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A file's chunks as the backend gives them (relayed: bounded, and the transfer ends
+    when the client is gone); a failure midway ends the connection before the body is
+    complete, so the client sees a cut transfer, never a shorter file."""
+    async for chunk in relayed(chunks, None, FILE_CHUNKS):
+        if chunk is not None:
+            yield chunk
 
 
 @post(
@@ -636,14 +677,28 @@ def write_file(
     audited(request, ctl, "sandbox.file.write", sandbox_id, "ok", path=path, bytes=len(body))
 
 
+FILE = ResponseSpec(
+    bytes,
+    media_type="application/octet-stream",
+    description="the file's bytes, passed on as the guest sends them (chunked)",
+    generate_examples=False,
+)
+
+
 @get(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    responses=ERRORS,
     sync_to_thread=True,
     media_type="application/octet-stream",
+    responses={200: FILE, **ERRORS},
 )
-def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> bytes:
-    return ctl.backend.read_file(sandbox_id, path)
+def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> Stream:
+    """The file streamed: the daemon holds a few chunks of it, never the whole file (up to
+    4 GiB, a size the guest decides). A bad path, an unknown sandbox or a missing file is
+    its error status, decided before the answer starts; a transfer that fails later ends
+    the connection before the body is complete."""
+    chunks = ctl.backend.read_file(sandbox_id, path)
+    first = next(chunks, b"")
+    return Stream(passed_on(prepended(first, chunks)), media_type="application/octet-stream")
 
 
 @post(

@@ -90,7 +90,7 @@ class Backend(Protocol):
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled: ...
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
-    def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]: ...
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult: ...
 
 
@@ -129,29 +129,62 @@ def _local_tag(store: Store, text: str) -> bool:
 
 
 STREAM_QUEUE = 256  # frames of a streamed command waiting for its reader, at most
+FILE_QUEUE = 16  # chunks (1 MiB each) of a file read waiting for its reader, at most
 
 
 class Handoff:
     """A bounded queue from a producing thread to one reader, which may go away: then
     ``put`` drops instead of blocking forever."""
 
-    def __init__(self, size: int = STREAM_QUEUE) -> None:
+    def __init__(self, size: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(size)
         self._gone = threading.Event()
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any) -> bool:
+        """Queue ``item`` (waiting while the queue is full); False when the reader has gone
+        (the item is dropped)."""
         while not self._gone.is_set():
             try:
                 self._queue.put(item, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def get(self) -> Any:
         return self._queue.get()
 
     def abandon(self) -> None:
         self._gone.set()
+
+
+class ReaderGone(Exception):
+    """The reader of a produced stream stopped reading: what produces it may stop."""
+
+
+def produced(name: str, work: Callable[[Handoff], None], size: int) -> Iterator[Any]:
+    """What ``work`` puts into a Handoff of ``size`` items, run in a thread of its own
+    (named ``name``), as the caller reads it; an exception of ``work`` is raised in the
+    caller's thread after the items it put before. A caller that stops reading (closes
+    the iterator) abandons the handoff: ``work``'s puts return False from then on."""
+    items = Handoff(size)
+
+    def run() -> None:
+        try:
+            work(items)
+        except BaseException as exc:  # handed to the caller's thread below
+            items.put(exc)
+        finally:
+            items.put(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        while (item := items.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        items.abandon()
 
 
 def output_frame(stream: str, text: str) -> ExecFrame:
@@ -337,50 +370,36 @@ class LocalBackend:
         own; at most STREAM_QUEUE frames wait for the caller (a slow reader slows the
         command's output, not the host's memory). A caller that stops reading leaves the
         command running to its end (or timeout), its output dropped."""
-        frames = Handoff()
 
-        def output(name: str) -> Callable[[bytes], None]:
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            decoders.append((name, decoder))
+        def run(frames: Handoff) -> None:
+            decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
 
-            def put(data: bytes) -> None:
-                if text := decoder.decode(data):
-                    frames.put(output_frame(name, text))
+            def output(name: str) -> Callable[[bytes], None]:
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                decoders.append((name, decoder))
 
-            return put
+                def put(data: bytes) -> None:
+                    if text := decoder.decode(data):
+                        frames.put(output_frame(name, text))
 
-        decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
-        on_stdout, on_stderr = output("stdout"), output("stderr")
+                return put
 
-        def run() -> None:
-            try:
-                result = ch.exec_stream(
-                    sandbox_id,
-                    req.argv,
-                    env=req.env,
-                    cwd=req.cwd,
-                    stdin=req.stdin,
-                    timeout=req.timeout,
-                    on_stdout=on_stdout,
-                    on_stderr=on_stderr,
-                )
-                for name, decoder in decoders:
-                    if rest := decoder.decode(b"", final=True):
-                        frames.put(output_frame(name, rest))
-                frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
-            except BaseException as exc:  # handed to the caller's thread below
-                frames.put(exc)
-            finally:
-                frames.put(None)
+            result = ch.exec_stream(
+                sandbox_id,
+                req.argv,
+                env=req.env,
+                cwd=req.cwd,
+                stdin=req.stdin,
+                timeout=req.timeout,
+                on_stdout=output("stdout"),
+                on_stderr=output("stderr"),
+            )
+            for name, decoder in decoders:
+                if rest := decoder.decode(b"", final=True):
+                    frames.put(output_frame(name, rest))
+            frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
 
-        threading.Thread(target=run, name=f"forkd-exec-{sandbox_id}", daemon=True).start()
-        try:
-            while (item := frames.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            frames.abandon()
+        return produced(f"forkd-exec-{sandbox_id}", run, STREAM_QUEUE)
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
         return msgspec.convert(ch.eval_in(sandbox_id, req.code, timeout=req.timeout), EvalResult)
@@ -416,9 +435,21 @@ class LocalBackend:
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         ch.write_file(sandbox_id, path, data, mode)
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """NotFound (404 in REST) when the guest has no such file."""
-        return ch.read_file(sandbox_id, path)
+    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        """The file's bytes in chunks (up to 1 MiB each) as the guest sends them; NotFound
+        (404 in REST) before the first when the guest has no such file. The read runs in a
+        thread of its own and at most FILE_QUEUE chunks wait for the caller, so a file of
+        any size (up to 4 GiB) costs the daemon that much memory, not the file's size; a
+        caller that stops reading ends the transfer."""
+
+        def run(chunks: Handoff) -> None:
+            def put(data: bytes) -> None:
+                if not chunks.put(data):
+                    raise ReaderGone(f"the reader of {path} in {sandbox_id} went away")
+
+            ch.read_file_chunks(sandbox_id, path, put)
+
+        return produced(f"forkd-read-{sandbox_id}", run, FILE_QUEUE)
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
         return branch_child(self.store, sandbox_id, req.tag, force=req.force)

@@ -291,13 +291,7 @@ class Tools:
         self, sandbox_id: SandboxId, path: GuestPath, encoding: Encoding = "utf-8"
     ) -> dict[str, Any]:
         """Read a file of the sandbox: as UTF-8 text, or as base64 for any bytes."""
-        data = self.sandbox(sandbox_id).files.read(path)
-        if len(data) > MAX_FILE_BYTES:
-            raise InvalidInput(
-                f"{path} is {len(data)} bytes, over the {MAX_FILE_BYTES} a tool "
-                "result carries; read part of it with run_command (head, tail, "
-                "split)"
-            )
+        data = _read_at_most(self.sandbox(sandbox_id), path, MAX_FILE_BYTES)
         if encoding == "base64":
             return {"path": path, "size": len(data), "base64": base64.b64encode(data).decode()}
         try:
@@ -341,6 +335,23 @@ class Tools:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""
         self.sandbox(sandbox_id).kill()
         return {"killed": sandbox_id}
+
+
+def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
+    """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
+    file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
+    parts: list[bytes] = []
+    size = 0
+    with contextlib.closing(sb.files.stream(path)) as chunks:
+        for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise InvalidInput(
+                    f"{path} is over the {limit} bytes a tool result carries; read part of "
+                    "it with run_command (head, tail, split)"
+                )
+            parts.append(chunk)
+    return b"".join(parts)
 
 
 def _check_command(command: str | list[str]) -> None:

@@ -232,20 +232,29 @@ class AgentClient:
 
     def get(self, path: str, timeout: float | None = None) -> bytes:
         """A guest file's bytes, streamed in 1 MiB chunks (up to 4 GiB)."""
-        check_guest_path(path)
         parts: list[bytes] = []
+        self.get_chunks(path, parts.append, timeout)
+        return b"".join(parts)
+
+    def get_chunks(self, path: str, on_chunk: OnData, timeout: float | None = None) -> int:
+        """A guest file's bytes given to ``on_chunk`` as they arrive (1 MiB at a time, up to
+        4 GiB), none of them kept here; its size once all arrived. An exception raised by
+        ``on_chunk`` ends the transfer (close this client then: the rest is not read)."""
+        check_guest_path(path)
+        got = 0
 
         def chunk(ev: str, data: bytes) -> None:
+            nonlocal got
             if ev == "chunk":
-                parts.append(data)
+                got += len(data)
+                on_chunk(data)
 
         res = self.request("get", {"path": path, "stream": True}, timeout=timeout,
                            on_event=chunk)
-        data = b"".join(parts)
-        if len(data) != res.get("bytes"):
-            raise AgentError(f"get {path}: {len(data)} bytes arrived, the agent sent "
+        if got != res.get("bytes"):
+            raise AgentError(f"get {path}: {got} bytes arrived, the agent sent "
                              f"{res.get('bytes')}")
-        return data
+        return got
 
     def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""

@@ -651,9 +651,18 @@ def run_code(child_id: str, code: str, *, timeout: float | None = 300.0,
 
 def read_file(child_id: str, path: str) -> bytes:
     """A guest file's bytes (streamed; up to 4 GiB). NotFound when it does not exist."""
+    parts: list[bytes] = []
+    read_file_chunks(child_id, path, parts.append)
+    return b"".join(parts)
+
+
+def read_file_chunks(child_id: str, path: str, on_chunk: OnData) -> int:
+    """A guest file's bytes given to ``on_chunk`` as they arrive (up to 4 GiB; a daemon
+    passes them on without holding the file); its size. NotFound before any chunk when it
+    does not exist; an exception from ``on_chunk`` ends the transfer."""
     check_guest_path(path)
     with agent(child_id) as a:
-        return a.get(path)
+        return a.get_chunks(path, on_chunk)
 
 
 def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
