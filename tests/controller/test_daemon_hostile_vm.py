@@ -1,0 +1,117 @@
+"""Hostile review, round 3, against a real sandbox: the values that reached the guest agent
+and came back as a 500 (a NUL in an argument, ``A=B`` as a variable name, a timeout of -1,
+signal 99999, mode -1) are 400s naming what was wrong, and the sandbox goes on answering;
+a read of ``/dev/zero`` (the guest sends up to 4 GiB) is streamed with the daemon's memory
+bounded, and ends when its reader leaves.
+
+One `forkd serve --listen` and one sandbox of the tiny recipe (killed at the end; the
+module's env fixture kills whatever of its store is left)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from daemon_support import tcp_daemon
+
+from forkd.engine import children as ch
+
+TINY_TAG = "tiny:hostile"
+TOKEN = "hostile-token-0123456789-0123456789-0123456789"
+pytestmark = pytest.mark.vm
+MIB = 1 << 20
+
+
+def _daemon_pid(port: int) -> int:
+    """The `forkd serve` this test started (a child of this process, on ``port``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and f"127.0.0.1:{port}".encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no forkd serve on port {port} among this test's children")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module")
+def sandbox(env: dict[str, str], tiny: str) -> Iterator[tuple[httpx.Client, str, int]]:
+    with tcp_daemon(env, Path(env["FORKD_HOME"]) / "serve.log") as url:
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
+                            timeout=300)
+        spawned = http.post("/v1/sandboxes", json={"tag": tiny})
+        assert spawned.status_code == 201, spawned.text
+        sid = spawned.json()["sandboxes"][0]["id"]
+        try:
+            yield http, sid, _daemon_pid(int(url.rsplit(":", 1)[1]))
+        finally:
+            assert http.delete(f"/v1/sandboxes/{sid}").status_code == 200
+            http.close()
+    assert [c.id for c in ch.list_children()] == []
+
+
+def _refused(answer: httpx.Response, word: str) -> None:
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "InvalidInput" and word in answer.text, answer.text
+
+
+def test_values_the_guest_cannot_take_are_400s_on_a_live_sandbox(
+    sandbox: tuple[httpx.Client, str, int],
+) -> None:
+    http, sid, _pid = sandbox
+    sb = f"/v1/sandboxes/{sid}"
+    _refused(http.post(sb + "/exec", json={"argv": ["echo", "a\u0000b"]}), "NUL")
+    _refused(http.post(sb + "/exec", json={"argv": ["env"], "env": {"A=B": "1"}}),
+             "not a variable name")
+    _refused(http.post(sb + "/exec", json={"argv": ["true"], "timeout": -1}), "timeout")
+    _refused(http.post(sb + "/exec", json={"argv": ["true"], "timeout": 1e308}), "timeout")
+    _refused(http.post(sb + "/eval", json={"code": "1", "timeout": 0}), "timeout")
+    _refused(http.put(sb + "/files?path=/tmp/x&mode=-1", content=b"x"), "mode")
+    started = http.post(sb + "/processes", json={"argv": ["sleep", "60"]})
+    assert started.status_code == 201, started.text
+    handle = started.json()["handle"]
+    _refused(http.post(f"{sb}/processes/{handle}/kill", json={"signal": 99999}), "signal")
+    killed = http.post(f"{sb}/processes/{handle}/kill", json={"signal": "TERM"})
+    assert killed.status_code == 200 and killed.json()["signal"] == 15, killed.text
+    ran = http.post(sb + "/exec", json={"argv": ["sh", "-c", "echo $A"], "env": {"A": "x=y"}})
+    assert ran.status_code == 200 and ran.json()["stdout"] == "x=y\n", ran.text
+
+
+def test_a_guest_file_is_streamed_and_an_endless_one_costs_the_daemon_little(
+    sandbox: tuple[httpx.Client, str, int],
+) -> None:
+    http, sid, pid = sandbox
+    sb = f"/v1/sandboxes/{sid}"
+    data = os.urandom(3 * MIB + 17)
+    assert http.put(sb + "/files?path=/tmp/blob", content=data).status_code == 204
+    assert http.get(sb + "/files", params={"path": "/tmp/blob"}).content == data
+    missing = http.get(sb + "/files", params={"path": "/tmp/none"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFound"
+    before = _rss_mib(pid)
+    peak = before
+    got = 0
+    with http.stream("GET", sb + "/files", params={"path": "/dev/zero"}) as endless:
+        assert endless.status_code == 200
+        for chunk in endless.iter_bytes():
+            got += len(chunk)
+            peak = max(peak, _rss_mib(pid))
+            if got >= 256 * MIB:
+                break
+    assert got >= 256 * MIB
+    assert peak - before < 128, f"the daemon grew {peak - before:.0f} MiB for a streamed read"
+    ran = http.post(sb + "/exec", json={"argv": ["echo", "still here"]})
+    assert ran.status_code == 200 and ran.json()["stdout"] == "still here\n", ran.text
+    assert http.get(sb + "/files", params={"path": "/tmp/blob"}).content == data
