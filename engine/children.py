@@ -59,6 +59,7 @@ from forkd.engine.lifecycle import (
     lock_file,
     new_id,
     private_tags,
+    record_lock,
     require_running,
 )
 from forkd.engine.lifecycle import (
@@ -677,10 +678,15 @@ def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:
     """Stop the child's QEMU and remove everything it had (lifecycle.ChildVM.end); a paused
     child's saved state (its private tags, in store, default $FORKD_HOME's) goes too. Safe
-    on crashed children."""
-    child = ChildVM.adopt(child_dir(child_id))
-    info = child.info
-    was = child.end()
+    on crashed children. Under the child's record lock: a pause, resume or extend in flight
+    ends first (a kill that cut a resume short removed the directory a new QEMU was being
+    started in, and left that QEMU, its netns and cgroup running; one that cut a pause
+    short left its private tag in the store), then the kill acts on what it left."""
+    d = child_dir(child_id)
+    with record_lock(d):
+        child = ChildVM.adopt(d)
+        info = child.info
+        was = child.end()
     if info.paused_tag is not None or info.ref in private_tags(info.id):
         drop_private_tags(info, store or Store.open())
     info.status = {"running": "killed", "paused": "killed"}.get(was, "crashed")

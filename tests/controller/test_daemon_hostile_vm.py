@@ -115,3 +115,50 @@ def test_a_guest_file_is_streamed_and_an_endless_one_costs_the_daemon_little(
     ran = http.post(sb + "/exec", json={"argv": ["echo", "still here"]})
     assert ran.status_code == 200 and ran.json()["stdout"] == "still here\n", ran.text
     assert http.get(sb + "/files", params={"path": "/tmp/blob"}).content == data
+
+
+def _qemus_of(sid: str) -> list[int]:
+    """QEMU processes started in the sandbox's directory ($FORKD_RUN/children/ID)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"qemu-system") and f"/children/{sid}/".encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("during", ["pause", "resume"])
+def test_a_kill_during_a_pause_or_resume_leaves_nothing(
+    sandbox: tuple[httpx.Client, str, int], env: dict[str, str], tiny: str, during: str
+) -> None:
+    """The kill waits for the pause or resume in flight, then removes what it left: no
+    QEMU, no directory, no private tag of the sandbox in the store."""
+    import threading
+    import time
+
+    http, _sid, _pid = sandbox
+    spawned = http.post("/v1/sandboxes", json={"tag": tiny})
+    assert spawned.status_code == 201, spawned.text
+    sid = spawned.json()["sandboxes"][0]["id"]
+    if during == "resume":
+        assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+    answers: dict[str, httpx.Response] = {}
+
+    def act() -> None:
+        answers[during] = http.post(f"/v1/sandboxes/{sid}/{during}")
+
+    acting = threading.Thread(target=act)
+    acting.start()
+    time.sleep(0.5)  # inside the pause's save or the resume's launch (seconds on TCG)
+    killed = http.delete(f"/v1/sandboxes/{sid}")
+    acting.join(300)
+    assert killed.status_code == 200, killed.text
+    assert answers[during].status_code in (200, 404, 409), answers[during].text
+    assert sid not in {s["id"] for s in http.get("/v1/sandboxes").json()}
+    assert not Path(env["FORKD_RUN"], "children", sid).exists()
+    assert _qemus_of(sid) == [], f"QEMU of {sid} left running"
+    refs = [s["ref"] for s in http.get("/v1/snapshots").json()]
+    assert [r for r in refs if sid in r] == [], refs
