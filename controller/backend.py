@@ -50,12 +50,14 @@ from forkd.controller.api import (
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
 from forkd.engine.branch import branch as branch_child
-from forkd.engine.lifecycle import ChildInfo, Lifetime, Limits
+from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
 from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
-from forkd.errors import InvalidInput, NotFound
+from forkd.errors import Conflict, InvalidInput, NotFound
+from forkd.names import parse_ref, shown
 from forkd.store.store import Store
+from forkd.store.tagging import dependents
 
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
 
@@ -123,6 +125,25 @@ def _local_tag(store: Store, text: str) -> bool:
     """``text`` names a tag of the local store."""
     try:
         store.resolve(text)
+    except (InvalidInput, NotFound):
+        return False
+    return True
+
+
+def _refuse_private(what: str, tag: str) -> None:
+    """A tag the caller names to be written may not be a paused sandbox's saved state
+    (``forkd-paused/ID:a|b``, written only by pause): a branch or compact there would
+    replace another sandbox's state, or plant one for an id not yet given out."""
+    if private_owner(tag) is not None:
+        raise InvalidInput(
+            f"{what} {shown(tag)} is under {PAUSED_NAME}/, where paused sandboxes keep their "
+            "saved state; pick a tag outside it"
+        )
+
+
+def _child_exists(child_id: str) -> bool:
+    try:
+        ch.get(child_id)
     except (InvalidInput, NotFound):
         return False
     return True
@@ -237,9 +258,21 @@ class LocalBackend:
         return self.store.inspect(ref)
 
     def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
+        """Conflict when it (or, with cascade, a tag built on it) is a sandbox's saved
+        state: that sandbox's resume would have nothing to start from."""
+        key = parse_ref(ref)
+        self.store.resolve(key)
+        for tag in [str(key), *(dependents(self.store, key) if cascade else [])]:
+            owner = private_owner(tag)
+            if owner is not None and _child_exists(owner):
+                raise Conflict(
+                    f"{tag} is the saved state of sandbox {owner}; kill it (its saved state "
+                    "goes with it) or resume it first"
+                )
         return Removed(removed=self.store.remove(ref, cascade=cascade))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
+        _refuse_private("compact's to", req.to)
         return self.store.compact(req.ref, req.to)
 
     def spawn(self, req: SpawnRequest) -> SpawnResult:
@@ -452,4 +485,5 @@ class LocalBackend:
         return produced(f"forkd-read-{sandbox_id}", run, FILE_QUEUE)
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
+        _refuse_private("the branch's tag", req.tag)
         return branch_child(self.store, sandbox_id, req.tag, force=req.force)

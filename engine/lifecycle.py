@@ -36,7 +36,7 @@ from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
-from forkd.names import shown
+from forkd.names import parse_ref, shown
 from forkd.store.store import Assembled
 
 ID_RE = re.compile(r"\A[a-z0-9][a-z0-9-]{0,63}\Z")
@@ -198,6 +198,17 @@ def private_tags(child_id: str) -> tuple[str, str]:
     """The two tags a child's pauses alternate between (a diff layer cannot be its own
     parent, and a tag another layer descends from can still move)."""
     return f"{PAUSED_NAME}/{child_id}:a", f"{PAUSED_NAME}/{child_id}:b"
+
+
+def private_owner(ref: str) -> str | None:
+    """The id of the child whose private tag ``ref`` is (any tag under PAUSED_NAME/ is
+    one), None for any other tag or text that is not a reference."""
+    try:
+        name = parse_ref(ref).name
+    except InvalidInput:
+        return None
+    top, sep, child_id = name.partition("/")
+    return child_id if top == PAUSED_NAME and sep else None
 
 
 @contextlib.contextmanager

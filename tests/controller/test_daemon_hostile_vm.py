@@ -162,3 +162,36 @@ def test_a_kill_during_a_pause_or_resume_leaves_nothing(
     assert _qemus_of(sid) == [], f"QEMU of {sid} left running"
     refs = [s["ref"] for s in http.get("/v1/snapshots").json()]
     assert [r for r in refs if sid in r] == [], refs
+
+
+def test_a_paused_sandboxs_saved_state_cannot_be_replaced_or_removed_through_the_api(
+    sandbox: tuple[httpx.Client, str, int], tiny: str
+) -> None:
+    """Its private tag (forkd-paused/ID:a) is written only by its pause and removed only
+    with it: a branch or compact onto it is a 400, a delete of it (or a cascade that would
+    take it) a 409, and the sandbox resumes as it was."""
+    http, other, _pid = sandbox
+    spawned = http.post("/v1/sandboxes", json={"tag": tiny})
+    assert spawned.status_code == 201, spawned.text
+    sid = spawned.json()["sandboxes"][0]["id"]
+    try:
+        sb = f"/v1/sandboxes/{sid}"
+        written = http.put(sb + "/files?path=/root/mark", content=b"before the pause")
+        assert written.status_code == 204, written.text
+        paused = http.post(sb + "/pause")
+        assert paused.status_code == 200, paused.text
+        saved = paused.json()["paused_tag"]
+        branched = http.post(f"/v1/sandboxes/{other}/branch", json={"tag": saved, "force": True})
+        _refused(branched, "forkd-paused/")
+        _refused(http.post("/v1/compact", json={"ref": tiny, "to": saved}), "forkd-paused/")
+        for path in (f"/v1/snapshots/{saved}", f"/v1/snapshots/{tiny}?cascade=true"):
+            removed = http.delete(path)
+            assert removed.status_code == 409, removed.text
+            assert f"saved state of sandbox {sid}" in removed.text, removed.text
+        assert http.post(sb + "/resume").status_code == 200
+        read = http.get(sb + "/files", params={"path": "/root/mark"})
+        assert read.content == b"before the pause", read.text
+    finally:
+        assert http.delete(f"/v1/sandboxes/{sid}").status_code == 200
+    refs = [s["ref"] for s in http.get("/v1/snapshots").json()]
+    assert tiny in refs and [r for r in refs if sid in r] == [], refs
