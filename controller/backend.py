@@ -9,6 +9,7 @@ daemon runs. Both take and answer the types of forkd.controller.api, one method 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import queue
 import threading
@@ -216,13 +217,29 @@ class LocalBackend:
     """The engine and the store in this process."""
 
     def __init__(
-        self, store: Store | None = None, pool: Pool | None = None, *, sweeper: bool = False
+        self,
+        store: Store | None = None,
+        pool: Pool | None = None,
+        *,
+        sweeper: bool = False,
+        max_sandboxes: int | None = None,
     ) -> None:
         """pool: prewarmed processes per tag (the daemon has one; in-process use does not).
         sweeper: enforce sandbox deadlines in a thread of this process (the daemon does);
-        without it a deadline set here starts the engine's watchdog (engine/watchdog.py)."""
+        without it a deadline set here starts the engine's watchdog (engine/watchdog.py).
+        max_sandboxes: how many QEMUs may run at once (running sandboxes, pool targets and
+        the ones starting; `forkd serve --max-sandboxes`), None for no limit."""
+        if max_sandboxes is not None and (
+            isinstance(max_sandboxes, bool) or not isinstance(max_sandboxes, int)
+            or max_sandboxes < 1
+        ):
+            raise InvalidInput(f"the sandbox limit must be a positive integer, got "
+                               f"{max_sandboxes!r}")
         self.store = store or Store.open()
         self.pool = pool
+        self.max_sandboxes = max_sandboxes
+        self._admitting = threading.Lock()
+        self._starting = 0  # QEMUs admitted and not yet counted as running or pooled
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if sweeper:
@@ -250,6 +267,39 @@ class LocalBackend:
             self._sweeper = None
             if lifetimes.next_deadline() is not None:
                 watchdog.ensure_running()
+
+    def _in_use(self, but_pool: str | None) -> int:
+        """QEMUs this daemon counts against max_sandboxes: every running sandbox of the run
+        directory, every pool's target (its tag's ``but_pool`` left out: it is being set),
+        and the ones admitted that are still starting."""
+        running = sum(1 for c in ch.list_children() if c.status == "running")
+        pools = self.pool.status() if self.pool is not None else []
+        pooled = sum(int(s["target"]) for s in pools if s["tag"] != but_pool)
+        return running + pooled + self._starting
+
+    @contextlib.contextmanager
+    def _admitted(self, n: int, what: str, pool_tag: str | None = None) -> Iterator[None]:
+        """Room for ``n`` more QEMUs while the block runs (a spawn, a pool fill, a resume),
+        or Conflict saying the limit; counted until the block ends, when they are running
+        (or in a pool) and counted there."""
+        if self.max_sandboxes is None:
+            yield
+            return
+        but_pool = str(parse_ref(pool_tag)) if pool_tag is not None else None
+        with self._admitting:
+            used = self._in_use(but_pool)
+            if used + n > self.max_sandboxes:
+                raise Conflict(
+                    f"{what} needs {n} more VMs and this daemon runs {used} (sandboxes, pool "
+                    f"processes and ones starting), its limit is {self.max_sandboxes} "
+                    "(forkd serve --max-sandboxes): kill or pause sandboxes, or shrink a pool"
+                )
+            self._starting += n
+        try:
+            yield
+        finally:
+            with self._admitting:
+                self._starting -= n
 
     def snapshots(self) -> list[LayerInfo]:
         return self.store.images()
@@ -279,31 +329,35 @@ class LocalBackend:
         """prewarm=K: after serving, fill (or refill) the tag's pool to K in the background.
         timeout: seconds until each sandbox is killed or paused (on_timeout); cpus, pids_max,
         disk_bps, disk_iops, net_kbit: limits (docs/engine.md, "Limits")."""
+        ch.check_count(req.n)
         if req.prewarm is not None:
             self._check_prewarm(req.prewarm)
         limits = limits_of(req)
         fork = self._lazy_fork(req) if req.lazy else functools.partial(ch.fork, pool=self.pool)
-        result = fork(
-            self.store,
-            req.tag,
-            req.n,
-            limits=limits,
-            lifetime=Lifetime(req.timeout, req.on_timeout),
-            with_netns=req.netns,
-            sandbox=req.sandbox,
-            egress=req.egress,
-        )
-        if req.timeout is not None:
-            self._deadlines_changed()
-        if req.prewarm is not None and self.pool is not None:
-            self.pool.fill(
+        more = req.n + (req.prewarm or 0)
+        with self._admitted(more, f"spawning {req.n} of {req.tag}",
+                            req.tag if req.prewarm is not None else None):
+            result = fork(
+                self.store,
                 req.tag,
-                req.prewarm,
+                req.n,
                 limits=limits,
-                sandbox=req.sandbox,
+                lifetime=Lifetime(req.timeout, req.on_timeout),
                 with_netns=req.netns,
-                wait=False,
+                sandbox=req.sandbox,
+                egress=req.egress,
             )
+            if req.timeout is not None:
+                self._deadlines_changed()
+            if req.prewarm is not None and self.pool is not None:
+                self.pool.fill(
+                    req.tag,
+                    req.prewarm,
+                    limits=limits,
+                    sandbox=req.sandbox,
+                    with_netns=req.netns,
+                    wait=False,
+                )
         return SpawnResult(
             sandboxes=[sandbox_view(c) for c in result.children],
             assemble_ms=round(result.assemble_ms, 1),
@@ -356,14 +410,15 @@ class LocalBackend:
 
     def fill_pool(self, req: PoolRequest) -> PoolStatus:
         pool = self._check_prewarm(req.k)
-        status = pool.fill(
-            req.tag,
-            req.k,
-            memory_limit_mib=req.memory_limit_mib,
-            sandbox=req.sandbox,
-            with_netns=req.netns,
-            wait=req.wait,
-        )
+        with self._admitted(req.k, f"a pool of {req.k} for {req.tag}", req.tag):
+            status = pool.fill(
+                req.tag,
+                req.k,
+                memory_limit_mib=req.memory_limit_mib,
+                sandbox=req.sandbox,
+                with_netns=req.netns,
+                wait=req.wait,
+            )
         return msgspec.convert(status, PoolStatus)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
@@ -386,7 +441,8 @@ class LocalBackend:
         return sandbox_view(pause_child(self.store, sandbox_id))
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
-        info = resume_child(self.store, sandbox_id)
+        with self._admitted(1, f"resuming {sandbox_id}"):
+            info = resume_child(self.store, sandbox_id)
         if info.deadline is not None:
             self._deadlines_changed()
         return sandbox_view(info)

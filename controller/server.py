@@ -29,6 +29,8 @@ from forkd.errors import Conflict, InvalidInput
 from forkd.private import create_private_file, read_private_file
 from forkd.store.store import Store
 
+MAX_SANDBOXES = 512  # a daemon's VMs at once by default: sandboxes, pool processes, starting
+
 
 def token_path() -> Path:
     return run_dir() / "controller.token"
@@ -98,15 +100,17 @@ def serve(
     audit_path: Path | None = None,
     token_file: Path | None = None,
     prewarm: Sequence[tuple[str, int]] = (),
+    max_sandboxes: int = MAX_SANDBOXES,
 ) -> None:
     """Serve until interrupted. Blocks. prewarm: (tag, K) pools filled in the background at
     start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops.
-    With ``listen``, the token (load_token) is checked before anything starts."""
+    max_sandboxes: the VMs it runs at once (LocalBackend). With ``listen``, the token
+    (load_token) is checked before anything starts."""
     token = load_token(token_file) if listen else None
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)
-    backend = LocalBackend(store, Pool(store), sweeper=True)
+    backend = LocalBackend(store, Pool(store), sweeper=True, max_sandboxes=max_sandboxes)
     try:
         for tag, k in prewarm:
             backend.fill_pool(PoolRequest(tag=tag, k=k))

@@ -394,6 +394,13 @@ def recipe_egress(asm: Assembled) -> EgressSettings | None:
     return EgressSettings.resolve(entries) if entries else None
 
 
+def check_count(n: object) -> int:
+    """A number of children for one fork: 1 to MAX_CHILDREN."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
+        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    return n
+
+
 def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
          limits: Limits | None = None, lifetime: Lifetime | None = None,
          sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
@@ -407,8 +414,7 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     destinations its children may reach through their proxy (None: the recipe's
     defaults; none: no network at all). assembled + overlay_template: the images and the
     empty child overlay to use instead of assembling (engine/lazy/fork.py)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
-        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    check_count(n)
     limits = with_memory(limits, memory_limit_mib)
     lifetime = (lifetime or Lifetime()).checked()
     t0 = time.monotonic()

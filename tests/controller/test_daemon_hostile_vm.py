@@ -195,3 +195,19 @@ def test_a_paused_sandboxs_saved_state_cannot_be_replaced_or_removed_through_the
         assert http.delete(f"/v1/sandboxes/{sid}").status_code == 200
     refs = [s["ref"] for s in http.get("/v1/snapshots").json()]
     assert tiny in refs and [r for r in refs if sid in r] == [], refs
+
+
+def test_running_sandboxes_count_against_the_limit(
+    sandbox: tuple[httpx.Client, str, int], tiny: str
+) -> None:
+    """A backend with a limit of 2 beside the module's running sandbox has room for one
+    more, not two (nothing is started: the refused spawn never reaches a VM)."""
+    from forkd.controller.api import SpawnRequest
+    from forkd.controller.backend import LocalBackend
+    from forkd.errors import Conflict
+
+    _http, sid, _pid = sandbox
+    backend = LocalBackend(max_sandboxes=2)
+    assert sid in {c.id for c in ch.list_children() if c.status == "running"}
+    with pytest.raises(Conflict, match=r"this daemon runs 1 .* its limit is 2"):
+        backend.spawn(SpawnRequest(tag=tiny, n=2))
