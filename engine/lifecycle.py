@@ -32,7 +32,7 @@ from forkd.engine import netns
 from forkd.engine.cgroup import CgroupLimits, ChildCgroup
 from forkd.engine.commands import MAX_WAIT_S
 from forkd.engine.egress import child as egress
-from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError
+from forkd.engine.errors import Busy, ChildDead, ChildNotFound, EngineError, HostError
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
@@ -215,7 +215,7 @@ def private_owner(ref: str) -> str | None:
 def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01, *,
               shared: bool = False) -> Iterator[None]:
     """Hold an exclusive (or, shared=True, a shared) flock on ``path`` (made 0600), waiting
-    up to ``timeout`` seconds; EngineError ``busy`` when it stays taken."""
+    up to ``timeout`` seconds; Busy (a Conflict) ``busy`` when it stays taken."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
@@ -225,7 +225,8 @@ def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01, *,
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EngineError(f"{busy} for more than {timeout:.0f} s") from None
+                    raise Busy(f"{busy} for more than {timeout:.0f} s; try again once it "
+                               "ended") from None
                 time.sleep(poll)
         yield
     finally:

@@ -181,6 +181,8 @@ def test_a_paused_sandboxs_saved_state_cannot_be_replaced_or_removed_through_the
         paused = http.post(sb + "/pause")
         assert paused.status_code == 200, paused.text
         saved = paused.json()["paused_tag"]
+        asleep = http.post(sb + "/exec", json={"argv": ["true"]})
+        assert asleep.status_code == 409 and "paused" in asleep.text, asleep.text
         branched = http.post(f"/v1/sandboxes/{other}/branch", json={"tag": saved, "force": True})
         _refused(branched, "forkd-paused/")
         _refused(http.post("/v1/compact", json={"ref": tiny, "to": saved}), "forkd-paused/")

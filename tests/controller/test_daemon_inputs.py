@@ -207,3 +207,14 @@ def test_mcp_run_command_refuses_the_same(tmp_path: Path,
     ]:
         with pytest.raises(ToolError, match=f"InvalidInput: .*{said}"):
             asyncio.run(server.call_tool("run_command", {"sandbox_id": "ghost-1", **args}))
+
+
+def test_a_sandbox_in_another_state_is_a_conflict_not_a_server_error() -> None:
+    """A paused or crashed sandbox (ChildDead) and one held by another operation past the
+    wait (Busy) are the caller's 409, with the engine's exit code kept."""
+    from forkd.controller.app import error_answer
+    from forkd.engine.errors import Busy, ChildDead
+
+    for exc, code in [(ChildDead("child x-1 is paused"), 15), (Busy("child x-1 is busy"), 10)]:
+        status, body = error_answer(exc)
+        assert (status, body.type, body.exit_code) == (409, "Conflict", code), (exc, body)
