@@ -21,7 +21,8 @@ import msgspec
 from litestar import Litestar, Request, Response, Router, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import NotAuthorizedException, ValidationException
+from litestar.exceptions import ClientException, NotAuthorizedException, ValidationException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
@@ -85,6 +86,7 @@ STATUS: list[tuple[type[ForkdError], int]] = [
     (ChainError, 422),
 ]
 MAX_FILE_BYTES = MAX_PUT_BYTES  # PUT .../files: what one request carries into a guest
+MAX_JSON_BYTES = 10_000_000  # any other request body (Litestar's default, made explicit)
 MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
 MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
@@ -227,6 +229,13 @@ def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
     if isinstance(exc, ValidationException):
         exc = InvalidInput(f"{exc.detail}: {validation_problems(exc)}")
+    if isinstance(exc, RequestEntityTooLarge):
+        return 413, ErrorBody(type="InvalidInput", exit_code=InvalidInput.exit_code, message=(
+            f"the request body is too large: a JSON body takes at most {MAX_JSON_BYTES} "
+            f"bytes, a file (PUT .../files) at most {MAX_FILE_BYTES}; send larger input as "
+            "files, in parts"))
+    if isinstance(exc, ClientException) and exc.status_code == 400:  # e.g. malformed JSON
+        exc = InvalidInput(f"{exc.detail}; the request must be JSON as docs/api.md declares")
     if not isinstance(exc, ForkdError):
         status = getattr(exc, "status_code", 500)
         message = getattr(exc, "detail", str(exc)) if status < 500 else "internal error"
@@ -782,6 +791,7 @@ def create_app(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
         before_request=refuse_deep_json,
+        request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         openapi_config=OPENAPI,

@@ -27,7 +27,7 @@ from litestar.testing import TestClient
 
 from forkd.audit import AuditLog
 from forkd.controller.api import OPERATIONS
-from forkd.controller.app import MAX_FILE_BYTES, ControllerMetrics, create_app
+from forkd.controller.app import MAX_FILE_BYTES, MAX_JSON_BYTES, ControllerMetrics, create_app
 from forkd.controller.backend import LocalBackend
 from forkd.engine import commands
 from forkd.engine.agent_client import exec_args
@@ -218,3 +218,15 @@ def test_a_sandbox_in_another_state_is_a_conflict_not_a_server_error() -> None:
     for exc, code in [(ChildDead("child x-1 is paused"), 15), (Busy("child x-1 is busy"), 10)]:
         status, body = error_answer(exc)
         assert (status, body.type, body.exit_code) == (409, "Conflict", code), (exc, body)
+
+
+def test_a_body_that_is_not_json_or_too_large_says_so(http: TestClient[Any]) -> None:
+    for raw in (b'{"tag": "x", "n": NaN}', b"\xff\xfe", b'{"tag": '):
+        answer = http.post("/v1/sandboxes", content=raw,
+                           headers={"content-type": "application/json"})
+        _refused(answer, "must be JSON")
+    stdin = "A" * MAX_JSON_BYTES
+    answer = http.post(SB + "/exec", json={"argv": ["cat"], "stdin_b64": stdin})
+    assert answer.status_code == 413, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "InvalidInput" and f"at most {MAX_JSON_BYTES}" in error["message"]
