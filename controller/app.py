@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -116,6 +118,49 @@ class ControllerMetrics:
         )
 
 
+class Token:
+    """The TCP bearer token: a fixed one ($FORKD_CONTROLLER_TOKEN), or a token file's, read
+    again whenever the file changes, so replacing the file revokes the old token at once
+    (no restart). A token file that is gone, or no longer holds a valid token, refuses
+    every request until it is fixed: a revocation never falls back to the old token."""
+
+    def __init__(self, value: bytes, path: Path | None = None,
+                 read: Callable[[Path], bytes] | None = None) -> None:
+        """value: the checked token (checked_token); path and read: its file and how to read
+        and check it again (server._token_from_file)."""
+        if len(value) < MIN_TOKEN_BYTES:
+            raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
+        self._value = value
+        self._path = path
+        self._read = read
+        self._seen = self._stamp()
+        self._lock = threading.Lock()
+
+    def _stamp(self) -> tuple[int, int, int, int] | None:
+        if self._path is None:
+            return None
+        try:
+            st = os.lstat(self._path)
+        except OSError:
+            return (0, 0, 0, 0)  # gone: never a file's stamp (st_ino is never 0)
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def current(self) -> bytes:
+        """The token a request must carry now; b"" (which nothing matches) while the file
+        is gone or invalid."""
+        if self._path is None or self._read is None:
+            return self._value
+        stamp = self._stamp()
+        with self._lock:
+            if stamp != self._seen:
+                self._seen = stamp
+                try:
+                    self._value = self._read(self._path) if stamp != (0, 0, 0, 0) else b""
+                except (InvalidInput, OSError):
+                    self._value = b""
+            return self._value
+
+
 @dataclass
 class Controller:
     """One listener's view of the daemon: the Unix socket (token None) or TCP (token set)."""
@@ -123,7 +168,7 @@ class Controller:
     backend: PoolBackend
     audit: AuditLog
     metrics: ControllerMetrics
-    token: bytes | None  # a checked_token; required on this listener when set
+    token: Token | None  # required on this listener when set
 
     @property
     def transport(self) -> str:
@@ -206,7 +251,7 @@ def require_token(
     ctl: Controller = connection.app.state.controller
     if ctl.token is None or is_public(handler):
         return
-    if not token_matches(presented_token(connection), ctl.token):
+    if not token_matches(presented_token(connection), ctl.token.current()):
         ctl.audit.record("-", peer(connection), "auth", connection.url.path, "denied")
         raise NotAuthorizedException(
             "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
@@ -781,12 +826,12 @@ def create_app(
     backend: PoolBackend | None,
     audit: AuditLog | None,
     metrics: ControllerMetrics | None,
-    token: bytes | None,
+    token: Token | bytes | None,
 ) -> Litestar:
     """One listener's app; the Unix-socket app has no token, the TCP app requires one
-    (a checked_token: nothing shorter than MIN_TOKEN_BYTES is ever served)."""
-    if token is not None and len(token) < MIN_TOKEN_BYTES:
-        raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
+    (a Token, or fixed bytes: nothing shorter than MIN_TOKEN_BYTES is ever served)."""
+    if isinstance(token, bytes):
+        token = Token(token)
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise

@@ -17,7 +17,6 @@ import base64
 import binascii
 import contextlib
 import functools
-import hmac
 import json
 import threading
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
+from forkd.controller.app import Token, token_matches
 from forkd.controller.sdk import Controller, Sandbox
 from forkd.errors import ForkdError, InvalidInput
 
@@ -418,7 +418,7 @@ def serve_stdio(controller: Controller) -> None:
     build_server(controller).run("stdio")
 
 
-def serve_http(controller: Controller, host: str, port: int, path: str, token: bytes) -> None:
+def serve_http(controller: Controller, host: str, port: int, path: str, token: Token) -> None:
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     import uvicorn
@@ -431,7 +431,7 @@ class BearerAuth:
     """ASGI middleware: HTTP requests without the bearer token get 401 (compared in
     constant time); the MCP app sees only the ones that carry it."""
 
-    def __init__(self, app: Any, token: bytes) -> None:
+    def __init__(self, app: Any, token: Token) -> None:
         self.app = app
         self.token = token
 
@@ -461,4 +461,5 @@ class BearerAuth:
         if len(given) != 1:
             return False
         scheme, _, credential = given[0].partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self.token)
+        return scheme.lower() == b"bearer" and token_matches(credential.strip(),
+                                                              self.token.current())
