@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -51,6 +51,7 @@ from forkd.controller.api import (
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
 from forkd.engine.branch import branch as branch_child
+from forkd.engine.errors import AgentError
 from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
 from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
@@ -60,6 +61,7 @@ from forkd.names import parse_ref, shown
 from forkd.store.store import Store
 from forkd.store.tagging import dependents
 
+T = TypeVar("T")
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
 
 
@@ -178,6 +180,19 @@ class Handoff:
 
     def abandon(self) -> None:
         self._gone.set()
+
+
+def guest_answer(reply: Any, answer: type[T], op: str) -> T:
+    """A guest agent's reply to ``op`` as the API's ``answer`` type; an AgentError saying
+    so when it does not fit (the guest is the untrusted side: a reply of another shape is
+    its fault, told as such, never an unexplained internal error)."""
+    try:
+        return msgspec.convert(reply, answer)
+    except msgspec.ValidationError as exc:
+        raise AgentError(
+            f"the guest agent's answer to {op} does not match the protocol ({exc}); its "
+            "sandbox may be damaged: kill it"
+        ) from None
 
 
 class ReaderGone(Exception):
@@ -451,7 +466,7 @@ class LocalBackend:
         result = ch.exec_in(
             sandbox_id, req.argv, timeout=req.timeout, stdin=req.stdin, env=req.env, cwd=req.cwd
         )
-        return msgspec.convert(result, ExecResult)
+        return guest_answer(result, ExecResult, "exec")
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
         """The command's output as frames while it runs (UTF-8, a character split between
@@ -491,35 +506,37 @@ class LocalBackend:
         return produced(f"forkd-exec-{sandbox_id}", run, STREAM_QUEUE)
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
-        return msgspec.convert(ch.eval_in(sandbox_id, req.code, timeout=req.timeout), EvalResult)
+        reply = ch.eval_in(sandbox_id, req.code, timeout=req.timeout)
+        return guest_answer(reply, EvalResult, "eval")
 
     def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult:
         reply = ch.run_code(sandbox_id, req.code, timeout=req.timeout)
-        return msgspec.convert(reply, RunCodeResult)
+        return guest_answer(reply, RunCodeResult, "run_code")
 
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
         reply = ch.process_start(
             sandbox_id, req.argv, env=req.env, cwd=req.cwd, stdin=req.stdin, pty=req.pty
         )
-        return msgspec.convert(reply, ProcessInfo)
+        return guest_answer(reply, ProcessInfo, "proc_start")
 
     def processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return msgspec.convert(ch.process_list(sandbox_id), list[ProcessInfo])
+        return guest_answer(ch.process_list(sandbox_id), list[ProcessInfo], "proc_list")
 
     def process_wait(
         self, sandbox_id: str, handle: str, req: ProcessWaitRequest
     ) -> ProcessWaitResult:
         reply = ch.process_wait(sandbox_id, handle, timeout=req.timeout)
-        return msgspec.convert(reply, ProcessWaitResult)
+        return guest_answer(reply, ProcessWaitResult, "proc_wait")
 
     def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:
         reply = ch.process_stdin(sandbox_id, handle, req.data or b"", close=req.close)
-        return msgspec.convert(reply, StdinWritten)
+        return guest_answer(reply, StdinWritten, "proc_stdin")
 
     def process_kill(
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled:
-        return msgspec.convert(ch.process_kill(sandbox_id, handle, req.signal), ProcessSignaled)
+        reply = ch.process_kill(sandbox_id, handle, req.signal)
+        return guest_answer(reply, ProcessSignaled, "proc_kill")
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         ch.write_file(sandbox_id, path, data, mode)

@@ -284,6 +284,15 @@ class ExecResult:
 
     @classmethod
     def of(cls, res: dict[str, Any]) -> ExecResult:
+        """The guest's exec reply as a result; AgentError when it is not of that shape."""
+        try:
+            return cls._of(res)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise AgentError(f"the guest agent's exec reply does not match the protocol "
+                             f"({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _of(cls, res: dict[str, Any]) -> ExecResult:
         return cls(status=str(res.get("status", "exited")), exit_code=int(res["exit_code"]),
                    signal=res.get("signal"), timed_out=bool(res.get("timed_out")),
                    killed=bool(res.get("killed")), oom_killed=bool(res.get("oom_killed")),

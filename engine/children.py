@@ -35,6 +35,7 @@ from forkd.engine.agent_client import (
 )
 from forkd.engine.commands import (
     check_guest_path,
+    check_handle,
     check_mode,
     check_payload,
     check_signal,
@@ -597,6 +598,7 @@ def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
     output so far and while waiting goes to the callbacks (or, with none, into the result's
     stdout/stderr). {running: bool, handle, ...}; once it has ended, also its result
     (status, exit_code, signal, ...) and the handle is forgotten."""
+    check_handle(handle)
     check_timeout("timeout", timeout)
     args: dict[str, Any] = {"handle": handle}
     if timeout is not None:
@@ -616,6 +618,7 @@ def process_stdin(child_id: str, handle: str, data: bytes, *,
                   close: bool = False) -> dict[str, Any]:
     """Write data to a background process's stdin; close: close it afterwards. Conflict
     when the process has ended or its stdin is closed, NotFound for an unknown handle."""
+    check_handle(handle)
     check_payload("stdin", data)
     args = {"handle": handle, "data": base64.b64encode(data).decode(), "close": close}
     with agent(child_id) as a:
@@ -623,12 +626,14 @@ def process_stdin(child_id: str, handle: str, data: bytes, *,
 
 
 def process_close_stdin(child_id: str, handle: str) -> dict[str, Any]:
+    check_handle(handle)
     with agent(child_id) as a:
         return a.request("proc_close_stdin", {"handle": handle})
 
 
 def process_kill(child_id: str, handle: str, signal: int | str = "SIGKILL") -> dict[str, Any]:
     """Signal the process's whole group (default SIGKILL). Conflict when it has ended."""
+    check_handle(handle)
     check_signal(signal)
     with agent(child_id) as a:
         return a.request("proc_kill", {"handle": handle, "signal": signal})

@@ -12,6 +12,7 @@ a file in one frame (engine/guest/agent.py MAX_FILE).
 from __future__ import annotations
 
 import math
+import re
 import signal
 from collections.abc import Mapping, Sequence
 
@@ -115,3 +116,14 @@ def check_signal(sig: object) -> int | str:
         raise InvalidInput(f"signal must be a number from 1 to 64 or a name such as SIGTERM; "
                            f"got {shown(sig)}")
     return sig
+
+
+HANDLE_RE = re.compile(r"\Ap[0-9]{1,19}\Z")  # what the guest agent gives: p1, p2, ...
+
+
+def check_handle(handle: object) -> str:
+    """A background process's handle as process_start gave it (``p`` and a number)."""
+    if not isinstance(handle, str) or not HANDLE_RE.match(handle):
+        raise InvalidInput(f"invalid process handle {shown(handle)}: handles are p1, p2, ... "
+                           "as process_start gave them (GET .../processes lists them)")
+    return handle

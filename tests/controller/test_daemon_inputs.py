@@ -230,3 +230,32 @@ def test_a_body_that_is_not_json_or_too_large_says_so(http: TestClient[Any]) -> 
     assert answer.status_code == 413, answer.text
     error = answer.json()["error"]
     assert error["type"] == "InvalidInput" and f"at most {MAX_JSON_BYTES}" in error["message"]
+
+
+@pytest.mark.parametrize("action", ["wait", "stdin", "kill"])
+@pytest.mark.parametrize("handle", ["x-1", "p", "p1x", "p" + "9" * 40, "P1"])
+def test_a_handle_that_process_start_never_gave_is_a_400(
+    http: TestClient[Any], action: str, handle: str
+) -> None:
+    _refused(http.post(f"{SB}/processes/{handle}/{action}", json={}), "invalid process handle")
+
+
+def test_a_guest_reply_of_another_shape_is_an_agent_error_that_says_so() -> None:
+    """The guest is the untrusted side: a reply that does not fit the protocol is told as
+    the guest agent's fault (a 500 with its reason), not an unexplained internal error."""
+    from forkd.controller.api import ExecResult, ProcessSignaled
+    from forkd.controller.app import error_answer
+    from forkd.controller.backend import guest_answer
+    from forkd.engine.agent_client import ExecResult as EngineResult
+    from forkd.engine.errors import AgentError
+
+    for reply, answer in [({"status": "weird", "exit_code": 0}, ExecResult),
+                          ({"handle": "p1", "signal": "nine"}, ProcessSignaled)]:
+        with pytest.raises(AgentError, match="does not match the protocol") as caught:
+            guest_answer(reply, answer, "exec")
+        status, body = error_answer(caught.value)
+        assert status == 500 and "does not match the protocol" in body.message
+    for reply in ({}, {"exit_code": "x"}, {"exit_code": 0, "duration": [1]}):
+        with pytest.raises(AgentError, match="exec reply does not match"):
+            EngineResult.of(reply)
+    assert guest_answer({"status": "exited", "exit_code": 3}, ExecResult, "exec").exit_code == 3
