@@ -9,12 +9,13 @@ the error family. Every write and every refused token goes to the audit log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -503,7 +504,7 @@ _END = object()  # what follows the last item in relayed's queue
 
 async def relayed(
     items: Iterator[T], heartbeat: float | None, size: int
-) -> AsyncIterator[T | None]:
+) -> AsyncGenerator[T | None, None]:
     """``items`` produced in a thread (the backend blocks) and handed to the event loop,
     None after every ``heartbeat`` seconds without one (never, for None); the iterator's
     exception is raised here after the items before it. At most ``size`` wait for a slow
@@ -565,8 +566,9 @@ async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator
     clients and proxies can tell a quiet command from a dead connection), and an
     ``error`` frame if it fails (relayed: bounded, and ended when the client is gone)."""
     try:
-        async for frame in relayed(frames, heartbeat, STREAM_FRAMES):
-            yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
+        async with contextlib.aclosing(relayed(frames, heartbeat, STREAM_FRAMES)) as relay:
+            async for frame in relay:
+                yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
     except Exception as exc:  # the client gets it as its error frame
         yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
 
@@ -586,9 +588,10 @@ async def passed_on(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     """A file's chunks as the backend gives them (relayed: bounded, and the transfer ends
     when the client is gone); a failure midway ends the connection before the body is
     complete, so the client sees a cut transfer, never a shorter file."""
-    async for chunk in relayed(chunks, None, FILE_CHUNKS):
-        if chunk is not None:
-            yield chunk
+    async with contextlib.aclosing(relayed(chunks, None, FILE_CHUNKS)) as relay:
+        async for chunk in relay:
+            if chunk is not None:
+                yield chunk
 
 
 @post(
