@@ -34,12 +34,19 @@ import click
     help="Keep K QEMU processes started and waiting for TAG (repeatable); spawns of TAG "
     "take them first and the pool refills in the background.",
 )
+@click.option(
+    "--max-sandboxes",
+    type=click.IntRange(min=1),
+    help="VMs the daemon runs at once: running sandboxes, pool processes and ones starting; "
+    "a spawn, pool fill or resume past it is refused (409). Default 512.",
+)
 def serve(
     socket_path: Path | None,
     listen: str | None,
     token_file: Path | None,
     audit_log: Path | None,
     prewarm: tuple[str, ...],
+    max_sandboxes: int | None,
 ) -> None:
     """Run the controller daemon: owns this host's store and sandboxes (docs/api.md)."""
     from forkd.controller import server
@@ -55,7 +62,8 @@ def serve(
     click.echo(f"forkd controller: unix socket {socket_path or default_socket()}", err=True)
     for tag, k in pools:
         click.echo(f"forkd controller: prewarming {k} processes for {tag}", err=True)
-    server.serve(socket_path, listen, audit_log, token_file, pools)
+    server.serve(socket_path, listen, audit_log, token_file, pools,
+                 max_sandboxes or server.MAX_SANDBOXES)
 
 
 def _prewarm_arg(text: str) -> tuple[str, int]:

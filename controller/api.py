@@ -19,6 +19,12 @@ from typing import Any, Literal
 import msgspec
 
 from forkd.engine.branch import BranchResult
+from forkd.engine.commands import (
+    check_command,
+    check_payload,
+    check_signal,
+    check_timeout,
+)
 from forkd.store.store import LayerInfo
 
 __all__ = ["BranchResult", "LayerInfo"]  # answers declared where they are made
@@ -32,7 +38,10 @@ HEARTBEAT_S = 15.0  # a streamed exec sends at least one frame this often
 
 
 class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A request body: unknown fields are refused."""
+    """A request body: unknown fields are refused. The requests that go to a guest check
+    their values as they are made (``__post_init__``, with engine/commands.py, the checks
+    the engine makes too): a bad argv, env, cwd, timeout or signal is an InvalidInput (400)
+    before any sandbox is looked up."""
 
 
 class SpawnRequest(Request):
@@ -79,10 +88,18 @@ class ExecRequest(Request):
     stdin: bytes | None = msgspec.field(default=None, name="stdin_b64")
     timeout: float | None = None  # seconds; the command is killed then (none: no limit)
 
+    def __post_init__(self) -> None:
+        check_command(self.argv, self.env, self.cwd)
+        check_payload("stdin", self.stdin)
+        check_timeout("timeout", self.timeout)
+
 
 class EvalRequest(Request):
     code: str
     timeout: float = EVAL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        check_timeout("timeout", self.timeout)
 
 
 class RunCodeRequest(Request):
@@ -90,6 +107,9 @@ class RunCodeRequest(Request):
 
     code: str
     timeout: float | None = EVAL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        check_timeout("timeout", self.timeout)
 
 
 class ProcessStartRequest(Request):
@@ -101,18 +121,31 @@ class ProcessStartRequest(Request):
     stdin: bytes | None = msgspec.field(default=None, name="stdin_b64")
     pty: bool = False
 
+    def __post_init__(self) -> None:
+        check_command(self.argv, self.env, self.cwd)
+        check_payload("stdin", self.stdin)
+
 
 class ProcessWaitRequest(Request):
     timeout: float | None = None  # seconds to wait (then running: true); none: until it ends
+
+    def __post_init__(self) -> None:
+        check_timeout("timeout", self.timeout)
 
 
 class ProcessStdinRequest(Request):
     data: bytes | None = msgspec.field(default=None, name="data_b64")  # none: write nothing
     close: bool = False  # close its stdin after writing
 
+    def __post_init__(self) -> None:
+        check_payload("data", self.data)
+
 
 class ProcessKillRequest(Request):
     signal: int | str = "SIGKILL"  # a number or a name; the whole process group gets it
+
+    def __post_init__(self) -> None:
+        check_signal(self.signal)
 
 
 class BranchRequest(Request):
@@ -322,7 +355,7 @@ class Operation:
     body: type[Request] | type[bytes] | None = None
     query: tuple[str, ...] = ()
     status: int = 200
-    stream: bool = False  # the answer is NDJSON lines of ``answer``
+    stream: bool = False  # the answer is NDJSON lines of ``answer``, or raw bytes in chunks
 
 
 SANDBOX = "/v1/sandboxes/{sandbox_id}"
@@ -358,7 +391,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "write_file", "PUT", SANDBOX + "/files", None, bytes, query=("path", "mode"), status=204
     ),
-    Operation("read_file", "GET", SANDBOX + "/files", bytes, query=("path",)),
+    Operation("read_file", "GET", SANDBOX + "/files", bytes, query=("path",), stream=True),
     Operation("branch", "POST", SANDBOX + "/branch", BranchResult, BranchRequest, status=201),
     Operation("pools", "GET", "/v1/pools", list[PoolStatus]),
     Operation("fill_pool", "POST", "/v1/pools", PoolStatus, PoolRequest),

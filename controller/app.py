@@ -9,19 +9,23 @@ the error family. Every write and every refused token goes to the audit log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, Router, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import NotAuthorizedException, ValidationException
+from litestar.exceptions import ClientException, NotAuthorizedException, ValidationException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
@@ -66,6 +70,7 @@ from forkd.controller.api import (
     StdinWritten,
 )
 from forkd.controller.backend import PoolBackend
+from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.errors import (
     ChainError,
     Conflict,
@@ -74,6 +79,7 @@ from forkd.errors import (
     InvalidInput,
     NotFound,
 )
+from forkd.jsondoc import check_nesting
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (InvalidInput, 400),
@@ -82,7 +88,8 @@ STATUS: list[tuple[type[ForkdError], int]] = [
     (IntegrityError, 422),
     (ChainError, 422),
 ]
-MAX_FILE_BYTES = 64 << 20
+MAX_FILE_BYTES = MAX_PUT_BYTES  # PUT .../files: what one request carries into a guest
+MAX_JSON_BYTES = 10_000_000  # any other request body (Litestar's default, made explicit)
 MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
 MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
@@ -112,6 +119,49 @@ class ControllerMetrics:
         )
 
 
+class Token:
+    """The TCP bearer token: a fixed one ($FORKD_CONTROLLER_TOKEN), or a token file's, read
+    again whenever the file changes, so replacing the file revokes the old token at once
+    (no restart). A token file that is gone, or no longer holds a valid token, refuses
+    every request until it is fixed: a revocation never falls back to the old token."""
+
+    def __init__(self, value: bytes, path: Path | None = None,
+                 read: Callable[[Path], bytes] | None = None) -> None:
+        """value: the checked token (checked_token); path and read: its file and how to read
+        and check it again (server._token_from_file)."""
+        if len(value) < MIN_TOKEN_BYTES:
+            raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
+        self._value = value
+        self._path = path
+        self._read = read
+        self._seen = self._stamp()
+        self._lock = threading.Lock()
+
+    def _stamp(self) -> tuple[int, int, int, int] | None:
+        if self._path is None:
+            return None
+        try:
+            st = os.lstat(self._path)
+        except OSError:
+            return (0, 0, 0, 0)  # gone: never a file's stamp (st_ino is never 0)
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def current(self) -> bytes:
+        """The token a request must carry now; b"" (which nothing matches) while the file
+        is gone or invalid."""
+        if self._path is None or self._read is None:
+            return self._value
+        stamp = self._stamp()
+        with self._lock:
+            if stamp != self._seen:
+                self._seen = stamp
+                try:
+                    self._value = self._read(self._path) if stamp != (0, 0, 0, 0) else b""
+                except (InvalidInput, OSError):
+                    self._value = b""
+            return self._value
+
+
 @dataclass
 class Controller:
     """One listener's view of the daemon: the Unix socket (token None) or TCP (token set)."""
@@ -119,7 +169,7 @@ class Controller:
     backend: PoolBackend
     audit: AuditLog
     metrics: ControllerMetrics
-    token: bytes | None  # a checked_token; required on this listener when set
+    token: Token | None  # required on this listener when set
 
     @property
     def transport(self) -> str:
@@ -145,6 +195,7 @@ STREAM = ResponseSpec(
     generate_examples=False,
 )
 Req = Request[Any, Any, Any]
+T = TypeVar("T")
 
 
 # request and answer types: forkd.controller.api
@@ -201,7 +252,7 @@ def require_token(
     ctl: Controller = connection.app.state.controller
     if ctl.token is None or is_public(handler):
         return
-    if not token_matches(presented_token(connection), ctl.token):
+    if not token_matches(presented_token(connection), ctl.token.current()):
         ctl.audit.record("-", peer(connection), "auth", connection.url.path, "denied")
         raise NotAuthorizedException(
             "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
@@ -224,6 +275,13 @@ def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
     if isinstance(exc, ValidationException):
         exc = InvalidInput(f"{exc.detail}: {validation_problems(exc)}")
+    if isinstance(exc, RequestEntityTooLarge):
+        return 413, ErrorBody(type="InvalidInput", exit_code=InvalidInput.exit_code, message=(
+            f"the request body is too large: a JSON body takes at most {MAX_JSON_BYTES} "
+            f"bytes, a file (PUT .../files) at most {MAX_FILE_BYTES}; send larger input as "
+            "files, in parts"))
+    if isinstance(exc, ClientException) and exc.status_code == 400:  # e.g. malformed JSON
+        exc = InvalidInput(f"{exc.detail}; the request must be JSON as docs/api.md declares")
     if not isinstance(exc, ForkdError):
         status = getattr(exc, "status_code", 500)
         message = getattr(exc, "detail", str(exc)) if status < 500 else "internal error"
@@ -258,6 +316,14 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
     return Response(ErrorAnswer(error=body), status_code=status)
+
+
+async def refuse_deep_json(request: Request[Any, Any, Any]) -> None:
+    """A JSON body nested deeper than jsondoc.MAX_DEPTH is an InvalidInput (400) before it
+    is parsed: the parser recurses once per level, and thousands of ``[`` would end in a
+    RecursionError (a 500). Runs after the token guard, on the routes that take JSON."""
+    if "data" in request.route_handler.parsed_fn_signature.parameters:
+        check_nesting(await request.body(), "the request body")
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -431,59 +497,101 @@ def exec_stream(
     return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
 
 
-STREAM_FRAMES = 64  # frames waiting to be sent to a streaming client, at most
+STREAM_FRAMES = 64  # frames of a streamed command waiting to be sent to a client, at most
+FILE_CHUNKS = 4  # chunks of a file (1 MiB each) waiting to be sent to a client, at most
+_END = object()  # what follows the last item in relayed's queue
 
 
-async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
-    """The frames as JSON lines, produced in a thread (the backend blocks), with an empty
-    frame ``{}`` every ``heartbeat`` seconds without output (so clients and proxies can
-    tell a quiet command from a dead connection), and an ``error`` frame if it fails.
-    At most STREAM_FRAMES wait for a slow client; once the client is gone the rest of the
-    command's output is dropped (the command runs to its end or its timeout)."""
+async def relayed(
+    items: Iterator[T], heartbeat: float | None, size: int
+) -> AsyncGenerator[T | None, None]:
+    """``items`` produced in a thread (the backend blocks) and handed to the event loop,
+    None after every ``heartbeat`` seconds without one (never, for None); the iterator's
+    exception is raised here after the items before it. At most ``size`` wait for a slow
+    client. Once the client is gone (this generator is closed) the producer stops
+    and closes ``items``: a command runs on to its end or its timeout with its output
+    dropped (LocalBackend.exec_stream), a file's transfer ends."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[ExecFrame | Exception | None] = asyncio.Queue(STREAM_FRAMES)
+    queue: asyncio.Queue[object] = asyncio.Queue(size)
     gone = threading.Event()
 
-    async def put(item: ExecFrame | Exception | None) -> bool:
+    async def put(item: object) -> bool:
         try:
             await asyncio.wait_for(queue.put(item), 0.5)
             return True
         except TimeoutError:
             return False
 
-    def deliver(item: ExecFrame | Exception | None) -> None:
+    def deliver(item: object) -> bool:
         while not gone.is_set():
             try:
                 if asyncio.run_coroutine_threadsafe(put(item), loop).result():
-                    return
+                    return True
             except RuntimeError:  # the event loop is closed: the daemon stops
-                return
+                return False
+        return False
 
     def produce() -> None:
         try:
-            for frame in frames:
-                deliver(frame)
-        except Exception as exc:  # sent to the client as its error frame
+            for item in items:
+                if not deliver(item):
+                    return
+        except Exception as exc:  # raised in the client's coroutine below
             deliver(exc)
         finally:
-            deliver(None)
+            close = getattr(items, "close", None)  # a generator's: tells the backend
+            if close is not None:
+                close()
+            deliver(_END)
 
-    threading.Thread(target=produce, name="forkd-exec-stream", daemon=True).start()
+    threading.Thread(target=produce, name="forkd-relay", daemon=True).start()
     try:
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), heartbeat)
             except TimeoutError:
-                yield b"{}\n"
+                yield None
                 continue
-            if item is None:
+            if item is _END:
                 return
             if isinstance(item, Exception):
-                yield msgspec.json.encode(ExecFrame(error=error_answer(item)[1])) + b"\n"
-                return
-            yield msgspec.json.encode(item) + b"\n"
+                raise item
+            yield item  # type: ignore[misc]  # what items gave: a T
     finally:
         gone.set()
+
+
+async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
+    """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
+    clients and proxies can tell a quiet command from a dead connection), and an
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone)."""
+    try:
+        async with contextlib.aclosing(relayed(frames, heartbeat, STREAM_FRAMES)) as relay:
+            async for frame in relay:
+                yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
+    except Exception as exc:  # the client gets it as its error frame
+        yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
+
+
+def prepended(first: T, rest: Iterator[T]) -> Iterator[T]:
+    """``first``, then ``rest``; closing this closes ``rest`` (a chain would not)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        close = getattr(rest, "close", None)
+        if close is not None:
+            close()
+
+
+async def passed_on(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A file's chunks as the backend gives them (relayed: bounded, and the transfer ends
+    when the client is gone); a failure midway ends the connection before the body is
+    complete, so the client sees a cut transfer, never a shorter file."""
+    async with contextlib.aclosing(relayed(chunks, None, FILE_CHUNKS)) as relay:
+        async for chunk in relay:
+            if chunk is not None:
+                yield chunk
 
 
 @post(
@@ -626,14 +734,28 @@ def write_file(
     audited(request, ctl, "sandbox.file.write", sandbox_id, "ok", path=path, bytes=len(body))
 
 
+FILE = ResponseSpec(
+    bytes,
+    media_type="application/octet-stream",
+    description="the file's bytes, passed on as the guest sends them (chunked)",
+    generate_examples=False,
+)
+
+
 @get(
     "/v1/sandboxes/{sandbox_id:str}/files",
-    responses=ERRORS,
     sync_to_thread=True,
     media_type="application/octet-stream",
+    responses={200: FILE, **ERRORS},
 )
-def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> bytes:
-    return ctl.backend.read_file(sandbox_id, path)
+def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> Stream:
+    """The file streamed: the daemon holds a few chunks of it, never the whole file (up to
+    4 GiB, a size the guest decides). A bad path, an unknown sandbox or a missing file is
+    its error status, decided before the answer starts; a transfer that fails later ends
+    the connection before the body is complete."""
+    chunks = ctl.backend.read_file(sandbox_id, path)
+    first = next(chunks, b"")
+    return Stream(passed_on(prepended(first, chunks)), media_type="application/octet-stream")
 
 
 @post(
@@ -707,15 +829,17 @@ def create_app(
     backend: PoolBackend | None,
     audit: AuditLog | None,
     metrics: ControllerMetrics | None,
-    token: bytes | None,
+    token: Token | bytes | None,
 ) -> Litestar:
     """One listener's app; the Unix-socket app has no token, the TCP app requires one
-    (a checked_token: nothing shorter than MIN_TOKEN_BYTES is ever served)."""
-    if token is not None and len(token) < MIN_TOKEN_BYTES:
-        raise InvalidInput(f"a bearer token must be at least {MIN_TOKEN_BYTES} bytes")
+    (a Token, or fixed bytes: nothing shorter than MIN_TOKEN_BYTES is ever served)."""
+    if isinstance(token, bytes):
+        token = Token(token)
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
+        before_request=refuse_deep_json,
+        request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
         openapi_config=OPENAPI,

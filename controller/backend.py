@@ -9,12 +9,13 @@ daemon runs. Both take and answer the types of forkd.controller.api, one method 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -50,13 +51,17 @@ from forkd.controller.api import (
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
 from forkd.engine.branch import branch as branch_child
-from forkd.engine.lifecycle import ChildInfo, Lifetime, Limits
+from forkd.engine.errors import AgentError
+from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
 from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
-from forkd.errors import InvalidInput, NotFound
+from forkd.errors import Conflict, InvalidInput, NotFound
+from forkd.names import parse_ref, shown
 from forkd.store.store import Store
+from forkd.store.tagging import dependents
 
+T = TypeVar("T")
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
 
 
@@ -90,7 +95,7 @@ class Backend(Protocol):
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled: ...
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
-    def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]: ...
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult: ...
 
 
@@ -128,30 +133,95 @@ def _local_tag(store: Store, text: str) -> bool:
     return True
 
 
+def _refuse_private(what: str, tag: str) -> None:
+    """A tag the caller names to be written may not be a paused sandbox's saved state
+    (``forkd-paused/ID:a|b``, written only by pause): a branch or compact there would
+    replace another sandbox's state, or plant one for an id not yet given out."""
+    if private_owner(tag) is not None:
+        raise InvalidInput(
+            f"{what} {shown(tag)} is under {PAUSED_NAME}/, where paused sandboxes keep their "
+            "saved state; pick a tag outside it"
+        )
+
+
+def _child_exists(child_id: str) -> bool:
+    try:
+        ch.get(child_id)
+    except (InvalidInput, NotFound):
+        return False
+    return True
+
+
 STREAM_QUEUE = 256  # frames of a streamed command waiting for its reader, at most
+FILE_QUEUE = 16  # chunks (1 MiB each) of a file read waiting for its reader, at most
 
 
 class Handoff:
     """A bounded queue from a producing thread to one reader, which may go away: then
     ``put`` drops instead of blocking forever."""
 
-    def __init__(self, size: int = STREAM_QUEUE) -> None:
+    def __init__(self, size: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(size)
         self._gone = threading.Event()
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any) -> bool:
+        """Queue ``item`` (waiting while the queue is full); False when the reader has gone
+        (the item is dropped)."""
         while not self._gone.is_set():
             try:
                 self._queue.put(item, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def get(self) -> Any:
         return self._queue.get()
 
     def abandon(self) -> None:
         self._gone.set()
+
+
+def guest_answer(reply: Any, answer: type[T], op: str) -> T:
+    """A guest agent's reply to ``op`` as the API's ``answer`` type; an AgentError saying
+    so when it does not fit (the guest is the untrusted side: a reply of another shape is
+    its fault, told as such, never an unexplained internal error)."""
+    try:
+        return msgspec.convert(reply, answer)
+    except msgspec.ValidationError as exc:
+        raise AgentError(
+            f"the guest agent's answer to {op} does not match the protocol ({exc}); its "
+            "sandbox may be damaged: kill it"
+        ) from None
+
+
+class ReaderGone(Exception):
+    """The reader of a produced stream stopped reading: what produces it may stop."""
+
+
+def produced(name: str, work: Callable[[Handoff], None], size: int) -> Iterator[Any]:
+    """What ``work`` puts into a Handoff of ``size`` items, run in a thread of its own
+    (named ``name``), as the caller reads it; an exception of ``work`` is raised in the
+    caller's thread after the items it put before. A caller that stops reading (closes
+    the iterator) abandons the handoff: ``work``'s puts return False from then on."""
+    items = Handoff(size)
+
+    def run() -> None:
+        try:
+            work(items)
+        except BaseException as exc:  # handed to the caller's thread below
+            items.put(exc)
+        finally:
+            items.put(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        while (item := items.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        items.abandon()
 
 
 def output_frame(stream: str, text: str) -> ExecFrame:
@@ -162,13 +232,29 @@ class LocalBackend:
     """The engine and the store in this process."""
 
     def __init__(
-        self, store: Store | None = None, pool: Pool | None = None, *, sweeper: bool = False
+        self,
+        store: Store | None = None,
+        pool: Pool | None = None,
+        *,
+        sweeper: bool = False,
+        max_sandboxes: int | None = None,
     ) -> None:
         """pool: prewarmed processes per tag (the daemon has one; in-process use does not).
         sweeper: enforce sandbox deadlines in a thread of this process (the daemon does);
-        without it a deadline set here starts the engine's watchdog (engine/watchdog.py)."""
+        without it a deadline set here starts the engine's watchdog (engine/watchdog.py).
+        max_sandboxes: how many QEMUs may run at once (running sandboxes, pool targets and
+        the ones starting; `forkd serve --max-sandboxes`), None for no limit."""
+        if max_sandboxes is not None and (
+            isinstance(max_sandboxes, bool) or not isinstance(max_sandboxes, int)
+            or max_sandboxes < 1
+        ):
+            raise InvalidInput(f"the sandbox limit must be a positive integer, got "
+                               f"{max_sandboxes!r}")
         self.store = store or Store.open()
         self.pool = pool
+        self.max_sandboxes = max_sandboxes
+        self._admitting = threading.Lock()
+        self._starting = 0  # QEMUs admitted and not yet counted as running or pooled
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if sweeper:
@@ -197,6 +283,39 @@ class LocalBackend:
             if lifetimes.next_deadline() is not None:
                 watchdog.ensure_running()
 
+    def _in_use(self, but_pool: str | None) -> int:
+        """QEMUs this daemon counts against max_sandboxes: every running sandbox of the run
+        directory, every pool's target (its tag's ``but_pool`` left out: it is being set),
+        and the ones admitted that are still starting."""
+        running = sum(1 for c in ch.list_children() if c.status == "running")
+        pools = self.pool.status() if self.pool is not None else []
+        pooled = sum(int(s["target"]) for s in pools if s["tag"] != but_pool)
+        return running + pooled + self._starting
+
+    @contextlib.contextmanager
+    def _admitted(self, n: int, what: str, pool_tag: str | None = None) -> Iterator[None]:
+        """Room for ``n`` more QEMUs while the block runs (a spawn, a pool fill, a resume),
+        or Conflict saying the limit; counted until the block ends, when they are running
+        (or in a pool) and counted there."""
+        if self.max_sandboxes is None:
+            yield
+            return
+        but_pool = str(parse_ref(pool_tag)) if pool_tag is not None else None
+        with self._admitting:
+            used = self._in_use(but_pool)
+            if used + n > self.max_sandboxes:
+                raise Conflict(
+                    f"{what} needs {n} more VMs and this daemon runs {used} (sandboxes, pool "
+                    f"processes and ones starting), its limit is {self.max_sandboxes} "
+                    "(forkd serve --max-sandboxes): kill or pause sandboxes, or shrink a pool"
+                )
+            self._starting += n
+        try:
+            yield
+        finally:
+            with self._admitting:
+                self._starting -= n
+
     def snapshots(self) -> list[LayerInfo]:
         return self.store.images()
 
@@ -204,40 +323,56 @@ class LocalBackend:
         return self.store.inspect(ref)
 
     def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
+        """Conflict when it (or, with cascade, a tag built on it) is a sandbox's saved
+        state: that sandbox's resume would have nothing to start from."""
+        key = parse_ref(ref)
+        self.store.resolve(key)
+        for tag in [str(key), *(dependents(self.store, key) if cascade else [])]:
+            owner = private_owner(tag)
+            if owner is not None and _child_exists(owner):
+                raise Conflict(
+                    f"{tag} is the saved state of sandbox {owner}; kill it (its saved state "
+                    "goes with it) or resume it first"
+                )
         return Removed(removed=self.store.remove(ref, cascade=cascade))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
+        _refuse_private("compact's to", req.to)
         return self.store.compact(req.ref, req.to)
 
     def spawn(self, req: SpawnRequest) -> SpawnResult:
         """prewarm=K: after serving, fill (or refill) the tag's pool to K in the background.
         timeout: seconds until each sandbox is killed or paused (on_timeout); cpus, pids_max,
         disk_bps, disk_iops, net_kbit: limits (docs/engine.md, "Limits")."""
+        ch.check_count(req.n)
         if req.prewarm is not None:
             self._check_prewarm(req.prewarm)
         limits = limits_of(req)
         fork = self._lazy_fork(req) if req.lazy else functools.partial(ch.fork, pool=self.pool)
-        result = fork(
-            self.store,
-            req.tag,
-            req.n,
-            limits=limits,
-            lifetime=Lifetime(req.timeout, req.on_timeout),
-            with_netns=req.netns,
-            sandbox=req.sandbox,
-            egress=req.egress,
-        )
-        if req.timeout is not None:
-            self._deadlines_changed()
-        if req.prewarm is not None and self.pool is not None:
-            self.pool.fill(
+        more = req.n + (req.prewarm or 0)
+        with self._admitted(more, f"spawning {req.n} of {req.tag}",
+                            req.tag if req.prewarm is not None else None):
+            result = fork(
+                self.store,
                 req.tag,
-                req.prewarm,
+                req.n,
                 limits=limits,
-                sandbox=req.sandbox,
+                lifetime=Lifetime(req.timeout, req.on_timeout),
                 with_netns=req.netns,
-                wait=False,
+                sandbox=req.sandbox,
+                egress=req.egress,
             )
+            if req.timeout is not None:
+                self._deadlines_changed()
+            if req.prewarm is not None and self.pool is not None:
+                self.pool.fill(
+                    req.tag,
+                    req.prewarm,
+                    limits=limits,
+                    sandbox=req.sandbox,
+                    with_netns=req.netns,
+                    wait=False,
+                )
         return SpawnResult(
             sandboxes=[sandbox_view(c) for c in result.children],
             assemble_ms=round(result.assemble_ms, 1),
@@ -290,14 +425,15 @@ class LocalBackend:
 
     def fill_pool(self, req: PoolRequest) -> PoolStatus:
         pool = self._check_prewarm(req.k)
-        status = pool.fill(
-            req.tag,
-            req.k,
-            memory_limit_mib=req.memory_limit_mib,
-            sandbox=req.sandbox,
-            with_netns=req.netns,
-            wait=req.wait,
-        )
+        with self._admitted(req.k, f"a pool of {req.k} for {req.tag}", req.tag):
+            status = pool.fill(
+                req.tag,
+                req.k,
+                memory_limit_mib=req.memory_limit_mib,
+                sandbox=req.sandbox,
+                with_netns=req.netns,
+                wait=req.wait,
+            )
         return msgspec.convert(status, PoolStatus)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
@@ -320,7 +456,8 @@ class LocalBackend:
         return sandbox_view(pause_child(self.store, sandbox_id))
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
-        info = resume_child(self.store, sandbox_id)
+        with self._admitted(1, f"resuming {sandbox_id}"):
+            info = resume_child(self.store, sandbox_id)
         if info.deadline is not None:
             self._deadlines_changed()
         return sandbox_view(info)
@@ -329,7 +466,7 @@ class LocalBackend:
         result = ch.exec_in(
             sandbox_id, req.argv, timeout=req.timeout, stdin=req.stdin, env=req.env, cwd=req.cwd
         )
-        return msgspec.convert(result, ExecResult)
+        return guest_answer(result, ExecResult, "exec")
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
         """The command's output as frames while it runs (UTF-8, a character split between
@@ -337,88 +474,89 @@ class LocalBackend:
         own; at most STREAM_QUEUE frames wait for the caller (a slow reader slows the
         command's output, not the host's memory). A caller that stops reading leaves the
         command running to its end (or timeout), its output dropped."""
-        frames = Handoff()
 
-        def output(name: str) -> Callable[[bytes], None]:
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            decoders.append((name, decoder))
+        def run(frames: Handoff) -> None:
+            decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
 
-            def put(data: bytes) -> None:
-                if text := decoder.decode(data):
-                    frames.put(output_frame(name, text))
+            def output(name: str) -> Callable[[bytes], None]:
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                decoders.append((name, decoder))
 
-            return put
+                def put(data: bytes) -> None:
+                    if text := decoder.decode(data):
+                        frames.put(output_frame(name, text))
 
-        decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
-        on_stdout, on_stderr = output("stdout"), output("stderr")
+                return put
 
-        def run() -> None:
-            try:
-                result = ch.exec_stream(
-                    sandbox_id,
-                    req.argv,
-                    env=req.env,
-                    cwd=req.cwd,
-                    stdin=req.stdin,
-                    timeout=req.timeout,
-                    on_stdout=on_stdout,
-                    on_stderr=on_stderr,
-                )
-                for name, decoder in decoders:
-                    if rest := decoder.decode(b"", final=True):
-                        frames.put(output_frame(name, rest))
-                frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
-            except BaseException as exc:  # handed to the caller's thread below
-                frames.put(exc)
-            finally:
-                frames.put(None)
+            result = ch.exec_stream(
+                sandbox_id,
+                req.argv,
+                env=req.env,
+                cwd=req.cwd,
+                stdin=req.stdin,
+                timeout=req.timeout,
+                on_stdout=output("stdout"),
+                on_stderr=output("stderr"),
+            )
+            for name, decoder in decoders:
+                if rest := decoder.decode(b"", final=True):
+                    frames.put(output_frame(name, rest))
+            frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
 
-        threading.Thread(target=run, name=f"forkd-exec-{sandbox_id}", daemon=True).start()
-        try:
-            while (item := frames.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            frames.abandon()
+        return produced(f"forkd-exec-{sandbox_id}", run, STREAM_QUEUE)
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
-        return msgspec.convert(ch.eval_in(sandbox_id, req.code, timeout=req.timeout), EvalResult)
+        reply = ch.eval_in(sandbox_id, req.code, timeout=req.timeout)
+        return guest_answer(reply, EvalResult, "eval")
 
     def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult:
         reply = ch.run_code(sandbox_id, req.code, timeout=req.timeout)
-        return msgspec.convert(reply, RunCodeResult)
+        return guest_answer(reply, RunCodeResult, "run_code")
 
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
         reply = ch.process_start(
             sandbox_id, req.argv, env=req.env, cwd=req.cwd, stdin=req.stdin, pty=req.pty
         )
-        return msgspec.convert(reply, ProcessInfo)
+        return guest_answer(reply, ProcessInfo, "proc_start")
 
     def processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return msgspec.convert(ch.process_list(sandbox_id), list[ProcessInfo])
+        return guest_answer(ch.process_list(sandbox_id), list[ProcessInfo], "proc_list")
 
     def process_wait(
         self, sandbox_id: str, handle: str, req: ProcessWaitRequest
     ) -> ProcessWaitResult:
         reply = ch.process_wait(sandbox_id, handle, timeout=req.timeout)
-        return msgspec.convert(reply, ProcessWaitResult)
+        return guest_answer(reply, ProcessWaitResult, "proc_wait")
 
     def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:
         reply = ch.process_stdin(sandbox_id, handle, req.data or b"", close=req.close)
-        return msgspec.convert(reply, StdinWritten)
+        return guest_answer(reply, StdinWritten, "proc_stdin")
 
     def process_kill(
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled:
-        return msgspec.convert(ch.process_kill(sandbox_id, handle, req.signal), ProcessSignaled)
+        reply = ch.process_kill(sandbox_id, handle, req.signal)
+        return guest_answer(reply, ProcessSignaled, "proc_kill")
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         ch.write_file(sandbox_id, path, data, mode)
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """NotFound (404 in REST) when the guest has no such file."""
-        return ch.read_file(sandbox_id, path)
+    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        """The file's bytes in chunks (up to 1 MiB each) as the guest sends them; NotFound
+        (404 in REST) before the first when the guest has no such file. The read runs in a
+        thread of its own and at most FILE_QUEUE chunks wait for the caller, so a file of
+        any size (up to 4 GiB) costs the daemon that much memory, not the file's size; a
+        caller that stops reading ends the transfer."""
+
+        def run(chunks: Handoff) -> None:
+            def put(data: bytes) -> None:
+                if not chunks.put(data):
+                    raise ReaderGone(f"the reader of {path} in {sandbox_id} went away")
+
+            ch.read_file_chunks(sandbox_id, path, put)
+
+        return produced(f"forkd-read-{sandbox_id}", run, FILE_QUEUE)
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
+        _refuse_private("the branch's tag", req.tag)
         return branch_child(self.store, sandbox_id, req.tag, force=req.force)

@@ -281,8 +281,24 @@ class RemoteBackend:
             content=data,
         )
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}).content
+    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        """The file's bytes in chunks as the daemon passes them on (it streams them from
+        the guest); a body cut short is a ControllerError, never a shorter file."""
+        url = f"/v1/sandboxes/{sandbox_id}/files"
+        started = False
+        try:
+            with self.http.stream("GET", url, params={"path": path}) as resp:
+                if resp.status_code >= 400:
+                    raise answered_error(resp.status_code, resp.read())
+                started = True
+                yield from resp.iter_bytes()
+        except httpx.HTTPError as exc:
+            if started and not isinstance(exc, httpx.TimeoutException):
+                raise ControllerError(
+                    f"controller at {self.where} ended {path} of {sandbox_id} before its end "
+                    f"({exc}): the read failed there, its log says why"
+                ) from exc
+            raise self._unreachable(exc) from exc
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
         return self._get(BranchResult, "POST", f"/v1/sandboxes/{sandbox_id}/branch", req)

@@ -17,7 +17,6 @@ import base64
 import binascii
 import contextlib
 import functools
-import hmac
 import json
 import threading
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
+from forkd.controller.app import Token, token_matches
 from forkd.controller.sdk import Controller, Sandbox
 from forkd.errors import ForkdError, InvalidInput
 
@@ -291,13 +291,7 @@ class Tools:
         self, sandbox_id: SandboxId, path: GuestPath, encoding: Encoding = "utf-8"
     ) -> dict[str, Any]:
         """Read a file of the sandbox: as UTF-8 text, or as base64 for any bytes."""
-        data = self.sandbox(sandbox_id).files.read(path)
-        if len(data) > MAX_FILE_BYTES:
-            raise InvalidInput(
-                f"{path} is {len(data)} bytes, over the {MAX_FILE_BYTES} a tool "
-                "result carries; read part of it with run_command (head, tail, "
-                "split)"
-            )
+        data = _read_at_most(self.sandbox(sandbox_id), path, MAX_FILE_BYTES)
         if encoding == "base64":
             return {"path": path, "size": len(data), "base64": base64.b64encode(data).decode()}
         try:
@@ -341,6 +335,23 @@ class Tools:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""
         self.sandbox(sandbox_id).kill()
         return {"killed": sandbox_id}
+
+
+def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
+    """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
+    file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
+    parts: list[bytes] = []
+    size = 0
+    with contextlib.closing(sb.files.stream(path)) as chunks:
+        for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise InvalidInput(
+                    f"{path} is over the {limit} bytes a tool result carries; read part of "
+                    "it with run_command (head, tail, split)"
+                )
+            parts.append(chunk)
+    return b"".join(parts)
 
 
 def _check_command(command: str | list[str]) -> None:
@@ -407,7 +418,7 @@ def serve_stdio(controller: Controller) -> None:
     build_server(controller).run("stdio")
 
 
-def serve_http(controller: Controller, host: str, port: int, path: str, token: bytes) -> None:
+def serve_http(controller: Controller, host: str, port: int, path: str, token: Token) -> None:
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     import uvicorn
@@ -420,7 +431,7 @@ class BearerAuth:
     """ASGI middleware: HTTP requests without the bearer token get 401 (compared in
     constant time); the MCP app sees only the ones that carry it."""
 
-    def __init__(self, app: Any, token: bytes) -> None:
+    def __init__(self, app: Any, token: Token) -> None:
         self.app = app
         self.token = token
 
@@ -450,4 +461,5 @@ class BearerAuth:
         if len(given) != 1:
             return False
         scheme, _, credential = given[0].partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self.token)
+        return scheme.lower() == b"bearer" and token_matches(credential.strip(),
+                                                              self.token.current())

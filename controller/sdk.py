@@ -16,7 +16,7 @@ Requests and answers are the types of forkd.controller.api (the REST API's).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -310,7 +310,19 @@ class Files:
 
     def read(self, path: str) -> bytes:
         """The file's bytes; forkd.errors.NotFound when there is no such file."""
-        return self._sb.controller.backend.read_file(self._sb.id, path)
+        return b"".join(self.stream(path))
+
+    def stream(self, path: str) -> Generator[bytes, None, None]:
+        """The file's bytes in chunks (up to 1 MiB) as they arrive, for a file too large
+        to hold whole; forkd.errors.NotFound at the first when there is no such file.
+        Closing the generator early ends the transfer."""
+        chunks = self._sb.controller.backend.read_file(self._sb.id, path)
+        try:
+            yield from chunks
+        finally:
+            close = getattr(chunks, "close", None)  # a generator's: ends the transfer now
+            if close is not None:
+                close()
 
 
 class Sandbox:

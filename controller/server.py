@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -20,7 +21,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.audit import AuditLog
 from forkd.controller.api import PoolRequest
-from forkd.controller.app import MAX_TOKEN_BYTES, ControllerMetrics, checked_token, create_app
+from forkd.controller.app import (
+    MAX_TOKEN_BYTES,
+    ControllerMetrics,
+    Token,
+    checked_token,
+    create_app,
+)
 from forkd.controller.backend import LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
 from forkd.engine.paths import run_dir
@@ -29,29 +36,37 @@ from forkd.errors import Conflict, InvalidInput
 from forkd.private import create_private_file, read_private_file
 from forkd.store.store import Store
 
+MAX_SANDBOXES = 512  # a daemon's VMs at once by default: sandboxes, pool processes, starting
+
 
 def token_path() -> Path:
     return run_dir() / "controller.token"
 
 
-def load_token(token_file: Path | None = None) -> bytes:
+def load_token(token_file: Path | None = None) -> Token:
     """The TCP bearer token, checked (app.checked_token): from ``token_file``, else
-    $FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once when missing.
+    $FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once when missing. A
+    token from a file is read again whenever the file changes (app.Token: replacing it
+    revokes the old token without a restart).
 
     Token files are private files (forkd.private: your own regular file, mode 0600, not a
     symlink). A token file that exists but is empty or short is refused, never replaced:
     forkd writes its file whole, so such a file is not forkd's and may be what a client
     was given."""
     if token_file is not None:
-        return _token_from_file(token_file, "remove it or write a longer token into it")
+        return _file_token(token_file, "remove it or write a longer token into it")
     env = os.environ.get("FORKD_CONTROLLER_TOKEN")
     if env is not None:
-        return checked_token(env, "$FORKD_CONTROLLER_TOKEN")
+        return Token(checked_token(env, "$FORKD_CONTROLLER_TOKEN"))
     path = token_path()
     made = secrets.token_urlsafe(32)
-    if create_private_file(path, (made + "\n").encode()):
-        return checked_token(made, str(path))
-    return _token_from_file(path, "remove it and forkd serve makes a new one")
+    create_private_file(path, (made + "\n").encode())
+    return _file_token(path, "remove it and forkd serve makes a new one")
+
+
+def _file_token(path: Path, fix: str) -> Token:
+    read = functools.partial(_token_from_file, fix=fix)
+    return Token(read(path), path, read)
 
 
 def _token_from_file(path: Path, fix: str) -> bytes:
@@ -98,15 +113,17 @@ def serve(
     audit_path: Path | None = None,
     token_file: Path | None = None,
     prewarm: Sequence[tuple[str, int]] = (),
+    max_sandboxes: int = MAX_SANDBOXES,
 ) -> None:
     """Serve until interrupted. Blocks. prewarm: (tag, K) pools filled in the background at
     start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops.
-    With ``listen``, the token (load_token) is checked before anything starts."""
+    max_sandboxes: the VMs it runs at once (LocalBackend). With ``listen``, the token
+    (load_token) is checked before anything starts."""
     token = load_token(token_file) if listen else None
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)
-    backend = LocalBackend(store, Pool(store), sweeper=True)
+    backend = LocalBackend(store, Pool(store), sweeper=True, max_sandboxes=max_sandboxes)
     try:
         for tag, k in prewarm:
             backend.fill_pool(PoolRequest(tag=tag, k=k))
@@ -122,7 +139,7 @@ def _serve(
     unix: socket.socket,
     listen: str | None,
     audit_path: Path | None,
-    token: bytes | None,
+    token: Token | None,
 ) -> None:
     audit = AuditLog(audit_path or backend.store.home / "controller-audit.log")
     metrics = ControllerMetrics()

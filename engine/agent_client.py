@@ -30,6 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from forkd.engine.commands import (
+    check_command,
+    check_guest_path,
+    check_mode,
+    check_payload,
+    check_timeout,
+)
 from forkd.engine.errors import AgentError
 from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
@@ -197,6 +204,7 @@ class AgentClient:
         return res
 
     def eval(self, code: str, timeout: float | None = 300.0) -> dict[str, Any]:
+        check_timeout("timeout", timeout)
         args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
@@ -205,6 +213,7 @@ class AgentClient:
     def run_code(self, code: str, *, timeout: float | None = 300.0,
                  on_stdout: OnData | None = None,
                  on_stderr: OnData | None = None) -> dict[str, Any]:
+        check_timeout("timeout", timeout)
         args: dict[str, Any] = {"code": code}
         if timeout is not None:
             args["timeout"] = timeout
@@ -215,24 +224,37 @@ class AgentClient:
                             on_event=splitter(on_stdout, on_stderr) if stream else None)
 
     def put(self, path: str, data: bytes, mode: int = 0o644) -> dict[str, Any]:
+        check_guest_path(path)
+        check_payload("the file", data)
+        check_mode(mode)
         return self.request("put", {"path": path, "data": base64.b64encode(data).decode(),
                                     "mode": mode}, timeout=DEFAULT_REQUEST_S + len(data) / 1e6)
 
     def get(self, path: str, timeout: float | None = None) -> bytes:
         """A guest file's bytes, streamed in 1 MiB chunks (up to 4 GiB)."""
         parts: list[bytes] = []
+        self.get_chunks(path, parts.append, timeout)
+        return b"".join(parts)
+
+    def get_chunks(self, path: str, on_chunk: OnData, timeout: float | None = None) -> int:
+        """A guest file's bytes given to ``on_chunk`` as they arrive (1 MiB at a time, up to
+        4 GiB), none of them kept here; its size once all arrived. An exception raised by
+        ``on_chunk`` ends the transfer (close this client then: the rest is not read)."""
+        check_guest_path(path)
+        got = 0
 
         def chunk(ev: str, data: bytes) -> None:
+            nonlocal got
             if ev == "chunk":
-                parts.append(data)
+                got += len(data)
+                on_chunk(data)
 
         res = self.request("get", {"path": path, "stream": True}, timeout=timeout,
                            on_event=chunk)
-        data = b"".join(parts)
-        if len(data) != res.get("bytes"):
-            raise AgentError(f"get {path}: {len(data)} bytes arrived, the agent sent "
+        if got != res.get("bytes"):
+            raise AgentError(f"get {path}: {got} bytes arrived, the agent sent "
                              f"{res.get('bytes')}")
-        return data
+        return got
 
     def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
@@ -262,6 +284,15 @@ class ExecResult:
 
     @classmethod
     def of(cls, res: dict[str, Any]) -> ExecResult:
+        """The guest's exec reply as a result; AgentError when it is not of that shape."""
+        try:
+            return cls._of(res)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise AgentError(f"the guest agent's exec reply does not match the protocol "
+                             f"({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _of(cls, res: dict[str, Any]) -> ExecResult:
         return cls(status=str(res.get("status", "exited")), exit_code=int(res["exit_code"]),
                    signal=res.get("signal"), timed_out=bool(res.get("timed_out")),
                    killed=bool(res.get("killed")), oom_killed=bool(res.get("oom_killed")),
@@ -274,7 +305,11 @@ class ExecResult:
 
 def exec_args(argv: list[str], env: dict[str, str] | None, cwd: str | None,
               stdin: bytes | None, timeout: float | None, pty: bool) -> dict[str, Any]:
-    """The arguments of an exec or proc_start request (docs/agent-protocol.md)."""
+    """The arguments of an exec or proc_start request (docs/agent-protocol.md), checked
+    (engine/commands.py)."""
+    check_command(argv, env, cwd)
+    check_payload("stdin", stdin)
+    check_timeout("timeout", timeout)
     args: dict[str, Any] = {"argv": argv}
     if env:
         args["env"] = env

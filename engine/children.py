@@ -33,6 +33,14 @@ from forkd.engine.agent_client import (
     host_wait,
     splitter,
 )
+from forkd.engine.commands import (
+    check_guest_path,
+    check_handle,
+    check_mode,
+    check_payload,
+    check_signal,
+    check_timeout,
+)
 from forkd.engine.egress.child import EgressSettings, configure_guest
 from forkd.engine.errors import (
     AgentError,
@@ -52,6 +60,7 @@ from forkd.engine.lifecycle import (
     lock_file,
     new_id,
     private_tags,
+    record_lock,
     require_running,
 )
 from forkd.engine.lifecycle import (
@@ -386,6 +395,13 @@ def recipe_egress(asm: Assembled) -> EgressSettings | None:
     return EgressSettings.resolve(entries) if entries else None
 
 
+def check_count(n: object) -> int:
+    """A number of children for one fork: 1 to MAX_CHILDREN."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
+        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    return n
+
+
 def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
          limits: Limits | None = None, lifetime: Lifetime | None = None,
          sandbox: bool = True, with_netns: bool = False, progress: Progress = _noop,
@@ -399,8 +415,7 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     destinations its children may reach through their proxy (None: the recipe's
     defaults; none: no network at all). assembled + overlay_template: the images and the
     empty child overlay to use instead of assembling (engine/lazy/fork.py)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
-        raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
+    check_count(n)
     limits = with_memory(limits, memory_limit_mib)
     lifetime = (lifetime or Lifetime()).checked()
     t0 = time.monotonic()
@@ -583,6 +598,8 @@ def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
     output so far and while waiting goes to the callbacks (or, with none, into the result's
     stdout/stderr). {running: bool, handle, ...}; once it has ended, also its result
     (status, exit_code, signal, ...) and the handle is forgotten."""
+    check_handle(handle)
+    check_timeout("timeout", timeout)
     args: dict[str, Any] = {"handle": handle}
     if timeout is not None:
         args["timeout"] = timeout
@@ -601,18 +618,23 @@ def process_stdin(child_id: str, handle: str, data: bytes, *,
                   close: bool = False) -> dict[str, Any]:
     """Write data to a background process's stdin; close: close it afterwards. Conflict
     when the process has ended or its stdin is closed, NotFound for an unknown handle."""
+    check_handle(handle)
+    check_payload("stdin", data)
     args = {"handle": handle, "data": base64.b64encode(data).decode(), "close": close}
     with agent(child_id) as a:
         return a.request("proc_stdin", args)
 
 
 def process_close_stdin(child_id: str, handle: str) -> dict[str, Any]:
+    check_handle(handle)
     with agent(child_id) as a:
         return a.request("proc_close_stdin", {"handle": handle})
 
 
 def process_kill(child_id: str, handle: str, signal: int | str = "SIGKILL") -> dict[str, Any]:
     """Signal the process's whole group (default SIGKILL). Conflict when it has ended."""
+    check_handle(handle)
+    check_signal(signal)
     with agent(child_id) as a:
         return a.request("proc_kill", {"handle": handle, "signal": signal})
 
@@ -641,30 +663,41 @@ def run_code(child_id: str, code: str, *, timeout: float | None = 300.0,
 
 def read_file(child_id: str, path: str) -> bytes:
     """A guest file's bytes (streamed; up to 4 GiB). NotFound when it does not exist."""
-    _absolute(path)
+    parts: list[bytes] = []
+    read_file_chunks(child_id, path, parts.append)
+    return b"".join(parts)
+
+
+def read_file_chunks(child_id: str, path: str, on_chunk: OnData) -> int:
+    """A guest file's bytes given to ``on_chunk`` as they arrive (up to 4 GiB; a daemon
+    passes them on without holding the file); its size. NotFound before any chunk when it
+    does not exist; an exception from ``on_chunk`` ends the transfer."""
+    check_guest_path(path)
     with agent(child_id) as a:
-        return a.get(path)
+        return a.get_chunks(path, on_chunk)
 
 
 def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-    """Write a guest file (up to 32 MiB; its directories are made)."""
-    _absolute(path)
+    """Write a guest file (up to 32 MiB; its directories are made), checked first."""
+    check_guest_path(path)
+    check_payload("the file", data)
+    check_mode(mode)
     with agent(child_id) as a:
         a.put(path, data, mode)
-
-
-def _absolute(path: str) -> None:
-    if not path.startswith("/") or "\0" in path:
-        raise InvalidInput(f"guest path {path!r} must be absolute")
 
 
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:
     """Stop the child's QEMU and remove everything it had (lifecycle.ChildVM.end); a paused
     child's saved state (its private tags, in store, default $FORKD_HOME's) goes too. Safe
-    on crashed children."""
-    child = ChildVM.adopt(child_dir(child_id))
-    info = child.info
-    was = child.end()
+    on crashed children. Under the child's record lock: a pause, resume or extend in flight
+    ends first (a kill that cut a resume short removed the directory a new QEMU was being
+    started in, and left that QEMU, its netns and cgroup running; one that cut a pause
+    short left its private tag in the store), then the kill acts on what it left."""
+    d = child_dir(child_id)
+    with record_lock(d):
+        child = ChildVM.adopt(d)
+        info = child.info
+        was = child.end()
     if info.paused_tag is not None or info.ref in private_tags(info.id):
         drop_private_tags(info, store or Store.open())
     info.status = {"running": "killed", "paused": "killed"}.get(was, "crashed")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forkd.errors import ForkdError, InvalidInput, NotFound
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 
 
 class EngineError(ForkdError):
@@ -39,14 +39,23 @@ class ChildNotFound(NotFound):
     """No child VM with that id exists in the state directory."""
 
 
-class ChildDead(EngineError):
-    """The child VM's QEMU process is gone (crashed or killed)."""
+class ChildDead(EngineError, Conflict):
+    """The child VM's QEMU process is gone (crashed or killed), or it is paused: the
+    request needs a running child. A Conflict of the caller's (409 in REST), not a failure
+    of the host's."""
 
     exit_code = 15
 
 
+class Busy(EngineError, Conflict):
+    """The child is held by another operation (a branch or pause waits for requests to end,
+    a request waits for a branch; a record change waits for a pause or resume) past the
+    wait's bound: a Conflict (409 in REST), to try again later."""
+
+
 __all__ = [
     "AgentError",
+    "Busy",
     "ChildDead",
     "ChildNotFound",
     "EngineError",

@@ -30,11 +30,13 @@ from typing import Any
 
 from forkd.engine import netns
 from forkd.engine.cgroup import CgroupLimits, ChildCgroup
+from forkd.engine.commands import MAX_WAIT_S
 from forkd.engine.egress import child as egress
-from forkd.engine.errors import ChildDead, ChildNotFound, EngineError, HostError
+from forkd.engine.errors import Busy, ChildDead, ChildNotFound, EngineError, HostError
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
+from forkd.names import parse_ref, shown
 from forkd.store.store import Assembled
 
 ID_RE = re.compile(r"\A[a-z0-9][a-z0-9-]{0,63}\Z")
@@ -181,7 +183,8 @@ def new_id(ref: str) -> str:
 def child_dir(child_id: str) -> Path:
     """The directory of an existing child (InvalidInput for a malformed id, ChildNotFound)."""
     if not isinstance(child_id, str) or not ID_RE.fullmatch(child_id):
-        raise InvalidInput(f"invalid child id {child_id!r}; `forkd ls` lists the children")
+        raise InvalidInput(f"invalid child id {shown(child_id)}: ids are 1-64 of a-z, 0-9 and "
+                           "'-'; `forkd ls` lists the children")
     d = children_dir() / child_id
     if not (d / CHILD_FILE).exists():
         raise ChildNotFound(f"no child {child_id!r}; `forkd ls` lists the children")
@@ -197,11 +200,22 @@ def private_tags(child_id: str) -> tuple[str, str]:
     return f"{PAUSED_NAME}/{child_id}:a", f"{PAUSED_NAME}/{child_id}:b"
 
 
+def private_owner(ref: str) -> str | None:
+    """The id of the child whose private tag ``ref`` is (any tag under PAUSED_NAME/ is
+    one), None for any other tag or text that is not a reference."""
+    try:
+        name = parse_ref(ref).name
+    except InvalidInput:
+        return None
+    top, sep, child_id = name.partition("/")
+    return child_id if top == PAUSED_NAME and sep else None
+
+
 @contextlib.contextmanager
 def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01, *,
               shared: bool = False) -> Iterator[None]:
     """Hold an exclusive (or, shared=True, a shared) flock on ``path`` (made 0600), waiting
-    up to ``timeout`` seconds; EngineError ``busy`` when it stays taken."""
+    up to ``timeout`` seconds; Busy (a Conflict) ``busy`` when it stays taken."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
@@ -211,7 +225,8 @@ def lock_file(path: Path, timeout: float, busy: str, poll: float = 0.01, *,
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise EngineError(f"{busy} for more than {timeout:.0f} s") from None
+                    raise Busy(f"{busy} for more than {timeout:.0f} s; try again once it "
+                               "ended") from None
                 time.sleep(poll)
         yield
     finally:
@@ -438,7 +453,7 @@ class ChildVM:
         return was
 
 
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 30 * 86400.0  # a lifetime: 1 s .. 30 days
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, MAX_WAIT_S  # a lifetime: 1 s .. 30 days
 ON_TIMEOUT = ("kill", "pause")
 
 

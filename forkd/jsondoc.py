@@ -29,16 +29,22 @@ def nesting(data: bytes) -> int:
     return max(itertools.accumulate(_STEP[c] for c in skeleton), default=0)
 
 
-def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
-    ``max_depth``. ``what`` names the document in the message."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
+def check_nesting(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> None:
+    """InvalidInput when ``raw`` nests deeper than ``max_depth``, for a parser that is not
+    ``loads`` (the controller's request bodies: Litestar's msgspec)."""
     depth = nesting(raw)
     if depth > max_depth:
         raise InvalidInput(
             f"{what} nests {depth} levels deep, over the limit of {max_depth}: "
             "send a flatter document"
         )
+
+
+def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
+    ``max_depth``. ``what`` names the document in the message."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    check_nesting(raw, what, max_depth)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:

@@ -46,7 +46,7 @@ def matches(pattern: re.Pattern[str], text: object) -> bool:
     return isinstance(text, str) and text.isascii() and pattern.fullmatch(text) is not None
 
 
-def _shown(text: object) -> str:
+def shown(text: object) -> str:
     """An untrusted value, shortened and quoted for an error message."""
     return repr(str(text)[:80])
 
@@ -54,7 +54,7 @@ def _shown(text: object) -> str:
 def validate_name(name: str) -> str:
     if not matches(NAME_RE, name) or len(name) > MAX_NAME:
         raise InvalidInput(
-            f"invalid repository name {_shown(name)}: use lowercase letters, digits and "
+            f"invalid repository name {shown(name)}: use lowercase letters, digits and "
             "'.', '_', '-' separators, components joined by '/', at most 255 characters"
         )
     return name
@@ -63,7 +63,7 @@ def validate_name(name: str) -> str:
 def validate_tag(tag: str) -> str:
     if not matches(TAG_RE, tag):
         raise InvalidInput(
-            f"invalid tag {_shown(tag)}: use letters, digits, '_', '.', '-' "
+            f"invalid tag {shown(tag)}: use letters, digits, '_', '.', '-' "
             "(not starting with '.' or '-'), at most 128 characters"
         )
     return tag
@@ -72,7 +72,7 @@ def validate_tag(tag: str) -> str:
 def validate_namespace(name: str) -> str:
     if not matches(NAMESPACE_RE, name) or len(name) > MAX_NAME:
         raise InvalidInput(
-            f"invalid namespace {_shown(name)}: one repository-name component "
+            f"invalid namespace {shown(name)}: one repository-name component "
             "(lowercase letters, digits, '.', '_', '-')"
         )
     return name
@@ -81,7 +81,7 @@ def validate_namespace(name: str) -> str:
 def validate_username(name: str) -> str:
     if not matches(USER_RE, name) or "__" in name:
         raise InvalidInput(
-            f"invalid user name {_shown(name)}: use 1-64 lowercase letters, digits, '-' or "
+            f"invalid user name {shown(name)}: use 1-64 lowercase letters, digits, '-' or "
             "'_' (not '__'), starting and ending with a letter or digit"
         )
     return name
@@ -90,7 +90,7 @@ def validate_username(name: str) -> str:
 def validate_team(name: str) -> str:
     if not matches(TEAM_RE, name):
         raise InvalidInput(
-            f"invalid team name {_shown(name)}: use 1-64 lowercase letters, digits, '-' or "
+            f"invalid team name {shown(name)}: use 1-64 lowercase letters, digits, '-' or "
             "'_', starting and ending with a letter or digit"
         )
     return name
@@ -110,7 +110,7 @@ class Ref:
 def parse_ref(text: str) -> Ref:
     """Parse ``NAME[:TAG]``; the tag defaults to ``latest``."""
     if not isinstance(text, str) or "\x00" in text or len(text) > MAX_NAME + 129:
-        raise InvalidInput(f"invalid reference {_shown(text)}: too long or contains NUL")
+        raise InvalidInput(f"invalid reference {shown(text)}: too long or contains NUL")
     name, sep, tag = text.rpartition(":")
     if not sep or "/" in tag:
         name, tag = text, DEFAULT_TAG

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from forkd.errors import InvalidInput
-from forkd.names import matches, whole
+from forkd.names import matches, shown, whole
 
 DEFAULT_PORT = 443
 MAX_HOSTNAME = 253
@@ -55,20 +55,16 @@ class Destination:
         return f"{wildcard}{host}:{self.port}"
 
 
-def _shown(text: object) -> str:
-    return repr(str(text)[:80])
-
-
 def _bad(text: str, why: str) -> InvalidInput:
     return InvalidInput(
-        f"invalid destination {_shown(text)}: {why}; write HOST[:PORT], e.g. api.openai.com, "
+        f"invalid destination {shown(text)}: {why}; write HOST[:PORT], e.g. api.openai.com, "
         "*.example.com:8443, 10.0.0.5:8000 or [2001:db8::1]:443"
     )
 
 
 def parse_port(text: str, whole_text: str) -> int:
     if not matches(PORT_RE, text) or int(text) > 65535:
-        raise _bad(whole_text, f"port {_shown(text)} is not a number from 1 to 65535")
+        raise _bad(whole_text, f"port {shown(text)} is not a number from 1 to 65535")
     return int(text)
 
 

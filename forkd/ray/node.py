@@ -144,7 +144,7 @@ class NodeAgent:
 
     @on_node
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self._backend().read_file(sandbox_id, path)
+        return b"".join(self._backend().read_file(sandbox_id, path))
 
     @on_node
     def branch(self, sandbox_id: str, req: BranchRequest, push_to: str | None) -> BranchResult:

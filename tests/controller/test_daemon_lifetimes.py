@@ -72,7 +72,8 @@ def test_rest_timeout_extend_pause_resume(env: dict[str, str], daemon: object, t
     p = http.post(f"/v1/sandboxes/{kept}/pause")
     assert p.status_code == 200 and p.json()["status"] == "paused", p.text
     dead = http.post(f"/v1/sandboxes/{kept}/exec", json={"argv": ["true"]})
-    assert dead.status_code == 500 and "paused" in dead.json()["error"]["message"]
+    assert dead.status_code == 409 and "paused" in dead.json()["error"]["message"], dead.text
+    assert dead.json()["error"]["exit_code"] == 15  # ChildDead's, a Conflict
     back = http.post(f"/v1/sandboxes/{kept}/resume").json()
     assert back["status"] == "running"
     assert back["timeout_s"] == 604 and back["time_left_s"] > 590  # the extension is kept

@@ -423,3 +423,36 @@ def test_every_route_but_liveness_and_the_schema_needs_the_token(
             assert answer.status_code in (401, 404), (sneaky, answer.status_code)
         ok = client.get("/v1/sandboxes", headers={"Authorization": f"Bearer {GOOD_TOKEN}"})
         assert ok.status_code == 200 and ok.json() == []
+
+
+# -- revoking the token ------------------------------------------------------------
+def _replace_private_file(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".new")
+    _private_token_file(tmp, text)
+    tmp.replace(path)
+
+
+def test_a_replaced_token_file_revokes_the_old_token_without_a_restart(place: Place) -> None:
+    """The daemon read its token file once: a token taken away by replacing the file kept
+    working until the daemon restarted. Now the file is read again when it changes, and a
+    file that is gone or invalid refuses every request (it never falls back)."""
+    first, second, third = (secrets.token_urlsafe(32) for _ in range(3))
+    token = _private_token_file(place.home.parent / "given.token", first + "\n")
+
+    def status(url: str, given: str) -> int:
+        answer = httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {given}"})
+        return answer.status_code
+
+    with tcp_daemon(place.env, place.home.parent / "revoke.err", "--token-file", str(token),
+                    timeout=60) as url:
+        assert status(url, first) == 200
+        _replace_private_file(token, second + "\n")
+        assert (status(url, first), status(url, second)) == (401, 200)
+        token.unlink()
+        assert (status(url, first), status(url, second)) == (401, 401)
+        _replace_private_file(token, "short\n")
+        assert (status(url, second), status(url, "short")) == (401, 401)
+        _replace_private_file(token, third)
+        assert (status(url, second), status(url, third)) == (401, 200)
+        token.chmod(0o644)  # others may read it now: not a private file, refused
+        assert status(url, third) == 401

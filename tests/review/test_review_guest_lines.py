@@ -4,8 +4,9 @@ The daemon reads the guest agent's replies (exec output, ``GET /v1/sandboxes/ID/
 with ``engine.qmp.LineSocket.readline``, which buffers until a newline however long the
 line: the guest is the untrusted party of a sandbox runtime, and one reply can grow the
 daemon's memory by whatever it sends before the request's deadline. Writes into a guest
-are capped (controller/app.py MAX_FILE_BYTES, 64 MiB); a reply to a read of such a file
-is about 86 MiB of base64, so a line of 96 MiB is past any reply the host asked for.
+were capped at 64 MiB (controller/app.py MAX_FILE_BYTES; now 32 MiB, the agent's MAX_FILE); a
+reply to a read of such a file is about 86 MiB of base64, so a line of 96 MiB is past any
+reply the host asked for.
 The buffer is also searched from its start on every 64 KiB received: reading one such
 line costs quadratic CPU (~35 s for 128 MiB here).
 """
