@@ -32,7 +32,7 @@ from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
-from forkd.hub.secrets import claim_blob_directory
+from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 from forkd.hub.tokens_api import TokenController
@@ -114,7 +114,7 @@ def create_app(settings: HubSettings) -> Litestar:
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         if settings.migrate_on_start:
             await hub.db.migrate()
-        await claim_blob_directory(hub.db, settings)
+        await claim_blob_storage(hub.db, settings, hub.blobs)
         await bootstrap_admin(hub)
         await hub.load_key()
         async with anyio.create_task_group() as tasks:

@@ -187,11 +187,7 @@ def _live_of(
     if hub.shared is None:
         return hub.uploads.live_sizes(sessions, timeout)
     oldest = expired_before(timeout)
-    return {
-        upload_id: size
-        for upload_id, (size, at) in recorded.items()
-        if _aware(at) >= oldest
-    }
+    return {upload_id: size for upload_id, (size, at) in recorded.items() if _aware(at) >= oldest}
 
 
 def _aware(at: datetime) -> datetime:

@@ -5,6 +5,8 @@ state that must not be shared by accident.
   namespace out of uploads for ``upload_idle_timeout``: at a limit, empty sessions idle
   past a short grace that no request writes are reclaimed; one user cannot take all of
   an organisation's places (``upload_sessions_per_user``, across namespaces);
+* S3 replicas each on their own database (one SQLite file each) are refused at start:
+  the bucket names the database that catalogs its blobs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from pathlib import Path
 
 import pytest
 from hub_support import ADMIN, HubServer, error_code
-from s3_hub_support import running_s3_hub
+from s3_hub_support import OWNER_KEY, running_s3_hub, s3_settings
 from s3_support import MotoServer
 
+from forkd.errors import InvalidInput
+from forkd.hub.settings import HubSettings
 from forkd.hub.shared_uploads import EMPTY_SESSION_GRACE
+from forkd.hub.workers import prepare
 
 
 # -- upload sessions: lost POST answers, one member against an organisation -----------
@@ -120,3 +125,33 @@ def test_one_member_cannot_take_all_of_an_organisations_sessions(tmp_path: Path)
                 assert r.status_code == 429 and "namespace 'shared' has 4" in r.text, r.text
     finally:
         hub.stop()
+
+
+# -- S3 replicas on databases of their own ----------------------------------------------
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_a_second_database_on_one_bucket_is_refused_at_start(
+    request: pytest.FixtureRequest, tmp_path: Path, moto_server: MotoServer, database: str
+) -> None:
+    """Two S3 hubs on one bucket and prefix, each with its own database (replicas with
+    a SQLite file each): GC on one would delete the blobs only the other's catalog
+    holds. The first start names its database in the bucket; another database is
+    refused before serving (what `forkd hub serve` reports), the first starts again, and
+    another prefix in the bucket is another hub's."""
+    with running_s3_hub(moto_server, tmp_path / "a") as first:
+        bucket = first.bucket
+        assert OWNER_KEY in {
+            obj["Key"] for obj in moto_server.client().list_objects_v2(Bucket=bucket)["Contents"]
+        }
+    url = (
+        request.getfixturevalue("postgres_url")
+        if database == "postgresql"
+        else f"sqlite+aiosqlite:///{tmp_path / 'b' / 'hub.db'}"
+    )
+    settings = s3_settings(moto_server, bucket)
+    second = HubSettings(tmp_path / "b", database_url=url, **settings).validated()
+    with pytest.raises(InvalidInput, match="cataloged by another database") as refused:
+        prepare(second)
+    assert "PostgreSQL" in str(refused.value) and "Running several replicas" in str(refused.value)
+    prepare(HubSettings(tmp_path / "a", **settings).validated())  # the first one: as before
+    elsewhere = {**settings, "s3_prefix": "other-hub"}
+    prepare(HubSettings(tmp_path / "b", database_url=url, **elsewhere).validated())
