@@ -4,7 +4,8 @@
 a few thousand ``[`` raises RecursionError (a 500 in the hub, a traceback in the
 CLI). ``loads`` measures the nesting on the raw bytes (strings blanked out, then
 brackets counted) and refuses anything deeper than ``MAX_DEPTH`` before the
-parser sees it. Every document forkd reads from a peer goes through here.
+parser sees it. Every document forkd reads from a peer goes through here, and so
+do the hub's JSON request bodies (``check_nesting``, hub/app.py ``HubHttpRequest``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,22 @@ def nesting(data: bytes) -> int:
     return max(itertools.accumulate(_STEP[c] for c in skeleton), default=0)
 
 
-def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
-    ``max_depth``. ``what`` names the document in the message."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
+def check_nesting(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> None:
+    """InvalidInput when ``raw`` nests deeper than ``max_depth``; for a caller whose own
+    parser recurses (``loads``, the hub's request bodies)."""
     depth = nesting(raw)
     if depth > max_depth:
         raise InvalidInput(
             f"{what} nests {depth} levels deep, over the limit of {max_depth}: "
             "send a flatter document"
         )
+
+
+def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
+    ``max_depth``. ``what`` names the document in the message."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    check_nesting(raw, what, max_depth)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:

@@ -8,6 +8,7 @@ import secrets
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from litestar import Litestar, Request, get
@@ -20,6 +21,7 @@ from litestar.types import Scope
 from sqlalchemy import text
 
 import forkd
+from forkd import jsondoc
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
@@ -39,6 +41,17 @@ from forkd.hub.tokens_api import TokenController
 from forkd.hub.ui import ui_router
 
 log = logging.getLogger("forkd.hub")
+
+
+class HubHttpRequest(Request[object, object, State]):
+    """Litestar's request, with a JSON body (the ``data`` of /api/v1 and UI routes)
+    bounded in nesting before Litestar decodes it (forkd/jsondoc.py): its decoder
+    recurses per level, and a body of a few thousand ``[`` was a RecursionError, a 500.
+    Deeper than ``MAX_DEPTH`` is a 400 now, as for manifests."""
+
+    async def json(self) -> Any:
+        jsondoc.check_nesting(await self.body(), "the request body")
+        return await super().json()
 
 
 async def bootstrap_admin(hub: Hub) -> None:
@@ -167,6 +180,7 @@ def create_app(settings: HubSettings) -> Litestar:
         ),
         middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
+        request_class=HubHttpRequest,
         exception_handlers={
             RegistryError: registry_error_handler,
             InvalidInput: invalid_input_handler,

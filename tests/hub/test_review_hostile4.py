@@ -155,3 +155,32 @@ def test_a_second_database_on_one_bucket_is_refused_at_start(
     prepare(HubSettings(tmp_path / "a", **settings).validated())  # the first one: as before
     elsewhere = {**settings, "s3_prefix": "other-hub"}
     prepare(HubSettings(tmp_path / "b", database_url=url, **elsewhere).validated())
+
+
+# -- request bodies nested past what a recursive decoder takes ---------------------------
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/api/v1/orgs"),
+        ("POST", "/api/v1/tokens"),
+        ("POST", "/api/v1/users"),
+        ("PUT", "/api/v1/namespaces/admin/quota"),
+        ("POST", "/api/v1/compact/admin/app"),
+        ("PUT", "/api/v1/readme/admin/app"),
+    ],
+)
+def test_a_deeply_nested_json_body_is_the_clients_error(
+    hub: HubServer, method: str, path: str
+) -> None:
+    """A JSON body of thousands of ``[`` made Litestar's decoder raise RecursionError: a
+    500 and a traceback in the log for one small request. It is a 400 saying what was
+    wrong, like a deep manifest (forkd/jsondoc.py); a bracket inside a string counts
+    nothing, and a flat body is decoded as before."""
+    deep = b'{"name": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    with hub.client(ADMIN) as c:
+        r = c.request(method, path, content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "nests 20001 levels deep" in r.json()["detail"], r.text
+        quoted = b'{"name": "' + b"[" * 20_000 + b'"}'
+        r = c.request(method, path, content=quoted, headers={"Content-Type": "application/json"})
+        assert r.status_code != 500 and "levels deep" not in r.text, r.text
