@@ -4,7 +4,9 @@
 a few thousand ``[`` raises RecursionError (a 500 in the hub, a traceback in the
 CLI). ``loads`` measures the nesting on the raw bytes (strings blanked out, then
 brackets counted) and refuses anything deeper than ``MAX_DEPTH`` before the
-parser sees it. Every document forkd reads from a peer goes through here.
+parser sees it. Every document forkd reads from a peer goes through here, and so
+do the hub's and the controller's JSON request bodies (``check_nesting``: hub/app.py
+``HubHttpRequest``, controller/app.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def nesting(data: bytes) -> int:
 
 
 def check_nesting(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> None:
-    """InvalidInput when ``raw`` nests deeper than ``max_depth``, for a parser that is not
-    ``loads`` (the controller's request bodies: Litestar's msgspec)."""
+    """InvalidInput when ``raw`` nests deeper than ``max_depth``; for a caller whose own
+    parser recurses (``loads``, the hub's and the controller's request bodies)."""
     depth = nesting(raw)
     if depth > max_depth:
         raise InvalidInput(

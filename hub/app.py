@@ -8,6 +8,7 @@ import secrets
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from litestar import Litestar, Request, get
@@ -20,6 +21,7 @@ from litestar.types import Scope
 from sqlalchemy import text
 
 import forkd
+from forkd import jsondoc
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
@@ -32,13 +34,24 @@ from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
-from forkd.hub.secrets import claim_blob_directory
+from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 from forkd.hub.tokens_api import TokenController
 from forkd.hub.ui import ui_router
 
 log = logging.getLogger("forkd.hub")
+
+
+class HubHttpRequest(Request[object, object, State]):
+    """Litestar's request, with a JSON body (the ``data`` of /api/v1 and UI routes)
+    bounded in nesting before Litestar decodes it (forkd/jsondoc.py): its decoder
+    recurses per level, and a body of a few thousand ``[`` was a RecursionError, a 500.
+    Deeper than ``MAX_DEPTH`` is a 400 now, as for manifests."""
+
+    async def json(self) -> Any:
+        jsondoc.check_nesting(await self.body(), "the request body")
+        return await super().json()
 
 
 async def bootstrap_admin(hub: Hub) -> None:
@@ -114,7 +127,7 @@ def create_app(settings: HubSettings) -> Litestar:
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         if settings.migrate_on_start:
             await hub.db.migrate()
-        await claim_blob_directory(hub.db, settings)
+        await claim_blob_storage(hub.db, settings, hub.blobs)
         await bootstrap_admin(hub)
         await hub.load_key()
         async with anyio.create_task_group() as tasks:
@@ -167,6 +180,7 @@ def create_app(settings: HubSettings) -> Litestar:
         ),
         middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
+        request_class=HubHttpRequest,
         exception_handlers={
             RegistryError: registry_error_handler,
             InvalidInput: invalid_input_handler,

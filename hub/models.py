@@ -230,6 +230,9 @@ class Upload(Base):
     # file-system backend keeps both in the session's file (hub/storage.py).
     size: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     touched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Who started it (NULL: anonymous, or a session from before migration 0010): the
+    # per-user session limit ``upload_sessions_per_user`` counts by it.
+    user_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class UploadChunk(Base):

@@ -16,6 +16,12 @@ first start records the directory's id (``DATA/blobs-id``, made once) in the dat
 a process on the same database with another data directory (a second replica, or a
 SQLite file shared between directories) is refused at start, saying what to do, instead
 of answering with blobs it does not have and sweeping the others' as unreferenced.
+
+With the S3 blob backend the bucket (under ``s3_prefix``) is the shared thing: the
+database gets an id (``hub_secrets``, made once) and the first start writes it into the
+bucket (``PREFIX/owner``, ``S3BlobStore.claim``); a process whose database has another
+id (replicas each with their own SQLite file on one bucket, whose GC would sweep one
+another's blobs) is refused at start.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import os
 import secrets
 
+import anyio
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,9 +37,12 @@ from forkd.errors import InvalidInput
 from forkd.hub.db import Database
 from forkd.hub.models import HubSecret
 from forkd.hub.settings import HubSettings
+from forkd.store.blobs import BlobStore
+from forkd.store.s3 import S3BlobStore
 
 TOKEN_KEY = "token"
 BLOB_DIRECTORY_KEY = "fs-blob-directory"
+DATABASE_ID_KEY = "database-id"
 
 
 async def load_token_key(db: Database, settings: HubSettings) -> bytes:
@@ -67,11 +77,18 @@ def _legacy_key(settings: HubSettings) -> str | None:
     return text if 0 < len(text) <= 128 else None
 
 
-async def claim_blob_directory(db: Database, settings: HubSettings) -> None:
-    """With the filesystem blob backend: record this data directory as the one holding
-    the database's blobs (first start), or refuse to start if another one is."""
-    if settings.blob_backend != "fs":
-        return
+async def claim_blob_storage(db: Database, settings: HubSettings, blobs: BlobStore) -> None:
+    """Refuse to start unless this database is the one that catalogs these blobs: with
+    the filesystem backend, this data directory is the one the database recorded (first
+    start: recorded now); with S3, the bucket's prefix names this database (first start:
+    named now)."""
+    if isinstance(blobs, S3BlobStore):
+        await _claim_bucket(db, settings, blobs)
+    elif settings.blob_backend == "fs":
+        await _claim_directory(db, settings)
+
+
+async def _claim_directory(db: Database, settings: HubSettings) -> None:
     mine = _directory_id(settings)
     claimed = await db.write(_store_once, db, BLOB_DIRECTORY_KEY, mine)
     if claimed != mine:
@@ -82,6 +99,21 @@ async def claim_blob_directory(db: Database, settings: HubSettings) -> None:
             'and blob_backend = "s3" on every one (docs/hub.md, "Running several '
             'replicas"); to move one hub to a new data directory, move its blobs-id file '
             "with its blobs/ folder"
+        )
+
+
+async def _claim_bucket(db: Database, settings: HubSettings, blobs: S3BlobStore) -> None:
+    mine = await db.write(_store_once, db, DATABASE_ID_KEY, secrets.token_hex(16))
+    owner = await anyio.to_thread.run_sync(blobs.claim, mine)
+    if owner != mine:
+        where = f"s3://{settings.s3_bucket}/{blobs.prefix}"
+        raise InvalidInput(
+            f"the blobs in {where} are cataloged by another database (id {owner[:40]!r}), "
+            f"not this one (id {mine}): replicas on one bucket must share one PostgreSQL "
+            "database (database_url), not each have their own (a SQLite file per replica "
+            "would let one's GC delete the others' blobs; docs/hub.md, \"Running several "
+            f'replicas"); or give this hub its own bucket or s3_prefix. A restored or '
+            f"moved database keeps its id in hub_secrets (name {DATABASE_ID_KEY!r})"
         )
 
 

@@ -97,10 +97,12 @@ class HubSettings:
     # matches a repository applies) and how often the background sweep runs (seconds).
     retention: tuple[RetentionRule, ...] = ()
     retention_interval: float = 3600.0
-    # Upload sessions (hub/oci/uploads.py): at most this many open per namespace, each at
-    # most upload_max_bytes, dropped after upload_idle_timeout seconds without a PATCH/PUT
-    # (the hub's periodic sweep and `forkd hub gc` delete their files).
+    # Upload sessions (hub/oci/uploads.py): at most this many open per namespace, and per
+    # user across all namespaces, each at most upload_max_bytes, dropped after
+    # upload_idle_timeout seconds without a PATCH/PUT (the hub's periodic sweep and
+    # `forkd hub gc` delete their files).
     upload_sessions_max: int = 50
+    upload_sessions_per_user: int = 20
     upload_max_bytes: int = 16 * 1024 * MiB
     upload_idle_timeout: float = 3600.0
 
@@ -156,8 +158,10 @@ class HubSettings:
             rule.validated()
         if self.retention_interval <= 0:
             raise InvalidInput("retention_interval must be > 0 seconds")
-        if self.upload_sessions_max <= 0 or self.upload_max_bytes <= 0:
-            raise InvalidInput("upload_sessions_max and upload_max_bytes must be > 0")
+        if min(self.upload_sessions_max, self.upload_sessions_per_user, self.upload_max_bytes) <= 0:
+            raise InvalidInput(
+                "upload_sessions_max, upload_sessions_per_user and upload_max_bytes must be > 0"
+            )
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if self.metrics_token and (
@@ -204,6 +208,7 @@ class HubSettings:
             retention=tuple(self.retention),
             retention_interval=float(self.retention_interval),
             upload_sessions_max=self.upload_sessions_max,
+            upload_sessions_per_user=self.upload_sessions_per_user,
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
         )

@@ -46,6 +46,11 @@ READ_CHUNK = 1 << 20
 # The most one PATCH may carry: its bytes become one object, and S3 takes at most 5 GiB in
 # one PutObject. Refused (413) before a byte is written, not after it reached the disk.
 CHUNK_MAX = 5 << 30
+# A session with no byte written, idle this long and written by no request, is reclaimed
+# when its namespace or its user is at a session limit (hub/oci/uploads.py): a client
+# whose POST's answer was lost retries with a new session, and the lost ones must not
+# lock the namespace's uploads out until ``upload_idle_timeout``.
+EMPTY_SESSION_GRACE = 60.0
 DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 KEY_RE = re.compile(r"\A[0-9]{20}-[0-9a-f]{16}\Z")
 
@@ -143,8 +148,9 @@ def touch(session: Session, upload_id: str) -> bool:
 
 
 def touch_every(idle: float) -> float:
-    """Seconds between a streaming request's ``touch``es: well inside ``idle``."""
-    return min(60.0, idle / 4)
+    """Seconds between a streaming request's ``touch``es: well inside ``idle``, and
+    inside ``EMPTY_SESSION_GRACE`` (an empty session being written is not reclaimed)."""
+    return min(EMPTY_SESSION_GRACE / 3, idle / 4)
 
 
 def chunk_keys(session: Session, upload_id: str) -> tuple[list[str], int]:

@@ -12,6 +12,7 @@ becomes visible; this module only keeps session bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import time
@@ -69,6 +70,43 @@ class UploadArea:
             if st.st_mtime >= oldest:
                 sizes[upload_id] = st.st_size
         return sizes
+
+    def remove_if_unused(self, upload_id: str, idle: float) -> bool:
+        """Delete the session's file if it is empty, unchanged for ``idle`` seconds and no
+        request holds its lock (the one a writer takes, hub/oci/uploads.py); True if it
+        was deleted. Under the lock, so a writer that opened it meanwhile finds it gone
+        (``check_current``) and never writes to a file no session has."""
+        try:
+            fd = os.open(self.path(upload_id), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        with os.fdopen(fd, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a request is writing it
+            st = os.fstat(f.fileno())
+            if st.st_size or st.st_nlink != 1 or st.st_mtime > time.time() - idle:
+                return False
+            with contextlib.suppress(NotFound):
+                self.check_current(upload_id, f)
+                os.unlink(self.path(upload_id))
+                return True
+            return False
+
+    def in_use(self, upload_id: str) -> bool:
+        """Whether a request of this process (or another on this data directory) holds
+        the lock of the session's file (with shared sessions: its staging file)."""
+        try:
+            fd = os.open(self.path(upload_id), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        with os.fdopen(fd, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
 
     def open_append(self, upload_id: str) -> BinaryIO:
         try:

@@ -22,7 +22,7 @@ import uvicorn
 
 from forkd.errors import InvalidInput
 from forkd.hub.app import bootstrap_admin, create_app
-from forkd.hub.secrets import claim_blob_directory
+from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 
@@ -67,7 +67,7 @@ async def _prepare(settings: HubSettings) -> None:
     try:
         if settings.migrate_on_start:
             await hub.db.migrate()
-        await claim_blob_directory(hub.db, settings)
+        await claim_blob_storage(hub.db, settings, hub.blobs)
         await bootstrap_admin(hub)
     finally:
         await hub.close()

@@ -6,6 +6,8 @@ Layout (owned by this module; nothing else computes these keys)::
       blobs/sha256/<64 hex>      one object per blob, named by its sha256 hex
       blobs/sha512/<128 hex>     the same for a blob an OCI client addressed by sha512
       tmp/<uuid>                 in-flight writes of a blob whose digest is not known yet
+      owner                      who keeps the catalog of these blobs (``claim``: the hub
+                                 writes its database's id there at its first start)
 
 How a write becomes visible only once verified
 ----------------------------------------------
@@ -127,6 +129,22 @@ class S3BlobStore:
                 f"{where} is not reachable ({exc}): check s3_endpoint_url / --s3-endpoint, "
                 "s3_region and the credentials (AWS_* environment or s3_* settings)"
             ) from None
+
+    def claim(self, owner: str) -> str:
+        """The owner recorded under the prefix (``PREFIX/owner``): ``owner`` when none was
+        (recorded now), else the one that was. Read back after writing, so of two first
+        claims at once each learns the one that stayed."""
+        key = f"{self.prefix}owner"
+        for _attempt in range(2):
+            with contextlib.suppress(NotFound), translated(f"GET {key}", "no owner"):
+                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+                try:
+                    return bytes(body.read(256)).decode("ascii", "replace").strip()
+                finally:
+                    body.close()
+            with translated(f"PUT {key}"):
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=owner.encode() + b"\n")
+        raise S3StoreError(f"S3 {key} was written but cannot be read back")
 
     # -- queries ------------------------------------------------------------
     def _head(self, digest: str) -> dict[str, Any]:

@@ -14,7 +14,9 @@ where the bytes so far end (416 otherwise); an interrupted ``PATCH`` keeps what 
 and ``GET`` on the session tells the client where to resume.
 
 Limits (hub/settings.py): a namespace has at most ``upload_sessions_max`` open sessions
-(429 beyond; a monolithic upload holds one while its request runs), a session (or
+and a user ``upload_sessions_per_user`` in all namespaces (429 beyond; a monolithic
+upload holds one while its request runs; at a limit, empty sessions idle for
+``EMPTY_SESSION_GRACE`` that no request writes are reclaimed first), a session (or
 monolithic upload) holds at most ``upload_max_bytes`` (413 beyond), and bytes in open
 sessions, or reserved by the requests writing them (``_Room``), count against the
 namespace's quota while they are open (hub/quotas.py). A session with no
@@ -34,11 +36,12 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import BinaryIO
 
 import anyio
 from litestar import Response
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
 from forkd import digest as dg
@@ -60,6 +63,7 @@ from forkd.hub.quotas import NamespaceUploads
 from forkd.hub.services import Hub
 from forkd.hub.shared_uploads import (
     CHUNK_MAX,
+    EMPTY_SESSION_GRACE,
     chunk_keys,
     commit_chunk,
     expired_before,
@@ -75,6 +79,7 @@ CONTENT_RANGE_RE = re.compile(r"(?:bytes[ =])?([0-9]+)-([0-9]+)(?:/([0-9]+)|/\*)
 CHALLENGE_SCOPE_RE = re.compile(r'scope="([^"]*)"')
 # How far ahead of the bytes received an upload without Content-Length reserves quota.
 RESERVE_STEP = 16 << 20
+UPLOAD_USER_LOCK_CLASS = 0x75706C64  # "upld": serialises one user's session creations
 
 
 def _range_header(size: int) -> str:
@@ -170,15 +175,24 @@ async def _commit(hub: Hub, upload_id: str, offset: int, written: int, f: Binary
 
 def _live(hub: Hub, held: NamespaceUploads) -> dict[str, int]:
     """Sizes of the namespace's sessions that have not expired (id → bytes)."""
+    return _live_of(hub, held.sessions, held.recorded)
+
+
+def _live_of(
+    hub: Hub, sessions: list[str], recorded: dict[str, tuple[int, datetime]]
+) -> dict[str, int]:
+    """Sizes of those ``sessions`` that have not expired (id → bytes); ``recorded``:
+    their rows' (size, last activity), what shared sessions go by."""
     timeout = hub.settings.upload_idle_timeout
     if hub.shared is None:
-        return hub.uploads.live_sizes(held.sessions, timeout)
+        return hub.uploads.live_sizes(sessions, timeout)
     oldest = expired_before(timeout)
-    return {
-        upload_id: size
-        for upload_id, (size, at) in held.recorded.items()
-        if (at if at.tzinfo else at.replace(tzinfo=oldest.tzinfo)) >= oldest
-    }
+    return {upload_id: size for upload_id, (size, at) in recorded.items() if _aware(at) >= oldest}
+
+
+def _aware(at: datetime) -> datetime:
+    """``at`` with its time zone (SQLite returns naive UTC)."""
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 async def _remove_bytes(hub: Hub, upload_id: str, chunks: _Chunks | None = None) -> None:
@@ -471,7 +485,9 @@ async def _stream_into(
     written = 0
     shared = ctx.hub.shared is not None
     every = touch_every(ctx.hub.settings.upload_idle_timeout)
-    touched = time.monotonic()
+    # An empty shared session is touched with the first chunk: it may have been idle
+    # for longer than EMPTY_SESSION_GRACE, and another replica must not reclaim it now.
+    touched = time.monotonic() if offset else -every
     try:
         async for chunk in ctx.request.stream():
             written += len(chunk)
@@ -633,26 +649,113 @@ def _link_upload(
 
 
 def _add_upload(
-    session: Session, hub: Hub, upload_id: str, repo_id: int, digest: str | None
-) -> tuple[list[str], bool]:
-    """Record a new session unless its namespace has ``upload_sessions_max`` open ones;
-    return the namespace's expired sessions, whose rows this drops (the caller deletes
-    their files), and whether a quota applies to uploading ``digest`` (``_Room``)."""
+    session: Session,
+    hub: Hub,
+    upload_id: str,
+    repo_id: int,
+    user_id: int | None,
+    digest: str | None,
+) -> tuple[list[str], bool, RegistryError | None]:
+    """Record a new session unless its namespace has ``upload_sessions_max`` open ones or
+    its user ``upload_sessions_per_user`` (in all namespaces), after reclaiming unused
+    empty sessions (``EMPTY_SESSION_GRACE``) from a limit that is reached. Returns the
+    sessions whose rows this drops (expired or reclaimed: the caller deletes their
+    bytes), whether a quota applies to uploading ``digest`` (``_Room``), and the refusal
+    (429; nothing recorded) when a limit is still reached."""
     held = quotas.upload_sessions_locked(session, repo_id, digest)
     live = _live(hub, held)
-    expired = [s for s in held.sessions if s not in live]
-    if expired:
-        session.execute(delete(Upload).where(Upload.id.in_(expired)))
-    most = hub.settings.upload_sessions_max
-    if len(live) >= most:
-        raise RegistryError(
-            Code.TOOMANYREQUESTS,
-            f"namespace {held.namespace!r} has {len(live)} open upload sessions, the limit is "
-            f"{most}: finish or cancel some (DELETE /v2/NAME/blobs/uploads/ID), or wait until "
-            f"idle ones expire ({int(hub.settings.upload_idle_timeout)} s)",
-        )
-    session.add(Upload(id=upload_id, repository_id=repo_id))
-    return expired, held.quota_left is not None
+    stale = [s for s in held.sessions if s not in live]
+    mine = _UserSessions.locked(session, hub, user_id)
+    stale += [s for s in mine.sessions if s not in mine.live and s not in stale]
+    namespace = f"namespace {held.namespace!r} has"
+    limits = [(live, held.recorded, held.reserved, "upload_sessions_max", namespace)]
+    if user_id is not None:  # anonymous pushes: the namespace's limit only
+        mine_limit = "upload_sessions_per_user"
+        limits.append((mine.live, mine.recorded, mine.reserved, mine_limit, "you have"))
+    refusal = None
+    for counted, recorded, reserved, setting, who in limits:
+        most = getattr(hub.settings, setting)
+        if len(counted) >= most:
+            for reclaimed in _reclaim_empty(hub, counted, recorded, reserved):
+                stale.append(reclaimed)
+                live.pop(reclaimed, None)
+                mine.live.pop(reclaimed, None)
+        if len(counted) >= most and refusal is None:
+            refusal = RegistryError(
+                Code.TOOMANYREQUESTS,
+                f"{who} {len(counted)} open upload sessions, the limit is {most} ({setting}): "
+                "finish or cancel some (DELETE /v2/NAME/blobs/uploads/ID), or wait until idle "
+                f"ones expire ({int(hub.settings.upload_idle_timeout)} s; empty ones after "
+                f"{int(EMPTY_SESSION_GRACE)} s)",
+            )
+    if stale:
+        session.execute(delete(Upload).where(Upload.id.in_(stale)))
+    if refusal is None:
+        session.add(Upload(id=upload_id, repository_id=repo_id, user_id=user_id))
+    return stale, held.quota_left is not None, refusal
+
+
+@dataclass(frozen=True)
+class _UserSessions:
+    """One user's upload session rows in every namespace (none for anonymous)."""
+
+    sessions: list[str]
+    recorded: dict[str, tuple[int, datetime]]  # id → (bytes recorded, last activity)
+    reserved: dict[str, int]  # reserved_bytes of those a request is writing
+    live: dict[str, int]  # those not expired: id → bytes
+
+    @classmethod
+    def locked(cls, session: Session, hub: Hub, user_id: int | None) -> _UserSessions:
+        """Read under the user's lock (PostgreSQL; SQLite writers are serial), so two
+        requests of one user in different namespaces cannot both take the last place."""
+        if user_id is None:
+            return cls([], {}, {}, {})
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, :user)"),
+                {"cls": UPLOAD_USER_LOCK_CLASS, "user": user_id},
+            )
+        rows = session.execute(
+            select(
+                Upload.id,
+                Upload.reserved_bytes,
+                Upload.size,
+                func.coalesce(Upload.touched_at, Upload.created_at),
+            ).where(Upload.user_id == user_id)
+        ).all()
+        sessions = [upload_id for upload_id, *_ in rows]
+        recorded = {upload_id: (size, at) for upload_id, _, size, at in rows}
+        reserved = {upload_id: r for upload_id, r, *_ in rows if r}
+        return cls(sessions, recorded, reserved, _live_of(hub, sessions, recorded))
+
+
+def _reclaim_empty(
+    hub: Hub,
+    live: dict[str, int],
+    recorded: dict[str, tuple[int, datetime]],
+    reserved: dict[str, int],
+) -> list[str]:
+    """Of the ``live`` sessions (id → bytes), those with no byte written, idle for more
+    than ``EMPTY_SESSION_GRACE`` and that no request is writing; the caller drops their
+    rows. A file-system session's file is deleted here under its lock (a writer that
+    opened it finds it gone); a shared session's row must be idle (its writers touch it)
+    with no reservation and its staging file unlocked in this data directory."""
+    reclaimed = []
+    for upload_id, size in live.items():
+        if size:
+            continue
+        if hub.shared is None:
+            if hub.uploads.remove_if_unused(upload_id, EMPTY_SESSION_GRACE):
+                reclaimed.append(upload_id)
+            continue
+        _recorded_size, at = recorded[upload_id]
+        if (
+            not reserved.get(upload_id)
+            and _aware(at) < expired_before(EMPTY_SESSION_GRACE)
+            and not hub.uploads.in_use(upload_id)
+        ):
+            reclaimed.append(upload_id)
+    return reclaimed
 
 
 async def _discard_unrecorded(hub: Hub, digest: str) -> None:
@@ -692,13 +795,19 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
 async def _new_session(ctx: Ctx, repo_id: int, digest: str | None = None) -> tuple[str, bool]:
     """A new session's id, and whether a quota applies to uploading ``digest`` into it."""
     upload_id = ctx.hub.uploads.new()
+    user_id = ctx.caller.principal.user_id
     try:
-        expired, quota = await ctx.hub.db.write(_add_upload, ctx.hub, upload_id, repo_id, digest)
+        dropped, quota, refusal = await ctx.hub.db.write(
+            _add_upload, ctx.hub, upload_id, repo_id, user_id, digest
+        )
     except BaseException:
         ctx.hub.uploads.remove(upload_id)
         raise
-    for stale in expired:
+    for stale in dropped:
         await _remove_bytes(ctx.hub, stale)
+    if refusal is not None:
+        ctx.hub.uploads.remove(upload_id)
+        raise refusal
     return upload_id, quota
 
 

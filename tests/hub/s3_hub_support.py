@@ -13,6 +13,9 @@ from hub_support import HubServer
 from s3_support import MOTO_CREDENTIALS, MotoServer, s3_leftovers
 
 PREFIX = "hub"
+# The hub's claim on the bucket: its database's id (hub/secrets.py), there from the
+# first start on; not a blob nor anything an upload left.
+OWNER_KEY = f"{PREFIX}/owner"
 
 
 def s3_settings(server: MotoServer, bucket: str) -> dict[str, Any]:
@@ -32,16 +35,18 @@ class S3Hub(HubServer):
     moto: MotoServer | None = None
 
     def objects(self) -> set[str]:
+        """The bucket's keys but the hub's claim (``OWNER_KEY``)."""
         assert self.moto is not None
         pages = self.moto.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
-        return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
+        return {obj["Key"] for page in pages for obj in page.get("Contents", [])} - {OWNER_KEY}
 
     def key(self, digest: str) -> str:
         return f"{PREFIX}/blobs/sha256/{digest.split(':', 1)[1]}"
 
     def leftovers(self) -> list[str]:
         assert self.moto is not None
-        return s3_leftovers(self.moto.client(), self.bucket, f"{PREFIX}/")
+        leftovers = s3_leftovers(self.moto.client(), self.bucket, f"{PREFIX}/")
+        return [key for key in leftovers if key != OWNER_KEY]
 
 
 @contextlib.contextmanager
