@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -76,15 +77,9 @@ class UploadArea:
         request holds its lock (the one a writer takes, hub/oci/uploads.py); True if it
         was deleted. Under the lock, so a writer that opened it meanwhile finds it gone
         (``check_current``) and never writes to a file no session has."""
-        try:
-            fd = os.open(self.path(upload_id), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        with os.fdopen(fd, "rb") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # a request is writing it
+        with self._unless_locked(upload_id) as f:
+            if f is None:
+                return False  # gone, or a request is writing it
             st = os.fstat(f.fileno())
             if st.st_size or st.st_nlink != 1 or st.st_mtime > time.time() - idle:
                 return False
@@ -102,11 +97,19 @@ class UploadArea:
         except FileNotFoundError:
             return False
         with os.fdopen(fd, "rb") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            return False
+            return not _lock_now(f)
+
+    @contextlib.contextmanager
+    def _unless_locked(self, upload_id: str) -> Iterator[BinaryIO | None]:
+        """The session's file, locked by this process meanwhile; None when it is gone or
+        a request holds its lock."""
+        try:
+            fd = os.open(self.path(upload_id), os.O_RDONLY)
+        except FileNotFoundError:
+            yield None
+            return
+        with os.fdopen(fd, "rb") as f:
+            yield f if _lock_now(f) else None
 
     def open_append(self, upload_id: str) -> BinaryIO:
         try:
@@ -135,3 +138,12 @@ class UploadArea:
     def remove(self, upload_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(upload_id))
+
+
+def _lock_now(f: BinaryIO) -> bool:
+    """Take ``f``'s exclusive lock if nobody holds it (it goes with the file)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
