@@ -18,8 +18,11 @@ command to the answers, each in an empty store:
   the blobs in the store when the first child answered;
 - **warm eval** after the prefetch completed, median of 20 round trips, lazy child next to a
   local one.
-Ratios against the local fork of the same run. Needs root; not a pass/fail test; the
-machine is shared, so one run is one sample.
+Page cache: this host's kernel evicts file pages nobody touched for a while (DAMON), so
+the local figures come after an untimed local fork (a host that forks a snapshot has its
+images cached) and every eager and lazy figure after a read of the hub's blobs (a hub
+serving a pack has it cached). Ratios against the local fork of the same run. Needs
+root; not a pass/fail test; the machine is shared, so one run is one sample.
 
     sudo python3 -P bench/lazy_fork.py [--publisher-home DIR] [--n 10] [--packs A,B] [--phases]
                                        [--no-recorded-order] [--json]
@@ -79,6 +82,17 @@ def make_public(data: Path, repo: str) -> None:
 
 def blob_bytes(store: Store) -> int:
     return sum(store.blobs.size(d) for d in store.blobs.digests())
+
+
+def warm(directory: Path) -> None:
+    """Read every file under ``directory`` (the hub's blobs): this host's kernel evicts
+    page cache nobody touched for a while, and a hub serving a pack others pull has it in
+    its cache. Untimed, before each eager and lazy figure alike."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with contextlib.suppress(OSError), path.open("rb") as f:
+                while f.read(1 << 20):
+                    pass
 
 
 def ids(res: ch.ForkResult) -> list[str]:
@@ -156,6 +170,7 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
     remote = parse_remote(remote_text)
     out: dict[str, float] = {}
     stores: list[Store] = []
+    hub_data = work / "hub"  # embedded_hub's data directory (main)
 
     def fresh(label: str) -> Store:
         s = Store.open(work / f"{label}-{name}")
@@ -174,6 +189,10 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
 
     try:
         publisher.assemble(tag)  # the local baseline forks assembled images
+        # untimed: a host that forks this snapshot has its images in the page cache (this
+        # host's kernel evicts what nobody touched for a while)
+        timed(1, probe, lambda: ids(ch.fork(publisher, tag, 1)), started)
+        done_with(publisher)
         out["local_first_s"], _ = timed(1, probe, lambda: ids(ch.fork(publisher, tag, 1)), started)
         done_with(publisher)
         _, out["local_n_s"] = timed(n, probe, lambda: ids(ch.fork(publisher, tag, n)), started)
@@ -185,14 +204,17 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
             pulled["bytes"] = got.bytes_sent
             return ids(ch.fork(store, tag, k))
 
+        warm(hub_data)
         eager1 = fresh("eager1")
         out["eager_first_s"], _ = timed(1, probe, lambda: eager(eager1, 1), started)
         out["eager_bytes_mib"] = pulled["bytes"] / 2**20
         done_with(eager1)
+        warm(hub_data)
         eagern = fresh("eagern")
         _, out["eager_n_s"] = timed(n, probe, lambda: eager(eagern, n), started)
         done_with(eagern)
 
+        warm(hub_data)
         lazy1 = fresh("lazy1")
         out["lazy_first_s"], _ = timed(1, probe, lambda: ids(lazy.fork(lazy1, remote_text, 1)),
                                        started)
@@ -213,11 +235,13 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
         out["warm_local_ms"] = warm_ms(local_child)
         done_with(publisher)
         wait_spare()  # the first lazy fork left it: what any later lazy fork finds
+        warm(hub_data)
         lazys = fresh("lazys")
         out["lazy_spare_first_s"], _ = timed(
             1, probe, lambda: ids(lazy.fork(lazys, remote_text, 1)), started)
         done_with(lazys)
         wait_spare()
+        warm(hub_data)
         lazyn = fresh("lazyn")
         _, out["lazy_n_s"] = timed(n, probe, lambda: ids(lazy.fork(lazyn, remote_text, n)), started)
         done_with(lazyn)

@@ -62,6 +62,7 @@ from forkd.engine.lifecycle import (
     private_tags,
     record_lock,
     require_running,
+    step_failed,
 )
 from forkd.engine.lifecycle import (
     WAITING_FILE as WAITING_FILE,  # re-exported: tests name ch.WAITING_FILE
@@ -224,6 +225,21 @@ class Waiting:
             self.child.cleanup()
 
 
+@contextlib.contextmanager
+def _discarded_on_failure(w: Waiting) -> Iterator[None]:
+    """A failed step of waiting process ``w`` discards it and raises what
+    ``lifecycle.step_failed`` makes of the error."""
+    try:
+        yield
+    except BaseException as e:
+        tail = w.vm.log_tail()
+        w.discard()
+        failed = step_failed(w.id, e, tail)
+        if failed is None:
+            raise
+        raise failed from e
+
+
 def launch_waiting(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
                    limits: Limits, sandbox: bool, with_netns: bool, *,
                    pooled: bool = False, resuming: bool = False) -> Waiting:
@@ -241,18 +257,12 @@ def launch_waiting(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path,
     w = Waiting(child=child, agent=None, net=net, limits=limits, sandbox=sandbox,
                 with_netns=with_netns, launch_ms=0.0, pooled=pooled)
     vm = w.vm
-    try:
+    with _discarded_on_failure(w):
         assert vm.qmp is not None and asm.vmstate is not None
         w.agent = AgentClient(info.path / "agent.sock", alive=vm.alive)  # before the restore
         prepare_incoming(vm.qmp, asm.vmstate)
         w.launch_ms = (time.monotonic() - t0) * 1000
         return w
-    except BaseException as e:
-        tail = vm.log_tail()
-        w.discard()
-        if isinstance(e, EngineError):
-            raise type(e)(f"child {child_id}: {e}\n{tail}") from e
-        raise
 
 
 def restore_ahead(w: Waiting, timeout: float = 60.0) -> None:
@@ -264,19 +274,13 @@ def restore_ahead(w: Waiting, timeout: float = 60.0) -> None:
     fixup only mixes in more entropy). On failure it is discarded."""
     if w.discarded or w.stage != "incoming":
         raise VMMError(f"child {w.id}: not waiting for its device state")
-    try:
+    with _discarded_on_failure(w):
         assert w.vm.qmp is not None and w.agent is not None
         start_incoming(w.vm.qmp, timeout)
         fixup(w.agent, w.id, timeout=timeout)  # no network identity yet: only at the take
         w.agent.ping(timeout)
         w.vm.qmp.command("stop")
         w.stage = "paused"
-    except BaseException as e:
-        tail = w.vm.log_tail()
-        w.discard()
-        if isinstance(e, EngineError):
-            raise type(e)(f"child {w.id}: {e}\n{tail}") from e
-        raise
 
 
 def become_child(w: Waiting, lifetime: Lifetime | None = None,
@@ -291,7 +295,7 @@ def become_child(w: Waiting, lifetime: Lifetime | None = None,
     timings: dict[str, float] = {"qmp_up": w.launch_ms}
     info = w.info
     vm = w.vm
-    try:
+    with _discarded_on_failure(w):
         assert vm.qmp is not None and w.agent is not None
         if egress is not None:
             w.child.start_proxy(egress)
@@ -320,12 +324,6 @@ def become_child(w: Waiting, lifetime: Lifetime | None = None,
         vm.qmp.close()
         vm.qmp = None
         return info
-    except BaseException as e:
-        tail = vm.log_tail()
-        w.discard()
-        if isinstance(e, EngineError):
-            raise type(e)(f"child {info.id}: {e}\n{tail}") from e
-        raise
 
 
 def _spawn_one(asm: Assembled, ref: str, child_id: str, overlay_tpl: Path, limits: Limits,

@@ -32,7 +32,7 @@ from forkd.engine import netns
 from forkd.engine.cgroup import CgroupLimits, ChildCgroup
 from forkd.engine.commands import MAX_WAIT_S
 from forkd.engine.egress import child as egress
-from forkd.engine.errors import Busy, ChildDead, ChildNotFound, EngineError, HostError
+from forkd.engine.errors import Busy, ChildDead, ChildNotFound, EngineError, HostError, VMMError
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
@@ -249,6 +249,17 @@ def require_running(info: ChildInfo) -> None:
                         f"crashed or killed); `forkd kill {info.id}` cleans it up")
 
 
+def step_failed(child_id: str, e: BaseException, tail: str) -> EngineError | None:
+    """What a failed step of starting a child raises, ending with ``tail`` (QEMU's log
+    and how QEMU ended): an engine error naming the child, or a VMMError for a connection
+    QEMU reset or closed (it died under its socket); None: ``e`` as it is."""
+    if isinstance(e, EngineError):
+        return type(e)(f"child {child_id}: {e}\n{tail}")
+    if isinstance(e, OSError):
+        return VMMError(f"child {child_id}: its QEMU stopped answering ({e})\n{tail}")
+    return None
+
+
 @dataclass
 class ChildVM:
     """One child's QEMU process and everything made for it. ``vm`` is the process (launched
@@ -322,9 +333,10 @@ class ChildVM:
             tail = vm.log_tail()
             with contextlib.suppress(EngineError):  # the launch's own error is the one to see
                 child.cleanup()
-            if isinstance(e, EngineError):
-                raise type(e)(f"child {child_id}: {e}\n{tail}") from e
-            raise
+            failed = step_failed(child_id, e, tail)
+            if failed is None:
+                raise
+            raise failed from e
 
     def record(self) -> None:
         """Write the record (child.json, or waiting.json with the owner pid)."""

@@ -294,7 +294,11 @@ class QemuVM:
         return self.pid is not None and pid_alive(self.pid) and pid_matches(self.pid, self.dir)
 
     def log_tail(self, n: int = 12) -> str:
+        """The end of QEMU's log and the serial console's, and how QEMU ended if it did."""
         out = []
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None:
+            out.append(f"--- QEMU ended: {_ending(code)}")
         for p in (self.log_path, self.dir / "serial.log"):
             with contextlib.suppress(OSError):
                 lines = p.read_text(errors="replace").splitlines()[-n:]
@@ -335,3 +339,13 @@ class QemuVM:
         else:
             self._wait(10)
             _reap(self.pid)
+
+
+def _ending(code: int) -> str:
+    """A process's return code in words (a negative one is the signal that killed it)."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"

@@ -137,7 +137,7 @@ class QMP:
         self.events: list[dict[str, Any]] = []
         try:
             greeting = json.loads(self._ls.readline(deadline, "QMP greeting"))
-        except (TimeoutError, EOFError, ValueError) as e:
+        except (OSError, TimeoutError, EOFError, ValueError) as e:
             self.close()
             raise VMMError(f"QEMU sent no QMP greeting on {path}: {e}") from e
         if "QMP" not in greeting:

@@ -186,6 +186,7 @@ class NbdServer:
         try:
             self._listener.bind(str(socket_path))
             os.chmod(socket_path, 0o600)  # the disk may hold secrets: its owner (QEMU) only
+            self._inode = os.stat(socket_path).st_ino  # close removes this one only
             self._listener.listen(64)
         except OSError:
             self._listener.close()
@@ -222,7 +223,9 @@ class NbdServer:
                 sock.shutdown(socket.SHUT_RDWR)
         for thread in threads:
             thread.join()
-        self.socket_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if os.stat(self.socket_path).st_ino == self._inode:  # not a later export's
+                self.socket_path.unlink()
 
     def _accept(self) -> None:
         while True:

@@ -35,6 +35,7 @@ from forkd.pack.manifest import Descriptor
 PREFETCH_WORKERS = 2  # fetches at once for the chunks past the recorded working set
 RECORDED_WORKERS = 4  # fetches at once for the recorded working set (HTTP connections)
 BACKGROUND_NICE = 19  # niceness of the threads that fetch the rest of the chain
+BACKGROUND_SETTLE = 0.5  # seconds the rest waits once the children are started
 COMPLETE_WAIT = 300.0  # seconds a branch of a lazy child waits for its chain
 
 
@@ -110,11 +111,13 @@ def plan(source: ChunkSource, recorded: list[str] | None, image_order: list[str]
 def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress,
         report: Path, tag: str | None,
         on_chunk: Callable[[str, bytes], object] | None = None,
-        handed: Iterable[str] = (), working_set: Descriptor | None = None) -> None:
+        handed: Iterable[str] = (), working_set: Descriptor | None = None,
+        before_rest: Callable[[], object] | None = None) -> None:
     """Fetch what ``order`` names and the store lacks, then the files; tag when complete.
     ``on_chunk``: given each chunk of ``handed`` (local or fetched) decompressed and
     verified, as it arrives (the memory file pushes it into the page cache);
-    ``working_set``: the recorded chunks' blob, fetched first in one request."""
+    ``working_set``: the recorded chunks' blob, fetched first in one request;
+    ``before_rest``: called (it may wait) between the recorded chunks and the rest."""
     t0 = time.monotonic()
     progress.state, progress.chunks, progress.recorded = "running", len(order), recorded
     _save(report, progress)
@@ -149,6 +152,9 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         with ThreadPoolExecutor(max_workers=RECORDED_WORKERS) as pool:
             list(pool.map(one, first))
         progress.recorded_seconds = round(time.monotonic() - t0, 3)
+        _save(report, progress)
+        if before_rest is not None:
+            before_rest()
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, initializer=_background) as pool:
             list(pool.map(one, order[recorded:]))  # what no child needed yet
         progress.fetched_bytes += source.fetch_files()

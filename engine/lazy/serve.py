@@ -1,17 +1,18 @@
 """The lazy server of one snapshot: ``python3 -m forkd.engine.lazy.serve DIR`` (started by
-``lazy.fork``; one per snapshot on the host, shared by all its children).
+``lazy.fork``; one per snapshot and store, shared by all its children).
 
 ``python3 -m forkd.engine.lazy.serve - SPAWN_LOG`` loads first and reads DIR from its
 stdin (``fork.Spawn``: it exits on EOF), then moves its output from SPAWN_LOG to DIR's
 server.log.
 
 It serves the chain's memory image as a FUSE file (``DIR/mnt/memory.img``, memfs) and
-its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, nbd.py, with an
-empty child overlay on it: ``DIR/empty.qcow2``), both reading one ``ChunkSource`` (the
-store, else the hub).
-It records the order readers need chunks (``order.json``), prefetches the rest of the
-chain at once when an order was recorded before, else once ``DIR/prefetch.go`` appears
-(or ``PREFETCH_AFTER`` seconds after it is ready), and exits when no file of its mount
+its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, paths.socket_dir,
+nbd.py, with an empty child overlay on it: ``DIR/empty.qcow2``), both reading one
+``ChunkSource`` (the store, else the hub).
+It records the order readers need chunks (``order.json``), prefetches the chain at once
+when an order was recorded before (the recorded working set; the rest once
+``DIR/prefetch.go`` says the command's children are started), else once ``prefetch.go``
+appears (or ``PREFETCH_AFTER`` seconds after it is ready), and exits when no file of its mount
 is open any more (every child gone) for ``LINGER`` seconds, unmounting first. Its files in DIR:
 
     server.json   what to serve (written by lazy.fork before the start)
@@ -112,6 +113,7 @@ class Server:
         self.progress = prefetch.Progress()
         self.stopping = False
         self.prefetch_started = False
+        self.children_started = threading.Event()  # prefetch.go, or PREFETCH_AFTER passed
         self._errors_seen = 0
         self._errors_lock = threading.Lock()
 
@@ -120,7 +122,7 @@ class Server:
         while the memory file mounts): the future gives its path."""
         if not any("disk" in link.manifest.maps for link in self.source.chain):
             return None
-        export = start_disk_export(self.source, socket_dir(self.spec.head),
+        export = start_disk_export(self.source, socket_dir(self.dir),
                                    on_access=lambda d: self.order.note((d,)))
         self.export = export
         overlay = self.dir / "empty.qcow2"
@@ -146,8 +148,10 @@ class Server:
         while not self.stopping:
             await trio.sleep(POLL)
             self.save_errors()
-            if not self.prefetch_started and ((self.dir / "prefetch.go").exists()
-                                              or time.monotonic() - ready_at > PREFETCH_AFTER):
+            if not self.children_started.is_set() and (
+                    (self.dir / "prefetch.go").exists()
+                    or time.monotonic() - ready_at > PREFETCH_AFTER):
+                self.children_started.set()
                 self.start_prefetch()
             idle = time.monotonic() - max(self.ops.last_release, ready_at)
             waited = self.ops.opens > 0 or time.monotonic() - ready_at > FIRST_OPEN_GRACE
@@ -179,12 +183,22 @@ class Server:
         prefetch.run(self.source, plan, len(chunks), self.progress,
                      self.dir / "prefetch.json", self.spec.tag,
                      on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk,
-                     working_set=self.working_set if recorded is not None else None)
+                     working_set=self.working_set if recorded is not None else None,
+                     before_rest=self.after_first_steps if recorded is not None else None)
         log.info("prefetch %s in %.2f s: %d chunks fetched (%d in the working set's one "
                  "request; the recorded ones in %.2f s), %d pushed into the page cache; %s",
                  self.progress.state, self.progress.seconds, self.progress.fetched,
                  self.progress.streamed, self.progress.recorded_seconds,
                  len(self.ops.pushed_digests), self.progress.error or "")
+
+    def after_first_steps(self) -> None:
+        """With a recorded working set, the rest of the chain waits for the command's
+        children to be started and to take their first steps (BACKGROUND_SETTLE): on a
+        small host its fetches, checks and the hub's answers take the cores their start
+        needs, and none of them needs it yet (a read of a chunk not here is fetched when
+        it comes)."""
+        self.children_started.wait(PREFETCH_AFTER)
+        time.sleep(prefetch.BACKGROUND_SETTLE)
 
     def image_order(self) -> list[str]:
         order = list(self.memory.chunk_order)

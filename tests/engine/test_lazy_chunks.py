@@ -359,3 +359,45 @@ def test_a_working_set_that_does_not_fit_its_order_is_not_used(
             workingset.fetch(source, order.working_set, chunks[1:])
         assert source.fetched_chunks == 0
         source.close()
+
+
+def test_the_rest_of_the_chain_waits_for_before_rest(chain_store: tuple[Store, Path],
+                                                     hub: HubServer, tmp_path: Path) -> None:
+    """prefetch.run: the recorded chunks come first; nothing else is fetched until
+    ``before_rest`` returns (the server holds it until the command's children are
+    started), then the whole chain comes and is tagged."""
+    from forkd.engine.lazy import prefetch
+
+    store, _ = chain_store
+    remote, who = _pushed(hub, store)
+    recorded = list(open_local(store, "app:v2").refs)[:2]
+    fresh = Store(tmp_path / "fresh")
+    go, waiting = threading.Event(), threading.Event()
+
+    def before_rest() -> None:
+        waiting.set()
+        assert go.wait(30)
+
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        order = prefetch.plan(source, recorded, list(source.refs))
+        progress = prefetch.Progress()
+        report = tmp_path / "prefetch.json"
+        run = threading.Thread(target=prefetch.run, args=(
+            source, order, len(recorded), progress, report, "app:v2"),
+            kwargs={"before_rest": before_rest})
+        run.start()
+        try:
+            assert waiting.wait(30), "the recorded chunks did not arrive"
+            assert source.fetched_chunks == len(recorded)
+            saved = prefetch.read_progress(report)
+            assert saved is not None and saved.state == "running"
+            assert saved.fetched == len(recorded) and saved.recorded_seconds > 0
+        finally:
+            go.set()
+            run.join(60)
+        assert progress.state == "done", progress.error
+        assert source.fetched_chunks == len(source.refs) > len(recorded)
+        source.close()
+    assert fresh.tags.read().get("app:v2") == source.head
+    assert fresh.verify() == []

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -465,6 +466,34 @@ def test_child_boots_on_an_overlay_of_the_export(store: Store, tiny: str,
         assert same.returncode == 0, same.stdout  # the child's write stayed in its overlay
 
 
+@pytest.mark.vm
+def test_a_child_whose_export_is_gone_fails_saying_why(store: Store, tiny: str,
+                                                       engine_env: dict[str, Path],
+                                                       cleanup_children: None) -> None:
+    """QEMU exits at start when its disk's export is gone: the error names the child, how
+    QEMU ended and its log's reason (it was a bare "[Errno 104] Connection reset by peer"
+    from the QMP greeting), and nothing of the child is left."""
+    from forkd.engine import children as ch
+    from forkd.engine.errors import VMMError
+    from forkd.engine.lifecycle import Limits, new_id
+    from forkd.engine.paths import children_dir
+
+    asm = store.assemble(tiny)
+    run = engine_env["FORKD_RUN"] / "nbd-gone"
+    with start_disk_export(open_local(store, tiny), run) as ex:
+        overlay = run / "empty.qcow2"
+        ex.create_overlay(overlay)
+    child_id = new_id(tiny)
+    with pytest.raises(VMMError) as failed:
+        ch.launch_waiting(asm, tiny, child_id, overlay, Limits().checked(), sandbox=True,
+                          with_netns=False)
+    message = str(failed.value)
+    assert f"child {child_id}" in message
+    assert "QEMU ended: exit status 1" in message
+    assert "disk.nbd.sock" in message and "Failed to connect" in message, message
+    assert not (children_dir() / child_id).exists()
+
+
 # -- a minimal NBD client -------------------------------------------------------------------
 class _Client:
     """Speaks the protocol over the export's socket (handshake, then requests in order)."""
@@ -591,3 +620,57 @@ class _Client:
                 done.add(handle)
         return {h: (errors[h], bytes(out[h])) for h in reads}
 
+
+
+# -- one socket per export, one server per store --------------------------------------------
+def test_an_export_removes_only_its_own_socket(chain: Chain) -> None:
+    """A later export on the same path (an exiting server's successor) keeps its socket
+    when the earlier one closes."""
+    first = start_disk_export(open_local(chain.store, REF), chain.run)
+    second = start_disk_export(open_local(chain.store, REF), chain.run)
+    first.close()
+    try:
+        assert second.socket.exists()
+        r = _run("qemu-img", "compare", "-f", "raw", "-F", "raw", str(chain.assembled),
+                 second.backing_spec())
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        second.close()
+    assert not second.socket.exists()
+
+
+def test_two_stores_serving_one_snapshot_have_a_socket_each(
+        template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stores on one host, each with its own lazy server of the same snapshot: the
+    disk sockets differ, and one server's exit leaves the other's export serving (they
+    shared one path, and an exiting server removed the socket of the other: its next
+    children failed to open their disk)."""
+    from forkd.engine.lazy import fork as lazy
+    from forkd.engine.qemu import pid_alive
+
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    stores = []
+    for name in ("a", "b"):
+        shutil.copytree(template, tmp_path / name)
+        stores.append(Store(tmp_path / name))
+    with contextlib.ExitStack() as held:
+        snaps = [held.enter_context(lazy.holding(s, open_local(s, REF), None, None,
+                                                 prefetch=False)) for s in stores]
+        a, b = snaps
+        assert a.disk is not None and b.disk is not None and a.disk != b.disk
+        b_held = os.open(b.memory, os.O_RDONLY)  # b serves on past this block
+    try:
+        deadline = time.monotonic() + 30
+        while pid_alive(a.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(a.pid), "server a did not exit once its file was closed"
+        assert b.disk.exists(), "server a's exit removed server b's disk socket"
+        r = _run("qemu-img", "compare", "-f", "raw", "-F", "raw",
+                 str(stores[1].assemble(REF).disk), f"nbd+unix:///disk?socket={b.disk}")
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        os.close(b_held)
+        deadline = time.monotonic() + 30
+        while pid_alive(b.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not pid_alive(b.pid) and not b.disk.exists()
