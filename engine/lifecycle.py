@@ -251,12 +251,14 @@ def require_running(info: ChildInfo) -> None:
 
 def step_failed(child_id: str, e: BaseException, tail: str) -> EngineError | None:
     """What a failed step of starting a child raises, ending with ``tail`` (QEMU's log
-    and how QEMU ended): an engine error naming the child, or a VMMError for a connection
-    QEMU reset or closed (it died under its socket); None: ``e`` as it is."""
+    and how QEMU ended, once: QemuVM.launch's own error already carries it): an engine
+    error naming the child, or a VMMError for an OSError (a socket QEMU reset as it died,
+    a disk copy that failed); None: ``e`` as it is."""
+    shown = "" if tail in str(e) else f"\n{tail}"
     if isinstance(e, EngineError):
-        return type(e)(f"child {child_id}: {e}\n{tail}")
+        return type(e)(f"child {child_id}: {e}{shown}")
     if isinstance(e, OSError):
-        return VMMError(f"child {child_id}: its QEMU stopped answering ({e})\n{tail}")
+        return VMMError(f"child {child_id}: {e}{shown}")
     return None
 
 

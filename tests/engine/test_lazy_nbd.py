@@ -491,6 +491,7 @@ def test_a_child_whose_export_is_gone_fails_saying_why(store: Store, tiny: str,
     assert f"child {child_id}" in message
     assert "QEMU ended: exit status 1" in message
     assert "disk.nbd.sock" in message and "Failed to connect" in message, message
+    assert message.count("--- qemu.log") == 1, message  # the log once, not once per layer
     assert not (children_dir() / child_id).exists()
 
 
