@@ -100,10 +100,20 @@ def scratch_dir(prefix: str) -> Path:
     return d
 
 
-def _cache_file(key: str) -> Path:
-    d = cache_dir() / "builds"
-    d.mkdir(exist_ok=True)
-    return d / f"{digest.hex_part(key)[:32]}.json"
+def _cache_files(store: Store, key: str) -> list[Path]:
+    """Where the build record of ``key`` lives: the store's own record first (what this
+    store built), then the user's shared one (what any store of this user built last).
+    One shared record alone is overwritten by every store that builds the recipe, so a
+    store would miss the snapshot it holds once another store built the same recipe."""
+    name = f"{digest.hex_part(key)[:32]}.json"
+    return [store.builds_dir / name, cache_dir() / "builds" / name]
+
+
+def _record_build(store: Store, key: str, ref: str, snapshot: str) -> None:
+    for f in _cache_files(store, key):
+        with contextlib.suppress(OSError):  # a record is a shortcut, not a result
+            f.parent.mkdir(exist_ok=True)
+            f.write_text(json.dumps({"ref": ref, "digest": snapshot}))
 
 
 def _cache_key(recipe: Recipe, accel: str) -> str:
@@ -118,11 +128,11 @@ def _cache_key(recipe: Recipe, accel: str) -> str:
 def cached_snapshot(store: Store, recipe: Recipe) -> str | None:
     """The digest of the snapshot ``recipe`` built before, if ``store`` holds it (then
     `build` only tags it), else None."""
-    cf = _cache_file(_cache_key(recipe, cached_probe().accel))
-    with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
-        prev_digest = str(json.loads(cf.read_text())["digest"])
-        store.chain(prev_digest)  # the manifest and its chain are in this store
-        return prev_digest
+    for f in _cache_files(store, _cache_key(recipe, cached_probe().accel)):
+        with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
+            prev_digest = str(json.loads(f.read_text())["digest"])
+            store.chain(prev_digest)  # the manifest and its chain are in this store
+            return prev_digest
     return None
 
 
@@ -160,10 +170,11 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
     t_start = time.monotonic()
     ref = str(parse_ref(tag))
     verdict = cached_probe()
-    cf = _cache_file(_cache_key(recipe, verdict.accel))
     # The build cache maps recipe content to the snapshot it produced. Any store that holds
-    # that snapshot (the cache is shared by every store of this user) just tags it.
+    # that snapshot (its own record, or the one shared by every store of this user) just
+    # tags it.
     if not force and (prev_digest := cached_snapshot(store, recipe)) is not None:
+        _record_build(store, _cache_key(recipe, verdict.accel), ref, prev_digest)
         with contextlib.suppress(ForkdError):
             if store.tags.read().get(ref) == prev_digest:
                 progress(f"cached: {ref} is already built from this recipe")
@@ -260,7 +271,7 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                                       compat=compat, description=recipe.description,
                                       recipe=recipe.to_dict(), disk_ready=ready,
                                       force=True)  # a build replaces the tag, like docker build
-        cf.write_text(json.dumps({"ref": ref, "digest": info.digest}))
+        _record_build(store, _cache_key(recipe, verdict.accel), ref, info.digest)
         return BuildResult(ref, info.digest, False, verdict.accel, boot_s, warm_s, snap_ms,
                            time.monotonic() - t_start, info.stored_bytes)
     finally:

@@ -6,7 +6,8 @@ $FORKD_CACHE (default ~/.cache/forkd)      build inputs, safe to delete
   kernel/<deb sha256[:16]>/vmlinux|modules/ extracted guest kernel
   rootfs/<key>/root/ + ok                   debootstrap trees (key = suite+packages)
   images/<key>/root.raw, initrd.img         root disk and initramfs per recipe content
-  builds/<recipe digest>.json               build cache: recipe content -> tag/digest
+  builds/<recipe digest>.json               build cache: recipe content -> tag/digest, the
+                                            last build of any store (each store keeps its own)
 $FORKD_RUN (default /run/forkd, else $XDG_RUNTIME_DIR/forkd)
   children/<id>/                            one per child VM (lifecycle.py owns it)
      child.json qmp.sock agent.sock serial.log qemu.log disk.qcow2 lock record.lock

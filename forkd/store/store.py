@@ -8,6 +8,8 @@ Layout of ``$FORKD_HOME`` (default ``~/.local/share/forkd``; this module owns it
     gc.lock               writers hold it shared, gc holds it exclusive
     cache/<hex>/          assembled images of manifest <hex>: memory.img, disk.img (and, over
                           a backend that keeps no local files, the chain's vmstate, kernel, initrd)
+    builds/<key>.json     the engine's build records: recipe content -> the snapshot it built
+                          in this store (engine/build.py)
 
 ``Store`` is the facade: it holds the store's parts (blobs, tags, cache) and reads
 manifests, configs and maps; each job is a module of its own, which the facade's methods
@@ -100,6 +102,7 @@ class Store:
         self.tags = TagIndex(home / "tags.json")
         self.cache_dir = home / "cache"
         self.cache_dir.mkdir(exist_ok=True)
+        self.builds_dir = home / "builds"
         self.gc_lock = home / "gc.lock"
         self.auto_compact_depth = _auto_compact_depth(auto_compact_depth)
         self._manifests: dict[str, Manifest] = {}

@@ -276,3 +276,26 @@ def test_build_is_cached(
     cfg = store.config(store.resolve(tiny))
     assert cfg.compat is not None and cfg.compat.machine == "microvm"
     assert cfg.compat.accelerators == [res.accel] and cfg.recipe is not None
+
+
+def test_a_build_in_another_store_leaves_this_stores_cache(
+    store: Store,
+    tiny: str,
+    tiny_recipe: Path,
+) -> None:
+    """Another store building the same recipe rewrites the user's shared build record; this
+    store still finds the snapshot it built (its own record) and does not rebuild."""
+    import json
+
+    from forkd.engine import recipe
+    from forkd.engine.build import cached_snapshot
+    from forkd.engine.paths import cache_dir
+
+    mine = store.resolve(tiny)
+    theirs = "sha256:" + "0" * 64  # what another store's build of this recipe recorded
+    shared = [f for f in (cache_dir() / "builds").glob("*.json")
+              if json.loads(f.read_text())["digest"] == mine]
+    assert shared, "the build left no shared record"
+    for f in shared:
+        f.write_text(json.dumps({"ref": tiny, "digest": theirs}))
+    assert cached_snapshot(store, recipe.load(tiny_recipe)) == mine
