@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from forkd.bodies import Body
 from forkd.engine.branch import BranchResult
 from forkd.engine.commands import (
     check_command,
@@ -37,11 +38,11 @@ ANSWER_GRACE_S = 60.0  # a client waits a command's own timeout plus this for it
 HEARTBEAT_S = 15.0  # a streamed exec sends at least one frame this often
 
 
-class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A request body: unknown fields are refused. The requests that go to a guest check
-    their values as they are made (``__post_init__``, with engine/commands.py, the checks
-    the engine makes too): a bad argv, env, cwd, timeout or signal is an InvalidInput (400)
-    before any sandbox is looked up."""
+class Request(Body):
+    """A request body: unknown fields are refused (forkd.bodies). The requests that go to a
+    guest check their values as they are made (``__post_init__``, with engine/commands.py,
+    the checks the engine makes too): a bad argv, env, cwd, timeout or signal is an
+    InvalidInput (400) before any sandbox is looked up."""
 
 
 class SpawnRequest(Request):

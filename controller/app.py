@@ -35,7 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
-from forkd.audit import AuditLog
+from forkd.audit import AuditLog, BoundedAudit
+from forkd.bodies import explained
 from forkd.controller import api
 from forkd.controller.api import (
     BranchRequest,
@@ -162,6 +163,9 @@ class Token:
             return self._value
 
 
+REFUSED_PER_MINUTE = 120
+
+
 @dataclass
 class Controller:
     """One listener's view of the daemon: the Unix socket (token None) or TCP (token set)."""
@@ -170,6 +174,12 @@ class Controller:
     audit: AuditLog
     metrics: ControllerMetrics
     token: Token | None  # required on this listener when set
+    # refused requests (a wrong token) are audited at most this many a minute, each path
+    # shortened: anyone who reaches the port can send them
+    refused: BoundedAudit = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed")
 
     @property
     def transport(self) -> str:
@@ -253,7 +263,7 @@ def require_token(
     if ctl.token is None or is_public(handler):
         return
     if not token_matches(presented_token(connection), ctl.token.current()):
-        ctl.audit.record("-", peer(connection), "auth", connection.url.path, "denied")
+        ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied")
         raise NotAuthorizedException(
             "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
         )
@@ -274,7 +284,7 @@ def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     """The HTTP status and error body of an exception (the error family's). A request
     that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
     if isinstance(exc, ValidationException):
-        exc = InvalidInput(f"{exc.detail}: {validation_problems(exc)}")
+        exc = InvalidInput(f"{explained(exc)} (docs/api.md)")
     if isinstance(exc, RequestEntityTooLarge):
         return 413, ErrorBody(type="InvalidInput", exit_code=InvalidInput.exit_code, message=(
             f"the request body is too large: a JSON body takes at most {MAX_JSON_BYTES} "
@@ -291,20 +301,6 @@ def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     return (family[1] if family else 500), ErrorBody(
         type=kind, message=str(exc), exit_code=exc.exit_code
     )
-
-
-def validation_problems(exc: ValidationException) -> str:
-    """What msgspec said about each field, e.g. "Object contains unknown field `nn`"."""
-    extra = exc.extra if isinstance(exc.extra, list) else [exc.extra]
-    said = [problem(e) for e in extra if e]
-    return "; ".join(said) or "the request does not match the API (docs/api.md)"
-
-
-def problem(entry: Any) -> str:
-    if not isinstance(entry, dict):
-        return str(entry)
-    key = entry.get("key")
-    return str(entry.get("message", entry)) + (f" (field {key})" if key else "")
 
 
 def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:

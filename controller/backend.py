@@ -133,6 +133,17 @@ def _local_tag(store: Store, text: str) -> bool:
     return True
 
 
+def _refuse_paused_source(tag: str) -> None:
+    """A paused sandbox's saved state (``forkd-paused/ID:a|b``) is that sandbox's alone:
+    only its resume starts from it, so no spawn or pool clones it."""
+    if private_owner(tag) is not None:
+        raise InvalidInput(
+            f"{shown(tag)} is the saved state of paused sandbox {private_owner(tag)}, not a "
+            "snapshot to fork: resume that sandbox (POST /v1/sandboxes/ID/resume), or branch "
+            "it to a tag of your own after the resume"
+        )
+
+
 def _refuse_private(what: str, tag: str) -> None:
     """A tag the caller names to be written may not be a paused sandbox's saved state
     (``forkd-paused/ID:a|b``, written only by pause): a branch or compact there would
@@ -345,6 +356,7 @@ class LocalBackend:
         timeout: seconds until each sandbox is killed or paused (on_timeout); cpus, pids_max,
         disk_bps, disk_iops, net_kbit: limits (docs/engine.md, "Limits")."""
         ch.check_count(req.n)
+        _refuse_paused_source(req.tag)
         if req.prewarm is not None:
             self._check_prewarm(req.prewarm)
         limits = limits_of(req)
@@ -424,6 +436,7 @@ class LocalBackend:
         return [msgspec.convert(s, PoolStatus) for s in statuses]
 
     def fill_pool(self, req: PoolRequest) -> PoolStatus:
+        _refuse_paused_source(req.tag)
         pool = self._check_prewarm(req.k)
         with self._admitted(req.k, f"a pool of {req.k} for {req.tag}", req.tag):
             status = pool.fill(

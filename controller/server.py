@@ -148,7 +148,7 @@ def _serve(
     servers.append((_server(unix_app, UnixPeerProtocol), unix))
     if listen and token is not None:
         tcp_app = create_app(backend, audit, metrics, token)
-        servers.append((_server(tcp_app, "auto"), _tcp_listener(listen)))
+        servers.append((_server(tcp_app, "h11"), _tcp_listener(listen)))
     try:
         asyncio.run(_run(servers))
     finally:
@@ -177,9 +177,16 @@ class UnixPeerProtocol(H11Protocol):
         self.client = (f"uid={uid} pid={pid}", pid)
 
 
-def _server(app: Litestar, http: type[asyncio.Protocol] | Literal["auto"]) -> uvicorn.Server:
+MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
+MAX_CONNECTIONS = 256  # open connections and in-flight requests per listener; more: 503
+
+
+def _server(app: Litestar, http: type[asyncio.Protocol] | Literal["h11"]) -> uvicorn.Server:
+    """Both listeners parse with h11, which bounds a request's head (httptools, uvicorn's
+    "auto", buffers a URL of any length until its line ends)."""
     config = uvicorn.Config(
-        app, http=http, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+        app, http=http, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+        h11_max_incomplete_event_size=MAX_HEAD, limit_concurrency=MAX_CONNECTIONS,
     )
     return _Server(config)
 

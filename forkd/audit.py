@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,40 @@ class AuditLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+MAX_TARGET = 300  # characters of a caller-given target kept in a record
+
+
+class BoundedAudit:
+    """Records of one kind that a caller can provoke at will (refused requests), at most
+    ``per_minute`` a minute, each target shortened to MAX_TARGET: past the budget, records
+    are counted, and the first record of the next minute is preceded by one ``suppressed``
+    record with the count. A flood of refused requests cannot fill the disk, and the log
+    still says it happened."""
+
+    def __init__(self, audit: AuditLog, per_minute: int, suppressed: str, actor: str = "-",
+                 **constant: Any) -> None:
+        self.audit, self.per_minute, self.suppressed = audit, per_minute, suppressed
+        self.actor, self.constant = actor, constant
+        self._lock = threading.Lock()
+        self._window = (float("-inf"), 0, 0)  # (minute start, records written, dropped)
+
+    def record(self, actor: str, ip: str, action: str, target: str, result: str,
+               **detail: Any) -> bool:
+        """Write the record unless the minute's budget is spent; True if written."""
+        now = time.monotonic()
+        with self._lock:
+            start, written, dropped = self._window
+            if now - start >= 60:
+                if dropped:
+                    self.audit.record(self.actor, "-", self.suppressed, "-", "denied",
+                                      count=dropped, **self.constant)
+                start, written, dropped = now, 0, 0
+            if written >= self.per_minute:
+                self._window = (start, written, dropped + 1)
+                return False
+            self._window = (start, written + 1, dropped)
+        self.audit.record(actor, ip, action, target[:MAX_TARGET], result, **self.constant,
+                          **detail)
+        return True

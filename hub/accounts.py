@@ -40,6 +40,7 @@ from forkd.hub.models import (
     new_stamp,
     utcnow,
 )
+from forkd.names import shown
 
 # Names are validated by the one set of full-match validators in forkd.names.
 USER_RE = names.USER_RE
@@ -107,12 +108,12 @@ def _scope_items(text: str) -> tuple[tuple[str, str], ...]:
     for item in dict.fromkeys(text.split()):
         ns, sep, role = item.partition(":")
         if not sep or role not in ROLES:
-            raise InvalidInput(f"invalid token scope {item!r}: use NAMESPACE:pull|push|admin")
+            raise InvalidInput(f"invalid token scope {shown(item)}: use NAMESPACE:pull|push|admin")
         if ns != "*":
             validate_namespace(ns)
         if scopes.get(ns, role) != role:
             raise InvalidInput(
-                f"token scopes give namespace {ns!r} two roles ({scopes[ns]}, {role}): "
+                f"token scopes give namespace {shown(ns)} two roles ({scopes[ns]}, {role}): "
                 "give each namespace one role"
             )
         scopes[ns] = role
@@ -133,7 +134,7 @@ def token_scopes(token: ApiToken) -> dict[str, str]:
         return parse_scopes(token.scopes)
     except InvalidInput as exc:
         reason = (
-            f"API token {token.name!r} (id {token.id}) can no longer be used: {exc}; "
+            f"API token {shown(token.name)} (id {token.id}) can no longer be used: {exc}; "
             "revoke it and create a new one within the limits"
         )
         raise RegistryError(Code.DENIED, reason, message=reason) from None
@@ -292,7 +293,7 @@ async def get_org(session: AsyncSession, org: str) -> Namespace:
     """The organisation named ``org``; InvalidInput when there is none."""
     ns = await get_namespace(session, org)
     if ns is None or ns.kind != "org":
-        raise InvalidInput(f"no such organisation {org!r}")
+        raise InvalidInput(f"no such organisation {shown(org)}")
     return ns
 
 
@@ -302,7 +303,7 @@ async def get_team(session: AsyncSession, org: str, team: str) -> Team:
         await session.scalars(select(Team).where(Team.namespace_id == ns.id, Team.name == team))
     ).first()
     if row is None:
-        raise InvalidInput(f"no team {team!r} in {org!r}")
+        raise InvalidInput(f"no team {shown(team)} in {shown(org)}")
     return row
 
 
@@ -319,7 +320,7 @@ async def create_team(
     the ``repositories`` glob, e.g. ``acme/app-*``)."""
     validate_team(name)
     if role not in ROLES:
-        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+        raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_org(session, org)
     if repositories and (len(repositories) > 255 or not repositories.startswith(f"{org}/")):
         raise InvalidInput(
@@ -329,7 +330,7 @@ async def create_team(
         await session.scalars(select(Team.id).where(Team.namespace_id == ns.id, Team.name == name))
     ).first()
     if exists_ is not None:
-        raise Conflict(f"team {name!r} already exists in {org!r}")
+        raise Conflict(f"team {shown(name)} already exists in {shown(org)}")
     team = Team(namespace_id=ns.id, name=name, role=role, repositories=repositories)
     session.add(team)
     await session.flush()
@@ -348,7 +349,7 @@ async def add_team_member(session: AsyncSession, org: str, team_name: str, usern
     team = await get_team(session, org, team_name)
     user = await get_user(session, username)
     if user is None:
-        raise InvalidInput(f"no such user {username!r}")
+        raise InvalidInput(f"no such user {shown(username)}")
     await session.execute(
         delete(TeamMember).where(TeamMember.team_id == team.id, TeamMember.user_id == user.id)
     )
@@ -363,7 +364,7 @@ async def remove_team_member(
     user = await get_user(session, username)
     row = await session.get(TeamMember, (team.id, user.id)) if user else None
     if row is None:
-        raise InvalidInput(f"{username!r} is not in team {team_name!r} of {org!r}")
+        raise InvalidInput(f"{shown(username)} is not in team {shown(team_name)} of {shown(org)}")
     await session.delete(row)
 
 
@@ -391,7 +392,7 @@ async def list_members(session: AsyncSession, namespace: str) -> list[tuple[str,
     """Direct members of a namespace: (user name, role, robot), by name."""
     ns = await get_namespace(session, namespace)
     if ns is None:
-        raise InvalidInput(f"no such namespace {namespace!r}")
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
     rows = await session.execute(
         select(User.name, Membership.role, User.is_robot)
         .join(Membership, Membership.user_id == User.id)
@@ -413,7 +414,7 @@ async def create_user(
     """A user with a personal namespace of the same name (admin role in it)."""
     validate_username(name)
     if await get_user(session, name) is not None:
-        raise Conflict(f"user {name!r} already exists")
+        raise Conflict(f"user {shown(name)} already exists")
     if robot and password:
         raise InvalidInput("robot accounts log in with tokens only, not passwords")
     user = User(
@@ -427,7 +428,7 @@ async def create_user(
     if not robot:
         ns = await get_namespace(session, name)
         if ns is not None:
-            raise Conflict(f"namespace {name!r} already exists (an organisation?)")
+            raise Conflict(f"namespace {shown(name)} already exists (an organisation?)")
         ns = Namespace(name=name, kind="user")
         session.add(ns)
         await session.flush()
@@ -438,7 +439,7 @@ async def create_user(
 async def create_org(session: AsyncSession, name: str) -> Namespace:
     validate_namespace(name)
     if await get_namespace(session, name) is not None:
-        raise Conflict(f"namespace {name!r} already exists")
+        raise Conflict(f"namespace {shown(name)} already exists")
     ns = Namespace(name=name, kind="org")
     session.add(ns)
     await session.flush()
@@ -447,11 +448,11 @@ async def create_org(session: AsyncSession, name: str) -> Namespace:
 
 async def set_member(session: AsyncSession, namespace: str, username: str, role: str) -> None:
     if role not in ROLES:
-        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+        raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_namespace(session, namespace)
     user = await get_user(session, username)
     if ns is None or user is None:
-        raise InvalidInput(f"no such namespace {namespace!r} or user {username!r}")
+        raise InvalidInput(f"no such namespace {shown(namespace)} or user {shown(username)}")
     member = await session.get(Membership, (ns.id, user.id))
     if member is None:
         session.add(Membership(namespace_id=ns.id, user_id=user.id, role=role))
@@ -470,7 +471,7 @@ async def create_token(
     """A new API token for ``username``; returns the secret (shown once, stored hashed)."""
     user = await get_user(session, username)
     if user is None:
-        raise InvalidInput(f"no such user {username!r}")
+        raise InvalidInput(f"no such user {shown(username)}")
     parsed = parse_scopes(scopes)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(
@@ -493,7 +494,7 @@ async def create_repository(
     ns = await get_namespace(session, ns_name)
     if ns is None:
         if not admin_may_create_namespace:
-            raise InvalidInput(f"namespace {ns_name!r} does not exist")
+            raise InvalidInput(f"namespace {shown(ns_name)} does not exist")
         ns = Namespace(name=ns_name, kind="org")
         session.add(ns)
         await session.flush()
@@ -506,7 +507,7 @@ async def create_repository(
 async def set_visibility(session: AsyncSession, name: str, public: bool) -> None:
     repo = await get_repository(session, name)
     if repo is None:
-        raise InvalidInput(f"no such repository {name!r}")
+        raise InvalidInput(f"no such repository {shown(name)}")
     repo.is_public = public
 
 
@@ -519,7 +520,7 @@ async def remove_user(session: AsyncSession, name: str) -> None:
     repositories stay (a site admin still manages them)."""
     user = await get_user(session, name)
     if user is None:
-        raise InvalidInput(f"no such user {name!r}")
+        raise InvalidInput(f"no such user {shown(name)}")
     await session.execute(delete(UiSession).where(UiSession.user_id == user.id))
     await session.execute(delete(Membership).where(Membership.user_id == user.id))
     await session.execute(delete(TeamMember).where(TeamMember.user_id == user.id))
@@ -532,7 +533,7 @@ async def set_password(session: AsyncSession, name: str, password_hash: str | No
     only). Its stamp changes, so every session and bearer token minted before ends."""
     user = await get_user(session, name)
     if user is None:
-        raise InvalidInput(f"no such user {name!r}")
+        raise InvalidInput(f"no such user {shown(name)}")
     if user.is_robot and password_hash is not None:
         raise InvalidInput("robot accounts log in with tokens only, not passwords")
     user.password_hash = password_hash
@@ -543,7 +544,7 @@ async def set_password(session: AsyncSession, name: str, password_hash: str | No
 async def list_tokens(session: AsyncSession, username: str) -> list[ApiToken]:
     user = await get_user(session, username)
     if user is None:
-        raise InvalidInput(f"no such user {username!r}")
+        raise InvalidInput(f"no such user {shown(username)}")
     query = select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)
     return list((await session.scalars(query)).all())
 
@@ -561,7 +562,7 @@ async def remove_member(session: AsyncSession, namespace: str, username: str) ->
     user = await get_user(session, username)
     member = await session.get(Membership, (ns.id, user.id)) if ns and user else None
     if member is None:
-        raise InvalidInput(f"{username!r} is not a member of {namespace!r}")
+        raise InvalidInput(f"{shown(username)} is not a member of {shown(namespace)}")
     await session.delete(member)
 
 

@@ -14,7 +14,12 @@ import anyio
 from litestar import Litestar, Request, get
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
+from litestar.exceptions import (
+    HTTPException,
+    NotAuthorizedException,
+    PermissionDeniedException,
+    ValidationException,
+)
 from litestar.logging import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
@@ -29,7 +34,12 @@ from forkd.hub.auth import authenticate, client_ip, token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
-from forkd.hub.errors import RegistryError, invalid_input_handler, registry_error_handler
+from forkd.hub.errors import (
+    RegistryError,
+    invalid_input_handler,
+    registry_error_handler,
+    validation_error_handler,
+)
 from forkd.hub.observability import MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
@@ -184,6 +194,7 @@ def create_app(settings: HubSettings) -> Litestar:
         exception_handlers={
             RegistryError: registry_error_handler,
             InvalidInput: invalid_input_handler,
+            ValidationException: validation_error_handler,
         },
         lifespan=[lifespan],
         # Log through the "litestar" logger only; the root logger belongs to the process.

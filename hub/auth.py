@@ -29,7 +29,7 @@ from forkd.hub.models import Repository
 from forkd.hub.services import Hub
 from forkd.hub.settings import Network, proxy_networks
 from forkd.hub.tokens import Grant
-from forkd.names import validate_name
+from forkd.names import shown, validate_name
 
 SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
@@ -260,7 +260,7 @@ async def token_endpoint(
         raise RegistryError(Code.UNAUTHORIZED, "use Basic credentials to obtain a token")
     service = request.query_params.get("service")
     if service is not None and service != hub.settings.service:
-        raise RegistryError(Code.DENIED, f"unknown service {service!r}")
+        raise RegistryError(Code.DENIED, f"unknown service {shown(service)}")
     wanted = _requested(request.query_params.getall("scope", []))
     held = await hub.db.read(authz.repository_actions, caller.principal, list(wanted))  # one read
     access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}

@@ -45,6 +45,7 @@ from forkd.hub.models import (
     TeamMember,
     User,
 )
+from forkd.names import shown
 
 ROLE_ACTIONS: dict[str, frozenset[str]] = {
     "pull": frozenset({"pull"}),
@@ -108,7 +109,7 @@ class Grants:
 
     def _check_loaded(self, namespace: str) -> None:
         if self.loaded is not None and namespace not in self.loaded:
-            raise RuntimeError(f"grants for namespace {namespace!r} were not loaded")
+            raise RuntimeError(f"grants for namespace {shown(namespace)} were not loaded")
 
     def narrow(self, role: str | None, namespace: str) -> str | None:
         """``role`` as the principal's API token (if any) allows it on ``namespace``."""

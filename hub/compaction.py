@@ -46,6 +46,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 
 from forkd import digest as dg
+from forkd.bodies import Body
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import authenticate, authorize, client_ip
@@ -74,8 +75,7 @@ QUEUE_MAX = 1000
 MAX_WRITTEN = 16 << 30
 
 
-@dataclass
-class CompactRequest:
+class CompactRequest(Body):
     tag: str  # the chain head to flatten
     to: str  # the new tag (same repository)
     force: bool = False  # replace ``to`` if it exists

@@ -11,7 +11,9 @@ from enum import Enum
 
 from litestar import Request, Response
 from litestar.datastructures import State
+from litestar.exceptions import ValidationException
 
+from forkd.bodies import explained
 from forkd.errors import InvalidInput
 
 
@@ -80,3 +82,12 @@ def invalid_input_handler(
             request, RegistryError(Code.UNSUPPORTED, str(exc), status=400)
         )
     return Response({"status_code": 400, "detail": str(exc)}, status_code=400)
+
+
+def validation_error_handler(
+    request: Request[object, object, State], exc: Exception
+) -> Response[object]:
+    """A body or parameter that does not match its route's type: 400 saying which field
+    and why, never the request's URL (Litestar's own detail repeats the query string)."""
+    assert isinstance(exc, ValidationException)
+    return invalid_input_handler(request, InvalidInput(explained(exc)))

@@ -20,6 +20,7 @@ from forkd.errors import Conflict, ForkdError, InvalidInput
 from forkd.hub import accounts, authz
 from forkd.hub.accounts import Principal
 from forkd.hub.models import ROLES, Membership, Namespace, User
+from forkd.names import shown
 
 
 class NotPermitted(ForkdError):
@@ -33,19 +34,19 @@ async def change_member(
     ``principal``. InvalidInput for unknown names or roles, NotPermitted when the caller
     may not, Conflict when the namespace would be left without a direct admin."""
     if role is not None and role not in ROLES:
-        raise InvalidInput(f"invalid role {role!r}: use pull, push or admin")
+        raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await accounts.get_namespace(session, namespace)
     if ns is None:
-        raise InvalidInput(f"no such namespace {namespace!r}")
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
     if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
-        raise NotPermitted(f"only admins of {namespace!r} change its members")
+        raise NotPermitted(f"only admins of {shown(namespace)} change its members")
     user = await accounts.get_user(session, username)
     if user is None:
-        raise InvalidInput(f"no such user {username!r}")
+        raise InvalidInput(f"no such user {shown(username)}")
     robot_joins = user.is_robot and role is not None
     if robot_joins and not await session.run_sync(authz.may_manage_robot, principal, user.id):
         raise NotPermitted(
-            f"robot {username!r} belongs to a namespace you do not administer; its "
+            f"robot {shown(username)} belongs to a namespace you do not administer; its "
             "owners (or a site admin) decide where it is a member"
         )
     if role != "admin":
@@ -68,4 +69,6 @@ async def keep_an_admin(session: AsyncSession, ns: Namespace, user: User) -> Non
     )
     ids = set(admins.all())
     if user.id in ids and not ids - {user.id}:
-        raise Conflict(f"{user.name!r} is the last admin of {ns.name!r}: make another first")
+        raise Conflict(
+            f"{shown(user.name)} is the last admin of {shown(ns.name)}: make another first"
+        )

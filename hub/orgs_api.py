@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 
 import anyio
+import msgspec
 from litestar import Controller, Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.di import NamedDependency
@@ -44,18 +45,19 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from forkd.bodies import Body
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members, quotas
 from forkd.hub.auth import authenticate, client_ip
 from forkd.hub.models import ROLES, Membership, Namespace, User
 from forkd.hub.services import Hub
 from forkd.hub.tokens_api import _user
+from forkd.names import shown
 
 HubRequest = Request[object, object, State]
 
 
-@dataclass
-class OrgCreate:
+class OrgCreate(Body):
     name: str
 
 
@@ -65,8 +67,7 @@ class OrgInfo:
     kind: str
 
 
-@dataclass
-class MemberSet:
+class MemberSet(Body):
     role: str
 
 
@@ -86,12 +87,11 @@ class TeamInfo:
     created_at: datetime
 
 
-@dataclass
-class TeamCreate:
+class TeamCreate(Body):
     name: str
     role: str
     repositories: str = ""
-    members: list[str] = field(default_factory=list)
+    members: list[str] = msgspec.field(default_factory=list)
 
 
 @dataclass
@@ -101,13 +101,11 @@ class QuotaInfo:
     used_bytes: int
 
 
-@dataclass
-class QuotaSet:
+class QuotaSet(Body):
     quota_bytes: int | None
 
 
-@dataclass
-class UserCreate:
+class UserCreate(Body):
     name: str
     password: str | None = None
     admin: bool = False
@@ -134,7 +132,7 @@ async def _require_principal(
     held = await hub.db.read(authz.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
         hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
-        raise PermissionDeniedException(f"needs the {role} role on {namespace!r}")
+        raise PermissionDeniedException(f"needs the {role} role on {shown(namespace)}")
     return principal.name, principal
 
 
@@ -436,7 +434,7 @@ class UserController(Controller):
                 select(User.name).where(User.is_admin.is_(True)).with_for_update()
             )
             if set(admins.all()) == {name}:
-                raise Conflict(f"{name!r} is the last site admin")
+                raise Conflict(f"{shown(name)} is the last site admin")
             administered = await session.scalars(
                 select(Namespace)
                 .join(Membership, Membership.namespace_id == Namespace.id)

@@ -45,6 +45,7 @@ from sqlalchemy.orm import Session
 from forkd.errors import InvalidInput
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Manifest, Namespace, Repository, RepositoryBlob, Upload
+from forkd.names import shown
 
 QUOTA_LOCK_CLASS = 0x71756F74  # "quot"
 
@@ -114,7 +115,7 @@ def check(session: Session, repository_id: int, digest: str, size: int) -> int:
     used = row.used_bytes if row.used_bytes is not None else usage(session, row.id)
     if used + size > row.quota_bytes:
         reason = (
-            f"storage quota of namespace {row.name!r} exceeded: {used} of {row.quota_bytes} "
+            f"storage quota of namespace {shown(row.name)} exceeded: {used} of {row.quota_bytes} "
             f"bytes used, this blob needs {size} more"
         )
         raise RegistryError(Code.DENIED, reason, message=reason)
@@ -251,7 +252,7 @@ async def set_quota(session: AsyncSession, namespace: str, quota_bytes: int | No
         raise InvalidInput("a quota is a number of bytes >= 0")
     ns = (await session.scalars(select(Namespace).where(Namespace.name == namespace))).first()
     if ns is None:
-        raise InvalidInput(f"no such namespace {namespace!r}")
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
     await session.run_sync(_serialise, ns.id)
     ns.quota_bytes = quota_bytes
     # The running total starts here (the caller holds the write lock); none without a quota.
@@ -262,7 +263,7 @@ async def show(session: AsyncSession, namespace: str) -> tuple[int | None, int]:
     """(quota or None, bytes used)."""
     ns = (await session.scalars(select(Namespace).where(Namespace.name == namespace))).first()
     if ns is None:
-        raise InvalidInput(f"no such namespace {namespace!r}")
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
     if ns.used_bytes is not None:
         return ns.quota_bytes, ns.used_bytes
     return ns.quota_bytes, await session.run_sync(usage, ns.id)

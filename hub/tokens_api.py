@@ -23,6 +23,7 @@ from litestar.exceptions import (
 from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 
+from forkd.bodies import Body
 from forkd.errors import InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import SECRET_HEADERS, authenticate, client_ip
@@ -39,8 +40,7 @@ class TokenInfo:
     expires_at: datetime | None
 
 
-@dataclass
-class TokenCreate:
+class TokenCreate(Body):
     name: str
     scopes: list[str]
     expires_days: int | None = None
@@ -52,9 +52,22 @@ class TokenCreated(TokenInfo):
 
 
 async def _user(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
+    """The signed-in caller, by any credential (orgs_api narrows what a token may do)."""
     principal = (await authenticate(hub, request)).principal
     if principal.anonymous:
         raise NotAuthorizedException("log in with your user name and password")
+    return principal
+
+
+async def _owner(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
+    """The user managing their tokens, authenticated by the password: an API token or a
+    registry bearer token lists, creates and revokes nothing (a pull-only token must not
+    read the names and scopes of the others, or revoke the deploy token)."""
+    principal = await _user(hub, request)
+    if not principal.with_password:
+        raise PermissionDeniedException(
+            "an API token or registry bearer token cannot manage tokens; use the password"
+        )
     return principal
 
 
@@ -69,7 +82,7 @@ class TokenController(Controller):
     async def list_tokens(
         self, request: Request[object, object, State], hub: NamedDependency[Hub]
     ) -> list[TokenInfo]:
-        principal = await _user(hub, request)
+        principal = await _owner(hub, request)
         async with hub.db.reading() as session:
             rows = await session.scalars(
                 select(ApiToken).where(ApiToken.user_id == principal.user_id).order_by(ApiToken.id)
@@ -83,11 +96,7 @@ class TokenController(Controller):
         hub: NamedDependency[Hub],
         data: JSONBody[TokenCreate],
     ) -> TokenCreated:
-        principal = await _user(hub, request)
-        if not principal.with_password:
-            raise PermissionDeniedException(
-                "an API token or registry bearer token cannot create tokens; use the password"
-            )
+        principal = await _owner(hub, request)
         if data.expires_days is not None and not 1 <= data.expires_days <= 3650:
             raise ValidationException("expires_days must be between 1 and 3650")
         try:
@@ -124,7 +133,7 @@ class TokenController(Controller):
         hub: NamedDependency[Hub],
         token_id: FromPath[int],
     ) -> None:
-        principal = await _user(hub, request)
+        principal = await _owner(hub, request)
         async with hub.db.transaction() as session:
             token = await session.get(ApiToken, token_id)
             if token is None or token.user_id != principal.user_id:

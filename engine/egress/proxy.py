@@ -32,7 +32,6 @@ import ipaddress
 import socket
 import ssl
 import struct
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -40,7 +39,7 @@ from typing import Any
 
 import uvloop
 
-from forkd.audit import AuditLog
+from forkd.audit import AuditLog, BoundedAudit
 from forkd.engine.egress import http1
 from forkd.engine.egress.ca import EgressCA
 from forkd.engine.egress.http1 import END, Head, MessageReader, ProtocolError
@@ -49,7 +48,6 @@ from forkd.engine.egress.secrets import Secret
 from forkd.errors import ForkdError, InvalidInput
 
 CHUNK = 256 << 10  # per read and per write: fewer trips through the parser, TLS and the loop
-MAX_AUDIT_TARGET = 300  # characters of a guest-given destination kept in an audit record
 HOP_BY_HOP = {
     b"keep-alive",
     b"proxy-connection",
@@ -201,7 +199,8 @@ class EgressProxy:
         self.child_id = child_id
         self.limits = limits or ProxyLimits()
         self.hosts = {k.lower(): _pinned_address(k, v) for k, v in (hosts or {}).items()}
-        self._audit_window = (0.0, 0, 0)  # (minute start, records written, records dropped)
+        self._audit = BoundedAudit(audit, self.limits.audit_per_minute, "egress.suppressed",
+                                   child_id, child=child_id) if audit is not None else None
         self._open = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -319,24 +318,8 @@ class EgressProxy:
     def _record(self, ip: str, action: str, target: str, result: str, **detail: object) -> None:
         """Audit one decision, at most ``audit_per_minute`` a minute: a guest that floods
         the proxy gets one ``egress.suppressed`` record with the count per minute after."""
-        if self.audit is None:
-            return
-        child = self.child_id
-        now = time.monotonic()
-        start, written, dropped = self._audit_window
-        if now - start >= 60:
-            if dropped:
-                self.audit.record(
-                    child, "-", "egress.suppressed", "-", "denied", child=child, count=dropped
-                )
-            start, written, dropped = now, 0, 0
-        if written >= self.limits.audit_per_minute:
-            self._audit_window = (start, written, dropped + 1)
-            return
-        self._audit_window = (start, written + 1, dropped)
-        self.audit.record(
-            child, ip, action, target[:MAX_AUDIT_TARGET], result, child=child, **detail
-        )
+        if self._audit is not None:
+            self._audit.record(self.child_id, ip, action, target, result, **detail)
 
     async def _refuse(
         self, guest: _Peer, ip: str, action: str, target: str, refused: Refused
@@ -426,8 +409,9 @@ class EgressProxy:
                 return str(sockaddr[0])
         raise Refused(
             502,
-            f"{dest.host} resolves only to loopback, link-local, unspecified or multicast "
-            "addresses, which egress never uses for a name (allow the IP literal instead)",
+            f"{dest.host} resolves only to addresses that are not global (loopback, "
+            "link-local, private, shared, reserved, multicast, a cloud host's own services), "
+            "which egress never uses for a name (pin it, or allow the IP literal instead)",
             "failed",
         )
 
@@ -634,11 +618,35 @@ def _pinned_address(name: str, address: str) -> str:
         raise InvalidInput(f"the pin for {name!r} is not an IP address: {address!r}") from None
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: an IPv4 address in the low bits
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # RFC 4291's deprecated ::a.b.c.d
+# Global addresses that are still a cloud host's own services (Azure's wire server).
+HOST_SERVICES = frozenset({ipaddress.ip_address("168.63.129.16")})
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one stands for (mapped, 6to4, NAT64, compatible), if any:
+    ``::ffff:127.0.0.1``, ``2002:7f00:1::`` and ``64:ff9b::7f00:1`` all reach loopback."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in NAT64 or (ip in IPV4_COMPATIBLE and int(ip) > 1):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def _public_enough(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast)
+    """A name may lead only to a global address: never loopback, link-local (cloud
+    metadata at 169.254.169.254, fd00:ec2::254), private (RFC 1918, IPv6 ULA), shared
+    (100.64.0.0/10, Alibaba's metadata at 100.100.100.200), reserved or multicast, nor to
+    one of those wrapped in IPv6, nor to a cloud host's own services."""
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
+        address.split("%", 1)[0]
+    )
+    if isinstance(ip, ipaddress.IPv6Address):
+        ip = _embedded_ipv4(ip) or ip
+    return ip.is_global and not ip.is_multicast and ip not in HOST_SERVICES
 
 
 def _swap(value: bytes, secrets: list[Secret], to_value: bool) -> bytes:

@@ -24,6 +24,7 @@ from forkd.hub.db import _busy as database_busy
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob, utcnow
 from forkd.hub.services import Hub
+from forkd.names import shown
 
 HubRequest = Request[object, object, State]
 STREAM_CHUNK = 1 << 20
@@ -119,7 +120,7 @@ def parse_count(text: str, what: str, maximum: int = MAX_COUNT) -> int:
         )
     value = int(text)
     if value > maximum:
-        raise InvalidInput(f"{what} must be at most {maximum}, got {text!r}")
+        raise InvalidInput(f"{what} must be at most {maximum}, got {shown(text)}")
     return value
 
 

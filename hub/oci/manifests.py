@@ -49,7 +49,7 @@ from forkd.hub.oci.common import (
     parse_digest,
 )
 from forkd.hub.services import Hub
-from forkd.names import validate_tag
+from forkd.names import shown, validate_tag
 from forkd.pack import mediatypes as mt
 from forkd.pack.imagemap import check_descriptor_sizes
 
@@ -107,7 +107,7 @@ def _check_kind(doc: dict[str, Any], content_type: str) -> None:
         if doc["mediaType"] != content_type:
             raise _invalid(
                 f"mediaType {str(doc['mediaType'])[:100]!r} differs from Content-Type "
-                f"{content_type!r}: send the document's own media type"
+                f"{shown(content_type)}: send the document's own media type"
             )
     elif content_type in MEDIA_TYPE_REQUIRED:
         raise _invalid(f"a {content_type} document must carry its mediaType field")

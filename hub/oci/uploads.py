@@ -72,7 +72,7 @@ from forkd.hub.shared_uploads import (
     touch_every,
 )
 from forkd.hub.storage import validate_upload_id
-from forkd.names import validate_name
+from forkd.names import shown, validate_name
 from forkd.store.blobs import FsBlobStore
 
 CONTENT_RANGE_RE = re.compile(r"(?:bytes[ =])?([0-9]+)-([0-9]+)(?:/([0-9]+)|/\*)?", re.ASCII)
@@ -336,7 +336,7 @@ def _reserve(
     session.execute(update(Upload).where(Upload.id == upload_id).values(reserved_bytes=granted))
     assert held.quota_bytes is not None  # a quota_left comes from a quota
     reason = (
-        f"storage quota of namespace {held.namespace!r} exceeded: "
+        f"storage quota of namespace {shown(held.namespace)} exceeded: "
         f"{held.quota_bytes - held.quota_left} of {held.quota_bytes} bytes used, "
         f"{in_flight + offset} more held by open upload sessions (written or reserved by "
         "uploads in flight), this upload needs more; finish or cancel unfinished uploads, "
@@ -667,7 +667,7 @@ def _add_upload(
     stale = [s for s in held.sessions if s not in live]
     mine = _UserSessions.locked(session, hub, user_id)
     stale += [s for s in mine.sessions if s not in mine.live and s not in stale]
-    namespace = f"namespace {held.namespace!r} has"
+    namespace = f"namespace {shown(held.namespace)} has"
     limits = [(live, held.recorded, held.reserved, "upload_sessions_max", namespace)]
     if user_id is not None:  # anonymous pushes: the namespace's limit only
         mine_limit = "upload_sessions_per_user"

@@ -35,7 +35,7 @@ from forkd.hub.ui.session import (
     Viewer,
 )
 from forkd.hub.ui.text import set_text
-from forkd.names import validate_name
+from forkd.names import shown, validate_name
 
 FORM_MAX = 300 * 1024
 # Pages that may show a secret, or a form bound to a one-off cookie: never cached.
@@ -236,6 +236,8 @@ class AccountController(Controller):
         error: str = "",
         status: int = 200,
     ) -> Response[str]:
+        if not who.principal.with_password:  # a token's session lists no tokens
+            error = error or "signed in with a token: sign in with your password to manage tokens"
         async with hub.db.reading() as session:
             mine = (
                 await session.scalars(
@@ -243,9 +245,9 @@ class AccountController(Controller):
                     .where(ApiToken.user_id == who.principal.user_id)
                     .order_by(ApiToken.id)
                 )
-            ).all()
+            ).all() if who.principal.with_password else []
             namespaces = await queries.admin_namespaces(session, who.principal)
-            robots = await _robots(session, who.principal)
+            robots = await _robots(session, who.principal) if who.principal.with_password else []
         return ui.renderer.page(
             "tokens.html",
             status=status,
@@ -311,7 +313,7 @@ class AccountController(Controller):
         token_id: FromPath[int],
     ) -> Response[Any]:
         form = await _form(request)
-        who = await _signed_in(ui, hub, request, form)
+        who = await _signed_in_with_password(ui, hub, request, form)
         async with hub.db.transaction() as session:
             token = await session.get(ApiToken, token_id)
             allowed = token is not None and token.user_id == who.principal.user_id
@@ -345,16 +347,16 @@ class AccountController(Controller):
                 raise InvalidInput("role must be pull, push or admin")
             async with hub.db.transaction() as session:
                 if ns_name not in await queries.admin_namespaces(session, who.principal):
-                    raise InvalidInput(f"you do not administer a namespace named {ns_name!r}")
+                    raise InvalidInput(f"you do not administer a namespace named {shown(ns_name)}")
                 user = await accounts.get_user(session, robot)
                 if user is None:
                     user = await accounts.create_user(session, robot, None, robot=True)
                 elif not user.is_robot:
-                    raise Conflict(f"{robot!r} is a person's account, not a robot")
+                    raise Conflict(f"{shown(robot)} is a person's account, not a robot")
                 elif not await session.run_sync(authz.may_manage_robot, who.principal, user.id):
                     # Another namespace's robot: adopting it would hand over its tokens.
                     raise Conflict(
-                        f"robot {robot!r} belongs to a namespace you do not administer: "
+                        f"robot {shown(robot)} belongs to a namespace you do not administer: "
                         "choose another name"
                     )
                 await accounts.set_member(session, ns_name, robot, role)

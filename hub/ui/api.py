@@ -17,6 +17,7 @@ from litestar.di import NamedDependency
 from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, JSONBody
 
+from forkd.bodies import Body
 from forkd.errors import InvalidInput
 from forkd.hub.auth import authenticate, authorize, client_ip
 from forkd.hub.errors import Code, RegistryError
@@ -35,8 +36,7 @@ class RepositoryText:
     readme: str
 
 
-@dataclass
-class RepositoryTextUpdate:
+class RepositoryTextUpdate(Body):
     readme: str | None = None
     description: str | None = None
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from litestar import Request, Response
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException, NotFoundException
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
+from forkd.bodies import explained
 from forkd.errors import InvalidInput
 from forkd.hub.ui.render import Renderer
 
@@ -42,6 +43,8 @@ def http_error(request: Request[Any, Any, State], exc: Exception) -> Response[st
     assert isinstance(exc, HTTPException)
     status = exc.status_code
     detail = exc.detail if status < 500 else "something went wrong on the hub"
+    if isinstance(exc, ValidationException):  # its detail repeats the URL, query included
+        detail = explained(exc)
     if isinstance(exc, NotFoundException) and not detail:
         detail = "There is nothing here."
     return _page(request, status, TITLES.get(status, "Error"), detail)

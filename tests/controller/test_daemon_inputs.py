@@ -259,3 +259,21 @@ def test_a_guest_reply_of_another_shape_is_an_agent_error_that_says_so() -> None
         with pytest.raises(AgentError, match="exec reply does not match"):
             EngineResult.of(reply)
     assert guest_answer({"status": "exited", "exit_code": 3}, ExecResult, "exec").exit_code == 3
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/sandboxes", {"tag": "forkd-paused/other-1a2b3c:a"}),
+    ("/v1/pools", {"tag": "forkd-paused/other-1a2b3c:b", "k": 1}),
+])
+def test_a_paused_sandboxs_saved_state_is_not_a_source(
+    http: TestClient[Any], route: str, body: dict[str, Any]
+) -> None:
+    """Only the paused sandbox's resume starts from its saved state: no spawn or pool
+    clones it (its memory is that sandbox's)."""
+    _refused(http.post(route, json=body), "saved state of paused sandbox other-1a2b3c")
+
+
+def test_a_validation_error_does_not_repeat_the_url(http: TestClient[Any]) -> None:
+    answer = http.post("/v1/sandboxes?<script>" + "q" * 300, json={"tag": "a:b", "nn": 1})
+    _refused(answer, "unknown field", "nn")
+    assert "<script>" not in answer.text and "q" * 50 not in answer.text

@@ -456,3 +456,33 @@ def test_a_replaced_token_file_revokes_the_old_token_without_a_restart(place: Pl
         assert (status(url, second), status(url, third)) == (401, 200)
         token.chmod(0o644)  # others may read it now: not a private file, refused
         assert status(url, third) == 401
+
+
+def test_refused_requests_cannot_flood_the_audit_log(place: Place, daemon: str):
+    """Anyone who reaches the port can send requests without the token: each is audited
+    with its path shortened, at most REFUSED_PER_MINUTE a minute (the rest counted), and a
+    request head past h11's bound is a 400 the app never sees (httptools buffered a URL
+    of any length)."""
+    from forkd.audit import MAX_TARGET
+    from forkd.controller.app import REFUSED_PER_MINUTE
+
+    port = int(daemon.rsplit(":", 1)[1])
+    huge = "/v1/snapshots/" + "B" * 1024 * 1024  # more than one read: h11 stops at 16 KiB
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        try:  # the daemon answers 400 and closes while the line is still coming
+            s.sendall(f"GET {huge} HTTP/1.1\r\nHost: forkd\r\n\r\n".encode())
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert not any("B" * 100 in e["target"] for e in _audit(place))
+    long_path = "/v1/snapshots/" + "A" * 8000
+    for _ in range(REFUSED_PER_MINUTE + 30):
+        assert _status(port, "GET", long_path, "Bearer wrong") == 401
+    refused = [e for e in _audit(place) if e["action"] == "auth"]
+    assert len(refused) == REFUSED_PER_MINUTE
+    assert all(len(e["target"]) <= MAX_TARGET for e in refused)
+    assert not any("B" * 100 in e["target"] for e in _audit(place))
+    assert _status(port, "GET", "/v1/sandboxes", f"Bearer {GOOD_TOKEN}") == 200

@@ -331,6 +331,27 @@ def test_a_name_resolving_to_loopback_is_not_used(plain: StandinModel, audit_pat
     assert audit_lines(audit_path)[-1]["result"] == "failed"
 
 
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "::1", "0.0.0.0", "::", "169.254.169.254", "fd00:ec2::254", "fe80::1",
+    "10.1.2.3", "172.16.0.1", "192.168.1.1", "100.100.100.200", "168.63.129.16",
+    "192.0.0.170", "224.0.0.1", "ff02::1", "fd12:3456::1",
+    "::ffff:127.0.0.1", "2002:7f00:1::", "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "::7f00:1",
+])
+def test_a_name_never_leads_to_an_address_that_is_not_global(address: str) -> None:
+    """Loopback, metadata, private, shared, reserved and multicast addresses, bare or
+    wrapped in IPv6 (mapped, 6to4, NAT64, compatible): a name resolving to one is refused."""
+    from forkd.engine.egress.proxy import _public_enough
+
+    assert not _public_enough(address)
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "2606:4700::1111", "64:ff9b::808:808"])
+def test_a_name_may_lead_to_a_global_address(address: str) -> None:
+    from forkd.engine.egress.proxy import _public_enough
+
+    assert _public_enough(address)
+
+
 def test_audit_records_are_bounded(audit_path: Path) -> None:
     proxy = make_proxy(["tools.test"], audit_path, limits=ProxyLimits(audit_per_minute=3))
     try:
@@ -341,7 +362,8 @@ def test_audit_records_are_bounded(audit_path: Path) -> None:
         proxy.stop()
     entries = audit_lines(audit_path)
     assert len(entries) == 3 and all(e["result"] == "denied" for e in entries)
-    assert proxy.proxy._audit_window[2] == 3  # counted, written as egress.suppressed later
+    assert proxy.proxy._audit is not None
+    assert proxy.proxy._audit._window[2] == 3  # counted, written as egress.suppressed later
 
 
 def test_pins_must_be_addresses() -> None:

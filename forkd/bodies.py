@@ -1,0 +1,48 @@
+"""JSON request bodies of the hub's and the controller's APIs, and what was wrong with one.
+
+Both services decode bodies with Litestar (msgspec): a body type derives from ``Body``, so
+an unknown field is refused (a misspelt ``repository`` or ``expires_in_days`` is a 400,
+never a default that widens access or never expires). ``problems`` says what msgspec
+found, field by field, without the request's URL: Litestar's own detail ("Validation
+failed for POST /path?query") echoes whatever the client put in the query string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar.exceptions import ValidationException
+
+MAX_PROBLEM = 200  # characters of one field's message in an answer
+
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request body: unknown fields are refused."""
+
+
+def explained(exc: ValidationException) -> str:
+    """The message of a ValidationException: a route's own (``raise
+    ValidationException("expires_days must be ...")``) as it is, and Litestar's ("Validation
+    failed for METHOD URL", the URL with its query) replaced by ``problems``."""
+    detail = str(exc.detail)
+    if detail.startswith("Validation failed for ") or not detail:
+        return f"invalid request: {problems(exc)}"
+    return detail
+
+
+def problems(exc: ValidationException) -> str:
+    """What msgspec said about each field, e.g. "Object contains unknown field `nn`"
+    (each message bounded: a message can carry a value the client sent)."""
+    extra = exc.extra if isinstance(exc.extra, list) else [exc.extra]
+    said = [_problem(e)[:MAX_PROBLEM] for e in extra if e]
+    return "; ".join(said) or "the request does not match the API"
+
+
+def _problem(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return str(entry)
+    key = str(entry.get("key") or "")[:80]
+    source = entry.get("source")
+    where = f" ({source} parameter {key})" if source and key else f" (field {key})" if key else ""
+    return str(entry.get("message", entry)) + where

@@ -1,0 +1,35 @@
+"""The audit log's bounded records (forkd/audit.py BoundedAudit): what a caller can
+provoke at will is written at most N times a minute, the rest counted in one record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from forkd import audit as audit_module
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_past_the_budget_records_are_counted_then_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(audit_module.time, "monotonic", lambda: now[0])
+    log = AuditLog(tmp_path / "audit.log")
+    bounded = BoundedAudit(log, 3, "auth.suppressed", where="tcp")
+    written = [bounded.record("-", "1.2.3.4:5", "auth", "/x" * 400, "denied") for _ in range(7)]
+    assert written == [True] * 3 + [False] * 4
+    now[0] += 61  # the next minute: the count first, then the record
+    assert bounded.record("-", "1.2.3.4:5", "auth", "/y", "denied")
+    log.close()
+    entries = _lines(tmp_path / "audit.log")
+    assert [e["action"] for e in entries] == ["auth"] * 3 + ["auth.suppressed", "auth"]
+    assert entries[3]["count"] == 4 and entries[3]["where"] == "tcp"
+    assert all(len(str(e["target"])) <= MAX_TARGET for e in entries)
+    assert all(e["where"] == "tcp" for e in entries)
