@@ -3,19 +3,24 @@
 A guest reaches the outside only through this proxy (``HTTPS_PROXY``/``HTTP_PROXY``):
 
 - ``CONNECT host:port``: the CONNECT authority is the destination decided on. An allowed
-  destination that no secret is bound to is tunnelled as raw bytes (the guest's TLS goes
-  end to end; the proxy sees neither SNI nor content). An allowed destination bound to a
-  secret is TLS-terminated: the proxy answers the guest with a certificate for that host
-  signed by the egress CA (ca.py), speaks HTTP/1.1 to the guest, swaps each bound
-  secret's placeholder for its value in the request headers, forwards over a new TLS
-  connection that verifies the upstream's certificate (system store, or the trust given)
-  and swaps the value back to the placeholder in the response headers and body.
+  destination that no secret is bound to is a tunnel: the guest's first TLS record must
+  be a ClientHello whose server name (SNI) is the CONNECT host (clienthello.py; no
+  encrypted ClientHello, no other protocol), and is then relayed as raw bytes (the
+  guest's TLS goes end to end). An allowed destination bound to a secret is
+  TLS-terminated: the proxy answers the guest with a certificate for that host signed by
+  the egress CA (ca.py), speaks HTTP/1.1 to the guest, swaps each bound secret's
+  placeholder for its value in the authentication headers (AUTH_HEADERS), forwards over
+  a new TLS connection that verifies the upstream's certificate (system store, or the
+  trust given) and swaps the value back to the placeholder in the response's reason
+  phrase, headers and body (a body with a Content-Encoding is refused: 502).
 - ``GET http://host[:port]/…`` (absolute URI, plain HTTP): allowed destinations get one
   request per connection (``Connection: close``); no secret is ever put into plain HTTP.
-- Anything else is refused: 403 for a destination outside the policy, 400 for a
-  malformed or origin-form request, 421 when a terminated request's Host is not the
-  CONNECT host, 502 when the upstream cannot be reached, 503 when the connection limit
-  is reached. Every decision (allowed, denied, failed) is written to the audit log
+- Anything else is refused: a tunnel whose first record is not a ClientHello naming the
+  CONNECT host (a TLS alert, then the close; the upstream gets no byte), 403 for a
+  destination outside the policy, 400 for a malformed or origin-form request, 421 when
+  a terminated request's Host is not the CONNECT host, 502 when the upstream cannot be
+  reached or a secret-bearing reply has a Content-Encoding, 503 when the connection
+  limit is reached. Every decision (allowed, denied, failed) is written to the audit log
   (forkd.audit) with the child id.
 
 DNS: only a destination already allowed is resolved, by the host's resolver (or the
@@ -29,9 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
+import re
 import socket
 import ssl
 import struct
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -40,7 +48,7 @@ from typing import Any
 import uvloop
 
 from forkd.audit import AuditLog, BoundedAudit
-from forkd.engine.egress import http1
+from forkd.engine.egress import clienthello, http1
 from forkd.engine.egress.ca import EgressCA
 from forkd.engine.egress.http1 import END, Head, MessageReader, ProtocolError
 from forkd.engine.egress.policy import Destination, EgressPolicy, parse_destination
@@ -57,6 +65,10 @@ HOP_BY_HOP = {
     b"trailer",
     b"upgrade",
 }
+# The request headers a bound secret's placeholder is swapped in (OpenAI and most APIs'
+# Authorization, Anthropic's x-api-key, Azure OpenAI's api-key, Google's x-goog-api-key);
+# in any other header, the request line and the body, a placeholder is left as it is.
+AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key"})
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -76,6 +88,7 @@ class ProxyLimits:
     keepalive_seconds: float = 120.0  # between requests on a terminated connection
     read_seconds: float = 600.0  # any read during an exchange (slow model replies)
     connect_seconds: float = 10.0  # DNS + TCP + TLS to the upstream, TLS to the guest
+    hello_seconds: float = 10.0  # a tunnel's first TLS record (the ClientHello)
     max_connections: int = 256  # guest connections open at once
     audit_per_minute: int = 600  # audit records per minute; the rest are counted
 
@@ -350,22 +363,58 @@ class EgressProxy:
         _no_delay(up_writer)
         self._writers.add(up_writer)
         try:
-            mode = "terminated" if secrets else "tunnel"
-            names = [s.name for s in secrets]
-            self._record(ip, "egress.connect", str(dest), "ok", tls=mode, secrets=names)
             await guest.send(http1.response_head(200, b"Connection Established", []))
             early = guest.parser.early
             if secrets:
+                names = [s.name for s in secrets]
+                self._record(ip, "egress.connect", str(dest), "ok", tls="terminated",
+                             secrets=names)
                 if early:
                     return  # the guest spoke before the tunnel was up: not TLS we can answer
                 await self._terminate(guest, ip, dest, secrets, up_reader, up_writer)
-            else:
-                if early:
-                    up_writer.write(early)
-                await _pipe_both(guest.reader, guest.writer, up_reader, up_writer)
+                return
+            try:
+                first = await self._client_hello(guest, dest, early)
+            except clienthello.BadHello as exc:
+                self._record(ip, "egress.connect", str(dest), "denied", tls="tunnel",
+                             secrets=[], reason=str(exc))
+                return
+            self._record(ip, "egress.connect", str(dest), "ok", tls="tunnel", secrets=[])
+            up_writer.write(first)  # the bytes checked, unchanged
+            await _pipe_both(guest.reader, guest.writer, up_reader, up_writer)
         finally:
             self._writers.discard(up_writer)
             up_writer.close()
+
+    async def _client_hello(self, guest: _Peer, dest: Destination, early: bytes) -> bytes:
+        """The guest's first TLS record in a tunnel (and any bytes that came with it in
+        the CONNECT's read), once it is a ClientHello naming ``dest``; BadHello otherwise,
+        after a TLS alert to the guest if it spoke TLS. Nothing is sent upstream here."""
+        buf = bytearray(early)
+        try:
+            async with asyncio.timeout(self.limits.hello_seconds):  # for the whole record
+                while True:
+                    size = clienthello.record_size(bytes(buf[: clienthello.HEADER]))
+                    if size is not None and len(buf) >= size:
+                        break
+                    # never more than the record (at most MAX_RECORD bytes) is read here
+                    want = (size or clienthello.HEADER) - len(buf)
+                    data = await guest.reader.read(want)
+                    if not data:
+                        raise clienthello.BadHello("the guest closed before a whole ClientHello")
+                    buf += data
+            hello = clienthello.parse(bytes(buf[:size]))
+            clienthello.require_server(hello, dest)
+        except TimeoutError:
+            why = f"no whole ClientHello within {self.limits.hello_seconds:g} s"
+            raise clienthello.BadHello(why) from None
+        except clienthello.BadHello:
+            with contextlib.suppress(OSError, RuntimeError):
+                if buf[:1] == bytes([clienthello.HANDSHAKE]):
+                    await guest.send(clienthello.ALERT_ACCESS_DENIED)
+                await _linger(guest, clienthello.MAX_RECORD)  # no reset before it is read
+            raise
+        return bytes(buf)
 
     async def _open_upstream(
         self, dest: Destination, tls: bool
@@ -448,7 +497,9 @@ class EgressProxy:
                 return
             # exactly one Host, the checked one: a second Host could route elsewhere
             headers = _forwarded(event.headers, {b"accept-encoding", b"host", b"connection"})
-            headers = [(k, _swap(v, secrets, to_value=True)) for k, v in headers]
+            headers = [
+                (k, _swap_in(v, secrets) if k.lower() in AUTH_HEADERS else v) for k, v in headers
+            ]
             headers.insert(0, (b"host", _authority(dest, 443)))
             headers.append((b"accept-encoding", b"identity"))  # keep replies greppable
             if not _guest_keeps(event):
@@ -459,7 +510,11 @@ class EgressProxy:
                 broken = Refused(exc.status, str(exc))
                 await self._refuse(inner, ip, "egress.request", str(dest), broken)
                 return
-            if not await self._relay_response(upstream, inner, event, secrets):
+            try:
+                if not await self._relay_response(upstream, inner, event, secrets):
+                    return
+            except Refused as refused:  # nothing of this response reached the guest
+                await self._refuse(inner, ip, "egress.request", str(dest), refused)
                 return
 
     async def _relay_request(
@@ -498,15 +553,18 @@ class EgressProxy:
             else:
                 raise EOFError("the peer closed the connection in the middle of a message")
 
-    async def _response_head(self, upstream: _Peer, guest: _Peer, secrets: list[Secret]) -> Head:
+    async def _response_head(
+        self, upstream: _Peer, guest: _Peer, scrub: list[tuple[bytes, bytes]]
+    ) -> Head:
         """The upstream's response head; 1xx responses before it go to the guest."""
         while True:
             event = await upstream.next_event(self.limits.read_seconds)
             if isinstance(event, Head) and event.status >= 200:
                 return event
             if isinstance(event, Head):
-                headers = [(k, _swap(v, secrets, to_value=False)) for k, v in event.headers]
-                await guest.send(http1.response_head(event.status, event.reason, headers))
+                headers = [(k, _scrub(v, scrub)) for k, v in event.headers]
+                reason = _scrub(event.reason, scrub)
+                await guest.send(http1.response_head(event.status, reason, headers))
             elif event is not END:  # END: the end of a 1xx
                 raise EOFError("the upstream closed the connection before answering")
 
@@ -522,12 +580,22 @@ class EgressProxy:
 
         The body may change length when a secret is swapped back to its placeholder:
         the upstream's framing is dropped and the guest gets it chunked (HTTP/1.1) or
-        delimited by the close (HTTP/1.0)."""
-        head = await self._response_head(upstream, guest, secrets)
-        headers = _forwarded(head.headers, {b"content-length", b"transfer-encoding", b"connection"})
-        headers = [(k, _swap(v, secrets, to_value=False)) for k, v in headers]
-        keep = not close and head.keep_alive and _guest_keeps(request)
+        delimited by the close (HTTP/1.0). With secrets, Refused (502) for a body whose
+        Content-Encoding is not identity (scrubbing would not see the value in it);
+        nothing of that response is sent then."""
+        scrub = _spellings(secrets)
+        head = await self._response_head(upstream, guest, scrub)
         body = head.has_body and request.method != b"HEAD"
+        if secrets and body and (coding := _content_coding(head)) is not None:
+            raise Refused(
+                502,
+                f"the upstream answered with Content-Encoding {coding[:40]!r}, which the "
+                "proxy cannot scrub of the secret (it asks for identity)",
+                "failed",
+            )
+        headers = _forwarded(head.headers, {b"content-length", b"transfer-encoding", b"connection"})
+        headers = [(k, _scrub(v, scrub)) for k, v in headers]
+        keep = not close and head.keep_alive and _guest_keeps(request)
         chunked = body and request.version == "1.1"
         if chunked:
             headers.append((b"transfer-encoding", b"chunked"))
@@ -535,8 +603,8 @@ class EgressProxy:
             keep = False  # an HTTP/1.0 guest: the body ends when the proxy closes
         if not keep:
             headers.append((b"connection", b"close"))
-        await guest.queue(http1.response_head(head.status, head.reason, headers))
-        replacers = [StreamReplacer(s.value.encode(), s.placeholder.encode()) for s in secrets]
+        await guest.queue(http1.response_head(head.status, _scrub(head.reason, scrub), headers))
+        replacers = [StreamReplacer(old, new) for old, new in scrub]
         # a small body of known length (not a stream): head and body go out as one write
         hold = head.length is not None and head.length <= CHUNK
         await self._relay_body(upstream, guest, replacers or None, chunked, hold=hold)
@@ -649,11 +717,43 @@ def _public_enough(address: str) -> bool:
     return ip.is_global and not ip.is_multicast and ip not in HOST_SERVICES
 
 
-def _swap(value: bytes, secrets: list[Secret], to_value: bool) -> bytes:
+def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:
+    """An authentication header's value with each secret's placeholder put as its value."""
     for s in secrets:
-        placeholder, real = s.placeholder.encode(), s.value.encode()
-        value = value.replace(placeholder, real) if to_value else value.replace(real, placeholder)
+        value = value.replace(s.placeholder.encode(), s.value.encode())
     return value
+
+
+def _spellings(secrets: list[Secret]) -> list[tuple[bytes, bytes]]:
+    """(spelling of a value, its placeholder) for each secret, longest spelling first: the
+    value as it is, JSON-escaped (``\\"`` ``\\\\``, and ``\\/``) and percent-encoded
+    (upper- and lower-case hex). A placeholder is ``[A-Za-z0-9_-]``: the same in each."""
+    pairs: dict[bytes, bytes] = {}
+    for s in secrets:
+        json_form = json.dumps(s.value)[1:-1]
+        quoted = urllib.parse.quote(s.value, safe="")
+        lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quoted)
+        for spelling in (s.value, json_form, json_form.replace("/", "\\/"), quoted, lower):
+            pairs.setdefault(spelling.encode(), s.placeholder.encode())
+    return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
+
+
+def _scrub(value: bytes, spellings: list[tuple[bytes, bytes]]) -> bytes:
+    for spelling, placeholder in spellings:
+        value = value.replace(spelling, placeholder)
+    return value
+
+
+def _content_coding(head: Head) -> str | None:
+    """The response's Content-Encoding if it is anything but identity (or none)."""
+    codings = [
+        c.strip().lower()
+        for k, v in head.headers
+        if k.lower() == b"content-encoding"
+        for c in v.split(b",")
+    ]
+    other = [c for c in codings if c not in (b"", b"identity")]
+    return b", ".join(other).decode("ascii", "replace") if other else None
 
 
 def _feed(replacers: list[StreamReplacer], data: bytes) -> bytes:
