@@ -95,8 +95,13 @@ def warm(directory: Path) -> None:
                     pass
 
 
+log = logging.getLogger("forkd.bench.lazy_fork")  # --phases: each first child's timings
+
+
 def ids(res: ch.ForkResult) -> list[str]:
     """The children's ids; a child that did not start is an error of the run, with why."""
+    if res.children:
+        log.debug("%s: %s ms", res.children[0].id, res.children[0].timings_ms)
     if res.errors:
         for c in res.children:
             with contextlib.suppress(ForkdError):
@@ -267,11 +272,13 @@ def main() -> None:
                     help="publish no access order with the pack (the first lazy fork then "
                          "records it; the second prefetches in that order)")
     ap.add_argument("--phases", action="store_true",
-                    help="log each lazy fork's phases (chain resolved, server ready, forked)")
+                    help="log each lazy fork's phases (chain resolved, server ready, forked) "
+                         "and each fork's first child's timings (QMP up, running, ready)")
     o = ap.parse_args()
     if o.phases:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         logging.getLogger("forkd.lazy.fork").setLevel(logging.DEBUG)
+        log.setLevel(logging.DEBUG)
     work = Path(tempfile.mkdtemp(prefix="forkd-lazy-bench-"))
     os.environ.setdefault("FORKD_RUN", str(work / "run"))
     # the lazy servers log in as the publisher: the first publishes its access order and

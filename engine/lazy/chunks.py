@@ -47,6 +47,7 @@ from forkd.store.store import Store
 
 CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
 MAX_UNSTORED = 64 << 20  # bytes of verified fetched chunks waiting for the store writer
+WRITES_HELD_MAX = 30.0  # seconds ``hold_writes`` can hold the store writer at most
 
 
 class _LeftToReaders(Exception):
@@ -99,6 +100,8 @@ class ChunkSource:
         self._unstored_bytes = 0
         self._store_errors: list[str] = []
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-store")
+        self._writes_open = threading.Event()  # closed: the writer holds what it is given
+        self._writes_open.set()
 
     # -- queries -----------------------------------------------------------
     def ref(self, digest: str) -> ChunkRef:
@@ -200,9 +203,20 @@ class ChunkSource:
             self.fetched_bytes += fetched
         return fetched
 
+    def hold_writes(self) -> None:
+        """Keep fetched chunks in memory (up to MAX_UNSTORED bytes) until ``open_writes``:
+        a lazy server's first children start meanwhile, and on a small host the store's
+        hashing and fsyncs take the cores their start needs. They are served all the same."""
+        self._writes_open.clear()
+
+    def open_writes(self) -> None:
+        """Let the store writer write what it holds, and what comes."""
+        self._writes_open.set()
+
     def flush(self) -> None:
         """Wait until every fetched chunk is in the store; a failed store write raises
         (the chunk is not in the store: it is fetched again when next needed)."""
+        self.open_writes()
         self._writer.submit(lambda: None).result()  # one writer: it runs after the rest
         with self._lock:
             errors, self._store_errors = self._store_errors, []
@@ -346,6 +360,8 @@ class ChunkSource:
 
     def _store(self, digest: str, blob: bytes) -> None:
         """The store writer: one verified chunk into the store."""
+        if not self._writes_open.wait(WRITES_HELD_MAX):
+            self._writes_open.set()  # nobody opened them: a held write is not a lost one
         try:
             self.store.blobs.put_bytes(blob, digest)
         except (ForkdError, OSError) as exc:

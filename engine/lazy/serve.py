@@ -199,6 +199,7 @@ class Server:
         it comes)."""
         self.children_started.wait(PREFETCH_AFTER)
         time.sleep(prefetch.BACKGROUND_SETTLE)
+        self.source.open_writes()
 
     def image_order(self) -> list[str]:
         order = list(self.memory.chunk_order)
@@ -277,6 +278,7 @@ def serve(d: Path) -> int:
     mnt.mkdir(exist_ok=True)
     with server.store.writing():
         if server.recorded is not None:  # a known working set: fetch it from now on
+            server.source.hold_writes()  # into the store once the children are started
             server.start_prefetch()
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))

@@ -215,6 +215,51 @@ def test_fetched_chunk_is_served_before_the_store_write(chain_store: tuple[Store
     assert fresh.verify() == []
 
 
+def test_held_writes_wait_until_opened_and_are_served_meanwhile(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """``hold_writes`` (a lazy server while its first children start): fetched chunks are
+    served, nothing reaches the store until ``open_writes``; then all of them do."""
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        layout = ImageLayout(source, "memory")
+        source.hold_writes()
+        image = head.read_bytes()
+        digests = []
+        for offset in range(0, SIZE, CHUNK_SIZE):
+            if len(layout.chunks_at(offset, PAGE_SIZE)) != 1:
+                continue  # a hole there
+            digests += layout.chunks_at(offset, PAGE_SIZE)
+            assert layout.read(offset, PAGE_SIZE) == image[offset : offset + PAGE_SIZE]
+        assert len(digests) >= 2
+        threading.Event().wait(0.3)  # time the writer would need
+        assert not any(fresh.blobs.has(d) for d in digests)  # held
+        source.open_writes()
+        source._writer.submit(lambda: None).result(timeout=30)
+        assert all(fresh.blobs.has(d) for d in digests)
+        source.close()
+    assert fresh.verify() == []
+
+
+def test_flush_opens_held_writes(chain_store: tuple[Store, Path], hub: HubServer,
+                                 tmp_path: Path) -> None:
+    """A server that exits before its children started still stores what it fetched."""
+    store, _ = chain_store
+    remote, who = _pushed(hub, store)
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        layout = ImageLayout(source, "memory")
+        source.hold_writes()
+        (digest,) = layout.chunks_at(3 * CHUNK_SIZE, PAGE_SIZE)
+        layout.read(3 * CHUNK_SIZE, PAGE_SIZE)
+        source.flush()
+        assert fresh.blobs.has(digest)
+        source.close()
+
+
 def test_working_set_fetch_stores_checked_chunks_and_refuses_corrupt_ones(
         chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
     """fetch_into_store (what a lazy fork does while its server starts): the chunk is in
