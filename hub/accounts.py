@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd import names
-from forkd.errors import Conflict, InvalidInput
+from forkd.errors import Conflict, ForkdError, InvalidInput
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import (
     ROLES,
@@ -282,6 +282,39 @@ def token_principal(
     return principal
 
 
+class PrincipalChanged(ForkdError):
+    """The user a request was authenticated as is gone, or is no longer the same (removed,
+    password changed), by the time the request writes for them: 401, sign in again."""
+
+
+def _acting_user(session: Session, principal: Principal) -> User:
+    user_id = principal.user_id
+    user = (
+        session.scalars(select(User).where(User.id == user_id).with_for_update(read=True)).first()
+        if user_id is not None
+        else None
+    )
+    # The stamp the request was authenticated with, re-resolved now (token_principal).
+    same = user is not None and token_principal(
+        session, user.id, principal.token_id, principal.stamp
+    )
+    if user is None or not same:
+        raise PrincipalChanged(
+            "your account was removed, or its password or token changed, while this request "
+            "ran; nothing was done: sign in again"
+        )
+    return user
+
+
+async def acting_user(session: AsyncSession, principal: Principal) -> User:
+    """The row of the user ``principal`` is, read in this write transaction by id (never
+    by name: a user removed meanwhile and another account created under the name must
+    not receive what this request makes) and checked against the principal's stamp; on
+    PostgreSQL the row is held (``FOR SHARE``) so a removal waits for the commit, and then
+    takes what this request made with it. Raises ``PrincipalChanged``."""
+    return await session.run_sync(_acting_user, principal)
+
+
 def max_role(*roles: str | None) -> str | None:
     """The highest of ``roles`` (pull < push < admin); None when there is none."""
     present = [r for r in roles if r]
@@ -446,13 +479,18 @@ async def create_org(session: AsyncSession, name: str) -> Namespace:
     return ns
 
 
-async def set_member(session: AsyncSession, namespace: str, username: str, role: str) -> None:
+async def set_member(
+    session: AsyncSession, namespace: str, username: str | User, role: str
+) -> None:
+    """Give ``username`` (a name, or a user row this transaction read) ``role`` on the
+    namespace."""
     if role not in ROLES:
         raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_namespace(session, namespace)
-    user = await get_user(session, username)
+    user = await get_user(session, username) if isinstance(username, str) else username
     if ns is None or user is None:
-        raise InvalidInput(f"no such namespace {shown(namespace)} or user {shown(username)}")
+        named = username if isinstance(username, str) else username.name
+        raise InvalidInput(f"no such namespace {shown(namespace)} or user {shown(named)}")
     member = await session.get(Membership, (ns.id, user.id))
     if member is None:
         session.add(Membership(namespace_id=ns.id, user_id=user.id, role=role))
@@ -462,16 +500,21 @@ async def set_member(session: AsyncSession, namespace: str, username: str, role:
 
 async def create_token(
     session: AsyncSession,
-    username: str,
+    username: str | User,
     name: str,
     scopes: str,
     *,
     expires_in: timedelta | None = None,
 ) -> str:
-    """A new API token for ``username``; returns the secret (shown once, stored hashed)."""
-    user = await get_user(session, username)
-    if user is None:
-        raise InvalidInput(f"no such user {shown(username)}")
+    """A new API token for ``username`` (a name, or a user row this transaction read:
+    ``acting_user`` for the caller's own); returns the secret (shown once, stored hashed)."""
+    if isinstance(username, str):
+        found = await get_user(session, username)
+        if found is None:
+            raise InvalidInput(f"no such user {shown(username)}")
+        user = found
+    else:
+        user = username
     parsed = parse_scopes(scopes)
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(

@@ -7,6 +7,7 @@ API token's scopes; a repository the caller cannot see is 404, as on ``/v2/``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar
@@ -28,6 +29,8 @@ from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
 
 MAX_CHAIN = 256
+# Tags per page of a repository's detail (the most, and the default).
+TAGS_PER_PAGE = 100
 SORTS: dict[str, ColumnElement[Any]] = {
     "updated": Repository.updated_at.desc(),
     "pulls": Repository.pull_count.desc(),
@@ -74,7 +77,10 @@ class RepositoryDetail:
     pulls: int
     created_at: datetime
     updated_at: datetime
-    tags: list[TagInfo]
+    tags: list[TagInfo]  # one page, by name
+    tags_total: int
+    page: int
+    per_page: int
 
 
 
@@ -141,8 +147,11 @@ class CatalogController(Controller):
         request: Request[object, object, State],
         hub: NamedDependency[Hub],
         name: FromPath[str],
+        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
+        per_page: Annotated[int, Parameter(ge=1, le=TAGS_PER_PAGE)] = TAGS_PER_PAGE,
     ) -> RepositoryDetail:
-        """A repository with its tags: size, chain depth, parent and push time of each."""
+        """A repository with one page of its tags (by name): size, chain depth, parent and
+        push time of each; ``tags_total`` counts them all."""
         name = name.strip("/")
         try:
             validate_name(name)
@@ -160,16 +169,32 @@ class CatalogController(Controller):
             ).first()
             if repo is None:
                 raise NotFoundException(f"repository {name} not found")
+            on_tag = (Manifest.repository_id == Tag.repository_id) & (
+                Manifest.digest == Tag.manifest_digest
+            )
+            total = await session.scalar(
+                select(func.count())
+                .select_from(Tag)
+                .join(Manifest, on_tag)
+                .where(Tag.repository_id == repo.id)
+            )
             rows = (
                 await session.execute(
-                    select(Tag, Manifest)
-                    .join(
-                        Manifest,
-                        (Manifest.repository_id == Tag.repository_id)
-                        & (Manifest.digest == Tag.manifest_digest),
+                    select(
+                        Tag.name,
+                        Tag.updated_at,
+                        Tag.pull_count,
+                        Manifest.digest,
+                        Manifest.media_type,
+                        Manifest.artifact_type,
+                        Manifest.subject_digest,
+                        Manifest.size,
                     )
+                    .join(Manifest, on_tag)
                     .where(Tag.repository_id == repo.id)
                     .order_by(Tag.name)
+                    .offset((page - 1) * per_page)
+                    .limit(per_page)
                 )
             ).all()
             subjects = dict(
@@ -181,19 +206,27 @@ class CatalogController(Controller):
                     )
                 ).all()
             )
+        # Read, hashed and parsed once per digest, in the fact readers' threads.
+        sizes = await hub.sizes.many(
+            functools.partial(_total_size, hub), [row.digest for row in rows], hub.readers.limiter()
+        )
+        depths: dict[str, int] = {}
+        for row in rows:
+            if row.digest not in depths:
+                depths[row.digest] = chain_depth(subjects, row.digest)
         tags = [
             TagInfo(
-                name=tag.name,
-                digest=manifest.digest,
-                media_type=manifest.media_type,
-                artifact_type=manifest.artifact_type,
-                size=_total_size(hub, manifest),
-                chain_depth=chain_depth(subjects, manifest.digest),
-                parent=manifest.subject_digest,
-                pushed_at=tag.updated_at,
-                pulls=tag.pull_count,
+                name=row.name,
+                digest=row.digest,
+                media_type=row.media_type,
+                artifact_type=row.artifact_type,
+                size=sizes.get(row.digest) or row.size,
+                chain_depth=depths[row.digest],
+                parent=row.subject_digest,
+                pushed_at=row.updated_at,
+                pulls=row.pull_count,
             )
-            for tag, manifest in rows
+            for row in rows
         ]
         return RepositoryDetail(
             name=repo.name,
@@ -203,6 +236,9 @@ class CatalogController(Controller):
             created_at=repo.created_at,
             updated_at=repo.updated_at,
             tags=tags,
+            tags_total=total or 0,
+            page=page,
+            per_page=per_page,
         )
 
 
@@ -340,12 +376,21 @@ def annotations_of(stored: str | None) -> dict[str, Any]:
     return notes if isinstance(notes, dict) else {}
 
 
-def _total_size(hub: Hub, manifest: Manifest) -> int:
+def _total_size(hub: Hub, digest: str) -> int | None:
+    """The manifest's size plus every blob it references directly (config and layers),
+    from its bytes (a worker thread: ``ManifestSizes``); None when they cannot be read
+    now (then the tag shows the manifest's own size, and the next request tries again)."""
+    limit = hub.settings.manifest_max_bytes
     try:
-        doc = jsondoc.loads(
-            hub.blobs.read(manifest.digest, hub.settings.manifest_max_bytes), "manifest"
-        )
-    except (NotFound, IntegrityError, InvalidInput, ValueError):
-        return manifest.size
+        body = hub.manifests.get(digest) or hub.blobs.read(digest, limit, "manifest")
+    except (NotFound, IntegrityError, InvalidInput):  # missing, damaged or too big: the hub's
+        return None
+    try:
+        doc = jsondoc.loads(body, "manifest")
+    except (InvalidInput, ValueError):
+        doc = None
+    if not isinstance(doc, dict):
+        return len(body)
     descriptors = [doc.get("config") or {}, *(doc.get("layers") or [])]
-    return manifest.size + sum(int(d.get("size", 0)) for d in descriptors if isinstance(d, dict))
+    sizes = [d.get("size") for d in descriptors if isinstance(d, dict)]
+    return len(body) + sum(n for n in sizes if isinstance(n, int) and n >= 0)

@@ -73,6 +73,7 @@ QUEUE_MAX = 1000
 # provide: holes are free). Chunks decompress up to 2 MiB from a few dozen bytes, so the
 # chain's stored size does not bound this. 16x a 1 GiB guest's memory.
 MAX_WRITTEN = 16 << 30
+BUSY_RETRY_AFTER_S = 10  # Retry-After of a compaction refused because compactions_max run
 
 
 class CompactRequest(Body):
@@ -312,6 +313,8 @@ async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> N
         repo = await accounts.get_repository(session, name)
         if repo is None:
             raise RegistryError(Code.NAME_UNKNOWN, f"repository {name} not found")
+        # Before the links take the quota lock (the order of hub/db.py repository_lock).
+        await hub.db.lock_repository(session, repo.id)
         if not force and await session.get(Tag, (repo.id, to)) is not None:
             raise _conflict(name, to)  # tagged meanwhile
         for digest, size in flat.blobs:
@@ -352,17 +355,37 @@ class CompactionController(Controller):
         name = _checked(name, data)
         caller = await authenticate(hub, request)
         await authorize(hub, request, caller, name, "push")
-        result = await compact_tag(
-            hub,
-            name,
-            data.tag,
-            data.to,
-            force=data.force,
-            actor=caller.principal.name,
-            ip=client_ip(request),
-        )
+        slots = hub.compactions.limiter()
+        try:
+            slots.acquire_nowait()
+        except anyio.WouldBlock:
+            raise _busy(slots.total_tokens) from None
+        try:
+            result = await compact_tag(
+                hub,
+                name,
+                data.tag,
+                data.to,
+                force=data.force,
+                actor=caller.principal.name,
+                ip=client_ip(request),
+            )
+        finally:
+            slots.release()
         assert result is not None  # only the retention rule's conditions skip
         return result
+
+
+def _busy(running: float) -> RegistryError:
+    """All of ``compactions_max`` run: refused, not queued (a queue of requests each about
+    to write up to 16 GiB would only move the stall)."""
+    return RegistryError(
+        Code.TOOMANYREQUESTS,
+        f"the hub is running {int(running)} compaction(s), its limit (compactions_max); "
+        f"nothing was done, retry in {BUSY_RETRY_AFTER_S} s",
+        status=429,
+        headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+    )
 
 
 # -- the retention rule ----------------------------------------------------------
@@ -414,17 +437,20 @@ class Retention:
     async def _one(self, job: _Job) -> None:
         to = job.tag + FLAT_SUFFIX
         try:
-            result = await compact_tag(
-                self.hub,
-                job.name,
-                job.tag,
-                to,
-                force=True,
-                actor=RETENTION_ACTOR,
-                reason="auto-depth",
-                expect=job.digest,
-                deeper_than=self.deeper_than,
-            )
+            # One of the compactions_max places, waited for (one job at a time: the
+            # queue is this worker's, never the requests').
+            async with self.hub.compactions.limiter():
+                result = await compact_tag(
+                    self.hub,
+                    job.name,
+                    job.tag,
+                    to,
+                    force=True,
+                    actor=RETENTION_ACTOR,
+                    reason="auto-depth",
+                    expect=job.digest,
+                    deeper_than=self.deeper_than,
+                )
         except RegistryError as exc:
             log.warning("retention: compacting %s:%s failed: %s", job.name, job.tag, exc)
             self.hub.audit.record(

@@ -33,6 +33,9 @@ SQLITE_BUSY_TIMEOUT_S = 30
 INLINE_BUSY_TIMEOUT_S = 0.05
 GC_LOCK = 0x666F726B64  # "forkd": the advisory lock key between blob writers and GC
 MIGRATE_LOCK = 0x6D69677261  # "migra": one migrating process at a time (PostgreSQL)
+# Two-int advisory keys (class, repository id): one repository's manifest pushes and
+# deletions, blob deletions and retention sweep, one at a time (PostgreSQL).
+REPOSITORY_LOCK_CLASS = 0x7265706F  # "repo"
 # The integers both backends store (BIGINT, SQLite INTEGER): a signed 64-bit number.
 MIN_STORABLE, MAX_STORABLE = -(1 << 63), (1 << 63) - 1
 T = TypeVar("T")
@@ -234,6 +237,28 @@ class Database:
     async def lock_for_write(self, session: AsyncSession) -> None:
         """``write_lock`` from an async session."""
         await session.run_sync(self.write_lock)
+
+    def repository_lock(self, session: Session, repository_id: int) -> None:
+        """Writers that change what a repository's manifests reference take this, after
+        ``write_lock``: a manifest push (its references checked and recorded), a manifest
+        or blob deletion (checked against those references), the retention sweep and a
+        server-side compaction. Each then sees the others' committed work: under READ
+        COMMITTED a blob deletion and a manifest push referencing that blob could
+        otherwise each check before the other commits, and both succeed. Held until the
+        commit. SQLite serialises write transactions already (BEGIN IMMEDIATE).
+
+        Lock order, everywhere: the GC lock's shared side, this, the namespace's quota
+        lock (hub/quotas.py), then rows; so none of these writers waits for another in a
+        cycle (uploads take no repository lock: they only add links)."""
+        if not self.is_sqlite:
+            session.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, :id)"),
+                {"cls": REPOSITORY_LOCK_CLASS, "id": repository_id},
+            )
+
+    async def lock_repository(self, session: AsyncSession, repository_id: int) -> None:
+        """``repository_lock`` from an async session."""
+        await session.run_sync(self.repository_lock, repository_id)
 
     async def lock_for_gc(self, session: AsyncSession) -> None:
         if not self.is_sqlite:

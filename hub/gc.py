@@ -2,7 +2,12 @@
 and temporary files.
 
 Mark: the roots are every manifest (its own bytes) and every digest a manifest
-references (config, layers, child manifests, subject) in ``manifest_references``.
+references (``manifest_references``: config, layers, child manifests, subject) that the
+manifest's own repository holds (``held_references``). A blob a manifest references
+cannot be unlinked from its repository, nor a manifest an index lists deleted, while
+that manifest is there (hub/oci/blobs.py, hub/oci/manifests.py), so a root is always
+something a namespace is charged for; a ``subject`` naming another repository's digest
+pins nothing.
 Sweep: a blob outside the roots is removed when it is older than the grace
 period *and* no repository linked it within the grace period (a push refreshes
 the link time), so a blob uploaded for a manifest that is not pushed yet survives.
@@ -34,9 +39,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, timedelta
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import anyio
-from sqlalchemy import delete, exists, func, select, union
+from sqlalchemy import Select, delete, exists, func, select, union
 
 from forkd.errors import NotFound
 from forkd.hub import quotas
@@ -74,6 +80,23 @@ def _older_than(blobs: BlobStore, digest: str, ts: float) -> bool:
         return False
 
 
+def held_references() -> Select[Any]:
+    """The digests manifests reference that their own repository holds (links: config
+    and layers; a child or subject manifest is a root by its own row while it exists).
+    A reference to a digest the repository does not hold (a ``subject`` may name any
+    digest, in any repository) keeps nothing alive: what a namespace is charged for
+    (hub/quotas.py) and what GC keeps for it are the same digests."""
+    return (
+        select(ManifestReference.digest)
+        .join(Manifest, Manifest.id == ManifestReference.manifest_id)
+        .join(
+            RepositoryBlob,
+            (RepositoryBlob.repository_id == Manifest.repository_id)
+            & (RepositoryBlob.digest == ManifestReference.digest),
+        )
+    )
+
+
 async def collect(
     db: Database,
     blobs: BlobStore,
@@ -89,7 +112,7 @@ async def collect(
     cutoff_ts = time.time() - grace.total_seconds()
     async with db.transaction() as session:
         await db.lock_for_gc(session)
-        roots = union(select(Manifest.digest), select(ManifestReference.digest))
+        roots = union(select(Manifest.digest), held_references())
         recently_linked = exists().where(
             RepositoryBlob.digest == Blob.digest, RepositoryBlob.created_at >= cutoff
         )

@@ -193,9 +193,17 @@ class OrgController(Controller):
                 "only a user signed in with the password (not an API token, a registry bearer "
                 "token or a robot) creates organisations"
             )
-        async with _writing(hub) as session:
-            await accounts.create_org(session, data.name)
-            await accounts.set_member(session, data.name, principal.name, "admin")
+        try:
+            async with _writing(hub) as session:
+                # The caller's row by id and stamp, in this transaction: never a user or
+                # robot given the name since the request was authenticated.
+                creator = await accounts.acting_user(session, principal)
+                if creator.is_robot:
+                    raise PermissionDeniedException("a robot creates no organisations")
+                await accounts.create_org(session, data.name)
+                await accounts.set_member(session, data.name, creator, "admin")
+        except accounts.PrincipalChanged as exc:
+            raise NotAuthorizedException(str(exc)) from exc
         hub.audit.record(principal.name, client_ip(request), "org.create", data.name, "ok")
         return OrgInfo(data.name, "org")
 

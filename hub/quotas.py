@@ -7,7 +7,11 @@ pushed to them (``manifests``). A digest held by several repositories of one nam
 counts once; one shared with another namespace counts in each. Unlinking a blob
 (``DELETE /v2/NAME/blobs/DIGEST``), deleting a manifest (by digest, or by the retention
 sweep) or a GC sweep removing blobs gives the bytes back; deleting tags alone does not,
-until the manifests and then the blobs they kept alive go.
+until the manifests and then the blobs they kept alive go. What GC keeps is what this
+counts: a blob a manifest of its repository references is not unlinked, nor a manifest an
+index lists deleted (hub/oci/blobs.py, hub/oci/manifests.py), and GC's roots are only
+digests their repository holds (hub/gc.py ``held_references``), so no bytes are given
+back that GC then keeps.
 
 A link or manifest that would take the namespace past its quota is refused with
 ``DENIED`` before anything is stored (and checked again under the write lock when the
@@ -98,6 +102,15 @@ def _serialise(session: Session, namespace_id: int) -> None:
             text("SELECT pg_advisory_xact_lock(:cls, :ns)"),
             {"cls": QUOTA_LOCK_CLASS, "ns": namespace_id},
         )
+
+
+def lock_namespace(session: Session, repository_id: int) -> None:
+    """Take the repository's namespace's quota lock now, when a quota applies (``check``
+    and ``release`` would take it later): a writer that will lock rows takes it first, in
+    the order ``Database.repository_lock`` describes."""
+    row = _namespace_of(session, repository_id)
+    if row is not None and row.quota_bytes is not None:
+        _serialise(session, row.id)
 
 
 def check(session: Session, repository_id: int, digest: str, size: int) -> int:

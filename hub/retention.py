@@ -107,6 +107,10 @@ async def _sweep_repository(
 ) -> None:
     async with db.transaction() as session:
         await db.lock_for_write(session)
+        # No push or deletion in the repository commits while the sweep decides from the
+        # references it reads here (an index pushed meanwhile naming a manifest it deletes).
+        await db.lock_repository(session, repo_id)
+        await session.run_sync(quotas.lock_namespace, repo_id)
         tags = list((await session.scalars(select(Tag).where(Tag.repository_id == repo_id))).all())
         if not tags:
             return

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from forkd.audit import AuditLog
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
-from forkd.hub.manifest_cache import ManifestCache
+from forkd.hub.manifest_cache import ManifestCache, ManifestSizes
 from forkd.hub.observability import Metrics
 from forkd.hub.pulls import PullCounter
 from forkd.hub.secrets import load_token_key
@@ -20,6 +22,25 @@ from forkd.hub.storage import UploadArea
 from forkd.hub.tokens import CredentialCache, TokenSigner
 from forkd.store.blobs import BlobStore, FsBlobStore
 from forkd.store.s3 import S3BlobStore
+
+# Worker threads that read and parse catalog facts (the UI's layer facts, the API's tag
+# sizes), all together: a page parses manifests of up to 4 MiB and image maps of up to
+# 4 MiB each (~0.7 s of CPU), never on the event loop nor in anyio's shared pool.
+FACTS_READERS = 2
+
+
+class LazyLimiter:
+    """An ``anyio.CapacityLimiter`` of ``count`` places, made at first use (in the event
+    loop that uses it: one hub, one loop)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    def limiter(self) -> anyio.CapacityLimiter:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.count)
+        return self._limiter
 
 
 @dataclass
@@ -38,6 +59,12 @@ class Hub:
     # blob backend; hub/shared_uploads.py). None: sessions are files in ``uploads``.
     shared: SharedUploads | None = None
     manifests: ManifestCache = field(default_factory=ManifestCache)
+    # Catalog facts: the threads they are parsed in (UI and API together) and the API's
+    # tag sizes by manifest digest (hub/manifest_cache.py).
+    readers: LazyLimiter = field(default_factory=lambda: LazyLimiter(FACTS_READERS))
+    sizes: ManifestSizes = field(default_factory=ManifestSizes)
+    # Server-side compactions running at once (hub/compaction.py); more are refused (429).
+    compactions: LazyLimiter = field(default_factory=lambda: LazyLimiter(1))
     # The HMAC key of bearer tokens and UI sessions: a placeholder until ``load_key``
     # (the app's start) puts the shared one in place (hub/secrets.py); its users follow.
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
@@ -68,6 +95,7 @@ class Hub:
             audit=AuditLog(settings.audit_path),
             pulls=PullCounter(),
             key=placeholder,
+            compactions=LazyLimiter(settings.compactions_max),
         )
 
     async def load_key(self) -> None:

@@ -20,6 +20,7 @@ POSTGRES_PREFIX = "postgresql+asyncpg://"
 VISIBILITIES = ("public", "private")
 BLOB_BACKENDS = ("fs", "s3")
 MIN_METRICS_TOKEN = 16
+MAX_COMPACTIONS = 16  # compactions_max: each one may write 16 GiB and keep a core busy
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,10 @@ class HubSettings:
     upload_sessions_per_user: int = 20
     upload_max_bytes: int = 16 * 1024 * MiB
     upload_idle_timeout: float = 3600.0
+    # Server-side compactions (hub/compaction.py) running at once, the retention rule's
+    # included: each may write up to 16 GiB of assembled images. A POST /api/v1/compact
+    # finding them all busy is refused with 429 and Retry-After, never queued.
+    compactions_max: int = 2
 
     @classmethod
     def from_env(
@@ -164,6 +169,10 @@ class HubSettings:
             )
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
+        if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
+            raise InvalidInput(
+                f"compactions_max must be 1 to {MAX_COMPACTIONS}, not {self.compactions_max}"
+            )
         if self.metrics_token and (
             len(self.metrics_token) < MIN_METRICS_TOKEN or not self.metrics_token.isprintable()
         ):
@@ -211,6 +220,7 @@ class HubSettings:
             upload_sessions_per_user=self.upload_sessions_per_user,
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
+            compactions_max=self.compactions_max,
         )
 
     def _check_blob_backend(self) -> None:

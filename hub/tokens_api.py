@@ -103,7 +103,7 @@ class TokenController(Controller):
             async with hub.db.transaction() as session:
                 secret = await accounts.create_token(
                     session,
-                    principal.name,
+                    await accounts.acting_user(session, principal),  # by id, never by name
                     data.name,
                     " ".join(data.scopes),
                     expires_in=timedelta(days=data.expires_days) if data.expires_days else None,
@@ -113,6 +113,8 @@ class TokenController(Controller):
                         select(ApiToken).where(ApiToken.token_hash == accounts.hash_token(secret))
                     )
                 ).one()
+        except accounts.PrincipalChanged as exc:
+            raise NotAuthorizedException(str(exc)) from exc
         except InvalidInput as exc:
             raise ValidationException(str(exc)) from exc
         hub.audit.record(

@@ -22,7 +22,14 @@ from forkd.hub.accounts import Principal
 from forkd.hub.authz import access
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob
-from forkd.hub.oci.common import STREAM_CHUNK, Ctx, parse_bound, parse_digest
+from forkd.hub.oci.common import (
+    STREAM_CHUNK,
+    Ctx,
+    database_contention,
+    parse_bound,
+    parse_digest,
+)
+from forkd.hub.oci.manifests import referencing, still_referenced
 from forkd.hub.services import Hub
 from forkd.store.blobs import FsBlobStore
 
@@ -125,18 +132,36 @@ def _read(ctx: Ctx, digest: str, offset: int, length: int) -> Iterator[bytes]:
 
 
 async def delete_blob(ctx: Ctx, digest: str) -> Response[object]:
-    """Unlink a blob from the repository; the bytes stay for others until GC."""
+    """Unlink a blob from the repository; the bytes stay for others until GC. Refused
+    (400) while a manifest of the repository references it: the manifest would lose a
+    blob its pulls need, and GC, which keeps what manifests reference, would keep the
+    bytes the quota had been given back."""
     await ctx.allow("delete")
     digest = parse_digest(digest)
-    async with ctx.hub.db.transaction() as session:
-        repo = await ctx.repository(session)
-        result = await session.execute(
-            delete(RepositoryBlob).where(
-                RepositoryBlob.repository_id == repo.id, RepositoryBlob.digest == digest
+    hub = ctx.hub
+    with database_contention():
+        async with hub.db.transaction() as session:
+            repo = await ctx.repository(session)
+            # No manifest push referencing the blob commits between the check and the
+            # unlink (hub/db.py ``repository_lock``).
+            await hub.db.lock_for_write(session)
+            await hub.db.lock_repository(session, repo.id)
+            await session.run_sync(quotas.lock_namespace, repo.id)
+            linked = await session.scalar(
+                select(RepositoryBlob.digest).where(
+                    RepositoryBlob.repository_id == repo.id, RepositoryBlob.digest == digest
+                )
             )
-        )
-        if not result.rowcount:  # type: ignore[attr-defined]
-            raise RegistryError(Code.BLOB_UNKNOWN, f"blob {digest} not in {ctx.name}")
-        await session.run_sync(quotas.release, repo.id, digest)
+            if linked is None:
+                raise RegistryError(Code.BLOB_UNKNOWN, f"blob {digest} not in {ctx.name}")
+            named, total = await session.run_sync(referencing, repo.id, digest)
+            if named:
+                raise still_referenced(f"blob {digest}", named, total, ctx.name)
+            await session.execute(
+                delete(RepositoryBlob).where(
+                    RepositoryBlob.repository_id == repo.id, RepositoryBlob.digest == digest
+                )
+            )
+            await session.run_sync(quotas.release, repo.id, digest)
     ctx.audit("blob.delete", digest)
     return Response(b"", status_code=202)

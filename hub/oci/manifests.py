@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 from litestar import Response
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import bindparam, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -425,6 +425,9 @@ async def _register(
     """``register_manifest``. ``prechecked``: ``check_references`` passed before the write
     lock was taken, so a count per chunk confirms it (the full check runs again only when
     a count is short, to name what went missing)."""
+    # One writer of the repository's references at a time: a blob or child manifest
+    # deletion checked before this push commits cannot take what it references.
+    await hub.db.lock_repository(session, repo.id)
     if not prechecked or not await session.run_sync(_references_present, repo.id, pushed):
         await session.run_sync(check_references, repo.id, repo.name, pushed)
     await anyio.to_thread.run_sync(hub.blobs.put_bytes, pushed.body, pushed.digest)
@@ -496,27 +499,34 @@ async def get(ctx: Ctx, reference: str, *, head: bool) -> Response[object]:
 async def delete_manifest(ctx: Ctx, reference: str) -> Response[object]:
     """By tag: remove the tag. By digest: remove the manifest and every tag on it (202);
     manifests that name it as ``subject`` stay and list it as their subject still, except
-    that a forkd snapshot other forkd snapshots build on is refused (405)."""
+    that a forkd snapshot other forkd snapshots build on is refused (405), and so is a
+    manifest an index of the repository lists as a child (400), under the repository's
+    lock (``Database.repository_lock``) so no such index is pushed meanwhile."""
     await ctx.allow("delete")
     _check_reference(reference)
     repo = ctx.known()
     with database_contention():
-        await ctx.hub.db.write(_delete, repo.id, ctx.name, reference)
+        await ctx.hub.db.write(_delete, ctx.hub.db, repo.id, ctx.name, reference)
     ctx.audit("manifest.delete", reference)
     return Response(b"", status_code=202)
 
 
-def _delete(session: Session, repo_id: int, name: str, reference: str) -> None:
+def _delete(session: Session, db: Database, repo_id: int, name: str, reference: str) -> None:
     if not _is_digest(reference):
         tag = session.get(Tag, (repo_id, reference))
         if tag is None:
             raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {name}")
         session.delete(tag)
         return
+    # No push of an index naming this manifest can commit between the check and the delete.
+    db.write_lock(session)
+    db.repository_lock(session, repo_id)
+    quotas.lock_namespace(session, repo_id)
     manifest = find_manifest(session, repo_id, parse_digest(reference))
     if manifest is None:
         raise _unknown(name, reference)
     _refuse_snapshot_base(session, manifest, name)
+    _refuse_index_child(session, manifest, name)
     session.execute(
         delete(Tag).where(Tag.repository_id == repo_id, Tag.manifest_digest == reference)
     )
@@ -553,3 +563,53 @@ def _refuse_snapshot_base(session: Session, manifest: Manifest, name: str) -> No
         status=405,
         headers={"Allow": "GET, HEAD, PUT"},
     )
+
+
+def referencing(
+    session: Session, repo_id: int, digest: str, *, children_of: Manifest | None = None
+) -> tuple[list[str], int]:
+    """The manifests of the repository that reference ``digest`` (up to
+    ``DEPENDENTS_NAMED`` of them, oldest first) and how many there are. With
+    ``children_of`` (the manifest of that digest): only indexes listing it as a child, not
+    manifests naming it as their ``subject`` (referrers may outlive their subject)."""
+    query = (
+        select(Manifest.digest)
+        .join(ManifestReference, ManifestReference.manifest_id == Manifest.id)
+        .where(Manifest.repository_id == repo_id, ManifestReference.digest == digest)
+    )
+    if children_of is not None:
+        query = query.where(
+            Manifest.id != children_of.id,
+            Manifest.media_type.in_(INDEX_TYPES),
+            or_(Manifest.subject_digest.is_(None), Manifest.subject_digest != digest),
+        )
+    query = query.order_by(Manifest.created_at, Manifest.digest)
+    named = list(session.scalars(query.limit(DEPENDENTS_NAMED)))
+    if not named:
+        return [], 0
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    return named, total
+
+
+def still_referenced(what: str, named: list[str], total: int, name: str) -> RegistryError:
+    """The refusal of a deletion that would leave manifests of the repository without
+    what they reference: 400 (the spec's answer for a deletion the registry does not
+    allow is 400 or 405), naming up to ``DEPENDENTS_NAMED`` of them and saying what to do."""
+    more = f" and {total - len(named)} more" if total > len(named) else ""
+    return RegistryError(
+        Code.UNSUPPORTED,
+        f"{what} is referenced by {total} manifest(s) of {name}: {', '.join(named)}{more}. "
+        "Delete those manifests first (DELETE /v2/NAME/manifests/DIGEST), then this one",
+        status=400,
+    )
+
+
+def _refuse_index_child(session: Session, manifest: Manifest, name: str) -> None:
+    """An index of the repository lists this manifest: deleting it would leave the index
+    pointing at nothing (and give its bytes back to the quota while the index's pulls
+    still need them)."""
+    named, total = referencing(
+        session, manifest.repository_id, manifest.digest, children_of=manifest
+    )
+    if named:
+        raise still_referenced(f"manifest {manifest.digest}", named, total, name)

@@ -29,7 +29,7 @@ STATIC = Path(__file__).parent / "static"
 def ui_router(hub: Hub) -> Router:
     sessions = Sessions(hub.key)
     hub.rekeyed.append(sessions.rekey)
-    ui = UI(Renderer(), sessions, FactsCache())
+    ui = UI(Renderer(), sessions, FactsCache(readers=hub.readers))
 
     def provide_ui() -> UI:
         return ui

@@ -296,10 +296,11 @@ class AccountController(Controller):
             if expires is not None and not 1 <= expires.days <= 3650:
                 raise InvalidInput("expiry must be 1-3650 days")
             async with hub.db.transaction() as session:
+                owner = await accounts.acting_user(session, who.principal)  # by id, not name
                 secret = await accounts.create_token(
-                    session, who.principal.name, name, scopes, expires_in=expires
+                    session, owner, name, scopes, expires_in=expires
                 )
-        except (InvalidInput, ValueError) as exc:
+        except (InvalidInput, ValueError, accounts.PrincipalChanged) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
         hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
         return _show_once(request, ui, secret, name)
@@ -359,9 +360,9 @@ class AccountController(Controller):
                         f"robot {shown(robot)} belongs to a namespace you do not administer: "
                         "choose another name"
                     )
-                await accounts.set_member(session, ns_name, robot, role)
+                await accounts.set_member(session, ns_name, user, role)
                 secret = await accounts.create_token(
-                    session, robot, f"{ns_name}-{role}", f"{ns_name}:{role}"
+                    session, user, f"{ns_name}-{role}", f"{ns_name}:{role}"
                 )
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)

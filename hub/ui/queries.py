@@ -24,7 +24,7 @@ from forkd.hub import accounts, authz
 from forkd.hub.catalog import MAX_CHAIN, annotations_of, chain_depth, like_literal
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
-from forkd.hub.services import Hub
+from forkd.hub.services import FACTS_READERS, Hub, LazyLimiter
 from forkd.pack import mediatypes as mt
 from forkd.pack.config import MAX_CONFIG_BYTES, SnapshotConfig
 from forkd.pack.imagemap import PAGE_SIZE, ImageMap, check_map_size
@@ -32,9 +32,6 @@ from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.pack.manifest import Manifest as PackManifest
 
 FACTS_CACHE = 4096
-# Manifests whose facts are being read at once (worker threads of their own, not the
-# shared pool): a tag page parses image maps, up to MAX_MAP_BYTES each (~0.7 s of CPU).
-FACTS_READERS = 2
 # Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
 FILTER_SCAN_LIMIT = 5000
 
@@ -92,15 +89,16 @@ class FactsCache:
     """LayerFacts by manifest digest, read from the blob store once (bounded LRU).
 
     Only the small facts are kept, never a map. Reads run in worker threads, at most
-    ``FACTS_READERS`` at a time, and once per digest: a request wanting facts another
-    request is reading waits for them instead of parsing the same map again."""
+    ``FACTS_READERS`` at a time (``readers``: the hub's, shared with the API's tag sizes),
+    and once per digest: a request wanting facts another request is reading waits for
+    them instead of parsing the same map again."""
 
-    def __init__(self, limit: int = FACTS_CACHE) -> None:
+    def __init__(self, limit: int = FACTS_CACHE, readers: LazyLimiter | None = None) -> None:
         self._limit = limit
         self._items: OrderedDict[str, LayerFacts] = OrderedDict()
         self._lock = threading.Lock()
         self._reading: dict[str, anyio.Event] = {}
-        self._readers: anyio.CapacityLimiter | None = None
+        self._readers = readers or LazyLimiter(FACTS_READERS)
 
     def _read(self, hub: Hub, digest: str, size: int, maps: bool) -> LayerFacts:
         try:
@@ -185,12 +183,10 @@ class FactsCache:
                 mine = {d: anyio.Event() for d in todo}
                 self._reading.update(mine)
             if todo:
-                if self._readers is None:
-                    self._readers = anyio.CapacityLimiter(FACTS_READERS)
                 try:
                     found.update(
                         await anyio.to_thread.run_sync(
-                            self._load, hub, todo, maps, limiter=self._readers
+                            self._load, hub, todo, maps, limiter=self._readers.limiter()
                         )
                     )
                 finally:
