@@ -70,8 +70,9 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import PoolBackend
+from forkd.controller.backend import LocalBackend, PoolBackend
 from forkd.engine.commands import MAX_PUT_BYTES
+from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
     ChainError,
     Conflict,
@@ -311,6 +312,8 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     status, body = error_answer(exc)
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
+    home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
+    body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status)
 
 

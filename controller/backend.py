@@ -53,6 +53,7 @@ from forkd.engine import lifetimes, watchdog
 from forkd.engine.branch import branch as branch_child
 from forkd.engine.errors import AgentError
 from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
+from forkd.engine.paths import hidden_host_paths
 from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
@@ -389,7 +390,7 @@ class LocalBackend:
             sandboxes=[sandbox_view(c) for c in result.children],
             assemble_ms=round(result.assemble_ms, 1),
             total_ms=round(result.total_ms, 1),
-            errors=list(result.errors),
+            errors=[hidden_host_paths(e, self.store.home) for e in result.errors],
         )
 
     def _lazy_fork(self, req: SpawnRequest) -> Callable[..., ch.ForkResult]:

@@ -32,6 +32,7 @@ from pydantic import Field
 import forkd
 from forkd.controller.app import Token, token_matches
 from forkd.controller.sdk import Controller, Sandbox
+from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
@@ -80,11 +81,11 @@ def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except ToolError:
             raise
         except ForkdError as exc:
-            raise ToolError(f"{type(exc).__name__}: {exc}") from exc
+            raise ToolError(f"{type(exc).__name__}: {hidden_host_paths(str(exc))}") from exc
         except Exception as exc:  # a bug or the host's trouble: say so, keep serving
             raise ToolError(
-                f"unexpected {type(exc).__name__}: {exc}; the MCP server is still running "
-                "(its stderr has the details)"
+                f"unexpected {type(exc).__name__}: {hidden_host_paths(str(exc))}; the MCP "
+                "server is still running (its stderr has the details)"
             ) from exc
 
     return wrapper

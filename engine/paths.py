@@ -54,3 +54,18 @@ def work_dir() -> Path:
     d = run_dir() / "work"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def hidden_host_paths(text: str, home: Path | None = None) -> str:
+    """``text`` (an error an API answers with) with this host's forkd directories named by
+    their variables: ``$FORKD_HOME`` (the store ``home``, default the user's),
+    ``$FORKD_RUN``, ``$FORKD_CACHE``. A remote caller learns what went wrong, not where
+    this host keeps its stores, sandboxes and caches; the daemon's log keeps the paths."""
+    from forkd.store.store import default_home
+
+    places = [(str(home or default_home()), "$FORKD_HOME"), (str(run_dir()), "$FORKD_RUN"),
+              (str(cache_dir()), "$FORKD_CACHE")]
+    for path, name in sorted(places, key=lambda p: -len(p[0])):  # the longest first
+        if len(path) > 1:
+            text = text.replace(path, name)
+    return text

@@ -277,3 +277,23 @@ def test_a_validation_error_does_not_repeat_the_url(http: TestClient[Any]) -> No
     answer = http.post("/v1/sandboxes?<script>" + "q" * 300, json={"tag": "a:b", "nn": 1})
     _refused(answer, "unknown field", "nn")
     assert "<script>" not in answer.text and "q" * 50 not in answer.text
+
+
+def test_errors_name_no_host_paths(http: TestClient[Any], tmp_path: Path) -> None:
+    """An error answer names the store as $FORKD_HOME (and the run directory as
+    $FORKD_RUN), never where this host keeps them."""
+    answer = http.get("/v1/snapshots/ghost:v1")
+    assert answer.status_code == 404, answer.text
+    message = answer.json()["error"]["message"]
+    assert str(tmp_path) not in message and "$FORKD_HOME" in message, message
+
+
+def test_hidden_host_paths_names_each_directory(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from forkd.engine.paths import cache_dir, hidden_host_paths, run_dir
+
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("FORKD_CACHE", str(tmp_path / "cache"))
+    text = f"{tmp_path}/home/blobs/x, {run_dir()}/children/a-1/qemu.log, {cache_dir()}/debs"
+    hidden = hidden_host_paths(text, tmp_path / "home")
+    assert hidden == "$FORKD_HOME/blobs/x, $FORKD_RUN/children/a-1/qemu.log, $FORKD_CACHE/debs"
