@@ -44,6 +44,7 @@ from forkd.engine.commands import (
 from forkd.engine.egress.child import EgressSettings, configure_guest
 from forkd.engine.errors import (
     AgentError,
+    Busy,
     ChildDead,
     ChildNotFound,
     EngineError,
@@ -512,10 +513,49 @@ def _requests_allowed(info: ChildInfo, timeout: float = 60.0
 _require_running = require_running  # the name engine/branch.py calls
 
 
+MAX_REQUESTS_PER_CHILD = 16  # requests to one child's agent in flight in one process
+MAX_REQUESTS = 32  # requests to any children's agents in flight in one process
+_in_flight: dict[str, int] = {}
+_in_flight_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _admitted(child_id: str) -> Iterator[None]:
+    """Room for one more request to ``child_id``'s agent in this process, else Busy at
+    once. A request holds a thread until the guest answers (a command without a timeout:
+    until it ends), so without a bound a few commands that never end would hold every
+    worker of a daemon, and its kills, listings and spawns with them."""
+    with _in_flight_lock:
+        mine, total = _in_flight.get(child_id, 0), sum(_in_flight.values())
+        if mine >= MAX_REQUESTS_PER_CHILD or total >= MAX_REQUESTS:
+            held = (f"{mine} requests to child {child_id} (at most {MAX_REQUESTS_PER_CHILD})"
+                    if mine >= MAX_REQUESTS_PER_CHILD
+                    else f"{total} requests to children (at most {MAX_REQUESTS})")
+            raise Busy(f"{held} are in flight here: wait for one to end and try again "
+                       "(a command without a timeout holds its request until it ends)")
+        _in_flight[child_id] = mine + 1
+    try:
+        yield
+    finally:
+        with _in_flight_lock:
+            left = _in_flight[child_id] - 1
+            if left:
+                _in_flight[child_id] = left
+            else:
+                del _in_flight[child_id]
+
+
 @contextlib.contextmanager
 def agent(child_id: str, timeout: float = 10.0) -> Iterator[AgentClient]:
-    """A client of the child's agent, through its relay (agent_client.connect_child): any
-    number at once, from any process; one per concurrent caller."""
+    """A client of the child's agent, through its relay (agent_client.connect_child): one
+    per concurrent caller, from any process, at most MAX_REQUESTS_PER_CHILD at once per
+    child and MAX_REQUESTS in all in one process (Busy beyond)."""
+    with _admitted(child_id), _agent(child_id, timeout) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def _agent(child_id: str, timeout: float) -> Iterator[AgentClient]:
     info = get(child_id)
     try:
         require_running(info)

@@ -297,3 +297,26 @@ def test_hidden_host_paths_names_each_directory(tmp_path: Path,
     text = f"{tmp_path}/home/blobs/x, {run_dir()}/children/a-1/qemu.log, {cache_dir()}/debs"
     hidden = hidden_host_paths(text, tmp_path / "home")
     assert hidden == "$FORKD_HOME/blobs/x, $FORKD_RUN/children/a-1/qemu.log, $FORKD_CACHE/debs"
+
+
+def test_requests_in_flight_to_guests_are_bounded() -> None:
+    """A request to a guest holds a worker until the guest answers: past
+    MAX_REQUESTS_PER_CHILD to one child, or MAX_REQUESTS in all, the next is Busy (a 409)
+    at once, so commands that never end cannot take every worker of the daemon."""
+    import contextlib
+
+    from forkd.engine import children as ch
+    from forkd.engine.errors import Busy
+
+    with contextlib.ExitStack() as held:
+        for _ in range(ch.MAX_REQUESTS_PER_CHILD):
+            held.enter_context(ch._admitted("a-1"))
+        with pytest.raises(Busy, match="requests to child a-1"):
+            held.enter_context(ch._admitted("a-1"))
+        for i in range(ch.MAX_REQUESTS - ch.MAX_REQUESTS_PER_CHILD):
+            held.enter_context(ch._admitted(f"b-{i}"))
+        with pytest.raises(Busy, match="requests to children"):
+            held.enter_context(ch._admitted("c-1"))
+    with ch._admitted("a-1"), ch._admitted("c-1"):  # all given back
+        assert ch._in_flight == {"a-1": 1, "c-1": 1}
+    assert ch._in_flight == {}
