@@ -179,7 +179,9 @@ def _write_image(
                 blob = store.blobs.read(chunk.digest, chunk.stored, what)
             except (NotFound, BlobBackendError):
                 raise  # missing or unreachable, not corrupt: the message says which
-            except (ForkdError, OSError) as exc:
+            except OSError as exc:  # the disk failed a read: not the blob's fault either
+                raise BlobBackendError(f"{what}: cannot be read: {exc}") from exc
+            except ForkdError as exc:
                 raise IntegrityError(f"{what}: {exc}") from exc
             data = memoryview(decompress(blob, chunk.size, what))
             for p in pieces:
