@@ -50,6 +50,7 @@ def serve(
 ) -> None:
     """Run the controller daemon: owns this host's store and sandboxes (docs/api.md)."""
     from forkd.controller import server
+    from forkd.controller.backend import MAX_SANDBOXES
     from forkd.controller.client import default_socket
 
     pools = [_prewarm_arg(p) for p in prewarm]
@@ -63,7 +64,7 @@ def serve(
     for tag, k in pools:
         click.echo(f"forkd controller: prewarming {k} processes for {tag}", err=True)
     server.serve(socket_path, listen, audit_log, token_file, pools,
-                 max_sandboxes or server.MAX_SANDBOXES)
+                 max_sandboxes or MAX_SANDBOXES)
 
 
 def _prewarm_arg(text: str) -> tuple[str, int]:

@@ -64,6 +64,9 @@ from forkd.store.tagging import dependents
 
 T = TypeVar("T")
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
+# VMs at once by default: a daemon's (forkd serve), and an in-process controller's (the SDK
+# and `forkd mcp` without a daemon): sandboxes, pool processes, ones starting
+MAX_SANDBOXES = 512
 
 
 class Backend(Protocol):

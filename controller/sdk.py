@@ -43,7 +43,7 @@ from forkd.controller.api import (
     SandboxInfo,
     SpawnRequest,
 )
-from forkd.controller.backend import Backend, LocalBackend
+from forkd.controller.backend import MAX_SANDBOXES, Backend, LocalBackend
 from forkd.controller.client import RemoteBackend
 from forkd.errors import ForkdError, InvalidInput
 
@@ -114,7 +114,7 @@ class Controller:
         """Daemon at ``url`` or ``socket`` if it answers (unless ``local=True``), else local."""
         self.backend: Backend
         if local:
-            self.backend = LocalBackend()
+            self.backend = LocalBackend(max_sandboxes=MAX_SANDBOXES)
             return
         remote = RemoteBackend(url=url, token=token, socket=socket)
         if url or remote.alive():
@@ -123,7 +123,7 @@ class Controller:
             raise ForkdError(f"no controller answers at {remote.where}; start `forkd serve`")
         else:
             remote.close()
-            self.backend = LocalBackend()
+            self.backend = LocalBackend(max_sandboxes=MAX_SANDBOXES)
 
     @property
     def remote(self) -> bool:

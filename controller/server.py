@@ -28,15 +28,13 @@ from forkd.controller.app import (
     checked_token,
     create_app,
 )
-from forkd.controller.backend import LocalBackend
+from forkd.controller.backend import MAX_SANDBOXES, LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
 from forkd.engine.paths import run_dir
 from forkd.engine.pool import Pool
 from forkd.errors import Conflict, InvalidInput
 from forkd.private import create_private_file, read_private_file
 from forkd.store.store import Store
-
-MAX_SANDBOXES = 512  # a daemon's VMs at once by default: sandboxes, pool processes, starting
 
 
 def token_path() -> Path:

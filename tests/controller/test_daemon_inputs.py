@@ -320,3 +320,15 @@ def test_requests_in_flight_to_guests_are_bounded() -> None:
     with ch._admitted("a-1"), ch._admitted("c-1"):  # all given back
         assert ch._in_flight == {"a-1": 1, "c-1": 1}
     assert ch._in_flight == {}
+
+
+def test_an_in_process_controller_has_the_daemons_vm_limit(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK and `forkd mcp` without a daemon run VMs in their own process: an agent
+    driving them is bound by the same limit as a daemon's callers (docs/api.md)."""
+    from forkd.controller.backend import MAX_SANDBOXES, LocalBackend
+    from forkd.controller.sdk import Controller
+
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    backend = Controller(local=True).backend
+    assert isinstance(backend, LocalBackend) and backend.max_sandboxes == MAX_SANDBOXES
