@@ -496,7 +496,7 @@ def exec_stream(
     return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
 
 
-STREAM_FRAMES = 64  # frames of a streamed command waiting to be sent to a client, at most
+STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
 FILE_CHUNKS = 4  # chunks of a file (1 MiB each) waiting to be sent to a client, at most
 _END = object()  # what follows the last item in relayed's queue
 

@@ -167,7 +167,7 @@ def _child_exists(child_id: str) -> bool:
     return True
 
 
-STREAM_QUEUE = 256  # frames of a streamed command waiting for its reader, at most
+STREAM_QUEUE = 64  # frames of a streamed command waiting for its reader, at most
 FILE_QUEUE = 16  # chunks (1 MiB each) of a file read waiting for its reader, at most
 
 

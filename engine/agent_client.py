@@ -50,7 +50,9 @@ RELAY_START_S = 10.0  # how long connect_child waits for a relay it started to l
 CLIENT_BUFFER = 16 << 20  # relay: bytes queued for one client before the agent is not read
 SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this long is dropped
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
-MAX_EVENT = 16 << 20  # an event's binary payload (the agent sends at most 1 MiB)
+# an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
+# hostile one sending more must not make each queued frame of a stream 16 times larger
+MAX_EVENT = 2 << 20
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
 
 OnData = Callable[[bytes], None]
