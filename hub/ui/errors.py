@@ -62,6 +62,8 @@ def server_error(request: Request[Any, Any, State], exc: Exception) -> Response[
 
 HTML_ERRORS: dict[type[Exception] | int, Any] = {
     HTTPException: http_error,
+    # by name too: the app's JSON handler for it would be found first (the exact class)
+    ValidationException: http_error,
     InvalidInput: invalid_input,
     500: server_error,
 }
