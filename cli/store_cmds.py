@@ -297,7 +297,13 @@ def _compact_remote(tag: str, to: str, force: bool, as_json: bool, start: float)
 
     ref = parse_remote(tag)
     with RegistryClient(ref.hub, credentials.load(ref.hub.host)) as client:
-        result = compact_remote(client, ref.name, ref.tag, to, force)
+        result = compact_remote(
+            client, ref.name, ref.tag, to, force,
+            on_busy=lambda s: click.echo(
+                f"the hub is running its limit of compactions; asking again in {s:.0f} s",
+                err=True,
+            ),
+        )
     seconds = time.perf_counter() - start
     if as_json:
         emit_json({**result, "seconds": round(seconds, 3)})

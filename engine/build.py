@@ -128,7 +128,11 @@ def _cache_key(recipe: Recipe, accel: str) -> str:
 def cached_snapshot(store: Store, recipe: Recipe) -> str | None:
     """The digest of the snapshot ``recipe`` built before, if ``store`` holds it (then
     `build` only tags it), else None."""
-    for f in _cache_files(store, _cache_key(recipe, cached_probe().accel)):
+    return _recorded_snapshot(store, _cache_key(recipe, cached_probe().accel))
+
+
+def _recorded_snapshot(store: Store, key: str) -> str | None:
+    for f in _cache_files(store, key):
         with contextlib.suppress(ValueError, KeyError, OSError, ForkdError):
             prev_digest = str(json.loads(f.read_text())["digest"])
             store.chain(prev_digest)  # the manifest and its chain are in this store
@@ -170,11 +174,12 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
     t_start = time.monotonic()
     ref = str(parse_ref(tag))
     verdict = cached_probe()
+    key = _cache_key(recipe, verdict.accel)  # hashes the guest code: once per build
     # The build cache maps recipe content to the snapshot it produced. Any store that holds
     # that snapshot (its own record, or the one shared by every store of this user) just
     # tags it.
-    if not force and (prev_digest := cached_snapshot(store, recipe)) is not None:
-        _record_build(store, _cache_key(recipe, verdict.accel), ref, prev_digest)
+    if not force and (prev_digest := _recorded_snapshot(store, key)) is not None:
+        _record_build(store, key, ref, prev_digest)
         with contextlib.suppress(ForkdError):
             if store.tags.read().get(ref) == prev_digest:
                 progress(f"cached: {ref} is already built from this recipe")
@@ -271,7 +276,7 @@ def build(store: Store, recipe: Recipe, tag: str, *, force: bool = False,
                                       compat=compat, description=recipe.description,
                                       recipe=recipe.to_dict(), disk_ready=ready,
                                       force=True)  # a build replaces the tag, like docker build
-        _record_build(store, _cache_key(recipe, verdict.accel), ref, info.digest)
+        _record_build(store, key, ref, info.digest)
         return BuildResult(ref, info.digest, False, verdict.accel, boot_s, warm_s, snap_ms,
                            time.monotonic() - t_start, info.stored_bytes)
     finally:

@@ -417,3 +417,81 @@ def test_the_ui_mints_no_token_for_an_account_given_the_name_meanwhile(
                    data={"csrf": found.group(1), "name": "web", "scopes": "uiswap:push"})
     assert r.status_code == 400 and "sign in again" in r.text, r.text
     assert _tokens_of(hub, "uiswap") == "", "the robot got the removed user's token"
+
+
+def test_forkd_compact_remote_waits_while_the_hub_is_busy_and_asks_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client side of the limit: ``compact_remote`` (``forkd compact --remote``) that
+    meets a 429 waits as Retry-After says (bounded by RETRY_AFTER_MAX) and asks again, so a
+    compaction is not lost to a busy hub; the wait is reported through ``on_busy``."""
+    import anyio
+
+    from forkd.hub import compaction
+    from forkd.hub.errors import Code, RegistryError
+    from forkd.registry import compaction as client_side
+    from forkd.registry.client import RegistryClient
+    from forkd.registry.credentials import Credential
+    from forkd.registry.reference import Hub
+
+    release = threading.Event()
+    running: list[str] = []
+
+    async def slow(hub: Any, name: str, tag: str, to: str, **_: Any) -> None:
+        running.append(tag)
+        while not release.is_set():
+            await anyio.sleep(0.02)
+        raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {tag} not in {name}")
+
+    monkeypatch.setattr(compaction, "compact_tag", slow)
+    monkeypatch.setattr(client_side, "RETRY_AFTER_MAX", 0.2)
+    hub = HubServer(tmp_path / "hub").start()
+    try:
+        who = hub.add_user("compactor")
+
+        def post(tag: str) -> httpx.Response:
+            with hub.client(who) as c:
+                return c.post("/api/v1/compact/compactor/app", json={"tag": tag, "to": "flat"})
+
+        waits: list[float] = []
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(post, f"busy{i}") for i in range(2)]
+            deadline = 200
+            while len(running) < 2 and deadline:
+                threading.Event().wait(0.05)
+                deadline -= 1
+            assert len(running) == 2, running
+
+            def patient() -> None:
+                with RegistryClient(Hub(hub.address, "http"), Credential(*who)) as client:
+                    client_side.compact_remote(client, "compactor/app", "third", "flat",
+                                               on_busy=waits.append)
+
+            third = pool.submit(patient)
+            deadline = 200
+            while not waits and deadline:
+                threading.Event().wait(0.05)
+                deadline -= 1
+            assert waits and waits[0] == 0.2, waits  # Retry-After 10, bounded for the test
+            assert "third" not in running
+            release.set()
+            assert [f.result().status_code for f in first] == [404, 404]
+            from forkd.registry.client import RegistryNotFound
+
+            with pytest.raises(RegistryNotFound, match="MANIFEST_UNKNOWN"):  # the stub's answer
+                third.result(timeout=30)
+        assert "third" in running, "asked again once a place was free"
+    finally:
+        hub.stop()
+
+
+@pytest.mark.parametrize(("header", "seconds"), [
+    ("10", 10.0), ("0", 1.0), ("-5", 1.0), ("99999", 30.0), ("nan", 10.0), ("inf", 10.0),
+    ("Wed, 21 Oct 2026 07:28:00 GMT", 10.0), (None, 10.0), ("2.5", 2.5),
+])
+def test_a_hostile_retry_after_neither_spins_nor_hangs_the_client(
+    header: str | None, seconds: float
+) -> None:
+    from forkd.registry.compaction import _retry_after
+
+    assert _retry_after(header) == seconds
