@@ -173,13 +173,17 @@ def drive_throttling(cfg: VMConfig) -> str:
     return out
 
 
-def create_overlay(path: Path, backing: Path | str, backing_fmt: str) -> None:
+def create_overlay(path: Path, backing: Path | str, backing_fmt: str,
+                   size: int | None = None) -> None:
     """A qcow2 overlay on ``backing``: a file (made absolute: never move the backing file)
-    or a QEMU URL such as an NBD export's ``nbd+unix:///NAME?socket=PATH``."""
+    or a QEMU URL such as an NBD export's ``nbd+unix:///NAME?socket=PATH``. With ``size``
+    (the backing's, in bytes) qemu-img does not open the backing to learn it: an NBD
+    export's server is not asked for anything (-u)."""
     spec = str(backing.resolve()) if isinstance(backing, Path) else backing
+    sized = ["-u", str(size)] if size is not None else []
     p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", spec,
-                        "-F", backing_fmt, str(path)], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, check=False)
+                        "-F", backing_fmt, *sized[:1], str(path), *sized[1:]],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     if p.returncode != 0:
         raise VMMError(f"qemu-img create {path} on {spec} failed: {p.stderr.strip()}")
 

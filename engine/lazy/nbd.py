@@ -601,8 +601,10 @@ class DiskExport:
 
     def create_overlay(self, path: Path) -> None:
         """An empty qcow2 overlay at ``path`` on this export: the child's writes land in it,
-        never in the export (which refuses writes)."""
-        create_overlay(path, self.backing_spec(), "raw")
+        never in the export (which refuses writes). Made with the export's size, so
+        qemu-img does not connect to the export (a handshake with a server that is busy
+        starting)."""
+        create_overlay(path, self.backing_spec(), "raw", self.size)
 
     def close(self) -> None:
         self.server.close()
