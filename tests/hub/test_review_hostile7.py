@@ -219,3 +219,39 @@ def test_allowed_hosts_must_be_host_names(tmp_path: Path) -> None:
         HubSettings(tmp_path, allowed_hosts="hub.example,http://hub.example").validated()
     settings = HubSettings(tmp_path, allowed_hosts=" B.example , a.example:5000").validated()
     assert settings.allowed_hosts == "a.example:5000,b.example"
+
+
+# -- 4. the session cookie behind a TLS proxy ---------------------------------------------
+@pytest.fixture
+def proxied_hub(tmp_path: Path) -> Iterator[HubServer]:
+    """A hub whose clients reach it as https (a TLS-terminating proxy forwards HTTP)."""
+    server = HubServer(tmp_path / "hub", {"public_url": "https://hub.example"}).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_cookies_are_secure_when_the_public_url_is_https(proxied_hub: HubServer) -> None:
+    """Behind a TLS-terminating proxy the hub sees plain HTTP, so the session cookie went
+    out without ``Secure``: a browser then sent it on any plain-HTTP visit to the host
+    (a link, a redirect, a network attacker's injected request). With an https
+    ``public_url`` every cookie the UI sets is Secure (and still HttpOnly, SameSite)."""
+    with proxied_hub.client() as c:
+        page = c.get("/-/signin")
+        assert page.status_code == 200, page.text
+        found = re.search(r'name="login_csrf" value="([^"]*)"', page.text)
+        assert found
+        nonce = re.search(r"forkd_login=([^;]+)", page.headers["set-cookie"])
+        assert nonce
+        assert "secure" in page.headers["set-cookie"].lower()
+        r = c.post(
+            "/-/signin",
+            data={"login_csrf": found.group(1), "username": ADMIN[0], "password": ADMIN[1]},
+            headers={"Cookie": f"forkd_login={nonce.group(1)}"},
+        )
+        assert r.status_code == 303, r.text
+        session = [v for v in r.headers.get_list("set-cookie") if v.startswith("forkd_session=")]
+        assert len(session) == 1
+        flags = {f.strip().lower() for f in session[0].split(";")[1:]}
+        assert {"secure", "httponly", "samesite=lax"} <= flags
