@@ -255,3 +255,91 @@ def test_cookies_are_secure_when_the_public_url_is_https(proxied_hub: HubServer)
         assert len(session) == 1
         flags = {f.strip().lower() for f in session[0].split(";")[1:]}
         assert {"secure", "httponly", "samesite=lax"} <= flags
+
+
+# -- 5. the referrers list comes in pages --------------------------------------------------
+def _referrer(c: httpx.Client, repo: str, subject: dict[str, object], note: str) -> str:
+    digest, _ = artifact(
+        c,
+        repo,
+        note.encode()[:64],
+        artifact_type="application/vnd.example.sbom",
+        subject=subject,
+    )
+    return digest
+
+
+def _annotated_referrer(c: httpx.Client, repo: str, subject: dict[str, object], note: str) -> str:
+    """A referrer of ``subject`` whose annotations hold ``note``."""
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": "application/vnd.example.sig",
+        "config": {
+            "mediaType": "application/vnd.oci.empty.v1+json",
+            "digest": sha(b"{}"),
+            "size": 2,
+        },
+        "layers": [],
+        "subject": subject,
+        "annotations": {"note": note},
+    }
+    body = json.dumps(doc).encode()
+    r = c.put(
+        f"/v2/{repo}/manifests/{sha(body)}", content=body, headers={"Content-Type": OCI_MANIFEST}
+    )
+    assert r.status_code == 201, r.text
+    return sha(body)
+
+
+def _all_referrers(c: httpx.Client, first: str) -> list[list[str]]:
+    pages, url = [], first
+    while url:
+        r = c.get(url)
+        assert r.status_code == 200, r.text
+        pages.append([d["digest"] for d in r.json()["manifests"]])
+        link = re.match(r'<([^>]+)>; rel="next"', r.headers.get("Link", ""))
+        url = link.group(1) if link else ""
+        assert len(pages) < 50
+    return pages
+
+
+def test_referrers_with_large_annotations_come_in_pages(hub: HubServer) -> None:
+    """Every referrer of a subject, annotations included, went into one response: a
+    pusher made each referrer's annotations nearly a manifest's size (4 MiB) and a pull
+    of the referrers built them all at once (thousands of them: gigabytes). A page holds
+    at most 4 MiB of annotations; ``Link`` leads to the rest, each referrer once."""
+    who = hub.add_user(_name("refs"))
+    repo = f"{who[0]}/signed"
+    with hub.client(who) as c:
+        subject_digest, body = artifact(c, repo, b"signed image")
+        subject = {"mediaType": OCI_MANIFEST, "digest": subject_digest, "size": len(body)}
+        big = [_annotated_referrer(c, repo, subject, f"{i}" * (3 << 20)) for i in range(2)]
+        pages = _all_referrers(c, f"/v2/{repo}/referrers/{subject_digest}")
+    assert len(pages) == 2, [len(p) for p in pages]
+    assert sorted(d for p in pages for d in p) == sorted(big)
+
+
+def test_referrer_pages_keep_the_filter_and_list_each_once(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.hub.oci import referrers
+
+    monkeypatch.setattr(referrers, "PAGE", 3)
+    who = hub.add_user(_name("refp"))
+    repo = f"{who[0]}/signed"
+    with hub.client(who) as c:
+        subject_digest, body = artifact(c, repo, b"subject image")
+        subject = {"mediaType": OCI_MANIFEST, "digest": subject_digest, "size": len(body)}
+        sigs = [_annotated_referrer(c, repo, subject, f"sig {i}") for i in range(7)]
+        other = _referrer(c, repo, subject, "other")  # a different artifact type
+        pages = _all_referrers(
+            c,
+            f"/v2/{repo}/referrers/{subject_digest}?artifactType=application/vnd.example.sig",
+        )
+        assert [len(p) for p in pages] == [3, 3, 1]
+        assert sorted(d for p in pages for d in p) == sorted(sigs)
+        everything = _all_referrers(c, f"/v2/{repo}/referrers/{subject_digest}")
+        assert sorted(d for p in everything for d in p) == sorted([*sigs, other])
+        r = c.get(f"/v2/{repo}/referrers/{subject_digest}", params={"last": "nope"})
+        assert r.status_code == 400 and error_code(r) == "DIGEST_INVALID"
