@@ -1,5 +1,6 @@
 """Hostile review 7: an upload session is its opener's, an index cannot be its own child's
-referrer, and no response names a host the operator did not choose.
+referrer, no response names a host the operator did not choose, cookies stay Secure
+behind a TLS proxy, and a referrers list is bounded.
 
 * a session's id opens nothing for anyone but the account that started it: another
   pusher of the repository, a site admin or another user's token gets
@@ -10,7 +11,10 @@ referrer, and no response names a host the operator did not choose.
   child could be deleted under the index);
 * a Host header that is not a host name (user info, a quote) is 400, and with
   ``allowed_hosts`` set a Host not listed is 400 too: the token realm and the UI's pull
-  commands follow the Host when ``public_url`` is not set.
+  commands follow the Host when ``public_url`` is not set;
+* with an https ``public_url`` (a TLS-terminating proxy in front) the UI's cookies are
+  Secure;
+* the referrers list comes in pages (descriptors and annotation bytes bounded).
 """
 
 from __future__ import annotations
