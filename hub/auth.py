@@ -33,6 +33,7 @@ from forkd.names import shown, validate_name
 
 SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
+MAX_TOKEN_REPOSITORIES = 64  # repositories one /token request may name (``_requested``)
 # Every answer that carries a credential (RFC 6749 5.1): never kept by a cache.
 SECRET_HEADERS = {"Cache-Control": "no-store", "Pragma": "no-cache"}
 
@@ -262,6 +263,10 @@ def permit(
 
 
 def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
+    """The repositories and actions a ``/token`` request asks for; 400 past
+    ``MAX_TOKEN_REPOSITORIES`` repositories (a token is sent back on every request: one
+    naming a thousand repositories is 180 kB, past every proxy's header limit, and each
+    one is an authorisation read and an audit-log entry)."""
     wanted: dict[str, frozenset[str]] = {}
     for scope in scopes:
         for item in scope.split(" "):
@@ -276,7 +281,19 @@ def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
             if "*" in actions:
                 actions = authz.ALL_ACTIONS
             wanted[name] = wanted.get(name, frozenset()) | actions
+            if len(wanted) > MAX_TOKEN_REPOSITORIES:
+                raise _too_many_scopes()
     return wanted
+
+
+def _too_many_scopes() -> RegistryError:
+    return RegistryError(
+        Code.UNSUPPORTED,
+        f"a token names at most {MAX_TOKEN_REPOSITORIES} repositories (scope "
+        "repository:NAME:ACTIONS): ask for the ones this operation needs, or use Basic "
+        "credentials on each request",
+        status=400,
+    )
 
 
 @get("/token")
