@@ -30,7 +30,7 @@ from forkd import jsondoc
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
-from forkd.hub.auth import authenticate, client_ip, token_endpoint
+from forkd.hub.auth import authenticate, check_host, client_ip, token_endpoint
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
@@ -125,6 +125,9 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+HOST_EXEMPT = ("/healthz",)  # answers with no URL; load balancers probe it by address
+
+
 def create_app(settings: HubSettings) -> Litestar:
     settings = settings.validated()
     hub = Hub.build(settings)
@@ -169,6 +172,10 @@ def create_app(settings: HubSettings) -> Litestar:
     def provide_hub() -> Hub:
         return hub
 
+    def host_checked(request: Request[object, object, State]) -> None:
+        if request.scope["path"] not in HOST_EXEMPT:  # not ``url``: it parses the Host
+            check_host(hub, request)
+
     app = Litestar(
         route_handlers=[
             api_version,
@@ -191,6 +198,7 @@ def create_app(settings: HubSettings) -> Litestar:
         middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
         request_class=HubHttpRequest,
+        before_request=host_checked,
         exception_handlers={
             RegistryError: registry_error_handler,
             InvalidInput: invalid_input_handler,

@@ -27,12 +27,13 @@ from forkd.hub.accounts import ANONYMOUS, Principal
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Repository
 from forkd.hub.services import Hub
-from forkd.hub.settings import Network, proxy_networks
+from forkd.hub.settings import Network, host_names, parse_host, proxy_networks
 from forkd.hub.tokens import Grant
 from forkd.names import shown, validate_name
 
 SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
+MAX_TOKEN_REPOSITORIES = 64  # repositories one /token request may name (``_requested``)
 # Every answer that carries a credential (RFC 6749 5.1): never kept by a cache.
 SECRET_HEADERS = {"Cache-Control": "no-store", "Pragma": "no-cache"}
 
@@ -85,7 +86,36 @@ def _basic(header: str) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
+def check_host(hub: Hub, request: Request[object, object, State]) -> None:
+    """Every request (the app's ``before_request``): its Host header is a host name, an
+    IP address or an IPv6 literal with an optional port (``parse_host``: no user info,
+    path or quote) and, when ``allowed_hosts`` is set, one of them (an entry without a
+    port takes any port); else 400. The token realm (``realm``) and the UI's pull
+    commands follow the Host when ``public_url`` is not set, so no response names a
+    host the operator did not list, or a URL that is not just a host. A request without
+    a Host (HTTP/1.0), or with an empty one, gets the server's own address."""
+    host = request.headers.get("host")
+    if not host:
+        return
+    allowed = host_names(hub.settings.allowed_hosts)
+    parsed = parse_host(host)
+    if parsed is not None:
+        if not allowed or not allowed.isdisjoint(parsed):  # HOST:PORT, or HOST for any port
+            return
+        why = "is not one of the names this hub serves (allowed_hosts)"
+    else:
+        why = "is not a host name, IP address or [IPv6] with an optional :PORT"
+    raise RegistryError(
+        Code.UNSUPPORTED,
+        f"Host header {shown(host)} {why}: connect to the hub by its name (the one in "
+        "its public URL), or ask its operator to list this one in allowed_hosts",
+        status=400,
+    )
+
+
 def realm(hub: Hub, request: Request[object, object, State]) -> str:
+    """The token endpoint's URL: ``public_url``'s, else the request's own base (its Host
+    was checked by ``check_host``)."""
     base = hub.settings.public_url or str(request.base_url).rstrip("/")
     return f"{base}/token"
 
@@ -233,6 +263,10 @@ def permit(
 
 
 def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
+    """The repositories and actions a ``/token`` request asks for; 400 past
+    ``MAX_TOKEN_REPOSITORIES`` repositories (a token is sent back on every request: one
+    naming a thousand repositories is 180 kB, past every proxy's header limit, and each
+    one is an authorisation read and an audit-log entry)."""
     wanted: dict[str, frozenset[str]] = {}
     for scope in scopes:
         for item in scope.split(" "):
@@ -247,7 +281,19 @@ def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:
             if "*" in actions:
                 actions = authz.ALL_ACTIONS
             wanted[name] = wanted.get(name, frozenset()) | actions
+            if len(wanted) > MAX_TOKEN_REPOSITORIES:
+                raise _too_many_scopes()
     return wanted
+
+
+def _too_many_scopes() -> RegistryError:
+    return RegistryError(
+        Code.UNSUPPORTED,
+        f"a token names at most {MAX_TOKEN_REPOSITORIES} repositories (scope "
+        "repository:NAME:ACTIONS): ask for the ones this operation needs, or use Basic "
+        "credentials on each request",
+        status=400,
+    )
 
 
 @get("/token")

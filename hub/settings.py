@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,24 @@ VISIBILITIES = ("public", "private")
 BLOB_BACKENDS = ("fs", "s3")
 MIN_METRICS_TOKEN = 16
 MAX_COMPACTIONS = 16  # compactions_max: each one may write 16 GiB and keep a core busy
+# What a Host header (and an ``allowed_hosts`` entry) may be: a DNS name (labels of
+# letters, digits, '-' and '_', as compose service names use), an IPv4 address or an
+# IPv6 literal in brackets, then an optional port; no user info, path or quote, so a
+# URL built from it (the token realm) is that host's and nothing else.
+HOST_RE = re.compile(
+    r"(?P<name>[a-z0-9_-]{1,63}(?:\.[a-z0-9_-]{1,63})*\.?|\[[0-9a-f:.]{2,45}\])"
+    r"(?::(?P<port>[0-9]{1,5}))?",
+    re.ASCII | re.IGNORECASE,
+)
+
+
+def parse_host(text: str) -> tuple[str, str] | None:
+    """``text`` as a ``HOST_RE`` authority, lowercase, and its host without the port (the
+    port at most 65535: Litestar's URL of a request with a larger one raises); else None."""
+    m = HOST_RE.fullmatch(text)
+    if m is None or (m["port"] is not None and int(m["port"]) > 65535):
+        return None
+    return text.lower(), m["name"].lower()
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,9 @@ class HubSettings:
     # Reverse proxies (IPs or CIDRs, comma-separated) whose X-Forwarded-For names the
     # client; from anyone else the header is ignored (hub/auth.py ``client_ip``).
     trusted_proxies: str = ""
+    # Host names (optionally HOST:PORT, comma-separated) a request's Host header may name;
+    # any other is 400 (hub/auth.py ``check_host``). Empty: any well-formed Host.
+    allowed_hosts: str = ""
     # Blob storage: "fs" (DATA/blobs) or "s3" (forkd.store.s3). S3 credentials left empty
     # come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profile, role).
     blob_backend: str = "fs"
@@ -205,6 +227,7 @@ class HubSettings:
             login_fail_limit=self.login_fail_limit,
             login_fail_window=self.login_fail_window,
             trusted_proxies=",".join(str(n) for n in proxy_networks(self.trusted_proxies)),
+            allowed_hosts=",".join(sorted(host_names(self.allowed_hosts))),
             blob_backend=self.blob_backend,
             s3_bucket=self.s3_bucket,
             s3_endpoint_url=self.s3_endpoint_url.rstrip("/"),
@@ -293,6 +316,7 @@ ENV_KEYS = {
     "admin_password": "FORKD_HUB_ADMIN_PASSWORD",
     "default_visibility": "FORKD_HUB_DEFAULT_VISIBILITY",
     "trusted_proxies": "FORKD_HUB_TRUSTED_PROXIES",
+    "allowed_hosts": "FORKD_HUB_ALLOWED_HOSTS",
     "blob_backend": "FORKD_HUB_BLOB_BACKEND",
     "s3_bucket": "FORKD_HUB_S3_BUCKET",
     "s3_endpoint_url": "FORKD_HUB_S3_ENDPOINT_URL",
@@ -326,6 +350,22 @@ def proxy_networks(text: str) -> tuple[Network, ...]:
                 "comma-separated (e.g. 10.0.0.5,192.168.0.0/24)"
             ) from exc
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def host_names(text: str) -> frozenset[str]:
+    """``allowed_hosts`` parsed: ``"hub.example.com, hub:5000"`` → lowercase entries."""
+    out = set()
+    for item in text.replace(" ", "").lower().split(","):
+        if not item:
+            continue
+        if parse_host(item) is None:
+            raise InvalidInput(
+                f"invalid allowed host {item[:60]!r}: use host names or HOST:PORT, "
+                "comma-separated (e.g. hub.example.com,10.0.0.5:5000)"
+            )
+        out.add(item)
+    return frozenset(out)
 
 
 def load_config(path: Path) -> dict[str, object]:

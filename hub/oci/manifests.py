@@ -121,6 +121,20 @@ def _check_kind(doc: dict[str, Any], content_type: str) -> None:
         )
 
 
+def _check_subject_not_child(doc: dict[str, Any]) -> None:
+    """An index's ``subject`` is not one of its own ``manifests``: a manifest is either a
+    child the index needs or the subject it refers to, never both (the deletion check of
+    a child, ``_refuse_index_child``, does not count indexes that merely name it as
+    their subject, so such an index let its child be deleted under it)."""
+    subject = doc["subject"]["digest"]
+    if any(child["digest"] == subject for child in doc.get("manifests", [])):
+        raise _invalid(
+            f"subject {shown(subject)} is also one of this index's manifests: an index "
+            "cannot refer to its own child; drop the subject or push the referrer as a "
+            "separate manifest"
+        )
+
+
 def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
     """Check a manifest's structure against its media type; return the parsed document."""
     if content_type not in MANIFEST_TYPES:
@@ -156,6 +170,7 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
             _descriptor(child, f"manifests[{i}]")
     if "subject" in doc:
         _descriptor(doc["subject"], "subject")
+        _check_subject_not_child(doc)
     _optional_str(doc, "artifactType")
     annotations = doc.get("annotations")
     if annotations is not None and (

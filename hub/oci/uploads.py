@@ -864,15 +864,27 @@ def _upload(session: Session, upload_id: str) -> Upload | None:
 
 
 async def _session(ctx: Ctx, upload_id: str) -> Upload:
-    """Validate the session id and that it belongs to this repository; return its row."""
+    """Validate the session id and that it belongs to this repository and to the caller;
+    return its row. A session is its opener's (the user or robot that started it, by id:
+    any of that account's credentials): anyone else, whatever their access to the
+    repository, gets BLOB_UPLOAD_UNKNOWN as for a session that does not exist, so an id
+    seen in a log or a proxy cannot be used to write, finish or cancel someone's upload."""
     try:
         validate_upload_id(upload_id)
     except InvalidInput as exc:
         raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, str(exc)) from exc
     repo = ctx.known()
     upload = await ctx.hub.db.read(_upload, upload_id)
-    if upload is None or upload.repository_id != repo.id:
-        raise RegistryError(Code.BLOB_UPLOAD_UNKNOWN, f"upload {upload_id} not found")
+    if (
+        upload is None
+        or upload.repository_id != repo.id
+        or upload.user_id != ctx.caller.principal.user_id
+    ):
+        raise RegistryError(
+            Code.BLOB_UPLOAD_UNKNOWN,
+            f"upload {upload_id} not found (in this repository, among the sessions you "
+            "started); start one with POST /v2/NAME/blobs/uploads/",
+        )
     timeout = ctx.hub.settings.upload_idle_timeout
     try:
         idle = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
@@ -61,8 +62,12 @@ def _set_cookie(
     path: str,
     samesite: Literal["lax", "strict"] = "strict",
 ) -> None:
-    """An HttpOnly cookie, Secure when the request came over HTTPS (as the session's);
-    ``max_age`` None: a browser-session cookie, kept in memory, not on disk."""
+    """An HttpOnly cookie, Secure when the request came over HTTPS or the hub's
+    ``public_url`` is https (a TLS-terminating proxy forwards plain HTTP, and the browser
+    must not send the session on a plain-HTTP visit); ``max_age`` None: a
+    browser-session cookie, kept in memory, not on disk."""
+    public_url: str = request.app.state.hub.settings.public_url
+    secure = request.url.scheme == "https" or urlsplit(public_url).scheme == "https"
     response.set_cookie(
         name,
         value,
@@ -70,7 +75,7 @@ def _set_cookie(
         path=path,
         httponly=True,
         samesite=samesite,
-        secure=request.url.scheme == "https",
+        secure=secure,
     )
 
 
