@@ -40,7 +40,7 @@ from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource, open_remote
 from forkd.engine.lazy.paths import server_dir
 from forkd.engine.lazy.prefetch import RECORDED_WORKERS, load_order, save_order
-from forkd.engine.lazy.spare import Taken, ensure_spare
+from forkd.engine.lazy.spare import Taken, ensure_spare, server_environment
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
 from forkd.pack.manifest import Descriptor
@@ -117,7 +117,7 @@ class Spawn:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "forkd.engine.lazy.serve", "-", str(self.log)],
                 stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True)
+                start_new_session=True, close_fds=True, env=server_environment())
         finally:
             os.close(fd)
 
@@ -169,7 +169,7 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
             proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.engine.lazy.serve",
                                      str(d)], stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    close_fds=True)
+                                    close_fds=True, env=server_environment())
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         found = _ready(d)

@@ -41,6 +41,19 @@ LOAD_NICE = 19  # niceness while a spare loads (then it waits, idle, at its own)
 MODULE = "forkd.engine.lazy.spare"
 
 
+# A server decompresses its working set into fresh 2 MiB buffers (each chunk's bytes) that
+# its chunk cache soon drops: glibc hands such blocks back to the kernel (mmap above its
+# threshold, heap trimming), so each next chunk faulted its pages in again. Kept in the
+# heap instead: python-numpy's 80 memory chunks through a 16-chunk cache took 8,200 page
+# faults, not 16,400, and 0.105 s, not 0.13.
+SERVER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def server_environment() -> dict[str, str]:
+    """The environment a lazy server process starts with (a spare, a ``fork.Spawn``)."""
+    return {**os.environ, **SERVER_MALLOC}
+
+
 def spare_dir(run: Path | None = None) -> Path:
     """Where the spare of ``run`` (default: this process's run directory) waits."""
     from forkd.engine.paths import run_dir
@@ -65,7 +78,7 @@ def ensure_spare() -> None:
     try:
         subprocess.Popen([sys.executable, "-P", "-m", MODULE, log], stdin=subprocess.DEVNULL,
                          stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                         close_fds=True)
+                         close_fds=True, env=server_environment())
     finally:
         os.close(fd)
 

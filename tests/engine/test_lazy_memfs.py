@@ -184,3 +184,65 @@ def test_recorded_windows_get_their_holes_before_any_read(tmp_path: Path) -> Non
         finally:
             os.close(fd)
     assert ops.push_zeros([1]) == 0  # read already: its first read filled it
+
+
+def test_a_chunk_pushed_within_recorded_blocks_leaves_the_rest_to_reads(
+        mounted: tuple[CountingFile, Path, bytes]) -> None:
+    """push_chunk with ``within`` (a server whose order recorded blocks): the chunk's
+    pages in those byte ranges are in the page cache (reading them reaches the server not
+    once), its other pages are still served right by reads, and the chunk does not count
+    as pushed whole."""
+    ops, path, want = mounted
+    os.stat(path)
+    ops.cache_ready.set()
+    digest = next(iter(ops.layout.by_chunk))
+    pieces = list(ops.layout.placed(digest, ops.layout.source.read(digest)))
+    offset, piece = pieces[0]
+    inside = (offset, offset + len(piece))  # the chunk's first piece only
+    far = pieces[-1][0] + len(pieces[-1][1]) - PAGE_SIZE  # the chunk's last page
+    assert far >= offset + len(piece) + 32 * PAGE_SIZE, "past any readahead of the first"
+    assert ops.push_chunk(digest, ops.layout.source.read(digest), [inside])
+    assert ops.pushed_digests == set()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(piece), offset) == want[offset : offset + len(piece)]
+        assert ops.reads == [], "a page of a pushed block reached the server"
+        assert os.pread(fd, PAGE_SIZE, far) == want[far : far + PAGE_SIZE]
+        assert ops.reads, "the page outside the block did not come by a read"
+    finally:
+        os.close(fd)
+
+
+def test_only_the_recorded_blocks_get_their_holes(tmp_path: Path) -> None:
+    """push_block_holes puts only the recorded blocks' holes into the page cache (a range
+    past the image is clipped); a hole elsewhere in the window still comes by a read."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    from forkd.pack.accessorder import BLOCK_BYTES
+
+    store = Store(tmp_path / "home")
+    image = tmp_path / "sparse.img"
+    data = bytearray(2 * memfs.STORE_WINDOW)
+    data[8 * PAGE_SIZE : 9 * PAGE_SIZE] = os.urandom(PAGE_SIZE)
+    image.write_bytes(bytes(data))
+    store.import_layer("sparse:v1", memory=image)
+    layout = ImageLayout(open_local(store, "sparse:v1"), "memory")
+    ops = CountingFile(layout)
+    ops.reads = []
+    with _serving(ops, tmp_path / "mnt") as path:
+        os.stat(path)
+        ops.cache_ready.set()
+        blocks = [(BLOCK_BYTES, 2 * BLOCK_BYTES), (2 * memfs.STORE_WINDOW - BLOCK_BYTES,
+                                                   2 * memfs.STORE_WINDOW + BLOCK_BYTES)]
+        assert ops.push_block_holes(blocks) == 2 * BLOCK_BYTES  # the 2nd clipped at the end
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for at in (BLOCK_BYTES, 2 * BLOCK_BYTES - PAGE_SIZE,
+                       2 * memfs.STORE_WINDOW - PAGE_SIZE):
+                assert os.pread(fd, PAGE_SIZE, at) == bytes(PAGE_SIZE)
+            assert ops.reads == [], "a hole of a pushed block reached the server"
+            elsewhere = memfs.STORE_WINDOW // 2  # window 0, outside the blocks
+            assert os.pread(fd, PAGE_SIZE, elsewhere) == bytes(PAGE_SIZE)
+            assert ops.reads, "a hole outside the blocks was in the page cache"
+        finally:
+            os.close(fd)
