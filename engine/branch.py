@@ -80,27 +80,14 @@ def anon_kib(pid: int, mem_path: Path) -> int:
     return 0
 
 
-def _pagemap(pid: int, start: int, end: int) -> array.array[int]:
-    """The pagemap entries of the pages in [start, end) of process ``pid``."""
+def dirty_pages(pid: int, start: int, end: int) -> list[int]:
+    """Indices of pages in [start, end) that are private copies (written by the guest)."""
     n = (end - start) // PAGE
     with open(f"/proc/{pid}/pagemap", "rb") as f:
         f.seek(start // PAGE * 8)
         a = array.array("Q")
         a.frombytes(f.read(n * 8))
-    return a
-
-
-def dirty_pages(pid: int, start: int, end: int) -> list[int]:
-    """Indices of pages in [start, end) that are private copies (written by the guest)."""
-    return [i for i, e in enumerate(_pagemap(pid, start, end))
-            if e & (_PRESENT | _SWAPPED) and not e & _FILE]
-
-
-def present_pages(pid: int, start: int, end: int) -> list[int]:
-    """Indices of pages in [start, end) the process has mapped (touched: file pages and
-    its private copies alike; the kernel maps the cached neighbours of a faulting page
-    too, up to its fault-around window, 64 KiB by default)."""
-    return [i for i, e in enumerate(_pagemap(pid, start, end)) if e & (_PRESENT | _SWAPPED)]
+    return [i for i, e in enumerate(a) if e & (_PRESENT | _SWAPPED) and not e & _FILE]
 
 
 def save_device_state(q: QMP, path: Path) -> None:

@@ -42,34 +42,6 @@ def test_hostile_windows_are_refused(windows: object) -> None:
         ao.decode(json.dumps(doc).encode(), HEAD, "order")
 
 
-def test_memory_blocks_round_trip_as_sorted_runs() -> None:
-    runs = ao.block_runs({9, 3, 4, 5, 100, 101})
-    assert runs == [(3, 3), (9, 1), (100, 2)]
-    order = ao.Order(CHUNKS, [1], blocks=runs)
-    data = ao.encode(HEAD, order)
-    assert json.loads(data)["memory_blocks"] == [[3, 3], [9, 1], [100, 2]]
-    got = ao.decode(data, HEAD, "order")
-    assert got == order
-    assert got.block_ranges() == [(3 * ao.BLOCK_BYTES, 6 * ao.BLOCK_BYTES),
-                                  (9 * ao.BLOCK_BYTES, 10 * ao.BLOCK_BYTES),
-                                  (100 * ao.BLOCK_BYTES, 102 * ao.BLOCK_BYTES)]
-    assert ao.decode(ao.encode(HEAD, ao.Order(CHUNKS)), HEAD, "order").blocks == []
-
-
-@pytest.mark.parametrize("blocks", [
-    7, "x", None, {"0": 1}, [7], [[1]], [[1, 2, 3]], [[-1, 2]], [[1, 0]], [[1, -2]],
-    [[1.0, 2]], [[True, 2]], [["1", 2]], [[5, 2], [6, 1]], [[5, 2], [1, 1]],
-    [[ao.MAX_ORDER_BLOCKS - 1, 2]], [[2**63, 1]],
-    [[2 * i, 1] for i in range(ao.MAX_BLOCK_RUNS + 1)],
-])
-def test_hostile_blocks_are_refused(blocks: object) -> None:
-    """Overlapping, unsorted, empty or out-of-range runs and non-integers are refused
-    before a server pushes anything from them."""
-    doc = {"version": 1, "manifest": HEAD, "chunks": CHUNKS, "memory_blocks": blocks}
-    with pytest.raises(IntegrityError, match="memory_blocks"):
-        ao.decode(json.dumps(doc).encode(), HEAD, "order")
-
-
 def test_a_working_set_artifact_names_the_order_it_was_cut_from() -> None:
     from forkd.pack import mediatypes as mt
     from forkd.pack.manifest import Descriptor

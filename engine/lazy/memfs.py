@@ -16,7 +16,6 @@ dead child. Open files are counted (``users``): the server exits when none is le
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import os
@@ -79,51 +78,23 @@ class MemoryFile(pyfuse3.Operations):
         # notify_store of an inode the kernel has not looked up fails (ENOENT)
         self.cache_ready = threading.Event()
 
-    def push_chunk(self, digest: str, data: bytes,
-                   within: list[tuple[int, int]] | None = None) -> bool:
+    def push_chunk(self, digest: str, data: bytes) -> bool:
         """Put a chunk's pages (``data``: its verified uncompressed bytes) into the kernel
         page cache wherever the image uses them, so no child's fault on them reaches this
         process (the prefetch calls it as each memory chunk arrives; it waits for
-        ``cache_ready``). ``within``: only its pages in these sorted byte ranges (the
-        recorded blocks; the others come by reads, and a read's window push). False when
-        they could not be pushed: the file was not looked up in time, or the kernel
-        refused (its pages are then produced by reads, as before)."""
+        ``cache_ready``). False when they could not be pushed: the file was not looked up
+        in time, or the kernel refused (its pages are then produced by reads, as before)."""
         if not self.cache_ready.wait(CACHE_READY_WAIT):
             return False
         try:
             for offset, piece in self.layout.placed(digest, data):
                 # any buffer does (pyfuse3 takes its buffer; the stub says bytes): no copy
-                for at, part in _within(offset, memoryview(piece), within):
-                    pyfuse3.notify_store(FILE_INODE, at, cast(bytes, part))
+                pyfuse3.notify_store(FILE_INODE, offset, cast(bytes, piece))
         except OSError:
             return False
-        if within is None:
-            with self._lock:
-                self.pushed_digests.add(digest)
+        with self._lock:
+            self.pushed_digests.add(digest)
         return True
-
-    def push_block_holes(self, ranges: list[tuple[int, int]]) -> int:
-        """Put the holes (zeros) of the sorted byte ranges ``ranges`` (the recorded blocks)
-        into the page cache before any read of them: ``push_zeros`` for an order that
-        recorded blocks, which a child touches a fraction of each window of. Their windows
-        are not marked filled: a read elsewhere in one still fills its other holes. The
-        bytes pushed (0 when refused: reads produce them, as before)."""
-        if not self.cache_ready.wait(CACHE_READY_WAIT):
-            return 0
-        pushed = 0
-        try:
-            for start, end in ranges:
-                end = min(end, self.layout.size)
-                if start >= end:
-                    continue
-                for hole, n in self.layout.holes(start, end - start):
-                    for at in range(hole, hole + n, STORE_WINDOW):
-                        length = min(STORE_WINDOW, hole + n - at)
-                        pyfuse3.notify_store(FILE_INODE, at, cast(bytes, ZEROS[:length]))
-                        pushed += length
-        except OSError:
-            return pushed
-        return pushed
 
     def push_zeros(self, windows: list[int]) -> int:
         """Put the holes (zeros) of ``windows`` into the page cache before any read of
@@ -296,24 +267,6 @@ class MemoryFile(pyfuse3.Operations):
             if self.on_error is not None:
                 self.on_error()
             raise pyfuse3.FUSEError(errno.EIO) from exc
-
-
-def _within(offset: int, piece: memoryview, ranges: list[tuple[int, int]] | None
-            ) -> list[tuple[int, memoryview]]:
-    """The parts of ``piece`` (image bytes from ``offset``) inside the sorted byte
-    ``ranges`` (all of it when None), as (image offset, bytes)."""
-    if ranges is None:
-        return [(offset, piece)]
-    end = offset + len(piece)
-    i = bisect.bisect_right(ranges, (offset, end)) - 1  # the last range starting at or before
-    parts = []
-    for start, stop in ranges[max(i, 0):]:
-        if start >= end:
-            break
-        lo, hi = max(start, offset), min(stop, end)
-        if lo < hi:
-            parts.append((lo, piece[lo - offset : hi - offset]))
-    return parts
 
 
 def mount(ops: MemoryFile, mountpoint: str) -> None:

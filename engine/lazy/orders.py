@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 
@@ -102,7 +101,7 @@ def fetch(client: RegistryClient, repo: str, head: str) -> ao.Order | None:
         log.info("no access order for %s from the hub: %s", head, exc)
         return None
     working_set = _working_set(client, repo, head, layer.digest)
-    return dataclasses.replace(order, working_set=working_set)
+    return ao.Order(order.chunks, order.windows, working_set)
 
 
 def _working_set(client: RegistryClient, repo: str, head: str,

@@ -1,27 +1,22 @@
 """A snapshot's access order recorded before it is published: one child forked lazily
 from the local store (every chunk is local, so nothing is fetched), brought up to its
 agent's answer (and ``probe`` evaluated, when given), killed; the chunks its lazy server
-saw it need, in order, and the memory blocks it touched (read from its page tables:
-``touched_blocks``). Published as the pack's access-order artifact (orders.publish),
+saw it need, in order. Published as the pack's access-order artifact (orders.publish),
 it lets even the first lazy fork on a new host prefetch its working set from the start.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
-from pathlib import Path
 
 from forkd.engine import children as ch
-from forkd.engine.branch import present_pages
 from forkd.engine.errors import HostError
 from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.engine.lazy.fork import READY_TIMEOUT, assembled, holding
 from forkd.engine.lazy.paths import server_dir
-from forkd.engine.lazy.prefetch import load_order, save_order
-from forkd.engine.precopy import PAGE, ram_mapping
+from forkd.engine.lazy.prefetch import load_order
 from forkd.engine.qemu import pid_alive
 from forkd.pack import accessorder
 from forkd.registry.client import RegistryClient
@@ -48,7 +43,6 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> accessorde
                                 f"start: {'; '.join(result.errors)}")
             if probe is not None:
                 ch.eval_in(result.children[0].id, probe)
-            blocks = touched_blocks(result.children[0])
         finally:
             for child in result.children:
                 ch.kill(child.id, store)
@@ -59,19 +53,7 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> accessorde
     if found is None or not found.chunks:
         raise HostError(f"the lazy server of {tag} recorded no access order; see "
                         f"{order_file.parent / 'server.log'}")
-    found = dataclasses.replace(found, blocks=blocks)
-    save_order(order_file, head, found)
     return found
-
-
-def touched_blocks(child: ch.ChildInfo) -> list[tuple[int, int]]:
-    """The memory blocks (``accessorder.BLOCK_BYTES``) child's QEMU has mapped, as runs:
-    the pages it touched (its server saw only the reads, which the kernel widens to 4 MiB
-    around a fault on guest RAM: QEMU advises huge pages for it), to the kernel's
-    fault-around window."""
-    start, end, offset = ram_mapping(child.pid, Path(child.memory))
-    return accessorder.block_runs({(offset + page * PAGE) // accessorder.BLOCK_BYTES
-                                   for page in present_pages(child.pid, start, end)})
 
 
 def publish_order(store: Store, tag: str, client: RegistryClient, repo: str,

@@ -109,11 +109,6 @@ class Server:
         self.memory = ImageLayout(self.source, "memory")
         self.ops = memfs.MemoryFile(self.memory, self.order.note, self.save_errors,
                                     self.order.note_window)
-        # the recorded blocks (byte ranges): what of each recorded chunk a child touches
-        self.blocks = (self.recorded.block_ranges()
-                       if self.recorded is not None and self.recorded.blocks else None)
-        self.partial = (set(self.recorded.chunks)
-                        if self.recorded is not None and self.blocks is not None else set())
         self.export: DiskExport | None = None
         self.progress = prefetch.Progress()
         self.stopping = False
@@ -177,10 +172,7 @@ class Server:
         self.prefetch_started = True
         recorded = self.recorded
         self.save_order()
-        if self.blocks is not None:  # their holes: no fetch, no wait
-            threading.Thread(target=self.ops.push_block_holes, args=(self.blocks,),
-                             daemon=True).start()
-        elif recorded is not None and recorded.windows:
+        if recorded is not None and recorded.windows:  # their holes: no fetch, no wait
             threading.Thread(target=self.ops.push_zeros, args=(recorded.windows,),
                              daemon=True).start()
         threading.Thread(target=self.prefetch, args=(recorded,), daemon=True).start()
@@ -190,7 +182,7 @@ class Server:
         plan = prefetch.plan(self.source, chunks, self.image_order())
         prefetch.run(self.source, plan, len(chunks), self.progress,
                      self.dir / "prefetch.json", self.spec.tag,
-                     on_chunk=self.push_chunk, handed=self.memory.by_chunk,
+                     on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk,
                      working_set=self.working_set if recorded is not None else None,
                      before_rest=self.after_first_steps if recorded is not None else None)
         log.info("prefetch %s in %.2f s: %d chunks fetched (%d in the working set's one "
@@ -198,14 +190,6 @@ class Server:
                  self.progress.state, self.progress.seconds, self.progress.fetched,
                  self.progress.streamed, self.progress.recorded_seconds,
                  len(self.ops.pushed_digests), self.progress.error or "")
-
-    def push_chunk(self, digest: str, data: bytes) -> None:
-        """A memory chunk that arrived, into the page cache: a recorded chunk, when the
-        order recorded blocks, only in those blocks (a child touches about a third of a
-        recorded chunk's pages, and copying the rest into the cache took this server's
-        CPU while the children started; a read brings the rest when asked); any other
-        chunk whole (the rest of the chain, after the children's first steps)."""
-        self.ops.push_chunk(digest, data, self.blocks if digest in self.partial else None)
 
     def after_first_steps(self) -> None:
         """With a recorded working set, the rest of the chain waits for the command's

@@ -13,13 +13,6 @@ windows of the memory image that children read first, by index, in order. A lazy
 puts their holes (pages no layer provides: zeros) into the page cache as it starts, so
 the children's first touches of free memory there cost no read.
 
-``memory_blocks`` (optional; an older reader ignores it): the ``BLOCK_BYTES``-aligned
-blocks of the memory image a recording child read, as sorted runs ``[first, count]``
-(a publisher's recording reads page by page: ``record.py``). With them a lazy server
-puts into the page cache only those blocks of each recorded chunk, and only those
-blocks' holes, instead of whole chunks and windows: a child touches about a third of
-the pages of the chunks it needs.
-
 A publisher may add the **working set**: a second artifact (``WORKING_SET_ARTIFACT``, same
 ``subject``) whose one layer (``WORKING_SET``) is the stored (compressed) bytes of the
 order's first chunks, concatenated in the order's order, and whose annotation
@@ -52,9 +45,6 @@ MAX_ORDER_CHUNKS = 1 << 20  # names each chunk of a chain once at most
 MAX_ORDER_BYTES = 80 * MAX_ORDER_CHUNKS  # a quoted sha256 digest and a comma each
 WINDOW_BYTES = 2 << 20  # the memory image's windows that memory_windows names
 MAX_ORDER_WINDOWS = 1 << 19  # a 1 TiB memory image's windows
-BLOCK_BYTES = 64 << 10  # the memory image's blocks that memory_blocks names
-MAX_ORDER_BLOCKS = 1 << 24  # a 1 TiB memory image's blocks
-MAX_BLOCK_RUNS = 1 << 19  # runs of memory_blocks (each [first, count])
 
 
 WORKING_SET_ARTIFACT = "application/vnd.forkd.working-set.v1"
@@ -71,22 +61,6 @@ class Order:
     chunks: list[str]
     windows: list[int] = field(default_factory=list)
     working_set: Descriptor | None = None
-    blocks: list[tuple[int, int]] = field(default_factory=list)  # sorted [first, count] runs
-
-    def block_ranges(self) -> list[tuple[int, int]]:
-        """``blocks`` as byte ranges ``(start, end)`` of the memory image, sorted."""
-        return [(first * BLOCK_BYTES, (first + n) * BLOCK_BYTES) for first, n in self.blocks]
-
-
-def block_runs(blocks: set[int]) -> list[tuple[int, int]]:
-    """Block indexes as sorted runs ``(first, count)``."""
-    runs: list[tuple[int, int]] = []
-    for b in sorted(blocks):
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 def encode(head: str, order: Order) -> bytes:
@@ -95,8 +69,6 @@ def encode(head: str, order: Order) -> bytes:
                               "chunks": [dg.validate(c) for c in order.chunks[:MAX_ORDER_CHUNKS]]}
     if order.windows:
         doc["memory_windows"] = order.windows[:MAX_ORDER_WINDOWS]
-    if order.blocks:
-        doc["memory_blocks"] = [list(run) for run in order.blocks[:MAX_BLOCK_RUNS]]
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -124,30 +96,7 @@ def decode(data: bytes, head: str, what: str) -> Order:
             or not all(type(w) is int and 0 <= w < MAX_ORDER_WINDOWS for w in windows)):
         raise IntegrityError(f"{what}: memory_windows must be a list of at most "
                              f"{MAX_ORDER_WINDOWS} window indexes in [0, {MAX_ORDER_WINDOWS})")
-    return Order(digests, list(dict.fromkeys(windows)),
-                 blocks=_blocks(raw.get("memory_blocks", []), what))
-
-
-def _blocks(runs: object, what: str) -> list[tuple[int, int]]:
-    """Untrusted ``memory_blocks``: at most MAX_BLOCK_RUNS ``[first, count]`` pairs of
-    integers, sorted and apart, within MAX_ORDER_BLOCKS blocks."""
-    bad = IntegrityError(f"{what}: memory_blocks must be at most {MAX_BLOCK_RUNS} sorted, "
-                         f"disjoint [first, count] runs (count >= 1) within "
-                         f"{MAX_ORDER_BLOCKS} blocks")
-    if not isinstance(runs, list) or len(runs) > MAX_BLOCK_RUNS:
-        raise bad
-    out: list[tuple[int, int]] = []
-    end = 0
-    for run in runs:
-        if not (isinstance(run, list) and len(run) == 2
-                and all(type(x) is int for x in run)):
-            raise bad
-        first, n = run
-        if first < end or n < 1 or first + n > MAX_ORDER_BLOCKS:
-            raise bad
-        out.append((first, n))
-        end = first + n
-    return out
+    return Order(digests, list(dict.fromkeys(windows)))
 
 
 def artifact(head: Descriptor, order: bytes) -> bytes:

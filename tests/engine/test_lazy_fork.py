@@ -138,16 +138,6 @@ def test_an_order_recorded_at_publish_time_is_prefetched_by_the_first_lazy_fork(
         order = orders.fetch(client, "lazy/tiny", head)
     assert order is not None and order.chunks, "no access order on the hub"
     assert order.windows, "the order names no memory window the child read"
-    # it recorded page by page: the blocks read, a fraction of the recorded chunks' pages
-    from forkd.engine.lazy.layout import ImageLayout
-    from forkd.pack.accessorder import BLOCK_BYTES
-
-    source = ChunkSource(store, store.chain(head, tiny), tiny)
-    image = ImageLayout(source, "memory")
-    read = sum(n for _, n in order.blocks) * BLOCK_BYTES
-    recorded = sum(source.refs[d][0].size for d in order.chunks if d in image.by_chunk)
-    assert order.blocks and order.block_ranges()[-1][1] <= image.size, order.blocks
-    assert 0 < read < recorded, (read, recorded)  # a child reads part of each chunk
     chunks = order.chunks
     assert set(chunks) <= set(ChunkSource(store, store.chain(head, tiny), tiny).refs)
     res = lazy.fork(published.fresh, published.remote, 1)
