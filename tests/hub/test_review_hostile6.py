@@ -277,11 +277,9 @@ def test_repository_detail_reads_each_manifest_once_off_the_event_loop(
 
 
 # -- 3. compaction -------------------------------------------------------------------------
-def test_compactions_beyond_the_limit_are_refused_not_queued(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the default ``compactions_max`` (2) busy, a third POST /api/v1/compact is 429
-    TOOMANYREQUESTS with Retry-After at once; when one ends, the next is taken."""
+def _compactions_held(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
+    """Server-side compactions that hold their place until the event is set, then answer
+    404 MANIFEST_UNKNOWN; the list names the tags they were started for."""
     import anyio
 
     from forkd.hub import compaction
@@ -297,6 +295,15 @@ def test_compactions_beyond_the_limit_are_refused_not_queued(
         raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {tag} not in {name}")
 
     monkeypatch.setattr(compaction, "compact_tag", slow)
+    return release, running
+
+
+def test_compactions_beyond_the_limit_are_refused_not_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default ``compactions_max`` (2) busy, a third POST /api/v1/compact is 429
+    TOOMANYREQUESTS with Retry-After at once; when one ends, the next is taken."""
+    release, running = _compactions_held(monkeypatch)
     hub = HubServer(tmp_path / "hub").start()
     try:
         who = hub.add_user("compactor")
@@ -425,25 +432,12 @@ def test_forkd_compact_remote_waits_while_the_hub_is_busy_and_asks_again(
     """The client side of the limit: ``compact_remote`` (``forkd compact --remote``) that
     meets a 429 waits as Retry-After says (bounded by RETRY_AFTER_MAX) and asks again, so a
     compaction is not lost to a busy hub; the wait is reported through ``on_busy``."""
-    import anyio
-
-    from forkd.hub import compaction
-    from forkd.hub.errors import Code, RegistryError
     from forkd.registry import compaction as client_side
     from forkd.registry.client import RegistryClient
     from forkd.registry.credentials import Credential
     from forkd.registry.reference import Hub
 
-    release = threading.Event()
-    running: list[str] = []
-
-    async def slow(hub: Any, name: str, tag: str, to: str, **_: Any) -> None:
-        running.append(tag)
-        while not release.is_set():
-            await anyio.sleep(0.02)
-        raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {tag} not in {name}")
-
-    monkeypatch.setattr(compaction, "compact_tag", slow)
+    release, running = _compactions_held(monkeypatch)
     monkeypatch.setattr(client_side, "RETRY_AFTER_MAX", 0.2)
     hub = HubServer(tmp_path / "hub").start()
     try:
