@@ -127,3 +127,103 @@ def test_a_branch_whose_child_is_killed_says_so(
     with pytest.raises(ForkdError):
         store.resolve("tiny:cut")
     assert ch.list_children() == []
+
+
+# -- what slow readers of streams make the daemon hold -----------------------------------
+
+MIB = 1 << 20
+CHUNK = bytes(MIB)  # one object put again and again: counted each time, held once
+
+
+def _wait_until_still(counter: list[int], seconds: float = 0.5) -> int:
+    """The counter once it stopped moving (the producers wait for their readers)."""
+    last = -1
+    while counter[0] != last:
+        last = counter[0]
+        time.sleep(seconds)
+    return last
+
+
+def _endless(counter: list[int]) -> object:
+    def work(items: object) -> None:
+        while items.put(CHUNK):  # type: ignore[attr-defined]
+            counter[0] += 1
+
+    return work
+
+
+def test_a_slow_reader_makes_the_daemon_hold_a_few_mib_per_stream_and_a_bound_in_all() -> None:
+    """A stream's items (a file's chunks, a command's frames) wait for its reader in the
+    daemon; they were bounded by count only (64 + 16 of up to 2 MiB, 16 + 4 of 1 MiB),
+    and a stream outlives the request limits (its command ended, its reader reads
+    nothing): many such streams held without bound. Now bytes: a few MiB per stream,
+    all but each stream's first waiting item within STREAM_BYTES (so a new stream still
+    gets its output while slow readers hold the rest), and all of it is free again once
+    the readers leave."""
+    from forkd.controller import backend
+
+    one = [0]
+    stream = backend.produced("test-slow", _endless(one), 64)  # type: ignore[arg-type]
+    assert next(stream) is CHUNK  # the reader takes one, then nothing
+    waiting = _wait_until_still(one) - 1
+    assert waiting * MIB <= 4 * MIB, f"{waiting} MiB wait for one reader"
+
+    counters = [[0] for _ in range(80)]
+    streams = [backend.produced(f"test-slow-{i}", _endless(c), 64)  # type: ignore[arg-type]
+               for i, c in enumerate(counters)]
+    try:
+        for s in streams:  # each gets its first item, however many wait elsewhere
+            assert next(s) is CHUNK
+        total = [0]
+        while True:
+            before = sum(c[0] for c in counters)
+            time.sleep(0.5)
+            total[0] = sum(c[0] for c in counters)
+            if total[0] == before:
+                break
+        waiting = total[0] - len(streams) + (one[0] - 1)
+        # 64 MiB of the process's budget, and one item per stream outside it
+        assert waiting * MIB <= 64 * MIB + len(streams) * MIB, f"{waiting} MiB in all"
+        assert len(streams) <= waiting < 2 * len(streams)  # each has its next item ready
+        assert backend.STREAM_BUDGET.used <= backend.STREAM_BYTES
+    finally:
+        stream.close()
+        for s in streams:
+            s.close()
+    deadline = time.monotonic() + 10
+    while backend.STREAM_BUDGET.used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.STREAM_BUDGET.used == 0  # nothing of the readers that left is counted
+
+
+def test_the_relay_to_a_slow_client_holds_a_few_mib_and_frees_them() -> None:
+    """app.relayed, the queue between the backend and the HTTP answer, is bounded by bytes
+    the same way (its 16 frames of up to 2 MiB were 32 MiB per stream)."""
+    import asyncio
+
+    from forkd.controller import app
+
+    pulled = [0]
+
+    def items() -> object:
+        while True:
+            pulled[0] += 1
+            yield CHUNK
+
+    async def slow_client() -> int:
+        relay = app.relayed(items(), None, 16)  # type: ignore[arg-type]
+        assert await relay.__anext__() is CHUNK
+        while True:  # the client takes nothing more
+            before = pulled[0]
+            await asyncio.sleep(0.5)
+            if pulled[0] == before:
+                break
+        await relay.aclose()
+        return pulled[0]
+
+    got = asyncio.run(slow_client())
+    assert (got - 1) * MIB <= 4 * MIB, f"{got - 1} MiB wait for one client"
+    deadline = time.monotonic() + 10
+    while app.RELAY_BUDGET.used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.RELAY_BUDGET.used == 0
