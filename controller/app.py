@@ -70,7 +70,7 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import LocalBackend, PoolBackend
+from forkd.controller.backend import ByteBudget, LocalBackend, PoolBackend, Waiting
 from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
@@ -498,6 +498,10 @@ def exec_stream(
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
 FILE_CHUNKS = 4  # chunks of a file (1 MiB each) waiting to be sent to a client, at most
+# and bytes of them: one stream's, and all of this process's (backend.Handoff's are apart)
+RELAY_BYTES_EACH = 2 << 20
+RELAY_BYTES = 64 << 20
+RELAY_BUDGET = ByteBudget(RELAY_BYTES)
 _END = object()  # what follows the last item in relayed's queue
 
 
@@ -509,25 +513,33 @@ async def relayed(
     exception is raised here after the items before it. At most ``size`` wait for a slow
     client. Once the client is gone (this generator is closed) the producer stops
     and closes ``items``: a command runs on to its end or its timeout with its output
-    dropped (LocalBackend.exec_stream), a file's transfer ends."""
+    dropped (LocalBackend.exec_stream), a file's transfer ends. Items wait within
+    RELAY_BYTES_EACH bytes, and all but each stream's first within RELAY_BYTES with the
+    other streams' (backend.Waiting; the producer waits for room)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[object] = asyncio.Queue(size)
     gone = threading.Event()
+    waiting = Waiting(RELAY_BYTES_EACH, RELAY_BUDGET)
 
     async def put(item: object) -> bool:
         try:
             await asyncio.wait_for(queue.put(item), 0.5)
-            return True
         except TimeoutError:
             return False
+        # False if the client left (and its queue was emptied) while this went in: the
+        # caller gives its bytes back, as nobody takes it
+        return not gone.is_set()
 
     def deliver(item: object) -> bool:
+        if not waiting.take(item, gone):
+            return False
         while not gone.is_set():
             try:
                 if asyncio.run_coroutine_threadsafe(put(item), loop).result():
                     return True
             except RuntimeError:  # the event loop is closed: the daemon stops
-                return False
+                break
+        waiting.untake()
         return False
 
     def produce() -> None:
@@ -551,6 +563,7 @@ async def relayed(
             except TimeoutError:
                 yield None
                 continue
+            waiting.taken()
             if item is _END:
                 return
             if isinstance(item, Exception):
@@ -558,6 +571,9 @@ async def relayed(
             yield item  # type: ignore[misc]  # what items gave: a T
     finally:
         gone.set()
+        while not queue.empty():  # what waits is dropped: its bytes are free for others
+            queue.get_nowait()
+            waiting.taken()
 
 
 async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:

@@ -9,10 +9,13 @@ daemon runs. Both take and answer the types of forkd.controller.api, one method 
 from __future__ import annotations
 
 import codecs
+import collections
 import contextlib
 import functools
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from typing import Any, Protocol, TypeVar
@@ -169,32 +172,140 @@ def _child_exists(child_id: str) -> bool:
 
 STREAM_QUEUE = 64  # frames of a streamed command waiting for its reader, at most
 FILE_QUEUE = 16  # chunks (1 MiB each) of a file read waiting for its reader, at most
+STREAM_FRAME_CHARS = 64 << 10  # characters of output in one streamed frame, at most
+# Bytes of a stream waiting for a slow reader: one stream's, and all of this process's
+# (a stream outlives the request limits: its command may have ended, its frames not read).
+# Each stream's first waiting item is outside the process's budget, so slow readers that
+# use it up only slow the others down, never stop them. app.relayed, the daemon's other
+# queue, has the same bounds of its own.
+STREAM_BYTES_EACH = 2 << 20
+STREAM_BYTES = 64 << 20
+
+
+class ByteBudget:
+    """Bytes that may wait at once; ``take`` blocks while they would be exceeded."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+        self._changed = threading.Condition()
+
+    def take(self, n: int, gone: threading.Event, seconds: float | None = None) -> bool:
+        """Wait (up to ``seconds``, default as long as it takes) for room for ``n`` bytes
+        (an item larger than the total waits until nothing else does), then count them;
+        False (nothing counted) once ``gone`` or after ``seconds``."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self._changed:
+            while n and self.used and self.used + n > self.total:
+                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if gone.is_set() or left <= 0:
+                    return False
+                self._changed.wait(left)
+            if gone.is_set():
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._changed:
+            self.used -= n
+            self._changed.notify_all()
+
+
+STREAM_BUDGET = ByteBudget(STREAM_BYTES)
+
+
+def held_bytes(item: object) -> int:
+    """About what ``item`` holds of memory while it waits: a chunk's bytes, a frame's text."""
+    if isinstance(item, (bytes, bytearray)):
+        return len(item)
+    if isinstance(item, ExecFrame):
+        return sum(sys.getsizeof(t) for t in (item.stdout, item.stderr) if t)
+    return 0
+
+
+class Waiting:
+    """The bytes of one stream's queue (one producer, one reader, first in first out): at
+    most ``each``; all but the first waiting item's within ``every``, the process's."""
+
+    def __init__(self, each: int, every: ByteBudget) -> None:
+        self.own, self.every = ByteBudget(each), every
+        self._charges: collections.deque[tuple[int, int]] = collections.deque()
+
+    def take(self, item: object, gone: threading.Event) -> bool:
+        """Count ``item`` before it is queued (waiting for room); False once ``gone``."""
+        n = held_bytes(item)
+        if not self.own.take(n, gone):
+            return False
+        shared = 0
+        # the process's budget, unless nothing else of this stream waits (its reader would
+        # wait for other streams' readers): checked again while it waits for room
+        while self.own.used > n:
+            if self.every.take(n, gone, 0.05):
+                shared = n
+                break
+            if gone.is_set():
+                self.own.give(n)
+                return False
+        self._charges.append((n, shared))
+        return True
+
+    def untake(self) -> None:
+        """The item last counted did not go into the queue after all."""
+        self._give(self._charges.pop())
+
+    def taken(self) -> None:
+        """The oldest item counted left the queue."""
+        self._give(self._charges.popleft())
+
+    def _give(self, charge: tuple[int, int]) -> None:
+        n, shared = charge
+        self.every.give(shared)
+        self.own.give(n)
 
 
 class Handoff:
     """A bounded queue from a producing thread to one reader, which may go away: then
-    ``put`` drops instead of blocking forever."""
+    ``put`` drops instead of blocking forever. At most ``size`` items wait, and bytes
+    within STREAM_BYTES_EACH and, with all other handoffs, STREAM_BYTES (Waiting)."""
 
     def __init__(self, size: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(size)
         self._gone = threading.Event()
+        self._bytes = Waiting(STREAM_BYTES_EACH, STREAM_BUDGET)
 
     def put(self, item: Any) -> bool:
-        """Queue ``item`` (waiting while the queue is full); False when the reader has gone
-        (the item is dropped)."""
+        """Queue ``item`` (waiting while the queue or a byte budget is full); False when
+        the reader has gone (the item is dropped)."""
+        if not self._bytes.take(item, self._gone):
+            return False
         while not self._gone.is_set():
             try:
                 self._queue.put(item, timeout=0.5)
-                return True
             except queue.Full:
                 continue
+            if self._gone.is_set():  # abandoned while it went in: nobody takes it
+                self._drop_waiting()
+                return False
+            return True
+        self._bytes.untake()
         return False
 
     def get(self) -> Any:
-        return self._queue.get()
+        item = self._queue.get()
+        self._bytes.taken()
+        return item
 
     def abandon(self) -> None:
         self._gone.set()
+        self._drop_waiting()
+
+    def _drop_waiting(self) -> None:
+        while True:  # what waits is dropped: its bytes are free for the other streams
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._bytes.taken()
 
 
 def guest_answer(reply: Any, answer: type[T], op: str) -> T:
@@ -500,8 +611,9 @@ class LocalBackend:
                 decoders.append((name, decoder))
 
                 def put(data: bytes) -> None:
-                    if text := decoder.decode(data):
-                        frames.put(output_frame(name, text))
+                    text = decoder.decode(data)  # a guest event is up to 2 MiB: in pieces
+                    for at in range(0, len(text), STREAM_FRAME_CHARS):
+                        frames.put(output_frame(name, text[at : at + STREAM_FRAME_CHARS]))
 
                 return put
 

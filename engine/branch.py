@@ -32,12 +32,12 @@ from typing import Any
 from forkd.engine import children as ch
 from forkd.engine import precopy
 from forkd.engine.build import scratch_dir
-from forkd.engine.errors import HostError, VMMError
+from forkd.engine.errors import ChildDead, HostError, VMMError
 from forkd.engine.lazy.prefetch import wait_complete
 from forkd.engine.precopy import PAGE, ram_mapping, read_pages
-from forkd.engine.qemu import QEMU_IMG
+from forkd.engine.qemu import QEMU_IMG, pid_alive
 from forkd.engine.qmp import QMP
-from forkd.errors import Conflict
+from forkd.errors import Conflict, ForkdError
 from forkd.names import parse_ref
 from forkd.store.store import Store
 
@@ -223,12 +223,21 @@ def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: 
     try:
         devstate = work / "vmstate"
         overlay_copy = work / "disk.qcow2"
-        with ch.locked(info), ch.qmp(info) as q:
-            if live:
-                copied, live_copy = _copy_live(q, info, devstate, overlay_copy,
-                                               settings or precopy.PrecopySettings())
-            else:
-                copied = _copy_stopped(q, info, devstate, overlay_copy)
+        try:
+            with ch.locked(info), ch.qmp(info) as q:
+                if live:
+                    copied, live_copy = _copy_live(q, info, devstate, overlay_copy,
+                                                   settings or precopy.PrecopySettings())
+                else:
+                    copied = _copy_stopped(q, info, devstate, overlay_copy)
+        except (ForkdError, OSError) as e:
+            if pid_alive(info.pid):
+                raise
+            # killed (a kill waits only so long for a branch) or crashed mid-copy: the
+            # child's state is gone, whatever the failed step said about it
+            raise ChildDead(f"child {child_id} ended during the branch (killed, or its QEMU "
+                            f"exited): nothing was stored under {ref}; the step it cut "
+                            f"short said: {e}") from e
         disk_raw = work / "disk.raw"
         p = subprocess.run([QEMU_IMG, "convert", "-f", "qcow2", "-O", "raw", str(overlay_copy),
                             str(disk_raw)], capture_output=True, text=True, check=False,

@@ -724,15 +724,33 @@ def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None
         a.put(path, data, mode)
 
 
+KILL_WAITS_FOR_BRANCH = 30.0  # seconds a kill lets a branch in flight finish its copy
+
+
+@contextlib.contextmanager
+def _branch_ended(d: Path) -> Iterator[None]:
+    """Wait up to KILL_WAITS_FOR_BRANCH for a branch of the child in ``d`` to release the
+    request lock (its exclusive side; requests hold it shared and are not waited for), and
+    keep new branches out while the block runs. A branch still holding it then (QEMU
+    wedged) is not waited for: it fails, saying its child ended (engine/branch.py)."""
+    busy = f"child {d.name} is being branched"
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(Busy):  # only the wait: a Busy of the block is the block's
+            held.enter_context(lock_file(d / "lock", KILL_WAITS_FOR_BRANCH, busy, poll=0.005,
+                                         shared=True))
+        yield
+
+
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:
     """Stop the child's QEMU and remove everything it had (lifecycle.ChildVM.end); a paused
     child's saved state (its private tags, in store, default $FORKD_HOME's) goes too. Safe
     on crashed children. Under the child's record lock: a pause, resume or extend in flight
     ends first (a kill that cut a resume short removed the directory a new QEMU was being
     started in, and left that QEMU, its netns and cgroup running; one that cut a pause
-    short left its private tag in the store), then the kill acts on what it left."""
+    short left its private tag in the store), then the kill acts on what it left. A branch
+    in flight may finish first too (``_branch_ended``): its layer is then whole."""
     d = child_dir(child_id)
-    with record_lock(d):
+    with _branch_ended(d), record_lock(d):
         child = ChildVM.adopt(d)
         info = child.info
         was = child.end()

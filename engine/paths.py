@@ -24,24 +24,40 @@ from pathlib import Path
 from forkd.private import private_dir
 
 
-def cache_dir() -> Path:
+def cache_path() -> Path:
+    """Where $FORKD_CACHE is, made or not (``cache_dir`` makes it)."""
     env = os.environ.get("FORKD_CACHE")
-    base = Path(env) if env else Path.home() / ".cache" / "forkd"
+    return Path(env) if env else Path.home() / ".cache" / "forkd"
+
+
+def cache_dir() -> Path:
+    base = cache_path()
     base.mkdir(parents=True, exist_ok=True)
     return base
 
 
-def run_dir() -> Path:
-    """$FORKD_RUN, made or checked as a private directory (forkd.private) on every call."""
+def _run_location() -> tuple[Path, int]:
+    """$FORKD_RUN and how many of its last levels forkd owns (``private_dir``)."""
     env = os.environ.get("FORKD_RUN")
     if env:
-        return private_dir(Path(env))
+        return Path(env), 1
     if os.geteuid() == 0:
-        return private_dir(Path("/run/forkd"))
+        return Path("/run/forkd"), 1
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
-        return private_dir(Path(xdg) / "forkd")
-    return private_dir(Path(f"/tmp/forkd-{os.geteuid()}") / "forkd", owned_levels=2)
+        return Path(xdg) / "forkd", 1
+    return Path(f"/tmp/forkd-{os.geteuid()}") / "forkd", 2
+
+
+def run_path() -> Path:
+    """Where $FORKD_RUN is (absolute), made or checked or not (``run_dir`` does both)."""
+    return Path(os.path.abspath(_run_location()[0]))
+
+
+def run_dir() -> Path:
+    """$FORKD_RUN, made or checked as a private directory (forkd.private) on every call."""
+    path, owned_levels = _run_location()
+    return private_dir(path, owned_levels=owned_levels)
 
 
 def children_dir() -> Path:
@@ -60,11 +76,12 @@ def hidden_host_paths(text: str, home: Path | None = None) -> str:
     """``text`` (an error an API answers with) with this host's forkd directories named by
     their variables: ``$FORKD_HOME`` (the store ``home``, default the user's),
     ``$FORKD_RUN``, ``$FORKD_CACHE``. A remote caller learns what went wrong, not where
-    this host keeps its stores, sandboxes and caches; the daemon's log keeps the paths."""
+    this host keeps its stores, sandboxes and caches; the daemon's log keeps the paths.
+    It only derives the paths (an error path makes no directory and cannot fail a check)."""
     from forkd.store.store import default_home
 
-    places = [(str(home or default_home()), "$FORKD_HOME"), (str(run_dir()), "$FORKD_RUN"),
-              (str(cache_dir()), "$FORKD_CACHE")]
+    places = [(str(home or default_home()), "$FORKD_HOME"), (str(run_path()), "$FORKD_RUN"),
+              (str(cache_path()), "$FORKD_CACHE")]
     for path, name in sorted(places, key=lambda p: -len(p[0])):  # the longest first
         if len(path) > 1:
             text = text.replace(path, name)

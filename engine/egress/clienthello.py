@@ -13,10 +13,20 @@ never raises anything else. Refused as well, since the upstream might read them
 otherwise than the proxy does: an extension twice, a ``server_name`` list with more
 than one entry or an entry that is not a ``host_name``, a name that is empty or not
 printable ASCII, bytes after the ClientHello in its record.
+
+A ClientHello is not only the first record: after a HelloRetryRequest (RFC 8446 4.1.4)
+the client sends a second one, which may name another server. Until the upstream has
+answered with a ServerHello that is not a HelloRetryRequest (``server_answer``), the
+proxy reads both directions record by record (``RecordReader``) and checks every
+handshake record the guest sends as a ClientHello for the CONNECT host; a second
+HelloRetryRequest, or a first upstream answer that is not a whole ServerHello, is
+refused (the proxy could not tell which server the guest got). After that, the bytes go
+through unread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from dataclasses import dataclass
 
@@ -32,6 +42,11 @@ SERVER_NAME = 0x0000
 HOST_NAME = 0x00
 ENCRYPTED_CLIENT_HELLO = 0xFE0D  # draft-ietf-tls-esni (ECH)
 ENCRYPTED_SERVER_NAME = 0xFFCE  # ECH's predecessor (ESNI drafts)
+SERVER_HELLO = 0x02
+CONTENT_TYPES = frozenset({0x14, 0x15, 0x16, 0x17})  # change_cipher_spec, alert, handshake, data
+MAX_CIPHERTEXT = MAX_FRAGMENT + 2048  # RFC 5246 6.2.3: the largest record on the wire
+# RFC 8446 4.1.3: the ServerHello random that makes it a HelloRetryRequest
+RETRY_RANDOM = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")
 ALERT_ACCESS_DENIED = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 49])  # fatal alert, plaintext
 
 
@@ -182,3 +197,46 @@ def _same_address(name: str, address: str) -> bool:
         return ipaddress.ip_address(name) == ipaddress.ip_address(address)
     except ValueError:
         return False
+
+
+def server_answer(record: bytes) -> bool:
+    """True if the upstream's handshake ``record`` is a HelloRetryRequest, False for
+    another ServerHello; BadHello for anything else (a fragment of one included: the
+    proxy could not tell whether the guest may send another ClientHello)."""
+    body = _Cursor(record, HEADER)
+    if body.number(1, "upstream's handshake type") != SERVER_HELLO:
+        raise BadHello("the upstream's first handshake message is not a ServerHello")
+    body.take(3 + 2, "upstream's ServerHello length and version")
+    return body.take(32, "upstream's ServerHello random") == RETRY_RANDOM
+
+
+class RecordReader:
+    """TLS records, one at a time, from a stream (``pending``: bytes already read from it).
+
+    ``who`` names the side in BadHello's text: a record that is not TLS (content type,
+    version, a length over ``MAX_CIPHERTEXT``) or a close in the middle of one."""
+
+    def __init__(self, reader: asyncio.StreamReader, who: str, pending: bytes = b"") -> None:
+        self.reader, self.who, self.pending = reader, who, pending
+
+    async def _exactly(self, n: int) -> bytes:
+        if len(self.pending) < n:
+            self.pending += await self.reader.readexactly(n - len(self.pending))
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
+
+    async def next(self) -> bytes | None:
+        """The next whole record; None if the stream ends between records."""
+        try:
+            head = await self._exactly(HEADER)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial and not self.pending:
+                return None
+            raise BadHello(f"{self.who} closed in the middle of a TLS record") from None
+        length = int.from_bytes(head[3:5], "big")
+        if head[0] not in CONTENT_TYPES or head[1] != 3 or length > MAX_CIPHERTEXT:
+            raise BadHello(f"{self.who} sent bytes that are not a TLS record during the handshake")
+        try:
+            return head + await self._exactly(length)
+        except asyncio.IncompleteReadError:
+            raise BadHello(f"{self.who} closed in the middle of a TLS record") from None

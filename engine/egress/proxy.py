@@ -381,7 +381,11 @@ class EgressProxy:
                 return
             self._record(ip, "egress.connect", str(dest), "ok", tls="tunnel", secrets=[])
             up_writer.write(first)  # the bytes checked, unchanged
-            await _pipe_both(guest.reader, guest.writer, up_reader, up_writer)
+            try:
+                await self._tunnel(guest, dest, up_reader, up_writer, early[len(first) :])
+            except clienthello.BadHello as exc:
+                self._record(ip, "egress.connect", str(dest), "denied", tls="tunnel",
+                             secrets=[], reason=str(exc))
         finally:
             self._writers.discard(up_writer)
             up_writer.close()
@@ -403,8 +407,8 @@ class EgressProxy:
                     if not data:
                         raise clienthello.BadHello("the guest closed before a whole ClientHello")
                     buf += data
-            hello = clienthello.parse(bytes(buf[:size]))
-            clienthello.require_server(hello, dest)
+            first = bytes(buf[:size])
+            clienthello.require_server(clienthello.parse(first), dest)
         except TimeoutError:
             why = f"no whole ClientHello within {self.limits.hello_seconds:g} s"
             raise clienthello.BadHello(why) from None
@@ -414,7 +418,78 @@ class EgressProxy:
                     await guest.send(clienthello.ALERT_ACCESS_DENIED)
                 await _linger(guest, clienthello.MAX_RECORD)  # no reset before it is read
             raise
-        return bytes(buf)
+        return first  # what came after it in ``early`` is read as the next records
+
+    async def _tunnel(
+        self,
+        guest: _Peer,
+        dest: Destination,
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+        pending: bytes,
+    ) -> None:
+        """Relay a tunnel whose first ClientHello passed. Until the upstream answers with
+        a ServerHello that is not a HelloRetryRequest, both sides are read record by
+        record and every handshake record of the guest must be a ClientHello naming
+        ``dest`` (a second ClientHello, after a retry, could name another server); then
+        the bytes go through unread. BadHello (after a TLS alert to the guest, the
+        upstream getting nothing of the refused record) for what breaks that."""
+        settled = asyncio.Event()  # set before the ServerHello is passed to the guest
+
+        async def from_guest() -> None:
+            records = clienthello.RecordReader(guest.reader, "the guest", pending)
+            while not settled.is_set():
+                record = await records.next()
+                if record is None:
+                    break
+                if record[0] == clienthello.HANDSHAKE and not settled.is_set():
+                    clienthello.require_server(clienthello.parse(record), dest)
+                up_writer.write(record)
+                await up_writer.drain()
+            else:
+                up_writer.write(records.pending)
+                await _pipe(guest.reader, up_writer)
+                return
+            with contextlib.suppress(OSError, RuntimeError):
+                if up_writer.can_write_eof():
+                    up_writer.write_eof()
+
+        async def from_upstream() -> None:
+            records = clienthello.RecordReader(up_reader, "the upstream")
+            retried = False
+            while not settled.is_set():
+                record = await records.next()
+                if record is None:
+                    with contextlib.suppress(OSError, RuntimeError):
+                        if guest.writer.can_write_eof():
+                            guest.writer.write_eof()
+                    return
+                if record[0] == clienthello.HANDSHAKE:
+                    if not clienthello.server_answer(record):
+                        settled.set()
+                    elif retried:
+                        raise clienthello.BadHello("the upstream asked for a ClientHello again")
+                    else:
+                        retried = True
+                guest.writer.write(record)
+                await guest.writer.drain()
+            guest.writer.write(records.pending)
+            await _pipe(up_reader, guest.writer)
+
+        tasks = [asyncio.ensure_future(from_guest()), asyncio.ensure_future(from_upstream())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failures = [task.exception() for task in done if task.exception() is not None]
+            for failure in failures:  # else the side that broke (reset, closed) ends both
+                if isinstance(failure, clienthello.BadHello):
+                    with contextlib.suppress(OSError, RuntimeError):
+                        await guest.send(clienthello.ALERT_ACCESS_DENIED)
+                        await _linger(guest, clienthello.MAX_CIPHERTEXT)
+                    raise failure
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _open_upstream(
         self, dest: Destination, tls: bool
@@ -855,16 +930,3 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             if writer.can_write_eof():
                 writer.write_eof()
 
-
-async def _pipe_both(
-    a_reader: asyncio.StreamReader,
-    a_writer: asyncio.StreamWriter,
-    b_reader: asyncio.StreamReader,
-    b_writer: asyncio.StreamWriter,
-) -> None:
-    results = await asyncio.gather(
-        _pipe(a_reader, b_writer), _pipe(b_reader, a_writer), return_exceptions=True
-    )
-    for result in results:
-        if isinstance(result, BaseException) and not isinstance(result, OSError):
-            raise result
