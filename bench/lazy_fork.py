@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -181,6 +182,32 @@ def wait_unmounted(work: Path, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+SETTLE_S = 2.0  # seconds of quiet after a lazy server exits, before the next figure
+
+
+def settle(store: Store, timeout: float = 30.0) -> None:
+    """Until the lazy server of ``store`` (its children just ended) has unmounted and
+    exited (its server.lock is free), then SETTLE_S more: each figure is taken on a host
+    no other figure's server still works on (it writes what it fetched to its store and
+    exits a second after its last child), as a fork a while after the last one finds it."""
+    wait_unmounted(store.home)
+    deadline = time.monotonic() + timeout
+    for lock in (store.home / "lazy").glob("*/server.lock"):
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{store.home}: its lazy server did not exit") from None
+                    time.sleep(0.1)
+        finally:
+            os.close(fd)
+    time.sleep(SETTLE_S)
+
+
 def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work: Path,
             n: int) -> dict[str, float]:
     probe = PACKS[name][1]
@@ -255,12 +282,14 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
         eval_ok(local_child, probe)
         out["warm_local_ms"] = warm_ms(local_child)
         done_with(publisher)
+        settle(lazy1)  # its server writes the fetched chunks and exits after its children
         wait_spare()  # the first lazy fork left it: what any later lazy fork finds
         warm(hub_data)
         lazys = fresh("lazys")
         out["lazy_spare_first_s"], _ = timed(
             1, probe, lambda: ids(lazy.fork(lazys, remote_text, 1)), started)
         done_with(lazys)
+        settle(lazys)
         wait_spare()
         warm(hub_data)
         lazyn = fresh("lazyn")
