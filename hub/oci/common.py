@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
-from forkd.hub.auth import Caller, authorize, client_ip, permit
+from forkd.hub.auth import Caller, authorize, client_ip, permit, still_permitted
 from forkd.hub.db import SQLITE_BUSY_TIMEOUT_S, Database
 from forkd.hub.db import _busy as database_busy
 from forkd.hub.errors import Code, RegistryError
@@ -59,6 +59,16 @@ class Ctx:
         """``allow`` for a handler that read ``authz.access`` itself (``repo``, ``held``)."""
         permit(self.hub, self.request, self.caller, self.name, action, held)
         self.checked = repo
+
+    def still(self, session: Session, action: str) -> None:
+        """In the write transaction that makes this request's change: ``action`` is still
+        the caller's (``auth.still_permitted``), however long the request took since
+        ``allow``. Sync ORM code."""
+        still_permitted(session, self.caller, self.name, action)
+
+    async def still_async(self, session: AsyncSession, action: str) -> None:
+        """``still`` from an async session."""
+        await session.run_sync(self.still, action)
 
     def known(self) -> Repository:
         """The repository as ``allow`` read it; NAME_UNKNOWN when it does not exist."""
