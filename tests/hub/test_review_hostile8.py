@@ -202,3 +202,312 @@ def test_a_manifest_whose_pusher_lost_push_meanwhile_is_not_recorded(hub: HubSer
         assert error_code(r) == "DENIED"
         assert "withdrawn while this request ran" in r.text
         assert c.get(f"/v2/{repo}/manifests/late").status_code == 404
+
+
+# -- 2. every route refuses outsiders, alike for what exists and what does not -------
+def _route_table(hub: HubServer) -> list[tuple[str, str]]:
+    """(method, path template) of every route the app serves, from Litestar's own table
+    (so a route added later is in it), the OCI catch-all expanded into its resources."""
+    assert hub._server is not None
+    app = hub._server.config.app
+    oci = [
+        "{name}/manifests/v1",
+        "{name}/manifests/{manifest}",
+        "{name}/blobs/{blob}",
+        "{name}/blobs/uploads/",
+        "{name}/blobs/uploads/{upload}",
+        "{name}/tags/list",
+        "{name}/referrers/{manifest}",
+    ]
+    found: set[tuple[str, str]] = set()
+    for route in app.routes:
+        for method in getattr(route, "methods", ()):
+            if method == "OPTIONS":
+                continue
+            template = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
+            if template == "/v2/{path}":
+                found.update((method, f"/v2/{resource}") for resource in oci)
+            else:
+                found.add((method, template))
+    return sorted(found)
+
+
+# Routes anyone may call, whoever they are, and what they answer is no one's secret.
+OPEN = {
+    "/",
+    "/healthz",
+    "/token",
+    "/v2",
+    "/-/search",
+    "/-/signin",
+    "/-/signout",
+    "/-/static/{file_path}",
+    "/-/{path}",
+    "/api/v1/repositories",
+}
+# A signed-in caller's own (their tokens, a new organisation of theirs): refused to
+# anonymous callers only.
+OWN = {("GET", "/api/v1/tokens"), ("POST", "/api/v1/tokens"), ("POST", "/api/v1/orgs")}
+
+
+def _answers(
+    c: httpx.Client, routes: list[tuple[str, str]], names: dict[str, str]
+) -> dict[tuple[str, str], tuple[int, str]]:
+    out = {}
+    for method, template in routes:
+        if template in OPEN or template.startswith("/api/schema"):
+            continue
+        if c.auth is not None and (method, template) in OWN:
+            continue
+        path = template.format(**names)
+        kwargs: dict[str, Any] = {}
+        if method in ("POST", "PUT", "PATCH"):
+            if template.startswith("/api/"):
+                kwargs["json"] = {"role": "admin", "name": "x", "members": [], "quota_bytes": 1}
+            elif not template.startswith("/v2/"):
+                kwargs["data"] = {"username": "x", "role": "admin", "readme": "x"}
+        r = c.request(method, path, params={"tag": "v1"}, **kwargs)
+        code = ""
+        if r.headers.get("content-type", "").startswith("application/json") and r.content:
+            body = r.json()
+            code = body["errors"][0]["code"] if isinstance(body, dict) and "errors" in body else ""
+        if r.status_code == 303:
+            code = r.headers["Location"]  # a redirect to sign in refuses too
+        out[(method, template)] = (r.status_code, code)
+    return out
+
+
+def test_every_route_refuses_outsiders_and_tells_nothing_of_what_exists(hub: HubServer) -> None:
+    """For each route of the app's table, filled in once with a private repository, its
+    organisation, a member, a team, a token id and an upload session that exist, and once
+    with names that exist nowhere: an anonymous caller and a signed-in outsider are
+    refused (never 2xx/3xx on a private resource), and get the same answer for both
+    fillings, so no route tells an outsider which private names exist."""
+    org, alice, bob = _org_with_pusher(hub)
+    repo = f"{org}/secret"
+    with hub.client(alice) as c:
+        manifest, _ = artifact(c, repo, b"secret layer", tag="v1")
+        upload = c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"].rsplit("/", 1)[1]
+        assert c.post(f"/api/v1/orgs/{org}/teams", json={"name": "t", "role": "pull"}).status_code
+        token_id = c.post("/api/v1/tokens", json={"name": "t", "scopes": [f"{org}:pull"]}).json()[
+            "id"
+        ]
+    existing = {
+        "name": repo,
+        "org": org,
+        "namespace": org,
+        "username": bob[0],
+        "team": "t",
+        "token_id": str(token_id),
+        "path": repo,
+        "manifest": manifest,
+        "blob": sha(b"secret layer"),
+        "upload": upload,
+        "file_path": "x",
+    }
+    nowhere = {
+        **existing,
+        "name": f"{org}x/none",
+        "org": f"{org}x",
+        "namespace": f"{org}x",
+        "username": f"{bob[0]}x",
+        "team": "none",
+        "token_id": "999999",
+        "path": f"{org}x/none",
+        "upload": "0" * 32,
+    }
+    routes = _route_table(hub)
+    assert len(routes) > 40, routes  # the table was read, not an empty list
+    outsider = hub.add_user(_name("outsider"))
+    for who in (None, outsider):
+        with hub.client(who) as c:
+            seen = _answers(c, routes, existing)
+            unseen = _answers(c, routes, nowhere)
+        for route, (status, code) in seen.items():
+            assert status >= 400 or code.startswith("/-/signin"), (who, route, status, code)
+            assert (status, code) == unseen[route], (who, route, seen[route], unseen[route])
+
+
+# -- 3. teams are memberships; bodies and lists are bounded -----------------------------
+def _robot_of(hub: HubServer, org: str) -> str:
+    """A robot that is a member of ``org`` only (its admins manage it)."""
+    robot = _name("ci")
+    with hub.client(ADMIN) as c:
+        assert c.post("/api/v1/users", json={"name": robot, "robot": True}).status_code == 201
+        r = c.put(f"/api/v1/orgs/{org}/members/{robot}", json={"role": "push"})
+        assert r.status_code == 204, r.text
+    return robot
+
+
+def test_a_robot_joins_a_team_only_through_who_manages_it(hub: HubServer) -> None:
+    """Direct membership refuses an organisation admin who names another
+    organisation's robot; a team gave that robot a role just the same (a team member
+    holds the team's role in the organisation). Now the team routes apply the member
+    rule: 403, and the robot is in no team. The robot's own admins still may."""
+    org, alice, _bob = _org_with_pusher(hub)
+    robot = _robot_of(hub, org)
+    eve, evil = hub.add_user(_name("eve")), _name("evil")
+    with hub.client(eve) as c:
+        assert c.post("/api/v1/orgs", json={"name": evil}).status_code == 201
+        r = c.post(f"/api/v1/orgs/{evil}/teams", json={"name": "t", "role": "admin"})
+        assert r.status_code == 201, r.text
+        r = c.put(f"/api/v1/orgs/{evil}/teams/t/members/{robot}")
+        assert r.status_code == 403, r.text
+        r = c.post(
+            f"/api/v1/orgs/{evil}/teams", json={"name": "u", "role": "push", "members": [robot]}
+        )
+        assert r.status_code == 403, r.text
+        teams = c.get(f"/api/v1/orgs/{evil}/teams").json()
+        assert [t["name"] for t in teams] == ["t"] and teams[0]["members"] == []
+    with hub.client(alice) as c:  # the robot's owner
+        r = c.post(
+            f"/api/v1/orgs/{org}/teams", json={"name": "ci", "role": "push", "members": [robot]}
+        )
+        assert r.status_code == 201, r.text
+
+
+def test_a_team_change_checks_the_admin_again_when_it_writes(
+    fresh_hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An organisation admin demoted after the route's check but before its write still
+    added a member to an admin team (the write trusted the earlier check). The write
+    transaction now asks again: 403, and the team is unchanged."""
+    import anyio
+
+    from forkd.hub import orgs_api
+
+    hub = fresh_hub
+    alice, carol = hub.add_user("alice"), hub.add_user("carol")
+    hub.add_user("mallory")
+    with hub.client(alice) as c:
+        assert c.post("/api/v1/orgs", json={"name": "acme"}).status_code == 201
+        assert c.put("/api/v1/orgs/acme/members/carol", json={"role": "admin"}).status_code == 204
+        assert c.post("/api/v1/orgs/acme/teams", json={"name": "ops", "role": "admin"}).status_code
+    real = orgs_api._require_principal
+
+    async def then_demoted(hub_: Any, request: Any, namespace: str, role: str) -> Any:
+        answer = await real(hub_, request, namespace, role)
+        await anyio.to_thread.run_sync(lambda: hub.cli("org", "member", "acme", "carol", "pull"))
+        return answer
+
+    monkeypatch.setattr(orgs_api, "_require_principal", then_demoted)
+    with hub.client(carol) as c:
+        r = c.put("/api/v1/orgs/acme/teams/ops/members/mallory")
+    assert r.status_code == 403, r.text
+    monkeypatch.setattr(orgs_api, "_require_principal", real)
+    with hub.client(alice) as c:
+        assert c.get("/api/v1/orgs/acme/teams").json()[0]["members"] == []
+
+
+def test_a_new_team_names_a_bounded_list_of_members(hub: HubServer) -> None:
+    """``members`` was any length: one request naming an existing user a million times
+    ran four statements per name in one write transaction, holding SQLite's single write
+    lock for minutes (any signed-in user can create an organisation to do it in). Now
+    at most 100 names, 400 beyond."""
+    org, alice, bob = _org_with_pusher(hub)
+    with hub.client(alice) as c:
+        r = c.post(
+            f"/api/v1/orgs/{org}/teams",
+            json={"name": "many", "role": "pull", "members": [bob[0]] * 101},
+        )
+        assert r.status_code == 400, r.text
+        r = c.post(
+            f"/api/v1/orgs/{org}/teams",
+            json={"name": "some", "role": "pull", "members": [bob[0]] * 100},
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["members"] == [bob[0]]
+
+
+def _body_routes(hub: HubServer) -> list[tuple[str, str]]:
+    """(method, path template) of the routes whose handler takes a body (``data``)."""
+    import inspect
+
+    assert hub._server is not None
+    found = set()
+    for route in hub._server.config.app.routes:
+        for method, handler in getattr(route, "route_handler_map", {}).items():
+            handler = handler[0] if isinstance(handler, tuple) else handler
+            if "data" in inspect.signature(handler.fn).parameters:
+                found.add((method, re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)))
+    return sorted(found)
+
+
+def test_api_bodies_are_bounded_on_every_route(hub: HubServer) -> None:
+    """Every ``/api/v1`` route that takes a body read up to Litestar's default of 10 MB
+    and decoded it (a token's scope list, a team's members) before any check. Each now
+    refuses past 64 KiB (the README route past its own 512 KiB) with 413, whoever asks."""
+    padding = "x" * (100 * 1024)
+    big = {"name": padding, "role": padding, "scopes": [padding], "members": [padding]}
+    names = {
+        "name": "a/b",
+        "org": "a",
+        "namespace": "a",
+        "username": "u",
+        "team": "t",
+        "token_id": "1",
+    }
+    checked = 0
+    with hub.client(ADMIN) as c:
+        for method, template in _body_routes(hub):
+            if not template.startswith("/api/v1/"):
+                continue
+            body = big
+            if template == "/api/v1/readme/{name}":
+                body = {"readme": "x" * (600 * 1024)}
+            r = c.request(method, template.format(**names), json=body)
+            assert r.status_code == 413, (method, template, r.status_code, r.text[:200])
+            checked += 1
+    assert checked >= 7, checked
+
+
+# -- 4. what one account may make is bounded, also when requests race ------------------
+def test_tokens_per_user_are_bounded_also_when_racing(backend_hub: HubServer) -> None:
+    """A user could mint API tokens without end (each a row read by their token pages and
+    counted nowhere). Now at most 100 per user (409 beyond, saying to revoke some), and
+    requests racing for the last places do not pass it together (the user's row is held
+    while counting, on PostgreSQL too)."""
+    from forkd.hub.accounts import MAX_TOKENS_PER_USER
+
+    hub = backend_hub
+    who = hub.add_user("minter")
+    with hub.client(who) as c:
+        for i in range(MAX_TOKENS_PER_USER - 2):
+            r = c.post("/api/v1/tokens", json={"name": f"t{i}", "scopes": ["minter:pull"]})
+            assert r.status_code == 201, r.text
+
+    def mint(i: int) -> int:
+        with hub.client(who) as c:
+            r = c.post("/api/v1/tokens", json={"name": f"race{i}", "scopes": ["minter:pull"]})
+            return r.status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = sorted(pool.map(mint, range(6)))
+    assert answers == [201, 201, 409, 409, 409, 409], answers
+    with hub.client(who) as c:
+        assert len(c.get("/api/v1/tokens").json()) == MAX_TOKENS_PER_USER
+        r = c.post("/api/v1/tokens", json={"name": "more", "scopes": ["minter:pull"]})
+        assert r.status_code == 409 and "revoke some" in r.text, r.text
+
+
+def test_organisations_per_creator_are_bounded_also_when_racing(backend_hub: HubServer) -> None:
+    """Any signed-in user creates organisations: one account could add namespaces
+    without end. Now a user may be the direct admin of at most 20 (409 beyond); racing
+    creations do not pass it together. Site admins are not limited."""
+    from forkd.hub.accounts import MAX_ORGS_PER_USER
+
+    hub = backend_hub
+    who = hub.add_user("founder")
+    with hub.client(who) as c:
+        for i in range(MAX_ORGS_PER_USER - 1):
+            assert c.post("/api/v1/orgs", json={"name": f"founded{i}"}).status_code == 201
+
+    def found(i: int) -> int:
+        with hub.client(who) as c:
+            return c.post("/api/v1/orgs", json={"name": f"race{i}"}).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = sorted(pool.map(found, range(4)))
+    assert answers == [201, 409, 409, 409], answers
+    with hub.client(ADMIN) as c:
+        assert c.post("/api/v1/orgs", json={"name": "siteadmins-own"}).status_code == 201
