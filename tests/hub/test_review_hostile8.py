@@ -511,3 +511,49 @@ def test_organisations_per_creator_are_bounded_also_when_racing(backend_hub: Hub
     assert answers == [201, 409, 409, 409], answers
     with hub.client(ADMIN) as c:
         assert c.post("/api/v1/orgs", json={"name": "siteadmins-own"}).status_code == 201
+
+
+# -- 5. one document, one reading ----------------------------------------------------
+@pytest.mark.parametrize("twice", ["mediaType", "layers", "subject"])
+def test_a_manifest_naming_a_key_twice_is_refused(hub: HubServer, twice: str) -> None:
+    """JSON leaves a repeated key to each parser: Python and Go keep the last, others
+    the first. The hub checked the last ``mediaType`` (an image manifest, as the
+    Content-Type said), ``layers`` (blobs the repository holds) or ``subject``, while a
+    first-key parser read an index, other layers or another subject. Refused: 400
+    MANIFEST_INVALID, nothing recorded."""
+    who = hub.add_user(_name("dup"))
+    repo = f"{who[0]}/app"
+    with hub.client(who) as c:
+        _, body = artifact(c, repo, b"the checked layer")
+        doc = json.loads(body)
+        first = {
+            "mediaType": '"application/vnd.oci.image.index.v1+json"',
+            "layers": json.dumps([{**doc["layers"][0], "digest": sha(b"another")}]),
+            "subject": json.dumps({**doc["config"], "digest": sha(b"a subject")}),
+        }[twice]
+        text = body.decode()
+        hostile = text[:1] + f'"{twice}": {first}, ' + text[1:]
+        if twice == "subject":
+            hostile = hostile[:-1] + f', "subject": {json.dumps(doc["config"])}' + "}"
+        r = c.put(
+            f"/v2/{repo}/manifests/dup",
+            content=hostile.encode(),
+            headers={"Content-Type": OCI_MANIFEST},
+        )
+        assert r.status_code == 400, r.text
+        assert error_code(r) == "MANIFEST_INVALID"
+        assert "appears twice" in r.text
+        assert c.get(f"/v2/{repo}/manifests/dup").status_code == 404
+
+
+def test_documents_from_peers_are_json_without_nan() -> None:
+    """Python's parser reads ``NaN`` and ``Infinity`` as floats; they are not JSON, and a
+    size or an offset of NaN compares false with every bound. Every document forkd
+    reads from a peer (``forkd.jsondoc.loads``) refuses them."""
+    from forkd import jsondoc
+    from forkd.errors import InvalidInput
+
+    for text in ('{"size": NaN}', '{"size": Infinity}', "[-Infinity]"):
+        with pytest.raises(InvalidInput, match="not a JSON number"):
+            jsondoc.loads(text, "a document")
+    assert jsondoc.loads('{"size": 1.5, "n": [1, {"a": null}]}', "a document")["size"] == 1.5
