@@ -20,7 +20,7 @@ from functools import lru_cache
 import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
-from sqlalchemy import bindparam, delete, func, select
+from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -565,9 +565,22 @@ async def create_token(
     return secret
 
 
+REPOSITORY_CREATE_LOCK_CLASS = 0x7265706F  # "repo": one namespace's creations take turns
+
+
 async def create_repository(
-    session: AsyncSession, name: str, *, public: bool, admin_may_create_namespace: bool
+    session: AsyncSession,
+    name: str,
+    *,
+    public: bool,
+    admin_may_create_namespace: bool,
+    most: int | None = None,
 ) -> Repository:
+    """A new repository ``name``; with ``most`` (the ``repositories_max`` setting) 403
+    DENIED when its namespace has that many already. Counted under a per-namespace
+    advisory lock on PostgreSQL (taken before the repository's and the quota's locks, in
+    the order of ``Database.repository_lock``), so creations racing for the last place
+    do not pass together; SQLite's writers are serial."""
     ns_name = namespace_of(name)
     ns = await get_namespace(session, ns_name)
     if ns is None:
@@ -576,6 +589,21 @@ async def create_repository(
         ns = Namespace(name=ns_name, kind="org")
         session.add(ns)
         await session.flush()
+    if most is not None:
+        if session.get_bind().dialect.name == "postgresql":
+            await session.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, :ns)"),
+                {"cls": REPOSITORY_CREATE_LOCK_CLASS, "ns": ns.id},
+            )
+        held = await session.scalar(
+            select(func.count()).select_from(Repository).where(Repository.namespace_id == ns.id)
+        )
+        if (held or 0) >= most:
+            reason = (
+                f"namespace {shown(ns_name)} has {held} repositories, the limit is {most} "
+                "(repositories_max): push into an existing one, or ask the hub's operator"
+            )
+            raise RegistryError(Code.DENIED, reason, message=reason)
     repo = Repository(name=name, namespace_id=ns.id, is_public=public)
     session.add(repo)
     await session.flush()

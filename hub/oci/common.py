@@ -96,6 +96,7 @@ class Ctx:
                     self.name,
                     public=self.hub.settings.default_visibility == "public",
                     admin_may_create_namespace=self.caller.principal.is_admin,
+                    most=self.hub.settings.repositories_max,
                 )
         except InvalidInput as exc:
             raise RegistryError(Code.NAME_UNKNOWN, str(exc)) from exc

@@ -557,3 +557,46 @@ def test_documents_from_peers_are_json_without_nan() -> None:
         with pytest.raises(InvalidInput, match="not a JSON number"):
             jsondoc.loads(text, "a document")
     assert jsondoc.loads('{"size": 1.5, "n": [1, {"a": null}]}', "a document")["size"] == 1.5
+
+
+# -- 6. repositories per namespace ---------------------------------------------------
+@pytest.fixture(params=["sqlite", "postgresql"])
+def few_repositories_hub(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[HubServer]:
+    overrides: dict[str, Any] = {"repositories_max": 3}
+    if request.param == "postgresql":
+        overrides["database_url"] = request.getfixturevalue("postgres_url")
+    server = HubServer(tmp_path / "hub", overrides).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_repositories_per_namespace_are_bounded_also_when_racing(
+    few_repositories_hub: HubServer,
+) -> None:
+    """Starting an upload to a new name creates the repository, and it stays however the
+    upload ends (cancelled, refused by a session limit): a push member could add
+    repositories without end, each a row every listing filters. Now a namespace holds
+    at most ``repositories_max``; a new name past it is 403 DENIED and creates nothing,
+    racing creations included, while existing repositories take pushes as before."""
+    hub = few_repositories_hub
+    who = hub.add_user("many")
+    with hub.client(who) as c:
+        r = c.post("/v2/many/r0/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        assert c.delete(r.headers["Location"]).status_code == 204  # the repository stays
+
+        def start(i: int) -> int:
+            with hub.client(who) as c2:
+                return c2.post(f"/v2/many/race{i}/blobs/uploads/").status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = sorted(pool.map(start, range(4)))
+        assert answers == [202, 202, 403, 403], answers
+        r = c.post("/v2/many/late/blobs/uploads/", params={"digest": sha(b"x")}, content=b"x")
+        assert r.status_code == 403 and error_code(r) == "DENIED", r.text
+        assert "repositories_max" in r.text
+        names = c.get("/v2/_catalog").json()["repositories"]
+        assert len(names) == 3 and "many/late" not in names, names
+        artifact(c, "many/r0", b"still pushes")  # an existing repository takes pushes
