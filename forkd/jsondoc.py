@@ -42,12 +42,37 @@ def check_nesting(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> None:
         )
 
 
+class _Ambiguous(ValueError):
+    """A document that parsers read differently (``loads``)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object, unless it names a key twice: RFC 8259 leaves what that means to each
+    parser (Python and Go keep the last, others the first), so one manifest would be two
+    documents, e.g. a ``mediaType`` the hub checks and another a client acts on
+    (CVE-2021-41190's kind of confusion), or ``layers`` the hub verified and others a
+    client pulls."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Ambiguous(f"key {key[:80]!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259 section 6), though
+    Python reads them as floats: refused like any other text that is not JSON."""
+    raise _Ambiguous(f"{name} is not a JSON number")
+
+
 def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``data`` as JSON; InvalidInput when it is not JSON or nests deeper than
+    """Parse ``data`` as JSON; InvalidInput when it is not JSON (``NaN``, ``Infinity``
+    included), names a key twice in one object (``_unique_keys``) or nests deeper than
     ``max_depth``. ``what`` names the document in the message."""
     raw = data.encode() if isinstance(data, str) else bytes(data)
     check_nesting(raw, what, max_depth)
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc

@@ -20,7 +20,7 @@ from functools import lru_cache
 import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
-from sqlalchemy import bindparam, delete, select
+from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -81,6 +81,16 @@ def hash_token(secret: str) -> str:
     """Tokens are 256-bit random: a plain sha256 is a sound way to store them."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
+
+# What one account may make (rows it alone decides to add; each is read by the requests
+# and pages that list them): API tokens of one user or robot, organisations one user is
+# the direct admin of (site admins: no limit), teams of one organisation.
+MAX_TOKENS_PER_USER = 100
+MAX_ORGS_PER_USER = 20
+MAX_TEAMS_PER_ORG = 100
+# Members one team-creating request may name (each is a row and a lookup in one write
+# transaction); more are added one request each.
+MAX_TEAM_MEMBERS_AT_ONCE = 100
 
 # What one API token may carry: a token names a handful of namespaces, and its scopes
 # are read on every request made with it.
@@ -188,7 +198,6 @@ _NAMESPACE = select(Namespace).where(Namespace.name == bindparam("name"))
 _REPOSITORY = select(Repository).where(Repository.name == bindparam("name"))
 
 
-
 def find_user(session: Session, name: str) -> User | None:
     return session.scalars(_USER, {"name": name}).first()
 
@@ -290,7 +299,7 @@ class PrincipalChanged(ForkdError):
 def _acting_user(session: Session, principal: Principal) -> User:
     user_id = principal.user_id
     user = (
-        session.scalars(select(User).where(User.id == user_id).with_for_update(read=True)).first()
+        session.scalars(select(User).where(User.id == user_id).with_for_update()).first()
         if user_id is not None
         else None
     )
@@ -310,8 +319,10 @@ async def acting_user(session: AsyncSession, principal: Principal) -> User:
     """The row of the user ``principal`` is, read in this write transaction by id (never
     by name: a user removed meanwhile and another account created under the name must
     not receive what this request makes) and checked against the principal's stamp; on
-    PostgreSQL the row is held (``FOR SHARE``) so a removal waits for the commit, and then
-    takes what this request made with it. Raises ``PrincipalChanged``."""
+    PostgreSQL the row is held (``FOR UPDATE``) so a removal waits for the commit, and then
+    takes what this request made with it, and so do the user's other requests that count
+    what the user has (``MAX_TOKENS_PER_USER``, ``MAX_ORGS_PER_USER``): two cannot both
+    take the last place. Raises ``PrincipalChanged``."""
     return await session.run_sync(_acting_user, principal)
 
 
@@ -364,10 +375,24 @@ async def create_team(
     ).first()
     if exists_ is not None:
         raise Conflict(f"team {shown(name)} already exists in {shown(org)}")
+    if len(set(members)) > MAX_TEAM_MEMBERS_AT_ONCE:
+        raise InvalidInput(
+            f"a new team names at most {MAX_TEAM_MEMBERS_AT_ONCE} members; add the others "
+            "one at a time"
+        )
+    # The organisation's row held (PostgreSQL) while counting: creations take turns.
+    await session.execute(select(Namespace.id).where(Namespace.id == ns.id).with_for_update())
+    teams = await session.scalar(
+        select(func.count()).select_from(Team).where(Team.namespace_id == ns.id)
+    )
+    if (teams or 0) >= MAX_TEAMS_PER_ORG:
+        raise Conflict(
+            f"{shown(org)} has {teams} teams, the limit is {MAX_TEAMS_PER_ORG}: remove some first"
+        )
     team = Team(namespace_id=ns.id, name=name, role=role, repositories=repositories)
     session.add(team)
     await session.flush()
-    for member in members:
+    for member in dict.fromkeys(members):
         await add_team_member(session, org, name, member)
     return team
 
@@ -516,6 +541,16 @@ async def create_token(
     else:
         user = username
     parsed = parse_scopes(scopes)
+    # The user's row held (PostgreSQL) while counting: concurrent creations take turns.
+    await session.execute(select(User.id).where(User.id == user.id).with_for_update())
+    held = await session.scalar(
+        select(func.count()).select_from(ApiToken).where(ApiToken.user_id == user.id)
+    )
+    if (held or 0) >= MAX_TOKENS_PER_USER:
+        raise Conflict(
+            f"{shown(user.name)} has {held} API tokens, the limit is {MAX_TOKENS_PER_USER}: "
+            "revoke some first"
+        )
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(
         ApiToken(
@@ -530,9 +565,22 @@ async def create_token(
     return secret
 
 
+REPOSITORY_CREATE_LOCK_CLASS = 0x7265706F  # "repo": one namespace's creations take turns
+
+
 async def create_repository(
-    session: AsyncSession, name: str, *, public: bool, admin_may_create_namespace: bool
+    session: AsyncSession,
+    name: str,
+    *,
+    public: bool,
+    admin_may_create_namespace: bool,
+    most: int | None = None,
 ) -> Repository:
+    """A new repository ``name``; with ``most`` (the ``repositories_max`` setting) 403
+    DENIED when its namespace has that many already. Counted under a per-namespace
+    advisory lock on PostgreSQL (taken before the repository's and the quota's locks, in
+    the order of ``Database.repository_lock``), so creations racing for the last place
+    do not pass together; SQLite's writers are serial."""
     ns_name = namespace_of(name)
     ns = await get_namespace(session, ns_name)
     if ns is None:
@@ -541,6 +589,21 @@ async def create_repository(
         ns = Namespace(name=ns_name, kind="org")
         session.add(ns)
         await session.flush()
+    if most is not None:
+        if session.get_bind().dialect.name == "postgresql":
+            await session.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, :ns)"),
+                {"cls": REPOSITORY_CREATE_LOCK_CLASS, "ns": ns.id},
+            )
+        held = await session.scalar(
+            select(func.count()).select_from(Repository).where(Repository.namespace_id == ns.id)
+        )
+        if (held or 0) >= most:
+            reason = (
+                f"namespace {shown(ns_name)} has {held} repositories, the limit is {most} "
+                "(repositories_max): push into an existing one, or ask the hub's operator"
+            )
+            raise RegistryError(Code.DENIED, reason, message=reason)
     repo = Repository(name=name, namespace_id=ns.id, is_public=public)
     session.add(repo)
     await session.flush()

@@ -125,6 +125,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+# The request body limit of every route that sets none of its own: /api/v1's JSON bodies
+# (a team, a token, an organisation) are a few hundred bytes. The registry routes take
+# any size (uploads: ``upload_max_bytes``), README and UI forms set their own.
+API_BODY_MAX = 64 * 1024
 HOST_EXEMPT = ("/healthz",)  # answers with no URL; load balancers probe it by address
 
 
@@ -198,6 +202,7 @@ def create_app(settings: HubSettings) -> Litestar:
         middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
         request_class=HubHttpRequest,
+        request_max_body_size=API_BODY_MAX,
         before_request=host_checked,
         exception_handlers={
             RegistryError: registry_error_handler,

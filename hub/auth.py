@@ -20,12 +20,14 @@ from dataclasses import dataclass, replace
 from litestar import Request, Response, get
 from litestar.datastructures import State
 from litestar.di import NamedDependency
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, authz
 from forkd.hub.accounts import ANONYMOUS, Principal
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import Repository
+from forkd.hub.models import Repository, User
 from forkd.hub.services import Hub
 from forkd.hub.settings import Network, host_names, parse_host, proxy_networks
 from forkd.hub.tokens import Grant
@@ -259,6 +261,48 @@ def permit(
         )
     if "pull" in held:
         raise RegistryError(Code.DENIED, f"{action} access to {repository} is denied")
+    raise RegistryError(Code.NAME_UNKNOWN, f"repository {repository} not found")
+
+
+def still_permitted(session: Session, caller: Caller, repository: str, action: str) -> None:
+    """Inside the write transaction that makes a request's change: raise unless the
+    caller still holds ``action`` on ``repository`` now. ``authorize`` answered when the
+    request began; an upload, a manifest body or a compaction can take minutes after
+    that, and a user removed, a token revoked, a password changed or a membership taken
+    away meanwhile must not still store what it sent. The principal is re-resolved by id
+    and stamp (``accounts.token_principal``) and its access read again (``authz.access``,
+    narrowed by a bearer token's grant as ``permit`` does), in the transaction whose
+    commit makes the change; on PostgreSQL the user row is held ``FOR SHARE`` so a
+    removal waits for the commit. Sync ORM code (``Database.write`` or ``run_sync``)."""
+    principal = caller.principal
+    if not principal.anonymous:
+        held_row = session.scalars(
+            select(User.id).where(User.id == principal.user_id).with_for_update(read=True)
+        ).first()
+        fresh = (
+            accounts.token_principal(session, held_row, principal.token_id, principal.stamp)
+            if held_row is not None
+            else None
+        )
+        if fresh is None:
+            raise RegistryError(
+                Code.UNAUTHORIZED,
+                "your account was removed, or its password or token changed, while this "
+                "request ran; nothing was stored: sign in again",
+            )
+        principal = replace(fresh, bearer_access=principal.bearer_access)
+    _, held = authz.access(session, principal, repository)
+    granted = held
+    if caller.grant is not None:
+        granted = held & caller.grant.access.get(repository, frozenset())
+    if action in granted:
+        return
+    if "pull" in granted:
+        raise RegistryError(
+            Code.DENIED,
+            f"{action} access to {repository} was withdrawn while this request ran; "
+            "nothing was stored",
+        )
     raise RegistryError(Code.NAME_UNKNOWN, f"repository {repository} not found")
 
 

@@ -49,7 +49,7 @@ from forkd import digest as dg
 from forkd.bodies import Body
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.hub import accounts
-from forkd.hub.auth import authenticate, authorize, client_ip
+from forkd.hub.auth import Caller, authenticate, authorize, client_ip, still_permitted
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Manifest, Tag
 from forkd.hub.oci.common import HubRequest, link_blob
@@ -181,12 +181,15 @@ async def compact_tag(
     reason: str = "manual",
     expect: str | None = None,
     deeper_than: int = -1,
+    caller: Caller | None = None,
 ) -> CompactionResult | None:
     """Flatten ``name:tag`` into ``name:to`` on the hub. The caller checked push access.
 
     ``expect`` (a digest) and ``deeper_than`` serve the retention rule: it returns None,
     doing nothing, when the tag has moved on or its chain is not deeper than the limit.
     Raises RegistryError: 404 unknown tag, 409 existing ``to`` without ``force``.
+    ``caller`` (a request's): checked again when the result is registered, minutes after
+    the route's check (``auth.still_permitted``); None for the retention rule.
     """
     source = f"{name}:{tag}"
     async with hub.db.reading() as session:
@@ -228,7 +231,7 @@ async def compact_tag(
             with anyio.CancelScope(shield=True):  # also when the hub shuts down meanwhile
                 await anyio.to_thread.run_sync(shutil.rmtree, scratch, True)
         try:
-            await _register(hub, name, to, flat, force)
+            await _register(hub, name, to, flat, force, caller)
         except _Vanished:
             log.warning("a gc sweep raced the compaction of %s; compacting again", source)
             continue
@@ -305,11 +308,16 @@ def _all_present(blobs: BlobStore, wanted: list[tuple[str, int]]) -> bool:
     return all(blobs.has(digest) for digest, _ in wanted)
 
 
-async def _register(hub: Hub, name: str, to: str, flat: _Flat, force: bool) -> None:
-    """Link the new blobs into the repository and register the manifest like a ``PUT``."""
+async def _register(
+    hub: Hub, name: str, to: str, flat: _Flat, force: bool, caller: Caller | None
+) -> None:
+    """Link the new blobs into the repository and register the manifest like a ``PUT``,
+    if ``caller`` may still push there."""
     doc = parse_manifest(flat.body, mt.OCI_MANIFEST)
     async with hub.db.transaction() as session:
         await hub.db.lock_for_write(session)
+        if caller is not None:
+            await session.run_sync(still_permitted, caller, name, "push")
         repo = await accounts.get_repository(session, name)
         if repo is None:
             raise RegistryError(Code.NAME_UNKNOWN, f"repository {name} not found")
@@ -369,6 +377,7 @@ class CompactionController(Controller):
                 force=data.force,
                 actor=caller.principal.name,
                 ip=client_ip(request),
+                caller=caller,
             )
         finally:
             slots.release()

@@ -8,6 +8,11 @@ so both apply the same rules:
   organisation cannot take another's robot away by adding it to their own;
 - a namespace never loses its last direct admin (demotion or removal).
 
+A team's member holds the team's role in its organisation, so team changes
+(``change_team``, ``team_member_allowed``) follow the same rules: only an organisation
+admin, checked again in the transaction that writes, and a robot joins a team only
+through someone who may manage it.
+
 The shell's ``forkd hub org member`` is the site operator's and skips these checks.
 """
 
@@ -71,4 +76,25 @@ async def keep_an_admin(session: AsyncSession, ns: Namespace, user: User) -> Non
     if user.id in ids and not ids - {user.id}:
         raise Conflict(
             f"{shown(user.name)} is the last admin of {shown(ns.name)}: make another first"
+        )
+
+
+async def require_admin(session: AsyncSession, principal: Principal, namespace: str) -> None:
+    """NotPermitted unless ``principal`` administers ``namespace`` now: read in the write
+    transaction of the change, so an admin removed or demoted while the request ran
+    changes nothing."""
+    if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
+        raise NotPermitted(f"only admins of {shown(namespace)} change its teams")
+
+
+async def team_member_allowed(session: AsyncSession, principal: Principal, username: str) -> None:
+    """InvalidInput for an unknown user; NotPermitted for a robot ``principal`` may not
+    manage (its owners decide where it holds a role, by team as by membership)."""
+    user = await accounts.get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {shown(username)}")
+    if user.is_robot and not await session.run_sync(authz.may_manage_robot, principal, user.id):
+        raise NotPermitted(
+            f"robot {shown(username)} belongs to a namespace you do not administer; its "
+            "owners (or a site admin) decide which teams it is in"
         )

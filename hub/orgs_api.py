@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Annotated
 
 import anyio
 import msgspec
@@ -41,7 +42,7 @@ from litestar.exceptions import (
     ValidationException,
 )
 from litestar.params import FromPath, JSONBody
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -91,7 +92,10 @@ class TeamCreate(Body):
     name: str
     role: str
     repositories: str = ""
-    members: list[str] = msgspec.field(default_factory=list)
+    # At most MAX_TEAM_MEMBERS_AT_ONCE (each a lookup and a row in the write transaction).
+    members: Annotated[list[str], msgspec.Meta(max_length=accounts.MAX_TEAM_MEMBERS_AT_ONCE)] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 @dataclass
@@ -146,6 +150,29 @@ async def _permitted(hub: Hub, request: HubRequest, actor: str, target: str) -> 
         raise PermissionDeniedException(str(exc)) from exc
 
 
+async def _below_org_limit(session: AsyncSession, creator: User) -> None:
+    """Conflict when ``creator`` is already the direct admin of ``MAX_ORGS_PER_USER``
+    organisations (any signed-in user creates them: without a bound one account could
+    add namespaces without end). ``acting_user`` holds the user's row, so concurrent
+    creations are counted one after another."""
+    administered = await session.scalar(
+        select(func.count())
+        .select_from(Membership)
+        .join(Namespace, Namespace.id == Membership.namespace_id)
+        .where(
+            Membership.user_id == creator.id,
+            Membership.role == "admin",
+            Namespace.kind == "org",
+        )
+    )
+    if (administered or 0) >= accounts.MAX_ORGS_PER_USER:
+        raise Conflict(
+            f"you administer {administered} organisations, the limit is "
+            f"{accounts.MAX_ORGS_PER_USER}: hand one over (make another admin, then leave it)"
+            " or ask a site admin"
+        )
+
+
 def _is_robot(session: Session, user_id: int | None) -> bool:
     user = session.get(User, user_id) if user_id is not None else None
     return user is None or user.is_robot
@@ -197,9 +224,11 @@ class OrgController(Controller):
             async with _writing(hub) as session:
                 # The caller's row by id and stamp, in this transaction: never a user or
                 # robot given the name since the request was authenticated.
-                creator = await accounts.acting_user(session, principal)
+                creator = await accounts.acting_user(session, principal)  # held: counted
                 if creator.is_robot:
                     raise PermissionDeniedException("a robot creates no organisations")
+                if not creator.is_admin:
+                    await _below_org_limit(session, creator)
                 await accounts.create_org(session, data.name)
                 await accounts.set_member(session, data.name, creator, "admin")
         except accounts.PrincipalChanged as exc:
@@ -264,8 +293,11 @@ class OrgController(Controller):
         org: FromPath[str],
         data: JSONBody[TeamCreate],
     ) -> TeamInfo:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await members.require_admin(session, principal, org)
+            for username in dict.fromkeys(data.members):
+                await members.team_member_allowed(session, principal, username)
             team = await accounts.create_team(
                 session,
                 org,
@@ -301,8 +333,9 @@ class OrgController(Controller):
         org: FromPath[str],
         team: FromPath[str],
     ) -> None:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await members.require_admin(session, principal, org)
             await accounts.delete_team(session, org, team)
         hub.audit.record(actor, client_ip(request), "team.delete", f"{org}/{team}", "ok")
 
@@ -315,8 +348,10 @@ class OrgController(Controller):
         team: FromPath[str],
         username: FromPath[str],
     ) -> None:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await members.require_admin(session, principal, org)
+            await members.team_member_allowed(session, principal, username)
             await accounts.add_team_member(session, org, team, username)
         hub.audit.record(
             actor, client_ip(request), "team.member.add", f"{org}/{team}", "ok", user=username
@@ -331,8 +366,9 @@ class OrgController(Controller):
         team: FromPath[str],
         username: FromPath[str],
     ) -> None:
-        actor = await _require(hub, request, org, "admin")
-        async with _writing(hub) as session:
+        actor, principal = await _require_principal(hub, request, org, "admin")
+        async with _writing(hub) as session, _permitted(hub, request, actor, org):
+            await members.require_admin(session, principal, org)
             await accounts.remove_team_member(session, org, team, username)
         hub.audit.record(
             actor, client_ip(request), "team.member.remove", f"{org}/{team}", "ok", user=username

@@ -132,6 +132,9 @@ class HubSettings:
     # included: each may write up to 16 GiB of assembled images. A POST /api/v1/compact
     # finding them all busy is refused with 429 and Retry-After, never queued.
     compactions_max: int = 2
+    # Repositories per namespace: a push member creates one by starting an upload to a
+    # new name (kept however the upload ends); past this, a new name is 403 DENIED.
+    repositories_max: int = 10_000
 
     @classmethod
     def from_env(
@@ -189,6 +192,8 @@ class HubSettings:
             raise InvalidInput(
                 "upload_sessions_max, upload_sessions_per_user and upload_max_bytes must be > 0"
             )
+        if self.repositories_max <= 0:
+            raise InvalidInput("repositories_max must be > 0")
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
@@ -244,6 +249,7 @@ class HubSettings:
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
             compactions_max=self.compactions_max,
+            repositories_max=self.repositories_max,
         )
 
     def _check_blob_backend(self) -> None:

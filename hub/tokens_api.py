@@ -15,6 +15,7 @@ from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.exceptions import (
+    HTTPException,
     NotAuthorizedException,
     NotFoundException,
     PermissionDeniedException,
@@ -24,7 +25,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 
 from forkd.bodies import Body
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import SECRET_HEADERS, authenticate, client_ip
 from forkd.hub.models import ApiToken
@@ -117,6 +118,8 @@ class TokenController(Controller):
             raise NotAuthorizedException(str(exc)) from exc
         except InvalidInput as exc:
             raise ValidationException(str(exc)) from exc
+        except Conflict as exc:  # MAX_TOKENS_PER_USER
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
         hub.audit.record(
             principal.name,
             client_ip(request),

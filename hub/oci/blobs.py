@@ -147,6 +147,7 @@ async def delete_blob(ctx: Ctx, digest: str) -> Response[object]:
             await hub.db.lock_for_write(session)
             await hub.db.lock_repository(session, repo.id)
             await session.run_sync(quotas.lock_namespace, repo.id)
+            await ctx.still_async(session, "delete")
             linked = await session.scalar(
                 select(RepositoryBlob.digest).where(
                     RepositoryBlob.repository_id == repo.id, RepositoryBlob.digest == digest

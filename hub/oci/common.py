@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
-from forkd.hub.auth import Caller, authorize, client_ip, permit
+from forkd.hub.auth import Caller, authorize, client_ip, permit, still_permitted
 from forkd.hub.db import SQLITE_BUSY_TIMEOUT_S, Database
 from forkd.hub.db import _busy as database_busy
 from forkd.hub.errors import Code, RegistryError
@@ -60,6 +60,16 @@ class Ctx:
         permit(self.hub, self.request, self.caller, self.name, action, held)
         self.checked = repo
 
+    def still(self, session: Session, action: str) -> None:
+        """In the write transaction that makes this request's change: ``action`` is still
+        the caller's (``auth.still_permitted``), however long the request took since
+        ``allow``. Sync ORM code."""
+        still_permitted(session, self.caller, self.name, action)
+
+    async def still_async(self, session: AsyncSession, action: str) -> None:
+        """``still`` from an async session."""
+        await session.run_sync(self.still, action)
+
     def known(self) -> Repository:
         """The repository as ``allow`` read it; NAME_UNKNOWN when it does not exist."""
         if self.checked is None:
@@ -86,6 +96,7 @@ class Ctx:
                     self.name,
                     public=self.hub.settings.default_visibility == "public",
                     admin_may_create_namespace=self.caller.principal.is_admin,
+                    most=self.hub.settings.repositories_max,
                 )
         except InvalidInput as exc:
             raise RegistryError(Code.NAME_UNKNOWN, str(exc)) from exc

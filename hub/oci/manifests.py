@@ -295,6 +295,7 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
         # insert, and a refused manifest leaves nothing behind.
         async with hub.db.transaction() as session:
             await hub.db.lock_for_write(session)
+            await ctx.still_async(session, "push")  # the body may have been slow to come
             repo = await ctx.repository_for_push(session)
             await _register(hub, session, repo, pushed, tag, prechecked=prechecked)
     ctx.audit("manifest.push", reference, digest=digest)
@@ -521,13 +522,16 @@ async def delete_manifest(ctx: Ctx, reference: str) -> Response[object]:
     _check_reference(reference)
     repo = ctx.known()
     with database_contention():
-        await ctx.hub.db.write(_delete, ctx.hub.db, repo.id, ctx.name, reference)
+        await ctx.hub.db.write(_delete, ctx, repo.id, reference)
     ctx.audit("manifest.delete", reference)
     return Response(b"", status_code=202)
 
 
-def _delete(session: Session, db: Database, repo_id: int, name: str, reference: str) -> None:
+def _delete(session: Session, ctx: Ctx, repo_id: int, reference: str) -> None:
+    db, name = ctx.hub.db, ctx.name
+    db.write_lock(session)
     if not _is_digest(reference):
+        ctx.still(session, "delete")
         tag = session.get(Tag, (repo_id, reference))
         if tag is None:
             raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {name}")
@@ -537,6 +541,7 @@ def _delete(session: Session, db: Database, repo_id: int, name: str, reference: 
     db.write_lock(session)
     db.repository_lock(session, repo_id)
     quotas.lock_namespace(session, repo_id)
+    ctx.still(session, "delete")
     manifest = find_manifest(session, repo_id, parse_digest(reference))
     if manifest is None:
         raise _unknown(name, reference)

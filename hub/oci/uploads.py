@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import quotas
-from forkd.hub.db import Database
+from forkd.hub.auth import still_permitted
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, Upload
 from forkd.hub.oci.common import (
@@ -615,12 +615,13 @@ async def _finish(
             ctx.audit("blob.push", digest, "failed", reason="digest mismatch")
             raise RegistryError(Code.DIGEST_INVALID, str(exc)) from exc
         try:
-            await hub.db.write(_link_upload, hub.db, repo_id, upload_id, digest, size)
+            await hub.db.write(_link_upload, ctx, repo_id, upload_id, digest, size)
             row_deleted = True
         except RegistryError as exc:
-            if exc.code is Code.DENIED:  # over quota after all: keep nothing we stored
-                ctx.audit("blob.push", digest, "denied", reason=exc.detail)
-                await _discard_unrecorded(hub, digest)
+            # Over quota after all, or the caller's push was withdrawn while the bytes
+            # arrived: keep nothing we stored.
+            ctx.audit("blob.push", digest, "denied", reason=exc.detail)
+            await _discard_unrecorded(hub, digest)
             raise
         if not await anyio.to_thread.run_sync(hub.blobs.has, digest):
             # A GC sweep removed an old unreferenced copy that ``store`` found present,
@@ -641,10 +642,14 @@ async def _finish(
 
 
 def _link_upload(
-    session: Session, db: Database, repo_id: int, upload_id: str, digest: str, size: int
+    session: Session, ctx: Ctx, repo_id: int, upload_id: str, digest: str, size: int
 ) -> None:
-    """Link the stored blob and drop the upload's session row: one write transaction."""
-    link_blob(session, db, repo_id, digest, size)
+    """Link the stored blob and drop the upload's session row: one write transaction,
+    which first checks that the caller may still push (``Ctx.still``: the bytes may have
+    taken an hour to arrive since ``allow``)."""
+    ctx.hub.db.write_lock(session)
+    ctx.still(session, "push")
+    link_blob(session, ctx.hub.db, repo_id, digest, size)
     session.execute(delete(Upload).where(Upload.id == upload_id))
 
 
@@ -779,6 +784,10 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
         size = await linked_blob_size(session, src.id, digest) if src else None
         if size is None or not await anyio.to_thread.run_sync(ctx.hub.blobs.has, digest):
             return None
+        await ctx.hub.db.lock_for_write(session)
+        # Both rights, again in the transaction that links: push here, pull at the source.
+        await ctx.still_async(session, "push")
+        await session.run_sync(still_permitted, ctx.caller, source, "pull")
         try:
             await session.run_sync(link_blob, ctx.hub.db, repo.id, digest, size)
         except RegistryError as exc:

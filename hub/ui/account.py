@@ -245,12 +245,16 @@ class AccountController(Controller):
             error = error or "signed in with a token: sign in with your password to manage tokens"
         async with hub.db.reading() as session:
             mine = (
-                await session.scalars(
-                    select(ApiToken)
-                    .where(ApiToken.user_id == who.principal.user_id)
-                    .order_by(ApiToken.id)
-                )
-            ).all() if who.principal.with_password else []
+                (
+                    await session.scalars(
+                        select(ApiToken)
+                        .where(ApiToken.user_id == who.principal.user_id)
+                        .order_by(ApiToken.id)
+                    )
+                ).all()
+                if who.principal.with_password
+                else []
+            )
             namespaces = await queries.admin_namespaces(session, who.principal)
             robots = await _robots(session, who.principal) if who.principal.with_password else []
         return ui.renderer.page(
@@ -305,7 +309,7 @@ class AccountController(Controller):
                 secret = await accounts.create_token(
                     session, owner, name, scopes, expires_in=expires
                 )
-        except (InvalidInput, ValueError, accounts.PrincipalChanged) as exc:
+        except (InvalidInput, Conflict, ValueError, accounts.PrincipalChanged) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
         hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
         return _show_once(request, ui, secret, name)
