@@ -172,3 +172,97 @@ def test_a_file_read_whose_reader_left_while_no_chunk_came_ends(daemon: Path) ->
     _wait("the abandoned file read still holds its guest request", lambda: not ch._in_flight)
     with open(fifo, "wb", buffering=0) as w, contextlib.suppress(BrokenPipeError):
         w.write(b"x")  # the guest's own read of the FIFO ends too
+
+
+# -- MCP over HTTP: every tool needs the token, and no scope goes around it ---------------
+
+MCP_TOKEN = b"mcp-review3-token-0123456789-0123456789-0123456789"
+
+
+def test_mcp_http_refuses_any_scope_but_lifespan_without_the_token() -> None:
+    """BearerAuth checked only ``http`` scopes and passed every other one to the MCP app
+    untouched: a WebSocket (or a scope type an ASGI server adds) reached the app without
+    the token. Now only lifespan passes; a WebSocket needs the token like HTTP."""
+    import asyncio
+
+    from forkd.controller.app import Token
+    from forkd.controller.mcp import BearerAuth
+
+    reached: list[str] = []
+    sent: list[dict[str, object]] = []
+
+    async def inner(scope: dict[str, object], receive: object, send: object) -> None:
+        reached.append(str(scope["type"]))
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "websocket.connect"}
+
+    guard = BearerAuth(inner, Token(MCP_TOKEN))
+    bearer = [(b"authorization", b"Bearer " + MCP_TOKEN)]
+    wrong = [(b"authorization", b"Bearer " + b"x" * 43)]
+
+    async def main() -> None:
+        for kind, headers in [("websocket", []), ("websocket", wrong), ("http.future", []),
+                              ("webtransport", bearer)]:
+            await guard({"type": kind, "headers": headers, "path": "/mcp"}, receive, send)
+        assert reached == [], reached
+        assert sent[:2] == [{"type": "websocket.close", "code": 1008}] * 2
+        await guard({"type": "websocket", "headers": bearer, "path": "/mcp"}, receive, send)
+        await guard({"type": "lifespan"}, receive, send)
+        assert reached == ["websocket", "lifespan"]
+
+    asyncio.run(main())
+
+
+def test_every_mcp_tool_over_http_needs_the_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enumerated from the server itself (a tool added later is asked too): a call of each
+    tool without the token, with a wrong one, with another scheme or with two Authorization
+    headers is a 401, and no tool runs (nothing is written to the store)."""
+    import asyncio
+
+    import httpx
+
+    from forkd.controller.app import Token
+    from forkd.controller.mcp import TOOL_NAMES, BearerAuth, build_server
+    from forkd.controller.sdk import Controller
+
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    short = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))
+    monkeypatch.setenv("FORKD_RUN", str(short / "run"))
+    server = build_server(Controller(local=True))
+    names = sorted(t.name for t in asyncio.run(server.list_tools()))
+    assert names == sorted(TOOL_NAMES)
+    the_app = BearerAuth(server.streamable_http_app(streamable_http_path="/mcp",
+                                                    host="127.0.0.1"), Token(MCP_TOKEN))
+    sock = short / "mcp.sock"
+    web = uvicorn.Server(uvicorn.Config(the_app, uds=str(sock), log_level="critical"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        _wait("uvicorn did not start", lambda: web.started)
+        bad: list[list[tuple[str, str]]] = [
+            [], [("Authorization", "Bearer " + "x" * 43)],
+            [("Authorization", "Basic " + MCP_TOKEN.decode())],
+            [("Authorization", MCP_TOKEN.decode())],
+            [("Authorization", "Bearer " + MCP_TOKEN.decode()), ("Authorization", "Bearer x")],
+        ]
+        transport = httpx.HTTPTransport(uds=str(sock))
+        with httpx.Client(transport=transport, base_url="http://127.0.0.1") as http:
+            for name in names:
+                call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                        "params": {"name": name, "arguments": {"tag": "tiny", "sandbox_id":
+                                                               "x-1", "path": "/etc/passwd"}}}
+                for headers in bad:
+                    r = http.post("/mcp", json=call, headers=headers, timeout=10)
+                    assert r.status_code == 401, (name, headers, r.status_code, r.text)
+                    assert r.headers["www-authenticate"].startswith("Bearer")
+    finally:
+        web.should_exit = True
+        thread.join(15)
+        shutil.rmtree(short, ignore_errors=True)
+    assert not (tmp_path / "home").exists() or not list((tmp_path / "home").rglob("*.json"))
