@@ -609,8 +609,9 @@ class LocalBackend:
         return msgspec.convert(status, PoolStatus)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
+        parse_ref(tag)  # a malformed tag is a 400 naming it shortened, pool or not
         if self.pool is None or not self.pool.remove(tag):
-            raise NotFound(f"no prewarmed pool for {tag}; GET /v1/pools lists them")
+            raise NotFound(f"no prewarmed pool for {shown(tag)}; GET /v1/pools lists them")
         return PoolRemoved(tag=tag, removed=True)
 
     def sandbox(self, sandbox_id: str) -> SandboxInfo:

@@ -266,3 +266,32 @@ def test_every_mcp_tool_over_http_needs_the_token(
         thread.join(15)
         shutil.rmtree(short, ignore_errors=True)
     assert not (tmp_path / "home").exists() or not list((tmp_path / "home").rglob("*.json"))
+
+
+def test_a_pool_tag_is_checked_and_shortened_with_or_without_a_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELETE /v1/pools/TAG of a controller without pools answered 404 with the caller's
+    tag repeated raw (a NUL, 16 KiB of it); a daemon with pools answered 400. Every route
+    that takes a tag now checks it first: the same 400, the tag shortened."""
+    from litestar.testing import TestClient
+
+    from forkd.engine.pool import Pool
+
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    store = Store.open()
+    answers = []
+    for pool in (None, Pool(store)):
+        backend = LocalBackend(store, pool)
+        the_app = app.create_app(backend, AuditLog(tmp_path / "a.log"), app.ControllerMetrics(),
+                                 None)
+        with TestClient(the_app) as http:
+            for tag in ("x%00y", "A" * 8000):
+                r = http.delete(f"/v1/pools/{tag}")
+                answers.append((r.status_code, r.json()["error"]["type"]))
+                assert len(r.text) < 1000 and "\\u0000" not in r.text, r.text[:200]
+            r = http.delete("/v1/pools/tiny:nope")
+            assert r.status_code == 404 and "tiny:nope" in r.text
+        backend.close()
+    assert set(answers) == {(400, "InvalidInput")}
