@@ -70,7 +70,7 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import ByteBudget, LocalBackend, PoolBackend, Waiting
+from forkd.controller.backend import PENDING, ByteBudget, LocalBackend, PoolBackend, Waiting
 from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
@@ -498,6 +498,7 @@ def exec_stream(
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
 FILE_CHUNKS = 4  # chunks of a file (1 MiB each) waiting to be sent to a client, at most
+FIRST_CHUNK_WAIT_S = 5.0  # a file's answer starts after this even before its first chunk
 # and bytes of them: one stream's, and all of this process's (backend.Handoff's are apart)
 RELAY_BYTES_EACH = 2 << 20
 RELAY_BYTES = 64 << 20
@@ -512,8 +513,10 @@ async def relayed(
     None after every ``heartbeat`` seconds without one (never, for None); the iterator's
     exception is raised here after the items before it. At most ``size`` wait for a slow
     client. Once the client is gone (this generator is closed) the producer stops
-    and closes ``items``: a command runs on to its end or its timeout with its output
-    dropped (LocalBackend.exec_stream), a file's transfer ends. Items wait within
+    and closes ``items``: a command is killed with its process group
+    (LocalBackend.exec_stream), a file's transfer ends; an iterator with a
+    thread-safe ``abandon`` (backend.Produced) is told at once, even while the producer
+    waits in it for an item that never comes. Items wait within
     RELAY_BYTES_EACH bytes, and all but each stream's first within RELAY_BYTES with the
     other streams' (backend.Waiting; the producer waits for room)."""
     loop = asyncio.get_running_loop()
@@ -571,6 +574,11 @@ async def relayed(
             yield item  # type: ignore[misc]  # what items gave: a T
     finally:
         gone.set()
+        # the producer may be waiting in next(items) for an item that never comes (a
+        # command that prints nothing): tell the backend now, from here (thread-safe)
+        abandon = getattr(items, "abandon", None)
+        if abandon is not None:
+            abandon()
         while not queue.empty():  # what waits is dropped: its bytes are free for others
             queue.get_nowait()
             waiting.taken()
@@ -588,15 +596,28 @@ async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator
         yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
 
 
-def prepended(first: T, rest: Iterator[T]) -> Iterator[T]:
-    """``first``, then ``rest``; closing this closes ``rest`` (a chain would not)."""
-    try:
-        yield first
-        yield from rest
-    finally:
-        close = getattr(rest, "close", None)
+class prepended(Iterator[T]):
+    """``first``, then ``rest``; ``close`` and ``abandon`` are passed on to ``rest`` (a
+    chain would not)."""
+
+    def __init__(self, first: T, rest: Iterator[T]) -> None:
+        self._first: list[T] = [first]
+        self._rest = rest
+
+    def __next__(self) -> T:
+        if self._first:
+            return self._first.pop()
+        return next(self._rest)
+
+    def close(self) -> None:
+        close = getattr(self._rest, "close", None)
         if close is not None:
             close()
+
+    def abandon(self) -> None:
+        abandon = getattr(self._rest, "abandon", None)
+        if abandon is not None:
+            abandon()
 
 
 async def passed_on(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -767,10 +788,18 @@ def read_file(ctl: Ctl, sandbox_id: FromPath[str], path: FromQuery[str]) -> Stre
     """The file streamed: the daemon holds a few chunks of it, never the whole file (up to
     4 GiB, a size the guest decides). A bad path, an unknown sandbox or a missing file is
     its error status, decided before the answer starts; a transfer that fails later ends
-    the connection before the body is complete."""
+    the connection before the body is complete. The answer starts after the first chunk,
+    or after FIRST_CHUNK_WAIT_S without one (a FIFO nobody writes, a slow device): a
+    client that leaves then ends the transfer (relayed), where a handler still waiting
+    for its first chunk would never learn that it left."""
     chunks = ctl.backend.read_file(sandbox_id, path)
-    first = next(chunks, b"")
-    return Stream(passed_on(prepended(first, chunks)), media_type="application/octet-stream")
+    within = getattr(chunks, "next_within", None)
+    try:
+        first = within(FIRST_CHUNK_WAIT_S) if within is not None else next(chunks)
+    except StopIteration:
+        first = b""
+    rest = chunks if first is PENDING else prepended(first, chunks)
+    return Stream(passed_on(rest), media_type="application/octet-stream")
 
 
 @post(

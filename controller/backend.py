@@ -263,6 +263,9 @@ class Waiting:
         self.own.give(n)
 
 
+PENDING = object()  # Produced.next_within: no item yet
+
+
 class Handoff:
     """A bounded queue from a producing thread to one reader, which may go away: then
     ``put`` drops instead of blocking forever. At most ``size`` items wait, and bytes
@@ -290,14 +293,29 @@ class Handoff:
         self._bytes.untake()
         return False
 
-    def get(self) -> Any:
-        item = self._queue.get()
-        self._bytes.taken()
-        return item
+    def get(self, seconds: float | None = None) -> Any:
+        """The next item; None once abandoned (from any thread: a reader blocked here for
+        an item that never comes is let go); PENDING after ``seconds`` without one."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while not self._gone.is_set():
+            step = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            try:
+                item = self._queue.get(timeout=max(step, 0))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return PENDING
+                continue
+            self._bytes.taken()
+            return item
+        return None
 
     def abandon(self) -> None:
         self._gone.set()
         self._drop_waiting()
+
+    def abandoned(self) -> bool:
+        """The reader has gone: what produces for it should stop (and end what it runs)."""
+        return self._gone.is_set()
 
     def _drop_waiting(self) -> None:
         while True:  # what waits is dropped: its bytes are free for the other streams
@@ -325,29 +343,55 @@ class ReaderGone(Exception):
     """The reader of a produced stream stopped reading: what produces it may stop."""
 
 
-def produced(name: str, work: Callable[[Handoff], None], size: int) -> Iterator[Any]:
+class Produced(Iterator[Any]):
     """What ``work`` puts into a Handoff of ``size`` items, run in a thread of its own
     (named ``name``), as the caller reads it; an exception of ``work`` is raised in the
-    caller's thread after the items it put before. A caller that stops reading (closes
-    the iterator) abandons the handoff: ``work``'s puts return False from then on."""
-    items = Handoff(size)
+    caller's thread after the items it put before. A caller that stops reading abandons
+    the handoff, ``work``'s puts return False from then on and its ``stop`` (the
+    handoff's ``abandoned``) says True: by ``close`` in the reading thread, or by
+    ``abandon`` from any thread, also while another thread waits in ``next`` for an item
+    that never comes (a command that prints nothing; app.relayed's thread)."""
 
-    def run() -> None:
-        try:
-            work(items)
-        except BaseException as exc:  # handed to the caller's thread below
-            items.put(exc)
-        finally:
-            items.put(None)
+    def __init__(self, name: str, work: Callable[[Handoff], None], size: int) -> None:
+        self._items = Handoff(size)
+        self._ended = False
 
-    threading.Thread(target=run, name=name, daemon=True).start()
-    try:
-        while (item := items.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        items.abandon()
+        def run() -> None:
+            try:
+                work(self._items)
+            except BaseException as exc:  # handed to the caller's thread in __next__
+                self._items.put(exc)
+            finally:
+                self._items.put(None)
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def __next__(self) -> Any:
+        return self.next_within(None)
+
+    def next_within(self, seconds: float | None) -> Any:
+        """The next item, or PENDING when none came within ``seconds`` (None: wait)."""
+        item = None if self._ended else self._items.get(seconds)
+        if item is PENDING:
+            return item
+        if item is None:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._ended = True
+        self._items.abandon()
+
+    abandon = close  # safe from any thread: sets an event, drops what waits
+
+
+def produced(name: str, work: Callable[[Handoff], None], size: int) -> Produced:
+    """Produced(name, work, size)."""
+    return Produced(name, work, size)
 
 
 def output_frame(stream: str, text: str) -> ExecFrame:
@@ -565,8 +609,9 @@ class LocalBackend:
         return msgspec.convert(status, PoolStatus)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
+        parse_ref(tag)  # a malformed tag is a 400 naming it shortened, pool or not
         if self.pool is None or not self.pool.remove(tag):
-            raise NotFound(f"no prewarmed pool for {tag}; GET /v1/pools lists them")
+            raise NotFound(f"no prewarmed pool for {shown(tag)}; GET /v1/pools lists them")
         return PoolRemoved(tag=tag, removed=True)
 
     def sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -600,8 +645,11 @@ class LocalBackend:
         """The command's output as frames while it runs (UTF-8, a character split between
         two chunks is kept whole), then its result. The command runs in a thread of its
         own; at most STREAM_QUEUE frames wait for the caller (a slow reader slows the
-        command's output, not the host's memory). A caller that stops reading leaves the
-        command running to its end (or timeout), its output dropped."""
+        command's output, not the host's memory). A caller that stops reading (closes the
+        iterator: the REST client went away) ends the command within a second, killed with
+        its process group, as any agent client that goes away does (docs/agent-protocol.md,
+        "The relay"): nobody can receive its output or its result any more, and a command
+        without a timeout would hold its request (of MAX_REQUESTS) and a thread for ever."""
 
         def run(frames: Handoff) -> None:
             decoders: list[tuple[str, codecs.IncrementalDecoder]] = []
@@ -613,7 +661,9 @@ class LocalBackend:
                 def put(data: bytes) -> None:
                     text = decoder.decode(data)  # a guest event is up to 2 MiB: in pieces
                     for at in range(0, len(text), STREAM_FRAME_CHARS):
-                        frames.put(output_frame(name, text[at : at + STREAM_FRAME_CHARS]))
+                        frame = output_frame(name, text[at : at + STREAM_FRAME_CHARS])
+                        if not frames.put(frame):
+                            raise ReaderGone(f"the reader of an exec in {sandbox_id} went away")
 
                 return put
 
@@ -626,6 +676,7 @@ class LocalBackend:
                 timeout=req.timeout,
                 on_stdout=output("stdout"),
                 on_stderr=output("stderr"),
+                stop=frames.abandoned,
             )
             for name, decoder in decoders:
                 if rest := decoder.decode(b"", final=True):
@@ -675,14 +726,15 @@ class LocalBackend:
         (404 in REST) before the first when the guest has no such file. The read runs in a
         thread of its own and at most FILE_QUEUE chunks wait for the caller, so a file of
         any size (up to 4 GiB) costs the daemon that much memory, not the file's size; a
-        caller that stops reading ends the transfer."""
+        caller that stops reading ends the transfer, within a second even while no chunk
+        comes (a FIFO nobody writes)."""
 
         def run(chunks: Handoff) -> None:
             def put(data: bytes) -> None:
                 if not chunks.put(data):
                     raise ReaderGone(f"the reader of {path} in {sandbox_id} went away")
 
-            ch.read_file_chunks(sandbox_id, path, put)
+            ch.read_file_chunks(sandbox_id, path, put, stop=chunks.abandoned)
 
         return produced(f"forkd-read-{sandbox_id}", run, FILE_QUEUE)
 

@@ -430,14 +430,26 @@ def serve_http(controller: Controller, host: str, port: int, path: str, token: T
 
 class BearerAuth:
     """ASGI middleware: HTTP requests without the bearer token get 401 (compared in
-    constant time); the MCP app sees only the ones that carry it."""
+    constant time); the MCP app sees only the ones that carry it. Deny by default: only
+    ``lifespan`` (the server's own start and stop) passes without the token; a WebSocket
+    or any scope type an ASGI server may add is refused (closed) unless it carries the
+    token, so no route the MCP SDK adds later is reached around the check."""
 
     def __init__(self, app: Any, token: Token) -> None:
         self.app = app
         self.token = token
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not self._allowed(scope):
+        kind = scope.get("type")
+        if kind == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if kind == "websocket" and not self._allowed(scope):
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+            return
+        if kind not in ("http", "websocket"):
+            return  # a scope this middleware does not know: never passed on
+        if kind == "http" and not self._allowed(scope):
             await send(
                 {
                     "type": "http.response.start",

@@ -76,6 +76,14 @@ def _raise_for(op: str, reply: dict[str, Any]) -> None:
     raise AgentError(f"guest agent refused {op!r}: {message}")
 
 
+STOP_POLL_S = 0.5  # how often a request with a ``stop`` asks it while no frame arrives
+
+
+class Abandoned(Exception):
+    """The caller stopped waiting for a request (its ``stop`` said so): the connection was
+    closed, so the relay cancels the request in the guest."""
+
+
 class AgentClient:
     """One connection to a guest agent (directly or through a child's relay). Requests on
     one client are sequential; open one client per concurrent caller (they are cheap: a
@@ -126,17 +134,21 @@ class AgentClient:
 
     def request(self, op: str, args: dict[str, Any] | None = None, *,
                 timeout: float | None = DEFAULT_REQUEST_S,
-                on_event: Callable[[str, bytes], None] | None = None) -> dict[str, Any]:
+                on_event: Callable[[str, bytes], None] | None = None,
+                stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Send one request and read its frames until the final reply: events go to
         on_event(ev, bytes). timeout None waits as long as the VM lives (the relay closes
-        the connection when it dies)."""
+        the connection when it dies). stop: asked at least every STOP_POLL_S while the
+        reply is awaited; once it says True the connection is closed (the relay then
+        cancels the request in the guest: a command is killed with its group) and
+        Abandoned is raised. An exception raised by on_event closes it the same way."""
         rid = self._next_id()
         msg = {"id": rid, "v": PROTOCOL, "op": op, **(args or {})}
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
-                reply = self._read_frame(op, deadline)
+                reply = self._read_frame(op, deadline, stop)
                 if reply.get("id") != rid:
                     if "ev" in reply:
                         self._payload(reply, op, deadline)  # skipped whole
@@ -150,6 +162,9 @@ class AgentClient:
         except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
             self.close()
             raise AgentError(f"agent request {op!r} failed: {e}") from e
+        except BaseException:  # Abandoned, or on_event's own: the rest is never read
+            self.close()
+            raise
         if not reply.get("ok"):
             _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}
@@ -166,9 +181,12 @@ class AgentClient:
         limit = time.monotonic() + 60.0 if deadline is None else deadline
         return self._ls.read_exact(size, limit, f"guest agent ({op})")
 
-    def _read_frame(self, op: str, deadline: float | None) -> dict[str, Any]:
+    def _read_frame(self, op: str, deadline: float | None,
+                    stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         while True:
-            step = time.monotonic() + 5.0
+            if stop is not None and stop():
+                raise Abandoned(f"the caller of {op!r} stopped waiting for it")
+            step = time.monotonic() + (5.0 if stop is None else STOP_POLL_S)
             try:
                 line = self._ls.readline(step if deadline is None else min(deadline, step),
                                          f"guest agent ({op})")
@@ -190,16 +208,18 @@ class AgentClient:
     def exec(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
              stdin: bytes | None = None, timeout: float | None = None,
              on_stdout: OnData | None = None, on_stderr: OnData | None = None,
-             pty: bool = False) -> dict[str, Any]:
+             pty: bool = False, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Run argv to its end. With on_stdout/on_stderr the output streams to them as it is
         produced (and the result's stdout/stderr are empty); else it is collected (32 MiB
-        per stream at most). The host waits as long as the command's own timeout allows."""
+        per stream at most). The host waits as long as the command's own timeout allows,
+        or until ``stop`` says True (request: the command is killed, Abandoned raised)."""
         args = exec_args(argv, env, cwd, stdin, timeout, pty)
         stream = on_stdout is not None or on_stderr is not None
         if stream:
             args["stream"] = True
         res = self.request("exec", args, timeout=host_wait(timeout),
-                           on_event=splitter(on_stdout, on_stderr) if stream else None)
+                           on_event=splitter(on_stdout, on_stderr) if stream else None,
+                           stop=stop)
         if stream:
             res.setdefault("stdout", "")
             res.setdefault("stderr", "")
@@ -238,10 +258,12 @@ class AgentClient:
         self.get_chunks(path, parts.append, timeout)
         return b"".join(parts)
 
-    def get_chunks(self, path: str, on_chunk: OnData, timeout: float | None = None) -> int:
+    def get_chunks(self, path: str, on_chunk: OnData, timeout: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> int:
         """A guest file's bytes given to ``on_chunk`` as they arrive (1 MiB at a time, up to
         4 GiB), none of them kept here; its size once all arrived. An exception raised by
-        ``on_chunk`` ends the transfer (close this client then: the rest is not read)."""
+        ``on_chunk``, or ``stop`` saying True (request), ends the transfer and closes this
+        client (the rest is not read)."""
         check_guest_path(path)
         got = 0
 
@@ -252,7 +274,7 @@ class AgentClient:
                 on_chunk(data)
 
         res = self.request("get", {"path": path, "stream": True}, timeout=timeout,
-                           on_event=chunk)
+                           on_event=chunk, stop=stop)
         if got != res.get("bytes"):
             raise AgentError(f"get {path}: {got} bytes arrived, the agent sent "
                              f"{res.get('bytes')}")

@@ -601,14 +601,17 @@ def exec_in(child_id: str, argv: list[str], *, timeout: float | None = None,
 def exec_stream(child_id: str, argv: list[str], *, env: dict[str, str] | None = None,
                 cwd: str | None = None, stdin: bytes | None = None,
                 timeout: float | None = None, on_stdout: OnData | None = None,
-                on_stderr: OnData | None = None, pty: bool = False) -> ExecResult:
+                on_stderr: OnData | None = None, pty: bool = False,
+                stop: Callable[[], bool] | None = None) -> ExecResult:
     """Run argv to its end, its output given to on_stdout/on_stderr as it is produced (a
-    PTY merges stderr into stdout). Callbacks run on the calling thread."""
+    PTY merges stderr into stdout). Callbacks run on the calling thread. stop: asked
+    twice a second; True (the caller is gone) kills the command with its group and raises
+    agent_client.Abandoned, as an exception from a callback does."""
     if not argv:
         raise InvalidInput("nothing to execute: give a command after --")
     with agent(child_id) as a:
         res = a.exec(argv, timeout=timeout, stdin=stdin, env=env, cwd=cwd, pty=pty,
-                     on_stdout=on_stdout or _drop, on_stderr=on_stderr or _drop)
+                     on_stdout=on_stdout or _drop, on_stderr=on_stderr or _drop, stop=stop)
     return ExecResult.of(res)
 
 
@@ -706,13 +709,15 @@ def read_file(child_id: str, path: str) -> bytes:
     return b"".join(parts)
 
 
-def read_file_chunks(child_id: str, path: str, on_chunk: OnData) -> int:
+def read_file_chunks(child_id: str, path: str, on_chunk: OnData,
+                     stop: Callable[[], bool] | None = None) -> int:
     """A guest file's bytes given to ``on_chunk`` as they arrive (up to 4 GiB; a daemon
     passes them on without holding the file); its size. NotFound before any chunk when it
-    does not exist; an exception from ``on_chunk`` ends the transfer."""
+    does not exist; an exception from ``on_chunk``, or ``stop`` saying True while no chunk
+    comes (a FIFO nobody writes), ends the transfer."""
     check_guest_path(path)
     with agent(child_id) as a:
-        return a.get_chunks(path, on_chunk)
+        return a.get_chunks(path, on_chunk, stop=stop)
 
 
 def write_file(child_id: str, path: str, data: bytes, mode: int = 0o644) -> None:

@@ -25,8 +25,9 @@ A guest reaches the outside only through this proxy (``HTTPS_PROXY``/``HTTP_PROX
 
 DNS: only a destination already allowed is resolved, by the host's resolver (or the
 ``hosts`` pins the caller gives); an address a resolved name gives that is loopback,
-link-local (e.g. cloud metadata, 169.254.169.254), unspecified or multicast is not
-used. The guest itself needs no DNS.
+link-local (e.g. cloud metadata, 169.254.169.254), unspecified, multicast or any other
+address that is not global, or that is one of this host's own (a public address on its
+interface reaches the host's own services), is not used. The guest itself needs no DNS.
 """
 
 from __future__ import annotations
@@ -529,13 +530,14 @@ class EgressProxy:
             why = f"{dest.host}: cannot resolve: {exc or 'timed out'}"
             raise Refused(502, why, "failed") from None
         for *_, sockaddr in infos:
-            if _public_enough(str(sockaddr[0])):
+            if _usable_for_a_name(str(sockaddr[0])):
                 return str(sockaddr[0])
         raise Refused(
             502,
             f"{dest.host} resolves only to addresses that are not global (loopback, "
-            "link-local, private, shared, reserved, multicast, a cloud host's own services), "
-            "which egress never uses for a name (pin it, or allow the IP literal instead)",
+            "link-local, private, shared, reserved, multicast, a cloud host's own services) "
+            "or that are this host's own, which egress never uses for a name (pin it, or "
+            "allow the IP literal instead)",
             "failed",
         )
 
@@ -790,6 +792,33 @@ def _public_enough(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address):
         ip = _embedded_ipv4(ip) or ip
     return ip.is_global and not ip.is_multicast and ip not in HOST_SERVICES
+
+
+def _this_host(address: str) -> bool:
+    """``address`` is one of this host's own (on any of its interfaces, in the proxy's
+    network namespace): a connection to it would reach the host's own services, the ones
+    listening on 0.0.0.0 or ::. Asked of the kernel's routing: the source address it picks
+    for a destination is that destination exactly when the destination is local (its
+    route is in the ``local`` table). Nothing is sent (a UDP socket is only connected)."""
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
+        address.split("%", 1)[0]
+    )
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((str(ip), 9))
+            source = ipaddress.ip_address(str(probe.getsockname()[0]).split("%", 1)[0])
+    except OSError:  # no route at all: not this host's (and a TCP connect fails too)
+        return False
+    return source == ip
+
+
+def _usable_for_a_name(address: str) -> bool:
+    """An address a resolved name may lead to: global (_public_enough) and not this
+    host's own (_this_host: a global address on the host's interface is still the host)."""
+    return _public_enough(address) and not _this_host(address)
 
 
 def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:
