@@ -120,6 +120,9 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
     and may not be able to reach the host path)."""
     accel = cfg.accel
     disk = f"/dev/fdset/{DISK_FDSET}" if disk_fds else str(cfg.disk)
+    for what, value in (("memory image", cfg.mem_path), ("VM directory", d), ("disk", disk),
+                        ("kernel", cfg.kernel), ("initrd", cfg.initrd), ("tap", cfg.tap)):
+        check_option_value(what, value)
     argv = [
         QEMU, "-accel", accel, "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
         "-cpu", CPU_MODEL, "-m", f"{cfg.memory_mib}M", "-smp", str(cfg.vcpus),
@@ -161,6 +164,20 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         argv += ["-add-fd", f"fd={fd},set={DISK_FDSET},opaque=disk"]
     argv += list(cfg.extra)
     return argv
+
+
+def check_option_value(what: str, value: object) -> None:
+    """A path or name that goes into a QEMU option value: QEMU splits option strings at
+    commas (``,,`` is a literal one, except in ``-serial file:``), so a comma in it would
+    end the value and start options of its own. Refused, not escaped: one rule for every
+    option (the paths come from $FORKD_HOME, $FORKD_RUN and $FORKD_CACHE)."""
+    if value is None:
+        return
+    text = str(value)
+    if "," in text or "\n" in text or "\0" in text:
+        raise HostError(f"the {what} {text!r} has a comma, newline or NUL, which QEMU's "
+                        "option syntax cannot take; set FORKD_HOME, FORKD_RUN and "
+                        "FORKD_CACHE to directories without them")
 
 
 def drive_throttling(cfg: VMConfig) -> str:

@@ -42,6 +42,20 @@ def test_template_argv_and_cmdline() -> None:
     assert any(a.startswith("tap,id=n0,ifname=tap0") for a in argv)
 
 
+@pytest.mark.parametrize("field", ["mem_path", "disk", "kernel", "initrd", "dir"])
+def test_a_comma_in_a_path_never_reaches_qemus_option_syntax(field: str) -> None:
+    """``mem-path=/a,share=on`` would be QEMU's share=on: a path with a comma is refused."""
+    from forkd.engine.errors import HostError
+
+    bad = Path("/srv/forkd,share=on/x")
+    d = bad if field == "dir" else Path("/run/c1")
+    cfg = _cfg() if field == "dir" else _cfg(**{field: bad})
+    with pytest.raises(HostError, match="comma") as err:
+        build_argv(cfg, d)
+    assert "FORKD_HOME" in str(err.value)
+    build_argv(_cfg(mem_path=Path("/srv/forkd share/x")), Path("/run/c1"))  # spaces are fine
+
+
 def test_child_identities_are_distinct_and_stable() -> None:
     ids = [f"tiny-{i:06x}" for i in range(500)]
     idents = [netns.child_identity(i) for i in ids]
