@@ -133,6 +133,16 @@ def challenge(
     return RegistryError(Code.UNAUTHORIZED, headers={"WWW-Authenticate": value})
 
 
+def logged_name(user: str) -> str:
+    """What the audit log records as the actor of a refused login: the name when it is one
+    an account could have, else ``(not a user name)``. The field is the client's: a token
+    pasted as the user name (``fkd_…``, 47 characters), or a password typed there, would
+    otherwise be kept in clear in the append-only log that operators ship and share."""
+    if accounts.USER_RE.fullmatch(user) and not user.startswith(accounts.TOKEN_PREFIX):
+        return user
+    return "(not a user name)"
+
+
 async def login(
     hub: Hub, request: Request[object, object, State], user: str, password: str
 ) -> Principal:
@@ -155,7 +165,7 @@ async def login(
     # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
     wait, attempt = await hub.limiter.attempt(keys, cache_key)
     if wait:
-        hub.audit.record(user[:64], host, "login", "-", "rate-limited")
+        hub.audit.record(logged_name(user), host, "login", "-", "rate-limited")
         raise RegistryError(
             Code.TOOMANYREQUESTS,
             "too many failed logins; try again later",
@@ -166,7 +176,7 @@ async def login(
     if principal is None:
         await hub.limiter.failed(attempt)
         hub.metrics.auth_failures.inc()
-        hub.audit.record(user[:64], host, "login", "-", "denied")
+        hub.audit.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     await hub.limiter.succeeded(attempt)
     hub.verified.put(principal, cache_key)
@@ -180,7 +190,7 @@ async def _login_with_token(
         principal = await accounts.authenticate_password(session, user, secret)
     if principal is None:
         hub.metrics.auth_failures.inc()
-        hub.audit.record(user[:64], host, "login", "-", "denied")
+        hub.audit.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     hub.verified.put(principal, cache_key)
     return principal
