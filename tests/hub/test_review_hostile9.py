@@ -13,13 +13,24 @@ cross-repository mount never links a blob a concurrent GC sweep removed.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import queue
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
-from hub_support import HubServer
+import httpx
+from hub_support import HubServer, push_blob
+from sqlalchemy import text
+
+from forkd.hub.gc import GcReport, collect
+from forkd.hub.services import Hub
+from forkd.hub.settings import HubSettings
 
 TIMEOUT = 60
 
@@ -72,3 +83,117 @@ def test_a_credential_sent_as_the_user_name_is_not_audited(hub: HubServer) -> No
     actors = [e["actor"] for e in denied]
     assert actors.count("(not a user name)") >= 4, actors
     assert alice[0] in actors
+
+
+# -- 2. a mount reads the source under the GC lock ------------------------------------------
+class _Holder:
+    """A transaction (its own hub process state, as a second replica would have) holding
+    the writers' side of the GC lock, which tells how many advisory lock requests queue
+    behind it (PostgreSQL's ``pg_locks``)."""
+
+    def __init__(self, hub: HubServer) -> None:
+        self.server = hub
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.wanted: queue.Queue[tuple[int, threading.Event]] = queue.Queue()
+        self.failed: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._hold())
+        except BaseException as exc:  # the test reports it
+            self.failed.append(exc)
+            self.held.set()
+
+    async def _hold(self) -> None:
+        settings = HubSettings(self.server.data_dir, **self.server.overrides)
+        hub = Hub.build(settings.validated())
+        waiting = text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        try:
+            async with hub.db.transaction() as session:
+                await hub.db.lock_for_write(session)
+                self.held.set()
+                while not self.release.is_set():
+                    try:
+                        count, reached = self.wanted.get_nowait()
+                    except queue.Empty:
+                        await asyncio.sleep(0.02)
+                        continue
+                    deadline = time.monotonic() + TIMEOUT
+                    while (await session.scalar(waiting) or 0) < count:
+                        assert time.monotonic() < deadline, f"{count} lock waiters never came"
+                        await asyncio.sleep(0.02)
+                    reached.set()
+        finally:
+            await hub.close()
+
+    def queued(self, count: int) -> None:
+        """Return once ``count`` advisory lock requests wait behind this transaction."""
+        reached = threading.Event()
+        self.wanted.put((count, reached))
+        assert reached.wait(TIMEOUT), self.failed
+
+
+def _sweep(server: HubServer) -> GcReport:
+    async def go() -> GcReport:
+        hub = Hub.build(HubSettings(server.data_dir, **server.overrides).validated())
+        try:
+            return await collect(
+                hub.db, hub.blobs, hub.uploads, grace=timedelta(0), upload_ttl=timedelta(hours=1)
+            )
+        finally:
+            await hub.close()
+
+    return asyncio.run(go())
+
+
+def test_a_mount_never_links_a_blob_a_concurrent_sweep_removed(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Before: the mount read ``alice/src``'s link and the blob's presence, then queued for
+    the GC lock behind a sweep; the sweep removed the unreferenced blob (link, row, bytes),
+    and the mount linked it anyway: 201, then ``GET`` of the blob 404 and a manifest
+    naming it accepted. Now the mount reads after the lock: the link is gone, so it falls
+    back to an upload session (202), as the distribution spec says."""
+    server = HubServer(tmp_path / "hub", {"database_url": postgres_url}).start()
+    try:
+        alice = server.add_user(_name("alice"))
+        src, dst = f"{alice[0]}/src", f"{alice[0]}/dst"
+        orphan = f"pushed long ago, never in a manifest {time.time()}".encode()
+        with server.client(alice) as c:
+            digest = push_blob(c, src, orphan)
+            push_blob(c, dst, b"dst exists")
+        holder = _Holder(server)
+        holder.thread.start()
+        assert holder.held.wait(TIMEOUT) and not holder.failed, holder.failed
+        with ThreadPoolExecutor(2) as pool:
+            sweep = pool.submit(_sweep, server)
+            holder.queued(1)  # the sweep waits for the exclusive side
+
+            def mount() -> httpx.Response:
+                with server.client(alice) as c:
+                    return c.post(
+                        f"/v2/{dst}/blobs/uploads/", params={"mount": digest, "from": src}
+                    )
+
+            mounted = pool.submit(mount)
+            holder.queued(2)  # the mount waits too, behind the sweep
+            holder.release.set()
+            holder.thread.join(TIMEOUT)
+            assert not holder.failed, holder.failed
+            report = sweep.result(TIMEOUT)
+            r = mounted.result(TIMEOUT)
+        assert digest in report.blobs  # the sweep did remove it
+        with server.client(alice) as c:
+            if r.status_code == 201:
+                blob = c.get(f"/v2/{dst}/blobs/{digest}")
+                assert blob.status_code == 200, f"mounted {digest}, then: {blob.text}"
+            else:
+                assert r.status_code == 202, r.text  # an upload session instead
+                assert c.get(f"/v2/{dst}/blobs/{digest}").status_code == 404
+                # The client uploads the bytes again, and the blob is whole.
+                assert push_blob(c, dst, orphan) == digest
+                assert c.get(f"/v2/{dst}/blobs/{digest}").content == orphan
+    finally:
+        server.stop()
