@@ -80,6 +80,10 @@ def _within(address: str, networks: tuple[Network, ...]) -> bool:
 
 
 def _basic(header: str) -> tuple[str, str] | None:
+    """(user, password) of a Basic credential; None when it is not one. ``header`` is
+    the client's text: one that is not ASCII is ``b64decode``'s ValueError, not a 500."""
+    if not header.isascii():
+        return None
     try:
         raw = base64.b64decode(header, validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):

@@ -197,3 +197,32 @@ def test_a_mount_never_links_a_blob_a_concurrent_sweep_removed(
                 assert c.get(f"/v2/{dst}/blobs/{digest}").content == orphan
     finally:
         server.stop()
+
+
+# -- 3. credentials that are not ASCII are refused, not a 500 -------------------------------
+NOT_ASCII = [
+    b"Bearer fkb.e30.\xe9t\xe9",  # a bearer token's signature: compare_digest raised
+    b"Basic \xe9\xe9\xe9\xe9",  # a Basic credential: b64decode raised ValueError
+    b"Basic YWxpY2U6\xff",
+]
+AUTHENTICATED_ROUTES = [
+    "/v2/",
+    "/token",
+    "/metrics",
+    "/v2/_catalog",
+    "/v2/nobody/app/tags/list",
+    "/v2/nobody/app/manifests/latest",
+    "/api/v1/repositories",
+    "/api/v1/tokens",
+    "/api/v1/readme/nobody/app",
+]
+
+
+def test_a_credential_that_is_not_ascii_is_refused_on_every_route(hub: HubServer) -> None:
+    """Before: 500 Internal Server Error, and a traceback in the hub's log per request."""
+    with hub.client() as c:
+        for header in NOT_ASCII:
+            for path in AUTHENTICATED_ROUTES:
+                r = c.get(path, headers=[(b"Authorization", header)])
+                assert r.status_code in (400, 401), (header, path, r.status_code, r.text)
+                assert r.status_code != 401 or "www-authenticate" in r.headers, (path, header)
