@@ -18,6 +18,7 @@ import base64
 import json
 import queue
 import re
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -226,3 +227,46 @@ def test_a_credential_that_is_not_ascii_is_refused_on_every_route(hub: HubServer
                 r = c.get(path, headers=[(b"Authorization", header)])
                 assert r.status_code in (400, 401), (header, path, r.status_code, r.text)
                 assert r.status_code != 401 or "www-authenticate" in r.headers, (path, header)
+
+
+# -- 4. the browser sessions one account keeps are bounded ------------------------------------
+def _sign_in(hub: HubServer, who: tuple[str, str]) -> str:
+    """A new browser session for ``who``: its ``forkd_session`` cookie."""
+    with hub.client() as c:
+        page = c.get("/-/signin")
+        csrf = re.search(r'name="login_csrf" value="([^"]+)"', page.text)
+        assert csrf
+        r = c.post(
+            "/-/signin",
+            data={"login_csrf": csrf.group(1), "username": who[0], "password": who[1]},
+        )
+        assert r.status_code == 303, r.text
+        return r.cookies["forkd_session"]
+
+
+def _signed_in(hub: HubServer, cookie: str) -> bool:
+    with hub.client() as c:
+        r = c.get("/-/settings/tokens", headers={"Cookie": f"forkd_session={cookie}"})
+        return r.status_code == 200
+
+
+def test_the_sessions_one_account_keeps_are_bounded(hub: HubServer) -> None:
+    """Before: every sign-in added a ``ui_sessions`` row kept for 12 h, and sign-ins with
+    the same credentials skip the argon2 check (the credential cache): one account added
+    rows as fast as it posted the form. Now a sign-in ends that user's oldest sessions
+    beyond ``SESSIONS_PER_USER``; other users' sessions are untouched."""
+    from forkd.hub.ui.account import SESSIONS_PER_USER
+
+    alice, bob = hub.add_user(_name("alice")), hub.add_user(_name("bob"))
+    bobs = _sign_in(hub, bob)
+    cookies = [_sign_in(hub, alice) for _ in range(SESSIONS_PER_USER + 5)]
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        (rows,) = db.execute(
+            "SELECT count(*) FROM ui_sessions JOIN users ON users.id = ui_sessions.user_id "
+            "WHERE users.name = ?",
+            (alice[0],),
+        ).fetchone()
+    assert rows == SESSIONS_PER_USER
+    assert not _signed_in(hub, cookies[0])  # the oldest ended
+    assert all(_signed_in(hub, c) for c in cookies[-SESSIONS_PER_USER:])
+    assert _signed_in(hub, bobs)
