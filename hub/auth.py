@@ -137,6 +137,25 @@ def challenge(
     return RegistryError(Code.UNAUTHORIZED, headers={"WWW-Authenticate": value})
 
 
+IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
+
+
+def limited_address(address: str) -> str:
+    """What the failed-login limiter counts for a client address: an IPv4 address as is
+    (an IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64. A host handed an
+    IPv6 /64 (every ISP's and cloud's smallest allocation) holds 2**64 addresses: counted
+    one by one, each new source address was ``login_fail_limit`` more guesses."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # "unknown", or a test client's name: as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_LIMIT_PREFIX}", strict=False))
+    return str(ip)
+
+
 def logged_name(user: str) -> str:
     """What the audit log records as the actor of a refused login: the name when it is one
     an account could have, else ``(not a user name)``. The field is the client's: a token
@@ -165,7 +184,7 @@ async def login(
         return await _login_with_token(hub, host, user, password, cache_key)
     # Counted per client address only: a count per user name would let anyone lock
     # someone else out (docs/hub.md, "Security model").
-    keys = [f"ip:{host}"]
+    keys = [f"ip:{limited_address(host)}"]
     # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
     wait, attempt = await hub.limiter.attempt(keys, cache_key)
     if wait:

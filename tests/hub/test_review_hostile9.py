@@ -270,3 +270,38 @@ def test_the_sessions_one_account_keeps_are_bounded(hub: HubServer) -> None:
     assert not _signed_in(hub, cookies[0])  # the oldest ended
     assert all(_signed_in(hub, c) for c in cookies[-SESSIONS_PER_USER:])
     assert _signed_in(hub, bobs)
+
+
+# -- 5. the failed-login limiter counts an IPv6 client by its /64 ---------------------------
+def test_an_ipv6_client_cannot_rotate_addresses_past_the_login_limit(tmp_path: Path) -> None:
+    """Before: counted per address, so a client with an IPv6 /64 (2**64 addresses, the
+    smallest block ISPs and clouds hand out) got ``login_fail_limit`` more guesses from
+    each new source address. Now addresses of one /64 count together (and an
+    IPv4-mapped address as its IPv4); another /64 is someone else. The addresses come
+    through a trusted proxy's X-Forwarded-For, as the hub sees them behind one."""
+    limit = 3
+    server = HubServer(
+        tmp_path / "hub", {"login_fail_limit": limit, "trusted_proxies": "127.0.0.1/32"}
+    ).start()
+    try:
+        name, password = server.add_user("target")
+        with server.client() as c:
+            for i in range(limit):
+                source = {"X-Forwarded-For": f"2001:db8:1:2::{i + 1:x}"}
+                r = c.get("/v2/", auth=(name, f"guess-{i}-xx"), headers=source)
+                assert r.status_code == 401, (i, r.text)
+            for i in range(limit, limit + 3):  # new addresses of the same /64
+                source = {"X-Forwarded-For": f"2001:db8:1:2:{i:x}::{i:x}"}
+                r = c.get("/v2/", auth=(name, f"guess-{i}-xx"), headers=source)
+                assert r.status_code == 429, (i, r.status_code)
+            # Another /64 (another site) is not held by that one's failures.
+            other = {"X-Forwarded-For": "2001:db8:1:3::1"}
+            assert c.get("/v2/", auth=(name, password), headers=other).status_code == 200
+            # An IPv4 client is its IPv4 address however it is written.
+            for i in range(limit):
+                v4 = {"X-Forwarded-For": "198.51.100.20"}
+                assert c.get("/v2/", auth=(name, f"v4-{i}-xxx"), headers=v4).status_code == 401
+            mapped = {"X-Forwarded-For": "::ffff:198.51.100.20"}
+            assert c.get("/v2/", auth=(name, "mapped-xxx"), headers=mapped).status_code == 429
+    finally:
+        server.stop()
