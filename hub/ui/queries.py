@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -32,6 +32,7 @@ from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.pack.manifest import Manifest as PackManifest
 
 FACTS_CACHE = 4096
+TAGS_PER_PAGE = 50  # tags a pack page lists (and reads the facts of)
 # Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
 FILTER_SCAN_LIMIT = 5000
 
@@ -340,24 +341,38 @@ class TagRow:
 class PackDetail:
     repo: Repository
     namespace: str
-    tags: list[TagRow]
+    tags: list[TagRow]  # one page of them (by name), with their facts
     manifests: dict[str, ManifestRow]
     tags_of: dict[str, list[str]]
     can_push: bool
+    featured: TagRow | None  # whose compat metadata the page shows
+    tags_total: int = 0
+    page: int = 1
+    pages: int = 1
 
-    @property
-    def featured(self) -> TagRow | None:
-        """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
-        for row in self.tags:
-            if row.name == "latest":
-                return row
-        return max(self.tags, key=lambda r: r.pushed_at, default=None)
+
+def _featured(tags: Sequence[Tag]) -> Tag | None:
+    """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
+    for row in tags:
+        if row.name == "latest":
+            return row
+    return max(tags, key=lambda t: accounts.aware(t.updated_at), default=None)
 
 
 async def pack(
-    hub: Hub, facts: FactsCache, principal: accounts.Principal, name: str
+    hub: Hub,
+    facts: FactsCache,
+    principal: accounts.Principal,
+    name: str,
+    page: int | None = 1,
 ) -> PackDetail | None:
-    """A repository with its tags; None when it does not exist or ``principal`` cannot see it."""
+    """A repository with one ``page`` of its tags (``TAGS_PER_PAGE``, by name), the facts
+    of those and of the featured tag read; ``page`` None: no tag's facts (the tag page
+    reads its chain's own). None when it does not exist or ``principal`` cannot see it.
+
+    The facts of a tag are blob reads (its manifest and config; S3 GETs): read for every
+    tag of the repository, one anonymous view of a public pack with thousands of tags
+    cost thousands of reads, and the page listed them all."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
     async with hub.db.reading() as session:
         repo = (
@@ -389,11 +404,16 @@ async def pack(
     for t in tag_rows:
         tags_of.setdefault(t.manifest_digest, []).append(t.name)
     present = [t for t in tag_rows if t.manifest_digest in manifests]
+    pages = max(1, -(-len(present) // TAGS_PER_PAGE))
+    shown = present[(page - 1) * TAGS_PER_PAGE : page * TAGS_PER_PAGE] if page else []
+    featured = _featured(present) if page else None
+    wanted = [*shown, featured] if featured is not None else shown
     known = await facts.many(
-        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in present)
+        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in wanted)
     )
-    rows = [
-        TagRow(
+
+    def row(t: Tag) -> TagRow:
+        return TagRow(
             t.name,
             t.manifest_digest,
             t.updated_at,
@@ -401,9 +421,19 @@ async def pack(
             known[t.manifest_digest],
             t.pull_count,
         )
-        for t in present
-    ]
-    return PackDetail(repo, accounts.namespace_of(name), rows, manifests, tags_of, can_push)
+
+    return PackDetail(
+        repo,
+        accounts.namespace_of(name),
+        [row(t) for t in shown],
+        manifests,
+        tags_of,
+        can_push,
+        row(featured) if featured is not None else None,
+        len(present),
+        page or 1,
+        pages,
+    )
 
 
 # -- a tag: its chain and its lineage graph --------------------------------------

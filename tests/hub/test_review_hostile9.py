@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import httpx
-from hub_support import HubServer, push_blob
+from hub_support import EMPTY_CONFIG, EMPTY_MEDIA, OCI_MANIFEST, HubServer, push_blob
 from sqlalchemy import text
 
 from forkd.hub.gc import GcReport, collect
@@ -305,3 +305,50 @@ def test_an_ipv6_client_cannot_rotate_addresses_past_the_login_limit(tmp_path: P
             assert c.get("/v2/", auth=(name, "mapped-xxx"), headers=mapped).status_code == 429
     finally:
         server.stop()
+
+
+# -- 6. a pack page reads and lists one page of tags ------------------------------------------
+def test_a_pack_page_lists_and_reads_one_page_of_tags(hub: HubServer) -> None:
+    """Before: the pack page (and every tag page) read the facts of every tag of the
+    repository (its manifest and config: two blob reads each, S3 GETs with that backend)
+    and listed them all, so one anonymous view of a public pack with thousands of tags
+    cost thousands of reads. Now a page lists ``TAGS_PER_PAGE`` tags, with links to the
+    others, and a tag page reads its own chain only."""
+    from forkd.hub.ui.queries import TAGS_PER_PAGE
+
+    alice = hub.add_user(_name("alice"))
+    repo = f"{alice[0]}/many"
+    total = TAGS_PER_PAGE + 7
+    with hub.client(alice) as c:
+        config, layer = push_blob(c, repo, EMPTY_CONFIG), push_blob(c, repo, b"one layer")
+        for i in range(total):
+            doc = {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": EMPTY_MEDIA, "digest": config, "size": 2},
+                "layers": [{"mediaType": "application/octet-stream", "digest": layer, "size": 9}],
+                "annotations": {"n": str(i)},  # a manifest of its own per tag
+            }
+            r = c.put(
+                f"/v2/{repo}/manifests/t{i:03d}",
+                content=json.dumps(doc).encode(),
+                headers={"Content-Type": OCI_MANIFEST},
+            )
+            assert r.status_code == 201, r.text
+    hub.public(repo)
+    with hub.client() as anonymous:
+        first = anonymous.get(f"/{repo}")
+        assert first.status_code == 200, first.text
+        listed = re.findall(rf'href="/{repo}/-/tags/(t\d+)"', first.text)
+        assert len(listed) == TAGS_PER_PAGE, len(listed)
+        assert f"{total} tags" in first.text
+        nxt = re.search(r'rel="next" href="([^"]+)"', first.text)
+        assert nxt, "no link to the next page of tags"
+        second = anonymous.get(nxt.group(1).replace("&amp;", "&"))
+        assert second.status_code == 200, second.text
+        rest = re.findall(rf'href="/{repo}/-/tags/(t\d+)"', second.text)
+        assert sorted(listed + rest) == [f"t{i:03d}" for i in range(total)]
+        assert anonymous.get(f"/{repo}", params={"page": 3}).status_code == 404
+        tag_page = anonymous.get(f"/{repo}/-/tags/t{total - 1:03d}")
+        assert tag_page.status_code == 200, tag_page.text
+        assert f"{repo}:t{total - 1:03d}" in tag_page.text
