@@ -35,6 +35,10 @@ FACTS_CACHE = 4096
 TAGS_PER_PAGE = 50  # tags a pack page lists (and reads the facts of)
 # Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
 FILTER_SCAN_LIMIT = 5000
+# What a VMM / without-KVM filter reads: each pack's newest tags, and at most this many
+# distinct manifests' facts per search (under FACTS_CACHE: a repeated search is cached).
+FILTER_TAGS_PER_PACK = 10
+FILTER_SCAN_FACTS = 2000
 
 
 # -- facts about one layer (one manifest digest) --------------------------------
@@ -302,18 +306,50 @@ async def search(
             ).all()
             return [summary(repo, n) for repo, n in rows], total or 0
         rows = (await session.execute(query.limit(FILTER_SCAN_LIMIT))).all()
-        heads = (
-            await session.execute(
-                select(Tag.repository_id, ManifestRow.digest, ManifestRow.size)
-                .join(
-                    ManifestRow,
-                    (ManifestRow.repository_id == Tag.repository_id)
-                    & (ManifestRow.digest == Tag.manifest_digest),
+        # Each pack's newest FILTER_TAGS_PER_PACK tags (facts are blob reads: an anonymous
+        # search read every tag of thousands of packs, two reads per tag).
+        ranked = (
+            select(
+                Tag.repository_id.label("repository_id"),
+                ManifestRow.digest.label("digest"),
+                ManifestRow.size.label("size"),
+                func.row_number()
+                .over(
+                    partition_by=Tag.repository_id,
+                    order_by=(Tag.updated_at.desc(), Tag.name),
                 )
-                .where(Tag.repository_id.in_([repo.id for repo, _ in rows]))
+                .label("rank"),
+            )
+            .join(
+                ManifestRow,
+                (ManifestRow.repository_id == Tag.repository_id)
+                & (ManifestRow.digest == Tag.manifest_digest),
+            )
+            .where(Tag.repository_id.in_([repo.id for repo, _ in rows]))
+            .subquery()
+        )
+        found = (
+            await session.execute(
+                select(ranked.c.repository_id, ranked.c.digest, ranked.c.size).where(
+                    ranked.c.rank <= FILTER_TAGS_PER_PACK
+                )
             )
         ).all()
-    known = await facts.many(hub, ((d, size) for _, d, size in heads))
+    by_repo: dict[int, list[tuple[str, int]]] = {}
+    for repo_id, digest, size in found:
+        by_repo.setdefault(repo_id, []).append((digest, size))
+    # At most FILTER_SCAN_FACTS distinct manifests per search, packs in the sort's order.
+    wanted: dict[str, int] = {}
+    considered: list[tuple[Repository, int]] = []
+    for repo, n in rows:
+        mine = dict(by_repo.get(repo.id, []))
+        if len(wanted.keys() | mine.keys()) > FILTER_SCAN_FACTS:
+            break
+        wanted.update(mine)
+        considered.append((repo, n))
+    rows = considered
+    heads = [(repo.id, d, size) for repo, _ in rows for d, size in by_repo.get(repo.id, [])]
+    known = await facts.many(hub, wanted.items())
     matching: set[int] = set()
     for repo_id, digest, _ in heads:
         f = known[digest]

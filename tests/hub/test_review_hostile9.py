@@ -32,6 +32,9 @@ from sqlalchemy import text
 from forkd.hub.gc import GcReport, collect
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
+from forkd.pack.config import Compat
+from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 TIMEOUT = 60
 
@@ -352,3 +355,54 @@ def test_a_pack_page_lists_and_reads_one_page_of_tags(hub: HubServer) -> None:
         tag_page = anonymous.get(f"/{repo}/-/tags/t{total - 1:03d}")
         assert tag_page.status_code == 200, tag_page.text
         assert f"{repo}:t{total - 1:03d}" in tag_page.text
+
+
+# -- 7. a filtered search reads a bounded number of packs' facts ------------------------------
+def _compat(vmm: str) -> Compat:
+    return Compat(
+        vmm=vmm,
+        vmm_version="8.2.2",
+        machine="microvm",
+        cpu_model="max",
+        accelerators=["kvm"],
+        vcpus=1,
+        memory_mib=4,
+        kernel_digest=None,
+        agent_protocol=1,
+    )
+
+
+def test_a_filtered_search_reads_each_packs_newest_tags_only(
+    backend_hub: HubServer, tmp_path: Path
+) -> None:
+    """Before: ``/-/search?vmm=…`` (anyone's, signed out too) read the facts of every tag
+    of up to 5,000 packs: two blob reads per tag, so one request over a public pack
+    with thousands of tags cost thousands of reads. Now each pack's newest
+    ``FILTER_TAGS_PER_PACK`` tags count (and at most ``FILTER_SCAN_FACTS`` manifests a
+    search): a qemu tag older than ten firecracker tags no longer makes the pack match."""
+    from forkd.hub.ui.queries import FILTER_TAGS_PER_PACK
+
+    hub = backend_hub  # SQLite and PostgreSQL: the newest tags are a window function
+
+    alice = hub.add_user(_name("alice"))
+    store = Store.open(tmp_path / "store")
+    for tag, vmm, seed in (("q", "qemu", 21), ("f", "firecracker", 22)):
+        image = tmp_path / f"{tag}.mem"
+        write_base(image, 4 << 20, seed=seed)
+        store.import_layer(tag, memory=image, compat=_compat(vmm))
+    mixed, plain = f"{alice[0]}/mixed", f"{alice[0]}/plain"
+    hub.push(store, "q", f"{mixed}:old-qemu", alice)
+    for i in range(FILTER_TAGS_PER_PACK):
+        hub.push(store, "f", f"{mixed}:new{i:02d}", alice)
+    hub.push(store, "q", f"{plain}:v1", alice)
+    hub.public(mixed)
+    hub.public(plain)
+
+    def found(vmm: str) -> set[str]:
+        with hub.client() as anonymous:
+            r = anonymous.get("/-/search", params={"vmm": vmm, "namespace": alice[0]})
+            assert r.status_code == 200, r.text
+            return set(re.findall(rf'href="/({alice[0]}/[a-z]+)"', r.text))
+
+    assert found("qemu") == {plain}
+    assert found("firecracker") == {mixed}
