@@ -72,10 +72,15 @@ def _is_ip(text: str) -> bool:
 
 
 def _within(address: str, networks: tuple[Network, ...]) -> bool:
+    """Whether ``address`` is in one of ``networks``; an IPv4-mapped IPv6 address
+    (``::ffff:10.0.0.5``: a dual-stack listener's peer, or a proxy's hop written so) is
+    its IPv4 address, so a trusted proxy is trusted however the address is written."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
     return any(ip in net for net in networks)
 
 

@@ -406,3 +406,27 @@ def test_a_filtered_search_reads_each_packs_newest_tags_only(
 
     assert found("qemu") == {plain}
     assert found("firecracker") == {mixed}
+
+
+def test_a_trusted_proxy_is_trusted_however_its_address_is_written(tmp_path: Path) -> None:
+    """Before: a trusted proxy's hop written as an IPv4-mapped IPv6 address
+    (``::ffff:127.0.0.1``, as a dual-stack listener or proxy writes it) was not
+    recognised, so the hub took the proxy for the client: every client behind it shared
+    one failed-login count, and one guesser locked all of them out."""
+    limit = 3
+    server = HubServer(
+        tmp_path / "hub", {"login_fail_limit": limit, "trusted_proxies": "127.0.0.1/32"}
+    ).start()
+    try:
+        name, password = server.add_user("behind")
+        with server.client() as c:
+            guesser = {"X-Forwarded-For": "198.51.100.7, ::ffff:127.0.0.1"}
+            for i in range(limit):
+                r = c.get("/v2/", auth=(name, f"guess-{i}-xx"), headers=guesser)
+                assert r.status_code == 401, r.text
+            assert c.get("/v2/", auth=(name, "again-xxx"), headers=guesser).status_code == 429
+            someone_else = {"X-Forwarded-For": "198.51.100.8, ::ffff:127.0.0.1"}
+            r = c.get("/v2/", auth=(name, password), headers=someone_else)
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
