@@ -83,8 +83,6 @@ class RepositoryDetail:
     per_page: int
 
 
-
-
 async def _principal(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
     return (await authenticate(hub, request)).principal
 
@@ -336,12 +334,14 @@ class LineageController(Controller):
                 children.setdefault(m.subject_digest, []).append(m.digest)
         descendants: list[LineageNode] = []
         frontier, depth, visited = [head_digest], 0, {head_digest}
-        while frontier and depth < MAX_CHAIN:
+        # At most MAX_CHAIN descendants in all, not per level: a manifest may have any
+        # number of children (each referrer a pusher adds).
+        while frontier and depth < MAX_CHAIN and len(descendants) < MAX_CHAIN:
             depth += 1
             nxt = []
             for parent_digest in frontier:
                 for child in sorted(children.get(parent_digest, [])):
-                    if child not in visited:
+                    if child not in visited and len(descendants) < MAX_CHAIN:
                         visited.add(child)
                         descendants.append(node(child, depth))
                         nxt.append(child)

@@ -559,11 +559,13 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     ancestors = chain_of(detail, head)[1:]
     descendants: list[str] = []
     frontier, seen = [head], {head, *ancestors}
+    # At most MAX_CHAIN in all, not per level: a manifest may have any number of children
+    # (each referrer a pusher adds), and every one would be a node of the page's graph.
     while frontier and len(descendants) < MAX_CHAIN:
         nxt = []
         for parent in frontier:
             for child in sorted(children.get(parent, [])):
-                if child not in seen:
+                if child not in seen and len(descendants) < MAX_CHAIN:
                     seen.add(child)
                     descendants.append(child)
                     nxt.append(child)

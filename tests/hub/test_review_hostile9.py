@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import queue
 import re
@@ -430,3 +431,58 @@ def test_a_trusted_proxy_is_trusted_however_its_address_is_written(tmp_path: Pat
             assert r.status_code == 200, r.text
     finally:
         server.stop()
+
+
+# -- 8. a lineage names a bounded number of descendants ---------------------------------------
+def test_a_lineage_lists_a_bounded_number_of_descendants(hub: HubServer) -> None:
+    """Before: the descendants were bounded per level of the graph only, so a manifest
+    with thousands of referrers (each one PUT, by anyone who may push) made every view of
+    its tag page and lineage API, signed out too on a public pack, list and draw them all.
+    Now at most ``MAX_CHAIN`` in all, on both."""
+    from forkd.hub.catalog import MAX_CHAIN
+
+    alice = hub.add_user(_name("alice"))
+    repo = f"{alice[0]}/popular"
+    with hub.client(alice) as c:
+        config, layer = push_blob(c, repo, EMPTY_CONFIG), push_blob(c, repo, b"one layer")
+
+        def manifest(n: int, subject: dict[str, object] | None = None) -> dict[str, object]:
+            doc: dict[str, object] = {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": EMPTY_MEDIA, "digest": config, "size": 2},
+                "layers": [{"mediaType": "application/octet-stream", "digest": layer, "size": 9}],
+                "annotations": {"n": str(n)},
+            }
+            if subject:
+                doc["subject"] = subject
+            return doc
+
+        base = json.dumps(manifest(-1)).encode()
+        r = c.put(
+            f"/v2/{repo}/manifests/base", content=base, headers={"Content-Type": OCI_MANIFEST}
+        )
+        assert r.status_code == 201, r.text
+        subject = {
+            "mediaType": OCI_MANIFEST,
+            "digest": r.headers["docker-content-digest"],
+            "size": len(base),
+        }
+        for i in range(MAX_CHAIN + 4):
+            body = json.dumps(manifest(i, subject)).encode()
+            digest = "sha256:" + hashlib.sha256(body).hexdigest()
+            r = c.put(
+                f"/v2/{repo}/manifests/{digest}",
+                content=body,
+                headers={"Content-Type": OCI_MANIFEST},
+            )
+            assert r.status_code == 201, r.text
+    hub.public(repo)
+    with hub.client() as anonymous:
+        lineage = anonymous.get(f"/api/v1/lineage/{repo}", params={"tag": "base"})
+        assert lineage.status_code == 200, lineage.text
+        assert len(lineage.json()["descendants"]) == MAX_CHAIN
+        page = anonymous.get(f"/{repo}/-/tags/base")
+        assert page.status_code == 200, page.text
+        nodes = re.findall(r'data-testid="node-', page.text)
+        assert len(nodes) == MAX_CHAIN + 1, len(nodes)  # the tag itself and its descendants
