@@ -18,10 +18,17 @@ from typing import Any
 import anyio
 from sqlalchemy import ColumnElement, Select, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, defer
 
 from forkd.errors import ForkdError
 from forkd.hub import accounts, authz
-from forkd.hub.catalog import MAX_CHAIN, annotations_of, chain_depth, like_literal
+from forkd.hub.catalog import (
+    MAX_CHAIN,
+    NOTES_MAX,
+    annotations_of,
+    chain_depth,
+    like_literal,
+)
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import FACTS_READERS, Hub, LazyLimiter
@@ -385,6 +392,7 @@ class PackDetail:
     tags_total: int = 0
     page: int = 1
     pages: int = 1
+    compacted_from: dict[str, str] = field(default_factory=dict)  # flat → source digest
 
 
 def _featured(tags: Sequence[Tag]) -> Tag | None:
@@ -420,14 +428,21 @@ async def pack(
         ).first()
         if repo is None:
             return None
+        # Without their annotations (each up to a manifest's size, for every manifest of
+        # the repository on every view); a tag page reads the compaction links it draws.
         manifests = {
             m.digest: m
             for m in (
                 await session.scalars(
-                    select(ManifestRow).where(ManifestRow.repository_id == repo.id)
+                    select(ManifestRow)
+                    .options(defer(ManifestRow.annotations, raiseload=True))
+                    .where(ManifestRow.repository_id == repo.id)
                 )
             ).all()
         }
+        compacted: dict[str, str] = {}
+        if page is None:
+            compacted = await session.run_sync(_compaction_sources, repo.id)
         tag_rows = (
             await session.scalars(
                 select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
@@ -469,7 +484,34 @@ async def pack(
         len(present),
         page or 1,
         pages,
+        compacted,
     )
+
+
+COMPACTION_NOTES_MAX = 10_000  # compaction links a tag page reads
+
+
+def _compaction_sources(session: Session, repository_id: int) -> dict[str, str]:
+    """flat layer → the digest it was compacted from, for the repository's manifests whose
+    annotations name one (``dev.forkd.compacted.from``) in at most ``NOTES_MAX``
+    characters; at most ``COMPACTION_NOTES_MAX`` of them. Sync ORM code."""
+    key = like_literal(mt.ANNOTATION_COMPACTED_FROM)
+    rows = session.execute(
+        select(ManifestRow.digest, ManifestRow.annotations)
+        .where(
+            ManifestRow.repository_id == repository_id,
+            ManifestRow.annotations.like(f"%{key}%", escape="\\"),
+            func.length(ManifestRow.annotations) <= NOTES_MAX,
+        )
+        .order_by(ManifestRow.digest)
+        .limit(COMPACTION_NOTES_MAX)
+    )
+    out: dict[str, str] = {}
+    for digest, text in rows:
+        value = annotations_of(text).get(mt.ANNOTATION_COMPACTED_FROM)
+        if isinstance(value, str) and "@" in value:
+            out[digest] = value.rsplit("@", 1)[1]
+    return out
 
 
 # -- a tag: its chain and its lineage graph --------------------------------------
@@ -517,14 +559,6 @@ class Graph:
 NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 150, 34, 24, 40, 12
 
 
-def compacted_source(m: ManifestRow) -> str | None:
-    """The manifest digest a compacted layer was flattened from (its annotation)."""
-    value = annotations_of(m.annotations).get(mt.ANNOTATION_COMPACTED_FROM)
-    if not isinstance(value, str) or "@" not in value:
-        return None
-    return value.rsplit("@", 1)[1]
-
-
 def chain_of(detail: PackDetail, head: str) -> list[str]:
     """head → … → base through ``subject`` (bounded, cycle-safe)."""
     out, seen = [head], {head}
@@ -553,7 +587,7 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     for d, m in manifests.items():
         if m.subject_digest is not None:
             children.setdefault(m.subject_digest, []).append(d)
-        src = compacted_source(m)
+        src = detail.compacted_from.get(d)
         if src is not None:
             compacted_into.setdefault(src, []).append(d)
     ancestors = chain_of(detail, head)[1:]
@@ -575,7 +609,7 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     for d in list(family):
         for flat in sorted(compacted_into.get(d, [])):
             compactions.append((d, flat))
-        src = compacted_source(manifests[d]) if d in manifests else None
+        src = detail.compacted_from.get(d)
         if src is not None:
             compactions.append((src, d))
     # A compaction's other end comes with its own ancestors, so the flat layer's page shows

@@ -22,6 +22,7 @@ import re
 import sqlite3
 import threading
 import time
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -486,3 +487,57 @@ def test_a_lineage_lists_a_bounded_number_of_descendants(hub: HubServer) -> None
         assert page.status_code == 200, page.text
         nodes = re.findall(r'data-testid="node-', page.text)
         assert len(nodes) == MAX_CHAIN + 1, len(nodes)  # the tag itself and its descendants
+
+
+# -- 9. a page does not load every manifest's annotations ----------------------------------------
+def test_pack_tag_and_lineage_views_do_not_load_every_manifests_annotations(
+    hub: HubServer,
+) -> None:
+    """Before: the pack page, the tag page and the lineage API loaded every manifest row of
+    the repository with its annotations (each up to ``manifest_max_bytes``, 4 MiB), on
+    every view: a pusher's few dozen manifests with large annotations made each signed-out
+    view of a public pack hold hundreds of MiB. Now no view loads annotations but those
+    of the nodes it names, each at most ``NOTES_MAX`` characters. Measured: the peak of
+    Python allocations while the hub (in this process) answers."""
+    alice = hub.add_user(_name("alice"))
+    repo = f"{alice[0]}/noted"
+    big, count = 2 << 20, 12
+    with hub.client(alice) as c:
+        config, layer = push_blob(c, repo, EMPTY_CONFIG), push_blob(c, repo, b"one layer")
+
+        def put(doc: dict[str, object], reference: str | None = None) -> tuple[str, int]:
+            body = json.dumps(doc).encode()
+            digest = "sha256:" + hashlib.sha256(body).hexdigest()
+            r = c.put(
+                f"/v2/{repo}/manifests/{reference or digest}",
+                content=body,
+                headers={"Content-Type": OCI_MANIFEST},
+            )
+            assert r.status_code == 201, r.text
+            return digest, len(body)
+
+        common = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": EMPTY_MEDIA, "digest": config, "size": 2},
+            "layers": [{"mediaType": "application/octet-stream", "digest": layer, "size": 9}],
+        }
+        base, size = put(common, "base")
+        subject = {"mediaType": OCI_MANIFEST, "digest": base, "size": size}
+        for i in range(count):  # untagged referrers of base, each with 2 MiB of annotations
+            put({**common, "subject": subject, "annotations": {"note": f"{i}" + "x" * big}})
+    hub.public(repo)
+    views = [f"/{repo}", f"/{repo}/-/tags/base", f"/api/v1/lineage/{repo}?tag=base"]
+    with hub.client() as anonymous:
+        for view in views:
+            assert anonymous.get(view).status_code == 200  # warm: caches, templates
+        tracemalloc.start()
+        try:
+            for view in views:
+                tracemalloc.reset_peak()
+                r = anonymous.get(view)
+                peak = tracemalloc.get_traced_memory()[1]
+                assert r.status_code == 200, r.text
+                assert peak < count * big // 2, f"{view}: {peak >> 20} MiB at peak"
+        finally:
+            tracemalloc.stop()
