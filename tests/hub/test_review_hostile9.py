@@ -28,6 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 from hub_support import EMPTY_CONFIG, EMPTY_MEDIA, OCI_MANIFEST, HubServer, push_blob
 from sqlalchemy import text
 
@@ -541,3 +542,48 @@ def test_pack_tag_and_lineage_views_do_not_load_every_manifests_annotations(
                 assert peak < count * big // 2, f"{view}: {peak >> 20} MiB at peak"
         finally:
             tracemalloc.stop()
+
+
+# -- 10. one account runs one server-side compaction at a time ---------------------------------
+def test_one_account_cannot_take_every_compaction_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: ``compactions_max`` (2) places for the whole hub, and one account's two
+    requests (each may write 16 GiB and hold a core for minutes) took both: every other
+    account got 429 for as long as it kept asking. Now an account's second concurrent
+    request is the 429 (``Retry-After``), and the place stays free for someone else.
+    The compaction work is held (``_compactions_held``): the admission is what is tested."""
+    from test_review_hostile6 import _compactions_held
+
+    release, running = _compactions_held(monkeypatch)
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        alice, bob = server.add_user("alice"), server.add_user("bob")
+
+        def post(who: tuple[str, str], tag: str) -> httpx.Response:
+            # A short timeout: without the bound, alice's second request takes the other
+            # place and is held too.
+            with httpx.Client(base_url=server.url, auth=who, timeout=10) as c:
+                return c.post(f"/api/v1/compact/{who[0]}/app", json={"tag": tag, "to": "flat"})
+
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(post, alice, "first")
+            deadline = time.monotonic() + TIMEOUT
+            while "first" not in running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert running == ["first"]
+            again = post(alice, "second")
+            assert again.status_code == 429, again.text
+            assert again.headers["retry-after"] == "10"
+            assert "one per account" in again.text
+            other = pool.submit(post, bob, "bobs")
+            while "bobs" not in running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert running == ["first", "bobs"]  # the second place went to bob
+            release.set()
+            assert held.result(TIMEOUT).status_code == 404  # the held work's answer
+            assert other.result(TIMEOUT).status_code == 404
+        assert post(alice, "later").status_code == 404  # alice's place is given back
+    finally:
+        release.set()
+        server.stop()
