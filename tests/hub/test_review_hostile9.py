@@ -1,14 +1,19 @@
-"""Hostile review 9: no credential reaches the audit log through a refused login, and a
-cross-repository mount never links a blob a concurrent GC sweep removed.
+"""Hostile review 9: credentials stay out of the audit log and never crash a parser, the
+login limiter counts what a client cannot pick, a mount never links swept bytes, and what
+one view or one account may cost is bounded whatever a pusher creates.
 
-* a refused login is audited with the user name the client sent; a token pasted as the
-  user name (``fkd_…``) or a password typed there went into the append-only log in
-  clear. Only a name an account could have is recorded now, on the registry and on the
-  UI's sign-in form;
-* a mount read the source repository's link and the blob's presence before it took the
-  writers' side of the GC lock, so on PostgreSQL a sweep could remove both in between
-  and the mount then linked (201) a blob whose bytes were gone: a manifest pushed next
-  was accepted and its pulls failed. The mount now reads under the lock.
+1. a refused login was audited under the user name sent: a token pasted there (``fkd_…``)
+   or a password typed there went into the append-only log in clear;
+2. a mount read the source's link and the blob before the GC lock: a PostgreSQL sweep
+   queued in between removed both and the mount linked (201) bytes that were gone;
+3. a credential header that is not ASCII was a 500 (compare_digest on str, b64decode);
+4. every sign-in added a session row (repeated ones skip argon2): unbounded per account;
+5. the failed-login limiter counted IPv6 addresses one by one (a /64 is 2**64 of them),
+   and a trusted proxy written as ``::ffff:a.b.c.d`` was taken for the client;
+6. the pack page listed and read the facts of every tag; 7. a VMM search read every tag
+   of 5,000 packs; 8. a lineage listed every referrer of a level; 9. pages loaded every
+   manifest's annotations (4 MiB each);
+10. one account's compactions could take every ``compactions_max`` place.
 """
 
 from __future__ import annotations
