@@ -72,14 +72,23 @@ def _is_ip(text: str) -> bool:
 
 
 def _within(address: str, networks: tuple[Network, ...]) -> bool:
+    """Whether ``address`` is in one of ``networks``; an IPv4-mapped IPv6 address
+    (``::ffff:10.0.0.5``: a dual-stack listener's peer, or a proxy's hop written so) is
+    its IPv4 address, so a trusted proxy is trusted however the address is written."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
     return any(ip in net for net in networks)
 
 
 def _basic(header: str) -> tuple[str, str] | None:
+    """(user, password) of a Basic credential; None when it is not one. ``header`` is
+    the client's text: one that is not ASCII is ``b64decode``'s ValueError, not a 500."""
+    if not header.isascii():
+        return None
     try:
         raw = base64.b64decode(header, validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
@@ -133,6 +142,35 @@ def challenge(
     return RegistryError(Code.UNAUTHORIZED, headers={"WWW-Authenticate": value})
 
 
+IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
+
+
+def limited_address(address: str) -> str:
+    """What the failed-login limiter counts for a client address: an IPv4 address as is
+    (an IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64. A host handed an
+    IPv6 /64 (every ISP's and cloud's smallest allocation) holds 2**64 addresses: counted
+    one by one, each new source address was ``login_fail_limit`` more guesses."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # "unknown", or a test client's name: as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_LIMIT_PREFIX}", strict=False))
+    return str(ip)
+
+
+def logged_name(user: str) -> str:
+    """What the audit log records as the actor of a refused login: the name when it is one
+    an account could have, else ``(not a user name)``. The field is the client's: a token
+    pasted as the user name (``fkd_…``, 47 characters), or a password typed there, would
+    otherwise be kept in clear in the append-only log that operators ship and share."""
+    if accounts.USER_RE.fullmatch(user) and not user.startswith(accounts.TOKEN_PREFIX):
+        return user
+    return "(not a user name)"
+
+
 async def login(
     hub: Hub, request: Request[object, object, State], user: str, password: str
 ) -> Principal:
@@ -151,11 +189,11 @@ async def login(
         return await _login_with_token(hub, host, user, password, cache_key)
     # Counted per client address only: a count per user name would let anyone lock
     # someone else out (docs/hub.md, "Security model").
-    keys = [f"ip:{host}"]
+    keys = [f"ip:{limited_address(host)}"]
     # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
     wait, attempt = await hub.limiter.attempt(keys, cache_key)
     if wait:
-        hub.audit.record(user[:64], host, "login", "-", "rate-limited")
+        hub.audit.record(logged_name(user), host, "login", "-", "rate-limited")
         raise RegistryError(
             Code.TOOMANYREQUESTS,
             "too many failed logins; try again later",
@@ -166,7 +204,7 @@ async def login(
     if principal is None:
         await hub.limiter.failed(attempt)
         hub.metrics.auth_failures.inc()
-        hub.audit.record(user[:64], host, "login", "-", "denied")
+        hub.audit.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     await hub.limiter.succeeded(attempt)
     hub.verified.put(principal, cache_key)
@@ -180,7 +218,7 @@ async def _login_with_token(
         principal = await accounts.authenticate_password(session, user, secret)
     if principal is None:
         hub.metrics.auth_failures.inc()
-        hub.audit.record(user[:64], host, "login", "-", "denied")
+        hub.audit.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     hub.verified.put(principal, cache_key)
     return principal

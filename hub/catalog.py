@@ -8,6 +8,7 @@ API token's scopes; a repository the caller cannot see is 404, as on ``/v2/``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar
@@ -18,12 +19,14 @@ from litestar.di import NamedDependency
 from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, Parameter
 from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy.orm import Session, defer
 
 from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import accounts, authz
 from forkd.hub.auth import authenticate
 from forkd.hub.models import Manifest, Repository, Tag
+from forkd.hub.oci.common import in_chunks
 from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
@@ -81,8 +84,6 @@ class RepositoryDetail:
     tags_total: int
     page: int
     per_page: int
-
-
 
 
 async def _principal(hub: Hub, request: Request[object, object, State]) -> accounts.Principal:
@@ -291,10 +292,16 @@ class LineageController(Controller):
             ).first()
             if repo is None:
                 raise NotFoundException(f"repository {name} not found")
+            # Without their annotations (each up to a manifest's size): read below for
+            # the nodes the answer names only.
             manifests = {
                 m.digest: m
                 for m in (
-                    await session.scalars(select(Manifest).where(Manifest.repository_id == repo.id))
+                    await session.scalars(
+                        select(Manifest)
+                        .options(defer(Manifest.annotations, raiseload=True))
+                        .where(Manifest.repository_id == repo.id)
+                    )
                 ).all()
             }
             tags_of: dict[str, list[str]] = {}
@@ -307,12 +314,14 @@ class LineageController(Controller):
                 tags_of.setdefault(tag_row.manifest_digest, []).append(tag_row.name)
                 if tag_row.name == tag:
                     head_digest = tag_row.manifest_digest
-        if head_digest is None or head_digest not in manifests:
-            raise NotFoundException(f"tag {tag} not found in {name}")
+            if head_digest is None or head_digest not in manifests:
+                raise NotFoundException(f"tag {tag} not found in {name}")
+            family = _family(manifests, head_digest)
+            notes_of = await session.run_sync(small_annotations, repo.id, family)
 
         def node(digest: str, depth: int) -> LineageNode:
             m = manifests.get(digest)
-            notes = annotations_of(m.annotations if m is not None else None)
+            notes = annotations_of(notes_of.get(digest))
             return LineageNode(
                 digest=digest,
                 tags=tags_of.get(digest, []),
@@ -336,17 +345,68 @@ class LineageController(Controller):
                 children.setdefault(m.subject_digest, []).append(m.digest)
         descendants: list[LineageNode] = []
         frontier, depth, visited = [head_digest], 0, {head_digest}
-        while frontier and depth < MAX_CHAIN:
+        # At most MAX_CHAIN descendants in all, not per level: a manifest may have any
+        # number of children (each referrer a pusher adds).
+        while frontier and depth < MAX_CHAIN and len(descendants) < MAX_CHAIN:
             depth += 1
             nxt = []
             for parent_digest in frontier:
                 for child in sorted(children.get(parent_digest, [])):
-                    if child not in visited:
+                    if child not in visited and len(descendants) < MAX_CHAIN:
                         visited.add(child)
                         descendants.append(node(child, depth))
                         nxt.append(child)
             frontier = nxt
         return Lineage(name, tag, node(head_digest, 0), ancestors, descendants)
+
+
+# Annotations a lineage or tag page reads per manifest: what forkd writes (parent tag,
+# compacted-from, created) is a few hundred bytes; a pusher's may be a manifest's size.
+NOTES_MAX = 4096
+
+
+def small_annotations(
+    session: Session, repository_id: int, digests: Iterable[str]
+) -> dict[str, str]:
+    """The stored annotations of those ``digests`` of the repository whose text is at most
+    ``NOTES_MAX`` characters (the others read as none). Sync ORM code."""
+    found: dict[str, str] = {}
+    for chunk in in_chunks(digests):
+        rows = session.execute(
+            select(Manifest.digest, Manifest.annotations).where(
+                Manifest.repository_id == repository_id,
+                Manifest.digest.in_(chunk),
+                Manifest.annotations.is_not(None),
+                func.length(Manifest.annotations) <= NOTES_MAX,
+            )
+        )
+        found.update({digest: text for digest, text in rows if text})
+    return found
+
+
+def _family(manifests: dict[str, Manifest], head: str) -> set[str]:
+    """What a lineage of ``head`` names: its ancestors and descendants (each bounded by
+    ``MAX_CHAIN``), computed as ``LineageController.lineage`` walks them."""
+    out, current = {head}, manifests[head].subject_digest
+    while current is not None and current not in out and len(out) <= MAX_CHAIN:
+        out.add(current)
+        parent = manifests.get(current)
+        current = parent.subject_digest if parent is not None else None
+    children: dict[str, list[str]] = {}
+    for m in manifests.values():
+        if m.subject_digest is not None:
+            children.setdefault(m.subject_digest, []).append(m.digest)
+    frontier, seen, descendants = [head], {head}, 0
+    while frontier and descendants < MAX_CHAIN:
+        nxt = []
+        for parent_digest in frontier:
+            for child in sorted(children.get(parent_digest, [])):
+                if child not in seen and descendants < MAX_CHAIN:
+                    seen.add(child)
+                    descendants += 1
+                    nxt.append(child)
+        frontier = nxt
+    return out | seen
 
 
 def like_literal(text: str) -> str:

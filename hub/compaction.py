@@ -363,11 +363,18 @@ class CompactionController(Controller):
         name = _checked(name, data)
         caller = await authenticate(hub, request)
         await authorize(hub, request, caller, name, "push")
+        # One compaction per account at a time: each may write 16 GiB and hold a core for
+        # minutes, and without this one account's requests took every place.
+        account = caller.principal.user_id
+        if account is not None and account in hub.compacting:
+            raise _busy_account()
         slots = hub.compactions.limiter()
         try:
             slots.acquire_nowait()
         except anyio.WouldBlock:
             raise _busy(slots.total_tokens) from None
+        if account is not None:
+            hub.compacting.add(account)
         try:
             result = await compact_tag(
                 hub,
@@ -381,6 +388,8 @@ class CompactionController(Controller):
             )
         finally:
             slots.release()
+            if account is not None:
+                hub.compacting.discard(account)
         assert result is not None  # only the retention rule's conditions skip
         return result
 
@@ -391,6 +400,17 @@ def _busy(running: float) -> RegistryError:
     return RegistryError(
         Code.TOOMANYREQUESTS,
         f"the hub is running {int(running)} compaction(s), its limit (compactions_max); "
+        f"nothing was done, retry in {BUSY_RETRY_AFTER_S} s",
+        status=429,
+        headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},
+    )
+
+
+def _busy_account() -> RegistryError:
+    """The caller runs a compaction already (one per account at a time)."""
+    return RegistryError(
+        Code.TOOMANYREQUESTS,
+        "you are running a compaction on this hub already (one per account at a time); "
         f"nothing was done, retry in {BUSY_RETRY_AFTER_S} s",
         status=429,
         headers={"Retry-After": str(BUSY_RETRY_AFTER_S)},

@@ -68,7 +68,9 @@ class TokenSigner:
             return None
         body, _, sig = token[len(BEARER_PREFIX) :].partition(".")
         want = _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
-        if not hmac.compare_digest(want, sig):
+        # Bytes: the header is the client's text, and compare_digest raises (TypeError, a
+        # 500) on a str that is not ASCII.
+        if not hmac.compare_digest(want.encode(), sig.encode()):
             return None
         try:
             payload = json.loads(_unb64(body))

@@ -780,11 +780,15 @@ async def _mount(ctx: Ctx, repo: Repository, digest: str, source: str) -> Respon
     except (InvalidInput, RegistryError):
         return None
     async with ctx.hub.db.transaction() as session:
+        # The writers' side of the GC lock before the source's link and the bytes are read:
+        # read before it, a sweep (PostgreSQL: the exclusive side, taken meanwhile) could
+        # remove both, and the mount would link bytes that are gone. Under it, a link that
+        # is still there means its blob is too (a sweep removes the two together).
+        await ctx.hub.db.lock_for_write(session)
         src = (await session.scalars(select(Repository).where(Repository.name == source))).first()
         size = await linked_blob_size(session, src.id, digest) if src else None
         if size is None or not await anyio.to_thread.run_sync(ctx.hub.blobs.has, digest):
             return None
-        await ctx.hub.db.lock_for_write(session)
         # Both rights, again in the transaction that links: push here, pull at the source.
         await ctx.still_async(session, "push")
         await session.run_sync(still_permitted, ctx.caller, source, "pull")

@@ -15,12 +15,13 @@ from litestar.params import FromPath
 from litestar.response import Redirect
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members
 from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import ROLES, ApiToken, UiSession, utcnow
+from forkd.hub.models import ROLES, ApiToken, UiSession, User, utcnow
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -39,6 +40,8 @@ from forkd.hub.ui.text import set_text
 from forkd.names import shown, validate_name
 
 FORM_MAX = 300 * 1024
+# Browser sessions one account keeps open at once; a new sign-in ends the oldest beyond.
+SESSIONS_PER_USER = 20
 # Pages that may show a secret, or a form bound to a one-off cookie: never cached.
 NO_STORE = {"Cache-Control": "no-store"}
 
@@ -187,13 +190,7 @@ class AccountController(Controller):
             )
         cookie, row = ui.sessions.issue(principal)
         async with hub.db.transaction() as session:
-            # Sessions that ran out are cleared as their users sign in again.
-            await session.execute(
-                delete(UiSession).where(
-                    UiSession.user_id == row.user_id, UiSession.expires_at < utcnow()
-                )
-            )
-            session.add(row)
+            await session.run_sync(_open_session, row)
         hub.audit.record(principal.name, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
         _set_cookie(
@@ -438,6 +435,30 @@ class AccountController(Controller):
             raise NotFoundException(str(exc)) from exc
         hub.audit.record(who.principal.name, client_ip(request), "repo.readme", name, "ok")
         return Redirect(f"/{name}", status_code=303)
+
+
+def _open_session(session: Session, row: UiSession) -> None:
+    """Store a new session row, ending its user's oldest sessions beyond
+    ``SESSIONS_PER_USER`` (and those that ran out). Sign-in answers from the credential
+    cache without an argon2 check, so without a bound one account could add rows as fast
+    as it sends forms, each kept for 12 h. The user's row is locked (PostgreSQL), so
+    sign-ins racing each other cannot each keep one more."""
+    session.scalars(select(User.id).where(User.id == row.user_id).with_for_update()).first()
+    session.execute(
+        delete(UiSession).where(UiSession.user_id == row.user_id, UiSession.expires_at < utcnow())
+    )
+    kept = (
+        select(UiSession.id_hash)
+        .where(UiSession.user_id == row.user_id)
+        .order_by(UiSession.created_at.desc(), UiSession.id_hash)
+        .limit(SESSIONS_PER_USER - 1)
+    )
+    session.execute(
+        delete(UiSession).where(
+            UiSession.user_id == row.user_id, UiSession.id_hash.not_in(kept.scalar_subquery())
+        )
+    )
+    session.add(row)
 
 
 @dataclass

@@ -132,6 +132,7 @@ class BrowseController(Controller):
         hub: NamedDependency[Hub],
         ui: NamedDependency[UI],
         path: FromPath[str],
+        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
     ) -> Response[str]:
         """``/NS`` (organisation or user), ``/NS/NAME`` (pack), ``/NS/NAME/-/tags/REF`` (tag)."""
         path = path.strip("/")
@@ -143,7 +144,7 @@ class BrowseController(Controller):
         if "/" not in name and not sep:
             return await self._namespace(request, hub, ui, name)
         if not sep:
-            return await self._pack(request, hub, ui, name)
+            return await self._pack(request, hub, ui, name, page)
         kind, _, ref = rest.partition("/")
         if kind == "tags" and ref:
             return await self._tag(request, hub, ui, name, ref)
@@ -180,12 +181,20 @@ class BrowseController(Controller):
             roles=("pull", "push", "admin"),
         )
 
-    async def _pack(self, request: HubRequest, hub: Hub, ui: UI, name: str) -> Response[str]:
+    async def _pack(
+        self, request: HubRequest, hub: Hub, ui: UI, name: str, page: int
+    ) -> Response[str]:
         who = await viewer(ui, hub, request)
-        detail = await queries.pack(hub, ui.facts, who.principal, name)
+        detail = await queries.pack(hub, ui.facts, who.principal, name, page)
         if detail is None:
             raise NotFoundException(f"no pack named {name}")
+        if page > detail.pages:
+            raise NotFoundException(f"{name} has {detail.pages} page(s) of tags")
         featured = detail.featured
+
+        def link(n: int) -> str:
+            return f"/{name}?{urlencode({'page': n})}"
+
         description = detail.repo.description
         if not description and featured and featured.facts.config:
             description = featured.facts.config.description
@@ -198,6 +207,8 @@ class BrowseController(Controller):
             description=description,
             readme_html=render_markdown(detail.repo.readme) if detail.repo.readme else "",
             pull_tag=featured.name if featured else "latest",
+            prev_link=link(page - 1) if page > 1 else "",
+            next_link=link(page + 1) if page < detail.pages else "",
         )
 
     async def _tag(
@@ -211,11 +222,13 @@ class BrowseController(Controller):
                 validate_tag(ref)
         except InvalidInput as exc:
             raise NotFoundException(f"no tag {ref[:130]!r} in {name}") from exc
-        detail = await queries.pack(hub, ui.facts, who.principal, name)
+        # No tag's facts but the chain's (chain_layers): the page shows no tags table.
+        detail = await queries.pack(hub, ui.facts, who.principal, name, None)
         if detail is None:
             raise NotFoundException(f"no pack named {name}")
-        row = next((t for t in detail.tags if t.name == ref), None)
-        digest = row.digest if row else ref
+        tagged = next((d for d, names in detail.tags_of.items() if ref in names), None)
+        row = tagged is not None
+        digest = tagged if tagged is not None else ref
         if digest not in detail.manifests:
             raise NotFoundException(f"no tag {ref} in {name}")
         layers = await queries.chain_layers(hub, ui.facts, detail, digest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,10 +18,17 @@ from typing import Any
 import anyio
 from sqlalchemy import ColumnElement, Select, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session, defer
 
 from forkd.errors import ForkdError
 from forkd.hub import accounts, authz
-from forkd.hub.catalog import MAX_CHAIN, annotations_of, chain_depth, like_literal
+from forkd.hub.catalog import (
+    MAX_CHAIN,
+    NOTES_MAX,
+    annotations_of,
+    chain_depth,
+    like_literal,
+)
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import FACTS_READERS, Hub, LazyLimiter
@@ -32,8 +39,13 @@ from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.pack.manifest import Manifest as PackManifest
 
 FACTS_CACHE = 4096
+TAGS_PER_PAGE = 50  # tags a pack page lists (and reads the facts of)
 # Scan at most this many tag heads when a filter needs config facts (VMM, accelerators).
 FILTER_SCAN_LIMIT = 5000
+# What a VMM / without-KVM filter reads: each pack's newest tags, and at most this many
+# distinct manifests' facts per search (under FACTS_CACHE: a repeated search is cached).
+FILTER_TAGS_PER_PACK = 10
+FILTER_SCAN_FACTS = 2000
 
 
 # -- facts about one layer (one manifest digest) --------------------------------
@@ -301,18 +313,50 @@ async def search(
             ).all()
             return [summary(repo, n) for repo, n in rows], total or 0
         rows = (await session.execute(query.limit(FILTER_SCAN_LIMIT))).all()
-        heads = (
-            await session.execute(
-                select(Tag.repository_id, ManifestRow.digest, ManifestRow.size)
-                .join(
-                    ManifestRow,
-                    (ManifestRow.repository_id == Tag.repository_id)
-                    & (ManifestRow.digest == Tag.manifest_digest),
+        # Each pack's newest FILTER_TAGS_PER_PACK tags (facts are blob reads: an anonymous
+        # search read every tag of thousands of packs, two reads per tag).
+        ranked = (
+            select(
+                Tag.repository_id.label("repository_id"),
+                ManifestRow.digest.label("digest"),
+                ManifestRow.size.label("size"),
+                func.row_number()
+                .over(
+                    partition_by=Tag.repository_id,
+                    order_by=(Tag.updated_at.desc(), Tag.name),
                 )
-                .where(Tag.repository_id.in_([repo.id for repo, _ in rows]))
+                .label("rank"),
+            )
+            .join(
+                ManifestRow,
+                (ManifestRow.repository_id == Tag.repository_id)
+                & (ManifestRow.digest == Tag.manifest_digest),
+            )
+            .where(Tag.repository_id.in_([repo.id for repo, _ in rows]))
+            .subquery()
+        )
+        found = (
+            await session.execute(
+                select(ranked.c.repository_id, ranked.c.digest, ranked.c.size).where(
+                    ranked.c.rank <= FILTER_TAGS_PER_PACK
+                )
             )
         ).all()
-    known = await facts.many(hub, ((d, size) for _, d, size in heads))
+    by_repo: dict[int, list[tuple[str, int]]] = {}
+    for repo_id, digest, size in found:
+        by_repo.setdefault(repo_id, []).append((digest, size))
+    # At most FILTER_SCAN_FACTS distinct manifests per search, packs in the sort's order.
+    wanted: dict[str, int] = {}
+    considered: list[tuple[Repository, int]] = []
+    for repo, n in rows:
+        mine = dict(by_repo.get(repo.id, []))
+        if len(wanted.keys() | mine.keys()) > FILTER_SCAN_FACTS:
+            break
+        wanted.update(mine)
+        considered.append((repo, n))
+    rows = considered
+    heads = [(repo.id, d, size) for repo, _ in rows for d, size in by_repo.get(repo.id, [])]
+    known = await facts.many(hub, wanted.items())
     matching: set[int] = set()
     for repo_id, digest, _ in heads:
         f = known[digest]
@@ -340,24 +384,39 @@ class TagRow:
 class PackDetail:
     repo: Repository
     namespace: str
-    tags: list[TagRow]
+    tags: list[TagRow]  # one page of them (by name), with their facts
     manifests: dict[str, ManifestRow]
     tags_of: dict[str, list[str]]
     can_push: bool
+    featured: TagRow | None  # whose compat metadata the page shows
+    tags_total: int = 0
+    page: int = 1
+    pages: int = 1
+    compacted_from: dict[str, str] = field(default_factory=dict)  # flat → source digest
 
-    @property
-    def featured(self) -> TagRow | None:
-        """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
-        for row in self.tags:
-            if row.name == "latest":
-                return row
-        return max(self.tags, key=lambda r: r.pushed_at, default=None)
+
+def _featured(tags: Sequence[Tag]) -> Tag | None:
+    """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
+    for row in tags:
+        if row.name == "latest":
+            return row
+    return max(tags, key=lambda t: accounts.aware(t.updated_at), default=None)
 
 
 async def pack(
-    hub: Hub, facts: FactsCache, principal: accounts.Principal, name: str
+    hub: Hub,
+    facts: FactsCache,
+    principal: accounts.Principal,
+    name: str,
+    page: int | None = 1,
 ) -> PackDetail | None:
-    """A repository with its tags; None when it does not exist or ``principal`` cannot see it."""
+    """A repository with one ``page`` of its tags (``TAGS_PER_PAGE``, by name), the facts
+    of those and of the featured tag read; ``page`` None: no tag's facts (the tag page
+    reads its chain's own). None when it does not exist or ``principal`` cannot see it.
+
+    The facts of a tag are blob reads (its manifest and config; S3 GETs): read for every
+    tag of the repository, one anonymous view of a public pack with thousands of tags
+    cost thousands of reads, and the page listed them all."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
     async with hub.db.reading() as session:
         repo = (
@@ -369,14 +428,21 @@ async def pack(
         ).first()
         if repo is None:
             return None
+        # Without their annotations (each up to a manifest's size, for every manifest of
+        # the repository on every view); a tag page reads the compaction links it draws.
         manifests = {
             m.digest: m
             for m in (
                 await session.scalars(
-                    select(ManifestRow).where(ManifestRow.repository_id == repo.id)
+                    select(ManifestRow)
+                    .options(defer(ManifestRow.annotations, raiseload=True))
+                    .where(ManifestRow.repository_id == repo.id)
                 )
             ).all()
         }
+        compacted: dict[str, str] = {}
+        if page is None:
+            compacted = await session.run_sync(_compaction_sources, repo.id)
         tag_rows = (
             await session.scalars(
                 select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
@@ -389,11 +455,16 @@ async def pack(
     for t in tag_rows:
         tags_of.setdefault(t.manifest_digest, []).append(t.name)
     present = [t for t in tag_rows if t.manifest_digest in manifests]
+    pages = max(1, -(-len(present) // TAGS_PER_PAGE))
+    shown = present[(page - 1) * TAGS_PER_PAGE : page * TAGS_PER_PAGE] if page else []
+    featured = _featured(present) if page else None
+    wanted = [*shown, featured] if featured is not None else shown
     known = await facts.many(
-        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in present)
+        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in wanted)
     )
-    rows = [
-        TagRow(
+
+    def row(t: Tag) -> TagRow:
+        return TagRow(
             t.name,
             t.manifest_digest,
             t.updated_at,
@@ -401,9 +472,46 @@ async def pack(
             known[t.manifest_digest],
             t.pull_count,
         )
-        for t in present
-    ]
-    return PackDetail(repo, accounts.namespace_of(name), rows, manifests, tags_of, can_push)
+
+    return PackDetail(
+        repo,
+        accounts.namespace_of(name),
+        [row(t) for t in shown],
+        manifests,
+        tags_of,
+        can_push,
+        row(featured) if featured is not None else None,
+        len(present),
+        page or 1,
+        pages,
+        compacted,
+    )
+
+
+COMPACTION_NOTES_MAX = 10_000  # compaction links a tag page reads
+
+
+def _compaction_sources(session: Session, repository_id: int) -> dict[str, str]:
+    """flat layer → the digest it was compacted from, for the repository's manifests whose
+    annotations name one (``dev.forkd.compacted.from``) in at most ``NOTES_MAX``
+    characters; at most ``COMPACTION_NOTES_MAX`` of them. Sync ORM code."""
+    key = like_literal(mt.ANNOTATION_COMPACTED_FROM)
+    rows = session.execute(
+        select(ManifestRow.digest, ManifestRow.annotations)
+        .where(
+            ManifestRow.repository_id == repository_id,
+            ManifestRow.annotations.like(f"%{key}%", escape="\\"),
+            func.length(ManifestRow.annotations) <= NOTES_MAX,
+        )
+        .order_by(ManifestRow.digest)
+        .limit(COMPACTION_NOTES_MAX)
+    )
+    out: dict[str, str] = {}
+    for digest, text in rows:
+        value = annotations_of(text).get(mt.ANNOTATION_COMPACTED_FROM)
+        if isinstance(value, str) and "@" in value:
+            out[digest] = value.rsplit("@", 1)[1]
+    return out
 
 
 # -- a tag: its chain and its lineage graph --------------------------------------
@@ -451,14 +559,6 @@ class Graph:
 NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 150, 34, 24, 40, 12
 
 
-def compacted_source(m: ManifestRow) -> str | None:
-    """The manifest digest a compacted layer was flattened from (its annotation)."""
-    value = annotations_of(m.annotations).get(mt.ANNOTATION_COMPACTED_FROM)
-    if not isinstance(value, str) or "@" not in value:
-        return None
-    return value.rsplit("@", 1)[1]
-
-
 def chain_of(detail: PackDetail, head: str) -> list[str]:
     """head → … → base through ``subject`` (bounded, cycle-safe)."""
     out, seen = [head], {head}
@@ -487,17 +587,19 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     for d, m in manifests.items():
         if m.subject_digest is not None:
             children.setdefault(m.subject_digest, []).append(d)
-        src = compacted_source(m)
+        src = detail.compacted_from.get(d)
         if src is not None:
             compacted_into.setdefault(src, []).append(d)
     ancestors = chain_of(detail, head)[1:]
     descendants: list[str] = []
     frontier, seen = [head], {head, *ancestors}
+    # At most MAX_CHAIN in all, not per level: a manifest may have any number of children
+    # (each referrer a pusher adds), and every one would be a node of the page's graph.
     while frontier and len(descendants) < MAX_CHAIN:
         nxt = []
         for parent in frontier:
             for child in sorted(children.get(parent, [])):
-                if child not in seen:
+                if child not in seen and len(descendants) < MAX_CHAIN:
                     seen.add(child)
                     descendants.append(child)
                     nxt.append(child)
@@ -507,7 +609,7 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     for d in list(family):
         for flat in sorted(compacted_into.get(d, [])):
             compactions.append((d, flat))
-        src = compacted_source(manifests[d]) if d in manifests else None
+        src = detail.compacted_from.get(d)
         if src is not None:
             compactions.append((src, d))
     # A compaction's other end comes with its own ancestors, so the flat layer's page shows

@@ -306,14 +306,15 @@ def test_compactions_beyond_the_limit_are_refused_not_queued(
     release, running = _compactions_held(monkeypatch)
     hub = HubServer(tmp_path / "hub").start()
     try:
-        who = hub.add_user("compactor")
+        # Three accounts: one account runs one compaction at a time (test_review_hostile9).
+        users = [hub.add_user(f"compactor{i}") for i in range(3)]
 
-        def post(tag: str) -> httpx.Response:
+        def post(tag: str, who: tuple[str, str] = users[2]) -> httpx.Response:
             with hub.client(who) as c:
-                return c.post("/api/v1/compact/compactor/app", json={"tag": tag, "to": "flat"})
+                return c.post(f"/api/v1/compact/{who[0]}/app", json={"tag": tag, "to": "flat"})
 
         with ThreadPoolExecutor(2) as pool:
-            first = [pool.submit(post, f"busy{i}") for i in range(2)]
+            first = [pool.submit(post, f"busy{i}", users[i]) for i in range(2)]
             deadline = 200
             while len(running) < 2 and deadline:
                 threading.Event().wait(0.05)
@@ -442,14 +443,16 @@ def test_forkd_compact_remote_waits_while_the_hub_is_busy_and_asks_again(
     hub = HubServer(tmp_path / "hub").start()
     try:
         who = hub.add_user("compactor")
+        # Others hold the places: one account runs one compaction at a time.
+        others = [hub.add_user(f"busy{i}") for i in range(2)]
 
-        def post(tag: str) -> httpx.Response:
-            with hub.client(who) as c:
-                return c.post("/api/v1/compact/compactor/app", json={"tag": tag, "to": "flat"})
+        def post(tag: str, as_: tuple[str, str]) -> httpx.Response:
+            with hub.client(as_) as c:
+                return c.post(f"/api/v1/compact/{as_[0]}/app", json={"tag": tag, "to": "flat"})
 
         waits: list[float] = []
         with ThreadPoolExecutor(3) as pool:
-            first = [pool.submit(post, f"busy{i}") for i in range(2)]
+            first = [pool.submit(post, f"busy{i}", others[i]) for i in range(2)]
             deadline = 200
             while len(running) < 2 and deadline:
                 threading.Event().wait(0.05)
