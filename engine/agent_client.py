@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from forkd import jsondoc
 from forkd.engine.commands import (
     check_command,
     check_guest_path,
@@ -54,6 +55,11 @@ REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # hostile one sending more must not make each queued frame of a stream 16 times larger
 MAX_EVENT = 2 << 20
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
+# bytes of a frame outside its strings (keys, numbers, brackets): a parser makes up to ~20
+# times as much memory of them, so a 64 MiB line of ``[],[],..`` held 1.4 GB of the host
+# (per request in flight). A real frame's structure is a few hundred bytes; its bulk
+# (output, a file's base64) is strings, which parse to about their own size.
+MAX_STRUCTURE = 1 << 20
 
 OnData = Callable[[bytes], None]
 
@@ -66,14 +72,86 @@ def _new_ids() -> Callable[[], str]:
 
 
 def _raise_for(op: str, reply: dict[str, Any]) -> None:
-    err = reply.get("error") or {}
-    message = err.get("message", reply)
+    err = reply["error"]  # an object (parse_frame)
+    # the guest's words, bounded: they go into an error the API returns and logs keep
+    message = str(err.get("message", "no message"))[:2000]
     kind = err.get("type")
     if kind == "not_found":
         raise NotFound(f"{op}: {message}")
     if kind == "state":
         raise Conflict(f"{op}: {message}")
     raise AgentError(f"guest agent refused {op!r}: {message}")
+
+
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
+
+
+class ProtocolViolation(ValueError):
+    """A frame from the guest agent that the host must not take (parse_frame)."""
+
+
+def parse_frame(line: bytes) -> dict[str, Any] | None:
+    """A line the guest agent sent, as a frame. The guest is the untrusted side (root in it
+    can replace the agent): None for a line that is not a JSON object at all, which a reader
+    skips (the tail of a frame a previous host connection took part of); ProtocolViolation
+    for an object the host must not take: nested past the parser's recursion limit, more
+    structure than MAX_STRUCTURE, NaN or Infinity, a key twice (the relay routes by the
+    first ``id``, a parser would keep the last), or frame fields of the wrong type."""
+    text = line  # not stripped: a copy of up to 64 MiB (json takes the whitespace)
+    if _OBJECT_START.match(text) is None:
+        return None
+    if len(text) > MAX_STRUCTURE and len(jsondoc.skeleton(text)) > MAX_STRUCTURE:
+        raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
+                                "outside its strings")
+    try:
+        frame = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except RecursionError:
+        raise ProtocolViolation("a frame nested deeper than the host parses") from None
+    except ProtocolViolation:
+        raise
+    except ValueError:
+        return None  # not JSON: skipped, as the protocol says
+    if not isinstance(frame, dict):
+        return None
+    _check_frame(frame)
+    return frame
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ProtocolViolation(f"key {key[:80]!r} twice in one object")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolViolation(f"{name} is not a JSON number")
+
+
+def _check_frame(frame: dict[str, Any]) -> None:
+    """The frame fields the host acts on have the protocol's types (docs/agent-protocol.md,
+    "Frames"); what a result holds is checked where it is used."""
+    if "hello" in frame and not isinstance(frame["hello"], dict):
+        raise ProtocolViolation("a hello that is not an object")
+    if "id" not in frame:
+        return  # the hello, or a line no request's reader takes
+    rid = frame["id"]
+    if not isinstance(rid, str | int) and rid is not None:  # the relay echoes a bad one
+        raise ProtocolViolation(f"a frame whose id is {type(rid).__name__}, not a string")
+    if "ev" in frame:
+        if not isinstance(frame["ev"], str):
+            raise ProtocolViolation("an event whose name is not a string")
+        return
+    if not isinstance(frame.get("ok"), bool):
+        raise ProtocolViolation("a frame that is neither an event nor a reply with ok "
+                                "true or false")
+    if frame["ok"]:
+        if not isinstance(frame.get("result", {}), dict):
+            raise ProtocolViolation("a reply whose result is not an object")
+    elif not isinstance(frame.get("error"), dict):
+        raise ProtocolViolation("a refusal whose error is not an object")
 
 
 STOP_POLL_S = 0.5  # how often a request with a ``stop`` asks it while no frame arrives
@@ -121,8 +199,10 @@ class AgentClient:
             except LineTooLong as e:
                 raise AgentError(f"guest agent's hello refused: {e}") from e
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = parse_frame(line)
+            except ProtocolViolation as e:
+                raise AgentError(f"guest agent's hello refused: {e}") from e
+            if msg is None:
                 continue  # a partial line from before the connection
             if "hello" in msg:
                 hello: dict[str, Any] = msg["hello"]
@@ -159,6 +239,10 @@ class AgentClient:
                         on_event(str(reply["ev"]), data)
                     continue
                 break
+        except ProtocolViolation as e:
+            self.close()
+            raise AgentError(f"the guest agent broke the protocol answering {op!r} ({e}); "
+                             "its sandbox may be damaged: kill it") from e
         except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
             self.close()
             raise AgentError(f"agent request {op!r} failed: {e}") from e
@@ -196,9 +280,8 @@ class AgentClient:
                 if self.alive is not None and not self.alive():
                     raise EOFError("the VM exited") from None
                 continue
-            try:
-                frame: dict[str, Any] = json.loads(line)
-            except ValueError:
+            frame = parse_frame(line)
+            if frame is None:
                 continue  # an incomplete frame the agent dropped (its host went away)
             return frame
 
@@ -282,7 +365,12 @@ class AgentClient:
 
     def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
-        return base64.b64decode(self.request("get", {"path": path}, timeout=timeout)["data"])
+        data = self.request("get", {"path": path}, timeout=timeout).get("data")
+        try:
+            return base64.b64decode(data if isinstance(data, str) else "\0", validate=True)
+        except ValueError as exc:
+            raise AgentError(f"get {path}: the guest agent's data is not base64 ({exc})") \
+                from None
 
     def close(self) -> None:
         self._ls.close()
@@ -438,9 +526,10 @@ def _event_size(head: bytes) -> int:
     if len(head) > 4096:
         return 0
     try:
-        size = json.loads(head).get("size", 0)
-    except (ValueError, AttributeError):
+        frame = parse_frame(head)
+    except ValueError:  # ProtocolViolation: its reader refuses it
         return 0
+    size = 0 if frame is None else frame.get("size", 0)
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
         return 0
     return size

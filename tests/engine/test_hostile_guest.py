@@ -1,0 +1,255 @@
+"""A hostile guest against the host: root in a sandbox can replace the agent and write
+anything into its virtio-serial port, and anything to its console.
+
+The agent-channel tests run the real host side (AgentClient, the per-child relay process
+connect_child starts, the daemon's backend) against a unix socket that stands in for
+QEMU's agent chardev and speaks the hostile bytes; the console test runs a real VM.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.engine.agent_client import AgentClient, connect_child, relay_main
+from forkd.engine.errors import AgentError
+
+MIB = 1 << 20
+Reply = Callable[[str], bytes]
+
+
+def _line(obj: object) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+# what a hostile agent answers to a request of id rid (keyed by the request's "case")
+CASES: dict[str, Reply] = {
+    "scalar": lambda rid: b"5\n",
+    "string": lambda rid: b'"hello"\n',
+    "error_string": lambda rid: _line({"id": rid, "ok": False, "error": "boom"}),
+    "result_list": lambda rid: _line({"id": rid, "ok": True, "result": [1, 2]}),
+    "id_list": lambda rid: _line({"id": [rid], "ok": True, "result": {}}),
+    "ok_missing": lambda rid: _line({"id": rid, "result": {}}),
+    "deep": lambda rid: (b'{"id": "%s", "ok": true, "result": ' % rid.encode()
+                         + b"[" * 100_000 + b"\n"),
+    "nan": lambda rid: b'{"id": "%s", "ok": true, "result": {"x": NaN}}\n' % rid.encode(),
+    "twice": lambda rid: b'{"id": "%s", "ok": true, "ok": false, "result": {}}\n'
+                         % rid.encode(),
+    "deep_event": lambda rid: (b'{"id": "%s", "ev": "stdout", "size": ' % rid.encode()
+                               + b"[" * 3000 + b"\n"),
+    "huge_message": lambda rid: _line({"id": rid, "ok": False,
+                                       "error": {"type": "x", "message": "m" * (8 * MIB)}}),
+}
+
+
+class HostileAgent:
+    """A unix socket at path that behaves like QEMU's agent chardev (one client at a time)
+    with a hostile agent behind it: every request is answered by CASES[request["case"]];
+    a request without a case gets a proper ping reply."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(4)
+        self.stop = threading.Event()
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.conns.append(conn)
+            self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        conn.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                data = conn.recv(1 << 20)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = json.loads(line)
+                if req.get("op") == "cancel":
+                    continue
+                case = req.get("case")
+                answer = (_line({"id": req["id"], "ok": True, "result": {"pong": True}})
+                          if case is None else CASES[case](req["id"]))
+                try:
+                    conn.sendall(answer)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.listener.close()
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[Path]:
+    """A child directory whose agent.sock is a hostile agent, and the child's relay serving
+    it: the real relay code (relay_main), run on a thread of this process so that it is
+    this checkout's (a relay process runs the installed forkd). It ends when the agent
+    socket closes, as when QEMU exits; a relay that died of what the guest sent fails the
+    test."""
+    agent = HostileAgent(tmp_path / "agent.sock")
+    died: list[BaseException] = []
+
+    def relay() -> None:
+        try:
+            relay_main(tmp_path)
+        except BaseException as exc:
+            died.append(exc)
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "agent-mux.sock").exists():
+        assert time.monotonic() < deadline, "the relay did not listen"
+        time.sleep(0.01)
+    try:
+        yield tmp_path
+    finally:
+        agent.close()
+        thread.join(10)
+        assert not thread.is_alive(), "the relay outlived its agent socket"
+        assert not died, f"the relay died: {died[0]!r}"
+
+
+def _refused(client: AgentClient, case: str) -> str:
+    with pytest.raises(AgentError) as err:
+        client.request("ping", {"case": case}, timeout=20)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("case", ["error_string", "result_list", "deep", "nan", "twice",
+                                  "deep_event"])
+def test_a_reply_of_the_wrong_shape_is_an_agent_error_naming_the_protocol(
+    hostile: Path, case: str,
+) -> None:
+    """Frames that were JSON but not of the protocol's shape raised AttributeError (an
+    error that is a string, a scalar frame), RecursionError (deep nesting) or went through
+    (a result that is a list, NaN, a key twice) into the daemon: a 500 or an answer that
+    strict JSON clients cannot read. Each is now an AgentError that says the guest broke
+    the protocol, and the next client of the same child is served."""
+    client = connect_child(hostile)
+    try:
+        message = _refused(client, case)
+    finally:
+        client.close()
+    assert "broke the protocol" in message, message
+    again = connect_child(hostile)  # the relay survived (deep_event crashed it)
+    try:
+        assert again.request("ping", timeout=20) == {"pong": True}
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("via", ["relay", "direct"])
+@pytest.mark.parametrize("case", ["scalar", "string"])
+def test_a_line_that_is_not_an_object_is_skipped(hostile: Path, tmp_path_factory:
+                                                 pytest.TempPathFactory, case: str,
+                                                 via: str) -> None:
+    """A line that is not a JSON object is not a frame (the tail of one that a previous
+    host connection took part of): skipped, not an AttributeError (the direct client took
+    ``5`` for a frame and called ``.get`` on it); the request then waits for its reply
+    until its deadline."""
+    own = None
+    if via == "relay":
+        client = connect_child(hostile)
+    else:  # QEMU's socket takes one client: the relay holds hostile's
+        d = tmp_path_factory.mktemp("direct")
+        own = HostileAgent(d / "agent.sock")
+        client = AgentClient(d / "agent.sock", timeout=5)
+    try:
+        with pytest.raises(AgentError, match="in time"):
+            client.request("ping", {"case": case}, timeout=1)
+    finally:
+        client.close()
+        if own is not None:
+            own.close()
+
+
+def test_a_refusal_message_from_the_guest_is_cut_short(hostile: Path) -> None:
+    """The guest's error message goes into an error the API returns and logs keep: 8 MiB
+    of it came back whole."""
+    client = connect_child(hostile)
+    try:
+        with pytest.raises(AgentError) as err:
+            client.request("ping", {"case": "huge_message"}, timeout=20)
+    finally:
+        client.close()
+    assert len(str(err.value)) < 4000
+
+
+def test_a_frame_of_empty_lists_is_refused_before_it_fills_the_host(tmp_path: Path) -> None:
+    """A 40 MiB line of ``[],[],..`` (within the 64 MiB line bound) parsed into ~900 MiB
+    of Python lists in the host, per request in flight: a few made the daemon's host run
+    out of memory. Now a frame with more than MAX_STRUCTURE bytes outside its strings is
+    refused before it is parsed; a frame whose bulk is strings (a file's base64) is not."""
+    rid_box: list[str] = []
+
+    def amplify(rid: str) -> bytes:
+        rid_box.append(rid)
+        return (b'{"id": "%s", "ok": true, "result": {"a": [' % rid.encode()
+                + b"[]," * (14 * MIB) + b"[]]}}\n")
+
+    CASES["amplify"] = amplify
+    data = "QUJD" * (6 * MIB)  # 24 MiB of base64, in one string
+    CASES["big_string"] = lambda rid: _line({"id": rid, "ok": True, "result": {"data": data}})
+    agent = HostileAgent(tmp_path / "agent.sock")
+    try:
+        client = AgentClient(tmp_path / "agent.sock", timeout=5)
+        tracemalloc.start()
+        try:
+            with pytest.raises(AgentError, match="structure"):
+                client.request("ping", {"case": "amplify"}, timeout=60)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 300 * MIB, f"{peak / MIB:.0f} MiB for one 42 MiB frame"
+        client = AgentClient(tmp_path / "agent.sock", timeout=5)
+        started = time.monotonic()
+        assert client.request("ping", {"case": "big_string"}, timeout=60)["data"] == data
+        assert time.monotonic() - started < 10
+        client.close()
+    finally:
+        agent.close()
+        CASES.pop("amplify")
+        CASES.pop("big_string")
+
+
+@pytest.mark.parametrize("case", ["id_list", "ok_missing", "error_string", "deep"])
+def test_the_direct_client_refuses_the_same_frames(tmp_path: Path, case: str) -> None:
+    """Before a child has a relay (a waiting process's restore and fixup, a build) the
+    host reads QEMU's socket itself: the same frames are AgentErrors there (the relay drops
+    a frame whose id is not a string or that is neither a reply nor an event: nobody asked
+    for it)."""
+    agent = HostileAgent(tmp_path / "agent.sock")
+    try:
+        client = AgentClient(tmp_path / "agent.sock", timeout=5)
+        assert "broke the protocol" in _refused(client, case)
+    finally:
+        agent.close()
