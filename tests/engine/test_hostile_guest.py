@@ -253,3 +253,34 @@ def test_the_direct_client_refuses_the_same_frames(tmp_path: Path, case: str) ->
         assert "broke the protocol" in _refused(client, case)
     finally:
         agent.close()
+
+
+# ---------------------------------------------------------------- a real VM's console
+@pytest.mark.vm
+def test_a_child_writing_its_console_fills_no_host_file(store: object, tiny: str,
+                                                        cleanup_children: None) -> None:
+    """Root in a child wrote /dev/ttyS0 as fast as TCG emulates port I/O, and QEMU appended
+    it all to the child's serial.log on the host's disk, without bound (and log_tail read
+    the whole file into memory). A child's console is now a 1 MiB ring in QEMU: 4 MiB
+    written leave no file in the child's directory grown by them, and the tail of what
+    it wrote is still in a failure's log tail."""
+    from forkd.engine import children as ch
+    from forkd.engine.qemu import QemuVM
+
+    child = ch.fork(store, tiny, 1).children[0]  # type: ignore[arg-type]
+    flood = ("import os\nfd = os.open('/dev/ttyS0', os.O_WRONLY | os.O_NOCTTY)\n"
+             "block = b'x' * 65535 + b'\\n'\nfor _ in range(64):\n    os.write(fd, block)\n"
+             "os.write(fd, b'forkd-console-marker\\n')\nos.close(fd)\n")
+    res = ch.exec_in(child.id, ["python3", "-c", flood], timeout=600)
+    assert res["exit_code"] == 0, res
+    sizes = {p.name: p.stat().st_size for p in child.path.iterdir()
+             if p.is_file() and p.name != "disk.qcow2"}
+    assert sum(sizes.values()) < 1 << 20, sizes
+    vm = QemuVM.attach(child.path, child.pid)
+    try:
+        tail = vm.log_tail()
+    finally:
+        if vm.qmp is not None:
+            vm.qmp.close()
+    assert "forkd-console-marker" in tail, tail[-500:]
+    ch.kill(child.id)
