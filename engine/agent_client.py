@@ -50,6 +50,9 @@ RELAY_IDLE_S = 30.0  # a relay with no client and no request in flight exits aft
 RELAY_START_S = 10.0  # how long connect_child waits for a relay it started to listen
 CLIENT_BUFFER = 16 << 20  # relay: bytes queued for one client before the agent is not read
 SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this long is dropped
+# relay: request bytes queued for the agent before no client is read (a guest that stops
+# reading its port made the relay hold every request sent to it, 43 MiB per ``put``)
+AGENT_QUEUE = 16 << 20
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
 # hostile one sending more must not make each queued frame of a stream 16 times larger
@@ -564,6 +567,7 @@ class Relay:
         self.next_id = _new_ids()
         self.idle_since = time.monotonic()
         self.unlinked = False  # the socket path was given up (then it may be another relay's)
+        self.reading_clients = True  # False while AGENT_QUEUE bytes wait for the agent
         self.listener = self._listen()
         self.sel.register(self.agent, selectors.EVENT_READ, "agent")
         self.sel.register(self.listener, selectors.EVENT_READ, "listen")
@@ -586,6 +590,7 @@ class Relay:
             agent_events = selectors.EVENT_READ if self._agent_readable() else 0
             agent_events |= selectors.EVENT_WRITE if self.agent_out else 0
             self._modify(self.agent, agent_events, "agent")
+            self._backpressure_clients()
             for ev_key, mask in self.sel.select(timeout=1.0):
                 if ev_key.data == "agent":
                     if mask & selectors.EVENT_READ and not self._read_agent():
@@ -598,6 +603,21 @@ class Relay:
                     self._client_io(ev_key.data, mask)
             if self._should_exit():
                 return
+
+    def _backpressure_clients(self) -> None:
+        """Read no client while AGENT_QUEUE bytes wait for the agent: their sends block
+        (and time out in the client), the relay's memory stays bounded, and the guest
+        takes the queue at its own pace."""
+        reading = len(self.agent_out) <= AGENT_QUEUE
+        if reading == self.reading_clients:
+            return
+        self.reading_clients = reading
+        for c in list(self.clients.values()):
+            self._modify(c.sock, self._client_events(c), c)
+
+    def _client_events(self, c: _Client) -> int:
+        events = selectors.EVENT_READ if self.reading_clients else 0
+        return events | (selectors.EVENT_WRITE if c.outbuf else 0)
 
     def _modify(self, sock: socket.socket, events: int, data: Any) -> None:
         if events:
@@ -711,10 +731,10 @@ class Relay:
             s.setblocking(False)
             c = _Client(s, bytearray(), bytearray(), set())
             self.clients[s.fileno()] = c
-            self.sel.register(s, selectors.EVENT_READ, c)
+            self._modify(s, self._client_events(c), c)
 
     def _want_write(self, c: _Client) -> None:
-        self._modify(c.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+        self._modify(c.sock, self._client_events(c), c)
 
     def _client_io(self, c: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -722,7 +742,7 @@ class Relay:
                 self._drop(c)
                 return
             if not c.outbuf:
-                self._modify(c.sock, selectors.EVENT_READ, c)
+                self._modify(c.sock, self._client_events(c), c)
         if mask & selectors.EVENT_READ:
             try:
                 chunk = c.sock.recv(1 << 20)

@@ -284,3 +284,38 @@ def test_a_child_writing_its_console_fills_no_host_file(store: object, tiny: str
             vm.qmp.close()
     assert "forkd-console-marker" in tail, tail[-500:]
     ch.kill(child.id)
+
+
+def test_a_guest_that_stops_reading_its_port_makes_the_relay_hold_a_bounded_queue(
+    tmp_path: Path,
+) -> None:
+    """A guest that reads nothing from its port (its agent stopped, or replaced): the relay
+    read every request sent to it and queued it for the agent without bound (each 32 MiB
+    ``put``, 43 MiB of base64, stayed in the relay until the guest read it; the relay
+    never exits while bytes wait). Now, past AGENT_QUEUE bytes waiting, the relay reads
+    no client: their requests time out in the client, and the relay's queue stays at
+    about AGENT_QUEUE plus one line."""
+    from forkd.engine.agent_client import Relay
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "agent.sock"))
+    listener.listen(1)
+    relay = Relay(tmp_path)  # connects now: the guest's end is accepted and never read
+    conn, _ = listener.accept()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (relay.run(), done.set()), daemon=True)
+    thread.start()
+    line = "A" * (24 * MIB)
+    try:
+        for _ in range(3):
+            client = connect_child(tmp_path)
+            with pytest.raises(AgentError):
+                client.request("put", {"path": "/tmp/x", "data": line}, timeout=3)
+            client.close()
+        held = len(relay.agent_out) + sum(len(c.inbuf) for c in list(relay.clients.values()))
+        assert held <= 16 * MIB + 2 * len(line), f"{held / MIB:.0f} MiB queued"  # AGENT_QUEUE
+    finally:
+        conn.close()  # as QEMU's end going away: the relay ends
+        thread.join(15)
+        listener.close()
+    assert done.is_set()
