@@ -319,3 +319,33 @@ def test_a_guest_that_stops_reading_its_port_makes_the_relay_hold_a_bounded_queu
         thread.join(15)
         listener.close()
     assert done.is_set()
+
+
+# ---------------------------------------------------------------- a guest that ends its VM
+@pytest.mark.vm
+def test_a_child_that_ends_its_own_vm_is_cleaned_up_at_its_deadline(
+    store: object, tiny: str, cleanup_children: None, engine_env: dict[str, Path],
+) -> None:
+    """Root in a sandbox can end its own VM (a power-off: QEMU exits; under microvm a reboot
+    hangs the guest instead, which stays running and bound by its deadline). The sandbox is
+    then "crashed", and the sweeper acted only on running ones: past its deadline it still
+    held its cgroups, its netns and egress proxy when it had them, its disk overlay and
+    directory, for ever. Now its deadline removes all that."""
+    from forkd.engine import children as ch
+    from forkd.engine import lifetimes
+    from forkd.engine.lifecycle import ChildVM, Lifetime
+
+    child = ch.fork(store, tiny, 1, lifetime=Lifetime(timeout_s=600)).children[0]  # type: ignore[arg-type]
+    cgroup = ChildVM.adopt(child.path).cgroup
+    power_off = "import ctypes; ctypes.CDLL(None).reboot(0x4321FEDC)"  # RB_POWER_OFF
+    with pytest.raises(AgentError):  # the VM is gone before it answers
+        ch.exec_in(child.id, ["python3", "-c", power_off], timeout=30)
+    deadline = time.monotonic() + 30
+    while ch.get(child.id).state() != "crashed":
+        assert time.monotonic() < deadline, "the guest's power-off did not end its QEMU"
+        time.sleep(0.1)
+    acted = lifetimes.enforce(store, now=time.time() + 3600)  # type: ignore[arg-type]
+    assert [(a.id, a.action) for a in acted] == [(child.id, "killed")], acted
+    assert not child.path.exists()
+    assert cgroup is None or not any(p.exists() for p in cgroup.paths.values())
+    assert child.id not in {c.id for c in ch.list_children()}
