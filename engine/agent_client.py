@@ -39,7 +39,7 @@ from forkd.engine.commands import (
     check_timeout,
 )
 from forkd.engine.errors import AgentError
-from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
+from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
 
 PROTOCOL = 2
@@ -63,6 +63,12 @@ DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without th
 # (per request in flight). A real frame's structure is a few hundred bytes; its bulk
 # (output, a file's base64) is strings, which parse to about their own size.
 MAX_STRUCTURE = 1 << 20
+# the reply line of an op whose answer is small (a status, a handle, the argv it echoes:
+# at most 1 MiB, ~6 when every byte is escaped): a hostile guest answering each of the 16
+# requests a process may have in flight to it with a 64 MiB line held ~4 GB of the host
+SMALL_REPLY_LINE = 8 << 20
+SMALL_REPLY_OPS = frozenset({"ping", "fixup", "sync", "cancel", "put", "proc_start",
+                             "proc_stdin", "proc_close_stdin", "proc_kill"})
 
 OnData = Callable[[bytes], None]
 
@@ -228,6 +234,8 @@ class AgentClient:
         rid = self._next_id()
         msg = {"id": rid, "v": PROTOCOL, "op": op, **(args or {})}
         deadline = None if timeout is None else time.monotonic() + timeout
+        small = op in SMALL_REPLY_OPS or (op == "get" and bool(msg.get("stream")))
+        self._ls.max_line = SMALL_REPLY_LINE if small else MAX_LINE
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:

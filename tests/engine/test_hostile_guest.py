@@ -225,14 +225,14 @@ def test_a_frame_of_empty_lists_is_refused_before_it_fills_the_host(tmp_path: Pa
         tracemalloc.start()
         try:
             with pytest.raises(AgentError, match="structure"):
-                client.request("ping", {"case": "amplify"}, timeout=60)
+                client.request("eval", {"case": "amplify"}, timeout=60)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
         assert peak < 300 * MIB, f"{peak / MIB:.0f} MiB for one 42 MiB frame"
         client = AgentClient(tmp_path / "agent.sock", timeout=5)
         started = time.monotonic()
-        assert client.request("ping", {"case": "big_string"}, timeout=60)["data"] == data
+        assert client.request("eval", {"case": "big_string"}, timeout=60)["data"] == data
         assert time.monotonic() - started < 10
         client.close()
     finally:
@@ -349,3 +349,33 @@ def test_a_child_that_ends_its_own_vm_is_cleaned_up_at_its_deadline(
     assert not child.path.exists()
     assert cgroup is None or not any(p.exists() for p in cgroup.paths.values())
     assert child.id not in {c.id for c in ch.list_children()}
+
+
+def test_a_small_answer_may_not_be_a_64_mib_line(tmp_path: Path) -> None:
+    """A ping, fixup, put, a background process's start/stdin/kill have small answers, but
+    the host read up to 64 MiB for each (a line's protocol bound), and a process may have
+    16 requests in flight to one child: a guest answering each with 64 MiB held ~4 GB of
+    the daemon. Those answers are now bounded at SMALL_REPLY_LINE (8 MiB); an exec's
+    collected output keeps the line bound."""
+    big = "x" * (20 * MIB)
+    line = _line({"id": "not-yours", "ok": True, "result": {"o": big}})  # made before
+    CASES["big_line"] = lambda rid: line  # the measurement: this process serves it
+    CASES["big_reply"] = lambda rid: _line({"id": rid, "ok": True, "result": {"o": big}})
+    agent = HostileAgent(tmp_path / "agent.sock")
+    try:
+        client = AgentClient(tmp_path / "agent.sock", timeout=5)
+        tracemalloc.start()
+        try:
+            with pytest.raises(AgentError, match="longer than"):
+                client.request("ping", {"case": "big_line"}, timeout=5)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 20 * MIB, f"{peak / MIB:.0f} MiB read for a ping"
+        client = AgentClient(tmp_path / "agent.sock", timeout=5)
+        assert client.request("exec", {"case": "big_reply"}, timeout=30)["o"] == big
+        client.close()
+    finally:
+        agent.close()
+        CASES.pop("big_reply")
+        CASES.pop("big_line")
