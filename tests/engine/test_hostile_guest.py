@@ -379,3 +379,39 @@ def test_a_small_answer_may_not_be_a_64_mib_line(tmp_path: Path) -> None:
         agent.close()
         CASES.pop("big_reply")
         CASES.pop("big_line")
+
+
+# ---------------------------------------------------------------- the agent replaced in a real VM
+PATCH_AGENT = """
+import sys
+_agent = sys.modules["__main__"]
+_agent.OPS["proc_list"] = lambda req: {}
+_agent.OPS["proc_wait"] = lambda req: {"running": False, "stdout": "not base64!"}
+_agent.OPS["exec"] = lambda req: {"status": "exited", "exit_code": 0, "signal": "nine"}
+"""
+
+
+@pytest.mark.vm
+def test_answers_of_a_replaced_agent_are_agent_errors_in_the_backend(
+    store: object, tiny: str, cleanup_children: None,
+) -> None:
+    """Code in a sandbox runs as root, in the agent's own interpreter when it is an eval:
+    it can replace how the agent answers. Answers without the fields the host reads were
+    a KeyError (proc_list), a binascii.Error (proc_wait's output) or a msgspec
+    ValidationError raised in the stream's thread (exec): 500s with "internal error".
+    Each is now an AgentError saying the guest's answer does not match the protocol."""
+    from forkd.controller.api import ExecRequest, ProcessWaitRequest
+    from forkd.controller.backend import LocalBackend
+
+    backend = LocalBackend(store)  # type: ignore[arg-type]
+    from forkd.engine import children as ch
+
+    child = ch.fork(store, tiny, 1).children[0]  # type: ignore[arg-type]
+    assert ch.eval_in(child.id, PATCH_AGENT, timeout=60)["error"] is None
+    with pytest.raises(AgentError, match="proc_list"):
+        backend.processes(child.id)
+    with pytest.raises(AgentError, match="base64"):
+        backend.process_wait(child.id, "p1", ProcessWaitRequest(timeout=1))
+    with pytest.raises(AgentError, match="exec"):
+        list(backend.exec_stream(child.id, ExecRequest(argv=["true"])))
+    ch.kill(child.id)
