@@ -124,7 +124,8 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
                         ("kernel", cfg.kernel), ("initrd", cfg.initrd), ("tap", cfg.tap)):
         check_option_value(what, value)
     argv = [
-        QEMU, "-accel", accel, "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
+        QEMU, "-accel", accel_option(accel),
+        "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
         "-cpu", CPU_MODEL, "-m", f"{cfg.memory_mib}M", "-smp", str(cfg.vcpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-object", (f"memory-backend-file,id=mem,size={cfg.memory_mib}M,"
@@ -164,6 +165,18 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         argv += ["-add-fd", f"fd={fd},set={DISK_FDSET},opaque=disk"]
     argv += list(cfg.extra)
     return argv
+
+
+# TCG's translation cache per VM: QEMU's default is 1 GiB (mapped rwx, touched as the guest
+# runs new code), so a guest that generates code (a JIT, or a loop writing distinct blocks)
+# grew its QEMU by up to 1 GiB of host memory beyond its RAM, with no memory limit set.
+# An idle child uses ~10 MiB of it (FINDINGS.md: 4 MiB thrashes).
+TCG_TB_MIB = 128
+
+
+def accel_option(accel: str) -> str:
+    """The -accel value: TCG with its translation cache bounded at TCG_TB_MIB."""
+    return f"tcg,tb-size={TCG_TB_MIB}" if accel == "tcg" else accel
 
 
 SERIAL_RING = "serial0"

@@ -415,3 +415,48 @@ def test_answers_of_a_replaced_agent_are_agent_errors_in_the_backend(
     with pytest.raises(AgentError, match="exec"):
         list(backend.exec_stream(child.id, ExecRequest(argv=["true"])))
     ch.kill(child.id)
+
+
+# ---------------------------------------------------------------- code generated in the guest
+JIT = r"""
+import ctypes, mmap
+n = 1_000_000
+buf = mmap.mmap(-1, n * 16, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+for i in range(n):  # mov eax, i; ret: a million distinct blocks for TCG to translate
+    buf[i * 16:i * 16 + 6] = b"\xb8" + i.to_bytes(4, "little") + b"\xc3"
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+call = ctypes.CFUNCTYPE(ctypes.c_int)
+for i in range(n):
+    call(addr + i * 16)()
+print("ran")
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.vm
+def test_code_a_guest_generates_grows_its_qemu_by_a_bounded_cache(
+    store: object, tiny: str, cleanup_children: None,
+) -> None:
+    """Under TCG, QEMU translates each new block of guest code into a cache that was 1 GiB
+    by default: a guest writing and running a million distinct blocks grew its QEMU by
+    ~700 MiB of host memory beyond its RAM (no memory limit is set by default). The cache
+    is now TCG_TB_MIB (128 MiB); QEMU flushes it when full."""
+    from forkd.engine import children as ch
+
+    child = ch.fork(store, tiny, 1).children[0]  # type: ignore[arg-type]
+    maps = Path(f"/proc/{child.pid}/maps").read_text().splitlines()
+    spans = [int(b, 16) - int(a, 16) for a, b in
+             (line.split()[0].split("-") for line in maps if line.split()[1] == "rwxp")]
+    assert spans and max(spans) <= 160 * MIB, [s // MIB for s in spans]
+    before = _rss_mib(child.pid)
+    res = ch.exec_in(child.id, ["python3", "-c", JIT], timeout=900)
+    assert res["stdout"].strip() == "ran", res
+    grown = _rss_mib(child.pid) - before
+    assert grown < 350, f"QEMU grew by {grown:.0f} MiB"
+    ch.kill(child.id)
