@@ -104,8 +104,10 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
     can replace the agent): None for a line that is not a JSON object at all, which a reader
     skips (the tail of a frame a previous host connection took part of); ProtocolViolation
     for an object the host must not take: nested past the parser's recursion limit, more
-    structure than MAX_STRUCTURE, NaN or Infinity, a key twice (the relay routes by the
-    first ``id``, a parser would keep the last), or frame fields of the wrong type."""
+    structure than MAX_STRUCTURE, a key twice (the relay routes by the first ``id``, a
+    parser would keep the last), or frame fields of the wrong type. NaN and Infinity are
+    taken: the agent sends them for an eval's float value (json's allow_nan), agents in
+    existing snapshots included; the API's encoder writes them as null."""
     text = line  # not stripped: a copy of up to 64 MiB (json takes the whitespace)
     if _OBJECT_START.match(text) is None:
         return None
@@ -113,7 +115,7 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
         raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
                                 "outside its strings")
     try:
-        frame = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        frame = json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ProtocolViolation("a frame nested deeper than the host parses") from None
     except ProtocolViolation:
@@ -133,10 +135,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ProtocolViolation(f"key {key[:80]!r} twice in one object")
         out[key] = value
     return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ProtocolViolation(f"{name} is not a JSON number")
 
 
 def _check_frame(frame: dict[str, Any]) -> None:
