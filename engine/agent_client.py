@@ -114,26 +114,33 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
     if len(text) > MAX_STRUCTURE and len(jsondoc.skeleton(text)) > MAX_STRUCTURE:
         raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
                                 "outside its strings")
+    twice: list[str | None] = []  # per object as it closes: the outermost closes last
     try:
-        frame = json.loads(text, object_pairs_hook=_unique_keys)
+        frame = json.loads(text, object_pairs_hook=lambda pairs: _keys(pairs, twice))
     except RecursionError:
         raise ProtocolViolation("a frame nested deeper than the host parses") from None
-    except ProtocolViolation:
-        raise
     except ValueError:
         return None  # not JSON: skipped, as the protocol says
     if not isinstance(frame, dict):
         return None
+    if twice[-1] is not None:  # in the frame's own fields; a value's (an eval of
+        # {1: "a", "1": "b"} encodes "1" twice) is the guest's data, not routing
+        raise ProtocolViolation(f"key {twice[-1][:80]!r} twice in the frame")
     _check_frame(frame)
     return frame
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ProtocolViolation(f"key {key[:80]!r} twice in one object")
-        out[key] = value
+def _keys(pairs: list[tuple[str, Any]], twice: list[str | None]) -> dict[str, Any]:
+    out = dict(pairs)
+    dup = None
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                dup = key
+                break
+            seen.add(key)
+    twice.append(dup)
     return out
 
 

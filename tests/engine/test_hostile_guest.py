@@ -42,6 +42,8 @@ CASES: dict[str, Reply] = {
     "nan": lambda rid: b'{"id": "%s", "ok": true, "result": {"x": NaN}}\n' % rid.encode(),
     "twice": lambda rid: b'{"id": "%s", "ok": true, "ok": false, "result": {}}\n'
                          % rid.encode(),
+    "twice_inside": lambda rid: b'{"id": "%s", "ok": true, "result": {"v": {"1": "a", '
+                                b'"1": "b"}}}\n' % rid.encode(),
     "deep_event": lambda rid: (b'{"id": "%s", "ev": "stdout", "size": ' % rid.encode()
                                + b"[" * 3000 + b"\n"),
     "huge_message": lambda rid: _line({"id": rid, "ok": False,
@@ -201,6 +203,16 @@ def test_nan_from_the_agent_is_taken(hostile: Path) -> None:
     finally:
         client.close()
     assert value != value  # NaN
+
+
+def test_a_key_twice_inside_a_value_is_taken(hostile: Path) -> None:
+    """An eval of {1: "a", "1": "b"} encodes "1" twice in the value: the guest's data, not
+    the frame's routing fields, so taken."""
+    client = connect_child(hostile)
+    try:
+        assert client.request("ping", {"case": "twice_inside"}, timeout=20) == {"v": {"1": "b"}}
+    finally:
+        client.close()
 
 
 def test_a_refusal_message_from_the_guest_is_cut_short(hostile: Path) -> None:
