@@ -60,9 +60,10 @@ MAX_EVENT = 2 << 20
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
 # bytes of a frame outside its strings (keys, numbers, brackets): a parser makes up to ~20
 # times as much memory of them, so a 64 MiB line of ``[],[],..`` held 1.4 GB of the host
-# (per request in flight). A real frame's structure is a few hundred bytes; its bulk
-# (output, a file's base64) is strings, which parse to about their own size.
-MAX_STRUCTURE = 1 << 20
+# (per request in flight). A frame's bulk (output, a file's base64) is strings, which parse
+# to about their own size; its structure is a few hundred bytes, or an eval's value (a
+# list of a million numbers is ~7 MiB of structure).
+MAX_STRUCTURE = 8 << 20
 # the reply line of an op whose answer is small (a status, a handle, the argv it echoes:
 # at most 1 MiB, ~6 when every byte is escaped): a hostile guest answering each of the 16
 # requests a process may have in flight to it with a 64 MiB line held ~4 GB of the host

@@ -231,7 +231,8 @@ def test_a_frame_of_empty_lists_is_refused_before_it_fills_the_host(tmp_path: Pa
     """A 40 MiB line of ``[],[],..`` (within the 64 MiB line bound) parsed into ~900 MiB
     of Python lists in the host, per request in flight: a few made the daemon's host run
     out of memory. Now a frame with more than MAX_STRUCTURE bytes outside its strings is
-    refused before it is parsed; a frame whose bulk is strings (a file's base64) is not."""
+    refused before it is parsed; a frame whose bulk is strings (a file's base64) is not, nor
+    an eval's value of a million numbers."""
     rid_box: list[str] = []
 
     def amplify(rid: str) -> bytes:
@@ -242,6 +243,8 @@ def test_a_frame_of_empty_lists_is_refused_before_it_fills_the_host(tmp_path: Pa
     CASES["amplify"] = amplify
     data = "QUJD" * (6 * MIB)  # 24 MiB of base64, in one string
     CASES["big_string"] = lambda rid: _line({"id": rid, "ok": True, "result": {"data": data}})
+    numbers = list(range(1_000_000))  # an eval's value: ~7 MiB of structure
+    CASES["big_value"] = lambda rid: _line({"id": rid, "ok": True, "result": {"v": numbers}})
     agent = HostileAgent(tmp_path / "agent.sock")
     try:
         client = AgentClient(tmp_path / "agent.sock", timeout=5)
@@ -257,11 +260,13 @@ def test_a_frame_of_empty_lists_is_refused_before_it_fills_the_host(tmp_path: Pa
         started = time.monotonic()
         assert client.request("eval", {"case": "big_string"}, timeout=60)["data"] == data
         assert time.monotonic() - started < 10
+        assert client.request("eval", {"case": "big_value"}, timeout=60)["v"] == numbers
         client.close()
     finally:
         agent.close()
         CASES.pop("amplify")
         CASES.pop("big_string")
+        CASES.pop("big_value")
 
 
 @pytest.mark.parametrize("case", ["id_list", "ok_missing", "error_string", "deep"])
