@@ -681,7 +681,7 @@ class LocalBackend:
             for name, decoder in decoders:
                 if rest := decoder.decode(b"", final=True):
                     frames.put(output_frame(name, rest))
-            frames.put(ExecFrame(result=msgspec.convert(asdict(result), ExecResult)))
+            frames.put(ExecFrame(result=guest_answer(asdict(result), ExecResult, "exec")))
 
         return produced(f"forkd-exec-{sandbox_id}", run, STREAM_QUEUE)
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from forkd import jsondoc
 from forkd.engine.commands import (
     check_command,
     check_guest_path,
@@ -38,7 +39,7 @@ from forkd.engine.commands import (
     check_timeout,
 )
 from forkd.engine.errors import AgentError
-from forkd.engine.qmp import LineSocket, LineTooLong, connect_unix
+from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
 
 PROTOCOL = 2
@@ -49,11 +50,26 @@ RELAY_IDLE_S = 30.0  # a relay with no client and no request in flight exits aft
 RELAY_START_S = 10.0  # how long connect_child waits for a relay it started to listen
 CLIENT_BUFFER = 16 << 20  # relay: bytes queued for one client before the agent is not read
 SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this long is dropped
+# relay: request bytes queued for the agent before no client is read (a guest that stops
+# reading its port made the relay hold every request sent to it, 43 MiB per ``put``)
+AGENT_QUEUE = 16 << 20
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
 # hostile one sending more must not make each queued frame of a stream 16 times larger
 MAX_EVENT = 2 << 20
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
+# bytes of a frame outside its strings (keys, numbers, brackets): a parser makes up to ~20
+# times as much memory of them, so a 64 MiB line of ``[],[],..`` held 1.4 GB of the host
+# (per request in flight). A frame's bulk (output, a file's base64) is strings, which parse
+# to about their own size; its structure is a few hundred bytes, or an eval's value (a
+# list of a million numbers is ~7 MiB of structure).
+MAX_STRUCTURE = 8 << 20
+# the reply line of an op whose answer is small (a status, a handle, the argv it echoes:
+# at most 1 MiB, ~6 when every byte is escaped): a hostile guest answering each of the 16
+# requests a process may have in flight to it with a 64 MiB line held ~4 GB of the host
+SMALL_REPLY_LINE = 8 << 20
+SMALL_REPLY_OPS = frozenset({"ping", "fixup", "sync", "cancel", "put", "proc_start",
+                             "proc_stdin", "proc_close_stdin", "proc_kill"})
 
 OnData = Callable[[bytes], None]
 
@@ -66,14 +82,91 @@ def _new_ids() -> Callable[[], str]:
 
 
 def _raise_for(op: str, reply: dict[str, Any]) -> None:
-    err = reply.get("error") or {}
-    message = err.get("message", reply)
+    err = reply["error"]  # an object (parse_frame)
+    # the guest's words, bounded: they go into an error the API returns and logs keep
+    message = str(err.get("message", "no message"))[:2000]
     kind = err.get("type")
     if kind == "not_found":
         raise NotFound(f"{op}: {message}")
     if kind == "state":
         raise Conflict(f"{op}: {message}")
     raise AgentError(f"guest agent refused {op!r}: {message}")
+
+
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
+
+
+class ProtocolViolation(ValueError):
+    """A frame from the guest agent that the host must not take (parse_frame)."""
+
+
+def parse_frame(line: bytes) -> dict[str, Any] | None:
+    """A line the guest agent sent, as a frame. The guest is the untrusted side (root in it
+    can replace the agent): None for a line that is not a JSON object at all, which a reader
+    skips (the tail of a frame a previous host connection took part of); ProtocolViolation
+    for an object the host must not take: nested past the parser's recursion limit, more
+    structure than MAX_STRUCTURE, a key twice (the relay routes by the first ``id``, a
+    parser would keep the last), or frame fields of the wrong type. NaN and Infinity are
+    taken: the agent sends them for an eval's float value (json's allow_nan), agents in
+    existing snapshots included; the API's encoder writes them as null."""
+    text = line  # not stripped: a copy of up to 64 MiB (json takes the whitespace)
+    if _OBJECT_START.match(text) is None:
+        return None
+    if len(text) > MAX_STRUCTURE and len(jsondoc.skeleton(text)) > MAX_STRUCTURE:
+        raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
+                                "outside its strings")
+    twice: list[str | None] = []  # per object as it closes: the outermost closes last
+    try:
+        frame = json.loads(text, object_pairs_hook=lambda pairs: _keys(pairs, twice))
+    except RecursionError:
+        raise ProtocolViolation("a frame nested deeper than the host parses") from None
+    except ValueError:
+        return None  # not JSON: skipped, as the protocol says
+    if not isinstance(frame, dict):
+        return None
+    if twice[-1] is not None:  # in the frame's own fields; a value's (an eval of
+        # {1: "a", "1": "b"} encodes "1" twice) is the guest's data, not routing
+        raise ProtocolViolation(f"key {twice[-1][:80]!r} twice in the frame")
+    _check_frame(frame)
+    return frame
+
+
+def _keys(pairs: list[tuple[str, Any]], twice: list[str | None]) -> dict[str, Any]:
+    out = dict(pairs)
+    dup = None
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                dup = key
+                break
+            seen.add(key)
+    twice.append(dup)
+    return out
+
+
+def _check_frame(frame: dict[str, Any]) -> None:
+    """The frame fields the host acts on have the protocol's types (docs/agent-protocol.md,
+    "Frames"); what a result holds is checked where it is used."""
+    if "hello" in frame and not isinstance(frame["hello"], dict):
+        raise ProtocolViolation("a hello that is not an object")
+    if "id" not in frame:
+        return  # the hello, or a line no request's reader takes
+    rid = frame["id"]
+    if not isinstance(rid, str | int) and rid is not None:  # the relay echoes a bad one
+        raise ProtocolViolation(f"a frame whose id is {type(rid).__name__}, not a string")
+    if "ev" in frame:
+        if not isinstance(frame["ev"], str):
+            raise ProtocolViolation("an event whose name is not a string")
+        return
+    if not isinstance(frame.get("ok"), bool):
+        raise ProtocolViolation("a frame that is neither an event nor a reply with ok "
+                                "true or false")
+    if frame["ok"]:
+        if not isinstance(frame.get("result", {}), dict):
+            raise ProtocolViolation("a reply whose result is not an object")
+    elif not isinstance(frame.get("error"), dict):
+        raise ProtocolViolation("a refusal whose error is not an object")
 
 
 STOP_POLL_S = 0.5  # how often a request with a ``stop`` asks it while no frame arrives
@@ -121,8 +214,10 @@ class AgentClient:
             except LineTooLong as e:
                 raise AgentError(f"guest agent's hello refused: {e}") from e
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = parse_frame(line)
+            except ProtocolViolation as e:
+                raise AgentError(f"guest agent's hello refused: {e}") from e
+            if msg is None:
                 continue  # a partial line from before the connection
             if "hello" in msg:
                 hello: dict[str, Any] = msg["hello"]
@@ -145,6 +240,8 @@ class AgentClient:
         rid = self._next_id()
         msg = {"id": rid, "v": PROTOCOL, "op": op, **(args or {})}
         deadline = None if timeout is None else time.monotonic() + timeout
+        small = op in SMALL_REPLY_OPS or (op == "get" and bool(msg.get("stream")))
+        self._ls.max_line = SMALL_REPLY_LINE if small else MAX_LINE
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
@@ -159,6 +256,10 @@ class AgentClient:
                         on_event(str(reply["ev"]), data)
                     continue
                 break
+        except ProtocolViolation as e:
+            self.close()
+            raise AgentError(f"the guest agent broke the protocol answering {op!r} ({e}); "
+                             "its sandbox may be damaged: kill it") from e
         except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
             self.close()
             raise AgentError(f"agent request {op!r} failed: {e}") from e
@@ -196,9 +297,8 @@ class AgentClient:
                 if self.alive is not None and not self.alive():
                     raise EOFError("the VM exited") from None
                 continue
-            try:
-                frame: dict[str, Any] = json.loads(line)
-            except ValueError:
+            frame = parse_frame(line)
+            if frame is None:
                 continue  # an incomplete frame the agent dropped (its host went away)
             return frame
 
@@ -282,7 +382,12 @@ class AgentClient:
 
     def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
-        return base64.b64decode(self.request("get", {"path": path}, timeout=timeout)["data"])
+        data = self.request("get", {"path": path}, timeout=timeout).get("data")
+        try:
+            return base64.b64decode(data if isinstance(data, str) else "\0", validate=True)
+        except ValueError as exc:
+            raise AgentError(f"get {path}: the guest agent's data is not base64 ({exc})") \
+                from None
 
     def close(self) -> None:
         self._ls.close()
@@ -438,9 +543,10 @@ def _event_size(head: bytes) -> int:
     if len(head) > 4096:
         return 0
     try:
-        size = json.loads(head).get("size", 0)
-    except (ValueError, AttributeError):
+        frame = parse_frame(head)
+    except ValueError:  # ProtocolViolation: its reader refuses it
         return 0
+    size = 0 if frame is None else frame.get("size", 0)
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
         return 0
     return size
@@ -475,6 +581,7 @@ class Relay:
         self.next_id = _new_ids()
         self.idle_since = time.monotonic()
         self.unlinked = False  # the socket path was given up (then it may be another relay's)
+        self.reading_clients = True  # False while AGENT_QUEUE bytes wait for the agent
         self.listener = self._listen()
         self.sel.register(self.agent, selectors.EVENT_READ, "agent")
         self.sel.register(self.listener, selectors.EVENT_READ, "listen")
@@ -497,6 +604,7 @@ class Relay:
             agent_events = selectors.EVENT_READ if self._agent_readable() else 0
             agent_events |= selectors.EVENT_WRITE if self.agent_out else 0
             self._modify(self.agent, agent_events, "agent")
+            self._backpressure_clients()
             for ev_key, mask in self.sel.select(timeout=1.0):
                 if ev_key.data == "agent":
                     if mask & selectors.EVENT_READ and not self._read_agent():
@@ -509,6 +617,21 @@ class Relay:
                     self._client_io(ev_key.data, mask)
             if self._should_exit():
                 return
+
+    def _backpressure_clients(self) -> None:
+        """Read no client while AGENT_QUEUE bytes wait for the agent: their sends block
+        (and time out in the client), the relay's memory stays bounded, and the guest
+        takes the queue at its own pace."""
+        reading = len(self.agent_out) <= AGENT_QUEUE
+        if reading == self.reading_clients:
+            return
+        self.reading_clients = reading
+        for c in list(self.clients.values()):
+            self._modify(c.sock, self._client_events(c), c)
+
+    def _client_events(self, c: _Client) -> int:
+        events = selectors.EVENT_READ if self.reading_clients else 0
+        return events | (selectors.EVENT_WRITE if c.outbuf else 0)
 
     def _modify(self, sock: socket.socket, events: int, data: Any) -> None:
         if events:
@@ -622,10 +745,10 @@ class Relay:
             s.setblocking(False)
             c = _Client(s, bytearray(), bytearray(), set())
             self.clients[s.fileno()] = c
-            self.sel.register(s, selectors.EVENT_READ, c)
+            self._modify(s, self._client_events(c), c)
 
     def _want_write(self, c: _Client) -> None:
-        self._modify(c.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+        self._modify(c.sock, self._client_events(c), c)
 
     def _client_io(self, c: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -633,7 +756,7 @@ class Relay:
                 self._drop(c)
                 return
             if not c.outbuf:
-                self._modify(c.sock, selectors.EVENT_READ, c)
+                self._modify(c.sock, self._client_events(c), c)
         if mask & selectors.EVENT_READ:
             try:
                 chunk = c.sock.recv(1 << 20)

@@ -650,9 +650,19 @@ def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
         res = a.request("proc_wait", args, timeout=host_wait(timeout),
                         on_event=splitter(on_stdout, on_stderr) if stream else None)
     if not stream:
-        res["stdout"] = base64.b64decode(res.get("stdout") or "").decode("utf-8", "replace")
-        res["stderr"] = base64.b64decode(res.get("stderr") or "").decode("utf-8", "replace")
+        for name in ("stdout", "stderr"):
+            res[name] = _guest_b64(res.get(name), "proc_wait").decode("utf-8", "replace")
     return res
+
+
+def _guest_b64(value: Any, op: str) -> bytes:
+    """A base64 field of the guest agent's reply; AgentError when it is not one (the guest
+    is the untrusted side)."""
+    try:
+        return base64.b64decode(value or "", validate=True)
+    except (TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+        raise AgentError(f"the guest agent's answer to {op} has a field that is not "
+                         f"base64 ({exc}); its sandbox may be damaged: kill it") from None
 
 
 def process_stdin(child_id: str, handle: str, data: bytes, *,
@@ -683,8 +693,11 @@ def process_kill(child_id: str, handle: str, signal: int | str = "SIGKILL") -> d
 def process_list(child_id: str) -> list[dict[str, Any]]:
     """The background processes the agent knows: running, or ended and not yet waited for."""
     with agent(child_id) as a:
-        procs: list[dict[str, Any]] = a.request("proc_list")["processes"]
-        return procs
+        procs = a.request("proc_list").get("processes")
+    if not isinstance(procs, list):
+        raise AgentError("the guest agent's answer to proc_list has no list of processes; "
+                         "its sandbox may be damaged: kill it")
+    return procs
 
 
 def eval_in(child_id: str, code: str, timeout: float | None = 300.0) -> dict[str, Any]:

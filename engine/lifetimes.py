@@ -2,12 +2,12 @@
 
 A child forked with a timeout has ``deadline`` (epoch seconds) and ``on_timeout`` (kill or
 pause) in its child.json. ``enforce`` kills or pauses every running child whose deadline
-has passed. Who calls it: the controller daemon's sweeper thread (every second, and at
-start, so deadlines that passed while it was down are acted on at once), or — when no
-daemon runs — the engine's watchdog (engine/watchdog.py), one small process per
-``$FORKD_RUN`` started by any fork, extend or resume that sets a deadline and exiting once
-no child has one. Both take ``$FORKD_RUN/sweeper.lock`` for each sweep, so a child is
-acted on once.
+has passed, and cleans up a crashed one (its VM ended by itself) whose deadline has. Who
+calls it: the controller daemon's sweeper thread (every second, and at start, so deadlines
+that passed while it was down are acted on at once), or — when no daemon runs — the
+engine's watchdog (engine/watchdog.py), one small process per ``$FORKD_RUN`` started by
+any fork, extend or resume that sets a deadline and exiting once no child has one. Both
+take ``$FORKD_RUN/sweeper.lock`` for each sweep, so a child is acted on once.
 """
 
 from __future__ import annotations
@@ -80,17 +80,23 @@ def extend(child_id: str, seconds: float) -> ChildInfo:
     return info
 
 
+# a deadline binds a running child and one whose QEMU ended without `forkd kill` (a guest
+# can end its own VM: reboot, panic, kill its init): the crashed one still holds its netns,
+# cgroups, egress proxy (with the secrets it injects) and disk overlay until it is cleaned up
+BOUND = ("running", "crashed")
+
+
 def due(now: float | None = None) -> list[ChildInfo]:
-    """Running children whose deadline has passed."""
+    """Running or crashed children whose deadline has passed."""
     now = now or time.time()
     return [c for c in ch.list_children()
-            if c.deadline is not None and c.deadline <= now and c.status == "running"]
+            if c.deadline is not None and c.deadline <= now and c.status in BOUND]
 
 
 def next_deadline() -> float | None:
-    """The earliest deadline of a running child, None when no child has one."""
+    """The earliest deadline of a running or crashed child, None when no child has one."""
     found = [c.deadline for c in ch.list_children()
-             if c.deadline is not None and c.status == "running"]
+             if c.deadline is not None and c.status in BOUND]
     return min(found) if found else None
 
 
@@ -119,10 +125,14 @@ def _act(store: Store, child_id: str, now: float | None) -> Action:
     d = child_dir(child_id)
     with record_lock(d):
         info = ChildInfo.load(d)
+        state = info.state()
         if (info.deadline is None or info.deadline > (now or time.time())
-                or info.state() != "running"):
+                or state not in BOUND):
             return Action(child_id, "skipped", "extended or ended meanwhile")
         action = info.on_timeout
+    if state == "crashed":  # nothing to pause: what it left is removed
+        ch.kill(child_id, store)
+        return Action(child_id, "killed", "its VM had ended by itself")
     if action == "pause":
         from forkd.engine.pause import pause
 

@@ -10,7 +10,7 @@ $FORKD_CACHE (default ~/.cache/forkd)      build inputs, safe to delete
                                             last build of any store (each store keeps its own)
 $FORKD_RUN (default /run/forkd, else $XDG_RUNTIME_DIR/forkd)
   children/<id>/                            one per child VM (lifecycle.py owns it)
-     child.json qmp.sock agent.sock serial.log qemu.log disk.qcow2 lock record.lock
+     child.json qmp.sock agent.sock qemu.log disk.qcow2 lock record.lock
   watchdog.lock watchdog.log sweeper.lock   the deadline watchdog and sweeps (lifetimes.py)
   work/                                     temporary template/branch work dirs
 ```

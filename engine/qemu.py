@@ -124,12 +124,13 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
                         ("kernel", cfg.kernel), ("initrd", cfg.initrd), ("tap", cfg.tap)):
         check_option_value(what, value)
     argv = [
-        QEMU, "-accel", accel, "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
+        QEMU, "-accel", accel_option(accel),
+        "-machine", f"{MACHINE},{MACHINE_OPTS},memory-backend=mem",
         "-cpu", CPU_MODEL, "-m", f"{cfg.memory_mib}M", "-smp", str(cfg.vcpus),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-object", (f"memory-backend-file,id=mem,size={cfg.memory_mib}M,"
                     f"mem-path={cfg.mem_path},share={'on' if cfg.share else 'off'}"),
-        "-serial", f"file:{d / 'serial.log'}",
+        *serial_args(cfg, d),
         "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={d / 'agent.sock'},server=on,wait=off",
@@ -164,6 +165,35 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         argv += ["-add-fd", f"fd={fd},set={DISK_FDSET},opaque=disk"]
     argv += list(cfg.extra)
     return argv
+
+
+# TCG's translation cache per VM: QEMU's default is 1 GiB (mapped rwx, touched as the guest
+# runs new code), so a guest that generates code (a JIT, or a loop writing distinct blocks)
+# grew its QEMU by up to 1 GiB of host memory beyond its RAM, with no memory limit set.
+# An idle child uses ~10 MiB of it (FINDINGS.md: 4 MiB thrashes).
+TCG_TB_MIB = 128
+
+
+def accel_option(accel: str) -> str:
+    """The -accel value: TCG with its translation cache bounded at TCG_TB_MIB."""
+    return f"tcg,tb-size={TCG_TB_MIB}" if accel == "tcg" else accel
+
+
+SERIAL_RING = "serial0"
+SERIAL_RING_BYTES = 1 << 20  # a child's console: the last MiB it wrote, in QEMU's memory
+LOG_TAIL_BYTES = 64 << 10  # what log_tail reads of the end of a log file
+
+
+def serial_args(cfg: VMConfig, d: Path) -> list[str]:
+    """The console. A cold boot (a build: the recipe's own image) writes it to
+    d/serial.log; a child's is a ring of SERIAL_RING_BYTES in QEMU (read over QMP by
+    log_tail): root in a sandbox writes its console as fast as the CPU emulates port
+    I/O, and a file grew on the host's disk without bound (the chardev is not part of
+    the device state, so a child restores the same)."""
+    if not cfg.incoming:
+        return ["-serial", f"file:{d / 'serial.log'}"]
+    return ["-chardev", f"ringbuf,id={SERIAL_RING},size={SERIAL_RING_BYTES}",
+            "-serial", f"chardev:{SERIAL_RING}"]
 
 
 def check_option_value(what: str, value: object) -> None:
@@ -322,9 +352,18 @@ class QemuVM:
             out.append(f"--- QEMU ended: {_ending(code)}")
         for p in (self.log_path, self.dir / "serial.log"):
             with contextlib.suppress(OSError):
-                lines = p.read_text(errors="replace").splitlines()[-n:]
+                lines = _file_tail(p).splitlines()[-n:]
                 if lines:
                     out.append(f"--- {p.name}:\n" + "\n".join(lines))
+        if self.qmp is not None and self.alive():
+            with contextlib.suppress(VMMError):
+                # the ring is read from its oldest byte: all of it, for its end
+                ring = self.qmp.command("ringbuf-read", {"device": SERIAL_RING, "size":
+                                                         SERIAL_RING_BYTES, "format": "utf8"},
+                                        timeout=5)
+                lines = str(ring)[-LOG_TAIL_BYTES:].splitlines()[-n:]
+                if lines:
+                    out.append("--- console:\n" + "\n".join(lines))
         return "\n".join(out)
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -360,6 +399,14 @@ class QemuVM:
         else:
             self._wait(10)
             _reap(self.pid)
+
+
+def _file_tail(p: Path) -> str:
+    """The last LOG_TAIL_BYTES of file p as text (a log is never read whole)."""
+    with p.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - LOG_TAIL_BYTES))
+        return f.read(LOG_TAIL_BYTES).decode(errors="replace")
 
 
 def _ending(code: int) -> str:
