@@ -316,7 +316,8 @@ class LineageController(Controller):
                     head_digest = tag_row.manifest_digest
             if head_digest is None or head_digest not in manifests:
                 raise NotFoundException(f"tag {tag} not found in {name}")
-            family = _family(manifests, head_digest)
+            up, down = family_of(manifests, head_digest)
+            family = {head_digest, *up, *(d for d, _ in down)}
             notes_of = await session.run_sync(small_annotations, repo.id, family)
 
         def node(digest: str, depth: int) -> LineageNode:
@@ -331,32 +332,8 @@ class LineageController(Controller):
                 depth=depth,
             )
 
-        ancestors: list[LineageNode] = []
-        seen = {head_digest}
-        current = manifests[head_digest].subject_digest
-        while current is not None and current not in seen and len(ancestors) < MAX_CHAIN:
-            seen.add(current)
-            ancestors.append(node(current, len(ancestors) + 1))
-            parent = manifests.get(current)
-            current = parent.subject_digest if parent is not None else None
-        children: dict[str, list[str]] = {}
-        for m in manifests.values():
-            if m.subject_digest is not None:
-                children.setdefault(m.subject_digest, []).append(m.digest)
-        descendants: list[LineageNode] = []
-        frontier, depth, visited = [head_digest], 0, {head_digest}
-        # At most MAX_CHAIN descendants in all, not per level: a manifest may have any
-        # number of children (each referrer a pusher adds).
-        while frontier and depth < MAX_CHAIN and len(descendants) < MAX_CHAIN:
-            depth += 1
-            nxt = []
-            for parent_digest in frontier:
-                for child in sorted(children.get(parent_digest, [])):
-                    if child not in visited and len(descendants) < MAX_CHAIN:
-                        visited.add(child)
-                        descendants.append(node(child, depth))
-                        nxt.append(child)
-            frontier = nxt
+        ancestors = [node(d, depth) for depth, d in enumerate(up, 1)]
+        descendants = [node(d, depth) for d, depth in down]
         return Lineage(name, tag, node(head_digest, 0), ancestors, descendants)
 
 
@@ -384,29 +361,37 @@ def small_annotations(
     return found
 
 
-def _family(manifests: dict[str, Manifest], head: str) -> set[str]:
-    """What a lineage of ``head`` names: its ancestors and descendants (each bounded by
-    ``MAX_CHAIN``), computed as ``LineageController.lineage`` walks them."""
-    out, current = {head}, manifests[head].subject_digest
-    while current is not None and current not in out and len(out) <= MAX_CHAIN:
-        out.add(current)
+def family_of(
+    manifests: dict[str, Manifest], head: str
+) -> tuple[list[str], list[tuple[str, int]]]:
+    """What a lineage of ``head`` names: its ancestors (parent first) and its descendants
+    with their depth (level by level), each at most ``MAX_CHAIN``: in all, not per level,
+    since a manifest may have any number of children (each referrer a pusher adds)."""
+    ancestors: list[str] = []
+    seen = {head}
+    current = manifests[head].subject_digest
+    while current is not None and current not in seen and len(ancestors) < MAX_CHAIN:
+        seen.add(current)
+        ancestors.append(current)
         parent = manifests.get(current)
         current = parent.subject_digest if parent is not None else None
     children: dict[str, list[str]] = {}
     for m in manifests.values():
         if m.subject_digest is not None:
             children.setdefault(m.subject_digest, []).append(m.digest)
-    frontier, seen, descendants = [head], {head}, 0
-    while frontier and descendants < MAX_CHAIN:
+    descendants: list[tuple[str, int]] = []
+    frontier, depth, visited = [head], 0, {head}
+    while frontier and depth < MAX_CHAIN and len(descendants) < MAX_CHAIN:
+        depth += 1
         nxt = []
         for parent_digest in frontier:
             for child in sorted(children.get(parent_digest, [])):
-                if child not in seen and descendants < MAX_CHAIN:
-                    seen.add(child)
-                    descendants += 1
+                if child not in visited and len(descendants) < MAX_CHAIN:
+                    visited.add(child)
+                    descendants.append((child, depth))
                     nxt.append(child)
         frontier = nxt
-    return out | seen
+    return ancestors, descendants
 
 
 def like_literal(text: str) -> str:
