@@ -525,12 +525,18 @@ async def relayed(
     waiting = Waiting(RELAY_BYTES_EACH, RELAY_BUDGET)
 
     async def put(item: object) -> bool:
+        # In this task (asyncio.timeout, not wait_for, which puts in a task of its own):
+        # the item goes in and ``gone`` is read in one step of the loop, so the reader's
+        # end (which sets ``gone`` and drains the queue in one step) is either after both
+        # (True: the reader or its drain takes the item and its bytes) or before both
+        # (False: nobody takes it, the caller gives its bytes back). With wait_for the
+        # reader could take the last item between the two, and its bytes were given back
+        # twice (IndexError in the producer thread).
         try:
-            await asyncio.wait_for(queue.put(item), 0.5)
+            async with asyncio.timeout(0.5):
+                await queue.put(item)
         except TimeoutError:
             return False
-        # False if the client left (and its queue was emptied) while this went in: the
-        # caller gives its bytes back, as nobody takes it
         return not gone.is_set()
 
     def deliver(item: object) -> bool:

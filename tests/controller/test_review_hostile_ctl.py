@@ -227,3 +227,30 @@ def test_the_relay_to_a_slow_client_holds_a_few_mib_and_frees_them() -> None:
     while app.RELAY_BUDGET.used and time.monotonic() < deadline:
         time.sleep(0.05)
     assert app.RELAY_BUDGET.used == 0
+
+
+def test_a_relay_read_to_its_end_gives_each_items_bytes_back_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer put each item and then read whether the reader had left as two steps
+    of the event loop (wait_for ran the put in a task of its own): a reader that took the
+    last item in between had set ``gone``, so the producer gave that item's bytes back a
+    second time, an IndexError in its thread at the end of every stream read whole."""
+    import asyncio
+
+    from forkd.controller import app
+
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: failures.append(a.exc_value))
+
+    async def read_all(n: int) -> list[object]:
+        return [x async for x in app.relayed(iter([CHUNK] * n), None, 4)]
+
+    async def many() -> None:
+        for i in range(200):
+            assert len(await read_all(i % 4)) == i % 4
+        await asyncio.sleep(0.3)  # the last producer's end
+
+    asyncio.run(many())
+    assert failures == []
+    assert app.RELAY_BUDGET.used == 0

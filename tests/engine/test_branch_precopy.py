@@ -137,15 +137,17 @@ def test_live_branch_diff_is_exact_and_the_pause_copies_few_pages(
     from forkd.engine.branch import branch
 
     a = ch.fork(store, tiny, 1).children[0].id
-    # 32 MiB (a MiB at a time): the idle guest's own pages in the pause (several hundred on a
-    # loaded host) stay a small fraction of the diff
+    # 32 MiB (a MiB at a time): the idle guest's own pages in the pause (up to ~1,000) stay
+    # a small fraction of the diff
     _val(ch.eval_in(a, "import os\nD = bytearray(32 << 20)\nfor i in range(32):\n"
                        "    D[i << 20:(i + 1) << 20] = os.urandom(1 << 20)\nlen(D)"))
     live = branch(store, a, "tiny:exact-live")
     stop = branch(store, a, "tiny:exact-stop", live=False)
     assert live.mode == "live" and stop.mode == "stop"
     assert live.diff_pages >= 8192, live
-    assert live.pause_pages * 10 < live.diff_pages, live
+    # (the idle guest dirties up to ~1,000 pages of its own in the last round, whatever
+    # the diff: a fresh-clone CI saw 984 of 9,389; without the live copy, pause == diff)
+    assert live.pause_pages * 4 < live.diff_pages, live
     assert stop.pause_pages == stop.diff_pages
     parent = store.assemble(tiny).memory
     live_img = store.assemble("tiny:exact-live").memory
@@ -269,7 +271,7 @@ def test_the_pause_holds_no_qmp_command_but_cont(
 
     a = ch.fork(store, tiny, 1).children[0].id
     # 32 MiB dirtied (a MiB at a time, so the guest never holds two copies): the idle guest's
-    # own pages in the pause (several hundred on a loaded host) stay a small fraction of it
+    # own pages in the pause (up to ~1,000) stay a small fraction of it
     _val(ch.eval_in(a, "import os\nD = bytearray(32 << 20)\nfor i in range(32):\n"
                        "    D[i << 20:(i + 1) << 20] = os.urandom(1 << 20)\nlen(D)"))
     monkeypatch.setattr(QMP, "command", recording_command)
@@ -288,4 +290,4 @@ def test_the_pause_holds_no_qmp_command_but_cont(
     assert in_pause.count("query-migrate") <= 1 and set(in_pause) <= {"cont", "query-migrate"}, (
         in_pause)
     assert released and min(released) > resume
-    assert res.diff_pages >= 8192 and res.pause_pages * 10 < res.diff_pages, res
+    assert res.diff_pages >= 8192 and res.pause_pages * 4 < res.diff_pages, res
