@@ -133,15 +133,7 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
 
 def _keys(pairs: list[tuple[str, Any]], twice: list[str | None]) -> dict[str, Any]:
     out = dict(pairs)
-    dup = None
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                dup = key
-                break
-            seen.add(key)
-    twice.append(dup)
+    twice.append(jsondoc.repeated_key(pairs, out))
     return out
 
 
@@ -167,6 +159,16 @@ def _check_frame(frame: dict[str, Any]) -> None:
             raise ProtocolViolation("a reply whose result is not an object")
     elif not isinstance(frame.get("error"), dict):
         raise ProtocolViolation("a refusal whose error is not an object")
+
+
+def guest_b64(value: Any, op: str) -> bytes:
+    """A base64 field of the guest agent's reply (a missing one is empty); AgentError
+    when it is not base64 (the guest is the untrusted side)."""
+    try:
+        return base64.b64decode(value or "", validate=True)
+    except (TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+        raise AgentError(f"the guest agent's answer to {op} has a field that is not "
+                         f"base64 ({exc}); its sandbox may be damaged: kill it") from None
 
 
 STOP_POLL_S = 0.5  # how often a request with a ``stop`` asks it while no frame arrives
@@ -383,11 +385,10 @@ class AgentClient:
     def get_v1(self, path: str, timeout: float | None = DEFAULT_REQUEST_S) -> bytes:
         """The protocol-1 way: the whole file in one reply (at most 32 MiB)."""
         data = self.request("get", {"path": path}, timeout=timeout).get("data")
-        try:
-            return base64.b64decode(data if isinstance(data, str) else "\0", validate=True)
-        except ValueError as exc:
-            raise AgentError(f"get {path}: the guest agent's data is not base64 ({exc})") \
-                from None
+        if not isinstance(data, str):
+            raise AgentError(f"get {path}: the guest agent's answer has no data; its sandbox "
+                             "may be damaged: kill it")
+        return guest_b64(data, f"get {path}")
 
     def close(self) -> None:
         self._ls.close()

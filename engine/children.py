@@ -30,6 +30,7 @@ from forkd.engine.agent_client import (
     OnData,
     connect_child,
     exec_args,
+    guest_b64,
     host_wait,
     splitter,
 )
@@ -651,18 +652,8 @@ def process_wait(child_id: str, handle: str, *, timeout: float | None = None,
                         on_event=splitter(on_stdout, on_stderr) if stream else None)
     if not stream:
         for name in ("stdout", "stderr"):
-            res[name] = _guest_b64(res.get(name), "proc_wait").decode("utf-8", "replace")
+            res[name] = guest_b64(res.get(name), "proc_wait").decode("utf-8", "replace")
     return res
-
-
-def _guest_b64(value: Any, op: str) -> bytes:
-    """A base64 field of the guest agent's reply; AgentError when it is not one (the guest
-    is the untrusted side)."""
-    try:
-        return base64.b64decode(value or "", validate=True)
-    except (TypeError, ValueError) as exc:  # binascii.Error is a ValueError
-        raise AgentError(f"the guest agent's answer to {op} has a field that is not "
-                         f"base64 ({exc}); its sandbox may be damaged: kill it") from None
 
 
 def process_stdin(child_id: str, handle: str, data: bytes, *,

@@ -61,12 +61,24 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     documents, e.g. a ``mediaType`` the hub checks and another a client acts on
     (CVE-2021-41190's kind of confusion), or ``layers`` the hub verified and others a
     client pulls."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Ambiguous(f"key {key[:80]!r} appears twice in one object")
-        out[key] = value
+    out = dict(pairs)
+    key = repeated_key(pairs, out)
+    if key is not None:
+        raise _Ambiguous(f"key {key[:80]!r} appears twice in one object")
     return out
+
+
+def repeated_key(pairs: list[tuple[str, Any]], parsed: dict[str, Any]) -> str | None:
+    """The first key ``pairs`` (an object as the parser read it) names twice, or None;
+    ``parsed`` is ``dict(pairs)`` (fewer keys than pairs only when one repeats)."""
+    if len(parsed) == len(pairs):
+        return None
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None  # (unreachable: parsed has fewer keys)
 
 
 def _no_constant(name: str) -> Any:
