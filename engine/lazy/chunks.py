@@ -92,9 +92,11 @@ class ChunkSource:
                     self.refs.setdefault(c.digest, (c, f"{name}: {role} chunk {c.digest}"))
         self.fetched_bytes = 0  # compressed bytes that came from the hub
         self.fetched_chunks = 0
+        self.decoded = 0  # chunks decompressed and checked (a chunk read twice may count twice)
         self._cached_chunks = cached_chunks
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._inflight: dict[str, Future[bytes]] = {}
+        self._pinned: dict[str, bytes] = {}  # decoded, kept until unpin (being handed on)
         self._lock = threading.Lock()
         self._unstored: dict[str, bytes] = {}  # verified, fetched, not yet in the store
         self._unstored_bytes = 0
@@ -118,7 +120,7 @@ class ChunkSource:
         """Whether reading the chunk needs no fetch (decoded, waiting for the store, or in
         it)."""
         with self._lock:
-            if digest in self._cache:
+            if digest in self._cache or digest in self._pinned:
                 return True
         return self.local(digest)
 
@@ -142,6 +144,9 @@ class ChunkSource:
             if data is not None:
                 self._cache.move_to_end(digest)
                 return data
+            data = self._pinned.get(digest)
+            if data is not None:
+                return data
             pending = self._inflight.get(digest)
             mine = pending is None
             if pending is None:
@@ -162,11 +167,16 @@ class ChunkSource:
         with self._lock:
             del self._inflight[digest]
             if keep:
-                self._cache[digest] = data
-                while len(self._cache) > self._cached_chunks:
-                    self._cache.popitem(last=False)
+                self._remember(digest, data)
         pending.set_result(data)
         return data
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        """Keep decoded ``data`` in the LRU (under the lock)."""
+        self._cache[digest] = data
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cached_chunks:
+            self._cache.popitem(last=False)
 
     def ensure(self, digest: str) -> bool:
         """Bring the chunk into the local store without decompressing it for a reader;
@@ -242,6 +252,7 @@ class ChunkSource:
             raise NotFound(f"{self.name}: no chunk {digest} in its chain")
         with self._lock:
             blob = self._unstored.get(digest)
+            self.decoded += 1
         if blob is None:
             try:
                 blob = self.store.blobs.read(digest, ref.stored, what)
@@ -280,14 +291,18 @@ class ChunkSource:
         with self._lock:
             claims: dict[str, Future[bytes]] = {
                 d: Future() for d in digests if d not in here and d not in self._cache
-                and d not in self._inflight and d not in self._unstored}
+                and d not in self._pinned and d not in self._inflight
+                and d not in self._unstored}
             self._inflight.update(claims)
         return claims
 
-    def arrived(self, digest: str, blob: bytes) -> bytes:
+    def arrived(self, digest: str, blob: bytes, pin: bool = False) -> bytes:
         """A claimed chunk's stored bytes: checked (digest, size, content) as a fetched
         chunk is, handed to the store writer and to the readers waiting for it; its
-        uncompressed bytes. A chunk that fails raises and stays claimed (``unclaim``)."""
+        uncompressed bytes, which later readers get without decoding it again: kept in
+        the LRU, or with ``pin`` until ``unpin`` (while the caller hands them on: a
+        page-cache push, which readers of its pages may overtake). A chunk that fails
+        raises and stays claimed (``unclaim``)."""
         ref, what = self.refs[digest]
         if len(blob) != ref.stored:
             raise IntegrityError(f"{what}: {len(blob)} bytes, the map declares {ref.stored}")
@@ -295,9 +310,19 @@ class ChunkSource:
         data = unpack_chunk(blob, ref, what)
         self._keep_fetched(digest, blob)
         with self._lock:
+            self.decoded += 1
             pending = self._inflight.pop(digest)
+            if pin:
+                self._pinned[digest] = data
+            else:
+                self._remember(digest, data)
         pending.set_result(data)
         return data
+
+    def unpin(self, digest: str) -> None:
+        """Let go of a chunk ``arrived`` pinned (its readers decode it again, if any)."""
+        with self._lock:
+            self._pinned.pop(digest, None)
 
     def unclaim(self, claims: dict[str, Future[bytes]]) -> None:
         """Give up those of ``claims`` that have not arrived: their waiting readers (and

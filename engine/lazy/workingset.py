@@ -11,7 +11,9 @@ that breaks off, ends it: that chunk and the ones not yet read are given up
 (``unclaim``), so their readers fetch them one by one (pieces already read are still
 checked, each on its own), and no unchecked byte is ever served. Each memory chunk
 is handed to ``on_chunk`` (a page-cache push) on a thread of its own: a push may wait for
-a page a reader holds while that reader waits for a later chunk of this stream.
+a page a reader holds while that reader waits for a later chunk of this stream. Each
+chunk is decoded once: its bytes stay with the source (pinned until handed on, the
+others in its LRU), so a reader that overtakes the push is not a second decompression.
 """
 
 from __future__ import annotations
@@ -54,15 +56,25 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
         if failed.is_set():
             return
         try:
-            data = source.arrived(digest, piece)
+            data = source.arrived(digest, piece, pin=hand_it(digest))
         except ForkdError as exc:
             log.info("%s: %s; the rest come one by one", what, exc)
             failed.set()
             return
         with lock:
             brought.append(digest)
-        if on_chunk is not None and digest in hand:
-            handing.submit(on_chunk, digest, data)
+        if hand_it(digest):
+            handing.submit(hand_on, digest, data)
+
+    def hand_it(digest: str) -> bool:
+        return on_chunk is not None and digest in hand
+
+    def hand_on(digest: str, data: bytes) -> None:
+        assert on_chunk is not None
+        try:
+            on_chunk(digest, data)
+        finally:
+            source.unpin(digest)
 
     def sink(blocks: Iterator[bytes]) -> None:
         buf = bytearray()

@@ -360,6 +360,46 @@ def test_the_working_set_comes_in_one_request_each_chunk_checked(
     assert fresh.verify() == []
 
 
+def test_a_streamed_chunk_is_decoded_once(chain_store: tuple[Store, Path], hub: HubServer,
+                                         tmp_path: Path) -> None:
+    """A reader of a working-set chunk gets the bytes the stream's check decoded: while
+    the chunk is being handed on (a page-cache push the reader overtook) and, for the
+    chunks not handed on, afterwards (the source's LRU). None is decompressed twice."""
+    from forkd.engine.lazy import workingset
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    image = head.read_bytes()
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        layout = ImageLayout(source, "memory")
+
+        def segment_of(digest: str) -> tuple[int, int]:
+            segment = layout.by_chunk[digest][0]
+            return segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+
+        overtaken: list[bool] = []
+
+        def hand(digest: str, data: bytes) -> None:  # a reader comes before the push ends
+            offset, length = segment_of(digest)
+            overtaken.append(layout.read(offset, length) == image[offset : offset + length])
+
+        handed = {d for d in chunks[:2] if d in layout.by_chunk}
+        workingset.fetch(source, order.working_set, order.chunks, hand, handed)
+        assert overtaken == [True] * len(handed)
+        assert source.decoded == len(chunks), "a reader decoded a streamed chunk again"
+        for digest in chunks[2:]:
+            if digest in layout.by_chunk:
+                offset, length = segment_of(digest)
+                assert layout.read(offset, length) == image[offset : offset + length]
+        assert source.decoded == len(chunks)
+        source.close()
+
+
 def test_a_tampered_working_set_chunk_is_never_served(
         chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
     """A working set whose third chunk's bytes differ from the chunk its map names: the
