@@ -45,6 +45,7 @@ from forkd.store.imports import MAX_FILE_BLOB
 from forkd.store.manifests import chain_files
 from forkd.store.store import Store
 
+RESOLVE_WORKERS = 4  # blobs a resolution fetches at once (open_remote)
 CACHED_CHUNKS = 16  # decompressed chunks kept in memory: 16 x 2 MiB
 MAX_UNSTORED = 64 << 20  # bytes of verified fetched chunks waiting for the store writer
 WRITES_HELD_MAX = 30.0  # seconds ``hold_writes`` can hold the store writer at most
@@ -190,25 +191,7 @@ class ChunkSource:
     def fetch_files(self, roles: tuple[str, ...] = ("vmstate", "kernel", "initrd")) -> int:
         """The chain's whole-file blobs of ``roles`` into the store, verified; the bytes
         fetched."""
-        fetched = 0
-        for role, d in chain_files(self.chain).items():
-            if role not in roles or self.store.blobs.has(d.digest):
-                continue
-            if self.hub is None:
-                raise ChunkUnavailable(f"{self.name}: its {role} blob {d.digest} is not in the "
-                                       "local store and there is no hub to fetch it from")
-            if d.size > MAX_FILE_BLOB:
-                raise IntegrityError(f"{self.name}: its {role} blob is {d.size} bytes, over "
-                                     f"the limit of {MAX_FILE_BLOB}")
-            try:
-                with self.store.writing():
-                    _fetch_blob(self.store, self.hub.client, self.hub.repo, d.digest, d.size,
-                                f"{self.name} {role}")
-            except RegistryError as exc:
-                raise ChunkUnavailable(f"{self.name}: its {role} blob {d.digest} is not in the "
-                                       f"local store and the hub {self.hub} cannot serve it "
-                                       f"({exc})") from exc
-            fetched += d.size
+        fetched = fetch_files(self.store, self.hub, self.chain, self.name, roles)
         with self._lock:
             self.fetched_bytes += fetched
         return fetched
@@ -425,18 +408,57 @@ def open_remote(store: Store, remote: RemoteRef, client: RegistryClient,
             return store.manifest(digest)
 
         chain = walk(head, load, MAX_CHAIN_DEPTH, name)
+        hub = Hub(client, repo)
+        # the layers' maps and configs, and the device state a restore needs (kernel and
+        # initrd can wait), at once: each is one round trip to the hub
+        with ThreadPoolExecutor(max_workers=RESOLVE_WORKERS,
+                                thread_name_prefix="resolve") as pool:
+            files = pool.submit(fetch_files, store, hub, chain, name, ("vmstate",))
+            blobs = []
+            for i, link in enumerate(chain):
+                what = f"{name} layer {i} ({dg.short(link.digest)})"
+                m = link.manifest
+                for role, d in m.maps.items():
+                    check_map_size(d.size, f"{what} {role} map")
+                    blobs.append(pool.submit(_fetch_blob, store, client, repo, d.digest,
+                                             d.size, f"{what} {role} map"))
+                blobs.append(pool.submit(_fetch_blob, store, client, repo, m.config.digest,
+                                         m.config.size, f"{what} config"))
+            for job in blobs:
+                job.result()
+            fetched = files.result()
         for i, link in enumerate(chain):
-            what = f"{name} layer {i} ({dg.short(link.digest)})"
-            m = link.manifest
-            for role, d in m.maps.items():
-                check_map_size(d.size, f"{what} {role} map")
-                _fetch_blob(store, client, repo, d.digest, d.size, f"{what} {role} map")
-            _fetch_blob(store, client, repo, m.config.digest, m.config.size, f"{what} config")
-            SnapshotConfig.from_bytes(store.blobs.read(m.config.digest, m.config.size,
-                                                       f"{what} config"), f"{what} config")
-    source = ChunkSource(store, chain, name, Hub(client, repo))
-    source.fetch_files(("vmstate",))  # a restore needs it; kernel and initrd can wait
+            what = f"{name} layer {i} ({dg.short(link.digest)}) config"
+            config = link.manifest.config
+            SnapshotConfig.from_bytes(store.blobs.read(config.digest, config.size, what), what)
+    source = ChunkSource(store, chain, name, hub)
+    source.fetched_bytes += fetched
     return source
+
+
+def fetch_files(store: Store, hub: Hub | None, chain: list[Link], name: str,
+                roles: tuple[str, ...]) -> int:
+    """The whole-file blobs of ``roles`` of ``chain`` (named ``name``) that the store lacks,
+    from ``hub`` into the store, verified; the bytes fetched."""
+    fetched = 0
+    for role, d in chain_files(chain).items():
+        if role not in roles or store.blobs.has(d.digest):
+            continue
+        if hub is None:
+            raise ChunkUnavailable(f"{name}: its {role} blob {d.digest} is not in the "
+                                   "local store and there is no hub to fetch it from")
+        if d.size > MAX_FILE_BLOB:
+            raise IntegrityError(f"{name}: its {role} blob is {d.size} bytes, over "
+                                 f"the limit of {MAX_FILE_BLOB}")
+        try:
+            with store.writing():
+                _fetch_blob(store, hub.client, hub.repo, d.digest, d.size, f"{name} {role}")
+        except RegistryError as exc:
+            raise ChunkUnavailable(f"{name}: its {role} blob {d.digest} is not in the "
+                                   f"local store and the hub {hub} cannot serve it "
+                                   f"({exc})") from exc
+        fetched += d.size
+    return fetched
 
 
 def _fetch_blob(store: Store, client: RegistryClient, repo: str, digest: str, size: int,
