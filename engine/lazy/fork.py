@@ -5,10 +5,11 @@ never seen, before its pack has arrived.
    configs, maps and the device state; no chunk). Meanwhile a server process loads
    Python and its modules (``Spawn``: the larger part of a server's start), unless a
    spare one waits already loaded (``spare.py``: each lazy fork leaves one for the next).
-   With a recorded access order, the recorded chunks start coming at once: a new server
-   fetches the hub's working-set blob in one request from its start; without that blob
-   this command fetches them into the store one by one (``WorkingSetFetch``) until the
-   server is up.
+   With a recorded access order, the recorded chunks start coming at once: this command
+   streams the hub's working-set blob into the new server's spool (``spool.py``) from the
+   moment it has the order, and the server checks and serves it as it grows; without
+   that blob this command fetches them into the store one by one (``WorkingSetFetch``)
+   until the server is up.
 2. Start (or find) the snapshot's lazy server (``serve.py``: the memory image as a FUSE
    file, the disk as an NBD export, one per snapshot on the host).
 3. Fork the children on its memory file and on copies of its empty overlay, holding the
@@ -41,8 +42,10 @@ from forkd.engine.lazy.chunks import ChunkSource, open_remote
 from forkd.engine.lazy.paths import server_dir
 from forkd.engine.lazy.prefetch import RECORDED_WORKERS, load_order, save_order
 from forkd.engine.lazy.spare import Taken, ensure_spare, server_environment
+from forkd.engine.lazy.spool import SPOOL_NAME, Spooler
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
+from forkd.pack.accessorder import Order
 from forkd.pack.manifest import Descriptor
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -144,11 +147,14 @@ class Spawn:
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
                  tag: str | None, prefetch: bool = True,
                  spawn: Starter | None = None,
-                 working_set: Descriptor | None = None) -> LazySnapshot:
+                 working_set: Descriptor | None = None,
+                 spooler: Spooler | None = None) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
     in its own session: it outlives this command), ``spawn``'s process when given (it
     is ended when a server runs). prefetch False: a new server fetches only what readers
-    ask for; ``working_set``: the blob a new server fetches the recorded chunks in."""
+    ask for; ``working_set``: the blob a new server fetches the recorded chunks in
+    (``spooler``: from the file this command streams it into; removed when a server runs
+    already)."""
     from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
 
     d = server_dir(store.home, source.head)
@@ -156,11 +162,14 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
     if found is not None:
         if spawn is not None:
             spawn.cancel()
+        if spooler is not None:
+            spooler.discard()
         return found
     d.mkdir(parents=True, exist_ok=True)
     ServerSpec(str(store.home), source.head, source.name, tag,
                remote.hub.address if remote else None, remote.name if remote else None,
-               prefetch, working_set.to_json() if working_set else None).save(d)
+               prefetch, working_set.to_json() if working_set else None,
+               str(spooler.path) if spooler is not None and working_set else None).save(d)
     proc: ServerProcess
     if spawn is not None:
         proc = spawn.go(d)
@@ -182,6 +191,8 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
         if proc.poll() is None:
             proc.kill()
     proc.wait()
+    if spooler is not None:
+        spooler.discard()
     log_file = d / "server.log"
     if spawn is not None and spawn.log.exists():  # it died before moving to server.log
         log_file = spawn.log
@@ -193,13 +204,14 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
 @contextlib.contextmanager
 def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
             prefetch: bool = True, spawn: Starter | None = None,
-            working_set: Descriptor | None = None) -> Iterator[LazySnapshot]:
+            working_set: Descriptor | None = None,
+            spooler: Spooler | None = None) -> Iterator[LazySnapshot]:
     """A serving lazy server whose memory file is held open meanwhile (the server serves
     on while a file is open); ``spawn``: the process a new server runs in. A server found
     just as it exits is waited for, and a new one started."""
     for _ in range(3):
-        snap = start_server(store, source, remote, tag, prefetch, spawn, working_set)
-        spawn = None  # used or ended
+        snap = start_server(store, source, remote, tag, prefetch, spawn, working_set, spooler)
+        spawn = spooler = None  # used or ended
         try:
             fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -239,36 +251,52 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     # process that loads while the chain is resolved
     spawn: Starter = Taken.take() or Spawn()
     with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
+        spooler: Spooler | None = None
         try:
             head_manifest = client.get_manifest(remote.name, remote.tag)
             head = head_manifest[1]
-            order_file = server_dir(store.home, head) / "order.json"
-            order = load_order(order_file, head)
+            d = server_dir(store.home, head)
+            order = load_order(d / "order.json", head)
+
+            def spool(found: Order | None) -> Order | None:
+                """The working set's blob streams into the new server's spool at once."""
+                nonlocal spooler
+                if (found is not None and found.working_set is not None and prefetch
+                        and _ready(d) is None):
+                    spooler = Spooler(client, remote.name, found.working_set, d / SPOOL_NAME)
+                return found
+
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="order") as pool:
                 # recorded by an earlier lazy fork, on any host: looked up meanwhile
-                found = pool.submit(orders.fetch, client, remote.name, head) if order is None \
-                    else None
+                found = pool.submit(lambda: spool(orders.fetch(client, remote.name, head))) \
+                    if order is None else None
+                if order is not None:
+                    spool(order)
                 source = open_remote(store, remote, client, head_manifest)
                 if found is not None:
                     order = found.result()
                     if order is not None and order.chunks:
-                        order_file.parent.mkdir(parents=True, exist_ok=True)
-                        save_order(order_file, head, order)
+                        d.mkdir(parents=True, exist_ok=True)
+                        save_order(d / "order.json", head, order)
         except BaseException:
             spawn.cancel()
+            if spooler is not None:
+                spooler.discard()
             raise
         log.debug("lazy fork %s: chain resolved at %.3f s", remote_text,
                   time.perf_counter() - t0)
         working_set = order.working_set if order is not None else None
-        # with a working-set blob the new server fetches the recorded chunks in one
-        # request from its start; without, this command begins them one by one
+        # with a working-set blob it streams into the new server's spool from the order's
+        # arrival on; without, this command fetches the recorded chunks one by one
         fetch = WorkingSetFetch(source, order.chunks if order and prefetch and not working_set
                                 and _new_server(store, source) else None)
         try:
             res = _fork_on_server(store, source, remote, n, prefetch, spawn, t0, options,
-                                  fetch.stop, working_set)
+                                  fetch.stop, working_set, spooler)
         finally:
             fetch.stop()
+            if spooler is not None:
+                spooler.wait()  # the server reads it as it grows: all of it is there
     ensure_spare()  # for the next lazy fork on this host
     return res
 
@@ -308,10 +336,11 @@ def _new_server(store: Store, source: ChunkSource) -> bool:
 def _fork_on_server(store: Store, source: ChunkSource, remote: RemoteRef, n: int,
                     prefetch: bool, spawn: Starter, t0: float, options: dict[str, Any],
                     on_ready: Callable[[], None],
-                    working_set: Descriptor | None) -> ch.ForkResult:
+                    working_set: Descriptor | None,
+                    spooler: Spooler | None = None) -> ch.ForkResult:
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
-                 prefetch, spawn, working_set) as snap:
+                 prefetch, spawn, working_set, spooler) as snap:
         log.debug("lazy fork %s: server ready at %.3f s", remote, time.perf_counter() - t0)
         on_ready()
         try:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from forkd.engine.lazy import spool as spooled
 from forkd.engine.lazy import workingset
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.errors import Conflict, ForkdError
@@ -112,11 +113,13 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         report: Path, tag: str | None,
         on_chunk: Callable[[str, bytes], object] | None = None,
         handed: Iterable[str] = (), working_set: Descriptor | None = None,
-        before_rest: Callable[[], object] | None = None) -> None:
+        before_rest: Callable[[], object] | None = None,
+        spool: Path | None = None) -> None:
     """Fetch what ``order`` names and the store lacks, then the files; tag when complete.
     ``on_chunk``: given each chunk of ``handed`` (local or fetched) decompressed and
     verified, as it arrives (the memory file pushes it into the page cache);
-    ``working_set``: the recorded chunks' blob, fetched first in one request;
+    ``working_set``: the recorded chunks' blob, fetched first in one request (or read from
+    ``spool`` as the fork command streams it in: spool.py; removed once read);
     ``before_rest``: called (it may wait) between the recorded chunks and the rest."""
     t0 = time.monotonic()
     progress.state, progress.chunks, progress.recorded = "running", len(order), recorded
@@ -139,10 +142,14 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         first = order[:recorded]  # what the children are about to fault on
         if working_set is not None:
             try:
-                brought = workingset.fetch(source, working_set, first, on_chunk, to_hand)
+                brought = workingset.fetch(source, working_set, first, on_chunk, to_hand,
+                                           spool)
             except ForkdError as exc:  # it does not fit the order: chunk by chunk
                 progress.errors.append(str(exc))
                 brought = []
+            finally:
+                if spool is not None:
+                    spooled.remove(spool)
             progress.streamed = len(brought)
             with lock:
                 progress.fetched += len(brought)

@@ -80,6 +80,7 @@ class ServerSpec:
     repo: str | None
     prefetch: bool = True  # False: fetch on demand only (no prefetch.go, no timer)
     working_set: dict[str, Any] | None = None  # the recorded chunks' blob (a descriptor)
+    working_set_spool: str | None = None  # the file the fork command streams it into
 
     def save(self, d: Path) -> None:
         tmp = d / "server.json.tmp"
@@ -184,6 +185,8 @@ class Server:
                      self.dir / "prefetch.json", self.spec.tag,
                      on_chunk=self.ops.push_chunk, handed=self.memory.by_chunk,
                      working_set=self.working_set if recorded is not None else None,
+                     spool=Path(self.spec.working_set_spool)
+                     if recorded is not None and self.spec.working_set_spool else None,
                      before_rest=self.after_first_steps if recorded is not None else None)
         log.info("prefetch %s in %.2f s: %d chunks fetched (%d in the working set's one "
                  "request; the recorded ones in %.2f s), %d pushed into the page cache; %s",

@@ -1,7 +1,8 @@
 """The recorded working set in one request: a lazy server fetches the working-set blob
 next to the pack (docs/pack-format.md, "Access order": the stored bytes of the recorded
 chunks, concatenated in order) instead of a request per chunk, the hub's per-request
-cost being most of what those chunks cost it.
+cost being most of what those chunks cost it; or reads it from the spool its fork
+command streams it into (spool.py), checked all the same.
 
 ``fetch`` claims the chunks that are not here (``ChunkSource.claim``: a reader of one
 waits for it), splits the stream at the chunk sizes the maps declare, and has each piece
@@ -22,9 +23,11 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from forkd import digest as dg
 from forkd.engine.lazy.chunks import ChunkSource
+from forkd.engine.lazy.spool import blocks as spooled
 from forkd.errors import ForkdError
 from forkd.pack.accessorder import working_set_chunks
 from forkd.pack.manifest import Descriptor
@@ -35,12 +38,13 @@ log = logging.getLogger("forkd.lazy")
 
 def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
           on_chunk: Callable[[str, bytes], object] | None = None,
-          hand: Collection[str] = ()) -> list[str]:
+          hand: Collection[str] = (), spool: Path | None = None) -> list[str]:
     """The chunks of working-set ``blob`` (the first chunks of ``order``) from the hub in
-    one request; the ones it brought. IntegrityError when the blob does not fit the order
-    (it is not used then)."""
+    one request, or from ``spool`` (the file the fork command streams it into: spool.py);
+    the ones it brought. IntegrityError when the blob does not fit the order (it is not
+    used then)."""
     hub = source.hub
-    if hub is None:
+    if hub is None and spool is None:
         return []
     what = f"{source.name}: working set {dg.short(blob.digest)}"
     stored = {d: ref.stored for d, (ref, _) in source.refs.items()}
@@ -92,7 +96,10 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
                     checking.submit(check, digest, piece)
 
     try:
-        hub.client.get_blob(hub.repo, blob.digest, blob.size, blob.size, sink)
+        if spool is not None:
+            sink(spooled(spool, blob.size))
+        elif hub is not None:
+            hub.client.get_blob(hub.repo, blob.digest, blob.size, blob.size, sink)
     except (ForkdError, OSError) as exc:
         log.info("%s stopped after %d chunks (%s); the rest come one by one", what,
                  len(brought), exc)

@@ -486,3 +486,86 @@ def test_the_rest_of_the_chain_waits_for_before_rest(chain_store: tuple[Store, P
         source.close()
     assert fresh.tags.read().get("app:v2") == source.head
     assert fresh.verify() == []
+
+
+def test_the_working_set_from_the_spool_is_checked_and_served(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """The fork command's spool (spool.Spooler, against the hub) read by workingset.fetch
+    as it grows: every chunk checked, served and stored, none fetched again, the file
+    removable."""
+    from forkd.engine.lazy import spool, workingset
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    image = head.read_bytes()
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    path = tmp_path / "server" / spool.SPOOL_NAME
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        spooler = spool.Spooler(client, "lazy/app", order.working_set, path)
+        source = open_remote(fresh, parse_remote(remote), client)
+        brought = workingset.fetch(source, order.working_set, order.chunks, spool=path)
+        spooler.wait()
+        assert sorted(brought) == sorted(chunks)
+        assert spool.done_path(path).read_text() == ""  # the whole blob came
+        assert path.stat().st_size == order.working_set.size
+        fetched = source.fetched_chunks
+        layout = ImageLayout(source, "memory")
+        for digest in chunks:
+            for segment in layout.by_chunk.get(digest, []):
+                offset, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+                assert layout.read(offset, length) == image[offset : offset + length]
+        assert source.fetched_chunks == fetched, "a spooled chunk was fetched again"
+        source.close()
+    spool.remove(path)
+    assert not path.exists() and not spool.done_path(path).exists()
+    assert all(fresh.blobs.has(d) for d in chunks)
+    assert fresh.verify() == []
+
+
+def test_a_tampered_spool_chunk_is_never_served(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """The spool is a buffer, not a trusted source: a chunk whose bytes differ from its
+    map's is neither served nor stored from it, and its reader gets the true chunk by a
+    single fetch."""
+    from forkd.engine.lazy import spool, workingset
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks, tamper=chunks[2])
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    path = tmp_path / "server" / spool.SPOOL_NAME
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        spooler = spool.Spooler(client, "lazy/app", order.working_set, path)
+        source = open_remote(fresh, parse_remote(remote), client)
+        brought = workingset.fetch(source, order.working_set, order.chunks, spool=path)
+        spooler.wait()
+        assert chunks[2] not in brought and set(brought) <= set(chunks)
+        assert not source.local(chunks[2])
+        layout = ImageLayout(source, "memory")
+        segment = layout.by_chunk[chunks[2]][0]
+        offset, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+        assert layout.read(offset, length) == head.read_bytes()[offset : offset + length]
+        source.close()
+    assert fresh.verify() == []
+
+
+def test_a_discarded_spool_stops_and_leaves_nothing(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    from forkd.engine.lazy import spool
+
+    store, _ = chain_store
+    _, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    path = tmp_path / "server" / spool.SPOOL_NAME
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        spooler = spool.Spooler(client, "lazy/app", order.working_set, path)
+        spooler.discard()
+        spooler.wait(60)
+    assert list(path.parent.iterdir()) == []

@@ -145,6 +145,10 @@ def test_an_order_recorded_at_publish_time_is_prefetched_by_the_first_lazy_fork(
     got = _prefetch(published.fresh)
     assert got["state"] == "done" and got["recorded"] == len(chunks), got
     assert got["streamed"] == len(chunks), "the working set did not come in its one request"
+    # it came through the spool the command streamed it into, which is gone once read
+    spec = json.loads((_server_dir(published.fresh) / "server.json").read_text())
+    assert spec["working_set_spool"], spec
+    assert not Path(spec["working_set_spool"]).exists()
     assert _val(ch.eval_in(res.children[0].id, "6*7")) == 42
 
 
