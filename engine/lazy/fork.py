@@ -45,7 +45,6 @@ from forkd.engine.lazy.spare import Taken, ensure_spare, server_environment
 from forkd.engine.lazy.spool import SPOOL_NAME, Spooler
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
-from forkd.pack.accessorder import Order
 from forkd.pack.manifest import Descriptor
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -258,26 +257,27 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
             d = server_dir(store.home, head)
             order = load_order(d / "order.json", head)
 
-            def spool(found: Order | None) -> Order | None:
+            def spool(working_set: Descriptor | None) -> None:
                 """The working set's blob streams into the new server's spool at once."""
                 nonlocal spooler
-                if (found is not None and found.working_set is not None and prefetch
-                        and _ready(d) is None):
-                    spooler = Spooler(client, remote.name, found.working_set, d / SPOOL_NAME)
-                return found
+                if working_set is not None and prefetch and _ready(d) is None:
+                    spooler = Spooler(client, remote.name, working_set, d / SPOOL_NAME)
 
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="order") as pool:
                 # recorded by an earlier lazy fork, on any host: looked up meanwhile
-                found = pool.submit(lambda: spool(orders.fetch(client, remote.name, head))) \
+                found = pool.submit(orders.fetch, client, remote.name, head, spool) \
                     if order is None else None
                 if order is not None:
-                    spool(order)
+                    spool(order.working_set)
                 source = open_remote(store, remote, client, head_manifest)
                 if found is not None:
                     order = found.result()
                     if order is not None and order.chunks:
                         d.mkdir(parents=True, exist_ok=True)
                         save_order(d / "order.json", head, order)
+            if spooler is not None and (order is None or order.working_set is None):
+                spooler.discard()  # the order itself did not come: no server reads it
+                spooler = None
         except BaseException:
             spawn.cancel()
             if spooler is not None:

@@ -9,6 +9,7 @@ import bisect
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from forkd import digest as dg
 from forkd.errors import ForkdError, IntegrityError
@@ -83,39 +84,67 @@ def _reader(blob: bytes) -> Callable[[int, int], bytes]:
     return read
 
 
-def fetch(client: RegistryClient, repo: str, head: str) -> ao.Order | None:
+def fetch(client: RegistryClient, repo: str, head: str,
+          on_working_set: Callable[[Descriptor], object] | None = None) -> ao.Order | None:
     """The newest access order the hub lists for ``head`` (with the working set cut from
-    it, when the hub has one), or None."""
-    try:
-        found = _referrers(client, repo, head, ao.ACCESS_ORDER_ARTIFACT)
-        if not found:
+    it, when the hub has one), or None. The working sets are looked up meanwhile, and
+    ``on_working_set`` hears of the one that fits as soon as the order's manifest names
+    it, before the order's own blob is fetched (a fork starts streaming it then)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="working-sets") as pool:
+        candidates = pool.submit(_working_sets, client, repo, head)
+        try:
+            found = _referrers(client, repo, head, ao.ACCESS_ORDER_ARTIFACT)
+            if not found:
+                return None
+            digest = found[-1]
+            data, _ = client.get_manifest(repo, digest)
+            if len(data) > MAX_MANIFEST_BYTES:
+                return None
+            layer = ao.order_layer(data, f"access order {digest}")
+        except ForkdError as exc:
+            log.info("no access order for %s from the hub: %s", head, exc)
             return None
-        digest = found[-1]
-        data, _ = client.get_manifest(repo, digest)
-        if len(data) > MAX_MANIFEST_BYTES:
+        working_set = _fitting(client, repo, candidates.result(), layer.digest)
+        if working_set is not None and on_working_set is not None:
+            on_working_set(working_set)
+        try:
+            blob = _blob(client, repo, layer, f"access order {layer.digest}")
+            order = ao.decode(blob, head, f"access order {layer.digest}")
+        except ForkdError as exc:
+            log.info("no access order for %s from the hub: %s", head, exc)
             return None
-        layer = ao.order_layer(data, f"access order {digest}")
-        blob = _blob(client, repo, layer, f"access order {layer.digest}")
-        order = ao.decode(blob, head, f"access order {layer.digest}")
-    except ForkdError as exc:
-        log.info("no access order for %s from the hub: %s", head, exc)
-        return None
-    working_set = _working_set(client, repo, head, layer.digest)
     return ao.Order(order.chunks, order.windows, working_set)
 
 
-def _working_set(client: RegistryClient, repo: str, head: str,
-                 order_digest: str) -> Descriptor | None:
-    """The newest working set the hub lists for ``head`` cut from that order, or None."""
+def _working_sets(client: RegistryClient, repo: str, head: str
+                  ) -> list[tuple[str, bytes | None]]:
+    """The working sets the hub lists for ``head``, newest first, the newest's manifest
+    fetched already (the others only if it was cut from another order); [] when the hub
+    has none or cannot say."""
     try:
-        for digest in reversed(_referrers(client, repo, head, ao.WORKING_SET_ARTIFACT)):
-            data, _ = client.get_manifest(repo, digest)
+        digests = list(reversed(_referrers(client, repo, head, ao.WORKING_SET_ARTIFACT)))
+        if not digests:
+            return []
+        data, _ = client.get_manifest(repo, digests[0])
+    except ForkdError as exc:
+        log.info("no working set for %s from the hub: %s", head, exc)
+        return []
+    return [(digests[0], data), *((d, None) for d in digests[1:])]
+
+
+def _fitting(client: RegistryClient, repo: str, candidates: list[tuple[str, bytes | None]],
+             order_digest: str) -> Descriptor | None:
+    """The first of ``candidates`` cut from that order, or None."""
+    try:
+        for digest, data in candidates:
+            if data is None:
+                data, _ = client.get_manifest(repo, digest)
             if len(data) > MAX_MANIFEST_BYTES:
                 continue
             with contextlib.suppress(IntegrityError):  # cut from another order
                 return ao.working_set_layer(data, order_digest, f"working set {digest}")
     except ForkdError as exc:
-        log.info("no working set for %s from the hub: %s", head, exc)
+        log.info("no working set from the hub: %s", exc)
     return None
 
 

@@ -569,3 +569,28 @@ def test_a_discarded_spool_stops_and_leaves_nothing(
         spooler.discard()
         spooler.wait(60)
     assert list(path.parent.iterdir()) == []
+
+
+def test_the_working_set_is_named_before_the_order_blob_comes(
+        chain_store: tuple[Store, Path], hub: HubServer) -> None:
+    """orders.fetch names the fitting working set (a fork starts streaming it then) as soon
+    as the order's manifest is read, before the order's own blob: with that blob gone from
+    the hub the working set was named all the same, and the fetch finds no order (the
+    fork then discards its spool)."""
+    from forkd.engine.lazy import orders
+
+    store, _ = chain_store
+    _, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:3]
+    found = _published_working_set(hub, store, who, chunks)
+    head = store.resolve("app:v2")
+    heard: list[object] = []
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        again = orders.fetch(client, "lazy/app", head, heard.append)
+        assert again is not None and heard == [found.working_set] == [again.working_set]
+        order_blob = dg.of_bytes(encode(head, Order(chunks)))
+        for path in hub.data_dir.rglob(order_blob.split(":")[1]):
+            path.unlink()
+        heard.clear()
+        assert orders.fetch(client, "lazy/app", head, heard.append) is None
+        assert heard == [found.working_set]
