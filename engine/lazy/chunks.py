@@ -105,6 +105,7 @@ class ChunkSource:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-store")
         self._writes_open = threading.Event()  # closed: the writer holds what it is given
         self._writes_open.set()
+        self._closed = False  # close() was called: the server stops
 
     # -- queries -----------------------------------------------------------
     def ref(self, digest: str) -> ChunkRef:
@@ -139,8 +140,12 @@ class ChunkSource:
     # -- reads -------------------------------------------------------------
     def read(self, digest: str, keep: bool = True) -> bytes:
         """The chunk's uncompressed bytes, verified (module docstring); keep False: not
-        kept in the LRU of decompressed chunks (a prefetch must not evict readers')."""
+        kept in the LRU of decompressed chunks (a prefetch must not evict readers').
+        ChunkUnavailable once closed (its server stops: the prefetch ends there)."""
         with self._lock:
+            if self._closed:
+                raise ChunkUnavailable(f"{self.name}: its lazy server stopped (no child "
+                                       "reads it any more); a later lazy fork goes on")
             data = self._cache.get(digest)
             if data is not None:
                 self._cache.move_to_end(digest)
@@ -218,7 +223,10 @@ class ChunkSource:
                              f"{errors[0]}; check the store's disk")
 
     def close(self) -> None:
-        """Flush, then stop the store writer."""
+        """Flush, then stop the store writer. Reads end here: a fetch still on its way
+        when it closes is not stored."""
+        with self._lock:
+            self._closed = True
         try:
             self.flush()
         finally:
@@ -323,8 +331,8 @@ class ChunkSource:
         with self._lock:
             self.fetched_bytes += len(blob)
             self.fetched_chunks += 1
-            if digest in self._unstored:
-                return  # on its way to the store already
+            if digest in self._unstored or self._closed:
+                return  # on its way to the store already, or the writer is stopping
             inline = self._unstored_bytes + len(blob) > MAX_UNSTORED
             if not inline:
                 self._unstored[digest] = blob

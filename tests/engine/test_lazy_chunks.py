@@ -574,3 +574,27 @@ def test_the_working_set_is_named_before_the_order_blob_comes(
         heard.clear()
         assert orders.fetch(client, "lazy/app", head, heard.append) is None
         assert heard == [found.working_set]
+
+
+def test_a_closed_source_ends_its_prefetch_cleanly(chain_store: tuple[Store, Path],
+                                                  hub: HubServer, tmp_path: Path) -> None:
+    """A server closes its chunk source as it stops (its last child is gone) while the
+    prefetch of the rest may still run: a read after that is ChunkUnavailable saying so,
+    and the prefetch ends "failed" with that reason (no traceback in a thread, nothing
+    half-stored)."""
+    from forkd.engine.lazy import prefetch
+
+    store, _ = chain_store
+    remote, who = _pushed(hub, store)
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        first = next(iter(source.refs))
+        source.close()
+        with pytest.raises(ChunkUnavailable, match="lazy server stopped"):
+            source.read(first)
+        progress = prefetch.Progress()
+        prefetch.run(source, list(source.refs), 0, progress, tmp_path / "prefetch.json", None)
+    assert progress.state == "failed" and "lazy server stopped" in (progress.error or "")
+    assert not any(fresh.blobs.has(d) for d in source.refs)
+    assert fresh.verify() == []
