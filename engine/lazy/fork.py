@@ -282,6 +282,7 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
             spawn.cancel()
             if spooler is not None:
                 spooler.discard()
+                spooler.wait()  # its stream ends before the client it streams through
             raise
         log.debug("lazy fork %s: chain resolved at %.3f s", remote_text,
                   time.perf_counter() - t0)

@@ -67,12 +67,12 @@ class Spooler:
         except _Discarded:
             outcome = "discarded"
         except (ForkdError, OSError) as exc:
-            outcome = f"{exc}" or type(exc).__name__
+            outcome = str(exc) or type(exc).__name__
         finally:
             os.close(self._fd)
             tmp = done_path(self.path).with_suffix(".tmp")
             with contextlib.suppress(OSError):
-                tmp.write_text(outcome or "")
+                tmp.write_text(outcome)
                 tmp.replace(done_path(self.path))
             if self._discarded.is_set():
                 remove(self.path)
