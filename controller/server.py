@@ -30,6 +30,7 @@ from forkd.controller.app import (
 )
 from forkd.controller.backend import MAX_SANDBOXES, LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
+from forkd.engine.lazy.spare import SpareKeeper
 from forkd.engine.paths import run_dir
 from forkd.engine.pool import Pool
 from forkd.errors import Conflict, InvalidInput
@@ -122,11 +123,13 @@ def serve(
     path = socket_path or default_socket()
     unix = _unix_listener(path)
     backend = LocalBackend(store, Pool(store), sweeper=True, max_sandboxes=max_sandboxes)
+    keeper = SpareKeeper().start()  # a lazy spawn finds a lazy server that has loaded
     try:
         for tag, k in prewarm:
             backend.fill_pool(PoolRequest(tag=tag, k=k))
         _serve(backend, unix, listen, audit_path, token)
     finally:
+        keeper.stop()
         backend.close()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

@@ -3,9 +3,10 @@ told which snapshot to serve, so a lazy fork does not wait for an interpreter to
 and import pyfuse3, trio and httpx (about 0.3 s on a 2-core host).
 
 ``python3 -m forkd.engine.lazy.spare`` (started detached by ``ensure_spare`` after a lazy
-fork, and by the controller daemon) holds ``spare.lock`` in ``$FORKD_RUN/lazy/``, so at
-most one waits per run directory, and listens on ``spare.sock`` there (the run directory
-is private to its user). A lazy fork that finds the socket connects (``take``):
+fork, and kept waiting by the controller daemon's ``SpareKeeper``) holds ``spare.lock`` in
+``$FORKD_RUN/lazy/``, so at most one waits per run directory, and listens on ``spare.sock``
+there (the run directory is private to its user). A lazy fork that finds the socket
+connects (``take``):
 
     spare → taker   "<pid> <its log>\\n"
     taker → spare   one JSON line: {"dir": DIR, "env": {...}, "cwd": CWD}
@@ -15,13 +16,18 @@ environment and working directory (so it logs in and resolves paths as a server 
 taker started would), and serves DIR as ``python3 -m forkd.engine.lazy.serve DIR`` does.
 A taker that hangs up without a line ends it. Unused for ``SPARE_IDLE`` seconds, it exits.
 Run as root, it loads at niceness ``LOAD_NICE`` (the children of the fork that started it
-take their first steps meanwhile) and is back at its own before it listens.
+take their first steps meanwhile) and is back at its own before it listens. A spare the
+daemon started ends with the daemon's keeper thread unless it was taken (the parent-death
+signal, SIGTERM, set when it starts and cleared when it is taken: a taken spare serves
+children that outlive the daemon).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from forkd.engine.lazy.paths import LAZY_DIR
@@ -39,6 +46,9 @@ MAX_REQUEST = 1 << 20  # bytes of a taker's line (its directory, environment, cw
 SOCKET, LOCK, PID = "spare.sock", "spare.lock", "spare.pid"
 LOAD_NICE = 19  # niceness while a spare loads (then it waits, idle, at its own)
 MODULE = "forkd.engine.lazy.spare"
+KEEP_EVERY = 5.0  # seconds between the daemon keeper's checks that a spare waits
+PARENT_ENV = "FORKD_SPARE_PARENT"  # set by the keeper: the spare ends when that process does
+PR_SET_PDEATHSIG = 1
 
 
 # A server decompresses its working set into fresh 2 MiB buffers (each chunk's bytes) that
@@ -63,9 +73,10 @@ def spare_dir(run: Path | None = None) -> Path:
     return d
 
 
-def ensure_spare() -> None:
+def ensure_spare(tied: bool = False) -> None:
     """Start a spare unless one waits or loads (it holds the lock; a second one started
-    at once exits at the lock). A socket left by a killed spare does not count."""
+    at once exits at the lock). A socket left by a killed spare does not count. ``tied``:
+    the spare ends, unless taken, when the thread that calls this ends (SpareKeeper)."""
     d = spare_dir()
     fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -76,9 +87,12 @@ def ensure_spare() -> None:
         os.close(fd)  # (releases the probe's lock)
     fd, log = tempfile.mkstemp(prefix="spare-", suffix=".log", dir=d)
     try:
+        env = server_environment()
+        if tied:
+            env[PARENT_ENV] = str(os.getpid())
         subprocess.Popen([sys.executable, "-P", "-m", MODULE, log], stdin=subprocess.DEVNULL,
                          stdout=fd, stderr=subprocess.STDOUT, start_new_session=True,
-                         close_fds=True, env=server_environment())
+                         close_fds=True, env=env)
     finally:
         os.close(fd)
 
@@ -112,6 +126,50 @@ def spares_of(run: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def lazy_supported() -> bool:
+    """Whether a lazy server can run here: pyfuse3 installed and /dev/fuse present."""
+    return importlib.util.find_spec("pyfuse3") is not None and os.path.exists("/dev/fuse")
+
+
+class SpareKeeper:
+    """The controller daemon's spare (``forkd serve``): whenever no spare waits or loads in
+    its run directory, it starts one (checked every ``KEEP_EVERY`` seconds), so a lazy
+    spawn through the daemon finds a server that has loaded, even after the 10 idle
+    minutes a spare waits. Does nothing where lazy servers cannot run (lazy_supported).
+    ``stop`` ends its thread, and with it the spare it started if nobody took it."""
+
+    def __init__(self, every: float = KEEP_EVERY) -> None:
+        self.every = every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> SpareKeeper:
+        if lazy_supported():
+            self._thread = threading.Thread(target=self._run, name="forkd-spare", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                ensure_spare(tied=True)
+            except OSError as exc:  # the run directory went away or filled up: try again
+                print(f"forkd: could not start a spare lazy server: {exc}", file=sys.stderr)
+            if self._stop.wait(self.every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 class Taken:
@@ -184,44 +242,60 @@ def _wait_for_taker(d: Path) -> socket.socket | None:
     return conn
 
 
+def _tie_to_parent() -> bool:
+    """A spare the daemon's keeper started ends when the keeper does (False: it is gone
+    already)."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return True
+    _set_parent_death_signal(signal.SIGTERM)
+    return str(os.getppid()) == parent  # else it went before the signal was set
+
+
 def main(log: Path) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # ended while it loads or waits
     d = spare_dir()
     lock = os.open(d / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log.unlink(missing_ok=True)
-        return 0  # another spare waits
-    # it loads while the children of the fork that started it take their first steps:
-    # at a low priority (root only: only root may raise it again once taken)
-    priority = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = os.geteuid() == 0
-    if lowered:
-        os.setpriority(os.PRIO_PROCESS, 0, LOAD_NICE)
-    from forkd.engine.lazy import serve  # what a spare is for: loaded before it is needed
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.unlink(missing_ok=True)
+            return 0  # another spare waits
+        if not _tie_to_parent():
+            log.unlink(missing_ok=True)
+            return 0
+        # it loads while the children of the fork that started it take their first steps:
+        # at a low priority (root only: only root may raise it again once taken)
+        priority = os.getpriority(os.PRIO_PROCESS, 0)
+        lowered = os.geteuid() == 0
+        if lowered:
+            os.setpriority(os.PRIO_PROCESS, 0, LOAD_NICE)
+        from forkd.engine.lazy import serve  # what a spare is for: loaded before it is needed
 
-    serve.warm_up()
-    if lowered:
-        os.setpriority(os.PRIO_PROCESS, 0, priority)  # a spare taken serves at full speed
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
+        serve.warm_up()
+        if lowered:
+            os.setpriority(os.PRIO_PROCESS, 0, priority)  # a spare taken serves at full speed
         conn = _wait_for_taker(d)
-    except SystemExit:  # ended (end_spare) while it waited
+        if conn is not None:  # taken: it serves children that may outlive the daemon
+            _set_parent_death_signal(0)
+    except SystemExit:  # ended (end_spare, its keeper) while it loaded or waited
         log.unlink(missing_ok=True)
         raise
     finally:
         os.close(lock)  # taken, idle or ended: the next spare may start
+    if conn is None:
+        log.unlink(missing_ok=True)
+        return 0  # idle
     request = None
-    if conn is not None:
-        with conn:
-            conn.settimeout(TAKE_TIMEOUT)
-            try:
-                conn.sendall(f"{os.getpid()} {log}\n".encode())
-                line = conn.makefile("rb").readline(MAX_REQUEST + 1)
-                request = json.loads(line) if 0 < len(line) <= MAX_REQUEST else None
-            except (OSError, ValueError):
-                request = None
+    with conn:
+        conn.settimeout(TAKE_TIMEOUT)
+        try:
+            conn.sendall(f"{os.getpid()} {log}\n".encode())
+            line = conn.makefile("rb").readline(MAX_REQUEST + 1)
+            request = json.loads(line) if 0 < len(line) <= MAX_REQUEST else None
+        except (OSError, ValueError):
+            request = None
     if not (isinstance(request, dict) and isinstance(request.get("dir"), str)
             and isinstance(request.get("env"), dict) and isinstance(request.get("cwd"), str)):
         log.unlink(missing_ok=True)

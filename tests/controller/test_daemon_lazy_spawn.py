@@ -1,10 +1,13 @@
 """``lazy`` on the REST spawn and the SDK, through a real `forkd serve` whose store has
 never seen the pack, against a real loopback hub (tests/hub_server.py): the sandboxes are
 forked lazily (their memory is the lazy server's FUSE file) and answer; a tag that is not
-a hub reference, or lazy with prewarm, is a 400 that says what to write instead."""
+a hub reference, or lazy with prewarm, is a 400 that says what to write instead. The daemon
+keeps a spare lazy server waiting (engine/lazy/spare.py, SpareKeeper): the first lazy spawn
+takes it, and another comes to wait."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -33,6 +36,7 @@ class LazyDaemon:
     ref: str  # the pack on the hub, HUB/NS/NAME:TAG
     local: str  # the tag the lazy path gives the chain once it is complete
     fresh: Store  # the daemon's store: it has never seen the pack
+    run: Path  # the daemon's run directory
 
 
 def _sock(run: Path) -> Path:
@@ -61,7 +65,8 @@ def lazy_daemon(env: dict[str, str], tiny: str,
         sock = _sock(base / "run")
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://forkd",
                           timeout=300) as http:
-            yield LazyDaemon(http, sock, f"{hub.address}/lazyctl/tiny:v1", "lazyctl/tiny:v1", fresh)
+            yield LazyDaemon(http, sock, f"{hub.address}/lazyctl/tiny:v1", "lazyctl/tiny:v1", fresh,
+                             base / "run")
     finally:
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -77,6 +82,21 @@ def _lazy_memory(fresh: Store, info: dict[str, object]) -> None:
     assert memory.endswith("/mnt/memory.img"), memory
 
 
+def _waiting_spare(run: Path, but: int | None = None) -> int:
+    """The pid of the spare lazy server waiting in ``run`` (not ``but``)."""
+    pid_file = run / "lazy" / "spare.pid"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            pid = int(pid_file.read_text())
+            if pid != but:
+                return pid
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "the daemon keeps no spare lazy server waiting"
+        time.sleep(0.1)
+
+
 def _wait_for_tag(http: httpx.Client, tag: str) -> None:
     deadline = time.monotonic() + PREFETCH_TIMEOUT
     while tag not in [layer["ref"] for layer in http.get("/v1/snapshots").json()]:
@@ -89,11 +109,15 @@ def test_rest_and_sdk_spawn_lazily(lazy_daemon: LazyDaemon) -> None:
     server's memory file, they answer; once the prefetch has the whole chain it is a local
     tag, and a lazy spawn of that local tag is refused (no hub to fetch from)."""
     http, fresh = lazy_daemon.http, lazy_daemon.fresh
+    spare = _waiting_spare(lazy_daemon.run)
     got = http.post("/v1/sandboxes", json={"tag": lazy_daemon.ref, "lazy": True})
     assert got.status_code == 201, got.text
     (info,) = got.json()["sandboxes"]
     try:
         _lazy_memory(fresh, info)
+        (ready,) = (fresh.home / "lazy").glob("*/ready.json")
+        assert json.loads(ready.read_text())["pid"] == spare, "the spawn did not take the spare"
+        _waiting_spare(lazy_daemon.run, but=spare)  # and the keeper has the next one waiting
         answer = http.post(f"/v1/sandboxes/{info['id']}/eval", json={"code": "6 * 7"})
         assert answer.status_code == 200 and answer.json()["value"] == 42, answer.text
         ctl = Controller(socket=lazy_daemon.sock, local=False)

@@ -1,7 +1,8 @@
 """The spare lazy server (engine/lazy/spare.py): one waits per run directory, loaded; the
 first taker gets it (later ones find none), it serves the directory the taker names in
 the taker's working directory, logging there; ended or hung up on, it leaves no process,
-no socket and no log."""
+no socket and no log. The daemon's keeper (SpareKeeper) keeps one waiting and ends it when
+it stops, unless it was taken."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from forkd.engine.lazy import spare
 from forkd.engine.lazy.spare import (
     PID,
     SOCKET,
+    SpareKeeper,
     Taken,
     end_spare,
     ensure_spare,
@@ -123,3 +126,52 @@ def test_a_spare_refuses_what_is_not_a_request(run_dir: Path, line: bytes) -> No
     taken.conn.close()
     _until("the spare served a bad request", lambda: not pid_alive(pid))
     assert not taken.log.exists()
+
+
+def _waiting_other(d: Path, but: int) -> int:
+    def other() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return (d / SOCKET).exists() and int((d / PID).read_text()) != but
+        return False
+
+    _until("no other spare came up", other)
+    return int((d / PID).read_text())
+
+
+def test_the_keeper_keeps_one_waiting_and_ends_it_when_it_stops(run_dir: Path) -> None:
+    keeper = SpareKeeper(every=0.1).start()
+    try:
+        first = _waiting(run_dir)
+        assert end_spare()  # gone (used up, idle for too long): the keeper starts another
+        _until("the ended spare is still running", lambda: not pid_alive(first))
+        second = _waiting_other(run_dir, first)
+    finally:
+        keeper.stop()
+    _until("the keeper's spare outlived the keeper", lambda: not pid_alive(second))
+    assert spares_of(run_dir.parent) == []
+    assert not list(run_dir.glob("spare-*.log")), "an ended spare left its log"
+
+
+def test_a_spare_taken_from_the_keeper_outlives_it(run_dir: Path) -> None:
+    keeper = SpareKeeper(every=0.1).start()
+    try:
+        pid = _waiting(run_dir)
+        taken = Taken.take()
+        assert taken is not None and taken.pid == pid
+    finally:
+        keeper.stop()  # an untaken spare of its thread gets SIGTERM now; this one must not
+    time.sleep(0.5)
+    assert pid_alive(pid), "the keeper's end took down a spare a taker holds"
+    taken.cancel()
+    _until("the spare outlived its taker", lambda: not pid_alive(pid))
+    _until("a spare was left running", lambda: spares_of(run_dir.parent) == [])
+
+
+def test_the_keeper_starts_nothing_where_lazy_servers_cannot_run(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spare, "lazy_supported", lambda: False)
+    keeper = SpareKeeper(every=0.05).start()
+    time.sleep(0.5)
+    keeper.stop()
+    assert spares_of(run_dir.parent) == [] and not (run_dir / PID).exists()
