@@ -81,7 +81,7 @@ from forkd.errors import (
     InvalidInput,
     NotFound,
 )
-from forkd.jsondoc import check_nesting
+from forkd.jsondoc import check_body
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (InvalidInput, 400),
@@ -317,12 +317,14 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     return Response(ErrorAnswer(error=body), status_code=status)
 
 
-async def refuse_deep_json(request: Request[Any, Any, Any]) -> None:
-    """A JSON body nested deeper than jsondoc.MAX_DEPTH is an InvalidInput (400) before it
-    is parsed: the parser recurses once per level, and thousands of ``[`` would end in a
-    RecursionError (a 500). Runs after the token guard, on the routes that take JSON."""
+async def check_json_body(request: Request[Any, Any, Any]) -> None:
+    """A JSON body nested deeper than jsondoc.MAX_DEPTH, or naming a key twice in one
+    object, is an InvalidInput (400) before it is parsed (jsondoc.check_body): the parser
+    recurses once per level, and thousands of ``[`` would end in a RecursionError (a 500);
+    and msgspec keeps the last of a repeated key where the audit log or a proxy may read
+    the first. Runs after the token guard, on the routes that take JSON."""
     if "data" in request.route_handler.parsed_fn_signature.parameters:
-        check_nesting(await request.body(), "the request body")
+        check_body(await request.body())
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -888,7 +890,7 @@ def create_app(
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
-        before_request=refuse_deep_json,
+        before_request=check_json_body,
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},

@@ -5,8 +5,8 @@ a few thousand ``[`` raises RecursionError (a 500 in the hub, a traceback in the
 CLI). ``loads`` measures the nesting on the raw bytes (strings blanked out, then
 brackets counted) and refuses anything deeper than ``MAX_DEPTH`` before the
 parser sees it. Every document forkd reads from a peer goes through here, and so
-do the hub's and the controller's JSON request bodies (``check_nesting``: hub/app.py
-``HubHttpRequest``, controller/app.py).
+do the hub's and the controller's JSON request bodies (``check_body``: hub/app.py
+``HubHttpRequest``, controller/app.py ``check_json_body``).
 """
 
 from __future__ import annotations
@@ -97,3 +97,19 @@ def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
         return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
+
+
+def check_body(raw: bytes, what: str = "the request body") -> None:
+    """InvalidInput when ``raw``, a JSON request body another decoder is about to read
+    (Litestar's msgspec), nests deeper than ``MAX_DEPTH`` or names a key twice in one
+    object. msgspec keeps the last of a repeated key; the audit log, a proxy in front or the
+    client's own reading may keep the first, so ``{"role": "reader", "role": "admin"}``
+    would be two requests. A body that is not JSON at all is left to the decoder (its
+    message says what the route expects)."""
+    check_nesting(raw, what)
+    try:
+        json.loads(raw, object_pairs_hook=_unique_keys)
+    except _Ambiguous as exc:
+        raise InvalidInput(f"{what} is ambiguous: {exc}; send each key once") from exc
+    except (ValueError, RecursionError):
+        return  # not JSON: the decoder refuses it in its own words

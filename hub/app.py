@@ -55,12 +55,13 @@ log = logging.getLogger("forkd.hub")
 
 class HubHttpRequest(Request[object, object, State]):
     """Litestar's request, with a JSON body (the ``data`` of /api/v1 and UI routes)
-    bounded in nesting before Litestar decodes it (forkd/jsondoc.py): its decoder
-    recurses per level, and a body of a few thousand ``[`` was a RecursionError, a 500.
-    Deeper than ``MAX_DEPTH`` is a 400 now, as for manifests."""
+    checked before Litestar decodes it (forkd/jsondoc.py ``check_body``): bounded in
+    nesting (its decoder recurses per level, and a body of a few thousand ``[`` was a
+    RecursionError, a 500) and unambiguous (a key twice in one object: msgspec keeps the
+    last, other readers the first). Either is a 400, as for manifests."""
 
     async def json(self) -> Any:
-        jsondoc.check_nesting(await self.body(), "the request body")
+        jsondoc.check_body(await self.body())
         return await super().json()
 
 

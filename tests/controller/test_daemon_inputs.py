@@ -173,6 +173,22 @@ def test_a_deeply_nested_body_is_a_400_on_every_json_route(http: TestClient[Any]
     _refused(flat, "Expected `str`")  # a shallow body is parsed and checked as before
 
 
+def test_a_key_twice_in_one_object_is_a_400_on_every_json_route(http: TestClient[Any]) -> None:
+    """msgspec keeps the last of a repeated key, other readers (the audit, a proxy, the
+    client's own reading) the first: such a body is refused, not read one way here."""
+    routes = _json_routes(http)
+    twice = b'{"tag": "a", "n": 1, "tag": "b"}'
+    nested = b'{"tag": "a", "env": {"A": "1", "A": "2"}}'
+    for method, path in routes:
+        for body in (twice, nested):
+            answer = http.request(method, path, content=body,
+                                  headers={"content-type": "application/json"})
+            _refused(answer, "appears twice in one object")
+    flat = http.post("/v1/sandboxes", content=b'{"tag": "ghost", "n": 1, "n2": 2}',
+                     headers={"content-type": "application/json"})
+    assert "appears twice" not in flat.text, flat.text  # distinct keys are decoded as before
+
+
 def test_an_untrusted_id_is_shortened_in_the_error(http: TestClient[Any]) -> None:
     answer = http.get("/v1/sandboxes/" + "A" * 6000)
     _refused(answer, "invalid child id")

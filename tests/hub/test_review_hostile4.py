@@ -158,17 +158,52 @@ def test_a_second_database_on_one_bucket_is_refused_at_start(
 
 
 # -- request bodies nested past what a recursive decoder takes ---------------------------
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [
-        ("POST", "/api/v1/orgs"),
-        ("POST", "/api/v1/tokens"),
-        ("POST", "/api/v1/users"),
-        ("PUT", "/api/v1/namespaces/admin/quota"),
-        ("POST", "/api/v1/compact/admin/app"),
-        ("PUT", "/api/v1/readme/admin/app"),
-    ],
-)
+# (method, route as the app declares it, a path of it)
+JSON_ROUTES = [
+    ("POST", "/api/v1/orgs", "/api/v1/orgs"),
+    ("POST", "/api/v1/orgs/{org:str}/teams", "/api/v1/orgs/admin/teams"),
+    ("PUT", "/api/v1/orgs/{org:str}/members/{username:str}", "/api/v1/orgs/admin/members/admin"),
+    ("POST", "/api/v1/tokens", "/api/v1/tokens"),
+    ("POST", "/api/v1/users", "/api/v1/users"),
+    ("PUT", "/api/v1/namespaces/{namespace:str}/quota", "/api/v1/namespaces/admin/quota"),
+    ("POST", "/api/v1/compact/{name:path}", "/api/v1/compact/admin/app"),
+    ("PUT", "/api/v1/readme/{name:path}", "/api/v1/readme/admin/app"),
+]
+JSON_PATHS = [(method, path) for method, _, path in JSON_ROUTES]
+
+
+def test_json_routes_lists_every_route_that_takes_a_json_body(tmp_path: Path) -> None:
+    from litestar.routes import HTTPRoute
+
+    from forkd.hub.app import create_app
+
+    app = create_app(HubSettings(tmp_path).validated())
+    taking = {
+        (method, route.path)
+        for route in app.routes
+        if isinstance(route, HTTPRoute)
+        for method, (handler, _) in route.route_handler_map.items()
+        if "data" in handler.parsed_fn_signature.parameters
+    }
+    assert taking == {(method, route) for method, route, _ in JSON_ROUTES}
+
+
+@pytest.mark.parametrize(("method", "path"), JSON_PATHS)
+def test_a_key_twice_in_one_json_body_is_the_clients_error(
+    hub: HubServer, method: str, path: str
+) -> None:
+    """msgspec keeps the last of a repeated key (``{"admin": false, "admin": true}`` is an
+    admin to it) where the audit, a proxy or the client may read the first: a 400 saying
+    which key, before anything is decoded."""
+    with hub.client(ADMIN) as c:
+        for body in (b'{"name": "a", "admin": false, "admin": true}',
+                     b'{"name": "a", "extra": {"k": 1, "k": 2}}'):
+            r = c.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert "appears twice in one object" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize(("method", "path"), JSON_PATHS)
 def test_a_deeply_nested_json_body_is_the_clients_error(
     hub: HubServer, method: str, path: str
 ) -> None:
