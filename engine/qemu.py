@@ -107,9 +107,15 @@ def no_thp_for_children() -> bool:
     across fork and exec; it also applies to this process). QEMU madvises its TCG translation
     buffer MADV_HUGEPAGE, so with THP each child's translated code grows in 2 MiB steps: an idle
     child uses ~9 MiB of it but held 10 or 12 MiB. No-op where prctl is unavailable."""
+    return prctl(PR_SET_THP_DISABLE, 1)
+
+
+def prctl(option: int, arg: int) -> bool:
+    """``prctl(option, arg)`` on this process (this thread's settings: PR_SET_PDEATHSIG,
+    PR_SET_THP_DISABLE); False where it failed or libc has none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0)
+        return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 

@@ -55,6 +55,10 @@ class _Ambiguous(ValueError):
     """A document that parsers read differently (``loads``)."""
 
 
+class _RepeatedKey(_Ambiguous):
+    """An object that names a key twice (``_unique_keys``)."""
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object, unless it names a key twice: RFC 8259 leaves what that means to each
     parser (Python and Go keep the last, others the first), so one manifest would be two
@@ -64,7 +68,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     key = repeated_key(pairs, out)
     if key is not None:
-        raise _Ambiguous(f"key {key[:80]!r} appears twice in one object")
+        raise _RepeatedKey(f"key {key[:80]!r} appears twice in one object")
     return out
 
 
@@ -94,7 +98,7 @@ def loads(data: bytes | str, what: str, max_depth: int = MAX_DEPTH) -> Any:
     raw = data.encode() if isinstance(data, str) else bytes(data)
     check_nesting(raw, what, max_depth)
     try:
-        return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        return _parse(raw)
     except (ValueError, RecursionError) as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
 
@@ -108,8 +112,13 @@ def check_body(raw: bytes, what: str = "the request body") -> None:
     message says what the route expects)."""
     check_nesting(raw, what)
     try:
-        json.loads(raw, object_pairs_hook=_unique_keys)
-    except _Ambiguous as exc:
+        _parse(raw)
+    except _RepeatedKey as exc:
         raise InvalidInput(f"{what} is ambiguous: {exc}; send each key once") from exc
     except (ValueError, RecursionError):
         return  # not JSON: the decoder refuses it in its own words
+
+
+def _parse(raw: bytes) -> Any:
+    """The one parse of ``loads`` and ``check_body`` (nesting checked by the caller)."""
+    return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)

@@ -25,7 +25,6 @@ children that outlive the daemon).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import importlib.util
 import json
@@ -39,6 +38,7 @@ import threading
 from pathlib import Path
 
 from forkd.engine.lazy.paths import LAZY_DIR
+from forkd.engine.qemu import pid_alive, prctl
 
 SPARE_IDLE = 600.0  # seconds a spare waits for a taker
 TAKE_TIMEOUT = 2.0  # seconds a taker waits for the spare's pid, and the spare for its line
@@ -167,11 +167,6 @@ class SpareKeeper:
             self._thread = None
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-
-
 class Taken:
     """A spare taken by this lazy fork: ``go`` tells it its directory. It looks like the
     process a ``fork.Spawn`` starts (``poll``, ``kill``, ``wait``), but is no child of
@@ -208,8 +203,6 @@ class Taken:
         self.conn.close()  # it reads EOF and exits
 
     def poll(self) -> int | None:
-        from forkd.engine.qemu import pid_alive
-
         return None if pid_alive(self.pid) else 1
 
     def kill(self) -> None:
@@ -248,7 +241,7 @@ def _tie_to_parent() -> bool:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None:
         return True
-    _set_parent_death_signal(signal.SIGTERM)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     return str(os.getppid()) == parent  # else it went before the signal was set
 
 
@@ -278,7 +271,7 @@ def main(log: Path) -> int:
             os.setpriority(os.PRIO_PROCESS, 0, priority)  # a spare taken serves at full speed
         conn = _wait_for_taker(d)
         if conn is not None:  # taken: it serves children that may outlive the daemon
-            _set_parent_death_signal(0)
+            prctl(PR_SET_PDEATHSIG, 0)
     except SystemExit:  # ended (end_spare, its keeper) while it loaded or waited
         log.unlink(missing_ok=True)
         raise
