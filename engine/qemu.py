@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkd.engine import qcow2
 from forkd.engine.errors import HostError, VMMError
 from forkd.engine.qmp import QMP
 
@@ -228,17 +229,22 @@ def drive_throttling(cfg: VMConfig) -> str:
 
 def create_overlay(path: Path, backing: Path | str, backing_fmt: str,
                    size: int | None = None) -> None:
-    """A qcow2 overlay on ``backing``: a file (made absolute: never move the backing file)
-    or a QEMU URL such as an NBD export's ``nbd+unix:///NAME?socket=PATH``. With ``size``
-    (the backing's, in bytes) qemu-img does not open the backing to learn it: an NBD
-    export's server is not asked for anything (-u)."""
+    """An empty qcow2 overlay on ``backing``: a file (made absolute: never move the backing
+    file) or a QEMU URL such as an NBD export's ``nbd+unix:///NAME?socket=PATH``, whose
+    ``size`` (the backing's, in bytes) must then be given; a file's is its length, read
+    here. Written directly (engine/qcow2.py), not by starting qemu-img: nothing opens the
+    backing, so an NBD export's server is not asked for anything."""
     spec = str(backing.resolve()) if isinstance(backing, Path) else backing
-    sized = ["-u", str(size)] if size is not None else []
-    p = subprocess.run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-b", spec,
-                        "-F", backing_fmt, *sized[:1], str(path), *sized[1:]],
-                       capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
-    if p.returncode != 0:
-        raise VMMError(f"qemu-img create {path} on {spec} failed: {p.stderr.strip()}")
+    if size is None and not isinstance(backing, Path):
+        raise VMMError(f"an overlay on {spec} needs the backing's size")
+    if size is None and backing_fmt != "raw":
+        raise VMMError(f"the size of {backing} ({backing_fmt}) must be given")
+    try:
+        if size is None:
+            size = Path(spec).stat().st_size
+        qcow2.write_empty(path, spec, backing_fmt, size)
+    except (OSError, ValueError) as e:
+        raise VMMError(f"cannot create the overlay {path} on {spec}: {e}") from e
 
 
 def unprivileged_user() -> str | None:

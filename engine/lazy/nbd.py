@@ -601,9 +601,8 @@ class DiskExport:
 
     def create_overlay(self, path: Path) -> None:
         """An empty qcow2 overlay at ``path`` on this export: the child's writes land in it,
-        never in the export (which refuses writes). Made with the export's size, so
-        qemu-img does not connect to the export (a handshake with a server that is busy
-        starting)."""
+        never in the export (which refuses writes). Written with the export's size: nothing
+        connects to the export to learn it."""
         create_overlay(path, self.backing_spec(), "raw", self.size)
 
     def close(self) -> None:

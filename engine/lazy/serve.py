@@ -37,7 +37,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,26 +117,16 @@ class Server:
         self._errors_seen = 0
         self._errors_lock = threading.Lock()
 
-    def start_disk(self) -> Future[Path] | None:
-        """Start the disk export; its empty child overlay is made meanwhile (qemu-img,
-        while the memory file mounts): the future gives its path."""
+    def start_disk(self) -> Path | None:
+        """Start the disk export and write its empty child overlay: the overlay's path."""
         if not any("disk" in link.manifest.maps for link in self.source.chain):
             return None
         export = start_disk_export(self.source, socket_dir(self.dir),
                                    on_access=lambda d: self.order.note((d,)))
         self.export = export
         overlay = self.dir / "empty.qcow2"
-        overlay.unlink(missing_ok=True)
-
-        def make() -> Path:
-            export.create_overlay(overlay)
-            return overlay
-
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlay")
-        try:
-            return pool.submit(make)
-        finally:
-            pool.shutdown(wait=False)  # it runs on; the caller waits for its result
+        export.create_overlay(overlay)
+        return overlay
 
     async def watch(self) -> None:
         """Exit once nothing is open for LINGER seconds; start the prefetch; keep the
@@ -286,7 +275,7 @@ def serve(d: Path) -> int:
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))
         try:
-            server.write_ready(overlay.result() if overlay is not None else None)
+            server.write_ready(overlay)
             log.info("serving %s at %s", server.spec.name, mnt)
             signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))
 
