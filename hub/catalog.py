@@ -19,11 +19,11 @@ from litestar.di import NamedDependency
 from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, Parameter
 from sqlalchemy import ColumnElement, Select, func, select
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import Session
 
 from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
-from forkd.hub import accounts, authz
+from forkd.hub import accounts, authz, chains
 from forkd.hub.auth import authenticate
 from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.oci.common import in_chunks
@@ -31,7 +31,6 @@ from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
 
-MAX_CHAIN = 256
 # Tags per page of a repository's detail (the most, and the default).
 TAGS_PER_PAGE = 100
 SORTS: dict[str, ColumnElement[Any]] = {
@@ -198,23 +197,16 @@ class CatalogController(Controller):
                     .limit(per_page)
                 )
             ).all()
-            subjects = dict(
-                (
-                    await session.execute(
-                        select(Manifest.digest, Manifest.subject_digest).where(
-                            Manifest.repository_id == repo.id
-                        )
-                    )
-                ).all()
+            # The shown tags' chains only (never every manifest of the repository).
+            found: dict[str, Manifest] = {}
+            await session.run_sync(
+                chains.load_chains, repo.id, {row.digest for row in rows}, found
             )
         # Read, hashed and parsed once per digest, in the fact readers' threads.
         sizes = await hub.sizes.many(
             functools.partial(_total_size, hub), [row.digest for row in rows], hub.readers.limiter()
         )
-        depths: dict[str, int] = {}
-        for row in rows:
-            if row.digest not in depths:
-                depths[row.digest] = chain_depth(subjects, row.digest)
+        depths = {row.digest: chains.depth(found, row.digest) for row in rows}
         tags = [
             TagInfo(
                 name=row.name,
@@ -292,49 +284,34 @@ class LineageController(Controller):
             ).first()
             if repo is None:
                 raise NotFoundException(f"repository {name} not found")
-            # Without their annotations (each up to a manifest's size): read below for
-            # the nodes the answer names only.
-            manifests = {
-                m.digest: m
-                for m in (
-                    await session.scalars(
-                        select(Manifest)
-                        .options(defer(Manifest.annotations, raiseload=True))
-                        .where(Manifest.repository_id == repo.id)
-                    )
-                ).all()
-            }
-            tags_of: dict[str, list[str]] = {}
-            head_digest = None
-            for tag_row in (
-                await session.scalars(
-                    select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
-                )
-            ).all():
-                tags_of.setdefault(tag_row.manifest_digest, []).append(tag_row.name)
-                if tag_row.name == tag:
-                    head_digest = tag_row.manifest_digest
-            if head_digest is None or head_digest not in manifests:
+            head_digest = await session.scalar(
+                select(Tag.manifest_digest).where(Tag.repository_id == repo.id, Tag.name == tag)
+            )
+            fam = (
+                await session.run_sync(chains.family, repo.id, head_digest)
+                if head_digest is not None
+                else None
+            )
+            if fam is None:
                 raise NotFoundException(f"tag {tag} not found in {name}")
-            up, down = family_of(manifests, head_digest)
-            family = {head_digest, *up, *(d for d, _ in down)}
-            notes_of = await session.run_sync(small_annotations, repo.id, family)
+            named = {fam.head, *fam.ancestors, *(d for d, _ in fam.descendants)}
+            notes_of = await session.run_sync(small_annotations, repo.id, named)
 
         def node(digest: str, depth: int) -> LineageNode:
-            m = manifests.get(digest)
+            m = fam.found.get(digest)
             notes = annotations_of(notes_of.get(digest))
             return LineageNode(
                 digest=digest,
-                tags=tags_of.get(digest, []),
+                tags=fam.tags_of.get(digest, []),
                 parent=m.subject_digest if m is not None else None,
                 parent_tag=notes.get(mt.ANNOTATION_PARENT_TAG),
                 compacted_from=notes.get(mt.ANNOTATION_COMPACTED_FROM),
                 depth=depth,
             )
 
-        ancestors = [node(d, depth) for depth, d in enumerate(up, 1)]
-        descendants = [node(d, depth) for d, depth in down]
-        return Lineage(name, tag, node(head_digest, 0), ancestors, descendants)
+        ancestors = [node(d, depth) for depth, d in enumerate(fam.ancestors, 1)]
+        descendants = [node(d, depth) for d, depth in fam.descendants]
+        return Lineage(name, tag, node(fam.head, 0), ancestors, descendants)
 
 
 # Annotations a lineage or tag page reads per manifest: what forkd writes (parent tag,
@@ -361,53 +338,9 @@ def small_annotations(
     return found
 
 
-def family_of(
-    manifests: dict[str, Manifest], head: str
-) -> tuple[list[str], list[tuple[str, int]]]:
-    """What a lineage of ``head`` names: its ancestors (parent first) and its descendants
-    with their depth (level by level), each at most ``MAX_CHAIN``: in all, not per level,
-    since a manifest may have any number of children (each referrer a pusher adds)."""
-    ancestors: list[str] = []
-    seen = {head}
-    current = manifests[head].subject_digest
-    while current is not None and current not in seen and len(ancestors) < MAX_CHAIN:
-        seen.add(current)
-        ancestors.append(current)
-        parent = manifests.get(current)
-        current = parent.subject_digest if parent is not None else None
-    children: dict[str, list[str]] = {}
-    for m in manifests.values():
-        if m.subject_digest is not None:
-            children.setdefault(m.subject_digest, []).append(m.digest)
-    descendants: list[tuple[str, int]] = []
-    frontier, depth, visited = [head], 0, {head}
-    while frontier and depth < MAX_CHAIN and len(descendants) < MAX_CHAIN:
-        depth += 1
-        nxt = []
-        for parent_digest in frontier:
-            for child in sorted(children.get(parent_digest, [])):
-                if child not in visited and len(descendants) < MAX_CHAIN:
-                    visited.add(child)
-                    descendants.append((child, depth))
-                    nxt.append(child)
-        frontier = nxt
-    return ancestors, descendants
-
-
 def like_literal(text: str) -> str:
     """``text`` for a SQL LIKE pattern with ``\\`` as escape: wildcards match literally."""
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
-def chain_depth(subjects: dict[str, str | None], digest: str) -> int:
-    """Ancestors of ``digest`` through ``subjects`` (digest → subject digest), capped."""
-    depth, seen = 0, {digest}
-    current = subjects.get(digest)
-    while current is not None and current not in seen and depth < MAX_CHAIN:
-        depth += 1
-        seen.add(current)
-        current = subjects.get(current)
-    return depth
 
 
 def annotations_of(stored: str | None) -> dict[str, Any]:

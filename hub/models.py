@@ -16,6 +16,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -202,6 +203,9 @@ class ManifestReference(Base):
 
 class Tag(Base):
     __tablename__ = "tags"
+    # "The tags on this manifest" (a lineage's names, a manifest's delete) read by index:
+    # any number of tags may name one manifest (migration 0011).
+    __table_args__ = (Index("ix_tags_manifest", "repository_id", "manifest_digest", "name"),)
 
     repository_id: Mapped[int] = mapped_column(
         ForeignKey("repositories.id", ondelete="CASCADE"), primary_key=True

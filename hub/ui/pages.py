@@ -222,18 +222,15 @@ class BrowseController(Controller):
                 validate_tag(ref)
         except InvalidInput as exc:
             raise NotFoundException(f"no tag {ref[:130]!r} in {name}") from exc
-        # No tag's facts but the chain's (chain_layers): the page shows no tags table.
-        detail = await queries.pack(hub, ui.facts, who.principal, name, None)
+        detail = await queries.tag(hub, who.principal, name, ref)
         if detail is None:
             raise NotFoundException(f"no pack named {name}")
-        tagged = next((d for d, names in detail.tags_of.items() if ref in names), None)
-        row = tagged is not None
-        digest = tagged if tagged is not None else ref
-        if digest not in detail.manifests:
+        if not isinstance(detail, queries.TagDetail):
             raise NotFoundException(f"no tag {ref} in {name}")
-        layers = await queries.chain_layers(hub, ui.facts, detail, digest)
+        digest = detail.digest
+        layers = await queries.chain_layers(hub, ui.facts, detail)
         head = layers[0].facts
-        graph = queries.lineage(detail, digest)
+        graph = queries.lineage(detail)
         return ui.renderer.page(
             "tag.html",
             **base_context(ui, hub, request, who),
@@ -241,10 +238,10 @@ class BrowseController(Controller):
             repo=detail.repo,
             ref=ref,
             digest=digest,
-            tags=detail.tags_of.get(digest, []),
+            tags=detail.family.tags_of.get(digest, []),
             head=head,
             layers=layers,
             chain_stored=sum(layer.facts.stored for layer in layers),
             graph=graph,
-            pull_ref=f"{name}:{ref}" if row else f"{name}@{digest}",
+            pull_ref=f"{name}:{ref}" if detail.tagged else f"{name}@{digest}",
         )

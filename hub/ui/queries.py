@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,15 +18,13 @@ from typing import Any
 import anyio
 from sqlalchemy import ColumnElement, Select, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import Session
 
 from forkd.errors import ForkdError
-from forkd.hub import accounts, authz
+from forkd.hub import accounts, authz, chains
 from forkd.hub.catalog import (
-    MAX_CHAIN,
     NOTES_MAX,
     annotations_of,
-    chain_depth,
     like_literal,
 )
 from forkd.hub.models import Manifest as ManifestRow
@@ -385,22 +383,29 @@ class PackDetail:
     repo: Repository
     namespace: str
     tags: list[TagRow]  # one page of them (by name), with their facts
-    manifests: dict[str, ManifestRow]
-    tags_of: dict[str, list[str]]
     can_push: bool
     featured: TagRow | None  # whose compat metadata the page shows
     tags_total: int = 0
     page: int = 1
     pages: int = 1
-    compacted_from: dict[str, str] = field(default_factory=dict)  # flat → source digest
 
 
-def _featured(tags: Sequence[Tag]) -> Tag | None:
-    """The tag whose compat metadata the page shows: ``latest``, else the newest push."""
-    for row in tags:
-        if row.name == "latest":
-            return row
-    return max(tags, key=lambda t: accounts.aware(t.updated_at), default=None)
+async def _visible_repository(
+    session: AsyncSession, principal: accounts.Principal, name: str
+) -> Repository | None:
+    return (
+        await session.scalars(
+            select(Repository).where(
+                Repository.name == name, await session.run_sync(authz.visible, principal)
+            )
+        )
+    ).first()
+
+
+# A tag whose manifest the repository has (the only ones a page lists).
+ON_TAG = (ManifestRow.repository_id == Tag.repository_id) & (
+    ManifestRow.digest == Tag.manifest_digest
+)
 
 
 async def pack(
@@ -408,59 +413,52 @@ async def pack(
     facts: FactsCache,
     principal: accounts.Principal,
     name: str,
-    page: int | None = 1,
+    page: int = 1,
 ) -> PackDetail | None:
-    """A repository with one ``page`` of its tags (``TAGS_PER_PAGE``, by name), the facts
-    of those and of the featured tag read; ``page`` None: no tag's facts (the tag page
-    reads its chain's own). None when it does not exist or ``principal`` cannot see it.
+    """A repository with one ``page`` of its tags (``TAGS_PER_PAGE``, by name) and the
+    tag whose compat metadata the page shows (``latest``, else the newest push), with the
+    facts and chain depths of those. None when it does not exist or ``principal`` cannot
+    see it.
 
-    The facts of a tag are blob reads (its manifest and config; S3 GETs): read for every
-    tag of the repository, one anonymous view of a public pack with thousands of tags
-    cost thousands of reads, and the page listed them all."""
+    Bounded whatever the repository holds: the facts of a tag are blob reads (its manifest
+    and config; S3 GETs), and the rows read are that page's tags and their chains
+    (hub/chains.py), never every manifest or tag of the repository."""
     await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
     async with hub.db.reading() as session:
-        repo = (
-            await session.scalars(
-                select(Repository).where(
-                    Repository.name == name, await session.run_sync(authz.visible, principal)
-                )
-            )
-        ).first()
+        repo = await _visible_repository(session, principal, name)
         if repo is None:
             return None
-        # Without their annotations (each up to a manifest's size, for every manifest of
-        # the repository on every view); a tag page reads the compaction links it draws.
-        manifests = {
-            m.digest: m
-            for m in (
+        present = select(Tag).join(ManifestRow, ON_TAG).where(Tag.repository_id == repo.id)
+        total = (
+            await session.scalar(
+                select(func.count())
+                .select_from(Tag)
+                .join(ManifestRow, ON_TAG)
+                .where(Tag.repository_id == repo.id)
+            )
+            or 0
+        )
+        shown = list(
+            (
                 await session.scalars(
-                    select(ManifestRow)
-                    .options(defer(ManifestRow.annotations, raiseload=True))
-                    .where(ManifestRow.repository_id == repo.id)
+                    present.order_by(Tag.name)
+                    .offset((page - 1) * TAGS_PER_PAGE)
+                    .limit(TAGS_PER_PAGE)
                 )
             ).all()
-        }
-        compacted: dict[str, str] = {}
-        if page is None:
-            compacted = await session.run_sync(_compaction_sources, repo.id)
-        tag_rows = (
-            await session.scalars(
-                select(Tag).where(Tag.repository_id == repo.id).order_by(Tag.name)
-            )
-        ).all()
+        )
+        featured = (await session.scalars(present.where(Tag.name == "latest"))).first() or (
+            await session.scalars(present.order_by(Tag.updated_at.desc(), Tag.name).limit(1))
+        ).first()
+        wanted = [*shown, featured] if featured is not None else shown
+        found: dict[str, ManifestRow] = {}
+        await session.run_sync(
+            chains.load_chains, repo.id, {t.manifest_digest for t in wanted}, found
+        )
         _, held = await session.run_sync(authz.repository_access, principal, name)
         can_push = "push" in held
-    subjects = {d: m.subject_digest for d, m in manifests.items()}
-    tags_of: dict[str, list[str]] = {}
-    for t in tag_rows:
-        tags_of.setdefault(t.manifest_digest, []).append(t.name)
-    present = [t for t in tag_rows if t.manifest_digest in manifests]
-    pages = max(1, -(-len(present) // TAGS_PER_PAGE))
-    shown = present[(page - 1) * TAGS_PER_PAGE : page * TAGS_PER_PAGE] if page else []
-    featured = _featured(present) if page else None
-    wanted = [*shown, featured] if featured is not None else shown
     known = await facts.many(
-        hub, ((t.manifest_digest, manifests[t.manifest_digest].size) for t in wanted)
+        hub, ((t.manifest_digest, found[t.manifest_digest].size) for t in wanted)
     )
 
     def row(t: Tag) -> TagRow:
@@ -468,7 +466,7 @@ async def pack(
             t.name,
             t.manifest_digest,
             t.updated_at,
-            chain_depth(subjects, t.manifest_digest),
+            chains.depth(found, t.manifest_digest),
             known[t.manifest_digest],
             t.pull_count,
         )
@@ -477,15 +475,54 @@ async def pack(
         repo,
         accounts.namespace_of(name),
         [row(t) for t in shown],
-        manifests,
-        tags_of,
         can_push,
         row(featured) if featured is not None else None,
-        len(present),
-        page or 1,
-        pages,
-        compacted,
+        total,
+        page,
+        max(1, -(-total // TAGS_PER_PAGE)),
     )
+
+
+@dataclass
+class TagDetail:
+    """A tag page's reads: the manifest, its lineage (hub/chains.py ``Family``: its
+    chain, its descendants, the chains of compactions' other ends, their tag names)."""
+
+    repo: Repository
+    namespace: str
+    digest: str
+    tagged: bool  # named by a tag (else by its digest)
+    family: chains.Family
+    compacted_from: dict[str, str]  # flat → source digest (``_compaction_sources``)
+
+
+async def tag(
+    hub: Hub, principal: accounts.Principal, name: str, ref: str
+) -> TagDetail | Repository | None:
+    """A tag page's reads for ``ref`` (a valid tag or digest): the TagDetail; the
+    repository alone when it has no such tag or manifest; None when there is no
+    repository ``name`` that ``principal`` can see."""
+    async with hub.db.reading() as session:
+        repo = await _visible_repository(session, principal, name)
+        if repo is None:
+            return None
+        tagged = not ref.startswith(("sha256:", "sha512:"))
+        digest = (
+            await session.scalar(
+                select(Tag.manifest_digest).where(Tag.repository_id == repo.id, Tag.name == ref)
+            )
+            if tagged
+            else ref
+        )
+        fam = await session.run_sync(chains.family, repo.id, digest) if digest is not None else None
+        if fam is None:
+            return repo
+        compacted = await session.run_sync(_compaction_sources, repo.id)
+        named = {fam.head, *fam.ancestors, *(d for d, _ in fam.descendants)}
+        ends = {flat for flat, src in compacted.items() if src in named}
+        ends |= {compacted[d] for d in named if d in compacted}
+        await session.run_sync(chains.with_chains, repo.id, fam, ends - named)
+    return TagDetail(repo, accounts.namespace_of(name), fam.head, tagged, fam, compacted)
 
 
 COMPACTION_NOTES_MAX = 10_000  # compaction links a tag page reads
@@ -559,51 +596,24 @@ class Graph:
 NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 150, 34, 24, 40, 12
 
 
-def chain_of(detail: PackDetail, head: str) -> list[str]:
-    """head → … → base through ``subject`` (bounded, cycle-safe)."""
-    out, seen = [head], {head}
-    current = detail.manifests[head].subject_digest
-    while current is not None and current not in seen and len(out) <= MAX_CHAIN:
-        out.append(current)
-        seen.add(current)
-        parent = detail.manifests.get(current)
-        current = parent.subject_digest if parent is not None else None
-    return out
+async def chain_layers(hub: Hub, facts: FactsCache, detail: TagDetail) -> list[ChainLayer]:
+    """The tag's chain, head first, with each layer's facts (its map read too)."""
+    found = detail.family.found
+    digests = [d for d in chains.chain(found, detail.digest) if d in found]
+    known = await facts.many(hub, ((d, found[d].size) for d in digests), maps=True)
+    return [ChainLayer(d, detail.family.tags_of.get(d, []), known[d]) for d in digests]
 
 
-async def chain_layers(
-    hub: Hub, facts: FactsCache, detail: PackDetail, head: str
-) -> list[ChainLayer]:
-    digests = [d for d in chain_of(detail, head) if d in detail.manifests]
-    known = await facts.many(hub, ((d, detail.manifests[d].size) for d in digests), maps=True)
-    return [ChainLayer(d, detail.tags_of.get(d, []), known[d]) for d in digests]
-
-
-def lineage(detail: PackDetail, head: str) -> Graph:
-    """Ancestors, descendants and compaction links of ``head``, laid out for SVG."""
-    manifests = detail.manifests
-    children: dict[str, list[str]] = {}
+def lineage(detail: TagDetail) -> Graph:
+    """Ancestors, descendants and compaction links of the tag, laid out for SVG."""
+    fam, head = detail.family, detail.digest
+    manifests = fam.found
     compacted_into: dict[str, list[str]] = {}
-    for d, m in manifests.items():
-        if m.subject_digest is not None:
-            children.setdefault(m.subject_digest, []).append(d)
-        src = detail.compacted_from.get(d)
-        if src is not None:
-            compacted_into.setdefault(src, []).append(d)
-    ancestors = chain_of(detail, head)[1:]
-    descendants: list[str] = []
-    frontier, seen = [head], {head, *ancestors}
-    # At most MAX_CHAIN in all, not per level: a manifest may have any number of children
-    # (each referrer a pusher adds), and every one would be a node of the page's graph.
-    while frontier and len(descendants) < MAX_CHAIN:
-        nxt = []
-        for parent in frontier:
-            for child in sorted(children.get(parent, [])):
-                if child not in seen and len(descendants) < MAX_CHAIN:
-                    seen.add(child)
-                    descendants.append(child)
-                    nxt.append(child)
-        frontier = nxt
+    for flat, source in detail.compacted_from.items():
+        compacted_into.setdefault(source, []).append(flat)
+    ancestors = fam.ancestors
+    descendants = [d for d, _ in fam.descendants]
+    seen = {head, *ancestors, *descendants}
     family = [*reversed(ancestors), head, *descendants]
     compactions: list[tuple[str, str]] = []
     for d in list(family):
@@ -619,16 +629,14 @@ def lineage(detail: PackDetail, head: str) -> Graph:
         for x in pair:
             if x in seen or x not in manifests:
                 continue
-            for y in reversed(chain_of(detail, x)):
+            for y in reversed(chains.chain(manifests, x)):
                 if y not in seen:
                     seen.add(y)
                     extra.append(y)
     nodes_order = family + extra
 
     subjects = {d: m.subject_digest for d, m in manifests.items()}
-    level: dict[str, int] = {}
-    for d in nodes_order:
-        level[d] = chain_depth(subjects, d)
+    level = {d: chains.depth(manifests, d) for d in nodes_order}
     for src, flat in compactions:  # a flat layer sits one row below what it came from
         if flat in level and src in level and manifests.get(flat) and not subjects.get(flat):
             level[flat] = max(level[flat], level[src] + 1)
@@ -640,7 +648,7 @@ def lineage(detail: PackDetail, head: str) -> Graph:
     compacted_nodes = {flat for _, flat in compactions}
     for row_index, lvl in enumerate(sorted(rows)):
         for col, d in enumerate(rows[lvl]):
-            tags = detail.tags_of.get(d, [])
+            tags = fam.tags_of.get(d, [])
             nodes[d] = GraphNode(
                 d,
                 tags[0] if tags else d.split(":", 1)[-1][:12],

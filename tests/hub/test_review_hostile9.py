@@ -446,7 +446,7 @@ def test_a_lineage_lists_a_bounded_number_of_descendants(hub: HubServer) -> None
     with thousands of referrers (each one PUT, by anyone who may push) made every view of
     its tag page and lineage API, signed out too on a public pack, list and draw them all.
     Now at most ``MAX_CHAIN`` in all, on both."""
-    from forkd.hub.catalog import MAX_CHAIN
+    from forkd.hub.chains import MAX_CHAIN
 
     alice = hub.add_user(_name("alice"))
     repo = f"{alice[0]}/popular"
