@@ -16,7 +16,6 @@ rows were added.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import sqlite3
 import time
@@ -25,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hub_support import EMPTY_CONFIG, EMPTY_MEDIA, OCI_MANIFEST, HubServer, push_blob
+from hub_support import OCI_MANIFEST, HubServer, artifact
 from sqlalchemy import event
 
 from forkd.hub.chains import MAX_CHAIN, TAG_NAMES_MAX
@@ -100,32 +99,14 @@ def test_a_views_reads_do_not_grow_with_the_repositorys_rows(hub: HubServer) -> 
     alice = hub.add_user(f"alice{time.monotonic_ns() % 10**9}")
     repo = f"{alice[0]}/crowded"
     with hub.client(alice) as c:
-        config, layer = push_blob(c, repo, EMPTY_CONFIG), push_blob(c, repo, b"one layer")
 
-        def put(
-            reference: str, n: int, subject: dict[str, object] | None = None
-        ) -> dict[str, object]:
-            doc: dict[str, object] = {
-                "schemaVersion": 2,
-                "mediaType": OCI_MANIFEST,
-                "config": {"mediaType": EMPTY_MEDIA, "digest": config, "size": 2},
-                "layers": [{"mediaType": "application/octet-stream", "digest": layer, "size": 9}],
-                "annotations": {"n": str(n)},
-            }
-            if subject:
-                doc["subject"] = subject
-            body = json.dumps(doc).encode()
-            r = c.put(
-                f"/v2/{repo}/manifests/{reference}",
-                content=body,
-                headers={"Content-Type": OCI_MANIFEST},
-            )
-            assert r.status_code == 201, r.text
-            return {"mediaType": OCI_MANIFEST, "digest": _digest(body), "size": len(body)}
+        def put(tag: str, subject: dict[str, object] | None = None) -> dict[str, object]:
+            digest, body = artifact(c, repo, f"layer of {tag}".encode(), tag=tag, subject=subject)
+            return {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(body)}
 
-        base = put("base", 0)
-        mid = put("mid", 1, base)
-        put("latest", 2, mid)
+        base = put("base")
+        mid = put("mid", base)
+        put("latest", mid)
     hub.public(repo)
     views = [
         f"/{repo}",
