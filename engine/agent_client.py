@@ -24,6 +24,7 @@ import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -70,6 +71,64 @@ MAX_STRUCTURE = 8 << 20
 SMALL_REPLY_LINE = 8 << 20
 SMALL_REPLY_OPS = frozenset({"ping", "fixup", "sync", "cancel", "put", "proc_start",
                              "proc_stdin", "proc_close_stdin", "proc_kill"})
+# What the replies being read in one process may hold together past REPLY_FREE bytes each
+# (a receive buffer's high-water mark, kept until its request returns): without it, the
+# MAX_REQUESTS (32) requests a controller may have in flight, each answered by a hostile
+# guest with a MAX_LINE (64 MiB) line, held 2 GiB of buffers and more parsed. Four replies
+# of the largest size fit; a reply that would pass it fails (AgentError) and is not read.
+REPLY_FREE = SMALL_REPLY_LINE
+REPLY_BUDGET = 256 << 20
+MIB = 1 << 20
+
+
+class ReplyBudget:
+    """The bytes replies in this process hold past ``REPLY_FREE`` each, at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int, what: str, own: int = 0) -> None:
+        """``n`` more bytes for a reply that holds ``own`` already, else AgentError."""
+        with self._lock:
+            if self.held + n > self.limit:
+                others = self.held - own
+                raise AgentError(
+                    f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while the other "
+                    f"replies being read in this process held {others / MIB:.1f} MiB past "
+                    f"theirs (at most {self.limit / MIB:g} MiB in all); it was dropped and "
+                    "the connection closed. Ask "
+                    "for less at once (stream a command's output, read a file in parts) or "
+                    "retry when fewer large replies are in flight")
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+BUDGET = ReplyBudget(REPLY_BUDGET)
+
+
+class _ReplyHold:
+    """One request's share of a ReplyBudget: its receive buffer's high-water mark past
+    ``REPLY_FREE``, given back when the request returns (its reply is parsed by then)."""
+
+    def __init__(self, budget: ReplyBudget, what: str) -> None:
+        self.budget = budget
+        self.what = what
+        self.taken = 0
+
+    def grow(self, size: int) -> None:
+        want = size - REPLY_FREE
+        if want > self.taken:
+            self.budget.take(want - self.taken, self.what, self.taken)
+            self.taken = want
+
+    def release(self) -> None:
+        self.budget.give(self.taken)
+        self.taken = 0
 
 OnData = Callable[[bytes], None]
 
@@ -244,6 +303,8 @@ class AgentClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         small = op in SMALL_REPLY_OPS or (op == "get" and bool(msg.get("stream")))
         self._ls.max_line = SMALL_REPLY_LINE if small else MAX_LINE
+        hold = _ReplyHold(BUDGET, f"guest agent ({op})")
+        self._ls.on_grow = hold.grow
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
@@ -265,9 +326,12 @@ class AgentClient:
         except (OSError, TimeoutError, EOFError, ValueError, LineTooLong) as e:
             self.close()
             raise AgentError(f"agent request {op!r} failed: {e}") from e
-        except BaseException:  # Abandoned, or on_event's own: the rest is never read
+        except BaseException:  # Abandoned, a passed budget, on_event's own: never read on
             self.close()
             raise
+        finally:
+            self._ls.on_grow = None
+            hold.release()
         if not reply.get("ok"):
             _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}

@@ -56,6 +56,9 @@ class LineSocket:
     def __init__(self, sock: socket.socket, max_line: int = MAX_LINE) -> None:
         self.sock = sock
         self.max_line = max_line
+        # told the size the receive buffer is about to reach, before it does: it may raise
+        # (the agent client's process-wide reply budget), and the connection is then broken
+        self.on_grow: Callable[[int], None] | None = None
         self._buf = bytearray()
         self._scanned = 0  # bytes at the start of _buf known to hold no newline
 
@@ -83,6 +86,8 @@ class LineSocket:
                 raise TimeoutError(f"no reply from {what} in time") from None
             if not chunk:
                 raise EOFError(f"{what} closed the connection")
+            if self.on_grow is not None:
+                self.on_grow(len(self._buf) + len(chunk))
             self._buf += chunk
 
     def read_exact(self, n: int, deadline: float, what: str) -> bytes:
@@ -99,6 +104,8 @@ class LineSocket:
                 raise TimeoutError(f"no reply from {what} in time") from None
             if not chunk:
                 raise EOFError(f"{what} closed the connection")
+            if self.on_grow is not None:
+                self.on_grow(len(self._buf) + len(chunk))
             self._buf += chunk
         data = bytes(self._buf[:n])
         del self._buf[:n]
