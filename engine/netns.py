@@ -10,17 +10,27 @@ that entered the namespace (`entered()`).
 Namespaces are per *thread* here: setns(CLONE_NEWNET) switches only the calling
 thread, a process started from that thread (QEMU) is born inside, and pyroute2
 IPRoute objects stay bound to the namespace they were opened in.
+
+The tap is created by this process's own descriptor, which is kept and handed to the
+namespace's QEMU (``take_tap``; QEMU's ``-netdev tap,fd=N``) rather than closed. A tap takes
+one queue: a QEMU that attached it by name (TUNSETIFF) failed with "Device or resource busy"
+whenever a process forked meanwhile by another thread (a sibling child's QEMU, tc, iptables)
+still held a copy of the creating descriptor, not yet exec'd: one child in ten of a
+langgraph-react fan-out on a loaded host. A copy of the kept descriptor is that same queue.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import ipaddress
 import os
 import shutil
+import struct
 import subprocess
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +42,14 @@ NETNS_DIR = Path("/run/netns")
 PREFIX = "forkd-"
 GW_IP, GW_PREFIX, GW_MAC = "10.200.0.1", 16, "02:00:0a:c8:00:01"
 TEMPLATE_IP, TEMPLATE_MAC = "10.200.0.2", "52:54:00:c8:00:02"
+TAP = "tap0"
+TUN_DEVICE = "/dev/net/tun"
+TUNSETIFF, TUNSETPERSIST = 0x400454CA, 0x400454CB
+# QEMU's own defaults for a tap it opens: no packet information, virtio-net headers
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
 _libc = ctypes.CDLL(None, use_errno=True)
+_taps: dict[str, int] = {}  # namespace -> the descriptor that created its tap, for its QEMU
+_taps_lock = threading.Lock()
 
 
 def available() -> str | None:
@@ -82,7 +99,8 @@ def entered(name: str) -> Iterator[None]:
 
 
 def create(name: str) -> None:
-    """Namespace `name` with lo up and tap0 (GW_MAC, GW_IP/16, up); IPv6 off."""
+    """Namespace `name` with lo up and tap0 (GW_MAC, GW_IP/16, up); IPv6 off. The tap's
+    descriptor is kept for the namespace's QEMU (``take_tap``) until ``remove``."""
     if not name.startswith(PREFIX):
         raise HostError(f"refusing to manage namespace {name!r} (not {PREFIX}*)")
     IPRoute = importlib.import_module("pyroute2").IPRoute
@@ -100,8 +118,10 @@ def create(name: str) -> None:
         ipr = IPRoute()
         try:
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
-            ipr.link("add", ifname="tap0", kind="tuntap", mode="tap")
-            tap = ipr.link_lookup(ifname="tap0")[0]
+            tap_fd = _open_tap()
+            with _taps_lock:
+                _taps[name] = tap_fd
+            tap = ipr.link_lookup(ifname=TAP)[0]
             ipr.link("set", index=tap, address=GW_MAC)
             ipr.link("set", index=tap, state="up")
             ipr.addr("add", index=tap, address=GW_IP, prefixlen=GW_PREFIX)
@@ -115,6 +135,35 @@ def create(name: str) -> None:
     finally:
         _setns(saved)
         os.close(saved)
+
+
+def _open_tap() -> int:
+    """A persistent tap0 in the calling thread's namespace, and the descriptor attached to it
+    as its queue (close-on-exec)."""
+    fd = os.open(TUN_DEVICE, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        ifreq = struct.pack("16sH22x", TAP.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+        fcntl.ioctl(fd, TUNSETIFF, ifreq)
+        fcntl.ioctl(fd, TUNSETPERSIST, 1)
+    except OSError as e:
+        os.close(fd)
+        raise HostError(f"cannot create {TAP} ({TUN_DEVICE}): {e}; is the tun module "
+                        "loaded (modprobe tun)?") from e
+    return fd
+
+
+def take_tap(name: str) -> int | None:
+    """The descriptor of namespace `name`'s tap, for the QEMU about to start in it (the
+    caller closes it once QEMU has it); None when this process did not create the
+    namespace or a QEMU took it already (QEMU then attaches the tap by name)."""
+    with _taps_lock:
+        return _taps.pop(name, None)
+
+
+def _release_tap(name: str) -> None:
+    fd = take_tap(name)
+    if fd is not None:
+        os.close(fd)
 
 
 MIN_RATE_KBIT, MAX_RATE_KBIT = 64, 100_000_000  # 64 kbit/s .. 100 Gbit/s
@@ -172,6 +221,7 @@ def exists(name: str) -> bool:
 
 def remove(name: str) -> None:
     """Remove the namespace (its tap goes with it). Idempotent."""
+    _release_tap(name)
     if not exists(name):
         return
     netns = importlib.import_module("pyroute2.netns")

@@ -121,10 +121,12 @@ def prctl(option: int, arg: int) -> bool:
         return False
 
 
-def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[str]:
+def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = (),
+               tap_fd: int | None = None) -> list[str]:
     """The command line; with disk_fd the disk is opened by the host and passed in an fd set
     (an unprivileged QEMU re-opens its disk read-write when an incoming migration completes,
-    and may not be able to reach the host path)."""
+    and may not be able to reach the host path); with tap_fd QEMU uses that descriptor of
+    its tap (netns.take_tap) instead of attaching the tap by name."""
     accel = cfg.accel
     disk = f"/dev/fdset/{DISK_FDSET}" if disk_fds else str(cfg.disk)
     for what, value in (("memory image", cfg.mem_path), ("VM directory", d), ("disk", disk),
@@ -155,7 +157,9 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = ()) -> list[s
         "-global", "migration.send-configuration=off",
     ]
     if cfg.tap:
-        argv += ["-netdev", f"tap,id=n0,ifname={cfg.tap},script=no,downscript=no",
+        backend = (f"fd={tap_fd}" if tap_fd is not None
+                   else f"ifname={cfg.tap},script=no,downscript=no")
+        argv += ["-netdev", f"tap,id=n0,{backend}",
                  "-device", f"virtio-net-device,netdev=n0,mac={cfg.mac or '52:54:00:12:34:56'}"]
     if cfg.kernel is not None:
         argv += ["-kernel", str(cfg.kernel)]
@@ -325,24 +329,29 @@ class QemuVM:
         disk_fds: tuple[int, ...] = ()
         if self.cfg.runas:
             disk_fds = (os.open(self.cfg.disk, os.O_RDONLY), os.open(self.cfg.disk, os.O_RDWR))
-            self.argv = build_argv(self.cfg, self.dir, disk_fds)
+        tap_fd: int | None = None
         enter = contextlib.nullcontext()
         if self.netns is not None:
-            from forkd.engine.netns import entered
+            from forkd.engine.netns import entered, take_tap
 
             enter = entered(self.netns)  # type: ignore[assignment]
+            if self.cfg.tap:
+                tap_fd = take_tap(self.netns)
+        passed = disk_fds + ((tap_fd,) if tap_fd is not None else ())
         if self.cfg.accel == "tcg":  # under KVM, huge pages back guest RAM: keep them
             no_thp_for_children()
         try:
+            if passed:
+                self.argv = build_argv(self.cfg, self.dir, disk_fds, tap_fd)
             with self.log_path.open("ab") as log, enter:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, close_fds=True,
-                                             pass_fds=disk_fds, env=qemu_environment(),
+                                             pass_fds=passed, env=qemu_environment(),
                                              start_new_session=self.detach)
         except FileNotFoundError as e:
             raise HostError(f"{QEMU} not found: apt-get install -y qemu-system-x86") from e
         finally:
-            for fd in disk_fds:
+            for fd in passed:
                 os.close(fd)
         self.pid = self.proc.pid
         try:
