@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio.from_thread
 import msgspec
+import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ImageContent, TextContent
@@ -32,6 +33,7 @@ from pydantic import Field
 import forkd
 from forkd.controller.app import Token, token_matches
 from forkd.controller.sdk import Controller, Sandbox
+from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 
@@ -419,13 +421,36 @@ def serve_stdio(controller: Controller) -> None:
     build_server(controller).run("stdio")
 
 
+MAX_SESSIONS = 256  # open MCP sessions of one `forkd mcp --transport http`; more: 503
+SESSION_IDLE_S = 600.0  # a session with no request in flight for this long is closed
+
+
+def http_server(
+    controller: Controller,
+    host: str,
+    port: int,
+    path: str,
+    token: Token,
+    limits: Limits = DEFAULT_LIMITS,
+    max_sessions: int = MAX_SESSIONS,
+    session_idle_s: float = SESSION_IDLE_S,
+) -> uvicorn.Server:
+    """The streamable-HTTP server, not started: the daemon's listener bounds (server.
+    bounded_config: head deadline, connection cap, no WebSocket), and at most
+    ``max_sessions`` MCP sessions, each closed after ``session_idle_s`` without a request
+    in flight (the SDK's: a new session past the limit gets 503 "Too many open sessions")."""
+    app = build_server(controller).streamable_http_app(
+        streamable_http_path=path, host=host, max_sessions=max_sessions,
+        session_idle_timeout=session_idle_s,
+    )
+    config = bounded_config(BearerAuth(app, token), limits=limits, host=host, port=port)
+    return uvicorn.Server(config)
+
+
 def serve_http(controller: Controller, host: str, port: int, path: str, token: Token) -> None:
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
-    import uvicorn
-
-    app = build_server(controller).streamable_http_app(streamable_http_path=path, host=host)
-    uvicorn.run(BearerAuth(app, token), host=host, port=port, log_level="warning")
+    http_server(controller, host, port, path, token).run()
 
 
 class BearerAuth:
