@@ -82,6 +82,7 @@ from forkd.errors import (
     NotFound,
 )
 from forkd.jsondoc import check_body
+from forkd.names import inert
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (InvalidInput, 400),
@@ -94,6 +95,7 @@ MAX_FILE_BYTES = MAX_PUT_BYTES  # PUT .../files: what one request carries into a
 MAX_JSON_BYTES = 10_000_000  # any other request body (Litestar's default, made explicit)
 MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
 MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
+MAX_MESSAGE_CHARS = 16_000  # an error message answered (guest text in it is cut before)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
 
 
@@ -283,7 +285,15 @@ def audited(
 
 def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     """The HTTP status and error body of an exception (the error family's). A request
-    that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
+    that does not match its declared type (api.py) is InvalidInput, saying what is wrong.
+    The message is inert (names.inert): what a guest wrote into it (an agent's refusal, a
+    console tail) reaches a client's terminal as visible text, never as its commands."""
+    status, body = _answer_of(exc)
+    body.message = inert(body.message, MAX_MESSAGE_CHARS)
+    return status, body
+
+
+def _answer_of(exc: Exception) -> tuple[int, ErrorBody]:
     if isinstance(exc, ValidationException):
         exc = InvalidInput(f"{explained(exc)} (docs/api.md)")
     if isinstance(exc, RequestEntityTooLarge):

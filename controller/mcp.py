@@ -31,11 +31,12 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
-from forkd.controller.app import Token, token_matches
+from forkd.controller.app import MAX_MESSAGE_CHARS, Token, token_matches
 from forkd.controller.sdk import Controller, Sandbox
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
+from forkd.names import inert
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
 MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
@@ -83,14 +84,19 @@ def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except ToolError:
             raise
         except ForkdError as exc:
-            raise ToolError(f"{type(exc).__name__}: {hidden_host_paths(str(exc))}") from exc
+            raise ToolError(f"{type(exc).__name__}: {error_text(exc)}") from exc
         except Exception as exc:  # a bug or the host's trouble: say so, keep serving
             raise ToolError(
-                f"unexpected {type(exc).__name__}: {hidden_host_paths(str(exc))}; the MCP "
+                f"unexpected {type(exc).__name__}: {error_text(exc)}; the MCP "
                 "server is still running (its stderr has the details)"
             ) from exc
 
     return wrapper
+
+
+def error_text(exc: Exception) -> str:
+    """An error's message for a tool result: host paths hidden, guest text inert."""
+    return inert(hidden_host_paths(str(exc)), MAX_MESSAGE_CHARS)
 
 
 def plain(value: Any) -> Any:

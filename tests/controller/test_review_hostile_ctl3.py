@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -25,6 +26,7 @@ from net_support import free_port, wait_until
 from forkd.audit import AuditLog
 from forkd.controller import app, server
 from forkd.controller.backend import LocalBackend
+from forkd.names import inert
 from forkd.store.store import Store
 
 TOKEN = b"t" * 43
@@ -265,3 +267,97 @@ def test_mcp_http_is_bounded_and_its_sessions_are_limited_and_expire(place: Path
             assert r.status_code == 404, r.text
             r = http.post("/mcp", json=hello, headers=auth)
             assert r.status_code == 200, r.text
+
+
+# -- guest text in messages (names.inert) ------------------------------------------
+HOSTILE = ("refused\x1b[2J\x1b[H\x1b]0;owned\x07\x1b]8;;https://evil\x1b\\link\x1b]8;;\x1b\\"
+           "\x9b31m\x9d52;c;QUJD\x9c\rmasked\u202etxt.exe\u2066\x00\x7f\udcff")
+ACTS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+                  "\u2066-\u2069\ud800-\udfff]")
+
+
+def _obeys_nothing(text: str) -> None:
+    assert not ACTS.search(text), repr(text)
+    text.encode()  # no lone surrogate: a terminal write cannot fail on it
+
+
+def test_inert_shows_every_control_and_keeps_the_rest() -> None:
+    controls = "".join(map(chr, [*range(0x20), *range(0x7F, 0xA0), 0x61C, 0x200E, 0x200F,
+                                 0x2028, 0x2029, *range(0x202A, 0x202F),
+                                 *range(0x2066, 0x206A), 0xD800, 0xDFFF]))
+    shown = inert(controls + HOSTILE)
+    _obeys_nothing(shown)
+    assert "\\x1b[2J" in shown and "\\u202e" in shown and "\\x9b" in shown
+    assert "\n" in shown and "\t" in shown  # lines and tabs stay
+    plain = "ünïcode ✓ 中文 emoji 👍 line\nnext\ttab"
+    assert inert(plain) == plain
+    assert inert("a\r\nb") == "a\nb"
+    long = inert("a" * 3000 + HOSTILE * 100 + "z" * 3000)
+    assert len(long) <= 4000 and long.startswith("a") and long.endswith("z")
+    assert "characters cut" in long and inert(long) == long  # once is enough
+
+
+def test_a_guest_agents_refusal_is_inert_in_the_error() -> None:
+    from forkd.engine import agent_client
+    from forkd.engine.errors import AgentError
+    from forkd.errors import Conflict, NotFound
+
+    for kind, family in [("not_found", NotFound), ("state", Conflict), ("other", AgentError)]:
+        with pytest.raises(family) as caught:
+            agent_client._raise_for("exec", {"error": {"type": kind, "message": HOSTILE * 500}})
+        _obeys_nothing(str(caught.value))
+        assert len(str(caught.value)) < 2100
+
+
+def test_a_console_tail_in_an_error_is_inert(tmp_path: Path) -> None:
+    from forkd.engine.egress import child
+    from forkd.engine.qemu import QemuVM
+
+    raw = HOSTILE.encode(errors="surrogateescape")  # as a guest writes it: any bytes
+    (tmp_path / child.LOG_FILE).write_bytes(raw)
+    _obeys_nothing(child.log_tail(tmp_path))
+    vm = QemuVM.__new__(QemuVM)  # only what log_tail reads: the log files, no process
+    vm.proc, vm.qmp, vm.dir = None, None, tmp_path
+    (tmp_path / "serial.log").write_bytes(b"boot\n" + raw)
+    tail = vm.log_tail()
+    _obeys_nothing(tail)
+    assert "masked" in tail
+
+
+def test_every_error_answer_tool_error_and_cli_error_is_inert() -> None:
+    """The sinks: whatever error reaches them (an engine error built before inert existed,
+    a backend's, a remote daemon's), the client, the agent and the terminal get it inert."""
+    import click
+    from click.testing import CliRunner
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from forkd.cli.errors import ForkdGroup
+    from forkd.controller.mcp import tool_errors
+    from forkd.engine.errors import AgentError
+
+    for exc in (AgentError(HOSTILE), RuntimeError(HOSTILE)):
+        _status, body = app.error_answer(exc)
+        if isinstance(exc, AgentError):
+            assert "masked" in body.message
+        _obeys_nothing(body.message)
+
+        @tool_errors
+        def tool(exc: Exception = exc) -> None:
+            raise exc
+
+        with pytest.raises(ToolError) as caught:
+            tool()
+        _obeys_nothing(str(caught.value))
+
+    @click.group(cls=ForkdGroup)
+    def cli() -> None:
+        pass
+
+    @cli.command()
+    def boom() -> None:
+        raise AgentError(HOSTILE)
+
+    result = CliRunner().invoke(cli, ["boom"])
+    assert result.exit_code == AgentError.exit_code
+    assert "forkd: error: refused" in result.output
+    _obeys_nothing(result.output.replace("\n", " "))
