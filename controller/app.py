@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from litestar import Litestar, Request, Response, Router, delete, get, post, put
 from litestar.connection import ASGIConnection
@@ -245,6 +246,68 @@ def presented_token(connection: ASGIConnection[Any, Any, Any, Any]) -> bytes:
 def token_matches(presented: bytes, expected: bytes) -> bool:
     """Constant-time comparison; an empty token never matches, whatever was configured."""
     return bool(presented) and bool(expected) and hmac.compare_digest(presented, expected)
+
+
+TOKEN_RECHECK_S = 1.0  # how often a request in flight on TCP checks its token still holds
+
+
+def scope_token(scope: dict[str, Any]) -> bytes:
+    """The token of a request's one ``Authorization: Bearer`` header; b"" when there is
+    none, another scheme, or more than one Authorization header."""
+    given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+    if len(given) != 1:
+        return b""
+    scheme, _, credential = bytes(given[0]).partition(b" ")
+    return credential.strip() if scheme.lower() == b"bearer" else b""
+
+
+class TokenWatch:
+    """ASGI middleware of the token listeners (the daemon's TCP, `forkd mcp`'s HTTP): a
+    request that carried the valid token is ended once the token stops matching (its file
+    replaced or removed, app.Token), checked every ``every`` seconds while it runs. A long
+    exec stream, file transfer or MCP event stream thus ends at a revocation instead of
+    going on for as long as its client reads: an answer not yet started is a 401 saying so,
+    a started one is cut (the connection closes before the answer is complete). Requests
+    without the token pass through to the app, whose guard answers them."""
+
+    def __init__(self, app: Any, token: Token, every: float = TOKEN_RECHECK_S) -> None:
+        self.app = app
+        self.token = token
+        self.every = every
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        presented = scope_token(scope)
+        if scope.get("type") != "http" or not token_matches(presented, self.token.current()):
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message.get("type") == "http.response.start"
+            await send(message)
+
+        revoked = False
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                nonlocal revoked
+                while token_matches(presented, self.token.current()):
+                    await anyio.sleep(self.every)
+                revoked = True
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            await self.app(scope, receive, tracked)
+            group.cancel_scope.cancel()
+        if revoked and not started:
+            body = ErrorBody(type="Unauthorized", exit_code=8, message=(
+                "the bearer token was revoked while this request ran; send the new token"))
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"),
+                (b"www-authenticate", b'Bearer realm="forkd"')]})
+            await send({"type": "http.response.body",
+                        "body": msgspec.json.encode(ErrorAnswer(error=body))})
 
 
 def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:

@@ -31,7 +31,13 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
-from forkd.controller.app import MAX_MESSAGE_CHARS, Token, token_matches
+from forkd.controller.app import (
+    MAX_MESSAGE_CHARS,
+    Token,
+    TokenWatch,
+    scope_token,
+    token_matches,
+)
 from forkd.controller.sdk import Controller, Sandbox
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.engine.paths import hidden_host_paths
@@ -449,7 +455,8 @@ def http_server(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
-    config = bounded_config(BearerAuth(app, token), limits=limits, host=host, port=port)
+    guarded = TokenWatch(BearerAuth(app, token), token)  # a revoked token ends its streams
+    config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
 
 
@@ -501,9 +508,4 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: dict[str, Any]) -> bool:
-        given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
-        if len(given) != 1:
-            return False
-        scheme, _, credential = given[0].partition(b" ")
-        return scheme.lower() == b"bearer" and token_matches(credential.strip(),
-                                                              self.token.current())
+        return token_matches(scope_token(scope), self.token.current())

@@ -19,7 +19,6 @@ from typing import Any
 import h11
 import msgspec
 import uvicorn
-from litestar import Litestar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.audit import AuditLog
@@ -28,6 +27,7 @@ from forkd.controller.app import (
     MAX_TOKEN_BYTES,
     ControllerMetrics,
     Token,
+    TokenWatch,
     checked_token,
     create_app,
 )
@@ -152,7 +152,7 @@ def _serve(
     unix_app = create_app(backend, audit, metrics, None)
     servers.append((_server(unix_app, UnixPeerProtocol), unix))
     if listen and token is not None:
-        tcp_app = create_app(backend, audit, metrics, token)
+        tcp_app = TokenWatch(create_app(backend, audit, metrics, token), token)
         servers.append((_server(tcp_app, BoundedProtocol), _tcp_listener(listen)))
     try:
         asyncio.run(_run(servers))
@@ -369,7 +369,7 @@ def bounded_config(
     )
 
 
-def _server(app: Litestar, protocol: type[BoundedProtocol]) -> uvicorn.Server:
+def _server(app: Any, protocol: type[BoundedProtocol]) -> uvicorn.Server:
     return _Server(bounded_config(app, protocol, lifespan="on", timeout_graceful_shutdown=5))
 
 

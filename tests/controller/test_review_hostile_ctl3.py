@@ -361,3 +361,43 @@ def test_every_error_answer_tool_error_and_cli_error_is_inert() -> None:
     assert result.exit_code == AgentError.exit_code
     assert "forkd: error: refused" in result.output
     _obeys_nothing(result.output.replace("\n", " "))
+
+
+# -- a token revoked while a request runs ----------------------------------------------
+@pytest.mark.parametrize("answer", ["streaming", "not-started"])
+def test_a_revoked_token_ends_the_requests_it_let_in(place: Path, answer: str) -> None:
+    """The token was checked once, when a request began: a stream (exec output, a file, an
+    MCP event stream) went on after the token file was replaced, for as long as the
+    client read. Now TokenWatch (TCP and `forkd mcp` HTTP) ends it within a recheck."""
+    from test_daemon_security import _private_token_file, _replace_private_file
+
+    old, new = "o" * 43, "n" * 43
+    token = server.load_token(_private_token_file(place / "token", old))
+
+    async def endless(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if answer == "not-started":
+            await asyncio.sleep(3600)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while True:
+            await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+            await asyncio.sleep(0.05)
+
+    port = free_port()
+    watched = app.TokenWatch(endless, token, every=0.1)
+    config = server.bounded_config(watched, limits=QUICK, host="127.0.0.1", port=port)
+    revoke = threading.Timer(0.5, _replace_private_file, (place / "token", new))
+    with running(uvicorn.Server(config)), httpx.Client(timeout=10) as http:
+        start = time.monotonic() + 0.5
+        revoke.start()
+        with http.stream("GET", f"http://127.0.0.1:{port}/",
+                         headers={"Authorization": f"Bearer {old}"}) as r:
+            if answer == "not-started":
+                assert r.status_code == 401, r.status_code
+                assert b"revoked while this request ran" in r.read()
+            else:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    for _ in r.iter_bytes():
+                        assert time.monotonic() - start < 5, "the stream outlived its token"
+            assert time.monotonic() - start < 3
