@@ -332,7 +332,8 @@ class BoundedProtocol(H11Protocol):
         self._deadline = None
         if self.conn.their_state is not h11.SEND_BODY or self.cycle is not self._seen_cycle:
             return
-        if self._received < self.MIN_BODY_BYTES:
+        if self._received < self.MIN_BODY_BYTES and not self.flow.read_paused:
+            # (while reading is paused the app is not taking the body: the pace is ours)
             self.transport.abort()  # the app waiting for the body sees the client gone
             return
         self._received = 0

@@ -401,3 +401,26 @@ def test_a_revoked_token_ends_the_requests_it_let_in(place: Path, answer: str) -
                     for _ in r.iter_bytes():
                         assert time.monotonic() - start < 5, "the stream outlived its token"
             assert time.monotonic() - start < 3
+
+
+def test_a_body_the_app_does_not_take_yet_is_not_cut(place: Path) -> None:
+    """The body-progress bound is the client's pace: while uvicorn stops reading (the app
+    has not taken the first 64 KiB), a slow handler's request is not cut."""
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(1.5)  # three body windows without reading the body
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    sock = place / "slow.sock"
+    config = server.bounded_config(slow, server.BoundedProtocol, QUICK, uds=str(sock))
+    with running(uvicorn.Server(config)):
+        conn = _connect(sock)
+        body = b"x" * (8 << 20)  # more than the socket holds: the rest waits for the app
+        head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        sender = threading.Thread(target=conn.sendall, args=(head + body,), daemon=True)
+        sender.start()
+        got = conn.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got
