@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from forkd.cli.errors import MAX_ERROR_CHARS
 from forkd.cli.output import emit_json, human
 from forkd.errors import InvalidInput
+from forkd.names import inert
 from forkd.store.store import Store
 
 if TYPE_CHECKING:
@@ -208,7 +210,7 @@ def fork(
             f"(assemble {res['assemble_ms']:.0f} ms)"
         )
         for e in res["errors"]:
-            click.echo(f"failed: {e}", err=True)
+            click.echo(f"failed: {inert(e, MAX_ERROR_CHARS)}", err=True)
     if res["errors"]:
         sys.exit(1)
 
@@ -350,7 +352,8 @@ def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
             click.echo(r["repr"])
     if r.get("error"):
         if not as_json:
-            click.echo(r["error"].get("traceback") or r["error"]["message"], err=True)
+            click.echo(inert(r["error"].get("traceback") or r["error"]["message"],
+                             MAX_ERROR_CHARS), err=True)
         sys.exit(1)
 
 
@@ -382,7 +385,8 @@ def run_code_cmd(child_id: str, code: str, timeout: float | None, save_dir: Path
             click.echo(_describe_result(i, res, save_dir))
     if r.get("error"):
         if not as_json:
-            click.echo(r["error"].get("traceback") or r["error"]["message"], err=True)
+            click.echo(inert(r["error"].get("traceback") or r["error"]["message"],
+                             MAX_ERROR_CHARS), err=True)
         sys.exit(1)
 
 

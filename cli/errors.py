@@ -1,4 +1,5 @@
-"""One place that turns forkd errors into a message on stderr and the family's exit code."""
+"""One place that turns forkd errors into a message on stderr and the family's exit code.
+The message is inert (names.inert): a guest's words in it cannot drive the terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 import click
 
 from forkd.errors import ForkdError
+from forkd.names import inert
+
+MAX_ERROR_CHARS = 16_000  # of an error printed; guest text in it (names.inert) is shown, not obeyed
 
 
 class ForkdGroup(click.Group):
@@ -17,7 +21,7 @@ class ForkdGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ForkdError as exc:
-            click.echo(f"forkd: error: {exc}", err=True)
+            click.echo(f"forkd: error: {inert(exc, MAX_ERROR_CHARS)}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("forkd: interrupted", err=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from litestar import Litestar, Request, Response, Router, delete, get, post, put
 from litestar.connection import ASGIConnection
@@ -82,6 +83,7 @@ from forkd.errors import (
     NotFound,
 )
 from forkd.jsondoc import check_body
+from forkd.names import inert
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (InvalidInput, 400),
@@ -94,6 +96,7 @@ MAX_FILE_BYTES = MAX_PUT_BYTES  # PUT .../files: what one request carries into a
 MAX_JSON_BYTES = 10_000_000  # any other request body (Litestar's default, made explicit)
 MIN_TOKEN_BYTES = 32  # a bearer token shorter than this is refused at start
 MAX_TOKEN_BYTES = 4096  # and one longer (it must fit in a request header)
+MAX_MESSAGE_CHARS = 16_000  # an error message answered (guest text in it is cut before)
 OPENAPI = OpenAPIConfig(title="forkd controller", version="1", path="/schema")
 
 
@@ -245,6 +248,68 @@ def token_matches(presented: bytes, expected: bytes) -> bool:
     return bool(presented) and bool(expected) and hmac.compare_digest(presented, expected)
 
 
+TOKEN_RECHECK_S = 1.0  # how often a request in flight on TCP checks its token still holds
+
+
+def scope_token(scope: dict[str, Any]) -> bytes:
+    """The token of a request's one ``Authorization: Bearer`` header; b"" when there is
+    none, another scheme, or more than one Authorization header."""
+    given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
+    if len(given) != 1:
+        return b""
+    scheme, _, credential = bytes(given[0]).partition(b" ")
+    return credential.strip() if scheme.lower() == b"bearer" else b""
+
+
+class TokenWatch:
+    """ASGI middleware of the token listeners (the daemon's TCP, `forkd mcp`'s HTTP): a
+    request that carried the valid token is ended once the token stops matching (its file
+    replaced or removed, app.Token), checked every ``every`` seconds while it runs. A long
+    exec stream, file transfer or MCP event stream thus ends at a revocation instead of
+    going on for as long as its client reads: an answer not yet started is a 401 saying so,
+    a started one is cut (the connection closes before the answer is complete). Requests
+    without the token pass through to the app, whose guard answers them."""
+
+    def __init__(self, app: Any, token: Token, every: float = TOKEN_RECHECK_S) -> None:
+        self.app = app
+        self.token = token
+        self.every = every
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        presented = scope_token(scope)
+        if scope.get("type") != "http" or not token_matches(presented, self.token.current()):
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message.get("type") == "http.response.start"
+            await send(message)
+
+        revoked = False
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                nonlocal revoked
+                while token_matches(presented, self.token.current()):
+                    await anyio.sleep(self.every)
+                revoked = True
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            await self.app(scope, receive, tracked)
+            group.cancel_scope.cancel()
+        if revoked and not started:
+            body = ErrorBody(type="Unauthorized", exit_code=8, message=(
+                "the bearer token was revoked while this request ran; send the new token"))
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"),
+                (b"www-authenticate", b'Bearer realm="forkd"')]})
+            await send({"type": "http.response.body",
+                        "body": msgspec.json.encode(ErrorAnswer(error=body))})
+
+
 def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
     """The caller for the audit log: ``HOST:PORT`` on TCP, ``uid=N pid=N`` on the socket
     (from SO_PEERCRED, see server.UnixPeerProtocol), ``-`` when unknown."""
@@ -283,7 +348,15 @@ def audited(
 
 def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
     """The HTTP status and error body of an exception (the error family's). A request
-    that does not match its declared type (api.py) is InvalidInput, saying what is wrong."""
+    that does not match its declared type (api.py) is InvalidInput, saying what is wrong.
+    The message is inert (names.inert): what a guest wrote into it (an agent's refusal, a
+    console tail) reaches a client's terminal as visible text, never as its commands."""
+    status, body = _answer_of(exc)
+    body.message = inert(body.message, MAX_MESSAGE_CHARS)
+    return status, body
+
+
+def _answer_of(exc: Exception) -> tuple[int, ErrorBody]:
     if isinstance(exc, ValidationException):
         exc = InvalidInput(f"{explained(exc)} (docs/api.md)")
     if isinstance(exc, RequestEntityTooLarge):

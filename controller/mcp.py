@@ -24,16 +24,25 @@ from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio.from_thread
 import msgspec
+import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
-from forkd.controller.app import Token, token_matches
+from forkd.controller.app import (
+    MAX_MESSAGE_CHARS,
+    Token,
+    TokenWatch,
+    scope_token,
+    token_matches,
+)
 from forkd.controller.sdk import Controller, Sandbox
+from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
+from forkd.names import inert
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
 MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
@@ -81,14 +90,19 @@ def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except ToolError:
             raise
         except ForkdError as exc:
-            raise ToolError(f"{type(exc).__name__}: {hidden_host_paths(str(exc))}") from exc
+            raise ToolError(f"{type(exc).__name__}: {error_text(exc)}") from exc
         except Exception as exc:  # a bug or the host's trouble: say so, keep serving
             raise ToolError(
-                f"unexpected {type(exc).__name__}: {hidden_host_paths(str(exc))}; the MCP "
+                f"unexpected {type(exc).__name__}: {error_text(exc)}; the MCP "
                 "server is still running (its stderr has the details)"
             ) from exc
 
     return wrapper
+
+
+def error_text(exc: Exception) -> str:
+    """An error's message for a tool result: host paths hidden, guest text inert."""
+    return inert(hidden_host_paths(str(exc)), MAX_MESSAGE_CHARS)
 
 
 def plain(value: Any) -> Any:
@@ -419,13 +433,37 @@ def serve_stdio(controller: Controller) -> None:
     build_server(controller).run("stdio")
 
 
+MAX_SESSIONS = 256  # open MCP sessions of one `forkd mcp --transport http`; more: 503
+SESSION_IDLE_S = 600.0  # a session with no request in flight for this long is closed
+
+
+def http_server(
+    controller: Controller,
+    host: str,
+    port: int,
+    path: str,
+    token: Token,
+    limits: Limits = DEFAULT_LIMITS,
+    max_sessions: int = MAX_SESSIONS,
+    session_idle_s: float = SESSION_IDLE_S,
+) -> uvicorn.Server:
+    """The streamable-HTTP server, not started: the daemon's listener bounds (server.
+    bounded_config: head deadline, connection cap, no WebSocket), and at most
+    ``max_sessions`` MCP sessions, each closed after ``session_idle_s`` without a request
+    in flight (the SDK's: a new session past the limit gets 503 "Too many open sessions")."""
+    app = build_server(controller).streamable_http_app(
+        streamable_http_path=path, host=host, max_sessions=max_sessions,
+        session_idle_timeout=session_idle_s,
+    )
+    guarded = TokenWatch(BearerAuth(app, token), token)  # a revoked token ends its streams
+    config = bounded_config(guarded, limits=limits, host=host, port=port)
+    return uvicorn.Server(config)
+
+
 def serve_http(controller: Controller, host: str, port: int, path: str, token: Token) -> None:
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
-    import uvicorn
-
-    app = build_server(controller).streamable_http_app(streamable_http_path=path, host=host)
-    uvicorn.run(BearerAuth(app, token), host=host, port=port, log_level="warning")
+    http_server(controller, host, port, path, token).run()
 
 
 class BearerAuth:
@@ -470,9 +508,4 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: dict[str, Any]) -> bool:
-        given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
-        if len(given) != 1:
-            return False
-        scheme, _, credential = given[0].partition(b" ")
-        return scheme.lower() == b"bearer" and token_matches(credential.strip(),
-                                                              self.token.current())
+        return token_matches(scope_token(scope), self.token.current())

@@ -11,25 +11,29 @@ import signal
 import socket
 import stat
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
+import h11
+import msgspec
 import uvicorn
-from litestar import Litestar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from forkd.audit import AuditLog
-from forkd.controller.api import PoolRequest
+from forkd.controller.api import ErrorAnswer, ErrorBody, PoolRequest
 from forkd.controller.app import (
     MAX_TOKEN_BYTES,
     ControllerMetrics,
     Token,
+    TokenWatch,
     checked_token,
     create_app,
 )
 from forkd.controller.backend import MAX_SANDBOXES, LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
+from forkd.engine.errors import Busy
 from forkd.engine.lazy.spare import SpareKeeper
 from forkd.engine.paths import run_dir
 from forkd.engine.pool import Pool
@@ -148,8 +152,8 @@ def _serve(
     unix_app = create_app(backend, audit, metrics, None)
     servers.append((_server(unix_app, UnixPeerProtocol), unix))
     if listen and token is not None:
-        tcp_app = create_app(backend, audit, metrics, token)
-        servers.append((_server(tcp_app, "h11"), _tcp_listener(listen)))
+        tcp_app = TokenWatch(create_app(backend, audit, metrics, token), token)
+        servers.append((_server(tcp_app, BoundedProtocol), _tcp_listener(listen)))
     try:
         asyncio.run(_run(servers))
     finally:
@@ -164,32 +168,210 @@ class _Server(uvicorn.Server):
         yield
 
 
-class UnixPeerProtocol(H11Protocol):
+MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
+MAX_CONNECTIONS = 256  # open connections, and requests in flight, per listener; more: 503
+HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this (docs/api.md)
+STALL_TIMEOUT_S = 60.0  # an answer the client does not read for this long: closed
+LINGER_S = 1.0  # a refused connection is read (and dropped) this long, then closed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one connection may hold of a listener (docs/api.md, "Connections")."""
+
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    stall_timeout_s: float = STALL_TIMEOUT_S
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class BoundedConfig(uvicorn.Config):
+    """A uvicorn Config that carries the Limits its BoundedProtocol connections keep."""
+
+    def __init__(self, app: Any, limits: Limits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+
+def _raw_answer(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer with the controller's error body (api.ErrorAnswer), for a
+    connection that gets no request cycle (refused, or its head never came)."""
+    body = msgspec.json.encode(ErrorAnswer(error=ErrorBody(
+        type="Busy", message=message, exit_code=Busy.exit_code)))
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n")
+    if status == 503:
+        head += "retry-after: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class BoundedProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a bound on everything a client can hold by being slow:
+
+    - a request head must arrive whole within ``head_timeout_s`` of the connection's start,
+      and again of the end of each answer: a client that sends its head byte by byte, idles
+      on a kept-alive connection, or drips the rest of a body the answer did not read (a
+      401's) is closed then (the deadline is fixed: bytes arriving do not extend it);
+    - a request body the app waits for must keep coming: at least MIN_BODY_BYTES in every
+      ``head_timeout_s``, else the connection is closed;
+    - an answer the client does not read (writing paused) for ``stall_timeout_s`` ends the
+      connection (the relay then ends the stream and its command, app.relayed);
+    - past ``max_connections`` open connections, or requests in flight, a new connection
+      gets a 503 saying so and is closed; it is not counted while it lingers.
+    Applied to every listener by bounded_config."""
+
+    MIN_BODY_BYTES = 16 * 1024
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.limits = config.limits if isinstance(config, BoundedConfig) else Limits()
+        self.limit_concurrency = None  # decided here (one message), not by uvicorn
+        self.app = self._admitted(self.app)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
+        self._seen_cycle: object = None
+        self._received = 0  # bytes since the body window started
+        self._refused = False
+
+    def _admitted(self, app: Any) -> Any:
+        async def admitted(scope: Any, receive: Any, send: Any) -> None:
+            if len(self.tasks) > self.limits.max_connections:  # this request's task counts
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"retry-after", b"1"), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": self._busy_body()})
+                return
+            await app(scope, receive, send)
+
+        return admitted
+
+    def _busy_message(self) -> str:
+        return (f"the server is at its limit of {self.limits.max_connections} open connections "
+                "and requests in flight; retry in a moment, or close connections you do not "
+                "use (docs/api.md, Connections)")
+
+    def _busy_body(self) -> bytes:
+        return msgspec.json.encode(ErrorAnswer(error=ErrorBody(
+            type="Busy", message=self._busy_message(), exit_code=Busy.exit_code)))
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if (len(self.connections) > self.limits.max_connections
+                or len(self.tasks) >= self.limits.max_connections):
+            self._refuse(transport)
+            return
+        self._arm(self._head_late, self.limits.head_timeout_s)
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        self._refused = True
+        self.connections.discard(self)
+        transport.write(_raw_answer(503, "Service Unavailable", self._busy_message()))
+        if transport.can_write_eof():
+            transport.write_eof()  # the answer, then EOF; its request is read and dropped
+        self._deadline = self.loop.call_later(LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.transport.is_closing() or self.cycle is None or self.cycle is self._seen_cycle:
+            return
+        self._seen_cycle = self.cycle  # a new request's head arrived whole
+        self._cancel_deadline()
+        if self.conn.their_state is h11.SEND_BODY:
+            self._received = 0
+            self._arm(self._body_slow, self.limits.head_timeout_s)
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():  # armed first: a pipelined head disarms it
+            self._arm(self._head_late, self.limits.head_timeout_s)
+        super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.limits.stall_timeout_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        self.resume_writing()  # cancels the stall timer
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def _arm(self, callback: Callable[[], None], seconds: float) -> None:
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(seconds, callback)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_late(self) -> None:
+        self._deadline = None
+        if self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:
+            self.transport.write(_raw_answer(408, "Request Timeout", (
+                f"the request head did not arrive whole within {self.limits.head_timeout_s:g} "
+                "s; send the request line and headers at once")))
+        self.transport.close()
+
+    def _body_slow(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is not h11.SEND_BODY or self.cycle is not self._seen_cycle:
+            return
+        if self._received < self.MIN_BODY_BYTES and not self.flow.read_paused:
+            # (while reading is paused the app is not taking the body: the pace is ours)
+            self.transport.abort()  # the app waiting for the body sees the client gone
+            return
+        self._received = 0
+        self._arm(self._body_slow, self.limits.head_timeout_s)
+
+
+class UnixPeerProtocol(BoundedProtocol):
     """HTTP on the Unix socket, with the caller's credentials (SO_PEERCRED) as the ASGI
     ``client``: host ``"uid=N pid=N"`` and port = pid, for the audit log (app.peer)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
-        if sock is None or sock.family != socket.AF_UNIX:
+        if self._refused or sock is None or sock.family != socket.AF_UNIX:
             return
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _gid = struct.unpack("3i", creds)
         self.client = (f"uid={uid} pid={pid}", pid)
 
 
-MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
-MAX_CONNECTIONS = 256  # open connections and in-flight requests per listener; more: 503
-
-
-def _server(app: Litestar, http: type[asyncio.Protocol] | Literal["h11"]) -> uvicorn.Server:
-    """Both listeners parse with h11, which bounds a request's head (httptools, uvicorn's
-    "auto", buffers a URL of any length until its line ends)."""
-    config = uvicorn.Config(
-        app, http=http, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=MAX_HEAD, limit_concurrency=MAX_CONNECTIONS,
+def bounded_config(
+    app: Any,
+    protocol: type[BoundedProtocol] = BoundedProtocol,
+    limits: Limits = DEFAULT_LIMITS,
+    **kwargs: Any,
+) -> BoundedConfig:
+    """The uvicorn Config of every forkd listener (the daemon's Unix socket and TCP, `forkd
+    mcp`'s HTTP): h11 with a bounded head (httptools, uvicorn's "auto", buffers a URL of
+    any length until its line ends), BoundedProtocol's deadlines and connection cap, and
+    no WebSocket upgrade (an upgraded connection would leave the protocol's bounds)."""
+    return BoundedConfig(
+        app, limits, http=protocol, ws="none", log_level="warning",
+        h11_max_incomplete_event_size=MAX_HEAD, **kwargs,
     )
-    return _Server(config)
+
+
+def _server(app: Any, protocol: type[BoundedProtocol]) -> uvicorn.Server:
+    return _Server(bounded_config(app, protocol, lifespan="on", timeout_graceful_shutdown=5))
 
 
 async def _run(servers: list[tuple[uvicorn.Server, socket.socket]]) -> None:

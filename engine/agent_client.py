@@ -42,6 +42,7 @@ from forkd.engine.commands import (
 from forkd.engine.errors import AgentError
 from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
+from forkd.names import inert
 
 PROTOCOL = 2
 RELAY_SOCKET = "agent-mux.sock"
@@ -143,7 +144,7 @@ def _new_ids() -> Callable[[], str]:
 def _raise_for(op: str, reply: dict[str, Any]) -> None:
     err = reply["error"]  # an object (parse_frame)
     # the guest's words, bounded: they go into an error the API returns and logs keep
-    message = str(err.get("message", "no message"))[:2000]
+    message = inert(err.get("message", "no message"), 2000)
     kind = err.get("type")
     if kind == "not_found":
         raise NotFound(f"{op}: {message}")
@@ -283,7 +284,8 @@ class AgentClient:
             if "hello" in msg:
                 hello: dict[str, Any] = msg["hello"]
                 if hello.get("protocol") != PROTOCOL:
-                    raise AgentError(f"guest agent speaks protocol {hello.get('protocol')}, "
+                    spoken = inert(hello.get("protocol"), 80)
+                    raise AgentError(f"guest agent speaks protocol {spoken}, "
                                      f"the host speaks {PROTOCOL}; rebuild the image")
                 self.hello = hello
                 return hello
@@ -588,7 +590,7 @@ def _start_relay(d: Path, alive: Callable[[], bool] | None, timeout: float) -> A
         with contextlib.suppress(AgentError, OSError):
             return _relay_client(d / RELAY_SOCKET, alive)
         if proc.poll() is not None:
-            tail = (d / RELAY_LOG).read_text(errors="replace")[-2000:]
+            tail = inert((d / RELAY_LOG).read_text(errors="replace")[-2000:])
             raise AgentError(f"child {d.name}: its agent relay exited at once:\n{tail}")
         if time.monotonic() > deadline:
             proc.kill()

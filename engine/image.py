@@ -26,6 +26,7 @@ from forkd.engine.errors import GuestBuildError, HostError
 from forkd.engine.paths import cache_dir
 from forkd.engine.phases import phase
 from forkd.engine.recipe import Recipe
+from forkd.names import inert
 from forkd.store.tags import flock
 
 Progress = Callable[[str], None]
@@ -102,7 +103,7 @@ def _run(argv: list[str], what: str, *, cwd: Path | None = None, timeout: float 
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-15:]
         raise GuestBuildError(f"{what} failed (exit {p.returncode}): {' '.join(argv[:6])}...\n"
-                              + "\n".join(tail))
+                              + inert("\n".join(tail)))
     return p.stdout
 
 

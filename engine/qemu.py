@@ -21,6 +21,7 @@ from pathlib import Path
 from forkd.engine import qcow2
 from forkd.engine.errors import HostError, VMMError
 from forkd.engine.qmp import QMP
+from forkd.names import inert
 
 QEMU = os.environ.get("FORKD_QEMU", "qemu-system-x86_64")
 QEMU_IMG = "qemu-img"
@@ -385,7 +386,7 @@ class QemuVM:
                 lines = str(ring)[-LOG_TAIL_BYTES:].splitlines()[-n:]
                 if lines:
                     out.append("--- console:\n" + "\n".join(lines))
-        return "\n".join(out)
+        return inert("\n".join(out))  # the guest wrote the console: shown, never obeyed
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """QMP quit → wait → SIGKILL → wait. Safe to call twice."""

@@ -18,6 +18,7 @@ import time
 
 from forkd.engine.lifetimes import next_deadline, sweep_once
 from forkd.engine.paths import run_dir
+from forkd.names import inert
 from forkd.store.store import Store
 
 IDLE_EXIT_S = 10.0  # exit this long after the last deadline is gone
@@ -86,7 +87,8 @@ def main() -> int:
 
 
 def _log(text: str) -> None:
-    print(f"{time.strftime('%FT%T')} {text}".rstrip(), flush=True)
+    """A line of the watchdog's log; an error in it may carry a guest's words (names.inert)."""
+    print(f"{time.strftime('%FT%T')} {inert(text)}".rstrip(), flush=True)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,38 @@ def parse_ref(text: str) -> Ref:
     if not sep or "/" in tag:
         name, tag = text, DEFAULT_TAG
     return Ref(validate_name(name), validate_tag(tag))
+
+
+MAX_SHOWN = 4000  # characters of untrusted text an inert() message keeps by default
+# What a terminal obeys or reorders: C0 controls but newline and tab (ESC starts every
+# CSI/OSC/DCS sequence, CR rewrites a line), DEL, C1 controls (U+009B is a one-character
+# CSI, U+009D an OSC), the bidi marks, embeddings, overrides and isolates, the line and
+# paragraph separators, and lone surrogates (which a UTF-8 terminal write cannot encode).
+_CONTROL = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+    "\u2066-\u2069\ud800-\udfff]"
+)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def inert(text: object, limit: int = MAX_SHOWN) -> str:
+    """Untrusted text (a guest's error, console, file name or output) made safe to put in a
+    message, a log line or a terminal: every character a terminal would act on is shown
+    as its escape (``\\x1b``, ``\\u202e``), so an ESC/CSI/OSC sequence, a carriage return or
+    a bidi override is visible text, not an instruction; newlines and tabs stay. Over
+    ``limit`` characters its middle is cut (the start and the end are what explain a
+    failure). Applying it again changes nothing."""
+    shown_text = _CONTROL.sub(_escaped, str(text).replace("\r\n", "\n"))
+    if len(shown_text) <= limit:
+        return shown_text
+    room = max(0, limit - len(_CUT.format(len(shown_text))))  # the result fits in limit
+    head = room // 2
+    cut = _CUT.format(len(shown_text) - room)
+    return shown_text[:head] + cut + shown_text[len(shown_text) - (room - head):]
+
+
+_CUT = "\n[... {} characters cut ...]\n"

@@ -36,6 +36,7 @@ from forkd.engine.egress.secrets import SecretStore, guest_environment, secrets_
 from forkd.engine.errors import HostError
 from forkd.engine.qemu import pid_alive, pid_matches, qemu_environment
 from forkd.errors import InvalidInput
+from forkd.names import inert
 from forkd.store.store import default_home
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def log_tail(d: Path, n: int = 12) -> str:
         lines = (d / LOG_FILE).read_text(errors="replace").splitlines()[-n:]
     except OSError:
         return "(no egress.log)"
-    return f"--- {LOG_FILE}:\n" + "\n".join(lines)
+    return f"--- {LOG_FILE}:\n" + inert("\n".join(lines))  # names the guest asked for
 
 
 # -- the guest -----------------------------------------------------------------------------

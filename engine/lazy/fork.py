@@ -45,6 +45,7 @@ from forkd.engine.lazy.spare import Taken, ensure_spare, server_environment
 from forkd.engine.lazy.spool import SPOOL_NAME, Spooler
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
+from forkd.names import inert
 from forkd.pack.manifest import Descriptor
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -197,7 +198,7 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
         log_file = spawn.log
     tail = log_file.read_text(errors="replace").splitlines()[-15:] if log_file.exists() else []
     raise HostError(f"the lazy server of {source.name} did not start (log {log_file}):\n"
-                    + "\n".join(tail))
+                    + inert("\n".join(tail)))
 
 
 @contextlib.contextmanager
