@@ -53,6 +53,7 @@ from forkd.hub.models import Blob, Repository, Upload
 from forkd.hub.oci.common import (
     STREAM_CHUNK,
     Ctx,
+    RightsCheck,
     declared_length,
     link_blob,
     linked_blob_size,
@@ -346,8 +347,9 @@ def _reserve(
 
 
 def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
-    """``error``, recorded in the audit log when it is a quota's refusal."""
-    if error.code is Code.DENIED:
+    """``error``, recorded in the audit log when it is a refusal: a quota's, or the
+    caller's push withdrawn while the body arrived (``RightsCheck``)."""
+    if error.code in (Code.DENIED, Code.UNAUTHORIZED):
         ctx.audit("blob.push", target, "denied", reason=error.detail)
     return error
 
@@ -481,7 +483,11 @@ async def _stream_into(
     """Write the request body after ``offset`` (the upload's; ``start`` in ``f``) within
     ``room``; return the bytes written. A refused chunk is not kept (the file goes back to
     ``start``); what arrived before a client went away is (resumable; with shared
-    sessions only once recorded, so it is not: the client resends from the Range)."""
+    sessions only once recorded, so it is not: the client resends from the Range). The
+    caller's push is checked again every ``RIGHTS_RECHECK_S`` while the body arrives and
+    once more after its last byte (``RightsCheck``): once it is gone, nothing this
+    request sent is kept and it is refused (401/403)."""
+    check = RightsCheck(ctx, "push", "nothing this request sent was kept")
     written = 0
     shared = ctx.hub.shared is not None
     every = touch_every(ctx.hub.settings.upload_idle_timeout)
@@ -500,6 +506,7 @@ async def _stream_into(
                     headers=_session_headers(ctx, upload_id, offset),
                 )
             try:
+                await check()
                 await room.ensure(offset + written, offset + written + RESERVE_STEP)
             except RegistryError:
                 f.truncate(start)
@@ -514,6 +521,11 @@ async def _stream_into(
                 touched = time.monotonic()
                 if not await ctx.hub.db.write(touch, upload_id):
                     raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
+        try:
+            await check()  # the last byte may have come long after the last check
+        except RegistryError:
+            f.truncate(start)
+            raise
     finally:
         f.flush()  # keep what arrived, even when the client went away: resumable
     return written
