@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
@@ -204,6 +204,23 @@ def page_size(text: str | None, max_page: int) -> int:
         return parse_bound(text, "n", max_page)
     except InvalidInput as exc:
         raise RegistryError(Code.UNSUPPORTED, str(exc), status=400) from exc
+
+
+def page_after(text: str | None, validate: Callable[[str], str], what: str) -> str | None:
+    """The ``last`` of a paginated list (tags, catalog): absent, or a ``what`` (a tag, a
+    repository name) as ``validate`` takes it, since a page continues after one of those
+    the previous page's ``Link`` named; anything else (a megabyte of text compared with
+    every row) is 400. Empty is absent (some clients send ``last=`` on the first page)."""
+    if not text:
+        return None
+    try:
+        return validate(text)
+    except InvalidInput as exc:
+        raise RegistryError(
+            Code.UNSUPPORTED,
+            f"last must be a {what}, as the previous page's Link header names it: {exc}",
+            status=400,
+        ) from exc
 
 
 def parse_digest(text: str, code: Code = Code.DIGEST_INVALID) -> str:
