@@ -44,5 +44,6 @@ def _problem(entry: Any) -> str:
         return str(entry)
     key = str(entry.get("key") or "")[:80]
     source = entry.get("source")
+    source = getattr(source, "value", source)  # a ParamType: "query", not "ParamType.QUERY"
     where = f" ({source} parameter {key})" if source and key else f" (field {key})" if key else ""
     return str(entry.get("message", entry)) + where

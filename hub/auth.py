@@ -302,46 +302,78 @@ def permit(
     raise RegistryError(Code.NAME_UNKNOWN, f"repository {repository} not found")
 
 
-def still_permitted(session: Session, caller: Caller, repository: str, action: str) -> None:
-    """Inside the write transaction that makes a request's change: raise unless the
-    caller still holds ``action`` on ``repository`` now. ``authorize`` answered when the
-    request began; an upload, a manifest body or a compaction can take minutes after
-    that, and a user removed, a token revoked, a password changed or a membership taken
-    away meanwhile must not still store what it sent. The principal is re-resolved by id
-    and stamp (``accounts.token_principal``) and its access read again (``authz.access``,
-    narrowed by a bearer token's grant as ``permit`` does), in the transaction whose
-    commit makes the change; on PostgreSQL the user row is held ``FOR SHARE`` so a
-    removal waits for the commit. Sync ORM code (``Database.write`` or ``run_sync``)."""
+def rights_now(
+    session: Session, caller: Caller, repository: str, *, hold: bool = False
+) -> frozenset[str] | None:
+    """The actions ``caller`` holds on ``repository`` now, narrowed by its bearer token's
+    grant as ``permit`` narrows them; None when its principal is gone or no longer the
+    same (user removed, token revoked or expired, password changed: re-resolved by id and
+    stamp, ``accounts.token_principal``). ``authorize`` answered when a request began; a
+    request that runs on (an upload, a download, a compaction) asks again with this.
+    ``hold``: in the write transaction that makes a change, hold the user row ``FOR
+    SHARE`` (PostgreSQL) so a removal waits for the commit. Sync ORM code."""
     principal = caller.principal
     if not principal.anonymous:
-        held_row = session.scalars(
-            select(User.id).where(User.id == principal.user_id).with_for_update(read=True)
-        ).first()
+        query = select(User.id).where(User.id == principal.user_id)
+        held_row = session.scalars(query.with_for_update(read=True) if hold else query).first()
         fresh = (
             accounts.token_principal(session, held_row, principal.token_id, principal.stamp)
             if held_row is not None
             else None
         )
         if fresh is None:
-            raise RegistryError(
-                Code.UNAUTHORIZED,
-                "your account was removed, or its password or token changed, while this "
-                "request ran; nothing was stored: sign in again",
-            )
+            return None
         principal = replace(fresh, bearer_access=principal.bearer_access)
     _, held = authz.access(session, principal, repository)
-    granted = held
     if caller.grant is not None:
-        granted = held & caller.grant.access.get(repository, frozenset())
-    if action in granted:
-        return
-    if "pull" in granted:
-        raise RegistryError(
-            Code.DENIED,
-            f"{action} access to {repository} was withdrawn while this request ran; "
-            "nothing was stored",
+        return held & caller.grant.access.get(repository, frozenset())
+    return held
+
+
+def withdrawn(
+    caller: Caller, repository: str, action: str, granted: frozenset[str] | None, outcome: str
+) -> RegistryError | None:
+    """The refusal for a request whose caller held ``action`` on ``repository`` when it
+    began and holds ``granted`` now (``rights_now``), None while ``action`` is still
+    granted. ``outcome`` says what became of the request ("nothing was stored"). The
+    caller was told the repository exists when the request began, so losing it is 403
+    DENIED, not the 404 an outsider gets; a principal that is gone is 401."""
+    if granted is None:
+        return RegistryError(
+            Code.UNAUTHORIZED,
+            "your account was removed, or its password or token changed, while this "
+            f"request ran; {outcome}: sign in again",
         )
-    raise RegistryError(Code.NAME_UNKNOWN, f"repository {repository} not found")
+    if action in granted:
+        return None
+    return RegistryError(
+        Code.DENIED,
+        f"{action} access to {repository} was withdrawn while this request ran; {outcome}",
+    )
+
+
+def still_permitted(session: Session, caller: Caller, repository: str, action: str) -> None:
+    """Inside the write transaction that makes a request's change: raise unless the
+    caller still holds ``action`` on ``repository`` now (``rights_now``, holding the
+    user row), however long the request took since ``authorize``. Sync ORM code
+    (``Database.write`` or ``run_sync``)."""
+    granted = rights_now(session, caller, repository, hold=True)
+    refusal = withdrawn(caller, repository, action, granted, "nothing was stored")
+    if refusal is not None:
+        raise refusal
+
+
+async def still_allowed(
+    hub: Hub, caller: Caller, repository: str, action: str, outcome: str
+) -> None:
+    """``still_permitted`` for a request that streams (a blob download, an upload's
+    body): one short read transaction per call (``Database.read``), no session or
+    connection held between calls. Raise the refusal (``withdrawn``) when ``action`` is
+    no longer the caller's."""
+    granted = await hub.db.read(rights_now, caller, repository)
+    refusal = withdrawn(caller, repository, action, granted, outcome)
+    if refusal is not None:
+        raise refusal
 
 
 def _requested(scopes: list[str]) -> dict[str, frozenset[str]]:

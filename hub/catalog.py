@@ -27,13 +27,14 @@ from forkd.hub import accounts, authz, chains
 from forkd.hub.auth import authenticate
 from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.oci.common import in_chunks
+from forkd.hub.params import QueryNumber, Sort, SortText, page_of, parse_sort
 from forkd.hub.services import Hub
 from forkd.names import validate_name, validate_tag
 from forkd.pack import mediatypes as mt
 
 # Tags per page of a repository's detail (the most, and the default).
 TAGS_PER_PAGE = 100
-SORTS: dict[str, ColumnElement[Any]] = {
+SORTS: dict[Sort, ColumnElement[Any]] = {
     "updated": Repository.updated_at.desc(),
     "pulls": Repository.pull_count.desc(),
     "name": Repository.name.asc(),
@@ -100,11 +101,14 @@ class CatalogController(Controller):
         hub: NamedDependency[Hub],
         q: Annotated[str | None, Parameter(max_length=255)] = None,
         namespace: Annotated[str | None, Parameter(max_length=255)] = None,
-        sort: Annotated[str, Parameter(pattern="^(updated|pulls|name)$")] = "updated",
-        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
-        per_page: Annotated[int, Parameter(ge=1, le=100)] = 20,
+        sort: SortText = "updated",
+        page: QueryNumber = None,
+        per_page: QueryNumber = None,
     ) -> RepositoryPage:
-        """Search (substring of the name) and list repositories, newest or most pulled first."""
+        """Search (substring of the name) and list repositories, newest or most pulled first.
+        ``page`` 1-100000 and ``per_page`` 1-100 (default 20) in ASCII digits."""
+        pages = page_of(page, per_page, 20, 100)
+        order = parse_sort(sort)
         principal = await _principal(hub, request)
         await hub.pulls.flush(hub.db)  # counts are batched: make them current first
         async with hub.db.reading() as session:
@@ -123,9 +127,9 @@ class CatalogController(Controller):
             query: Select[Any] = (
                 select(Repository, tag_count)
                 .where(*where)
-                .order_by(SORTS[sort], Repository.name)
-                .offset((page - 1) * per_page)
-                .limit(per_page)
+                .order_by(SORTS[order], Repository.name)
+                .offset(pages.offset)
+                .limit(pages.size)
             )
             rows = (await session.execute(query)).all()
         items = [
@@ -139,7 +143,7 @@ class CatalogController(Controller):
             )
             for repo, count in rows
         ]
-        return RepositoryPage(items=items, page=page, per_page=per_page, total=total or 0)
+        return RepositoryPage(items=items, page=pages.number, per_page=pages.size, total=total or 0)
 
     @get("/repositories/{name:path}")
     async def get_repository(
@@ -147,11 +151,13 @@ class CatalogController(Controller):
         request: Request[object, object, State],
         hub: NamedDependency[Hub],
         name: FromPath[str],
-        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
-        per_page: Annotated[int, Parameter(ge=1, le=TAGS_PER_PAGE)] = TAGS_PER_PAGE,
+        page: QueryNumber = None,
+        per_page: QueryNumber = None,
     ) -> RepositoryDetail:
         """A repository with one page of its tags (by name): size, chain depth, parent and
-        push time of each; ``tags_total`` counts them all."""
+        push time of each; ``tags_total`` counts them all. ``page`` 1-100000, ``per_page``
+        1-``TAGS_PER_PAGE`` (its default)."""
+        pages = page_of(page, per_page, TAGS_PER_PAGE, TAGS_PER_PAGE)
         name = name.strip("/")
         try:
             validate_name(name)
@@ -193,15 +199,13 @@ class CatalogController(Controller):
                     .join(Manifest, on_tag)
                     .where(Tag.repository_id == repo.id)
                     .order_by(Tag.name)
-                    .offset((page - 1) * per_page)
-                    .limit(per_page)
+                    .offset(pages.offset)
+                    .limit(pages.size)
                 )
             ).all()
             # The shown tags' chains only (never every manifest of the repository).
             found: dict[str, Manifest] = {}
-            await session.run_sync(
-                chains.load_chains, repo.id, {row.digest for row in rows}, found
-            )
+            await session.run_sync(chains.load_chains, repo.id, {row.digest for row in rows}, found)
         # Read, hashed and parsed once per digest, in the fact readers' threads.
         sizes = await hub.sizes.many(
             functools.partial(_total_size, hub), [row.digest for row in rows], hub.readers.limiter()
@@ -230,8 +234,8 @@ class CatalogController(Controller):
             updated_at=repo.updated_at,
             tags=tags,
             tags_total=total or 0,
-            page=page,
-            per_page=per_page,
+            page=pages.number,
+            per_page=pages.size,
         )
 
 

@@ -51,6 +51,7 @@ from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members, quotas
 from forkd.hub.auth import authenticate, client_ip
 from forkd.hub.models import ROLES, Membership, Namespace, User
+from forkd.hub.oci.common import MAX_COUNT
 from forkd.hub.services import Hub
 from forkd.hub.tokens_api import _user
 from forkd.names import shown
@@ -106,7 +107,8 @@ class QuotaInfo:
 
 
 class QuotaSet(Body):
-    quota_bytes: int | None
+    # A byte count the database's BIGINT holds (past it, a 500 from the driver).
+    quota_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] | None
 
 
 class UserCreate(Body):

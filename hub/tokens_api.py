@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Annotated
 
+import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency
@@ -29,6 +31,7 @@ from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import SECRET_HEADERS, authenticate, client_ip
 from forkd.hub.models import ApiToken
+from forkd.hub.params import path_id
 from forkd.hub.services import Hub
 
 
@@ -44,7 +47,7 @@ class TokenInfo:
 class TokenCreate(Body):
     name: str
     scopes: list[str]
-    expires_days: int | None = None
+    expires_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] | None = None
 
 
 @dataclass
@@ -98,8 +101,6 @@ class TokenController(Controller):
         data: JSONBody[TokenCreate],
     ) -> TokenCreated:
         principal = await _owner(hub, request)
-        if data.expires_days is not None and not 1 <= data.expires_days <= 3650:
-            raise ValidationException("expires_days must be between 1 and 3650")
         try:
             async with hub.db.transaction() as session:
                 secret = await accounts.create_token(
@@ -131,17 +132,20 @@ class TokenController(Controller):
         info = _info(token)
         return TokenCreated(**info.__dict__, token=secret)
 
-    @delete("/{token_id:int}")
+    @delete("/{token_id:str}")
     async def revoke_token(
         self,
         request: Request[object, object, State],
         hub: NamedDependency[Hub],
-        token_id: FromPath[int],
+        token_id: FromPath[str],
     ) -> None:
+        """Revoke one of the caller's tokens by its id (ASCII digits, as the list shows
+        it: ``path_id``)."""
+        number = path_id(token_id, "token id")
         principal = await _owner(hub, request)
         async with hub.db.transaction() as session:
-            token = await session.get(ApiToken, token_id)
+            token = await session.get(ApiToken, number)
             if token is None or token.user_id != principal.user_id:
-                raise NotFoundException(f"no token {token_id}")
-            await accounts.revoke_token(session, token_id)
-        hub.audit.record(principal.name, client_ip(request), "token.revoke", str(token_id), "ok")
+                raise NotFoundException(f"no token {number}")
+            await accounts.revoke_token(session, number)
+        hub.audit.record(principal.name, client_ip(request), "token.revoke", str(number), "ok")

@@ -8,7 +8,7 @@ file-system backend.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -25,6 +25,7 @@ from forkd.hub.models import Blob, Repository, RepositoryBlob
 from forkd.hub.oci.common import (
     STREAM_CHUNK,
     Ctx,
+    RightsCheck,
     database_contention,
     parse_bound,
     parse_digest,
@@ -119,16 +120,35 @@ async def get(ctx: Ctx, digest: str, *, head: bool) -> Response[Any]:
     )
 
 
-def _read(ctx: Ctx, digest: str, offset: int, length: int) -> Iterator[bytes]:
-    with ctx.hub.blobs.open(digest) as f:
-        f.seek(offset)
+class DownloadCut(Exception):
+    """A download's caller lost pull while it streamed (``RightsCheck``): the response's
+    headers are sent, so no error document can follow; the connection is closed short of
+    ``Content-Length``, which every client reads as a failed transfer."""
+
+
+async def _read(ctx: Ctx, digest: str, offset: int, length: int) -> AsyncIterator[bytes]:
+    """The blob's bytes from ``offset``, ``length`` of them, read off the event loop. Every
+    ``RIGHTS_RECHECK_S`` the caller's pull is checked again (``RightsCheck``); once it is
+    gone the download is cut (``DownloadCut``) and the audit log says so."""
+    check = RightsCheck(ctx, "pull", "the download was cut")
+    f = await anyio.to_thread.run_sync(ctx.hub.blobs.open, digest)
+    try:
+        await anyio.to_thread.run_sync(f.seek, offset)
         while length > 0:
-            block = f.read(min(STREAM_CHUNK, length))
+            try:
+                await check()
+            except RegistryError as exc:
+                ctx.audit("blob.pull", digest, "cut", reason=exc.detail)
+                raise DownloadCut(exc.detail) from None
+            block = await anyio.to_thread.run_sync(f.read, min(STREAM_CHUNK, length))
             if not block:
                 return
             length -= len(block)
             ctx.hub.metrics.bytes_out.inc(len(block))
             yield block
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(f.close)
 
 
 async def delete_blob(ctx: Ctx, digest: str) -> Response[object]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
@@ -18,7 +19,14 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
-from forkd.hub.auth import Caller, authorize, client_ip, permit, still_permitted
+from forkd.hub.auth import (
+    Caller,
+    authorize,
+    client_ip,
+    permit,
+    still_allowed,
+    still_permitted,
+)
 from forkd.hub.db import SQLITE_BUSY_TIMEOUT_S, Database
 from forkd.hub.db import _busy as database_busy
 from forkd.hub.errors import Code, RegistryError
@@ -40,6 +48,9 @@ RETRY_AFTER_S = 2
 COUNT_RE = re.compile(r"[0-9]{1,19}", re.ASCII)
 DIGITS_RE = re.compile(r"[0-9]+", re.ASCII)
 MAX_COUNT = (1 << 63) - 1
+# How often a request that streams (a blob download, an upload's body) asks again whether
+# its caller still holds the right it began with (``RightsCheck``), in seconds.
+RIGHTS_RECHECK_S = 5.0
 
 
 @dataclass
@@ -121,6 +132,30 @@ class Ctx:
         return f"/v2/{self.name}/{suffix}"
 
 
+class RightsCheck:
+    """The caller's right to ``action`` on the request's repository, asked again while a
+    request streams: ``authorize`` answered when it began, and a download or an upload's
+    body can run for hours after that. Calling it is free until ``RIGHTS_RECHECK_S``
+    seconds have passed since the last answer; then it reads the rights again
+    (``auth.still_allowed``: a short read transaction, nothing held in between) and
+    raises 401 UNAUTHORIZED (the account removed, its password or the token changed) or
+    403 DENIED (the right withdrawn) when they are gone. ``outcome`` is what the refusal
+    says became of the request. A registry bearer token's expiry does not cut a request
+    that began with it: only what its subject lost."""
+
+    def __init__(self, ctx: Ctx, action: str, outcome: str) -> None:
+        self.ctx, self.action, self.outcome = ctx, action, outcome
+        self.interval = RIGHTS_RECHECK_S
+        self.due = time.monotonic() + self.interval
+
+    async def __call__(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        ctx = self.ctx
+        await still_allowed(ctx.hub, ctx.caller, ctx.name, self.action, self.outcome)
+        self.due = time.monotonic() + self.interval
+
+
 def parse_count(text: str, what: str, maximum: int = MAX_COUNT) -> int:
     """A non-negative whole number from a client (``what`` names it in the error): 1-19
     ASCII digits, at most ``maximum``; else InvalidInput, which each route turns into its
@@ -169,6 +204,23 @@ def page_size(text: str | None, max_page: int) -> int:
         return parse_bound(text, "n", max_page)
     except InvalidInput as exc:
         raise RegistryError(Code.UNSUPPORTED, str(exc), status=400) from exc
+
+
+def page_after(text: str | None, validate: Callable[[str], str], what: str) -> str | None:
+    """The ``last`` of a paginated list (tags, catalog): absent, or a ``what`` (a tag, a
+    repository name) as ``validate`` takes it, since a page continues after one of those
+    the previous page's ``Link`` named; anything else (a megabyte of text compared with
+    every row) is 400. Empty is absent (some clients send ``last=`` on the first page)."""
+    if not text:
+        return None
+    try:
+        return validate(text)
+    except InvalidInput as exc:
+        raise RegistryError(
+            Code.UNSUPPORTED,
+            f"last must be a {what}, as the previous page's Link header names it: {exc}",
+            status=400,
+        ) from exc
 
 
 def parse_digest(text: str, code: Code = Code.DIGEST_INVALID) -> str:

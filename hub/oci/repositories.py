@@ -11,8 +11,9 @@ from sqlalchemy import select
 from forkd.hub import authz
 from forkd.hub.auth import Caller, challenge
 from forkd.hub.models import Repository
-from forkd.hub.oci.common import HubRequest, page_size
+from forkd.hub.oci.common import HubRequest, page_after, page_size
 from forkd.hub.services import Hub
+from forkd.names import validate_name
 
 MAX_PAGE = 1000
 
@@ -21,8 +22,8 @@ async def list_catalog(hub: Hub, request: HubRequest, caller: Caller) -> Respons
     if caller.principal.anonymous and caller.grant is None:
         raise challenge(hub, request, "registry:catalog:*")
     params = request.query_params
-    n_text, last = params.get("n"), params.get("last")
-    n = page_size(n_text, MAX_PAGE)
+    n = page_size(params.get("n"), MAX_PAGE)
+    last = page_after(params.get("last"), validate_name, "repository name")
     async with hub.db.reading() as session:
         query = select(Repository.name).where(
             await session.run_sync(authz.visible, caller.principal)

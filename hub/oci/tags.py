@@ -8,7 +8,8 @@ from litestar import Response
 from sqlalchemy import select
 
 from forkd.hub.models import Tag
-from forkd.hub.oci.common import Ctx, page_size
+from forkd.hub.oci.common import Ctx, page_after, page_size
+from forkd.names import validate_tag
 
 MAX_PAGE = 10_000
 
@@ -16,8 +17,8 @@ MAX_PAGE = 10_000
 async def list_tags(ctx: Ctx) -> Response[object]:
     await ctx.allow("pull")
     params = ctx.request.query_params
-    n_text, last = params.get("n"), params.get("last")
-    n = page_size(n_text, MAX_PAGE)
+    n = page_size(params.get("n"), MAX_PAGE)
+    last = page_after(params.get("last"), validate_tag, "tag name")
     async with ctx.hub.db.reading() as session:
         repo = await ctx.repository(session)
         query = select(Tag.name).where(Tag.repository_id == repo.id).order_by(Tag.name)

@@ -46,14 +46,16 @@ from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
-from forkd.hub import quotas
+from forkd.hub import accounts, authz, quotas
 from forkd.hub.auth import still_permitted
 from forkd.hub.errors import Code, RegistryError
-from forkd.hub.models import Blob, Repository, Upload
+from forkd.hub.models import Blob, Repository, Upload, User
 from forkd.hub.oci.common import (
     STREAM_CHUNK,
     Ctx,
+    RightsCheck,
     declared_length,
+    in_chunks,
     link_blob,
     linked_blob_size,
     parse_count,
@@ -290,7 +292,7 @@ class _Room:
             return
         hub = self.ctx.hub
         self.reserved = True
-        self.end, self.refusal = await hub.db.write(
+        self.end, self.refusal, orphans = await hub.db.write(
             _reserve,
             hub,
             self.repo_id,
@@ -299,6 +301,8 @@ class _Room:
             min(wanted, self.cap),
             self.digest,
         )
+        for orphan in orphans:
+            await _remove_bytes(hub, orphan)
         if needed > self.end:
             assert self.refusal is not None
             raise self.refusal
@@ -323,15 +327,26 @@ def _reserve(
     offset: int,
     wanted: int,
     digest: str | None,
-) -> tuple[int, RegistryError | None]:
+) -> tuple[int, RegistryError | None, list[str]]:
     """Under the write lock: reserve room for the session's file to grow from ``offset``
-    to ``wanted`` bytes, as far as the quota allows. Returns the size reserved and the
-    refusal for more (None without a quota)."""
+    to ``wanted`` bytes, as far as the quota allows. Before the quota refuses room, the
+    namespace's orphaned sessions (``_orphaned``) are dropped: their bytes would count
+    against it until they expire. Returns the size reserved, the refusal for more (None
+    without a quota) and the sessions whose rows this dropped (the caller deletes their
+    bytes)."""
     held = quotas.upload_sessions_locked(session, repo_id, digest)
     if held.quota_left is None:
-        return wanted, None
+        return wanted, None, []
     live = _live(hub, held)
     in_flight = held.in_flight(live, upload_id)
+    orphans: list[str] = []
+    if held.quota_left - in_flight < wanted:
+        orphans = _orphaned(session, [s for s in live if s != upload_id])
+        if orphans:
+            session.execute(delete(Upload).where(Upload.id.in_(orphans)))
+            for orphan in orphans:
+                live.pop(orphan)
+            in_flight = held.in_flight(live, upload_id)
     granted = max(offset, min(wanted, held.quota_left - in_flight))
     session.execute(update(Upload).where(Upload.id == upload_id).values(reserved_bytes=granted))
     assert held.quota_bytes is not None  # a quota_left comes from a quota
@@ -342,12 +357,52 @@ def _reserve(
         "uploads in flight), this upload needs more; finish or cancel unfinished uploads, "
         "or ask for a larger quota"
     )
-    return granted, RegistryError(Code.DENIED, reason, message=reason)
+    return granted, RegistryError(Code.DENIED, reason, message=reason), orphans
+
+
+def _orphaned(session: Session, upload_ids: Iterable[str]) -> list[str]:
+    """Of ``upload_ids``, the sessions whose opener can no longer push where they were
+    opened: the user was removed, or holds no push on the repository now (removed from
+    its organisation or team, demoted to pull). A session is its opener's alone, so
+    nobody can finish these, yet until they expire (``upload_idle_timeout``) they count
+    against ``upload_sessions_max``, the opener's ``upload_sessions_per_user`` and the
+    namespace's quota, and could block those who may push. The opener is judged as the
+    user (any of its credentials may continue a session), not by the token it used.
+    Sessions without an opener (anonymous, or from before migration 0010) are not
+    judged. Sync ORM code; read only when a limit or the quota would refuse."""
+    rows = [
+        row
+        for chunk in in_chunks(upload_ids)
+        for row in session.execute(
+            select(Upload.id, Upload.user_id, Repository.name, Repository.is_public)
+            .join(Repository, Repository.id == Upload.repository_id)
+            .where(Upload.id.in_(chunk))
+        )
+    ]
+    openers: dict[int, list[tuple[str, str, bool]]] = {}
+    for upload_id, user_id, name, public in rows:
+        if user_id is not None:
+            openers.setdefault(user_id, []).append((upload_id, name, public))
+    orphaned: list[str] = []
+    for user_id, sessions in openers.items():
+        user = session.get(User, user_id)
+        if user is None:
+            orphaned += [upload_id for upload_id, _, _ in sessions]
+            continue
+        opener = accounts.Principal(user.id, user.name, user.is_admin)
+        grants = authz.grants(session, opener, {accounts.namespace_of(n) for _, n, _ in sessions})
+        orphaned += [
+            upload_id
+            for upload_id, name, public in sessions
+            if "push" not in grants.subject_actions(name, public)
+        ]
+    return orphaned
 
 
 def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
-    """``error``, recorded in the audit log when it is a quota's refusal."""
-    if error.code is Code.DENIED:
+    """``error``, recorded in the audit log when it is a refusal: a quota's, or the
+    caller's push withdrawn while the body arrived (``RightsCheck``)."""
+    if error.code in (Code.DENIED, Code.UNAUTHORIZED):
         ctx.audit("blob.push", target, "denied", reason=error.detail)
     return error
 
@@ -481,7 +536,11 @@ async def _stream_into(
     """Write the request body after ``offset`` (the upload's; ``start`` in ``f``) within
     ``room``; return the bytes written. A refused chunk is not kept (the file goes back to
     ``start``); what arrived before a client went away is (resumable; with shared
-    sessions only once recorded, so it is not: the client resends from the Range)."""
+    sessions only once recorded, so it is not: the client resends from the Range). The
+    caller's push is checked again every ``RIGHTS_RECHECK_S`` while the body arrives and
+    once more after its last byte (``RightsCheck``): once it is gone, nothing this
+    request sent is kept and it is refused (401/403)."""
+    check = RightsCheck(ctx, "push", "nothing this request sent was kept")
     written = 0
     shared = ctx.hub.shared is not None
     every = touch_every(ctx.hub.settings.upload_idle_timeout)
@@ -500,6 +559,7 @@ async def _stream_into(
                     headers=_session_headers(ctx, upload_id, offset),
                 )
             try:
+                await check()
                 await room.ensure(offset + written, offset + written + RESERVE_STEP)
             except RegistryError:
                 f.truncate(start)
@@ -514,6 +574,11 @@ async def _stream_into(
                 touched = time.monotonic()
                 if not await ctx.hub.db.write(touch, upload_id):
                     raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
+        try:
+            await check()  # the last byte may have come long after the last check
+        except RegistryError:
+            f.truncate(start)
+            raise
     finally:
         f.flush()  # keep what arrived, even when the client went away: resumable
     return written
@@ -663,7 +728,8 @@ def _add_upload(
 ) -> tuple[list[str], bool, RegistryError | None]:
     """Record a new session unless its namespace has ``upload_sessions_max`` open ones or
     its user ``upload_sessions_per_user`` (in all namespaces), after reclaiming unused
-    empty sessions (``EMPTY_SESSION_GRACE``) from a limit that is reached. Returns the
+    empty sessions (``EMPTY_SESSION_GRACE``), then orphaned ones (``_orphaned``), from a
+    limit that is reached. Returns the
     sessions whose rows this drops (expired or reclaimed: the caller deletes their
     bytes), whether a quota applies to uploading ``digest`` (``_Room``), and the refusal
     (429; nothing recorded) when a limit is still reached."""
@@ -681,7 +747,10 @@ def _add_upload(
     for counted, recorded, reserved, setting, who in limits:
         most = getattr(hub.settings, setting)
         if len(counted) >= most:
-            for reclaimed in _reclaim_empty(hub, counted, recorded, reserved):
+            dropped = _reclaim_empty(hub, counted, recorded, reserved)
+            if len(counted) - len(dropped) >= most:
+                dropped += _orphaned(session, [s for s in counted if s not in dropped])
+            for reclaimed in dropped:
                 stale.append(reclaimed)
                 live.pop(reclaimed, None)
                 mine.live.pop(reclaimed, None)

@@ -22,6 +22,8 @@ from forkd.hub import accounts, authz, members
 from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import ROLES, ApiToken, UiSession, User, utcnow
+from forkd.hub.oci.common import parse_count
+from forkd.hub.params import path_id
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -298,7 +300,7 @@ class AccountController(Controller):
         scopes = _field(form, "scopes", 1000)
         days = _field(form, "expires_days", 8)
         try:
-            expires = timedelta(days=int(days)) if days else None
+            expires = timedelta(days=parse_count(days, "expiry in days")) if days else None
             if expires is not None and not 1 <= expires.days <= 3650:
                 raise InvalidInput("expiry must be 1-3650 days")
             async with hub.db.transaction() as session:
@@ -311,29 +313,28 @@ class AccountController(Controller):
         hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
         return _show_once(request, ui, secret, name)
 
-    @post("/-/settings/tokens/{token_id:int}/revoke", request_max_body_size=FORM_MAX)
+    @post("/-/settings/tokens/{token_id:str}/revoke", request_max_body_size=FORM_MAX)
     async def revoke_token(
         self,
         request: HubRequest,
         hub: NamedDependency[Hub],
         ui: NamedDependency[UI],
-        token_id: FromPath[int],
+        token_id: FromPath[str],
     ) -> Response[Any]:
+        number = path_id(token_id, "token id")
         form = await _form(request)
         who = await _signed_in_with_password(ui, hub, request, form)
         async with hub.db.transaction() as session:
-            token = await session.get(ApiToken, token_id)
+            token = await session.get(ApiToken, number)
             allowed = token is not None and token.user_id == who.principal.user_id
             if token is not None and not allowed:
                 allowed = await session.run_sync(
                     authz.may_manage_robot, who.principal, token.user_id
                 )
             if token is None or not allowed:
-                raise NotFoundException(f"no token {token_id}")
-            await accounts.revoke_token(session, token_id)
-        hub.audit.record(
-            who.principal.name, client_ip(request), "token.revoke", str(token_id), "ok"
-        )
+                raise NotFoundException(f"no token {number}")
+            await accounts.revoke_token(session, number)
+        hub.audit.record(who.principal.name, client_ip(request), "token.revoke", str(number), "ok")
         return Redirect(NEW_TOKEN_PATH, status_code=303)
 
     @post("/-/settings/robots", request_max_body_size=FORM_MAX)

@@ -15,6 +15,14 @@ from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, authz
 from forkd.hub.models import Repository
+from forkd.hub.params import (
+    PAGES_MAX,
+    QueryNumber,
+    SortText,
+    page_of,
+    parse_sort,
+    query_number,
+)
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, checked_query, invalid, viewer
@@ -23,6 +31,7 @@ from forkd.hub.ui.render import render_markdown
 from forkd.names import validate_name, validate_tag
 
 PER_PAGE = 20
+SEARCH_PAGES = 10_000  # the last page of search results served
 FEATURED = 6
 VMMS = ("qemu", "firecracker")
 
@@ -61,10 +70,12 @@ class BrowseController(Controller):
         vmm: Annotated[str | None, Parameter(max_length=32)] = None,
         nokvm: Annotated[str | None, Parameter(max_length=8)] = None,
         chain: Annotated[str | None, Parameter(max_length=8)] = None,
-        sort: Annotated[str | None, Parameter(max_length=16)] = None,
-        page: Annotated[int, Parameter(ge=1, le=10_000)] = 1,
-        per_page: Annotated[int, Parameter(ge=1, le=100)] = PER_PAGE,
+        sort: SortText = "updated",
+        page: QueryNumber = None,
+        per_page: QueryNumber = None,
     ) -> Response[str]:
+        pages = page_of(page, per_page, PER_PAGE, 100, SEARCH_PAGES)
+        order = parse_sort(sort)
         who = await viewer(ui, hub, request)
         text = checked_query(q)
         ns = (namespace or "").strip()
@@ -75,9 +86,6 @@ class BrowseController(Controller):
                 raise invalid(exc) from exc
         if vmm and vmm not in VMMS:
             raise ValidationException(f"unknown VMM {vmm[:32]!r}: use one of {', '.join(VMMS)}")
-        order = sort or "updated"
-        if order not in queries.SORTS:
-            raise ValidationException("sort by updated, pulls or name")
         filters = queries.Filters(
             q=text,
             namespace=ns,
@@ -86,7 +94,9 @@ class BrowseController(Controller):
             chain=bool(chain),
             sort=order,
         )
-        items, total = await queries.search(hub, ui.facts, who.principal, filters, page, per_page)
+        items, total = await queries.search(
+            hub, ui.facts, who.principal, filters, pages.number, pages.size
+        )
         params: dict[str, Any] = {
             k: v
             for k, v in {
@@ -96,11 +106,11 @@ class BrowseController(Controller):
                 "nokvm": "1" if filters.without_kvm else "",
                 "chain": "1" if filters.chain else "",
                 "sort": order if order != "updated" else "",
-                "per_page": per_page if per_page != PER_PAGE else "",
+                "per_page": pages.size if pages.size != PER_PAGE else "",
             }.items()
             if v
         }
-        pages = max(1, -(-total // per_page))
+        last_page = max(1, -(-total // pages.size))
 
         def link(n: int) -> str:
             return "/-/search?" + urlencode({**params, "page": n} if n > 1 else params)
@@ -114,10 +124,10 @@ class BrowseController(Controller):
             vmms=VMMS,
             items=items,
             total=total,
-            page=page,
-            pages=pages,
-            prev_link=link(page - 1) if page > 1 else "",
-            next_link=link(page + 1) if page < pages else "",
+            page=pages.number,
+            pages=last_page,
+            prev_link=link(pages.number - 1) if pages.number > 1 else "",
+            next_link=link(pages.number + 1) if pages.number < last_page else "",
         )
 
     @get("/-/{path:path}")
@@ -132,9 +142,11 @@ class BrowseController(Controller):
         hub: NamedDependency[Hub],
         ui: NamedDependency[UI],
         path: FromPath[str],
-        page: Annotated[int, Parameter(ge=1, le=100_000)] = 1,
+        page: QueryNumber = None,
     ) -> Response[str]:
-        """``/NS`` (organisation or user), ``/NS/NAME`` (pack), ``/NS/NAME/-/tags/REF`` (tag)."""
+        """``/NS`` (organisation or user), ``/NS/NAME`` (pack), ``/NS/NAME/-/tags/REF`` (tag);
+        a pack's ``page`` of tags is 1-100000 in ASCII digits."""
+        number = query_number(page, "page", 1, PAGES_MAX)
         path = path.strip("/")
         name, sep, rest = path.partition("/-/")
         try:
@@ -144,7 +156,7 @@ class BrowseController(Controller):
         if "/" not in name and not sep:
             return await self._namespace(request, hub, ui, name)
         if not sep:
-            return await self._pack(request, hub, ui, name, page)
+            return await self._pack(request, hub, ui, name, number)
         kind, _, ref = rest.partition("/")
         if kind == "tags" and ref:
             return await self._tag(request, hub, ui, name, ref)

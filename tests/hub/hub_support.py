@@ -4,6 +4,7 @@ through the real `forkd hub` commands."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -170,3 +171,47 @@ def postgres_server() -> Iterator[Callable[[], str]]:
             stdin=subprocess.DEVNULL,
         )
         shutil.rmtree(root, ignore_errors=True)
+
+
+def unique_name(prefix: str) -> str:
+    """A user, organisation or repository name no other test of the session uses."""
+    return f"{prefix}{next(_counter)}x{time.monotonic_ns() % 10**9}"
+
+
+def org_with_pusher(hub: HubServer) -> tuple[str, tuple[str, str], tuple[str, str]]:
+    """A new organisation with a repository ``ORG/app`` (tag ``seed``): alice its admin,
+    bob a push member. Returns (org, alice, bob)."""
+    alice, bob = hub.add_user(unique_name("alice")), hub.add_user(unique_name("bob"))
+    org = unique_name("org")
+    with hub.client(alice) as c:
+        assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        r = c.put(f"/api/v1/orgs/{org}/members/{bob[0]}", json={"role": "push"})
+        assert r.status_code == 204, r.text
+        artifact(c, f"{org}/app", b"seed layer", tag="seed")  # the repository exists
+    return org, alice, bob
+
+
+class SlowBody:
+    """A request body that drips: ``parts`` sent one by one, the first at once, the
+    others only after ``go_on`` is set and then ``gap`` seconds apart. ``sent`` counts
+    the parts handed to the HTTP client; ``sent_first`` is set after the first."""
+
+    def __init__(self, parts: list[bytes], gap: float = 0.0) -> None:
+        self.parts, self.gap = parts, gap
+        self.sent = 0
+        self.sent_first = threading.Event()
+        self.go_on = threading.Event()
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i, part in enumerate(self.parts):
+            if i == 1:
+                self.sent_first.set()
+                assert self.go_on.wait(TIMEOUT)
+            elif i > 1:
+                time.sleep(self.gap)
+            self.sent += 1
+            yield part

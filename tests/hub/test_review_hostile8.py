@@ -108,8 +108,9 @@ def test_an_upload_whose_pusher_was_removed_meanwhile_stores_nothing(hub: HubSer
     """Bob began a monolithic upload into the organisation's private repository; alice
     removed him from the organisation while his bytes were arriving. The upload was
     authorised only when it began, so it was linked (201) and counted against the
-    organisation. Now the link's transaction checks again: 404 (he may not even see the
-    repository now) and the blob is not in it."""
+    organisation. Now the link's transaction checks again: 403 DENIED (he was told the
+    repository exists when the upload began: withdrawn, not unknown) and the blob is not
+    in it."""
     org, alice, bob = _org_with_pusher(hub)
     repo = f"{org}/app"
     body = _SlowBody(b"bob's first half ", b"and the second")
@@ -122,8 +123,9 @@ def test_an_upload_whose_pusher_was_removed_meanwhile_stores_nothing(hub: HubSer
             lambda: _remove_member(hub, alice, org, bob[0]),
             session_row=True,
         )
-    assert r.status_code == 404, r.text
-    assert error_code(r) == "NAME_UNKNOWN"
+    assert r.status_code == 403, r.text
+    assert error_code(r) == "DENIED"
+    assert "withdrawn while this request ran" in r.text
     assert not _blob_linked(hub, repo, digest)
 
 
