@@ -31,24 +31,19 @@ from typing import Any
 
 import httpx
 import pytest
-from hub_support import ADMIN, EMPTY_CONFIG, OCI_MANIFEST, HubServer, artifact, error_code, sha
+from hub_support import (
+    ADMIN,
+    EMPTY_CONFIG,
+    OCI_MANIFEST,
+    HubServer,
+    artifact,
+    error_code,
+    org_with_pusher,
+    sha,
+    unique_name,
+)
 
 TIMEOUT = 60
-
-
-def _name(prefix: str) -> str:
-    return f"{prefix}{time.monotonic_ns() % 10**9}"
-
-
-def _org_with_pusher(hub: HubServer) -> tuple[str, tuple[str, str], tuple[str, str]]:
-    """A new organisation: alice its admin, bob a push member."""
-    alice, bob, org = hub.add_user(_name("alice")), hub.add_user(_name("bob")), _name("org")
-    with hub.client(alice) as c:
-        assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
-        r = c.put(f"/api/v1/orgs/{org}/members/{bob[0]}", json={"role": "push"})
-        assert r.status_code == 204, r.text
-        artifact(c, f"{org}/app", b"seed layer", tag="seed")  # the repository exists
-    return org, alice, bob
 
 
 class _SlowBody:
@@ -111,7 +106,7 @@ def test_an_upload_whose_pusher_was_removed_meanwhile_stores_nothing(hub: HubSer
     organisation. Now the link's transaction checks again: 403 DENIED (he was told the
     repository exists when the upload began: withdrawn, not unknown) and the blob is not
     in it."""
-    org, alice, bob = _org_with_pusher(hub)
+    org, alice, bob = org_with_pusher(hub)
     repo = f"{org}/app"
     body = _SlowBody(b"bob's first half ", b"and the second")
     digest = sha(body.first + body.second)
@@ -132,7 +127,7 @@ def test_an_upload_whose_pusher_was_removed_meanwhile_stores_nothing(hub: HubSer
 def test_an_upload_with_a_token_revoked_meanwhile_stores_nothing(hub: HubServer) -> None:
     """The closing PUT of a chunked upload, sent with an API token that its owner revoked
     while the last chunk was arriving: 401, nothing linked."""
-    org, _alice, bob = _org_with_pusher(hub)
+    org, _alice, bob = org_with_pusher(hub)
     repo = f"{org}/app"
     token = hub.token(bob[0], f"{org}:push")
     with hub.client(bob) as c:
@@ -162,7 +157,7 @@ def test_a_manifest_whose_pusher_lost_push_meanwhile_is_not_recorded(hub: HubSer
     """A manifest body arrives slowly; the pusher is demoted to pull before it is all
     in. It used to be recorded and tagged (the check ran before the body was read); now
     403 DENIED, and the tag does not exist."""
-    org, alice, bob = _org_with_pusher(hub)
+    org, alice, bob = org_with_pusher(hub)
     repo = f"{org}/app"
     with hub.client(bob) as c:
         layer = b"bob's layer"
@@ -285,7 +280,7 @@ def test_every_route_refuses_outsiders_and_tells_nothing_of_what_exists(hub: Hub
     with names that exist nowhere: an anonymous caller and a signed-in outsider are
     refused (never 2xx/3xx on a private resource), and get the same answer for both
     fillings, so no route tells an outsider which private names exist."""
-    org, alice, bob = _org_with_pusher(hub)
+    org, alice, bob = org_with_pusher(hub)
     repo = f"{org}/secret"
     with hub.client(alice) as c:
         manifest, _ = artifact(c, repo, b"secret layer", tag="v1")
@@ -320,7 +315,7 @@ def test_every_route_refuses_outsiders_and_tells_nothing_of_what_exists(hub: Hub
     }
     routes = _route_table(hub)
     assert len(routes) > 40, routes  # the table was read, not an empty list
-    outsider = hub.add_user(_name("outsider"))
+    outsider = hub.add_user(unique_name("outsider"))
     for who in (None, outsider):
         with hub.client(who) as c:
             seen = _answers(c, routes, existing)
@@ -333,7 +328,7 @@ def test_every_route_refuses_outsiders_and_tells_nothing_of_what_exists(hub: Hub
 # -- 3. teams are memberships; bodies and lists are bounded -----------------------------
 def _robot_of(hub: HubServer, org: str) -> str:
     """A robot that is a member of ``org`` only (its admins manage it)."""
-    robot = _name("ci")
+    robot = unique_name("ci")
     with hub.client(ADMIN) as c:
         assert c.post("/api/v1/users", json={"name": robot, "robot": True}).status_code == 201
         r = c.put(f"/api/v1/orgs/{org}/members/{robot}", json={"role": "push"})
@@ -346,9 +341,9 @@ def test_a_robot_joins_a_team_only_through_who_manages_it(hub: HubServer) -> Non
     organisation's robot; a team gave that robot a role just the same (a team member
     holds the team's role in the organisation). Now the team routes apply the member
     rule: 403, and the robot is in no team. The robot's own admins still may."""
-    org, alice, _bob = _org_with_pusher(hub)
+    org, alice, _bob = org_with_pusher(hub)
     robot = _robot_of(hub, org)
-    eve, evil = hub.add_user(_name("eve")), _name("evil")
+    eve, evil = hub.add_user(unique_name("eve")), unique_name("evil")
     with hub.client(eve) as c:
         assert c.post("/api/v1/orgs", json={"name": evil}).status_code == 201
         r = c.post(f"/api/v1/orgs/{evil}/teams", json={"name": "t", "role": "admin"})
@@ -406,7 +401,7 @@ def test_a_new_team_names_a_bounded_list_of_members(hub: HubServer) -> None:
     ran four statements per name in one write transaction, holding SQLite's single write
     lock for minutes (any signed-in user can create an organisation to do it in). Now
     at most 100 names, 400 beyond."""
-    org, alice, bob = _org_with_pusher(hub)
+    org, alice, bob = org_with_pusher(hub)
     with hub.client(alice) as c:
         r = c.post(
             f"/api/v1/orgs/{org}/teams",
@@ -523,7 +518,7 @@ def test_a_manifest_naming_a_key_twice_is_refused(hub: HubServer, twice: str) ->
     Content-Type said), ``layers`` (blobs the repository holds) or ``subject``, while a
     first-key parser read an index, other layers or another subject. Refused: 400
     MANIFEST_INVALID, nothing recorded."""
-    who = hub.add_user(_name("dup"))
+    who = hub.add_user(unique_name("dup"))
     repo = f"{who[0]}/app"
     with hub.client(who) as c:
         _, body = artifact(c, repo, b"the checked layer")
