@@ -316,6 +316,9 @@ def main() -> None:
     ap.add_argument("--no-recorded-order", action="store_true",
                     help="publish no access order with the pack (the first lazy fork then "
                          "records it; the second prefetches in that order)")
+    ap.add_argument("--no-split", action="store_true",
+                    help="publish the built layers as they are: no split of their memory "
+                         "chunks by the working set (engine/lazy/record.py)")
     ap.add_argument("--phases", action="store_true",
                     help="log each lazy fork's phases (chain resolved, server ready, forked) "
                          "and each fork's first child's timings (QMP up, running, ready)")
@@ -336,6 +339,11 @@ def main() -> None:
         for name, (path, _) in packs.items():
             b = build(publisher, recipe.load(path), f"{name}:latest")
             print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)
+            if not o.no_recorded_order and not o.no_split:
+                t0 = time.perf_counter()
+                record.split_working_set(publisher, f"{name}:latest", PACKS[name][1])
+                print(f"split the memory chunks of {name} by its working set in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
         with embedded_hub(work / "hub") as hub, \
                 RegistryClient(hub, Credential(ADMIN, SECRET)) as client:
             credentials.save(hub.host, Credential(ADMIN, SECRET))

@@ -123,8 +123,11 @@ def logout(hub: str) -> None:
 @click.option(
     "--access-order",
     is_flag=True,
-    help="Record the working set (one lazy child of TAG, here) and publish it with the pack, "
-    'so the first lazy fork on any host prefetches it (docs/engine.md, "Lazy fork").',
+    help="Record the working set (the pages a child of TAG touches up to its first answer, "
+    "and the order a lazy child needs its chunks in) and publish it with the pack, so the "
+    "first lazy fork on any host prefetches it. TAG's memory chunks are split by those "
+    "pages first: the same image as a new layer, which TAG then names "
+    '(docs/engine.md, "Lazy fork").',
 )
 @json_option
 def push_cmd(
@@ -144,13 +147,19 @@ def push_cmd(
     text = read_readme(readme) if readme else None  # bad input fails before any upload
     store = Store.open()
     start = time.perf_counter()
+    if access_order:
+        from forkd.engine.lazy import record
+
+        before = store.resolve(tag)
+        after = record.split_working_set(store, tag)
+        if after != before:
+            click.echo(f"split {tag}'s memory chunks by its working set: {before} → {after} "
+                       "(the same image; the tag names the new layer)", err=True)
     with client, progress_bar(f"pushing {tag}", None) as advance:
         result = push(store, tag, ref, client, progress=advance)
         if text is not None or description is not None:
             set_readme(client, ref.name, text, description)
         if access_order:
-            from forkd.engine.lazy import record
-
             record.publish_order(store, tag, client, ref.name)
     _report(result, "pushed", time.perf_counter() - start, as_json)
 

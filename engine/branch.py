@@ -80,14 +80,28 @@ def anon_kib(pid: int, mem_path: Path) -> int:
     return 0
 
 
-def dirty_pages(pid: int, start: int, end: int) -> list[int]:
-    """Indices of pages in [start, end) that are private copies (written by the guest)."""
+def _pagemap(pid: int, start: int, end: int) -> array.array[int]:
+    """The pagemap entries of the pages in [start, end) of process ``pid``."""
     n = (end - start) // PAGE
     with open(f"/proc/{pid}/pagemap", "rb") as f:
         f.seek(start // PAGE * 8)
         a = array.array("Q")
         a.frombytes(f.read(n * 8))
-    return [i for i, e in enumerate(a) if e & (_PRESENT | _SWAPPED) and not e & _FILE]
+    return a
+
+
+def dirty_pages(pid: int, start: int, end: int) -> list[int]:
+    """Indices of pages in [start, end) that are private copies (written by the guest)."""
+    return [i for i, e in enumerate(_pagemap(pid, start, end))
+            if e & (_PRESENT | _SWAPPED) and not e & _FILE]
+
+
+def touched_pages(pid: int, start: int, end: int) -> list[int]:
+    """Indices of pages in [start, end) the process has mapped: read or written by the
+    guest (a file page it read, or its private copy of one it wrote), and the neighbours
+    of each that the kernel's fault-around mapped with it (up to 64 KiB around a fault,
+    pages already in the page cache)."""
+    return [i for i, e in enumerate(_pagemap(pid, start, end)) if e & (_PRESENT | _SWAPPED)]
 
 
 def save_device_state(q: QMP, path: Path) -> None:

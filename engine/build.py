@@ -116,6 +116,23 @@ def _record_build(store: Store, key: str, ref: str, snapshot: str) -> None:
             f.write_text(json.dumps({"ref": ref, "digest": snapshot}))
 
 
+def rerecord(store: Store, old: str, new: str) -> None:
+    """Builds recorded as snapshot ``old`` are ``new`` from now on (the same image: its
+    memory chunks split by the working set, engine/lazy/record.py), so building the recipe
+    again tags ``new`` instead of booting anew once ``old`` is collected."""
+    for f in _cache_files_of(store):
+        with contextlib.suppress(ValueError, KeyError, OSError, TypeError):
+            doc = json.loads(f.read_text())
+            if doc["digest"] == old:
+                f.write_text(json.dumps({"ref": doc["ref"], "digest": new}))
+
+
+def _cache_files_of(store: Store) -> list[Path]:
+    """Every build record ``store`` keeps and this user's shared ones."""
+    return [f for d in (store.builds_dir, cache_dir() / "builds") if d.is_dir()
+            for f in sorted(d.glob("*.json"))]
+
+
 def _cache_key(recipe: Recipe, accel: str) -> str:
     # Everything the snapshot depends on besides the recipe: the guest code, the
     # accelerator, QEMU, and the kernel command line the engine boots templates with.

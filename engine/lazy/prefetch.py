@@ -140,7 +140,13 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
 
     try:
         first = order[:recorded]  # what the children are about to fault on
+        later = order[recorded:]
         if working_set is not None:
+            # the recorded chunks past the working set (what only the recording child's
+            # read-ahead needed, engine/lazy/record.py) wait with the rest: a child that
+            # reads one fetches it then
+            held = _held(source, working_set, first)
+            first, later = first[:held], first[held:] + later
             try:
                 brought = workingset.fetch(source, working_set, first, on_chunk, to_hand,
                                            spool)
@@ -163,7 +169,7 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         if before_rest is not None:
             before_rest()
         with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, initializer=_background) as pool:
-            list(pool.map(one, order[recorded:]))  # what no child needed yet
+            list(pool.map(one, later))  # what no child needed yet
         progress.fetched_bytes += source.fetch_files()
         source.flush()  # the fetched chunks are in the store
         if not source.complete():
@@ -176,6 +182,16 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
         progress.state, progress.error = "failed", str(exc)
     progress.seconds = round(time.monotonic() - t0, 3)
     _save(report, progress)
+
+
+def _held(source: ChunkSource, blob: Descriptor, order: list[str]) -> int:
+    """How many of the first chunks of ``order`` working-set ``blob`` holds (all of
+    ``order`` when it does not fit: workingset.fetch does not use it then)."""
+    stored = {d: ref.stored for d, (ref, _) in source.refs.items()}
+    try:
+        return len(accessorder.working_set_chunks(order, stored, blob.size, "working set"))
+    except ForkdError:
+        return len(order)
 
 
 def _background() -> None:

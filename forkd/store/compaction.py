@@ -86,11 +86,11 @@ def flatten(store: Store, digest: str, tag: str, provenance: Provenance) -> str:
         None,
         {mt.ANNOTATION_COMPACTED_FROM: f"{provenance.from_tag}@{provenance.from_digest}"},
     )
-    _share_cache(store, images, new)
+    share_cache(store, images, new)
     return new
 
 
-def _share_cache(store: Store, images: dict[str, Path], new: str) -> None:
+def share_cache(store: Store, images: dict[str, Path], new: str) -> None:
     """Same bytes by construction: the head's cached images serve the new digest too."""
     new_cache = cache_of(store, new)
     if new_cache.exists():

@@ -455,6 +455,26 @@ def test_a_working_set_that_does_not_fit_its_order_is_not_used(
         source.close()
 
 
+class _Gated:
+    """prefetch.run in a thread of its own, held at ``before_rest`` until ``go``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        from forkd.engine.lazy import prefetch
+
+        self.go, self.waiting = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=prefetch.run, args=args,
+                                       kwargs={**kwargs, "before_rest": self._before_rest})
+        self.thread.start()
+
+    def _before_rest(self) -> None:
+        self.waiting.set()
+        assert self.go.wait(30)
+
+    def finish(self) -> None:
+        self.go.set()
+        self.thread.join(60)
+
+
 def test_the_rest_of_the_chain_waits_for_before_rest(chain_store: tuple[Store, Path],
                                                      hub: HubServer, tmp_path: Path) -> None:
     """prefetch.run: the recorded chunks come first; nothing else is fetched until
@@ -466,35 +486,58 @@ def test_the_rest_of_the_chain_waits_for_before_rest(chain_store: tuple[Store, P
     remote, who = _pushed(hub, store)
     recorded = list(open_local(store, "app:v2").refs)[:2]
     fresh = Store(tmp_path / "fresh")
-    go, waiting = threading.Event(), threading.Event()
-
-    def before_rest() -> None:
-        waiting.set()
-        assert go.wait(30)
-
     with RegistryClient(hub.target, Credential(*who)) as client:
         source = open_remote(fresh, parse_remote(remote), client)
         order = prefetch.plan(source, recorded, list(source.refs))
         progress = prefetch.Progress()
         report = tmp_path / "prefetch.json"
-        run = threading.Thread(target=prefetch.run, args=(
-            source, order, len(recorded), progress, report, "app:v2"),
-            kwargs={"before_rest": before_rest})
-        run.start()
+        run = _Gated(source, order, len(recorded), progress, report, "app:v2")
         try:
-            assert waiting.wait(30), "the recorded chunks did not arrive"
+            assert run.waiting.wait(30), "the recorded chunks did not arrive"
             assert source.fetched_chunks == len(recorded)
             saved = prefetch.read_progress(report)
             assert saved is not None and saved.state == "running"
             assert saved.fetched == len(recorded) and saved.recorded_seconds > 0
         finally:
-            go.set()
-            run.join(60)
+            run.finish()
         assert progress.state == "done", progress.error
         assert source.fetched_chunks == len(source.refs) > len(recorded)
         source.close()
     assert fresh.tags.read().get("app:v2") == source.head
     assert fresh.verify() == []
+
+
+def test_recorded_chunks_past_the_working_set_wait_for_before_rest(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path) -> None:
+    """prefetch.run with a working set that holds the first two of four recorded chunks
+    (engine/lazy/record.py: the chunks of the pages a child touched; the others only its
+    read-ahead needed): until ``before_rest`` returns only those two arrive, in the
+    working set's one request; then the rest of the chain, recorded ones first."""
+    from forkd.engine.lazy import prefetch
+
+    store, _ = chain_store
+    remote, who = _pushed(hub, store)
+    recorded = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, recorded[:2])
+    assert order.working_set is not None
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        plan = prefetch.plan(source, recorded, list(source.refs))
+        progress = prefetch.Progress()
+        run = _Gated(source, plan, len(recorded), progress, tmp_path / "prefetch.json",
+                     "app:v2", working_set=order.working_set)
+        try:
+            assert run.waiting.wait(30), "the working set did not arrive"
+            assert progress.streamed == 2 and source.fetched_chunks == 2  # one request
+            assert all(source.local(d) for d in recorded[:2])
+            assert not any(source.local(d) for d in recorded[2:])
+        finally:
+            run.finish()
+        assert progress.state == "done", progress.error
+        assert all(source.local(d) for d in source.refs)
+        source.close()
+    assert fresh.tags.read().get("app:v2") == source.head
 
 
 def test_the_working_set_from_the_spool_is_checked_and_served(

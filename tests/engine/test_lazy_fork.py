@@ -36,6 +36,7 @@ class Published:
     local: str  # the tag the lazy path gives it once complete
     fresh: Store  # a store that has never seen the pack
     who: tuple[str, str]  # the publisher (push right on lazy/tiny)
+    pushed_head: str  # the manifest pushed
 
 
 @pytest.fixture
@@ -49,7 +50,8 @@ def published(store: Store, tiny: str, tmp_path: Path,
         who = hub.add_user("lazy")
         hub.push(store, tiny, "lazy/tiny:v1", who)
         hub.public("lazy/tiny")
-        yield Published(hub, f"{hub.address}/lazy/tiny:v1", "lazy/tiny:v1", fresh, who)
+        yield Published(hub, f"{hub.address}/lazy/tiny:v1", "lazy/tiny:v1", fresh, who,
+                        store.resolve(tiny))
     finally:
         ch.kill_all(fresh)
         hub.stop()
@@ -208,14 +210,18 @@ def test_corrupt_chunk_from_the_hub_is_never_served(published: Published,
 
 def test_push_access_order_on_the_command_line(published: Published, store: Store, tiny: str,
                                                 tmp_path: Path, cleanup_children: None) -> None:
-    """`forkd push TAG REMOTE --access-order` (logged in with `forkd login`): the pack and
-    its recorded working set reach the hub, and the first lazy fork of a new store
-    prefetches that order from the start."""
+    """`forkd push TAG REMOTE --access-order` (logged in with `forkd login`): TAG's memory
+    chunks are split by the pages a child touches (the tag names the new layer, the same
+    image), the pack and its recorded working set (the chunks of those pages and no
+    other memory chunk) reach the hub, and the first lazy fork of a new store prefetches
+    that order from the start."""
     import os
     import subprocess
 
     from forkd.engine.lazy import fork as lazy
-    from forkd.engine.lazy import orders
+    from forkd.engine.lazy import orders, record
+    from forkd.pack.accessorder import working_set_chunks
+    from forkd.store.worksplit import pages_of
 
     env = {**os.environ, "FORKD_CREDENTIALS": str(tmp_path / "creds.json")}
     hub = published.hub.address
@@ -227,10 +233,25 @@ def test_push_access_order_on_the_command_line(published: Published, store: Stor
                              "--json"], text=True, capture_output=True, env=env, timeout=900,
                             stdin=subprocess.DEVNULL)
     assert pushed.returncode == 0, pushed.stderr
+    head = store.resolve(tiny)
+    assert head != published.pushed_head and "by its working set" in pushed.stderr
+    touched = record.load_touched(store, head)
+    memory = store.image_map(store.manifest(head), "memory", head)
+    assert touched and memory is not None
+    for chunk in memory.chunks:  # each wholly touched or wholly not
+        assert len({p in touched for p in pages_of(chunk)}) == 1, chunk
     published.hub.public("lazy/ordered")
     with published.hub.forkd_client(published.who) as client:
-        order = orders.fetch(client, "lazy/ordered", store.resolve(tiny))
+        order = orders.fetch(client, "lazy/ordered", head)
     assert order is not None and order.chunks, "the pushed pack has no access order on the hub"
+    assert order.working_set is not None
+    stored = {c.digest: c.stored for link in store.chain(head)
+              for role in ("memory", "disk")
+              if (m := store.image_map(link.manifest, role, link.digest)) is not None
+              for c in m.chunks}
+    held = working_set_chunks(order.chunks, stored, order.working_set.size, "working set")
+    cold = {c.digest for c in memory.chunks if not touched & set(pages_of(c))}
+    assert held and not cold & set(held)
     chunks = order.chunks
     res = lazy.fork(published.fresh, f"{hub}/lazy/ordered:v1", 1)
     assert len(res.children) == 1 and not res.errors
