@@ -318,7 +318,8 @@ def main() -> None:
                          "records it; the second prefetches in that order)")
     ap.add_argument("--no-split", action="store_true",
                     help="publish the built layers as they are: no split of their memory "
-                         "chunks by the working set (engine/lazy/record.py)")
+                         "chunks by the working set (engine/lazy/record.py; the layer an "
+                         "earlier run split, if the publisher store still holds it)")
     ap.add_argument("--phases", action="store_true",
                     help="log each lazy fork's phases (chain resolved, server ready, forked) "
                          "and each fork's first child's timings (QMP up, running, ready)")
@@ -339,7 +340,11 @@ def main() -> None:
         for name, (path, _) in packs.items():
             b = build(publisher, recipe.load(path), f"{name}:latest")
             print(f"built {name}{' (cached)' if b.cached else ''}", flush=True)
-            if not o.no_recorded_order and not o.no_split:
+            if o.no_split:  # the layer as built (before a split of an earlier run)
+                unsplit = record.split_from(publisher, publisher.resolve(f"{name}:latest"))
+                if unsplit is not None:
+                    publisher.tag(f"{name}:latest", unsplit, force=True)
+            elif not o.no_recorded_order:
                 t0 = time.perf_counter()
                 record.split_working_set(publisher, f"{name}:latest", PACKS[name][1])
                 print(f"split the memory chunks of {name} by its working set in "

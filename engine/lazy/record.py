@@ -100,7 +100,7 @@ def split_working_set(store: Store, tag: str, probe: str | None = None) -> str:
         return old  # split already
     touched = record_touched(store, tag, probe)
     head = split_memory(store, tag, touched)
-    _save(server_dir(store.home, head) / TOUCHED_FILE, {"manifest": head,
+    _save(server_dir(store.home, head) / TOUCHED_FILE, {"manifest": head, "from": old,
                                                        "pages": runs(touched)})
     build.rerecord(store, old, head)  # a build of the same recipe finds the split layer
     return head
@@ -120,6 +120,13 @@ def _load(path: Path, head: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and doc.get("manifest") == head else None
+
+
+def split_from(store: Store, head: str) -> str | None:
+    """The layer split_working_set made ``head`` from, when this store still holds it."""
+    doc = _load(server_dir(store.home, head) / TOUCHED_FILE, head)
+    old = doc.get("from") if doc is not None else None
+    return old if isinstance(old, str) and store.blobs.has(old) else None
 
 
 def load_touched(store: Store, head: str) -> set[int] | None:
