@@ -56,7 +56,12 @@ R = TypeVar("R")
 
 SandboxId = Annotated[
     str,
-    Field(min_length=1, max_length=128, description="A sandbox id (create_sandboxes gives them)."),
+    Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9-]*$",  # lifecycle.ID_RE: nothing that leaves the route
+        description="A sandbox id (create_sandboxes gives them).",
+    ),
 ]
 Tag = Annotated[
     str,

@@ -1,0 +1,208 @@
+"""The controller against the sixth hostile review: values that pick a route (ids in URL
+paths), two parsers of one request (an Authorization header twice, ambiguous framing), what
+one client holds of a listener, blocking guest requests whose caller is gone or whose token
+was revoked, and the MCP SDK's own errors. No VM: the real app, protocols and clients on
+uvicorn with short limits, and a fake guest agent where one must answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from net_support import free_port, wait_until
+
+from forkd.audit import AuditLog
+from forkd.controller import api, app, server
+from forkd.controller.backend import LocalBackend
+from forkd.controller.client import RemoteBackend
+from forkd.errors import InvalidInput
+from forkd.store.store import Store
+
+TOKEN = b"t" * 43
+QUICK = server.Limits(head_timeout_s=0.5, max_connections=6, stall_timeout_s=1.0,
+                      max_per_peer=3)
+
+
+@contextlib.contextmanager
+def running(web: uvicorn.Server) -> Iterator[None]:
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        wait_until("uvicorn started", lambda: web.started, 15)
+        yield
+    finally:
+        web.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture
+def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    short = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))  # sockets' paths fit 108 bytes
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORKD_RUN", str(short / "run"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _daemon_app(tmp_path: Path, token: app.Token | bytes | None) -> Any:
+    return app.create_app(LocalBackend(Store.open()), AuditLog(tmp_path / "a.log"),
+                          app.ControllerMetrics(), token)
+
+
+@pytest.fixture
+def unix(place: Path, tmp_path: Path) -> Iterator[Path]:
+    """The daemon's Unix-socket app and protocol, with QUICK limits."""
+    sock = place / "ctl.sock"
+    config = server.bounded_config(_daemon_app(tmp_path, None), server.UnixPeerProtocol, QUICK,
+                                   uds=str(sock))
+    with running(uvicorn.Server(config)):
+        yield sock
+
+
+@pytest.fixture
+def tcp(place: Path, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """The daemon's TCP app (token TOKEN, watched) and protocol, with QUICK limits."""
+    port = free_port()
+    token = app.Token(TOKEN)
+    watched = app.TokenWatch(_daemon_app(tmp_path, token), token)
+    config = server.bounded_config(watched, server.BoundedProtocol, QUICK,
+                                   host="127.0.0.1", port=port)
+    with running(uvicorn.Server(config)):
+        yield ("127.0.0.1", port)
+
+
+def _connect(where: Path | tuple[str, int], source: str | None = None) -> socket.socket:
+    family = socket.AF_UNIX if isinstance(where, Path) else socket.AF_INET
+    conn = socket.socket(family, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    if source is not None:
+        conn.bind((source, 0))
+    conn.connect(str(where) if isinstance(where, Path) else where)
+    return conn
+
+
+def _answer(conn: socket.socket, request: bytes) -> bytes:
+    conn.sendall(request)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _body(answer: bytes) -> dict[str, Any]:
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        size, _, rest = rest.partition(b"\r\n")
+        rest = rest[: int(size, 16)]
+    body: dict[str, Any] = json.loads(rest)
+    return body
+
+
+HEALTH = b"GET /healthz HTTP/1.1\r\nHost: forkd\r\n\r\n"
+
+
+# -- ids that pick a route --------------------------------------------------------------
+HOSTILE_IDS = ["../snapshots/tiny", "..", ".", "x/processes", "a?cascade=true", "a#b", "A",
+               "", "x" * 65, "a/../../v1/pools/tiny"]
+
+
+def _recording_backend() -> tuple[RemoteBackend, list[httpx.Request]]:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(404, json={"error": {"type": "NotFound", "message": "no",
+                                                   "exit_code": 4}})
+
+    backend = RemoteBackend(url="http://forkd")
+    backend.http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://forkd")
+    return backend, sent
+
+
+def _every_sandbox_call(b: RemoteBackend, sid: str) -> list[Any]:
+    """Each RemoteBackend method that puts a sandbox id into its URL, called with ``sid``."""
+    ex = api.ExecRequest(argv=["true"])
+    return [
+        lambda: b.sandbox(sid), lambda: b.kill(sid), lambda: b.pause(sid),
+        lambda: b.resume(sid), lambda: b.extend(sid, api.ExtendRequest(seconds=1)),
+        lambda: b.exec(sid, ex), lambda: list(b.exec_stream(sid, ex)),
+        lambda: b.eval(sid, api.EvalRequest(code="1")),
+        lambda: b.run_code(sid, api.RunCodeRequest(code="1")),
+        lambda: b.process_start(sid, api.ProcessStartRequest(argv=["true"])),
+        lambda: b.processes(sid),
+        lambda: b.process_wait(sid, "p1", api.ProcessWaitRequest()),
+        lambda: b.process_stdin(sid, "p1", api.ProcessStdinRequest(close=True)),
+        lambda: b.process_kill(sid, "p1", api.ProcessKillRequest()),
+        lambda: b.write_file(sid, "/tmp/x", b"x"), lambda: list(b.read_file(sid, "/tmp/x")),
+        lambda: b.branch(sid, api.BranchRequest(tag="t")),
+    ]
+
+
+@pytest.mark.parametrize("sid", HOSTILE_IDS)
+def test_a_sandbox_id_never_leaves_its_route_in_the_sdk(sid: str) -> None:
+    """RemoteBackend put ids into URLs as given: httpx resolves ``..``, so
+    ``kill("../snapshots/tiny")`` (an MCP agent's ``kill_sandbox``) sent ``DELETE
+    /v1/snapshots/tiny`` and deleted a snapshot; ``?``, ``#`` and ``/`` reached other
+    routes and parameters. Now every id is checked before a request is sent."""
+    backend, sent = _recording_backend()
+    for call in _every_sandbox_call(backend, sid):
+        with pytest.raises(InvalidInput, match="invalid sandbox id"):
+            call()
+    assert sent == []
+
+
+def test_a_handle_never_leaves_its_route_in_the_sdk() -> None:
+    backend, sent = _recording_backend()
+    for handle in ["../../../snapshots/tiny", "p1/../../x", "p1?x", ".."]:
+        with pytest.raises(InvalidInput, match="invalid process handle"):
+            backend.process_kill("sb-1", handle, api.ProcessKillRequest())
+    assert sent == []
+
+
+def test_a_reference_reaches_its_own_route_whole() -> None:
+    """A snapshot reference or pool tag keeps its slashes (NS/NAME:TAG), but a dot segment
+    is refused and ``?``/``#`` are sent quoted, so the daemon sees exactly the reference."""
+    backend, sent = _recording_backend()
+    for bad in ["../sandboxes/x", "a/../../v1/sandboxes/x", "a//b", "."]:
+        with pytest.raises(InvalidInput, match="invalid reference"):
+            backend.delete_snapshot(bad)
+        with pytest.raises(InvalidInput, match="invalid reference"):
+            backend.remove_pool(bad)
+    assert sent == []
+    with contextlib.suppress(Exception):
+        backend.delete_snapshot("ns/tiny:v1?cascade=true#x")
+    (request,) = sent
+    assert request.url.path == "/v1/snapshots/ns/tiny:v1?cascade=true#x"
+    assert request.url.params["cascade"] == "false"
+
+
+def test_an_mcp_tool_refuses_an_id_that_would_leave_its_route(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mcp = pytest.importorskip("forkd.controller.mcp")
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from forkd import Controller
+
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    served = mcp.build_server(Controller(local=True))
+    for sid in ["../snapshots/tiny", "x?cascade=true", "A"]:
+        with pytest.raises(ToolError, match="sandbox_id"):
+            asyncio.run(served.call_tool("kill_sandbox", {"sandbox_id": sid}))
