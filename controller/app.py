@@ -236,11 +236,10 @@ def checked_token(token: str, source: str) -> bytes:
 
 
 def presented_token(connection: ASGIConnection[Any, Any, Any, Any]) -> bytes:
-    """The token of ``Authorization: Bearer <token>``, or b"" when there is none."""
-    scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return b""
-    return value.strip().encode("latin-1", errors="replace")
+    """The token of ``Authorization: Bearer <token>``, or b"" when there is none, or more
+    than one Authorization header (scope_token: the guard and TokenWatch read the header
+    one way, so no request passes one and escapes the other)."""
+    return scope_token(connection.scope)
 
 
 def token_matches(presented: bytes, expected: bytes) -> bool:
@@ -251,9 +250,11 @@ def token_matches(presented: bytes, expected: bytes) -> bool:
 TOKEN_RECHECK_S = 1.0  # how often a request in flight on TCP checks its token still holds
 
 
-def scope_token(scope: dict[str, Any]) -> bytes:
+def scope_token(scope: Any) -> bytes:
     """The token of a request's one ``Authorization: Bearer`` header; b"" when there is
-    none, another scheme, or more than one Authorization header."""
+    none, another scheme, or more than one Authorization header (which one would count
+    is a parser's choice: the guard took the first, TokenWatch none, so a valid token
+    followed by another header was let in and never rechecked)."""
     given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
     if len(given) != 1:
         return b""
@@ -330,8 +331,11 @@ def require_token(
         return
     if not token_matches(presented_token(connection), ctl.token.current()):
         ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied")
+        many = sum(1 for k, _ in connection.scope["headers"] if k == b"authorization") > 1
         raise NotAuthorizedException(
-            "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
+            "more than one Authorization header: send one, Authorization: Bearer <token>"
+            if many else "missing or wrong bearer token",
+            headers={"WWW-Authenticate": 'Bearer realm="forkd"'},
         )
 
 

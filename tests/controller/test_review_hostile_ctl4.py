@@ -206,3 +206,20 @@ def test_an_mcp_tool_refuses_an_id_that_would_leave_its_route(
     for sid in ["../snapshots/tiny", "x?cascade=true", "A"]:
         with pytest.raises(ToolError, match="sandbox_id"):
             asyncio.run(served.call_tool("kill_sandbox", {"sandbox_id": sid}))
+
+
+# -- one header, two readers --------------------------------------------------------------
+@pytest.mark.parametrize("order", [("good", "bad"), ("bad", "good"), ("good", "good")])
+def test_an_authorization_header_given_twice_is_refused(
+        tcp: tuple[str, int], order: tuple[str, str]) -> None:
+    """The guard read the first Authorization header and TokenWatch (which ends a request
+    once its token is revoked) wanted exactly one: a valid token followed by any second
+    header was let in, and never rechecked while it ran. Both now read it one way."""
+    value = {"good": b"Bearer " + TOKEN, "bad": b"Bearer " + b"x" * 43}
+    head = b"".join(b"Authorization: " + value[o] + b"\r\n" for o in order)
+    got = _answer(_connect(tcp), b"GET /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\n" + head
+                  + b"\r\n")
+    assert got.startswith(b"HTTP/1.1 401"), got
+    assert "more than one Authorization header" in _body(got)["error"]["message"]
+    one = b"GET /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\nAuthorization: Bearer " + TOKEN
+    assert _answer(_connect(tcp), one + b"\r\n\r\n").startswith(b"HTTP/1.1 200")
