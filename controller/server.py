@@ -170,6 +170,7 @@ class _Server(uvicorn.Server):
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
 MAX_CONNECTIONS = 256  # open connections, and requests in flight, per listener; more: 503
+MAX_PER_PEER = 64  # of them one client holds: a uid on the Unix socket, an address on TCP
 HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this (docs/api.md)
 STALL_TIMEOUT_S = 60.0  # an answer the client does not read for this long: closed
 LINGER_S = 1.0  # a refused connection is read (and dropped) this long, then closed
@@ -182,6 +183,7 @@ class Limits:
     head_timeout_s: float = HEAD_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     stall_timeout_s: float = STALL_TIMEOUT_S
+    max_per_peer: int = MAX_PER_PEER
 
 
 DEFAULT_LIMITS = Limits()
@@ -195,16 +197,36 @@ class BoundedConfig(uvicorn.Config):
         self.limits = limits
 
 
-def _raw_answer(status: int, reason: str, message: str) -> bytes:
+def _raw_answer(status: int, reason: str, message: str, kind: type[Exception] = Busy) -> bytes:
     """A whole HTTP/1.1 answer with the controller's error body (api.ErrorAnswer), for a
-    connection that gets no request cycle (refused, or its head never came)."""
+    connection that gets no request cycle (refused, its head never came, or ambiguous)."""
     body = msgspec.json.encode(ErrorAnswer(error=ErrorBody(
-        type="Busy", message=message, exit_code=Busy.exit_code)))
+        type=kind.__name__, message=message, exit_code=getattr(kind, "exit_code", 1))))
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n")
     if status == 503:
         head += "retry-after: 1\r\n"
     return head.encode() + b"\r\n" + body
+
+
+def framing_problem(head: bytes) -> str | None:
+    """What makes a request head ambiguous to the readers between a client and forkd (a
+    TLS proxy in front reads it too), else None. h11 takes both, its own way, where a proxy
+    may take the other: Content-Length with Transfer-Encoding (h11 goes by the chunks, a
+    proxy by the length: the rest is read as a second request, smuggled), and a header
+    line folded onto the one before (obs-fold, which RFC 9112 5.2 has a server refuse:
+    h11 appends it to the previous header's value, a proxy may read it as a header)."""
+    lines = head.split(b"\n")[1:]  # after the request line
+    names = set()
+    for line in lines:
+        if line[:1] in (b" ", b"\t"):
+            return ("a header line continues the one before it (obsolete line folding); "
+                    "send each header on one line")
+        names.add(line.partition(b":")[0].strip().lower())
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return ("the request has both Content-Length and Transfer-Encoding, whose readers "
+                "may split it differently; send one of them")
+    return None
 
 
 class BoundedProtocol(H11Protocol):
@@ -279,6 +301,8 @@ class BoundedProtocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self._ambiguous():
+            return
         super().handle_events()
         if self.transport.is_closing() or self.cycle is None or self.cycle is self._seen_cycle:
             return
@@ -287,6 +311,26 @@ class BoundedProtocol(H11Protocol):
         if self.conn.their_state is h11.SEND_BODY:
             self._received = 0
             self._arm(self._body_slow, self.limits.head_timeout_s)
+
+    def _ambiguous(self) -> bool:
+        """Whether the next request head, once whole, may be read (framing_problem: an
+        ambiguous one gets a 400 and the connection is closed, nothing of it reaches the
+        app or is read as a next request). True: go on reading it."""
+        if self.transport.is_closing():
+            return False
+        data = self.conn.trailing_data[0]
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            end = data.find(b"\n\n")
+        if end < 0:
+            return True  # not whole yet (h11 bounds its size)
+        problem = framing_problem(bytes(data[:end]).replace(b"\r\n", b"\n"))
+        if problem is None:
+            return True
+        self.transport.write(_raw_answer(400, "Bad Request", problem, InvalidInput))
+        self._cancel_deadline()
+        self.transport.close()
+        return False
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():  # armed first: a pipelined head disarms it

@@ -223,3 +223,51 @@ def test_an_authorization_header_given_twice_is_refused(
     assert "more than one Authorization header" in _body(got)["error"]["message"]
     one = b"GET /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\nAuthorization: Bearer " + TOKEN
     assert _answer(_connect(tcp), one + b"\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+# -- ambiguous framing ----------------------------------------------------------------
+SMUGGLED = b"GET /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\n\r\n"
+AMBIGUOUS = {
+    "length-and-chunked": (b"POST /v1/compact HTTP/1.1\r\nHost: forkd\r\nContent-Length: "
+                           + b"%d" % (5 + len(SMUGGLED)) + b"\r\nTransfer-Encoding: chunked"
+                           b"\r\n\r\n0\r\n\r\n" + SMUGGLED, "both Content-Length and"),
+    "chunked-and-length": (b"POST /v1/compact HTTP/1.1\r\nHost: forkd\r\nTransfer-Encoding: "
+                           b"chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n", "send one of them"),
+    "folded": (b"GET /healthz HTTP/1.1\r\nHost: forkd\r\nX-A: 1\r\n Transfer-Encoding: chunked"
+               b"\r\n\r\n", "obsolete line folding"),
+    "folded-tab": (b"GET /healthz HTTP/1.1\r\nHost: forkd\r\nX-A: 1\r\n\tX-B: 2\r\n\r\n",
+                   "obsolete line folding"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AMBIGUOUS))
+def test_a_request_head_two_readers_may_split_differently_is_refused(
+        unix: Path, case: str) -> None:
+    """h11 took Content-Length with Transfer-Encoding (going by the chunks; a proxy in front
+    going by the length reads what follows as a second request) and folded header lines
+    (appended to the header before; RFC 9112 has a server refuse them). Each is a 400 and
+    the connection is closed: nothing of it is served, nothing after it is read."""
+    request, said = AMBIGUOUS[case]
+    conn = _connect(unix)
+    got = _answer(conn, request)
+    assert got.startswith(b"HTTP/1.1 400"), got
+    assert said in _body(got)["error"]["message"]
+    rest = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := conn.recv(65536):
+            rest += chunk
+    assert b"HTTP/1.1" not in rest, rest  # the smuggled request got no answer
+
+
+def test_a_plain_head_and_a_pipelined_one_are_served(unix: Path) -> None:
+    conn = _connect(unix)
+    body = b'{"ref": "nope", "to": "nope2"}'
+    two = (b"POST /v1/compact HTTP/1.1\r\nHost: forkd\r\nContent-Length: %d\r\n"
+           b"Content-Type: application/json\r\n\r\n" % len(body) + body + HEALTH)
+    conn.sendall(two)
+    got = b""
+    while got.count(b"HTTP/1.1 ") < 2:
+        chunk = conn.recv(65536)
+        assert chunk, got
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 4") and b"HTTP/1.1 200" in got, got
