@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import os
@@ -170,7 +171,9 @@ class _Server(uvicorn.Server):
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
 MAX_CONNECTIONS = 256  # open connections, and requests in flight, per listener; more: 503
-MAX_PER_PEER = 64  # of them one client holds: a uid on the Unix socket, an address on TCP
+# of them one client may hold (a uid on the Unix socket, an address on TCP): the others
+# always keep the rest
+MAX_PER_PEER = MAX_CONNECTIONS // 2
 HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this (docs/api.md)
 STALL_TIMEOUT_S = 60.0  # an answer the client does not read for this long: closed
 LINGER_S = 1.0  # a refused connection is read (and dropped) this long, then closed
@@ -195,6 +198,7 @@ class BoundedConfig(uvicorn.Config):
     def __init__(self, app: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.limits = limits
+        self.peers: collections.Counter[str] = collections.Counter()  # slots each client holds
 
 
 def _raw_answer(status: int, reason: str, message: str, kind: type[Exception] = Busy) -> bytes:
@@ -241,7 +245,11 @@ class BoundedProtocol(H11Protocol):
     - an answer the client does not read (writing paused) for ``stall_timeout_s`` ends the
       connection (the relay then ends the stream and its command, app.relayed);
     - past ``max_connections`` open connections, or requests in flight, a new connection
-      gets a 503 saying so and is closed; it is not counted while it lingers.
+      gets a 503 saying so and is closed; it is not counted while it lingers;
+    - one client (peer_of: a uid on the Unix socket, an address on TCP) holds at most
+      ``max_per_peer`` of them: a connection counts from its start until it is closed and
+      its request has ended, so a client cannot take every slot, by connections or by
+      requests it left running.
     Applied to every listener by bounded_config."""
 
     MIN_BODY_BYTES = 16 * 1024
@@ -256,6 +264,10 @@ class BoundedProtocol(H11Protocol):
         self._seen_cycle: object = None
         self._received = 0  # bytes since the body window started
         self._refused = False
+        self._peers = config.peers if isinstance(config, BoundedConfig) else None
+        self._peer: str | None = None  # the client whose slot this connection holds
+        self._running = 0  # its requests the app has not finished
+        self._lost = False
 
     def _admitted(self, app: Any) -> Any:
         async def admitted(scope: Any, receive: Any, send: Any) -> None:
@@ -265,7 +277,13 @@ class BoundedProtocol(H11Protocol):
                                         (b"retry-after", b"1"), (b"connection", b"close")]})
                 await send({"type": "http.response.body", "body": self._busy_body()})
                 return
-            await app(scope, receive, send)
+            self._running += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self._running -= 1
+                if self._lost and not self._running:
+                    self._release_peer()
 
         return admitted
 
@@ -282,14 +300,32 @@ class BoundedProtocol(H11Protocol):
         super().connection_made(transport)
         if (len(self.connections) > self.limits.max_connections
                 or len(self.tasks) >= self.limits.max_connections):
-            self._refuse(transport)
+            self._refuse(transport, self._busy_message())
             return
+        if self._peers is not None:
+            peer = peer_of(transport)
+            if self._peers[peer] >= self.limits.max_per_peer:
+                self._refuse(transport, (
+                    f"this client ({peer}) holds {self._peers[peer]} connections or requests "
+                    f"of this server, the most one client may ({self.limits.max_per_peer} of "
+                    f"{self.limits.max_connections}); close connections you do not use, or "
+                    "retry when your requests have ended (docs/api.md, Connections)"))
+                return
+            self._peers[peer] += 1
+            self._peer = peer
         self._arm(self._head_late, self.limits.head_timeout_s)
 
-    def _refuse(self, transport: asyncio.Transport) -> None:
+    def _release_peer(self) -> None:
+        if self._peer is not None and self._peers is not None:
+            self._peers[self._peer] -= 1
+            if self._peers[self._peer] <= 0:
+                del self._peers[self._peer]
+            self._peer = None
+
+    def _refuse(self, transport: asyncio.Transport, message: str) -> None:
         self._refused = True
         self.connections.discard(self)
-        transport.write(_raw_answer(503, "Service Unavailable", self._busy_message()))
+        transport.write(_raw_answer(503, "Service Unavailable", message))
         if transport.can_write_eof():
             transport.write_eof()  # the answer, then EOF; its request is read and dropped
         self._deadline = self.loop.call_later(LINGER_S, transport.abort)
@@ -353,6 +389,9 @@ class BoundedProtocol(H11Protocol):
         self.resume_writing()  # cancels the stall timer
         if self._refused:
             return
+        self._lost = True
+        if not self._running:
+            self._release_peer()
         super().connection_lost(exc)
 
     def _arm(self, callback: Callable[[], None], seconds: float) -> None:
@@ -382,6 +421,17 @@ class BoundedProtocol(H11Protocol):
             return
         self._received = 0
         self._arm(self._body_slow, self.limits.head_timeout_s)
+
+
+def peer_of(transport: asyncio.BaseTransport) -> str:
+    """Who a connection's client is, for the per-client bound: ``uid=N`` on a Unix socket
+    (SO_PEERCRED: a process cannot pick another's uid), the address on TCP (any port)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return f"uid={struct.unpack('3i', creds)[1]}"
+    peername = transport.get_extra_info("peername")
+    return str(peername[0]) if isinstance(peername, tuple) and peername else "unknown"
 
 
 class UnixPeerProtocol(BoundedProtocol):

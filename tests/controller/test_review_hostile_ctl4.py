@@ -271,3 +271,66 @@ def test_a_plain_head_and_a_pipelined_one_are_served(unix: Path) -> None:
         assert chunk, got
         got += chunk
     assert got.startswith(b"HTTP/1.1 4") and b"HTTP/1.1 200" in got, got
+
+
+# -- what one client holds of a listener -------------------------------------------------
+def _refused_as_one_client(conn: socket.socket, who: str) -> None:
+    got = _answer(conn, HEALTH)
+    assert got.startswith(b"HTTP/1.1 503"), got
+    message = _body(got)["error"]["message"]
+    assert f"this client ({who}) holds 3 connections" in message, message
+    assert "close connections you do not use" in message
+
+
+def test_one_uid_holds_at_most_its_share_of_the_unix_socket(unix: Path) -> None:
+    """One client could open all 256 connections of a listener and leave nothing to the
+    others; now a uid (SO_PEERCRED) holds at most max_per_peer of them."""
+    import os
+
+    held = [_connect(unix) for _ in range(QUICK.max_per_peer)]
+    time.sleep(0.1)
+    _refused_as_one_client(_connect(unix), f"uid={os.getuid()}")
+    held.pop().close()
+    time.sleep(0.2)
+    assert _answer(_connect(unix), HEALTH).startswith(b"HTTP/1.1 200")
+    for conn in held:
+        conn.close()
+
+
+def test_one_address_holds_at_most_its_share_of_tcp(tcp: tuple[str, int]) -> None:
+    held = [_connect(tcp) for _ in range(QUICK.max_per_peer)]
+    time.sleep(0.1)
+    _refused_as_one_client(_connect(tcp), "127.0.0.1")
+    other = _connect(tcp, source="127.0.0.2")  # another client still gets in
+    assert _answer(other, HEALTH).startswith(b"HTTP/1.1 200")
+    for conn in held:
+        conn.close()
+
+
+def test_a_request_left_running_still_counts_for_its_client(place: Path) -> None:
+    """A client that closes its connection while its request runs (a handler that waits on
+    a guest) holds that slot until the request ends: closing connections does not let one
+    client run more than its share."""
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":
+            await asyncio.sleep(2.0)  # the connection is gone meanwhile
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    sock = place / "slow.sock"
+    config = server.bounded_config(slow, server.UnixPeerProtocol, QUICK, uds=str(sock))
+    with running(uvicorn.Server(config)):
+        left = _connect(sock)
+        left.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        left.close()
+        held = [_connect(sock) for _ in range(QUICK.max_per_peer - 1)]
+        time.sleep(0.1)
+        assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 503")
+        time.sleep(2.2)  # the request ended: its slot is free
+        assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 200")
+        for conn in held:
+            conn.close()
