@@ -71,7 +71,16 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import PENDING, ByteBudget, LocalBackend, PoolBackend, Waiting
+from forkd.controller.backend import (
+    CALLER_STOP,
+    PENDING,
+    ByteBudget,
+    LocalBackend,
+    PoolBackend,
+    Stop,
+    Stopped,
+    Waiting,
+)
 from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
@@ -281,6 +290,15 @@ class TokenWatch:
         if scope.get("type") != "http" or not token_matches(presented, self.token.current()):
             await self.app(scope, receive, send)
             return
+        stop = Stop()  # the request's work in a guest is stopped at a revocation too
+        reset = CALLER_STOP.set(stop)
+        try:
+            await self._watched(scope, receive, send, presented, stop)
+        finally:
+            CALLER_STOP.reset(reset)
+
+    async def _watched(self, scope: dict[str, Any], receive: Any, send: Any,
+                       presented: bytes, stop: Stop) -> None:
         started = False
 
         async def tracked(message: dict[str, Any]) -> None:
@@ -296,6 +314,7 @@ class TokenWatch:
                 while token_matches(presented, self.token.current()):
                     await anyio.sleep(self.every)
                 revoked = True
+                stop.set("revoked")  # a handler waiting on a guest (exec) gives up first
                 group.cancel_scope.cancel()
 
             group.start_soon(watch)
@@ -309,6 +328,51 @@ class TokenWatch:
                 (b"www-authenticate", b'Bearer realm="forkd"')]})
             await send({"type": "http.response.body",
                         "body": msgspec.json.encode(ErrorAnswer(error=body))})
+
+
+class CallerWatch:
+    """ASGI middleware of every daemon listener: a request's Stop (backend.CALLER_STOP,
+    seen by the worker thread that serves it) is set once its client goes away, so a
+    request that waits on a guest (exec, eval, run_code, a process's wait) is given up
+    and its command killed, instead of running for a client that will never read the
+    answer (and holding a thread and one of the daemon's guest requests meanwhile). The
+    client's leaving is learnt from ``http.disconnect``, awaited once the app has had
+    the whole body. TokenWatch, outside it on TCP, sets the same Stop at a revocation."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        stop = CALLER_STOP.get()
+        if stop is None:  # TokenWatch made none (the Unix socket)
+            stop = Stop()
+        reset = CALLER_STOP.set(stop)
+        try:
+            async with anyio.create_task_group() as group:
+                watching = False
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    stop.set("gone")
+
+                async def received() -> Any:
+                    nonlocal watching
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        stop.set("gone")
+                    elif not message.get("more_body") and not watching:
+                        watching = True  # the body is whole: what comes next is the end
+                        group.start_soon(watch)
+                    return message
+
+                await self.app(scope, received, send)
+                group.cancel_scope.cancel()
+        finally:
+            CALLER_STOP.reset(reset)
 
 
 def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
@@ -386,6 +450,10 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     if isinstance(exc, NotAuthorizedException):
         body = ErrorBody(type="Unauthorized", message=str(exc.detail), exit_code=8)
         return Response(ErrorAnswer(error=body), status_code=401, headers=exc.headers)
+    if isinstance(exc, Stopped) and exc.reason == "revoked":
+        body = ErrorBody(type="Unauthorized", message=str(exc), exit_code=8)
+        return Response(ErrorAnswer(error=body), status_code=401,
+                        headers={"WWW-Authenticate": 'Bearer realm="forkd"'})
     status, body = error_answer(exc)
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
@@ -971,6 +1039,7 @@ def create_app(
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
+        middleware=[CallerWatch],
         openapi_config=OPENAPI,
         debug=False,
     )

@@ -189,7 +189,8 @@ class RemoteBackend:
 
     def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
         return self._get(
-            Removed, "DELETE", ref_route("/v1/snapshots", ref), params={"cascade": str(cascade).lower()}
+            Removed, "DELETE", ref_route("/v1/snapshots", ref),
+            params={"cascade": str(cascade).lower()},
         )
 
     def compact(self, req: CompactRequest) -> LayerInfo:

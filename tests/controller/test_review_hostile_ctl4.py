@@ -334,3 +334,104 @@ def test_a_request_left_running_still_counts_for_its_client(place: Path) -> None
         assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 200")
         for conn in held:
             conn.close()
+
+
+# -- a blocking guest request whose caller is gone or whose token was revoked ------------
+class FakeGuest:
+    """A sandbox's agent that takes every request and never answers (a command that runs
+    for ever); it notes when the host closes its connection, which is what makes the
+    relay cancel the request in a real guest (docs/agent-protocol.md, "The relay")."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.closed = threading.Event()
+
+    @contextlib.contextmanager
+    def agent(self, child_id: str, timeout: float) -> Iterator[Any]:
+        from forkd.engine.agent_client import AgentClient
+
+        host, guest = socket.socketpair()
+        threading.Thread(target=self._serve, args=(guest,), daemon=True).start()
+        client = AgentClient(Path("/fake"), sock=host)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+            while b"\n" in got:
+                line, got = got.split(b"\n", 1)
+                self.requests.append(json.loads(line))
+        self.closed.set()
+        conn.close()
+
+
+@pytest.fixture
+def guest(monkeypatch: pytest.MonkeyPatch) -> FakeGuest:
+    from forkd.engine import children as ch
+
+    fake = FakeGuest()
+    monkeypatch.setattr(ch, "_agent", fake.agent)
+    return fake
+
+
+WAITING = {  # every route that waits on its guest's answer, and its guest op
+    "exec": ("/v1/sandboxes/sb-1/exec", {"argv": ["sleep", "1000"]}, "exec"),
+    "eval": ("/v1/sandboxes/sb-1/eval", {"code": "1", "timeout": 1000}, "eval"),
+    "run_code": ("/v1/sandboxes/sb-1/run_code", {"code": "1", "timeout": 1000}, "run_code"),
+    "wait": ("/v1/sandboxes/sb-1/processes/p1/wait", {"timeout": None}, "proc_wait"),
+}
+
+
+def _no_guest_request_in_flight() -> bool:
+    from forkd.engine import children as ch
+
+    return not ch._in_flight
+
+
+@pytest.mark.parametrize("route", sorted(WAITING))
+def test_a_revoked_token_stops_a_waiting_guest_request(
+        place: Path, tmp_path: Path, guest: FakeGuest, route: str) -> None:
+    """A non-streaming exec (and eval, run_code, a process's wait) ran in a worker thread
+    that learnt of a revoked token only when its command ended, however long that was.
+    Now the token's revocation stops it: the guest's connection is closed (its command
+    killed) and the answer is a 401 saying why."""
+    from test_daemon_security import _private_token_file, _replace_private_file
+
+    old, new = "o" * 43, "n" * 43
+    token = server.load_token(_private_token_file(place / "token", old))
+    port = free_port()
+    watched = app.TokenWatch(_daemon_app(tmp_path, token), token, every=0.1)
+    config = server.bounded_config(watched, limits=QUICK, host="127.0.0.1", port=port)
+    path, body, op = WAITING[route]
+    with running(uvicorn.Server(config)), httpx.Client(timeout=20) as http:
+        threading.Timer(0.5, _replace_private_file, (place / "token", new)).start()
+        start = time.monotonic()
+        r = http.post(f"http://127.0.0.1:{port}{path}", json=body,
+                      headers={"Authorization": f"Bearer {old}"})
+        assert r.status_code == 401, r.text
+        assert "revoked while this request ran" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 4
+        assert [q["op"] for q in guest.requests] == [op]
+        assert guest.closed.wait(2), "the guest's request was not stopped"
+        wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+
+
+@pytest.mark.parametrize("route", sorted(WAITING))
+def test_a_client_that_leaves_stops_its_waiting_guest_request(
+        unix: Path, guest: FakeGuest, route: str) -> None:
+    """A client that went away left its exec running in the guest until it ended (for
+    ever, without a timeout), holding a thread and one of the 32 guest requests."""
+    path, body, op = WAITING[route]
+    conn = _connect(unix)
+    data = json.dumps(body).encode()
+    conn.sendall(b"POST %s HTTP/1.1\r\nHost: forkd\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 5)
+    assert guest.requests[0]["op"] == op
+    conn.close()
+    assert guest.closed.wait(3), "the guest's request outlived its client"
+    wait_until("the guest request freed", _no_guest_request_in_flight, 3)
