@@ -460,7 +460,8 @@ def http_server(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
-    guarded = TokenWatch(BearerAuth(app, token), token)  # a revoked token ends its streams
+    told = SessionErrors(app, max_sessions, session_idle_s)
+    guarded = TokenWatch(BearerAuth(told, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
 
@@ -469,6 +470,66 @@ def serve_http(controller: Controller, host: str, port: int, path: str, token: T
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     http_server(controller, host, port, path, token).run()
+
+
+class SessionErrors:
+    """ASGI middleware: the MCP SDK's own session errors say what to do. The SDK answers a
+    new session past ``max_sessions`` with 503 "Too many open sessions" and an unknown or
+    expired session id with 404 "Session not found", and a client shows just that; here
+    the message says why and what to do, and the 503 has ``Retry-After``."""
+
+    def __init__(self, app: Any, max_sessions: int, idle_s: float) -> None:
+        self.app = app
+        self.told = {
+            "Too many open sessions": (
+                f"Too many open sessions: this server keeps at most {max_sessions} MCP "
+                "sessions open at once; end sessions you no longer use (HTTP DELETE with "
+                "their mcp-session-id), or retry once idle ones have closed (after "
+                f"{idle_s:g} s without a request), docs/mcp.md Limits"),
+            "Session not found": (
+                "Session not found: this mcp-session-id is unknown or its session has closed "
+                f"(sessions close after {idle_s:g} s without a request, or when ended); start "
+                "a new session with initialize, without the mcp-session-id header"),
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] | None = None
+
+        async def told(message: dict[str, Any]) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] in (404, 503):
+                held = message  # its body decides: the SDK's error, or another answer
+                return
+            if held is not None and message["type"] == "http.response.body":
+                start, held = held, None
+                body = message.get("body", b"")
+                if not message.get("more_body"):
+                    start, body = self._rewritten(start, body)
+                await send(start)
+                await send({**message, "body": body})
+                return
+            await send(message)
+
+        await self.app(scope, receive, told)
+
+    def _rewritten(self, start: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        try:
+            answer = json.loads(body)
+            said = answer["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return start, body
+        if not isinstance(said, str) or said not in self.told:
+            return start, body
+        answer["error"]["message"] = self.told[said]
+        new = json.dumps(answer).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        if start["status"] == 503:
+            headers.append((b"retry-after", b"1"))
+        return {**start, "headers": headers}, new
 
 
 class BearerAuth:

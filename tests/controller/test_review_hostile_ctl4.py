@@ -435,3 +435,31 @@ def test_a_client_that_leaves_stops_its_waiting_guest_request(
     conn.close()
     assert guest.closed.wait(3), "the guest's request outlived its client"
     wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+
+
+# -- the MCP SDK's own errors ------------------------------------------------------------
+def test_mcp_session_errors_say_what_to_do(place: Path) -> None:
+    """Past the session limit the SDK answered 503 "Too many open sessions", and for an
+    expired session 404 "Session not found": a client showed just that."""
+    from forkd.controller.mcp import http_server
+    from forkd.controller.sdk import Controller
+
+    port = free_port()
+    web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", app.Token(TOKEN),
+                      limits=QUICK, max_sessions=1, session_idle_s=30.0)
+    auth = {"Authorization": "Bearer " + TOKEN.decode(),
+            "Accept": "application/json, text/event-stream"}
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    with running(web), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        assert http.post("/mcp", json=hello, headers=auth).status_code == 200
+        r = http.post("/mcp", json=hello, headers=auth)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        said = r.json()["error"]["message"]
+        assert "Too many open sessions" in said and "at most 1 MCP sessions" in said
+        assert "DELETE" in said and "retry" in said
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        r = http.post("/mcp", json=ping, headers={**auth, "mcp-session-id": "f" * 32})
+        assert r.status_code == 404, r.text
+        assert "start a new session with initialize" in r.json()["error"]["message"]
