@@ -457,10 +457,14 @@ def bounded_config(
     """The uvicorn Config of every forkd listener (the daemon's Unix socket and TCP, `forkd
     mcp`'s HTTP): h11 with a bounded head (httptools, uvicorn's "auto", buffers a URL of
     any length until its line ends), BoundedProtocol's deadlines and connection cap, and
-    no WebSocket upgrade (an upgraded connection would leave the protocol's bounds)."""
+    no WebSocket upgrade (an upgraded connection would leave the protocol's bounds), and
+    the caller is who the connection says (its address, its SO_PEERCRED), never what
+    its headers claim: uvicorn otherwise takes X-Forwarded-For and X-Forwarded-Proto from
+    any client on 127.0.0.1 (or from anyone, with $FORWARDED_ALLOW_IPS=*), so a local
+    user could write any address into the audit log's records of its requests."""
     return BoundedConfig(
         app, limits, http=protocol, ws="none", log_level="warning",
-        h11_max_incomplete_event_size=MAX_HEAD, **kwargs,
+        h11_max_incomplete_event_size=MAX_HEAD, proxy_headers=False, **kwargs,
     )
 
 

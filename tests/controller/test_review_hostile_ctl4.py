@@ -463,3 +463,18 @@ def test_mcp_session_errors_say_what_to_do(place: Path) -> None:
         r = http.post("/mcp", json=ping, headers={**auth, "mcp-session-id": "f" * 32})
         assert r.status_code == 404, r.text
         assert "start a new session with initialize" in r.json()["error"]["message"]
+
+
+# -- who the caller is -------------------------------------------------------------------
+def test_the_audit_log_names_the_connections_address_not_a_header(
+        tcp: tuple[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn took X-Forwarded-For from any client on 127.0.0.1 (and from anyone with
+    $FORWARDED_ALLOW_IPS=*) as the caller's address: a local user's refused requests were
+    audited under an address of its choosing."""
+    conn = _connect(tcp)
+    got = _answer(conn, b"GET /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\nX-Forwarded-For: "
+                        b"203.0.113.9\r\nX-Real-IP: 203.0.113.9\r\nForwarded: for=203.0.113.9"
+                        b"\r\nAuthorization: Bearer " + b"x" * 43 + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 401"), got
+    (record,) = [json.loads(line) for line in (tmp_path / "a.log").read_text().splitlines()]
+    assert record["ip"] == f"127.0.0.1:{conn.getsockname()[1]}", record
