@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
-from forkd.audit import AuditLog, BoundedAudit
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
 from forkd.bodies import explained
 from forkd.controller import api
 from forkd.controller.api import (
@@ -411,7 +411,30 @@ def audited(
     result: str,
     **detail: Any,
 ) -> None:
-    ctl.audit.record(ctl.transport, peer(request), action, target, result, **detail)
+    """One audit record of a request, every value a caller chose in it bounded (audit_value:
+    an argv of 8 arguments of 128 KiB, a 16 KiB path, a guest's long error each made a
+    record of a MiB, as often as the caller liked)."""
+    ctl.audit.record(ctl.transport, peer(request), action, audit_value(target, MAX_TARGET),
+                     result, **{k: audit_value(v) for k, v in detail.items()})
+
+
+AUDIT_CHARS = 1000  # characters of a caller-chosen text kept in an audit record
+AUDIT_ITEMS = 16  # items of a caller-chosen list kept in an audit record
+
+
+def audit_value(value: Any, chars: int = AUDIT_CHARS) -> Any:
+    """``value`` for an audit record: each text cut to ``chars`` (saying how much was cut),
+    each list to AUDIT_ITEMS items (saying how many were left out), in depth."""
+    if isinstance(value, str):
+        return value if len(value) <= chars else f"{value[:chars]}…({len(value) - chars} more)"
+    if isinstance(value, (list, tuple)):
+        kept = [audit_value(v, chars) for v in value[:AUDIT_ITEMS]]
+        if len(value) > AUDIT_ITEMS:
+            kept.append(f"…({len(value) - AUDIT_ITEMS} more)")
+        return kept
+    if isinstance(value, dict):
+        return {str(k)[:chars]: audit_value(v, chars) for k, v in value.items()}
+    return value
 
 
 def error_answer(exc: Exception) -> tuple[int, ErrorBody]:

@@ -345,6 +345,7 @@ class FakeGuest:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.closed = threading.Event()
+        self.answer: dict[str, Any] | None = None  # a result to answer with, if any
 
     @contextlib.contextmanager
     def agent(self, child_id: str, timeout: float) -> Iterator[Any]:
@@ -365,6 +366,9 @@ class FakeGuest:
             while b"\n" in got:
                 line, got = got.split(b"\n", 1)
                 self.requests.append(json.loads(line))
+                if self.answer is not None:
+                    reply = {"id": self.requests[-1]["id"], "ok": True, "result": self.answer}
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
         self.closed.set()
         conn.close()
 
@@ -478,3 +482,23 @@ def test_the_audit_log_names_the_connections_address_not_a_header(
     assert got.startswith(b"HTTP/1.1 401"), got
     (record,) = [json.loads(line) for line in (tmp_path / "a.log").read_text().splitlines()]
     assert record["ip"] == f"127.0.0.1:{conn.getsockname()[1]}", record
+
+
+def test_what_a_caller_chose_is_bounded_in_the_audit_log(unix: Path, tmp_path: Path,
+                                                         guest: FakeGuest) -> None:
+    """An exec's argv (8 arguments of up to 128 KiB each) and a 15 KB id in a refused
+    request's target each made an audit record of up to a MiB, as often as a caller liked."""
+    guest.answer = {"status": "exited", "exit_code": 0}
+    big = "a" * ((128 << 10) - 1)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(unix)), base_url="http://forkd",
+                      timeout=10) as http:
+        assert http.post("/v1/sandboxes/" + "x" * 15000 + "/pause").status_code == 400
+        r = http.post("/v1/sandboxes/sb-1/exec", json={"argv": [big] * 8})
+        assert r.status_code == 200, r.text
+    lines = (tmp_path / "a.log").read_text().splitlines()
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert len(line) < 12_000, line[:300]
+        assert "more)" in line, line[:300]
+    assert app.audit_value(["x" * 2000] * 20)[-1] == "…(4 more)"
+    assert app.audit_value("y" * 1001) == "y" * 1000 + "…(1 more)"
