@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import ipaddress
 import os
 import secrets
 import signal
@@ -425,13 +426,29 @@ class BoundedProtocol(H11Protocol):
 
 def peer_of(transport: asyncio.BaseTransport) -> str:
     """Who a connection's client is, for the per-client bound: ``uid=N`` on a Unix socket
-    (SO_PEERCRED: a process cannot pick another's uid), the address on TCP (any port)."""
+    (SO_PEERCRED: a process cannot pick another's uid), the address on TCP (any port; an
+    IPv6 address's /64, peer_address)."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return f"uid={struct.unpack('3i', creds)[1]}"
     peername = transport.get_extra_info("peername")
-    return str(peername[0]) if isinstance(peername, tuple) and peername else "unknown"
+    return peer_address(str(peername[0])) if isinstance(peername, tuple) and peername else "-"
+
+
+def peer_address(host: str) -> str:
+    """The client a TCP address counts as: an IPv4 address (also written as IPv4-mapped
+    IPv6), or an IPv6 address's /64, which one subscriber is given whole (counted by
+    address, one host could take every slot from addresses of its own prefix)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class UnixPeerProtocol(BoundedProtocol):

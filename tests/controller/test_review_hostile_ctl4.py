@@ -502,3 +502,14 @@ def test_what_a_caller_chose_is_bounded_in_the_audit_log(unix: Path, tmp_path: P
         assert "more)" in line, line[:300]
     assert app.audit_value(["x" * 2000] * 20)[-1] == "…(4 more)"
     assert app.audit_value("y" * 1001) == "y" * 1000 + "…(1 more)"
+
+
+def test_an_ipv6_client_counts_as_its_64() -> None:
+    """Counted per address, one IPv6 host takes every slot from addresses of its own /64
+    (a subscriber's prefix); an IPv4-mapped address is the IPv4 client."""
+    assert server.peer_address("2001:db8:1:2::1") == server.peer_address("2001:db8:1:2:ffff::9")
+    assert server.peer_address("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+    assert server.peer_address("2001:db8:1:3::1") != server.peer_address("2001:db8:1:2::1")
+    assert server.peer_address("::ffff:192.0.2.7") == "192.0.2.7"
+    assert server.peer_address("192.0.2.7") == "192.0.2.7"
+    assert server.peer_address("fe80::1%eth0") == "fe80::/64"
