@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import msgspec
@@ -81,6 +81,14 @@ def default_socket() -> Path:
 T = TypeVar("T")
 
 
+def shown_url(url: str) -> str:
+    """``url`` for a message: its user information (``user:password@``) replaced."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
 def sandbox_route(sandbox_id: str, *rest: str) -> str:
     """``/v1/sandboxes/ID[/REST...]`` for a well-formed sandbox id, else InvalidInput (the
     engine's message): an id goes into the URL's path, where ``..``, ``/``, ``?`` or ``#``
@@ -124,7 +132,7 @@ class RemoteBackend:
         limit = httpx.Timeout(timeout, connect=api.CONNECT_TIMEOUT_S)
         if url:
             self.http = httpx.Client(base_url=url, headers=headers, timeout=limit)
-            self.where = url
+            self.where = shown_url(url)  # in every message: never a password of the URL
         else:
             path = socket or default_socket()
             transport = httpx.HTTPTransport(uds=str(path))

@@ -513,3 +513,12 @@ def test_an_ipv6_client_counts_as_its_64() -> None:
     assert server.peer_address("::ffff:192.0.2.7") == "192.0.2.7"
     assert server.peer_address("192.0.2.7") == "192.0.2.7"
     assert server.peer_address("fe80::1%eth0") == "fe80::/64"
+
+
+def test_an_sdk_message_never_shows_the_urls_password() -> None:
+    """RemoteBackend named the daemon by its URL in every message, a password in it too."""
+    backend = RemoteBackend(url="http://user:s3cret-pw@127.0.0.1:1")
+    with pytest.raises(Exception) as caught:
+        backend.sandboxes()
+    assert "s3cret-pw" not in str(caught.value) and "***@127.0.0.1:1" in str(caught.value)
+    assert RemoteBackend(url="http://127.0.0.1:1").where == "http://127.0.0.1:1"

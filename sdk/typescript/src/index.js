@@ -61,6 +61,12 @@ function checkedHandle(handle) {
   return handle;
 }
 
+function shownUrl(url) {
+  const shown = new URL(url.href);
+  if (shown.username || shown.password) { shown.username = "***"; shown.password = ""; }
+  return shown.href;
+}
+
 function errorOf(status, text) {
   let body;
   try {
@@ -100,7 +106,7 @@ export class Controller {
     this.socket = this.url ? null : (socket ?? defaultSocket());
     this.token = token ?? null;
     this.timeout = timeout;
-    this.where = this.url ? this.url.href : this.socket;
+    this.where = this.url ? shownUrl(this.url) : this.socket; // in messages: no password
   }
 
   _open(method, route, { query, body, raw, wait }, onResponse, reject) {
