@@ -572,6 +572,7 @@ class LocalBackend:
         return Removed(removed=self.store.remove(ref, cascade=cascade))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
+        _refuse_paused_source(req.ref)  # a copy of it would be a snapshot anyone may fork
         _refuse_private("compact's to", req.to)
         return self.store.compact(req.ref, req.to)
 

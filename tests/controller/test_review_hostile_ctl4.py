@@ -522,3 +522,15 @@ def test_an_sdk_message_never_shows_the_urls_password() -> None:
         backend.sandboxes()
     assert "s3cret-pw" not in str(caught.value) and "***@127.0.0.1:1" in str(caught.value)
     assert RemoteBackend(url="http://127.0.0.1:1").where == "http://127.0.0.1:1"
+
+
+# -- a paused sandbox's saved state is its own -----------------------------------------
+def test_compact_does_not_copy_a_paused_sandboxs_saved_state(unix: Path) -> None:
+    """Spawns and pools refused a paused sandbox's saved state (forkd-paused/ID:a|b) as a
+    source, but compact copied it flat into a tag of the caller's choosing, which any
+    spawn could then fork: the sandbox's memory cloned while it was paused."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(unix)), base_url="http://forkd",
+                      timeout=10) as http:
+        r = http.post("/v1/compact", json={"ref": "forkd-paused/sb-1:a", "to": "mine:copy"})
+        assert r.status_code == 400, r.text
+        assert "saved state of paused sandbox sb-1" in r.json()["error"]["message"]
