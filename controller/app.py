@@ -32,6 +32,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, RawBody
 from litestar.response import Stream
+from litestar.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
@@ -342,7 +343,7 @@ class CallerWatch:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
@@ -373,6 +374,12 @@ class CallerWatch:
                 group.cancel_scope.cancel()
         finally:
             CALLER_STOP.reset(reset)
+
+
+def caller_watch(app: ASGIApp) -> ASGIApp:
+    """CallerWatch as a Litestar middleware (every route of the app)."""
+    watched: ASGIApp = CallerWatch(app)
+    return watched
 
 
 def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
@@ -1062,7 +1069,7 @@ def create_app(
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
-        middleware=[CallerWatch],
+        middleware=[caller_watch],
         openapi_config=OPENAPI,
         debug=False,
     )
