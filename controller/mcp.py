@@ -40,6 +40,7 @@ from forkd.controller.app import (
 )
 from forkd.controller.sdk import Controller, Sandbox
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
+from forkd.controller.server import peer_address as server_peer
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 from forkd.names import inert
@@ -439,6 +440,7 @@ def serve_stdio(controller: Controller) -> None:
 
 
 MAX_SESSIONS = 256  # open MCP sessions of one `forkd mcp --transport http`; more: 503
+MAX_SESSIONS_PER_CLIENT = MAX_SESSIONS // 2  # of them one client (address, IPv6 /64) holds
 SESSION_IDLE_S = 600.0  # a session with no request in flight for this long is closed
 
 
@@ -451,16 +453,22 @@ def http_server(
     limits: Limits = DEFAULT_LIMITS,
     max_sessions: int = MAX_SESSIONS,
     session_idle_s: float = SESSION_IDLE_S,
+    max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT,
 ) -> uvicorn.Server:
     """The streamable-HTTP server, not started: the daemon's listener bounds (server.
     bounded_config: head deadline, connection cap, no WebSocket), and at most
-    ``max_sessions`` MCP sessions, each closed after ``session_idle_s`` without a request
-    in flight (the SDK's: a new session past the limit gets 503 "Too many open sessions")."""
-    app = build_server(controller).streamable_http_app(
+    ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
+    (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
+    SDK's: a new session past the limit gets 503 "Too many open sessions")."""
+    mcp = build_server(controller)
+    app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
-    told = SessionErrors(app, max_sessions, session_idle_s)
+    sessions = mcp.session_manager
+    shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
+                          max_sessions_per_client, max_sessions)
+    told = SessionErrors(shared, max_sessions, session_idle_s)
     guarded = TokenWatch(BearerAuth(told, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
@@ -470,6 +478,64 @@ def serve_http(controller: Controller, host: str, port: int, path: str, token: T
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     http_server(controller, host, port, path, token).run()
+
+
+class SessionShare:
+    """ASGI middleware: one client (server.peer_address: an address, an IPv6 /64) holds at
+    most ``per_client`` of the MCP sessions, so it cannot open every one (256, each kept
+    10 minutes while idle) and leave the others 503 "Too many open sessions". A client's
+    sessions are those it opened that are still open (``live``: the SDK forgets a session
+    ended by DELETE or closed idle); a new one past its share gets 503 saying so."""
+
+    def __init__(self, app: Any, live: Callable[[str], bool], per_client: int,
+                 max_sessions: int) -> None:
+        self.app = app
+        self.live = live
+        self.per_client = per_client
+        self.max_sessions = max_sessions
+        self.opened: dict[str, set[str]] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = dict(scope.get("headers", [])) if scope.get("type") == "http" else {}
+        if (scope.get("type") != "http" or b"mcp-session-id" in headers
+                or self.per_client >= self.max_sessions):
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        peer = server_peer(str(client[0])) if client else "-"
+        mine = {sid for sid in self.opened.get(peer, set()) if self.live(sid)}
+        self.opened[peer] = mine
+        if len(mine) >= self.per_client:
+            message = (f"this client ({peer}) holds {len(mine)} MCP sessions, the most one "
+                       f"client may ({self.per_client} of {self.max_sessions}); end sessions "
+                       "you no longer use (HTTP DELETE with their mcp-session-id) or reuse one")
+            body = json.dumps({"jsonrpc": "2.0", "id": None,
+                               "error": {"code": -32603, "message": message}}).encode()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+
+        async def noted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                for key, value in message.get("headers", []):
+                    if key.lower() == b"mcp-session-id":
+                        mine.add(value.decode("latin-1"))
+            await send(message)
+
+        await self.app(scope, receive, noted)
+        if not mine:
+            self.opened.pop(peer, None)
+        if sum(len(ids) for ids in self.opened.values()) > 2 * self.max_sessions:
+            self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        """Drop the sessions that have ended (what is kept is then the open ones, at most
+        max_sessions, whichever clients come back)."""
+        for peer in list(self.opened):
+            self.opened[peer] = {sid for sid in self.opened[peer] if self.live(sid)}
+            if not self.opened[peer]:
+                del self.opened[peer]
 
 
 class SessionErrors:

@@ -534,3 +534,36 @@ def test_compact_does_not_copy_a_paused_sandboxs_saved_state(unix: Path) -> None
         r = http.post("/v1/compact", json={"ref": "forkd-paused/sb-1:a", "to": "mine:copy"})
         assert r.status_code == 400, r.text
         assert "saved state of paused sandbox sb-1" in r.json()["error"]["message"]
+
+
+def test_one_client_holds_at_most_half_the_mcp_sessions(place: Path) -> None:
+    """One client could open all 256 MCP sessions (each kept 10 minutes while idle) and
+    leave every other client 503 "Too many open sessions" meanwhile."""
+    from forkd.controller.mcp import http_server
+    from forkd.controller.sdk import Controller
+
+    port = free_port()
+    web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", app.Token(TOKEN),
+                      limits=QUICK, max_sessions=4, session_idle_s=30.0,
+                      max_sessions_per_client=2)
+    auth = {"Authorization": "Bearer " + TOKEN.decode(),
+            "Accept": "application/json, text/event-stream"}
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    url = f"http://127.0.0.1:{port}"
+    other = httpx.HTTPTransport(local_address="127.0.0.2")
+    with running(web), httpx.Client(base_url=url, timeout=10) as http, \
+            httpx.Client(base_url=url, timeout=10, transport=other) as elsewhere:
+        ids = []
+        for _ in range(2):
+            r = http.post("/mcp", json=hello, headers=auth)
+            assert r.status_code == 200, r.text
+            ids.append(r.headers["mcp-session-id"])
+        r = http.post("/mcp", json=hello, headers=auth)
+        assert r.status_code == 503, r.text
+        said = r.json()["error"]["message"]
+        assert "this client (127.0.0.1) holds 2 MCP sessions" in said, said
+        assert elsewhere.post("/mcp", json=hello, headers=auth).status_code == 200
+        assert http.delete("/mcp", headers={**auth, "mcp-session-id": ids[0]}).status_code < 300
+        assert http.post("/mcp", json=hello, headers=auth).status_code == 200
