@@ -9,6 +9,9 @@ waits at most 4 heartbeats between two frames; anything else api.REQUEST_TIMEOUT
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,9 +249,16 @@ class RemoteBackend:
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
         """The frames of ``POST …/exec/stream`` as they arrive; the last one has ``result``.
         Waits at most 4 heartbeats (api.HEARTBEAT_S) between two frames, however long the
-        command runs; an ``error`` frame is raised as its error family."""
-        limit = httpx.Timeout(4 * api.HEARTBEAT_S, connect=api.CONNECT_TIMEOUT_S)
+        command runs; an ``error`` frame is raised as its error family. The iterator's
+        ``abandon`` (from any thread) ends the stream at once: the daemon sees its client
+        go and kills the command."""
         url = sandbox_route(sandbox_id, "exec", "stream")
+        frames = RemoteFrames()
+        frames.start(self._frames(url, req, frames))
+        return frames
+
+    def _frames(self, url: str, req: ExecRequest, frames: RemoteFrames) -> Iterator[ExecFrame]:
+        limit = httpx.Timeout(4 * api.HEARTBEAT_S, connect=api.CONNECT_TIMEOUT_S)
         try:
             with self.http.stream(
                 "POST",
@@ -257,6 +267,7 @@ class RemoteBackend:
                 headers={"Content-Type": "application/json"},
                 timeout=limit,
             ) as resp:
+                frames.reading(resp)
                 if resp.status_code >= 400:
                     raise answered_error(resp.status_code, resp.read())
                 for line in resp.iter_lines():
@@ -269,6 +280,8 @@ class RemoteBackend:
                     if frame.result is not None:
                         return
         except httpx.HTTPError as exc:
+            if frames.abandoned:
+                raise ControllerError(f"the stream of {url} was abandoned") from exc
             raise self._unreachable(exc) from exc
         raise ControllerError(f"controller at {self.where} ended {url} before the result")
 
@@ -343,6 +356,49 @@ class RemoteBackend:
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
         return self._get(BranchResult, "POST", sandbox_route(sandbox_id, "branch"), req)
+
+
+class RemoteFrames(Iterator[ExecFrame]):
+    """A streamed exec's frames (RemoteBackend._frames) with ``abandon``, callable from any
+    thread, also while another waits in ``next`` for a frame: the connection is shut down,
+    so that read ends now and the daemon, its client gone, kills the command."""
+
+    def __init__(self) -> None:
+        self._frames: Iterator[ExecFrame] = iter(())
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.abandoned = False
+
+    def start(self, frames: Iterator[ExecFrame]) -> None:
+        self._frames = frames
+
+    def reading(self, resp: httpx.Response) -> None:
+        """The answer being read: its connection is what ``abandon`` shuts down."""
+        stream = resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            self._socket = sock if isinstance(sock, socket.socket) else None
+            gone = self.abandoned
+        if gone:
+            self.abandon()
+
+    def __next__(self) -> ExecFrame:
+        if self.abandoned:
+            raise StopIteration
+        return next(self._frames)
+
+    def close(self) -> None:
+        close = getattr(self._frames, "close", None)
+        if close is not None:
+            close()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            sock = self._socket
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def waiting(seconds: float | None) -> httpx.Timeout:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import contextvars
 import functools
 import json
 import threading
@@ -31,6 +32,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
+from forkd.controller.api import ExecRequest
 from forkd.controller.app import (
     MAX_MESSAGE_CHARS,
     Token,
@@ -38,7 +40,8 @@ from forkd.controller.app import (
     scope_token,
     token_matches,
 )
-from forkd.controller.sdk import Controller, Sandbox
+from forkd.controller.backend import CALLER_STOP, Stop, Stopped
+from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
 from forkd.engine.paths import hidden_host_paths
@@ -174,10 +177,13 @@ class Progress:
 
 
 class Tools:
-    """The tools, on one Controller (the SDK's: daemon or in-process)."""
+    """The tools, on one Controller (the SDK's: daemon or in-process). ``token``: the one
+    HTTP callers present (http_server); a command or cell that runs when it is revoked is
+    stopped (Revocation)."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, token: Token | None = None) -> None:
         self.controller = controller
+        self.token = token
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
@@ -257,15 +263,31 @@ class Tools:
         duration; a non-zero exit is a result, not an error."""
         _check_command(command)
         progress = Progress(ctx)
-        r = self.sandbox(sandbox_id).commands.run(
-            command,
-            env=env,
-            cwd=cwd,
-            stdin=stdin,
-            timeout=timeout_s,
-            on_stdout=progress.on_stdout,
-            on_stderr=progress.on_stderr,
-        )
+        req = ExecRequest(argv=command_argv(command), env=env, cwd=cwd,
+                          stdin=stdin_bytes(stdin), timeout=timeout_s)
+        frames = self.controller.backend.exec_stream(sandbox_id, req)
+        with Revocation(self.token, frames) as revocation:
+            r = None
+            try:
+                for frame in frames:
+                    if frame.stdout:
+                        progress.on_stdout(frame.stdout)
+                    if frame.stderr:
+                        progress.on_stderr(frame.stderr)
+                    if frame.result is not None:
+                        r = frame.result
+                        break
+            except ForkdError:
+                revocation.check()  # the stream was ended for a revocation: say that
+                raise
+            finally:
+                close = getattr(frames, "close", None)  # ends what runs it, if it still does
+                if close is not None:
+                    close()
+            revocation.check()
+        if r is None:
+            raise ForkdError(f"sandbox {sandbox_id}: the command's stream ended without a "
+                             "result; run it again")
         # streamed: the result carries no output, the tails have it
         stdout, cut_out = clipped(r.stdout) if r.stdout else progress.stdout.text()
         stderr, cut_err = clipped(r.stderr) if r.stderr else progress.stderr.text()
@@ -292,7 +314,9 @@ class Tools:
         not a tool error), and rich results: matplotlib figures as PNG images, pandas
         DataFrames as HTML and text. timeout_s: default 300."""
         sb = self.sandbox(sandbox_id)
-        r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
+        with Revocation(self.token) as revocation:
+            r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
+            revocation.check()  # through the daemon: it ran to its end, for nobody
         r["stdout"], r["stdout_cut_chars"] = clipped(r.get("stdout", ""))
         r["stderr"], r["stderr_cut_chars"] = clipped(r.get("stderr", ""))
         images: list[ImageContent] = []
@@ -358,6 +382,54 @@ class Tools:
         return {"killed": sandbox_id}
 
 
+class Revocation:
+    """While a tool runs a command or a cell for an HTTP caller: once the token it came
+    with is revoked (``token.current()`` changes), the run is stopped, and ``check`` raises
+    saying so. Without this, the HTTP request was ended at a revocation (TokenWatch) but
+    the tool went on, its command running for a caller whose token no longer held. A
+    streamed command's frames are abandoned (the backend kills the command: in process,
+    or the daemon, whose client went away); an in-process cell or command that waits on
+    its guest is given up through backend.CALLER_STOP (a cell through the daemon runs on
+    to its own timeout: the daemon's client is this server, which is still there)."""
+
+    def __init__(self, token: Token | None, frames: object = None) -> None:
+        self.token = token
+        self.frames = frames
+        self.stop = Stop()
+        self._done = threading.Event()
+        self._reset: contextvars.Token[Stop | None] | None = None
+
+    def __enter__(self) -> Revocation:
+        if self.token is None:
+            return self
+        given = self.token.current()
+        self._reset = CALLER_STOP.set(self.stop)
+
+        def watch() -> None:
+            while not self._done.wait(REVOCATION_CHECK_S):
+                if not token_matches(given, self.token.current() if self.token else b""):
+                    self.stop.set("revoked")
+                    abandon = getattr(self.frames, "abandon", None)
+                    if abandon is not None:
+                        abandon()
+                    return
+
+        threading.Thread(target=watch, name="forkd-mcp-revocation", daemon=True).start()
+        return self
+
+    def check(self) -> None:
+        if self.stop():
+            raise Stopped("revoked")
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._reset is not None:
+            CALLER_STOP.reset(self._reset)
+
+
+REVOCATION_CHECK_S = 0.5  # how often a running tool checks its caller's token still holds
+
+
 def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
     """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
     file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
@@ -410,8 +482,9 @@ TOOL_NAMES = (
 )
 
 
-def build_server(controller: Controller) -> MCPServer[Any]:
-    """The MCP server with every tool of ``Tools`` on ``controller``."""
+def build_server(controller: Controller, token: Token | None = None) -> MCPServer[Any]:
+    """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
+    callers' (its revocation stops the commands they run, Revocation)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -424,7 +497,7 @@ def build_server(controller: Controller) -> MCPServer[Any]:
             "each one you created when done."
         ),
     )
-    tools = Tools(controller)
+    tools = Tools(controller, token)
     for name in TOOL_NAMES:
         server.add_tool(tool_errors(getattr(tools, name)), name=name)
     return server
@@ -460,7 +533,7 @@ def http_server(
     ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
     (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
     SDK's: a new session past the limit gets 503 "Too many open sessions")."""
-    mcp = build_server(controller)
+    mcp = build_server(controller, token)
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,

@@ -379,6 +379,7 @@ def guest(monkeypatch: pytest.MonkeyPatch) -> FakeGuest:
 
     fake = FakeGuest()
     monkeypatch.setattr(ch, "_agent", fake.agent)
+    monkeypatch.setattr(LocalBackend, "sandbox", lambda self, sandbox_id: None)  # exists
     return fake
 
 
@@ -567,3 +568,63 @@ def test_one_client_holds_at_most_half_the_mcp_sessions(place: Path) -> None:
         assert elsewhere.post("/mcp", json=hello, headers=auth).status_code == 200
         assert http.delete("/mcp", headers={**auth, "mcp-session-id": ids[0]}).status_code < 300
         assert http.post("/mcp", json=hello, headers=auth).status_code == 200
+
+
+# -- a revoked token and the MCP tools it started ------------------------------------------
+def test_an_sdk_stream_abandoned_from_another_thread_ends_now(
+        unix: Path, guest: FakeGuest) -> None:
+    """RemoteBackend's exec stream could only be left by its reading thread, which waits
+    up to a heartbeat (15 s) for the next frame of a quiet command; ``abandon`` from any
+    thread now shuts its connection, and the daemon, its client gone, kills the command."""
+    backend = RemoteBackend(socket=unix)
+    frames = backend.exec_stream("sb-1", api.ExecRequest(argv=["sleep", "1000"]))
+    ended = threading.Event()
+
+    def read() -> None:
+        with contextlib.suppress(Exception):
+            for _ in frames:
+                pass
+        ended.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 5)
+    frames.abandon()  # type: ignore[attr-defined]  # a RemoteFrames
+    assert ended.wait(2), "the reading thread still waits"
+    assert guest.closed.wait(3), "the daemon's command outlived its abandoned stream"
+
+
+def test_a_revoked_token_stops_the_mcp_command_it_started(
+        place: Path, guest: FakeGuest) -> None:
+    """`forkd mcp --transport http` ended the HTTP request of a tool call at a revocation
+    (TokenWatch), but the tool went on in its thread: run_command's command kept running in
+    the sandbox for a caller whose token no longer held."""
+    from test_daemon_security import _private_token_file, _replace_private_file
+
+    from forkd.controller.mcp import http_server
+    from forkd.controller.sdk import Controller
+
+    old, new = "o" * 43, "n" * 43
+    token = server.load_token(_private_token_file(place / "token", old))
+    port = free_port()
+    web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", token, limits=QUICK)
+    auth = {"Authorization": f"Bearer {old}", "Accept": "application/json, text/event-stream"}
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "run_command", "arguments": {"sandbox_id": "sb-1", "command": "sleep 1000"}}}
+    with running(web), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        r = http.post("/mcp", json=hello, headers=auth)
+        session = {**auth, "mcp-session-id": r.headers["mcp-session-id"],
+                   "mcp-protocol-version": "2025-06-18"}
+        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                  headers=session)
+        def run() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # cut at the revocation
+                http.post("/mcp", json=call, headers=session)
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_until("the guest has the command", lambda: len(guest.requests) == 1, 10)
+        _replace_private_file(place / "token", new)
+        assert guest.closed.wait(5), "the tool's command outlived the revoked token"
+        wait_until("the guest request freed", _no_guest_request_in_flight, 3)
