@@ -32,11 +32,12 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, RawBody
 from litestar.response import Stream
+from litestar.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
-from forkd.audit import AuditLog, BoundedAudit
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
 from forkd.bodies import explained
 from forkd.controller import api
 from forkd.controller.api import (
@@ -71,7 +72,16 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import PENDING, ByteBudget, LocalBackend, PoolBackend, Waiting
+from forkd.controller.backend import (
+    CALLER_STOP,
+    PENDING,
+    ByteBudget,
+    LocalBackend,
+    PoolBackend,
+    Stop,
+    Stopped,
+    Waiting,
+)
 from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
@@ -236,11 +246,10 @@ def checked_token(token: str, source: str) -> bytes:
 
 
 def presented_token(connection: ASGIConnection[Any, Any, Any, Any]) -> bytes:
-    """The token of ``Authorization: Bearer <token>``, or b"" when there is none."""
-    scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return b""
-    return value.strip().encode("latin-1", errors="replace")
+    """The token of ``Authorization: Bearer <token>``, or b"" when there is none, or more
+    than one Authorization header (scope_token: the guard and TokenWatch read the header
+    one way, so no request passes one and escapes the other)."""
+    return scope_token(connection.scope)
 
 
 def token_matches(presented: bytes, expected: bytes) -> bool:
@@ -251,9 +260,11 @@ def token_matches(presented: bytes, expected: bytes) -> bool:
 TOKEN_RECHECK_S = 1.0  # how often a request in flight on TCP checks its token still holds
 
 
-def scope_token(scope: dict[str, Any]) -> bytes:
+def scope_token(scope: Any) -> bytes:
     """The token of a request's one ``Authorization: Bearer`` header; b"" when there is
-    none, another scheme, or more than one Authorization header."""
+    none, another scheme, or more than one Authorization header (which one would count
+    is a parser's choice: the guard took the first, TokenWatch none, so a valid token
+    followed by another header was let in and never rechecked)."""
     given = [v for k, v in scope.get("headers", []) if k == b"authorization"]
     if len(given) != 1:
         return b""
@@ -280,6 +291,15 @@ class TokenWatch:
         if scope.get("type") != "http" or not token_matches(presented, self.token.current()):
             await self.app(scope, receive, send)
             return
+        stop = Stop()  # the request's work in a guest is stopped at a revocation too
+        reset = CALLER_STOP.set(stop)
+        try:
+            await self._watched(scope, receive, send, presented, stop)
+        finally:
+            CALLER_STOP.reset(reset)
+
+    async def _watched(self, scope: dict[str, Any], receive: Any, send: Any,
+                       presented: bytes, stop: Stop) -> None:
         started = False
 
         async def tracked(message: dict[str, Any]) -> None:
@@ -295,6 +315,7 @@ class TokenWatch:
                 while token_matches(presented, self.token.current()):
                     await anyio.sleep(self.every)
                 revoked = True
+                stop.set("revoked")  # a handler waiting on a guest (exec) gives up first
                 group.cancel_scope.cancel()
 
             group.start_soon(watch)
@@ -308,6 +329,57 @@ class TokenWatch:
                 (b"www-authenticate", b'Bearer realm="forkd"')]})
             await send({"type": "http.response.body",
                         "body": msgspec.json.encode(ErrorAnswer(error=body))})
+
+
+class CallerWatch:
+    """ASGI middleware of every daemon listener: a request's Stop (backend.CALLER_STOP,
+    seen by the worker thread that serves it) is set once its client goes away, so a
+    request that waits on a guest (exec, eval, run_code, a process's wait) is given up
+    and its command killed, instead of running for a client that will never read the
+    answer (and holding a thread and one of the daemon's guest requests meanwhile). The
+    client's leaving is learnt from ``http.disconnect``, awaited once the app has had
+    the whole body. TokenWatch, outside it on TCP, sets the same Stop at a revocation."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        stop = CALLER_STOP.get()
+        if stop is None:  # TokenWatch made none (the Unix socket)
+            stop = Stop()
+        reset = CALLER_STOP.set(stop)
+        try:
+            async with anyio.create_task_group() as group:
+                watching = False
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    stop.set("gone")
+
+                async def received() -> Any:
+                    nonlocal watching
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        stop.set("gone")
+                    elif not message.get("more_body") and not watching:
+                        watching = True  # the body is whole: what comes next is the end
+                        group.start_soon(watch)
+                    return message
+
+                await self.app(scope, received, send)
+                group.cancel_scope.cancel()
+        finally:
+            CALLER_STOP.reset(reset)
+
+
+def caller_watch(app: ASGIApp) -> ASGIApp:
+    """CallerWatch as a Litestar middleware (every route of the app)."""
+    watched: ASGIApp = CallerWatch(app)
+    return watched
 
 
 def peer(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
@@ -330,8 +402,11 @@ def require_token(
         return
     if not token_matches(presented_token(connection), ctl.token.current()):
         ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied")
+        many = sum(1 for k, _ in connection.scope["headers"] if k == b"authorization") > 1
         raise NotAuthorizedException(
-            "missing or wrong bearer token", headers={"WWW-Authenticate": 'Bearer realm="forkd"'}
+            "more than one Authorization header: send one, Authorization: Bearer <token>"
+            if many else "missing or wrong bearer token",
+            headers={"WWW-Authenticate": 'Bearer realm="forkd"'},
         )
 
 
@@ -343,7 +418,30 @@ def audited(
     result: str,
     **detail: Any,
 ) -> None:
-    ctl.audit.record(ctl.transport, peer(request), action, target, result, **detail)
+    """One audit record of a request, every value a caller chose in it bounded (audit_value:
+    an argv of 8 arguments of 128 KiB, a 16 KiB path, a guest's long error each made a
+    record of a MiB, as often as the caller liked)."""
+    ctl.audit.record(ctl.transport, peer(request), action, audit_value(target, MAX_TARGET),
+                     result, **{k: audit_value(v) for k, v in detail.items()})
+
+
+AUDIT_CHARS = 1000  # characters of a caller-chosen text kept in an audit record
+AUDIT_ITEMS = 16  # items of a caller-chosen list kept in an audit record
+
+
+def audit_value(value: Any, chars: int = AUDIT_CHARS) -> Any:
+    """``value`` for an audit record: each text cut to ``chars`` (saying how much was cut),
+    each list to AUDIT_ITEMS items (saying how many were left out), in depth."""
+    if isinstance(value, str):
+        return value if len(value) <= chars else f"{value[:chars]}…({len(value) - chars} more)"
+    if isinstance(value, (list, tuple)):
+        kept = [audit_value(v, chars) for v in value[:AUDIT_ITEMS]]
+        if len(value) > AUDIT_ITEMS:
+            kept.append(f"…({len(value) - AUDIT_ITEMS} more)")
+        return kept
+    if isinstance(value, dict):
+        return {str(k)[:chars]: audit_value(v, chars) for k, v in value.items()}
+    return value
 
 
 def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
@@ -382,6 +480,10 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     if isinstance(exc, NotAuthorizedException):
         body = ErrorBody(type="Unauthorized", message=str(exc.detail), exit_code=8)
         return Response(ErrorAnswer(error=body), status_code=401, headers=exc.headers)
+    if isinstance(exc, Stopped) and exc.reason == "revoked":
+        body = ErrorBody(type="Unauthorized", message=str(exc), exit_code=8)
+        return Response(ErrorAnswer(error=body), status_code=401,
+                        headers={"WWW-Authenticate": 'Bearer realm="forkd"'})
     status, body = error_answer(exc)
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
@@ -967,6 +1069,7 @@ def create_app(
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
+        middleware=[caller_watch],
         openapi_config=OPENAPI,
         debug=False,
     )

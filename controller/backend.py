@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import contextvars
 import functools
 import queue
 import sys
@@ -53,14 +54,16 @@ from forkd.controller.api import (
 )
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
+from forkd.engine.agent_client import Abandoned, exec_args, guest_b64, host_wait
 from forkd.engine.branch import branch as branch_child
+from forkd.engine.commands import check_handle, check_timeout
 from forkd.engine.errors import AgentError
 from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
 from forkd.engine.paths import hidden_host_paths
 from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
-from forkd.errors import Conflict, InvalidInput, NotFound
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.names import parse_ref, shown
 from forkd.store.store import Store
 from forkd.store.tagging import dependents
@@ -168,6 +171,59 @@ def _child_exists(child_id: str) -> bool:
     except (InvalidInput, NotFound):
         return False
     return True
+
+
+class Stop:
+    """Why a request's work should stop early: its client went away (``gone``) or its
+    token was revoked (``revoked``); set once, from any thread (app.CallerWatch and
+    app.TokenWatch set it, a guest request asks it twice a second)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self._event.set()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+
+# The Stop of the request this thread serves (the daemon sets it per request, and its
+# worker threads see it: they run in a copy of the request's context); None in process.
+CALLER_STOP: contextvars.ContextVar[Stop | None] = contextvars.ContextVar(
+    "forkd_caller_stop", default=None)
+
+
+class Stopped(ForkdError):
+    """A guest request was given up because its caller went away or its token was revoked
+    (Stop.reason): the connection to the guest was closed, so a command was killed with
+    its process group (docs/agent-protocol.md, "The relay")."""
+
+    exit_code = 8
+
+    def __init__(self, reason: str | None) -> None:
+        self.reason = reason
+        why = ("the bearer token was revoked while this request ran" if reason == "revoked"
+               else "the client went away")
+        super().__init__(f"{why}: its command in the sandbox was stopped; send the request "
+                         "again (with the new token)")
+
+
+def asked(sandbox_id: str, op: str, args: dict[str, Any], wait: float | None) -> dict[str, Any]:
+    """One request to a sandbox's guest agent that waits for its answer (exec, eval,
+    run_code, proc_wait), given up once the daemon's caller is gone or its token revoked
+    (CALLER_STOP): Stopped then, and the relay cancels it in the guest. Without this a
+    request waited for its command however long it ran, holding a thread and one of the
+    daemon's guest requests for a client that was no longer there."""
+    stop = CALLER_STOP.get()
+    try:
+        with ch.agent(sandbox_id) as client:
+            return client.request(op, args, timeout=wait, stop=stop)
+    except Abandoned:
+        raise Stopped(stop.reason if stop is not None else None) from None
 
 
 STREAM_QUEUE = 64  # frames of a streamed command waiting for its reader, at most
@@ -324,6 +380,15 @@ class Handoff:
             except queue.Empty:
                 return
             self._bytes.taken()
+
+
+def _code_args(code: str, timeout: float | None) -> dict[str, Any]:
+    """The arguments of an eval or run_code request (AgentClient.eval's), checked."""
+    check_timeout("timeout", timeout)
+    args: dict[str, Any] = {"code": code}
+    if timeout is not None:
+        args["timeout"] = timeout
+    return args
 
 
 def guest_answer(reply: Any, answer: type[T], op: str) -> T:
@@ -507,6 +572,7 @@ class LocalBackend:
         return Removed(removed=self.store.remove(ref, cascade=cascade))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
+        _refuse_paused_source(req.ref)  # a copy of it would be a snapshot anyone may fork
         _refuse_private("compact's to", req.to)
         return self.store.compact(req.ref, req.to)
 
@@ -636,9 +702,10 @@ class LocalBackend:
         return sandbox_view(info)
 
     def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        result = ch.exec_in(
-            sandbox_id, req.argv, timeout=req.timeout, stdin=req.stdin, env=req.env, cwd=req.cwd
-        )
+        if not req.argv:
+            raise InvalidInput("nothing to execute: give a command (argv)")
+        args = exec_args(req.argv, req.env, req.cwd, req.stdin, req.timeout, False)
+        result = asked(sandbox_id, "exec", args, host_wait(req.timeout))
         return guest_answer(result, ExecResult, "exec")
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
@@ -686,11 +753,13 @@ class LocalBackend:
         return produced(f"forkd-exec-{sandbox_id}", run, STREAM_QUEUE)
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
-        reply = ch.eval_in(sandbox_id, req.code, timeout=req.timeout)
+        reply = asked(sandbox_id, "eval", _code_args(req.code, req.timeout),
+                      host_wait(req.timeout))
         return guest_answer(reply, EvalResult, "eval")
 
     def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult:
-        reply = ch.run_code(sandbox_id, req.code, timeout=req.timeout)
+        reply = asked(sandbox_id, "run_code", _code_args(req.code, req.timeout),
+                      host_wait(req.timeout))
         return guest_answer(reply, RunCodeResult, "run_code")
 
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
@@ -705,7 +774,14 @@ class LocalBackend:
     def process_wait(
         self, sandbox_id: str, handle: str, req: ProcessWaitRequest
     ) -> ProcessWaitResult:
-        reply = ch.process_wait(sandbox_id, handle, timeout=req.timeout)
+        check_handle(handle)
+        check_timeout("timeout", req.timeout)
+        args: dict[str, Any] = {"handle": handle, "stream": False}
+        if req.timeout is not None:
+            args["timeout"] = req.timeout
+        reply = asked(sandbox_id, "proc_wait", args, host_wait(req.timeout))
+        for name in ("stdout", "stderr"):
+            reply[name] = guest_b64(reply.get(name), "proc_wait").decode("utf-8", "replace")
         return guest_answer(reply, ProcessWaitResult, "proc_wait")
 
     def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:

@@ -9,9 +9,13 @@ waits at most 4 heartbeats between two frames; anything else api.REQUEST_TIMEOUT
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import msgspec
@@ -48,7 +52,10 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
+from forkd.engine.commands import check_handle
+from forkd.engine.lifecycle import ID_RE
 from forkd.engine.paths import run_dir
+from forkd.names import shown
 
 TYPES: dict[str, type[errors.ForkdError]] = {
     cls.__name__: cls
@@ -77,6 +84,42 @@ def default_socket() -> Path:
 T = TypeVar("T")
 
 
+def shown_url(url: str) -> str:
+    """``url`` for a message: its user information (``user:password@``) replaced."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def sandbox_route(sandbox_id: str, *rest: str) -> str:
+    """``/v1/sandboxes/ID[/REST...]`` for a well-formed sandbox id, else InvalidInput (the
+    engine's message): an id goes into the URL's path, where ``..``, ``/``, ``?`` or ``#``
+    would send the request to another route (``../snapshots/T`` made a kill a snapshot's
+    delete; httpx resolves dot segments)."""
+    if not isinstance(sandbox_id, str) or not ID_RE.fullmatch(sandbox_id):
+        raise errors.InvalidInput(
+            f"invalid sandbox id {shown(sandbox_id)}: ids are 1-64 of a-z, 0-9 and '-'; "
+            "GET /v1/sandboxes (`forkd ls`) lists them")
+    return "/".join(("/v1/sandboxes", sandbox_id, *rest))
+
+
+def process_route(sandbox_id: str, handle: str, action: str) -> str:
+    return sandbox_route(sandbox_id, "processes", check_handle(handle), action)
+
+
+def ref_route(prefix: str, ref: str) -> str:
+    """``PREFIX/REF`` for a snapshot reference or a pool's tag (``NS/NAME:TAG``: its slashes
+    stay, the route takes a path), every other character a URL treats specially quoted,
+    so the daemon gets exactly ``ref``; a ``.``, ``..`` or empty segment (which would leave
+    the route) is InvalidInput."""
+    if not isinstance(ref, str) or any(s in ("", ".", "..") for s in ref.split("/")):
+        raise errors.InvalidInput(
+            f"invalid reference {shown(ref)}: NAME[:TAG], its name parts separated by single "
+            "'/' (no empty, '.' or '..' part); GET /v1/snapshots lists them")
+    return f"{prefix}/{quote(ref, safe='/:@')}"
+
+
 class RemoteBackend:
     def __init__(
         self,
@@ -92,7 +135,7 @@ class RemoteBackend:
         limit = httpx.Timeout(timeout, connect=api.CONNECT_TIMEOUT_S)
         if url:
             self.http = httpx.Client(base_url=url, headers=headers, timeout=limit)
-            self.where = url
+            self.where = shown_url(url)  # in every message: never a password of the URL
         else:
             path = socket or default_socket()
             transport = httpx.HTTPTransport(uds=str(path))
@@ -153,11 +196,12 @@ class RemoteBackend:
         return self._get(list[LayerInfo], "GET", "/v1/snapshots")
 
     def snapshot(self, ref: str) -> dict[str, Any]:
-        return self._get(dict[str, Any], "GET", f"/v1/snapshots/{ref}")
+        return self._get(dict[str, Any], "GET", ref_route("/v1/snapshots", ref))
 
     def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
         return self._get(
-            Removed, "DELETE", f"/v1/snapshots/{ref}", params={"cascade": str(cascade).lower()}
+            Removed, "DELETE", ref_route("/v1/snapshots", ref),
+            params={"cascade": str(cascade).lower()},
         )
 
     def compact(self, req: CompactRequest) -> LayerInfo:
@@ -167,13 +211,13 @@ class RemoteBackend:
         return self._get(SpawnResult, "POST", "/v1/sandboxes", req)
 
     def extend(self, sandbox_id: str, req: ExtendRequest) -> SandboxInfo:
-        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/extend", req)
+        return self._get(SandboxInfo, "POST", sandbox_route(sandbox_id, "extend"), req)
 
     def pause(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/pause")
+        return self._get(SandboxInfo, "POST", sandbox_route(sandbox_id, "pause"))
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(SandboxInfo, "POST", f"/v1/sandboxes/{sandbox_id}/resume")
+        return self._get(SandboxInfo, "POST", sandbox_route(sandbox_id, "resume"))
 
     def pools(self) -> list[PoolStatus]:
         return self._get(list[PoolStatus], "GET", "/v1/pools")
@@ -182,22 +226,22 @@ class RemoteBackend:
         return self._get(PoolStatus, "POST", "/v1/pools", req)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
-        return self._get(PoolRemoved, "DELETE", f"/v1/pools/{tag}")
+        return self._get(PoolRemoved, "DELETE", ref_route("/v1/pools", tag))
 
     def sandboxes(self) -> list[SandboxInfo]:
         return self._get(list[SandboxInfo], "GET", "/v1/sandboxes")
 
     def sandbox(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(SandboxInfo, "GET", f"/v1/sandboxes/{sandbox_id}")
+        return self._get(SandboxInfo, "GET", sandbox_route(sandbox_id))
 
     def kill(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(SandboxInfo, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+        return self._get(SandboxInfo, "DELETE", sandbox_route(sandbox_id))
 
     def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         return self._get(
             ExecResult,
             "POST",
-            f"/v1/sandboxes/{sandbox_id}/exec",
+            sandbox_route(sandbox_id, "exec"),
             req,
             timeout=waiting(api.answer_timeout(req.timeout)),
         )
@@ -205,9 +249,16 @@ class RemoteBackend:
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
         """The frames of ``POST …/exec/stream`` as they arrive; the last one has ``result``.
         Waits at most 4 heartbeats (api.HEARTBEAT_S) between two frames, however long the
-        command runs; an ``error`` frame is raised as its error family."""
+        command runs; an ``error`` frame is raised as its error family. The iterator's
+        ``abandon`` (from any thread) ends the stream at once: the daemon sees its client
+        go and kills the command."""
+        url = sandbox_route(sandbox_id, "exec", "stream")
+        frames = RemoteFrames()
+        frames.start(self._frames(url, req, frames))
+        return frames
+
+    def _frames(self, url: str, req: ExecRequest, frames: RemoteFrames) -> Iterator[ExecFrame]:
         limit = httpx.Timeout(4 * api.HEARTBEAT_S, connect=api.CONNECT_TIMEOUT_S)
-        url = f"/v1/sandboxes/{sandbox_id}/exec/stream"
         try:
             with self.http.stream(
                 "POST",
@@ -216,6 +267,7 @@ class RemoteBackend:
                 headers={"Content-Type": "application/json"},
                 timeout=limit,
             ) as resp:
+                frames.reading(resp)
                 if resp.status_code >= 400:
                     raise answered_error(resp.status_code, resp.read())
                 for line in resp.iter_lines():
@@ -228,6 +280,8 @@ class RemoteBackend:
                     if frame.result is not None:
                         return
         except httpx.HTTPError as exc:
+            if frames.abandoned:
+                raise ControllerError(f"the stream of {url} was abandoned") from exc
             raise self._unreachable(exc) from exc
         raise ControllerError(f"controller at {self.where} ended {url} before the result")
 
@@ -235,7 +289,7 @@ class RemoteBackend:
         return self._get(
             EvalResult,
             "POST",
-            f"/v1/sandboxes/{sandbox_id}/eval",
+            sandbox_route(sandbox_id, "eval"),
             req,
             timeout=waiting(api.answer_timeout(req.timeout)),
         )
@@ -244,39 +298,39 @@ class RemoteBackend:
         return self._get(
             RunCodeResult,
             "POST",
-            f"/v1/sandboxes/{sandbox_id}/run_code",
+            sandbox_route(sandbox_id, "run_code"),
             req,
             timeout=waiting(api.answer_timeout(req.timeout)),
         )
 
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo:
-        return self._get(ProcessInfo, "POST", f"/v1/sandboxes/{sandbox_id}/processes", req)
+        return self._get(ProcessInfo, "POST", sandbox_route(sandbox_id, "processes"), req)
 
     def processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return self._get(list[ProcessInfo], "GET", f"/v1/sandboxes/{sandbox_id}/processes")
+        return self._get(list[ProcessInfo], "GET", sandbox_route(sandbox_id, "processes"))
 
     def process_wait(
         self, sandbox_id: str, handle: str, req: ProcessWaitRequest
     ) -> ProcessWaitResult:
-        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/wait"
+        url = process_route(sandbox_id, handle, "wait")
         return self._get(
             ProcessWaitResult, "POST", url, req, timeout=waiting(api.answer_timeout(req.timeout))
         )
 
     def process_stdin(self, sandbox_id: str, handle: str, req: ProcessStdinRequest) -> StdinWritten:
-        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/stdin"
+        url = process_route(sandbox_id, handle, "stdin")
         return self._get(StdinWritten, "POST", url, req)
 
     def process_kill(
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled:
-        url = f"/v1/sandboxes/{sandbox_id}/processes/{handle}/kill"
+        url = process_route(sandbox_id, handle, "kill")
         return self._get(ProcessSignaled, "POST", url, req)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         self._call(
             "PUT",
-            f"/v1/sandboxes/{sandbox_id}/files",
+            sandbox_route(sandbox_id, "files"),
             params={"path": path, "mode": mode},
             content=data,
         )
@@ -284,7 +338,7 @@ class RemoteBackend:
     def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
         """The file's bytes in chunks as the daemon passes them on (it streams them from
         the guest); a body cut short is a ControllerError, never a shorter file."""
-        url = f"/v1/sandboxes/{sandbox_id}/files"
+        url = sandbox_route(sandbox_id, "files")
         started = False
         try:
             with self.http.stream("GET", url, params={"path": path}) as resp:
@@ -301,7 +355,50 @@ class RemoteBackend:
             raise self._unreachable(exc) from exc
 
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult:
-        return self._get(BranchResult, "POST", f"/v1/sandboxes/{sandbox_id}/branch", req)
+        return self._get(BranchResult, "POST", sandbox_route(sandbox_id, "branch"), req)
+
+
+class RemoteFrames(Iterator[ExecFrame]):
+    """A streamed exec's frames (RemoteBackend._frames) with ``abandon``, callable from any
+    thread, also while another waits in ``next`` for a frame: the connection is shut down,
+    so that read ends now and the daemon, its client gone, kills the command."""
+
+    def __init__(self) -> None:
+        self._frames: Iterator[ExecFrame] = iter(())
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.abandoned = False
+
+    def start(self, frames: Iterator[ExecFrame]) -> None:
+        self._frames = frames
+
+    def reading(self, resp: httpx.Response) -> None:
+        """The answer being read: its connection is what ``abandon`` shuts down."""
+        stream = resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            self._socket = sock if isinstance(sock, socket.socket) else None
+            gone = self.abandoned
+        if gone:
+            self.abandon()
+
+    def __next__(self) -> ExecFrame:
+        if self.abandoned:
+            raise StopIteration
+        return next(self._frames)
+
+    def close(self) -> None:
+        close = getattr(self._frames, "close", None)
+        if close is not None:
+            close()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            sock = self._socket
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def waiting(seconds: float | None) -> httpx.Timeout:

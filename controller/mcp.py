@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import contextvars
 import functools
 import json
 import threading
@@ -31,6 +32,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
+from forkd.controller.api import ExecRequest
 from forkd.controller.app import (
     MAX_MESSAGE_CHARS,
     Token,
@@ -38,8 +40,10 @@ from forkd.controller.app import (
     scope_token,
     token_matches,
 )
-from forkd.controller.sdk import Controller, Sandbox
+from forkd.controller.backend import CALLER_STOP, Stop, Stopped
+from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
+from forkd.controller.server import peer_address as server_peer
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 from forkd.names import inert
@@ -56,7 +60,12 @@ R = TypeVar("R")
 
 SandboxId = Annotated[
     str,
-    Field(min_length=1, max_length=128, description="A sandbox id (create_sandboxes gives them)."),
+    Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9-]*$",  # lifecycle.ID_RE: nothing that leaves the route
+        description="A sandbox id (create_sandboxes gives them).",
+    ),
 ]
 Tag = Annotated[
     str,
@@ -168,10 +177,13 @@ class Progress:
 
 
 class Tools:
-    """The tools, on one Controller (the SDK's: daemon or in-process)."""
+    """The tools, on one Controller (the SDK's: daemon or in-process). ``token``: the one
+    HTTP callers present (http_server); a command or cell that runs when it is revoked is
+    stopped (Revocation)."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, token: Token | None = None) -> None:
         self.controller = controller
+        self.token = token
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
@@ -251,15 +263,31 @@ class Tools:
         duration; a non-zero exit is a result, not an error."""
         _check_command(command)
         progress = Progress(ctx)
-        r = self.sandbox(sandbox_id).commands.run(
-            command,
-            env=env,
-            cwd=cwd,
-            stdin=stdin,
-            timeout=timeout_s,
-            on_stdout=progress.on_stdout,
-            on_stderr=progress.on_stderr,
-        )
+        req = ExecRequest(argv=command_argv(command), env=env, cwd=cwd,
+                          stdin=stdin_bytes(stdin), timeout=timeout_s)
+        frames = self.controller.backend.exec_stream(sandbox_id, req)
+        with Revocation(self.token, frames) as revocation:
+            r = None
+            try:
+                for frame in frames:
+                    if frame.stdout:
+                        progress.on_stdout(frame.stdout)
+                    if frame.stderr:
+                        progress.on_stderr(frame.stderr)
+                    if frame.result is not None:
+                        r = frame.result
+                        break
+            except ForkdError:
+                revocation.check()  # the stream was ended for a revocation: say that
+                raise
+            finally:
+                close = getattr(frames, "close", None)  # ends what runs it, if it still does
+                if close is not None:
+                    close()
+            revocation.check()
+        if r is None:
+            raise ForkdError(f"sandbox {sandbox_id}: the command's stream ended without a "
+                             "result; run it again")
         # streamed: the result carries no output, the tails have it
         stdout, cut_out = clipped(r.stdout) if r.stdout else progress.stdout.text()
         stderr, cut_err = clipped(r.stderr) if r.stderr else progress.stderr.text()
@@ -286,7 +314,9 @@ class Tools:
         not a tool error), and rich results: matplotlib figures as PNG images, pandas
         DataFrames as HTML and text. timeout_s: default 300."""
         sb = self.sandbox(sandbox_id)
-        r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
+        with Revocation(self.token) as revocation:
+            r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
+            revocation.check()  # through the daemon: it ran to its end, for nobody
         r["stdout"], r["stdout_cut_chars"] = clipped(r.get("stdout", ""))
         r["stderr"], r["stderr_cut_chars"] = clipped(r.get("stderr", ""))
         images: list[ImageContent] = []
@@ -352,6 +382,54 @@ class Tools:
         return {"killed": sandbox_id}
 
 
+class Revocation:
+    """While a tool runs a command or a cell for an HTTP caller: once the token it came
+    with is revoked (``token.current()`` changes), the run is stopped, and ``check`` raises
+    saying so. Without this, the HTTP request was ended at a revocation (TokenWatch) but
+    the tool went on, its command running for a caller whose token no longer held. A
+    streamed command's frames are abandoned (the backend kills the command: in process,
+    or the daemon, whose client went away); an in-process cell or command that waits on
+    its guest is given up through backend.CALLER_STOP (a cell through the daemon runs on
+    to its own timeout: the daemon's client is this server, which is still there)."""
+
+    def __init__(self, token: Token | None, frames: object = None) -> None:
+        self.token = token
+        self.frames = frames
+        self.stop = Stop()
+        self._done = threading.Event()
+        self._reset: contextvars.Token[Stop | None] | None = None
+
+    def __enter__(self) -> Revocation:
+        if self.token is None:
+            return self
+        given = self.token.current()
+        self._reset = CALLER_STOP.set(self.stop)
+
+        def watch() -> None:
+            while not self._done.wait(REVOCATION_CHECK_S):
+                if not token_matches(given, self.token.current() if self.token else b""):
+                    self.stop.set("revoked")
+                    abandon = getattr(self.frames, "abandon", None)
+                    if abandon is not None:
+                        abandon()
+                    return
+
+        threading.Thread(target=watch, name="forkd-mcp-revocation", daemon=True).start()
+        return self
+
+    def check(self) -> None:
+        if self.stop():
+            raise Stopped("revoked")
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._reset is not None:
+            CALLER_STOP.reset(self._reset)
+
+
+REVOCATION_CHECK_S = 0.5  # how often a running tool checks its caller's token still holds
+
+
 def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
     """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
     file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
@@ -404,8 +482,9 @@ TOOL_NAMES = (
 )
 
 
-def build_server(controller: Controller) -> MCPServer[Any]:
-    """The MCP server with every tool of ``Tools`` on ``controller``."""
+def build_server(controller: Controller, token: Token | None = None) -> MCPServer[Any]:
+    """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
+    callers' (its revocation stops the commands they run, Revocation)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -418,7 +497,7 @@ def build_server(controller: Controller) -> MCPServer[Any]:
             "each one you created when done."
         ),
     )
-    tools = Tools(controller)
+    tools = Tools(controller, token)
     for name in TOOL_NAMES:
         server.add_tool(tool_errors(getattr(tools, name)), name=name)
     return server
@@ -434,6 +513,7 @@ def serve_stdio(controller: Controller) -> None:
 
 
 MAX_SESSIONS = 256  # open MCP sessions of one `forkd mcp --transport http`; more: 503
+MAX_SESSIONS_PER_CLIENT = MAX_SESSIONS // 2  # of them one client (address, IPv6 /64) holds
 SESSION_IDLE_S = 600.0  # a session with no request in flight for this long is closed
 
 
@@ -446,16 +526,23 @@ def http_server(
     limits: Limits = DEFAULT_LIMITS,
     max_sessions: int = MAX_SESSIONS,
     session_idle_s: float = SESSION_IDLE_S,
+    max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT,
 ) -> uvicorn.Server:
     """The streamable-HTTP server, not started: the daemon's listener bounds (server.
     bounded_config: head deadline, connection cap, no WebSocket), and at most
-    ``max_sessions`` MCP sessions, each closed after ``session_idle_s`` without a request
-    in flight (the SDK's: a new session past the limit gets 503 "Too many open sessions")."""
-    app = build_server(controller).streamable_http_app(
+    ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
+    (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
+    SDK's: a new session past the limit gets 503 "Too many open sessions")."""
+    mcp = build_server(controller, token)
+    app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
-    guarded = TokenWatch(BearerAuth(app, token), token)  # a revoked token ends its streams
+    sessions = mcp.session_manager
+    shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
+                          max_sessions_per_client, max_sessions)
+    told = SessionErrors(shared, max_sessions, session_idle_s)
+    guarded = TokenWatch(BearerAuth(told, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
 
@@ -464,6 +551,124 @@ def serve_http(controller: Controller, host: str, port: int, path: str, token: T
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     http_server(controller, host, port, path, token).run()
+
+
+class SessionShare:
+    """ASGI middleware: one client (server.peer_address: an address, an IPv6 /64) holds at
+    most ``per_client`` of the MCP sessions, so it cannot open every one (256, each kept
+    10 minutes while idle) and leave the others 503 "Too many open sessions". A client's
+    sessions are those it opened that are still open (``live``: the SDK forgets a session
+    ended by DELETE or closed idle); a new one past its share gets 503 saying so."""
+
+    def __init__(self, app: Any, live: Callable[[str], bool], per_client: int,
+                 max_sessions: int) -> None:
+        self.app = app
+        self.live = live
+        self.per_client = per_client
+        self.max_sessions = max_sessions
+        self.opened: dict[str, set[str]] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = dict(scope.get("headers", [])) if scope.get("type") == "http" else {}
+        if (scope.get("type") != "http" or b"mcp-session-id" in headers
+                or self.per_client >= self.max_sessions):
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        peer = server_peer(str(client[0])) if client else "-"
+        mine = {sid for sid in self.opened.get(peer, set()) if self.live(sid)}
+        self.opened[peer] = mine
+        if len(mine) >= self.per_client:
+            message = (f"this client ({peer}) holds {len(mine)} MCP sessions, the most one "
+                       f"client may ({self.per_client} of {self.max_sessions}); end sessions "
+                       "you no longer use (HTTP DELETE with their mcp-session-id) or reuse one")
+            body = json.dumps({"jsonrpc": "2.0", "id": None,
+                               "error": {"code": -32603, "message": message}}).encode()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+
+        async def noted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                for key, value in message.get("headers", []):
+                    if key.lower() == b"mcp-session-id":
+                        mine.add(value.decode("latin-1"))
+            await send(message)
+
+        await self.app(scope, receive, noted)
+        if not mine:
+            self.opened.pop(peer, None)
+        if sum(len(ids) for ids in self.opened.values()) > 2 * self.max_sessions:
+            self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        """Drop the sessions that have ended (what is kept is then the open ones, at most
+        max_sessions, whichever clients come back)."""
+        for peer in list(self.opened):
+            self.opened[peer] = {sid for sid in self.opened[peer] if self.live(sid)}
+            if not self.opened[peer]:
+                del self.opened[peer]
+
+
+class SessionErrors:
+    """ASGI middleware: the MCP SDK's own session errors say what to do. The SDK answers a
+    new session past ``max_sessions`` with 503 "Too many open sessions" and an unknown or
+    expired session id with 404 "Session not found", and a client shows just that; here
+    the message says why and what to do, and the 503 has ``Retry-After``."""
+
+    def __init__(self, app: Any, max_sessions: int, idle_s: float) -> None:
+        self.app = app
+        self.told = {
+            "Too many open sessions": (
+                f"Too many open sessions: this server keeps at most {max_sessions} MCP "
+                "sessions open at once; end sessions you no longer use (HTTP DELETE with "
+                "their mcp-session-id), or retry once idle ones have closed (after "
+                f"{idle_s:g} s without a request), docs/mcp.md Limits"),
+            "Session not found": (
+                "Session not found: this mcp-session-id is unknown or its session has closed "
+                f"(sessions close after {idle_s:g} s without a request, or when ended); start "
+                "a new session with initialize, without the mcp-session-id header"),
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] | None = None
+
+        async def told(message: dict[str, Any]) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] in (404, 503):
+                held = message  # its body decides: the SDK's error, or another answer
+                return
+            if held is not None and message["type"] == "http.response.body":
+                start, held = held, None
+                body = message.get("body", b"")
+                if not message.get("more_body"):
+                    start, body = self._rewritten(start, body)
+                await send(start)
+                await send({**message, "body": body})
+                return
+            await send(message)
+
+        await self.app(scope, receive, told)
+
+    def _rewritten(self, start: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        try:
+            answer = json.loads(body)
+            said = answer["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return start, body
+        if not isinstance(said, str) or said not in self.told:
+            return start, body
+        answer["error"]["message"] = self.told[said]
+        new = json.dumps(answer).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        if start["status"] == 503:
+            headers.append((b"retry-after", b"1"))
+        return {**start, "headers": headers}, new
 
 
 class BearerAuth:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
+import ipaddress
 import os
 import secrets
 import signal
@@ -170,6 +172,9 @@ class _Server(uvicorn.Server):
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's bound; a longer one: 400)
 MAX_CONNECTIONS = 256  # open connections, and requests in flight, per listener; more: 503
+# of them one client may hold (a uid on the Unix socket, an address on TCP): the others
+# always keep the rest
+MAX_PER_PEER = MAX_CONNECTIONS // 2
 HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this (docs/api.md)
 STALL_TIMEOUT_S = 60.0  # an answer the client does not read for this long: closed
 LINGER_S = 1.0  # a refused connection is read (and dropped) this long, then closed
@@ -182,6 +187,7 @@ class Limits:
     head_timeout_s: float = HEAD_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     stall_timeout_s: float = STALL_TIMEOUT_S
+    max_per_peer: int = MAX_PER_PEER
 
 
 DEFAULT_LIMITS = Limits()
@@ -193,18 +199,39 @@ class BoundedConfig(uvicorn.Config):
     def __init__(self, app: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.limits = limits
+        self.peers: collections.Counter[str] = collections.Counter()  # slots each client holds
 
 
-def _raw_answer(status: int, reason: str, message: str) -> bytes:
+def _raw_answer(status: int, reason: str, message: str, kind: type[Exception] = Busy) -> bytes:
     """A whole HTTP/1.1 answer with the controller's error body (api.ErrorAnswer), for a
-    connection that gets no request cycle (refused, or its head never came)."""
+    connection that gets no request cycle (refused, its head never came, or ambiguous)."""
     body = msgspec.json.encode(ErrorAnswer(error=ErrorBody(
-        type="Busy", message=message, exit_code=Busy.exit_code)))
+        type=kind.__name__, message=message, exit_code=getattr(kind, "exit_code", 1))))
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n")
     if status == 503:
         head += "retry-after: 1\r\n"
     return head.encode() + b"\r\n" + body
+
+
+def framing_problem(head: bytes) -> str | None:
+    """What makes a request head ambiguous to the readers between a client and forkd (a
+    TLS proxy in front reads it too), else None. h11 takes both, its own way, where a proxy
+    may take the other: Content-Length with Transfer-Encoding (h11 goes by the chunks, a
+    proxy by the length: the rest is read as a second request, smuggled), and a header
+    line folded onto the one before (obs-fold, which RFC 9112 5.2 has a server refuse:
+    h11 appends it to the previous header's value, a proxy may read it as a header)."""
+    lines = head.split(b"\n")[1:]  # after the request line
+    names = set()
+    for line in lines:
+        if line[:1] in (b" ", b"\t"):
+            return ("a header line continues the one before it (obsolete line folding); "
+                    "send each header on one line")
+        names.add(line.partition(b":")[0].strip().lower())
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return ("the request has both Content-Length and Transfer-Encoding, whose readers "
+                "may split it differently; send one of them")
+    return None
 
 
 class BoundedProtocol(H11Protocol):
@@ -219,7 +246,11 @@ class BoundedProtocol(H11Protocol):
     - an answer the client does not read (writing paused) for ``stall_timeout_s`` ends the
       connection (the relay then ends the stream and its command, app.relayed);
     - past ``max_connections`` open connections, or requests in flight, a new connection
-      gets a 503 saying so and is closed; it is not counted while it lingers.
+      gets a 503 saying so and is closed; it is not counted while it lingers;
+    - one client (peer_of: a uid on the Unix socket, an address on TCP) holds at most
+      ``max_per_peer`` of them: a connection counts from its start until it is closed and
+      its request has ended, so a client cannot take every slot, by connections or by
+      requests it left running.
     Applied to every listener by bounded_config."""
 
     MIN_BODY_BYTES = 16 * 1024
@@ -234,6 +265,10 @@ class BoundedProtocol(H11Protocol):
         self._seen_cycle: object = None
         self._received = 0  # bytes since the body window started
         self._refused = False
+        self._peers = config.peers if isinstance(config, BoundedConfig) else None
+        self._peer: str | None = None  # the client whose slot this connection holds
+        self._running = 0  # its requests the app has not finished
+        self._lost = False
 
     def _admitted(self, app: Any) -> Any:
         async def admitted(scope: Any, receive: Any, send: Any) -> None:
@@ -243,7 +278,13 @@ class BoundedProtocol(H11Protocol):
                                         (b"retry-after", b"1"), (b"connection", b"close")]})
                 await send({"type": "http.response.body", "body": self._busy_body()})
                 return
-            await app(scope, receive, send)
+            self._running += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self._running -= 1
+                if self._lost and not self._running:
+                    self._release_peer()
 
         return admitted
 
@@ -260,14 +301,32 @@ class BoundedProtocol(H11Protocol):
         super().connection_made(transport)
         if (len(self.connections) > self.limits.max_connections
                 or len(self.tasks) >= self.limits.max_connections):
-            self._refuse(transport)
+            self._refuse(transport, self._busy_message())
             return
+        if self._peers is not None:
+            peer = peer_of(transport)
+            if self._peers[peer] >= self.limits.max_per_peer:
+                self._refuse(transport, (
+                    f"this client ({peer}) holds {self._peers[peer]} connections or requests "
+                    f"of this server, the most one client may ({self.limits.max_per_peer} of "
+                    f"{self.limits.max_connections}); close connections you do not use, or "
+                    "retry when your requests have ended (docs/api.md, Connections)"))
+                return
+            self._peers[peer] += 1
+            self._peer = peer
         self._arm(self._head_late, self.limits.head_timeout_s)
 
-    def _refuse(self, transport: asyncio.Transport) -> None:
+    def _release_peer(self) -> None:
+        if self._peer is not None and self._peers is not None:
+            self._peers[self._peer] -= 1
+            if self._peers[self._peer] <= 0:
+                del self._peers[self._peer]
+            self._peer = None
+
+    def _refuse(self, transport: asyncio.Transport, message: str) -> None:
         self._refused = True
         self.connections.discard(self)
-        transport.write(_raw_answer(503, "Service Unavailable", self._busy_message()))
+        transport.write(_raw_answer(503, "Service Unavailable", message))
         if transport.can_write_eof():
             transport.write_eof()  # the answer, then EOF; its request is read and dropped
         self._deadline = self.loop.call_later(LINGER_S, transport.abort)
@@ -279,6 +338,8 @@ class BoundedProtocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self._ambiguous():
+            return
         super().handle_events()
         if self.transport.is_closing() or self.cycle is None or self.cycle is self._seen_cycle:
             return
@@ -287,6 +348,26 @@ class BoundedProtocol(H11Protocol):
         if self.conn.their_state is h11.SEND_BODY:
             self._received = 0
             self._arm(self._body_slow, self.limits.head_timeout_s)
+
+    def _ambiguous(self) -> bool:
+        """Whether the next request head, once whole, may be read (framing_problem: an
+        ambiguous one gets a 400 and the connection is closed, nothing of it reaches the
+        app or is read as a next request). True: go on reading it."""
+        if self.transport.is_closing():
+            return False
+        data = self.conn.trailing_data[0]
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            end = data.find(b"\n\n")
+        if end < 0:
+            return True  # not whole yet (h11 bounds its size)
+        problem = framing_problem(bytes(data[:end]).replace(b"\r\n", b"\n"))
+        if problem is None:
+            return True
+        self.transport.write(_raw_answer(400, "Bad Request", problem, InvalidInput))
+        self._cancel_deadline()
+        self.transport.close()
+        return False
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():  # armed first: a pipelined head disarms it
@@ -309,6 +390,9 @@ class BoundedProtocol(H11Protocol):
         self.resume_writing()  # cancels the stall timer
         if self._refused:
             return
+        self._lost = True
+        if not self._running:
+            self._release_peer()
         super().connection_lost(exc)
 
     def _arm(self, callback: Callable[[], None], seconds: float) -> None:
@@ -340,6 +424,33 @@ class BoundedProtocol(H11Protocol):
         self._arm(self._body_slow, self.limits.head_timeout_s)
 
 
+def peer_of(transport: asyncio.BaseTransport) -> str:
+    """Who a connection's client is, for the per-client bound: ``uid=N`` on a Unix socket
+    (SO_PEERCRED: a process cannot pick another's uid), the address on TCP (any port; an
+    IPv6 address's /64, peer_address)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return f"uid={struct.unpack('3i', creds)[1]}"
+    peername = transport.get_extra_info("peername")
+    return peer_address(str(peername[0])) if isinstance(peername, tuple) and peername else "-"
+
+
+def peer_address(host: str) -> str:
+    """The client a TCP address counts as: an IPv4 address (also written as IPv4-mapped
+    IPv6), or an IPv6 address's /64, which one subscriber is given whole (counted by
+    address, one host could take every slot from addresses of its own prefix)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
 class UnixPeerProtocol(BoundedProtocol):
     """HTTP on the Unix socket, with the caller's credentials (SO_PEERCRED) as the ASGI
     ``client``: host ``"uid=N pid=N"`` and port = pid, for the audit log (app.peer)."""
@@ -363,10 +474,14 @@ def bounded_config(
     """The uvicorn Config of every forkd listener (the daemon's Unix socket and TCP, `forkd
     mcp`'s HTTP): h11 with a bounded head (httptools, uvicorn's "auto", buffers a URL of
     any length until its line ends), BoundedProtocol's deadlines and connection cap, and
-    no WebSocket upgrade (an upgraded connection would leave the protocol's bounds)."""
+    no WebSocket upgrade (an upgraded connection would leave the protocol's bounds), and
+    the caller is who the connection says (its address, its SO_PEERCRED), never what
+    its headers claim: uvicorn otherwise takes X-Forwarded-For and X-Forwarded-Proto from
+    any client on 127.0.0.1 (or from anyone, with $FORWARDED_ALLOW_IPS=*), so a local
+    user could write any address into the audit log's records of its requests."""
     return BoundedConfig(
         app, limits, http=protocol, ws="none", log_level="warning",
-        h11_max_incomplete_event_size=MAX_HEAD, **kwargs,
+        h11_max_incomplete_event_size=MAX_HEAD, proxy_headers=False, **kwargs,
     )
 
 

@@ -39,6 +39,34 @@ export class SpawnError extends ForkdError {
   }
 }
 
+// A sandbox id and a process handle go into a URL's path, where "..", "/", "?" or "#"
+// would send the request to another route ("../snapshots/T" made a kill a snapshot's
+// delete): they are checked here, as the daemon checks them (docs/api.md).
+const ID_RE = /^[a-z0-9][a-z0-9-]{0,63}$/;
+const HANDLE_RE = /^p[0-9]{1,19}$/;
+
+function checkedId(id) {
+  if (typeof id !== "string" || !ID_RE.test(id)) {
+    throw new InvalidInput(`invalid sandbox id ${JSON.stringify(String(id)).slice(0, 80)}: ids are `
+      + "1-64 of a-z, 0-9 and '-'; GET /v1/sandboxes lists them", { type: "InvalidInput" });
+  }
+  return id;
+}
+
+function checkedHandle(handle) {
+  if (typeof handle !== "string" || !HANDLE_RE.test(handle)) {
+    throw new InvalidInput(`invalid process handle ${JSON.stringify(String(handle)).slice(0, 80)}: `
+      + "handles are p1, p2, ... as processes gave them", { type: "InvalidInput" });
+  }
+  return handle;
+}
+
+function shownUrl(url) {
+  const shown = new URL(url.href);
+  if (shown.username || shown.password) { shown.username = "***"; shown.password = ""; }
+  return shown.href;
+}
+
 function errorOf(status, text) {
   let body;
   try {
@@ -78,7 +106,7 @@ export class Controller {
     this.socket = this.url ? null : (socket ?? defaultSocket());
     this.token = token ?? null;
     this.timeout = timeout;
-    this.where = this.url ? this.url.href : this.socket;
+    this.where = this.url ? shownUrl(this.url) : this.socket; // in messages: no password
   }
 
   _open(method, route, { query, body, raw, wait }, onResponse, reject) {
@@ -212,14 +240,15 @@ export class Controller {
   }
 
   branchSandbox(sandboxId, tag, { force = false } = {}) {
-    return this.json("POST", `/v1/sandboxes/${sandboxId}/branch`, { body: { tag, force } });
+    return this.json("POST", `/v1/sandboxes/${checkedId(sandboxId)}/branch`,
+      { body: { tag, force } });
   }
 }
 
 class CommandHandle {
   constructor(sandbox, info) {
     this.sandbox = sandbox;
-    this.handle = info.handle;
+    this.handle = checkedHandle(info.handle);
     this.pid = info.pid;
     this.argv = info.argv;
   }
@@ -309,7 +338,7 @@ class Files {
 export class Sandbox {
   constructor(controller, id) {
     this.controller = controller;
-    this.id = id;
+    this.id = checkedId(id);
     this.commands = new Commands(this);
     this.files = new Files(this);
   }
