@@ -1,0 +1,236 @@
+"""Hostile review 12: a right is asked again also while nothing happens, an expected cut
+is one line of log, and ... (see each section).
+
+1. an upload whose client sent a byte and then nothing (its socket kept open) was asked
+   about its push only at its next bytes: a pusher who lost push kept the session's
+   lock, its quota reservation and a worker's request for as long as it liked. Now the
+   body is awaited with the check due (``common.checked_body``): refused within a check;
+2. a download cut because its reader lost pull logged a three-part "Exception in ASGI
+   application" traceback; now one WARNING line saying whose download of what was cut
+   and why (``observability.CutStreams``);
+3. a server-side compaction checked push when it began and when its result was
+   registered, not while it worked (minutes, up to 16 GiB written): one whose caller
+   lost push ran on to its end. Now its blob reads and writes stop at the next check
+   (``compaction._Watched``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from hub_support import (
+    RECHECK_S,
+    TIMEOUT,
+    HubServer,
+    SlowBody,
+    api_token,
+    audited,
+    org_with_pusher,
+    push_blob,
+    sha,
+)
+
+from forkd.hub import compaction
+from forkd.registry.client import RegistryClient
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import Hub, parse_remote
+from forkd.registry.transfer import push
+from forkd.store.store import Store
+
+BIG = 32 << 20  # a download larger than what the loopback's socket buffers hold
+
+
+def _remove_member(hub: HubServer, org: str, admin: tuple[str, str], who: str) -> None:
+    with hub.client(admin) as c:
+        assert c.delete(f"/api/v1/orgs/{org}/members/{who}").status_code == 204
+
+
+# -- 1. a silent upload is asked about its push meanwhile --------------------------------
+@pytest.mark.parametrize("request_kind", ["patch", "post"])
+def test_an_upload_that_stops_sending_is_refused_once_push_is_gone(
+    hub: HubServer, quick_recheck: None, request_kind: str
+) -> None:
+    """Bob sends a first part of a body and then nothing; his membership is removed.
+    The refusal is in the audit log while his client still holds the rest back (before:
+    nothing happened until it sent again, and an idle socket could wait for hours)."""
+    org, alice, bob = org_with_pusher(hub)
+    repo = f"{org}/app"
+    body = SlowBody([b"first part ", b"the rest"])
+    with hub.client(bob) as c:
+        upload_id = ""
+        if request_kind == "post":
+
+            def send() -> httpx.Response:
+                return c.post(
+                    f"/v2/{repo}/blobs/uploads/",
+                    params={"digest": "sha256:" + "0" * 64},
+                    content=body,
+                )
+        else:
+            where = c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"]
+            upload_id = where.rsplit("/", 1)[1]
+
+            def send() -> httpx.Response:
+                return c.patch(where, content=body)
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(send)
+            assert body.sent_first.wait(TIMEOUT)
+            time.sleep(2 * RECHECK_S)  # the first part is in
+            _remove_member(hub, org, alice, bob[0])
+            deadline = time.monotonic() + TIMEOUT
+            while not audited(hub, bob[0], "blob.push", "denied"):
+                assert time.monotonic() < deadline, "the silent upload was never refused"
+                time.sleep(0.02)
+            assert body.sent == 1, "refused only once the client sent again"
+            body.go_on.set()
+            try:
+                r = pending.result(TIMEOUT)
+                assert r.status_code == 403, r.text
+            except httpx.TransportError:
+                pass  # the hub answered and closed while the body was still held back
+    if upload_id:
+        assert (hub.data_dir / "uploads" / upload_id).stat().st_size == 0
+
+
+def test_a_slow_upload_that_pauses_while_its_pusher_keeps_push_is_stored(
+    hub: HubServer, quick_recheck: None
+) -> None:
+    """Pauses longer than the check's interval cost nothing while push holds: every byte
+    is kept, in order."""
+    org, _alice, bob = org_with_pusher(hub)
+    repo = f"{org}/app"
+    body = SlowBody([bytes([i]) * 3000 for i in range(6)], gap=3 * RECHECK_S)
+    body.go_on.set()
+    with hub.client(bob) as c:
+        where = c.post(f"/v2/{repo}/blobs/uploads/").headers["Location"]
+        r = c.patch(where, content=body)
+        assert r.status_code == 202, r.text
+        r = c.put(where, params={"digest": sha(body.data)})
+        assert r.status_code == 201, r.text
+        assert c.get(f"/v2/{repo}/blobs/{sha(body.data)}").content == body.data
+
+
+# -- 2. a cut download is one line of the hub's log --------------------------------------
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_log() -> Iterator[list[logging.LogRecord]]:
+    """What the hub and its server (uvicorn, in this process) log, WARNING and up."""
+    handler = _Records()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "litestar")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_a_cut_download_is_one_line_of_log_without_a_traceback(
+    hub: HubServer, quick_recheck: None, server_log: list[logging.LogRecord]
+) -> None:
+    org, alice, bob = org_with_pusher(hub)
+    repo = f"{org}/app"
+    with hub.client(alice) as c:
+        digest = push_blob(c, repo, bytes(range(256)) * (BIG // 256))
+    secret, token_id = api_token(hub, bob, f"{org}:pull")
+    with hub.client((bob[0], secret)) as c, c.stream("GET", f"/v2/{repo}/blobs/{digest}") as r:
+        chunks = r.iter_raw(1 << 16)
+        next(chunks)
+        assert c.delete(f"/api/v1/tokens/{token_id}", auth=bob).status_code == 204
+        time.sleep(3 * RECHECK_S)
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _chunk in chunks:
+                pass
+    time.sleep(0.2)  # the server's own lines come after the connection closed
+    seen = {id(r): r for r in server_log if r.levelno >= logging.WARNING}.values()
+    mine = [r for r in seen if digest in r.getMessage()]
+    assert len(mine) == 1, [r.getMessage() for r in seen]
+    assert bob[0] in mine[0].getMessage() and "cut" in mine[0].getMessage()
+    assert [r.getMessage() for r in seen if r.exc_info] == []
+    assert [r.getMessage() for r in seen if "without completing" in r.getMessage()] == []
+
+
+# -- 3. a compaction stops once its caller lost push -------------------------------------
+def test_a_compaction_stops_working_once_its_caller_lost_push(
+    hub: HubServer, quick_recheck: None, store: Store, chain: list[str], monkeypatch: Any
+) -> None:
+    """Bob (push) compacts; his membership is removed while the work runs (held here at
+    its start, reading the hub's blobs as the core's compaction does). The work stops at
+    its next blob read within a check: 403 "withdrawn", the audit log says denied, no
+    tag, and the flattening itself never ran. Before: it ran on to its end and was only
+    refused when registered."""
+    org, alice, bob = org_with_pusher(hub)
+    repo = f"{org}/app"
+    target = Hub(hub.address, "http")
+    with RegistryClient(target, Credential(*bob)) as client:
+        push(store, "d3", parse_remote(f"{target}/{repo}:v1"), client)
+    started, flattened = threading.Event(), threading.Event()
+    real = compaction._flatten
+
+    def held_flatten(scratch: Store, head: str, *args: Any) -> Any:
+        started.set()
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:  # the blob reads of a long compaction
+            scratch.blobs.has(head)
+            time.sleep(0.02)
+        flattened.set()
+        return real(scratch, head, *args)
+
+    monkeypatch.setattr(compaction, "_flatten", held_flatten)
+    with ThreadPoolExecutor(1) as pool, hub.client(bob) as c:
+        pending = pool.submit(
+            c.post, f"/api/v1/compact/{repo}", json={"tag": "v1", "to": "flat"}
+        )
+        assert started.wait(TIMEOUT)
+        _remove_member(hub, org, alice, bob[0])
+        r = pending.result(TIMEOUT)
+    assert r.status_code == 403, r.text
+    assert "withdrawn" in r.text
+    assert not flattened.is_set()
+    assert [e["target"] for e in audited(hub, bob[0], "manifest.compact", "denied")] == [
+        f"{repo}@flat"
+    ]
+    with hub.client(alice) as c:
+        assert c.get(f"/v2/{repo}/tags/list").json()["tags"] == ["seed", "v1"]
+    assert not list(hub.data_dir.glob(".compact-*"))  # the scratch store is gone
+
+
+def test_a_compaction_whose_caller_keeps_push_is_unaffected_by_the_checks(
+    hub: HubServer, quick_recheck: None, store: Store, chain: list[str], monkeypatch: Any
+) -> None:
+    """Checks every 0.2 s during a compaction held for 1 s: it completes."""
+    org, _alice, bob = org_with_pusher(hub)
+    repo = f"{org}/app"
+    target = Hub(hub.address, "http")
+    with RegistryClient(target, Credential(*bob)) as client:
+        push(store, "d3", parse_remote(f"{target}/{repo}:v1"), client)
+    real = compaction._flatten
+
+    def slow_flatten(scratch: Store, head: str, *args: Any) -> Any:
+        for _ in range(50):
+            scratch.blobs.has(head)
+            time.sleep(0.02)
+        return real(scratch, head, *args)
+
+    monkeypatch.setattr(compaction, "_flatten", slow_flatten)
+    with hub.client(bob) as c:
+        r = c.post(f"/api/v1/compact/{repo}", json={"tag": "v1", "to": "flat"})
+        assert r.status_code == 201, r.text
+        assert "flat" in c.get(f"/v2/{repo}/tags/list").json()["tags"]
