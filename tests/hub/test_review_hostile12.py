@@ -38,6 +38,7 @@ from hub_support import (
 )
 
 from forkd.hub import compaction
+from forkd.hub.ui import pages
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
 from forkd.registry.reference import Hub, parse_remote
@@ -234,3 +235,29 @@ def test_a_compaction_whose_caller_keeps_push_is_unaffected_by_the_checks(
         r = c.post(f"/api/v1/compact/{repo}", json={"tag": "v1", "to": "flat"})
         assert r.status_code == 201, r.text
         assert "flat" in c.get(f"/v2/{repo}/tags/list").json()["tags"]
+
+
+# -- 4. an organisation's page comes in pages --------------------------------------------
+def test_a_namespace_page_lists_one_page_of_the_packs_one_may_see(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    """An organisation holds up to ``repositories_max`` packs (10 000 by default) and its
+    page listed every one on each view, for anyone. Now a page of them (2 here), newest
+    first, with links to the others; a page past the last is 404; what the viewer may
+    not see is neither listed nor counted in the pages."""
+    monkeypatch.setattr(pages, "NAMESPACE_PER_PAGE", 2)
+    org, alice, _bob = org_with_pusher(hub)  # ORG/app, private
+    with hub.client(alice) as c:
+        for name in ("one", "two", "three"):
+            push_blob(c, f"{org}/{name}", name.encode())
+            hub.public(f"{org}/{name}")
+    with hub.client() as anon:
+        first = anon.get(f"/{org}")
+        assert first.status_code == 200, first.text
+        assert first.text.count('class="pack-card"') == 2
+        assert "page 1 of 2" in first.text and f"/{org}?page=2" in first.text
+        second = anon.get(f"/{org}", params={"page": 2})
+        assert second.text.count('class="pack-card"') == 1
+        assert f'href="/{org}/app"' not in first.text + second.text  # private: not counted
+        assert anon.get(f"/{org}", params={"page": 3}).status_code == 404
+        assert anon.get(f"/{org}", params={"page": "x"}).status_code == 400
