@@ -16,28 +16,35 @@ is one line of log, and ... (see each section).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from hub_support import (
+    ADMIN,
     RECHECK_S,
     TIMEOUT,
     HubServer,
     SlowBody,
     api_token,
     audited,
+    free_port,
     org_with_pusher,
     push_blob,
     sha,
 )
 
-from forkd.hub import compaction
+from forkd.hub import compaction, workers
+from forkd.hub.settings import HubSettings
 from forkd.hub.ui import pages
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
@@ -261,3 +268,91 @@ def test_a_namespace_page_lists_one_page_of_the_packs_one_may_see(
         assert f'href="/{org}/app"' not in first.text + second.text  # private: not counted
         assert anon.get(f"/{org}", params={"page": 3}).status_code == 404
         assert anon.get(f"/{org}", params={"page": "x"}).status_code == 400
+
+
+# -- 5. a request's head is bounded --------------------------------------------------------
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: Any) -> Iterator[int]:
+    """A hub served as ``forkd hub serve`` serves it (``workers.server_config``); its port.
+    A request head has 0.5 s here (60 s in service)."""
+    monkeypatch.setattr(workers, "HEAD_TIMEOUT_S", 0.5)
+    settings = HubSettings(
+        tmp_path / "hub", host="127.0.0.1", port=free_port(), admin_user=ADMIN[0],
+        admin_password=ADMIN[1],
+    )
+    server = uvicorn.Server(workers.server_config(settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the hub did not start"
+        time.sleep(0.02)
+    try:
+        yield settings.port
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
+def _exchange(port: int, head: bytes) -> bytes:
+    """Send ``head`` on a new connection; what the hub answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        with contextlib.suppress(OSError):  # the hub may close before it is all sent
+            s.sendall(head)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                answer += chunk
+                if answer.endswith(b'"ok"}'):
+                    break
+    return answer
+
+
+def _get(*headers: bytes) -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(headers) + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        _get(b"X-Big: " + b"a" * (2 << 20) + b"\r\n"),
+        _get(*[b"X-%d: a\r\n" % i for i in range(workers.HEAD_MAX_HEADERS + 1)]),
+        b"GET /healthz?" + b"a" * (2 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+    ids=["a-2-MiB-header", "too-many-headers", "a-2-MiB-url"],
+)
+def test_a_request_head_past_its_bounds_is_431(served: int, head: bytes) -> None:
+    """uvicorn took a 16 MiB header, or 200 000 headers, buffering each whole: now 431
+    with what the bounds are, and the connection closed."""
+    answer = _exchange(served, head)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"at most" in answer
+
+
+def test_a_request_head_within_its_bounds_is_served(served: int) -> None:
+    big = _get(b"X-Big: " + b"a" * (256 << 10) + b"\r\n", *[b"X-%d: a\r\n" % i for i in range(200)])
+    assert _exchange(served, big).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_head_that_never_ends_closes_its_connection(served: int) -> None:
+    """A client sending a head byte by byte (slowloris) held its connection for ever;
+    now for ``HEAD_TIMEOUT_S``. A kept-alive connection answering in time is not cut."""
+    with socket.create_connection(("127.0.0.1", served), timeout=TIMEOUT) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(40):
+                s.sendall(b"X: a\r\n")
+                time.sleep(0.05)
+        assert s.recv(100) == b""
+        assert time.monotonic() - start < 5
+    with socket.create_connection(("127.0.0.1", served), timeout=TIMEOUT) as s:
+        for _ in range(3):  # three requests on one connection, 0.3 s apart
+            s.sendall(_get())
+            answer = b""
+            while not answer.endswith(b'"ok"}'):
+                chunk = s.recv(65536)
+                assert chunk, f"the hub closed a kept-alive connection: {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.3)
