@@ -13,13 +13,14 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 
 import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+from litestar.exceptions import NotAuthorizedException
 from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -291,9 +292,16 @@ def token_principal(
     return principal
 
 
-class PrincipalChanged(ForkdError):
+class PrincipalChanged(NotAuthorizedException, ForkdError):
     """The user a request was authenticated as is gone, or is no longer the same (removed,
-    password changed), by the time the request writes for them: 401, sign in again."""
+    password changed, the API token revoked), by the time the request writes for them:
+    401, sign in again (a route that does not catch it answers so, as any 401)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail=detail)
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 def _acting_user(session: Session, principal: Principal) -> User:
@@ -324,6 +332,25 @@ async def acting_user(session: AsyncSession, principal: Principal) -> User:
     what the user has (``MAX_TOKENS_PER_USER``, ``MAX_ORGS_PER_USER``): two cannot both
     take the last place. Raises ``PrincipalChanged``."""
     return await session.run_sync(_acting_user, principal)
+
+
+def _current(session: Session, principal: Principal) -> Principal:
+    if principal.anonymous:
+        return principal
+    user = _acting_user(session, principal)
+    fresh = token_principal(session, user.id, principal.token_id, principal.stamp)
+    assert fresh is not None  # _acting_user checked it
+    return replace(fresh, bearer_access=principal.bearer_access)
+
+
+async def current(session: AsyncSession, principal: Principal) -> Principal:
+    """``principal`` as it is now, read in this write transaction (``acting_user``: by id
+    and stamp, the row held): what the request was authenticated as may have changed
+    since (a site admin removed, an API token revoked, a password changed), and a write
+    decided on the old reading would be made for someone who no longer may. Every write
+    that decides from who the caller is (not only from memberships, which it reads anew
+    anyway) asks this first. Raises ``PrincipalChanged`` (401)."""
+    return await session.run_sync(_current, principal)
 
 
 def max_role(*roles: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""Hostile review 12: a right is asked again also while nothing happens, an expected cut
-is one line of log, and ... (see each section).
+"""Hostile review 12: a right is asked again also while nothing arrives and while work
+runs, an expected cut is one line of log, listings and request heads are bounded, and
+a write reads who its caller is when it writes.
 
 1. an upload whose client sent a byte and then nothing (its socket kept open) was asked
    about its push only at its next bytes: a pusher who lost push kept the session's
@@ -11,7 +12,16 @@ is one line of log, and ... (see each section).
 3. a server-side compaction checked push when it began and when its result was
    registered, not while it worked (minutes, up to 16 GiB written): one whose caller
    lost push ran on to its end. Now its blob reads and writes stop at the next check
-   (``compaction._Watched``).
+   (``compaction._Watch``);
+4. an organisation's page listed every pack the viewer may see (up to 10 000) on each
+   view; now a page of them;
+5. ``forkd hub serve``'s uvicorn took a request head of any size (16 MiB in one header,
+   200 000 headers) and waited for ever for one sent a byte at a time; now 431 past
+   1 MiB or 256 fields, and 60 s for a head (``workers.BoundedHead``);
+6. README, member, team, quota and user writes decided from the principal read when the
+   request was authenticated (its token's scopes, its site-admin flag): a token revoked
+   or a site admin removed between the check and the write still wrote. Now the write
+   transaction reads the caller again (``accounts.current``): 401.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import uvicorn
@@ -41,10 +52,12 @@ from hub_support import (
     org_with_pusher,
     push_blob,
     sha,
+    unique_name,
 )
 
-from forkd.hub import compaction, workers
+from forkd.hub import compaction, orgs_api, workers
 from forkd.hub.settings import HubSettings
+from forkd.hub.ui import api as ui_api
 from forkd.hub.ui import pages
 from forkd.registry.client import RegistryClient
 from forkd.registry.credentials import Credential
@@ -356,3 +369,78 @@ def test_a_head_that_never_ends_closes_its_connection(served: int) -> None:
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 200 ")
             time.sleep(0.3)
+
+
+# -- 6. who a write is for is read again when it writes ----------------------------------
+def _meanwhile(monkeypatch: Any, module: Any, name: str, change: Any) -> None:
+    """``module.name`` (an async function the route calls once it has authenticated and
+    checked its caller) does its work and then, before the route writes, ``change()``
+    runs (the hub's command line, on the same database)."""
+    real = getattr(module, name)
+
+    async def then_change(*args: Any, **kwargs: Any) -> Any:
+        result = await real(*args, **kwargs)
+        await anyio.to_thread.run_sync(change)
+        return result
+
+    monkeypatch.setattr(module, name, then_change)
+
+
+def test_a_readme_write_is_refused_when_its_token_was_revoked_meanwhile(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    """Bob's token is revoked after the route checked it and before the README is
+    written. The write read his rights again from the principal authenticated at the
+    start (the token's scopes and all) and wrote; now 401 and nothing changes."""
+    org, _alice, bob = org_with_pusher(hub)
+    secret, token_id = api_token(hub, bob, f"{org}:push")
+    _meanwhile(monkeypatch, ui_api, "authorize", lambda: hub.cli("token", "revoke", str(token_id)))
+    with hub.client((bob[0], secret)) as c:
+        r = c.put(f"/api/v1/readme/{org}/app", json={"readme": "written by a revoked token"})
+    assert r.status_code == 401, r.text
+    assert "sign in again" in r.text
+    monkeypatch.undo()
+    with hub.client(bob) as c:
+        assert c.get(f"/api/v1/readme/{org}/app").json()["readme"] == ""
+
+
+def test_a_member_change_is_refused_when_the_admins_token_was_revoked_meanwhile(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    org, alice, bob = org_with_pusher(hub)
+    secret, token_id = api_token(hub, alice, f"{org}:admin")
+    _meanwhile(
+        monkeypatch,
+        orgs_api,
+        "_require_principal",
+        lambda: hub.cli("token", "revoke", str(token_id)),
+    )
+    with hub.client((alice[0], secret)) as c:
+        r = c.put(f"/api/v1/orgs/{org}/members/{bob[0]}", json={"role": "admin"})
+    assert r.status_code == 401, r.text
+    monkeypatch.undo()
+    with hub.client(alice) as c:
+        roles = {m["user"]: m["role"] for m in c.get(f"/api/v1/orgs/{org}/members").json()}
+    assert roles[bob[0]] == "push"
+
+
+def test_a_quota_is_not_set_by_a_site_admin_removed_meanwhile(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    root = hub.add_user(unique_name("root"))
+    with hub.client(ADMIN) as c:
+        assert c.delete(f"/api/v1/users/{root[0]}").status_code == 204
+        r = c.post("/api/v1/users", json={"name": root[0], "admin": True, "password": root[1]})
+        assert r.status_code == 409  # the name's namespace stays: no user takes it again
+    root = (unique_name("root"), "root-password-123")
+    with hub.client(ADMIN) as c:
+        r = c.post("/api/v1/users", json={"name": root[0], "admin": True, "password": root[1]})
+        assert r.status_code == 201, r.text
+    org, _alice, _bob = org_with_pusher(hub)
+    _meanwhile(monkeypatch, orgs_api, "authenticate", lambda: hub.cli("user", "remove", root[0]))
+    with hub.client(root) as c:
+        r = c.put(f"/api/v1/namespaces/{org}/quota", json={"quota_bytes": 1})
+    assert r.status_code == 401, r.text
+    monkeypatch.undo()
+    with hub.client(ADMIN) as c:
+        assert c.get(f"/api/v1/namespaces/{org}/quota").json()["quota_bytes"] is None
