@@ -4,9 +4,11 @@ through the real `forkd hub` commands."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,24 @@ def api_token(hub: HubServer, who: tuple[str, str], scope: str) -> tuple[str, in
         r = c.post("/api/v1/tokens", json={"name": unique_name("t"), "scopes": [scope]})
         assert r.status_code == 201, r.text
         return r.json()["token"], r.json()["id"]
+
+
+@contextmanager
+def browser(hub: HubServer, user: str, secret: str) -> Iterator[httpx.Client]:
+    """A client signed in to the hub's UI as ``user`` (the sign-in form, its cookie)."""
+    with httpx.Client(base_url=hub.url, timeout=TIMEOUT) as c:
+        found = re.search(r'name="login_csrf" value="([^"]*)"', c.get("/-/signin").text)
+        assert found
+        data = {"login_csrf": found.group(1), "username": user, "password": secret}
+        assert c.post("/-/signin", data=data).status_code == 303
+        yield c
+
+
+def csrf_of(page: str) -> str:
+    """The CSRF token of a UI page's forms."""
+    found = re.search(r'name="csrf" value="([^"]*)"', page)
+    assert found
+    return found.group(1)
 
 
 _counter = iter(range(1_000_000))

@@ -18,10 +18,11 @@ a write reads who its caller is when it writes.
 5. ``forkd hub serve``'s uvicorn took a request head of any size (16 MiB in one header,
    200 000 headers) and waited for ever for one sent a byte at a time; now 431 past
    1 MiB or 256 fields, and 60 s for a head (``workers.BoundedHead``);
-6. README, member, team, quota and user writes decided from the principal read when the
-   request was authenticated (its token's scopes, its site-admin flag): a token revoked
-   or a site admin removed between the check and the write still wrote. Now the write
-   transaction reads the caller again (``accounts.current``): 401.
+6. README, member, team, quota, user and UI robot-token writes decided from the
+   principal read when the request was authenticated (its token's scopes, its
+   site-admin flag): a token revoked or a site admin removed between the check and the
+   write still wrote. Now the write transaction reads the caller again
+   (``accounts.current``): 401.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from hub_support import (
     SlowBody,
     api_token,
     audited,
+    browser,
+    csrf_of,
     free_port,
     org_with_pusher,
     push_blob,
@@ -57,6 +60,7 @@ from hub_support import (
 
 from forkd.hub import compaction, orgs_api, workers
 from forkd.hub.settings import HubSettings
+from forkd.hub.ui import account as ui_account
 from forkd.hub.ui import api as ui_api
 from forkd.hub.ui import pages
 from forkd.registry.client import RegistryClient
@@ -444,3 +448,34 @@ def test_a_quota_is_not_set_by_a_site_admin_removed_meanwhile(
     monkeypatch.undo()
     with hub.client(ADMIN) as c:
         assert c.get(f"/api/v1/namespaces/{org}/quota").json()["quota_bytes"] is None
+
+
+def test_the_ui_mints_no_robot_token_for_a_site_admin_removed_meanwhile(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    """A site admin signed in to the UI asks for a robot token in an organisation they
+    are no member of; they are removed after the form was checked. The write decided
+    from the site-admin flag read at the start (their memberships were gone, the flag
+    was not) and minted it; now 401 and no robot."""
+    root = (unique_name("root"), "root-password-123")
+    with hub.client(ADMIN) as c:
+        r = c.post("/api/v1/users", json={"name": root[0], "admin": True, "password": root[1]})
+        assert r.status_code == 201, r.text
+    org, _alice, _bob = org_with_pusher(hub)
+    robot = unique_name("bot")
+    with browser(hub, *root) as b:
+        csrf = csrf_of(b.get("/-/settings/tokens").text)
+        _meanwhile(
+            monkeypatch,
+            ui_account,
+            "_signed_in_with_password",
+            lambda: hub.cli("user", "remove", root[0]),
+        )
+        r = b.post(
+            "/-/settings/robots",
+            data={"csrf": csrf, "namespace": org, "robot": robot, "role": "push"},
+        )
+    assert r.status_code == 401, r.text
+    monkeypatch.undo()
+    with hub.client(ADMIN) as c:
+        assert robot not in c.get("/api/v1/users").text
