@@ -34,6 +34,10 @@ MAX_WORKERS = 64
 HEAD_MAX_BYTES = 1 << 20  # nginx takes 32 KiB by default; a bearer token is ~2 KiB
 HEAD_MAX_HEADERS = 256
 HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
+# A request body's client silent this long (while the hub waits for it, reading not
+# paused by the hub itself) closes the connection: nginx's client_body_timeout. Without
+# it a body sent a byte a minute held a connection and a request for weeks.
+BODY_IDLE_TIMEOUT_S = 60.0
 
 
 class _HeadTooLarge(Exception):
@@ -44,7 +48,8 @@ class BoundedHead(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol (httptools) with each request's head bounded: past
     ``HEAD_MAX_BYTES`` or ``HEAD_MAX_HEADERS`` the client gets 431 and the connection is
     closed; a head not complete ``HEAD_TIMEOUT_S`` after the connection opened or the
-    previous response ended closes the connection (never while a response is sent). A
+    previous response ended closes the connection (never while a response is sent), and
+    so does a body whose client is silent for ``BODY_IDLE_TIMEOUT_S``. A
     head's bytes are counted as they arrive, so one endless header is refused too
     (httptools buffers a header whole before handing it on). Counted generously: a read
     that ends one request's body and begins the next one's head counts whole (a read is
@@ -58,6 +63,9 @@ class BoundedHead(HttpToolsProtocol):
         self._in_head = True
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
+        self._in_body = False
+        self._body_at = 0.0
+        self._body_timer: asyncio.TimerHandle | None = None
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
@@ -76,7 +84,35 @@ class BoundedHead(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._end_body()
         super().connection_lost(exc)
+
+    def _end_body(self) -> None:
+        self._in_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_check(self) -> None:
+        """The body's client idle for ``BODY_IDLE_TIMEOUT_S``: close. Time the hub keeps
+        it waiting does not count (reading paused because the app has not taken what
+        arrived, or a ``100 Continue`` not sent yet)."""
+        self._body_timer = None
+        if not self._in_body or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        held = self.flow.read_paused or (
+            self.cycle is not None and self.cycle.waiting_for_100_continue
+        )
+        if held:
+            self._body_at = now
+        idle = now - self._body_at
+        if idle >= BODY_IDLE_TIMEOUT_S:
+            self.logger.info("closed a connection whose request body stalled %ss", idle)
+            self._end_body()
+            self.transport.close()
+            return
+        self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S - idle, self._body_check)
 
     def data_received(self, data: bytes) -> None:
         if self._too_large:
@@ -103,9 +139,18 @@ class BoundedHead(HttpToolsProtocol):
         self._head_bytes = 0
         self._disarm_head_timer()
         super().on_headers_complete()
+        self._in_body = True  # until on_message_complete (at once without a body)
+        self._body_at = self.loop.time()
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_at = self.loop.time()
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._end_body()
         self._in_head = True  # the next request's head, if the connection is kept
 
     def on_response_complete(self) -> None:

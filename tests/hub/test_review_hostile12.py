@@ -16,8 +16,9 @@ a write reads who its caller is when it writes.
 4. an organisation's page listed every pack the viewer may see (up to 10 000) on each
    view; now a page of them;
 5. ``forkd hub serve``'s uvicorn took a request head of any size (16 MiB in one header,
-   200 000 headers) and waited for ever for one sent a byte at a time; now 431 past
-   1 MiB or 256 fields, and 60 s for a head (``workers.BoundedHead``);
+   200 000 headers) and waited for ever for one sent a byte at a time, or for a body
+   that stopped; now 431 past 1 MiB or 256 fields, 60 s for a head and 60 s of a body's
+   silence (``workers.BoundedHead``);
 6. README, member, team, quota, user and UI robot-token writes decided from the
    principal read when the request was authenticated (its token's scopes, its
    site-admin flag): a token revoked or a site admin removed between the check and the
@@ -27,7 +28,9 @@ a write reads who its caller is when it writes.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -291,8 +294,9 @@ def test_a_namespace_page_lists_one_page_of_the_packs_one_may_see(
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch: Any) -> Iterator[int]:
     """A hub served as ``forkd hub serve`` serves it (``workers.server_config``); its port.
-    A request head has 0.5 s here (60 s in service)."""
+    A request head has 0.5 s here, and so has a body's silence (60 s in service)."""
     monkeypatch.setattr(workers, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(workers, "BODY_IDLE_TIMEOUT_S", 0.5)
     settings = HubSettings(
         tmp_path / "hub", host="127.0.0.1", port=free_port(), admin_user=ADMIN[0],
         admin_password=ADMIN[1],
@@ -373,6 +377,33 @@ def test_a_head_that_never_ends_closes_its_connection(served: int) -> None:
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 200 ")
             time.sleep(0.3)
+
+
+def _org_post(port: int, body: bytes) -> bytes:
+    auth = base64.b64encode(f"{ADMIN[0]}:{ADMIN[1]}".encode())
+    return (
+        b"POST /api/v1/orgs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Basic " + auth + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+
+
+def test_a_body_whose_client_falls_silent_closes_its_connection(served: int) -> None:
+    """A body that stops half way (a byte a minute, or none) held its connection and its
+    request for ever; now for ``BODY_IDLE_TIMEOUT_S`` of silence. A body that keeps
+    coming, however slowly, is read to its end."""
+    body = json.dumps({"name": unique_name("slow")}).encode()
+    with socket.create_connection(("127.0.0.1", served), timeout=TIMEOUT) as s:
+        s.sendall(_org_post(served, body) + body[:5])
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            assert s.recv(100) == b""
+        assert time.monotonic() - start < 5
+    with socket.create_connection(("127.0.0.1", served), timeout=TIMEOUT) as s:
+        s.sendall(_org_post(served, body))
+        for i in range(0, len(body), 4):  # 0.2 s apart: slower than 0.5 s in all, never idle
+            s.sendall(body[i : i + 4])
+            time.sleep(0.2)
+        assert s.recv(65536).startswith(b"HTTP/1.1 201 ")
 
 
 # -- 6. who a write is for is read again when it writes ----------------------------------
