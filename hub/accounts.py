@@ -89,6 +89,10 @@ def hash_token(secret: str) -> str:
 MAX_TOKENS_PER_USER = 100
 MAX_ORGS_PER_USER = 20
 MAX_TEAMS_PER_ORG = 100
+# Robot accounts a namespace's admins make (the UI's robot form: any organisation admin,
+# and any signed-in user makes organisations): each is a user row and a name no one
+# else can take.
+MAX_ROBOTS_PER_NAMESPACE = 100
 # Members one team-creating request may name (each is a row and a lookup in one write
 # transaction); more are added one request each.
 MAX_TEAM_MEMBERS_AT_ONCE = 100
@@ -519,6 +523,29 @@ async def create_user(
         await session.flush()
         session.add(Membership(namespace_id=ns.id, user_id=user.id, role="admin"))
     return user
+
+
+async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> User:
+    """A new robot account ``name`` for ``namespace``'s admins (who then make it a member);
+    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robot members already.
+    Counted with the namespace's row held (PostgreSQL; SQLite's writers are serial), so
+    creations racing for the last place take turns."""
+    ns = await get_namespace(session, namespace)
+    if ns is None:
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
+    await session.execute(select(Namespace.id).where(Namespace.id == ns.id).with_for_update())
+    held = await session.scalar(
+        select(func.count())
+        .select_from(Membership)
+        .join(User, User.id == Membership.user_id)
+        .where(Membership.namespace_id == ns.id, User.is_robot.is_(True))
+    )
+    if (held or 0) >= MAX_ROBOTS_PER_NAMESPACE:
+        raise Conflict(
+            f"{shown(namespace)} has {held} robots, the limit is {MAX_ROBOTS_PER_NAMESPACE}: "
+            "mint another token for one of them, or ask a site admin to remove some"
+        )
+    return await create_user(session, name, None, robot=True)
 
 
 async def create_org(session: AsyncSession, name: str) -> Namespace:

@@ -360,7 +360,7 @@ class AccountController(Controller):
                     raise InvalidInput(f"you do not administer a namespace named {shown(ns_name)}")
                 user = await accounts.get_user(session, robot)
                 if user is None:
-                    user = await accounts.create_user(session, robot, None, robot=True)
+                    user = await accounts.create_robot_in(session, ns_name, robot)
                 elif not user.is_robot:
                     raise Conflict(f"{shown(robot)} is a person's account, not a robot")
                 elif not await session.run_sync(authz.may_manage_robot, principal, user.id):

@@ -23,7 +23,9 @@ a write reads who its caller is when it writes.
    principal read when the request was authenticated (its token's scopes, its
    site-admin flag): a token revoked or a site admin removed between the check and the
    write still wrote. Now the write transaction reads the caller again
-   (``accounts.current``): 401.
+   (``accounts.current``): 401;
+7. an organisation's admin made robot accounts without bound through the UI; now
+   ``accounts.MAX_ROBOTS_PER_NAMESPACE`` per organisation.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from hub_support import (
     unique_name,
 )
 
-from forkd.hub import compaction, orgs_api, workers
+from forkd.hub import accounts, compaction, orgs_api, workers
 from forkd.hub.settings import HubSettings
 from forkd.hub.ui import account as ui_account
 from forkd.hub.ui import api as ui_api
@@ -510,3 +512,32 @@ def test_the_ui_mints_no_robot_token_for_a_site_admin_removed_meanwhile(
     monkeypatch.undo()
     with hub.client(ADMIN) as c:
         assert robot not in c.get("/api/v1/users").text
+
+
+# -- 7. robots an organisation makes are bounded -----------------------------------------
+def test_an_organisation_makes_a_bounded_number_of_robots(
+    hub: HubServer, monkeypatch: Any
+) -> None:
+    """Any signed-in user may make 20 organisations, and each organisation's admin made
+    robots without end through the UI's robot form: accounts without bound (each a
+    user name no one else can take). Now ``MAX_ROBOTS_PER_NAMESPACE`` (2 here) robots
+    per organisation; a token for one of them is still minted at the limit."""
+    monkeypatch.setattr(accounts, "MAX_ROBOTS_PER_NAMESPACE", 2)
+    org, alice, _bob = org_with_pusher(hub)
+    robots = [unique_name("bot") for _ in range(3)]
+    with browser(hub, *alice) as b:
+
+        def make(robot: str) -> httpx.Response:
+            csrf = csrf_of(b.get("/-/settings/tokens").text)
+            data = {"csrf": csrf, "namespace": org, "robot": robot, "role": "pull"}
+            return b.post("/-/settings/robots", data=data)
+
+        assert make(robots[0]).status_code == 303
+        assert make(robots[1]).status_code == 303
+        refused = make(robots[2])
+        assert refused.status_code == 400, refused.text
+        assert "robots" in refused.text and "limit" in refused.text
+        assert make(robots[0]).status_code == 303  # another token for one it has
+    with hub.client(ADMIN) as c:
+        users = c.get("/api/v1/users").text
+    assert robots[0] in users and robots[1] in users and robots[2] not in users
