@@ -13,13 +13,14 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 
 import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+from litestar.exceptions import NotAuthorizedException
 from sqlalchemy import bindparam, delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -88,6 +89,10 @@ def hash_token(secret: str) -> str:
 MAX_TOKENS_PER_USER = 100
 MAX_ORGS_PER_USER = 20
 MAX_TEAMS_PER_ORG = 100
+# Robot accounts a namespace's admins make (the UI's robot form: any organisation admin,
+# and any signed-in user makes organisations): each is a user row and a name no one
+# else can take.
+MAX_ROBOTS_PER_NAMESPACE = 100
 # Members one team-creating request may name (each is a row and a lookup in one write
 # transaction); more are added one request each.
 MAX_TEAM_MEMBERS_AT_ONCE = 100
@@ -291,9 +296,16 @@ def token_principal(
     return principal
 
 
-class PrincipalChanged(ForkdError):
+class PrincipalChanged(NotAuthorizedException, ForkdError):
     """The user a request was authenticated as is gone, or is no longer the same (removed,
-    password changed), by the time the request writes for them: 401, sign in again."""
+    password changed, the API token revoked), by the time the request writes for them:
+    401, sign in again (a route that does not catch it answers so, as any 401)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail=detail)
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 def _acting_user(session: Session, principal: Principal) -> User:
@@ -324,6 +336,25 @@ async def acting_user(session: AsyncSession, principal: Principal) -> User:
     what the user has (``MAX_TOKENS_PER_USER``, ``MAX_ORGS_PER_USER``): two cannot both
     take the last place. Raises ``PrincipalChanged``."""
     return await session.run_sync(_acting_user, principal)
+
+
+def _current(session: Session, principal: Principal) -> Principal:
+    if principal.anonymous:
+        return principal
+    user = _acting_user(session, principal)
+    fresh = token_principal(session, user.id, principal.token_id, principal.stamp)
+    assert fresh is not None  # _acting_user checked it
+    return replace(fresh, bearer_access=principal.bearer_access)
+
+
+async def current(session: AsyncSession, principal: Principal) -> Principal:
+    """``principal`` as it is now, read in this write transaction (``acting_user``: by id
+    and stamp, the row held): what the request was authenticated as may have changed
+    since (a site admin removed, an API token revoked, a password changed), and a write
+    decided on the old reading would be made for someone who no longer may. Every write
+    that decides from who the caller is (not only from memberships, which it reads anew
+    anyway) asks this first. Raises ``PrincipalChanged`` (401)."""
+    return await session.run_sync(_current, principal)
 
 
 def max_role(*roles: str | None) -> str | None:
@@ -492,6 +523,29 @@ async def create_user(
         await session.flush()
         session.add(Membership(namespace_id=ns.id, user_id=user.id, role="admin"))
     return user
+
+
+async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> User:
+    """A new robot account ``name`` for ``namespace``'s admins (who then make it a member);
+    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robot members already.
+    Counted with the namespace's row held (PostgreSQL; SQLite's writers are serial), so
+    creations racing for the last place take turns."""
+    ns = await get_namespace(session, namespace)
+    if ns is None:
+        raise InvalidInput(f"no such namespace {shown(namespace)}")
+    await session.execute(select(Namespace.id).where(Namespace.id == ns.id).with_for_update())
+    held = await session.scalar(
+        select(func.count())
+        .select_from(Membership)
+        .join(User, User.id == Membership.user_id)
+        .where(Membership.namespace_id == ns.id, User.is_robot.is_(True))
+    )
+    if (held or 0) >= MAX_ROBOTS_PER_NAMESPACE:
+        raise Conflict(
+            f"{shown(namespace)} has {held} robots, the limit is {MAX_ROBOTS_PER_NAMESPACE}: "
+            "mint another token for one of them, or ask a site admin to remove some"
+        )
+    return await create_user(session, name, None, robot=True)
 
 
 async def create_org(session: AsyncSession, name: str) -> Namespace:

@@ -40,7 +40,7 @@ from forkd.hub.errors import (
     registry_error_handler,
     validation_error_handler,
 )
-from forkd.hub.observability import MetricsMiddleware
+from forkd.hub.observability import QUIET_CUT, CutStreams, MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
@@ -200,7 +200,7 @@ def create_app(settings: HubSettings) -> Litestar:
         openapi_config=OpenAPIConfig(
             title="forkd hub", version=forkd.__version__, path="/api/schema"
         ),
-        middleware=[lambda app: MetricsMiddleware(app, hub.metrics)],
+        middleware=[CutStreams, lambda app: MetricsMiddleware(app, hub.metrics)],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
         request_class=HubHttpRequest,
         request_max_body_size=API_BODY_MAX,
@@ -216,4 +216,7 @@ def create_app(settings: HubSettings) -> Litestar:
         after_exception=[log_unexpected],
     )
     app.state.hub = hub
+    # A response the hub cuts on purpose is one line of its own (CutStreams), not also
+    # uvicorn's "returned without completing response" (added once: filters are a set).
+    logging.getLogger("uvicorn.error").addFilter(QUIET_CUT)
     return app

@@ -32,9 +32,11 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -49,9 +51,17 @@ from forkd import digest as dg
 from forkd.bodies import Body
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.hub import accounts
-from forkd.hub.auth import Caller, authenticate, authorize, client_ip, still_permitted
+from forkd.hub.auth import (
+    Caller,
+    authenticate,
+    authorize,
+    client_ip,
+    still_allowed,
+    still_permitted,
+)
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Manifest, Tag
+from forkd.hub.oci import common
 from forkd.hub.oci.common import HubRequest, link_blob
 from forkd.hub.oci.manifests import parse_manifest, register_manifest
 from forkd.hub.services import Hub
@@ -110,6 +120,105 @@ class _Flat:
 
 class _Vanished(Exception):
     """A GC sweep removed a blob between the compaction writing it and its registration."""
+
+
+T = TypeVar("T")
+
+
+class _Stopped(Exception):
+    """Raised in the compaction's thread by ``_Watched`` once its caller lost push."""
+
+
+class _Watched:
+    """The hub's blob store as a compaction's thread sees it: each call first asks
+    whether the compaction was stopped (``stop``, set by ``_Watch``) and raises
+    ``_Stopped`` if so. The work is a sequence of blob reads and writes (chunks of at
+    most 2 MiB), so it ends within one of them once its caller's right is gone."""
+
+    def __init__(self, blobs: BlobStore, stop: threading.Event) -> None:
+        self._blobs, self._stop = blobs, stop
+
+    def _go_on(self) -> BlobStore:
+        if self._stop.is_set():
+            raise _Stopped
+        return self._blobs
+
+    def has(self, digest: str) -> bool:
+        return self._go_on().has(digest)
+
+    def size(self, digest: str) -> int:
+        return self._go_on().size(digest)
+
+    def put_bytes(self, data: bytes, expected: str | None = None) -> str:
+        return self._go_on().put_bytes(data, expected)
+
+    def put_stream(
+        self, chunks: Iterable[bytes], expected: str | None = None, expected_size: int | None = None
+    ) -> str:
+        return self._go_on().put_stream(self._checked(chunks), expected, expected_size)
+
+    def _checked(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            self._go_on()
+            yield chunk
+
+    def read(self, digest: str, max_size: int, what: str = "blob") -> bytes:
+        return self._go_on().read(digest, max_size, what)
+
+    def delete(self, digest: str) -> None:
+        self._go_on().delete(digest)
+
+    def digests(self) -> Iterator[str]:
+        return self._go_on().digests()
+
+    def open(self, digest: str) -> BinaryIO:
+        return self._go_on().open(digest)
+
+    def mtime(self, digest: str) -> float:
+        return self._go_on().mtime(digest)
+
+
+class _Watch:
+    """A request's compaction while its thread works: every ``RIGHTS_RECHECK_S`` its
+    caller's push is asked again (``auth.still_allowed``, a short read each time); once it
+    is gone the thread is stopped at its next blob call (``_Watched``) and ``run`` raises
+    the refusal. Before, the check ran when the request began and when its result was
+    registered: a member removed meanwhile had the hub write for minutes on their behalf."""
+
+    OUTCOME = "the compaction was stopped and nothing of it was kept"
+
+    def __init__(self, hub: Hub, caller: Caller, name: str) -> None:
+        self.hub, self.caller, self.name = hub, caller, name
+        self.stop = threading.Event()
+        self.refusal: RegistryError | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            await anyio.sleep(common.RIGHTS_RECHECK_S)
+            try:
+                await still_allowed(self.hub, self.caller, self.name, "push", self.OUTCOME)
+            except RegistryError as exc:
+                self.refusal = exc
+                self.stop.set()
+                return
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in a thread, watched; the refusal once push is gone."""
+        outcome: list[T] = []
+        failure: BaseException | None = None
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self._watch)
+            try:
+                outcome.append(await anyio.to_thread.run_sync(work, *args))
+            except Exception as exc:  # raised below, not in the task group's group
+                failure = exc
+            finally:
+                tasks.cancel_scope.cancel()
+        if self.refusal is not None:
+            raise self.refusal
+        if failure is not None:
+            raise failure
+        return outcome[0]
 
 
 class _OutsideChain(ForkdError):
@@ -188,8 +297,9 @@ async def compact_tag(
     ``expect`` (a digest) and ``deeper_than`` serve the retention rule: it returns None,
     doing nothing, when the tag has moved on or its chain is not deeper than the limit.
     Raises RegistryError: 404 unknown tag, 409 existing ``to`` without ``force``.
-    ``caller`` (a request's): checked again when the result is registered, minutes after
-    the route's check (``auth.still_permitted``); None for the retention rule.
+    ``caller`` (a request's): checked again while the work runs (``_Watch``: stopped
+    once push is gone) and when the result is registered (``auth.still_permitted``);
+    None for the retention rule.
     """
     source = f"{name}:{tag}"
     async with hub.db.reading() as session:
@@ -204,29 +314,41 @@ async def compact_tag(
             return None  # pushed again meanwhile: that push queued its own job
         if not force and await session.get(Tag, (repo.id, to)) is not None:
             raise _conflict(name, to)
+    watch = _Watch(hub, caller, name) if caller is not None else None
+
+    async def in_thread(work: Callable[..., T], *args: Any) -> T:
+        if watch is None:  # the retention rule's: the hub's own work
+            return await anyio.to_thread.run_sync(work, *args)
+        return await watch.run(work, *args)
+
+    blobs: BlobStore = hub.blobs if watch is None else _Watched(hub.blobs, watch.stop)
     for _attempt in range(2):
         scratch = Path(tempfile.mkdtemp(dir=hub.settings.data_dir, prefix=".compact-"))
         try:
             store = Store(
                 scratch,
                 auto_compact_depth=MAX_CHAIN_DEPTH,
-                blobs=hub.blobs,
+                blobs=blobs,
                 max_written=MAX_WRITTEN,
             )
             rows = await _chain_in(hub, repo.id, name, source, head)
             try:
-                chain = await anyio.to_thread.run_sync(_chain, store, head, source, rows)
+                chain = await in_thread(_chain, store, head, source, rows)
             except ForkdError as exc:
                 raise _as_registry_error(exc, source) from exc
             if len(chain) - 1 <= deeper_than:
                 return None
             provenance = Provenance(source, head, len(chain) - 1, reason)
             try:
-                flat = await anyio.to_thread.run_sync(
-                    _flatten, store, head, chain, f"{name}:{to}", provenance
-                )
+                flat = await in_thread(_flatten, store, head, chain, f"{name}:{to}", provenance)
             except ForkdError as exc:
                 raise _as_registry_error(exc, source) from exc
+        except RegistryError as exc:
+            if watch is not None and exc is watch.refusal:
+                hub.audit.record(
+                    actor, ip, "manifest.compact", f"{name}@{to}", "denied", reason=exc.detail
+                )
+            raise
         finally:
             with anyio.CancelScope(shield=True):  # also when the hub shuts down meanwhile
                 await anyio.to_thread.run_sync(shutil.rmtree, scratch, True)

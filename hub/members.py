@@ -43,6 +43,7 @@ async def change_member(
     ns = await accounts.get_namespace(session, namespace)
     if ns is None:
         raise InvalidInput(f"no such namespace {shown(namespace)}")
+    principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
         raise NotPermitted(f"only admins of {shown(namespace)} change its members")
     user = await accounts.get_user(session, username)
@@ -82,7 +83,8 @@ async def keep_an_admin(session: AsyncSession, ns: Namespace, user: User) -> Non
 async def require_admin(session: AsyncSession, principal: Principal, namespace: str) -> None:
     """NotPermitted unless ``principal`` administers ``namespace`` now: read in the write
     transaction of the change, so an admin removed or demoted while the request ran
-    changes nothing."""
+    changes nothing, and nor does one whose token was revoked (``accounts.current``)."""
+    principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
         raise NotPermitted(f"only admins of {shown(namespace)} change its teams")
 
@@ -93,6 +95,7 @@ async def team_member_allowed(session: AsyncSession, principal: Principal, usern
     user = await accounts.get_user(session, username)
     if user is None:
         raise InvalidInput(f"no such user {shown(username)}")
+    principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     if user.is_robot and not await session.run_sync(authz.may_manage_robot, principal, user.id):
         raise NotPermitted(
             f"robot {shown(username)} belongs to a namespace you do not administer; its "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -12,6 +15,8 @@ from sqlalchemy import func, select
 
 from forkd.hub.db import Database
 from forkd.hub.models import Blob, Repository
+
+log = logging.getLogger("forkd.hub")
 
 ROUTE_RE = re.compile(r"^/v2/.+/(manifests|blobs/uploads|blobs|tags|referrers)(?:/|$)")
 FIXED_ROUTES = {"/token", "/v2", "/healthz", "/metrics"}
@@ -86,3 +91,63 @@ class MetricsMiddleware:
             route = route_of(scope.get("path", ""))
             self.metrics.requests.labels(scope.get("method", ""), route, str(status)).inc()
             self.metrics.duration.labels(route).observe(time.perf_counter() - start)
+
+
+class StreamCut(Exception):
+    """A response the hub cut on purpose after its headers were sent (a download whose
+    reader lost pull): no error document can follow, so the connection is closed short of
+    its ``Content-Length``. ``str()`` says why, in one line, for the hub's log."""
+
+
+# Set in the request's task when ``CutStreams`` ended its response: the server's own
+# "returned without completing response" line for it says nothing the hub's line did not.
+_CUT: ContextVar[bool] = ContextVar("forkd_hub_stream_cut", default=False)
+UNFINISHED = "ASGI callable returned without completing response."
+
+
+def _cut_in(exc: BaseException | None, depth: int = 0) -> StreamCut | None:
+    """The ``StreamCut`` behind ``exc``: itself, its cause or context (the framework
+    raises its own error *from* it), or one in an exception group."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, StreamCut):
+        return exc
+    inner: Iterator[BaseException | None] = iter(
+        [*getattr(exc, "exceptions", ()), exc.__cause__, exc.__context__]
+    )
+    return next((c for e in inner if (c := _cut_in(e, depth + 1)) is not None), None)
+
+
+class CutStreams:
+    """ASGI middleware: a response ended by a ``StreamCut`` is one line in the hub's log
+    (WARNING: method, route kind, why), not an "Exception in ASGI application" traceback.
+    It returns without finishing the response, so the server closes the connection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            cut = _cut_in(exc)
+            if cut is None or scope["type"] != "http":
+                raise
+            log.warning(
+                "%s %s response cut short: %s",
+                scope.get("method", ""),
+                route_of(scope.get("path", "")),
+                cut,
+            )
+            _CUT.set(True)
+
+
+class QuietCut(logging.Filter):
+    """On the server's error logger: drop its one-line notice that the app left a
+    response unfinished when the hub cut it on purpose (``CutStreams`` logged why)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.msg == UNFINISHED)
+
+
+QUIET_CUT = QuietCut()

@@ -404,6 +404,8 @@ class QuotaController(Controller):
             hub.audit.record(principal.name, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
         async with _writing(hub) as session:
+            if not (await accounts.current(session, principal)).site_admin:  # still one?
+                raise PermissionDeniedException("only site admins set quotas")
             await quotas.set_quota(session, namespace, data.quota_bytes)
             quota, used = await quotas.show(session, namespace)
         hub.audit.record(
@@ -412,16 +414,29 @@ class QuotaController(Controller):
         return QuotaInfo(namespace, quota, used)
 
 
-async def _site_admin(hub: Hub, request: HubRequest, action: str, target: str) -> str:
-    """The caller's name if a site admin signed in with the password; else 401/403."""
+async def _site_admin(
+    hub: Hub, request: HubRequest, action: str, target: str
+) -> accounts.Principal:
+    """The caller if a site admin signed in with the password; else 401/403."""
     principal = await _user(hub, request)
     if not principal.is_admin or not principal.with_password:
         hub.audit.record(principal.name, client_ip(request), action, target, "denied")
-        raise PermissionDeniedException(
-            "only site admins signed in with the password (not an API token or a registry "
-            "bearer token) manage users"
-        )
-    return principal.name
+        raise _not_site_admin()
+    return principal
+
+
+def _not_site_admin() -> PermissionDeniedException:
+    return PermissionDeniedException(
+        "only site admins signed in with the password (not an API token or a registry "
+        "bearer token) manage users"
+    )
+
+
+async def _still_site_admin(session: AsyncSession, principal: accounts.Principal) -> None:
+    """In the write transaction: the caller is a site admin still (not removed or demoted,
+    its password unchanged since the request was authenticated: 401/403)."""
+    if not (await accounts.current(session, principal)).is_admin:
+        raise _not_site_admin()
 
 
 class UserController(Controller):
@@ -429,7 +444,7 @@ class UserController(Controller):
 
     @get("/")
     async def list_users(self, request: HubRequest, hub: NamedDependency[Hub]) -> list[UserInfo]:
-        await _site_admin(hub, request, "user.list", "-")
+        await _site_admin(hub, request, "user.list", "-")  # a read: nothing to hold
         async with hub.db.reading() as session:
             users = await accounts.list_users(session)
         return [UserInfo(u.name, u.is_admin, u.is_robot) for u in users]
@@ -438,7 +453,8 @@ class UserController(Controller):
     async def create_user(
         self, request: HubRequest, hub: NamedDependency[Hub], data: JSONBody[UserCreate]
     ) -> UserInfo:
-        actor = await _site_admin(hub, request, "user.create", data.name[:64])
+        admin = await _site_admin(hub, request, "user.create", data.name[:64])
+        actor = admin.name
         try:
             accounts.validate_username(data.name)
             if data.password is not None:
@@ -453,6 +469,7 @@ class UserController(Controller):
                 else None
             )
             async with hub.db.transaction() as session:
+                await _still_site_admin(session, admin)
                 user = await accounts.create_user(
                     session, data.name, None, admin=data.admin, robot=data.robot
                 )
@@ -474,8 +491,10 @@ class UserController(Controller):
     async def remove_user(
         self, request: HubRequest, hub: NamedDependency[Hub], name: FromPath[str]
     ) -> None:
-        actor = await _site_admin(hub, request, "user.remove", name)
+        admin = await _site_admin(hub, request, "user.remove", name)
+        actor = admin.name
         async with _writing(hub) as session:
+            await _still_site_admin(session, admin)
             admins = await session.scalars(
                 select(User.name).where(User.is_admin.is_(True)).with_for_update()
             )

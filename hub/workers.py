@@ -19,6 +19,7 @@ import socket
 import sys
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from forkd.errors import InvalidInput
 from forkd.hub.app import bootstrap_admin, create_app
@@ -27,6 +28,159 @@ from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 
 MAX_WORKERS = 64
+# A request's head (request line and headers): at most this many bytes, headers and
+# seconds. uvicorn (httptools) bounds none of them: one connection could make the hub
+# buffer a 16 MiB header, or 200 000 of them, or hold its place sending a byte a minute.
+HEAD_MAX_BYTES = 1 << 20  # nginx takes 32 KiB by default; a bearer token is ~2 KiB
+HEAD_MAX_HEADERS = 256
+HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
+# A request body's client silent this long (while the hub waits for it, reading not
+# paused by the hub itself) closes the connection: nginx's client_body_timeout. Without
+# it a body sent a byte a minute held a connection and a request for weeks.
+BODY_IDLE_TIMEOUT_S = 60.0
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+class BoundedHead(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools) with each request's head bounded: past
+    ``HEAD_MAX_BYTES`` or ``HEAD_MAX_HEADERS`` the client gets 431 and the connection is
+    closed; a head not complete ``HEAD_TIMEOUT_S`` after the connection opened or the
+    previous response ended closes the connection (never while a response is sent), and
+    so does a body whose client is silent for ``BODY_IDLE_TIMEOUT_S``. A
+    head's bytes are counted as they arrive, so one endless header is refused too
+    (httptools buffers a header whole before handing it on). Counted generously: a read
+    that ends one request's body and begins the next one's head counts whole (a read is
+    at most 256 KiB)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._head_bytes = 0
+        self._headers = 0
+        self._too_large = False
+        self._in_head = True
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+        self._in_body = False
+        self._body_at = 0.0
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if self._in_head and not answering and not self.transport.is_closing():
+            self.logger.info("closed a connection whose request head took over %ss", HEAD_TIMEOUT_S)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        self._end_body()
+        super().connection_lost(exc)
+
+    def _end_body(self) -> None:
+        self._in_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_check(self) -> None:
+        """The body's client idle for ``BODY_IDLE_TIMEOUT_S``: close. Time the hub keeps
+        it waiting does not count (reading paused because the app has not taken what
+        arrived, or a ``100 Continue`` not sent yet)."""
+        self._body_timer = None
+        if not self._in_body or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        held = self.flow.read_paused or (
+            self.cycle is not None and self.cycle.waiting_for_100_continue
+        )
+        if held:
+            self._body_at = now
+        idle = now - self._body_at
+        if idle >= BODY_IDLE_TIMEOUT_S:
+            self.logger.info("closed a connection whose request body stalled %ss", idle)
+            self._end_body()
+            self.transport.close()
+            return
+        self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S - idle, self._body_check)
+
+    def data_received(self, data: bytes) -> None:
+        if self._too_large:
+            return
+        super().data_received(data)
+        if self._in_head and not self._too_large and self.parser is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > HEAD_MAX_BYTES:
+                self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._headers = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers += 1
+        if self._headers > HEAD_MAX_HEADERS:
+            self._too_large = True
+            raise _HeadTooLarge  # httptools stops parsing: ``send_400_response`` follows
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+        self._in_body = True  # until on_message_complete (at once without a body)
+        self._body_at = self.loop.time()
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S, self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_at = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._end_body()
+        self._in_head = True  # the next request's head, if the connection is kept
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # the time for the next head starts now
+            self._disarm_head_timer()
+            self._arm_head_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_large:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
+
+    def _refuse_head(self) -> None:
+        self._too_large = True
+        self._disarm_head_timer()
+        if self.transport.is_closing():
+            return
+        msg = (
+            f"request head too large: at most {HEAD_MAX_BYTES} bytes and "
+            f"{HEAD_MAX_HEADERS} header fields; send fewer or shorter headers"
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-length: " + str(len(msg)).encode() + b"\r\n"
+            b"connection: close\r\n\r\n" + msg
+        )
+        self.transport.close()
 
 
 def check(settings: HubSettings, workers: int) -> None:
@@ -54,6 +208,7 @@ def server_config(settings: HubSettings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         loop="asyncio",
+        http=BoundedHead,  # the request head bounded (size, header count, time)
         # X-Forwarded-For is the app's to judge, against trusted_proxies (auth.client_ip).
         proxy_headers=False,
         log_level="info",

@@ -22,6 +22,7 @@ from forkd.hub.accounts import Principal
 from forkd.hub.authz import access
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, RepositoryBlob
+from forkd.hub.observability import StreamCut
 from forkd.hub.oci.common import (
     STREAM_CHUNK,
     Ctx,
@@ -120,7 +121,7 @@ async def get(ctx: Ctx, digest: str, *, head: bool) -> Response[Any]:
     )
 
 
-class DownloadCut(Exception):
+class DownloadCut(StreamCut):
     """A download's caller lost pull while it streamed (``RightsCheck``): the response's
     headers are sent, so no error document can follow; the connection is closed short of
     ``Content-Length``, which every client reads as a failed transfer."""
@@ -139,7 +140,8 @@ async def _read(ctx: Ctx, digest: str, offset: int, length: int) -> AsyncIterato
                 await check()
             except RegistryError as exc:
                 ctx.audit("blob.pull", digest, "cut", reason=exc.detail)
-                raise DownloadCut(exc.detail) from None
+                who = ctx.caller.principal.name
+                raise DownloadCut(f"{ctx.name}@{digest} for {who}: {exc.detail}") from None
             block = await anyio.to_thread.run_sync(f.read, min(STREAM_CHUNK, length))
             if not block:
                 return

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from itertools import islice
 
+import anyio
 from litestar import Request
 from litestar.datastructures import State
 from sqlalchemy import exc as sa_exc
@@ -154,6 +155,74 @@ class RightsCheck:
         ctx = self.ctx
         await still_allowed(ctx.hub, ctx.caller, ctx.name, self.action, self.outcome)
         self.due = time.monotonic() + self.interval
+
+    def until_due(self) -> float:
+        """Seconds until the next check is due (0 when it is)."""
+        return max(0.0, self.due - time.monotonic())
+
+
+class _Body:
+    """A request body read by a task of its own, at most one chunk ahead of its reader
+    (``checked_body``). The chunk waits in ``item`` (not in a stream whose receive could
+    be cancelled after taking it), so the reader may stop waiting for a check and lose
+    nothing."""
+
+    def __init__(self) -> None:
+        self.item: bytes | None = None
+        self.ended = False
+        self.error: Exception | None = None  # what ended the body (a client gone away)
+        self.arrived = anyio.Event()
+        self.taken = anyio.Event()
+
+    async def pump(self, source: AsyncIterator[bytes]) -> None:
+        try:
+            async for chunk in source:
+                self.item = chunk
+                self.arrived.set()
+                await self.taken.wait()
+                self.taken = anyio.Event()
+        except Exception as exc:  # raised in the reader's task, where it is handled
+            self.error = exc
+        self.ended = True
+        self.arrived.set()
+
+    async def next(self, check: RightsCheck) -> bytes | None:
+        while self.item is None and not self.ended:
+            with anyio.move_on_after(check.until_due()):
+                await self.arrived.wait()
+            if self.item is None and not self.ended:
+                await check()  # the sender is silent: is it still allowed to send?
+        if self.item is not None:
+            chunk, self.item = self.item, None
+            self.arrived = anyio.Event()
+            self.taken.set()
+            return chunk
+        if self.error is not None:
+            raise self.error
+        return None
+
+
+@asynccontextmanager
+async def checked_body(
+    source: AsyncIterator[bytes], check: RightsCheck
+) -> AsyncIterator[Callable[[], Awaitable[bytes | None]]]:
+    """A request body whose sender is checked (``check``) while its next bytes are
+    awaited, not only when they come: a client that sends a byte and then nothing (its
+    socket kept open) is asked about every ``RIGHTS_RECHECK_S`` meanwhile, and refused
+    once its right is gone. Yields ``next_chunk``: the body's next chunk, None at its
+    end; it raises the refusal or what ended the body (a client that went away)."""
+    body = _Body()
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(body.pump, source)
+        try:
+            yield lambda: body.next(check)
+        except Exception as exc:  # raised as it is below, not in the task group's group
+            failure = exc
+        finally:
+            tasks.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 def parse_count(text: str, what: str, maximum: int = MAX_COUNT) -> int:

@@ -34,7 +34,7 @@ import itertools
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import BinaryIO
@@ -54,6 +54,7 @@ from forkd.hub.oci.common import (
     STREAM_CHUNK,
     Ctx,
     RightsCheck,
+    checked_body,
     declared_length,
     in_chunks,
     link_blob,
@@ -538,8 +539,9 @@ async def _stream_into(
     ``start``); what arrived before a client went away is (resumable; with shared
     sessions only once recorded, so it is not: the client resends from the Range). The
     caller's push is checked again every ``RIGHTS_RECHECK_S`` while the body arrives and
-    once more after its last byte (``RightsCheck``): once it is gone, nothing this
-    request sent is kept and it is refused (401/403)."""
+    once more after its last byte (``RightsCheck``), also while the client sends
+    nothing (``checked_body``): once it is gone, nothing this request sent is kept and
+    it is refused (401/403)."""
     check = RightsCheck(ctx, "push", "nothing this request sent was kept")
     written = 0
     shared = ctx.hub.shared is not None
@@ -548,32 +550,33 @@ async def _stream_into(
     # for longer than EMPTY_SESSION_GRACE, and another replica must not reclaim it now.
     touched = time.monotonic() if offset else -every
     try:
-        async for chunk in ctx.request.stream():
-            written += len(chunk)
-            if expected_len is not None and written > expected_len:
-                f.truncate(start)
-                raise RegistryError(
-                    Code.SIZE_INVALID,
-                    f"chunk is longer than its Content-Range ({expected_len} bytes)",
-                    status=416,
-                    headers=_session_headers(ctx, upload_id, offset),
-                )
-            try:
-                await check()
-                await room.ensure(offset + written, offset + written + RESERVE_STEP)
-            except RegistryError:
-                f.truncate(start)
-                raise
-            f.write(chunk)
-            if hasher is not None:
-                hasher.update(chunk)
-            ctx.hub.metrics.bytes_in.inc(len(chunk))
-            if shared and time.monotonic() - touched > every:
-                # Still in use: a shared session's idleness is its row's (other replicas'
-                # sweeps read it), which nothing else moves until this request ends.
-                touched = time.monotonic()
-                if not await ctx.hub.db.write(touch, upload_id):
-                    raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
+        async with checked_body(ctx.request.stream(), check) as next_chunk:
+            while (chunk := await _checked_chunk(next_chunk, f, start)) is not None:
+                written += len(chunk)
+                if expected_len is not None and written > expected_len:
+                    f.truncate(start)
+                    raise RegistryError(
+                        Code.SIZE_INVALID,
+                        f"chunk is longer than its Content-Range ({expected_len} bytes)",
+                        status=416,
+                        headers=_session_headers(ctx, upload_id, offset),
+                    )
+                try:
+                    await check()
+                    await room.ensure(offset + written, offset + written + RESERVE_STEP)
+                except RegistryError:
+                    f.truncate(start)
+                    raise
+                f.write(chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
+                ctx.hub.metrics.bytes_in.inc(len(chunk))
+                if shared and time.monotonic() - touched > every:
+                    # Still in use: a shared session's idleness is its row's (other replicas'
+                    # sweeps read it), which nothing else moves until this request ends.
+                    touched = time.monotonic()
+                    if not await ctx.hub.db.write(touch, upload_id):
+                        raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
         try:
             await check()  # the last byte may have come long after the last check
         except RegistryError:
@@ -582,6 +585,18 @@ async def _stream_into(
     finally:
         f.flush()  # keep what arrived, even when the client went away: resumable
     return written
+
+
+async def _checked_chunk(
+    next_chunk: Callable[[], Awaitable[bytes | None]], f: BinaryIO, start: int
+) -> bytes | None:
+    """The body's next chunk (``checked_body``); a refusal while waiting for it keeps
+    nothing of this request (the file goes back to ``start``)."""
+    try:
+        return await next_chunk()
+    except RegistryError:
+        f.truncate(start)
+        raise
 
 
 def _store(

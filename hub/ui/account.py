@@ -328,9 +328,8 @@ class AccountController(Controller):
             token = await session.get(ApiToken, number)
             allowed = token is not None and token.user_id == who.principal.user_id
             if token is not None and not allowed:
-                allowed = await session.run_sync(
-                    authz.may_manage_robot, who.principal, token.user_id
-                )
+                principal = await accounts.current(session, who.principal)  # 401 if changed
+                allowed = await session.run_sync(authz.may_manage_robot, principal, token.user_id)
             if token is None or not allowed:
                 raise NotFoundException(f"no token {number}")
             await accounts.revoke_token(session, number)
@@ -354,14 +353,17 @@ class AccountController(Controller):
             if role not in ROLES:
                 raise InvalidInput("role must be pull, push or admin")
             async with hub.db.transaction() as session:
-                if ns_name not in await queries.admin_namespaces(session, who.principal):
+                # Who the viewer is now (a site admin removed meanwhile kept the flag in
+                # the principal read at the start): PrincipalChanged, 401.
+                principal = await accounts.current(session, who.principal)
+                if ns_name not in await queries.admin_namespaces(session, principal):
                     raise InvalidInput(f"you do not administer a namespace named {shown(ns_name)}")
                 user = await accounts.get_user(session, robot)
                 if user is None:
-                    user = await accounts.create_user(session, robot, None, robot=True)
+                    user = await accounts.create_robot_in(session, ns_name, robot)
                 elif not user.is_robot:
                     raise Conflict(f"{shown(robot)} is a person's account, not a robot")
-                elif not await session.run_sync(authz.may_manage_robot, who.principal, user.id):
+                elif not await session.run_sync(authz.may_manage_robot, principal, user.id):
                     # Another namespace's robot: adopting it would hand over its tokens.
                     raise Conflict(
                         f"robot {shown(robot)} belongs to a namespace you do not administer: "

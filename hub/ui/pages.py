@@ -9,7 +9,7 @@ from litestar import Controller, Response, get
 from litestar.di import NamedDependency
 from litestar.exceptions import NotFoundException, ValidationException
 from litestar.params import FromPath, Parameter
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from forkd import digest as dg
 from forkd.errors import InvalidInput
@@ -31,6 +31,9 @@ from forkd.hub.ui.render import render_markdown
 from forkd.names import validate_name, validate_tag
 
 PER_PAGE = 20
+# Packs per page of an organisation's or user's page: a namespace holds up to
+# ``repositories_max`` (10 000 by default), and each page view was every one of them.
+NAMESPACE_PER_PAGE = 50
 SEARCH_PAGES = 10_000  # the last page of search results served
 FEATURED = 6
 VMMS = ("qemu", "firecracker")
@@ -145,7 +148,8 @@ class BrowseController(Controller):
         page: QueryNumber = None,
     ) -> Response[str]:
         """``/NS`` (organisation or user), ``/NS/NAME`` (pack), ``/NS/NAME/-/tags/REF`` (tag);
-        a pack's ``page`` of tags is 1-100000 in ASCII digits."""
+        a namespace's ``page`` of packs and a pack's ``page`` of tags are 1-100000 in ASCII
+        digits."""
         number = query_number(page, "page", 1, PAGES_MAX)
         path = path.strip("/")
         name, sep, rest = path.partition("/-/")
@@ -154,7 +158,7 @@ class BrowseController(Controller):
         except InvalidInput as exc:
             raise NotFoundException(f"no page at /{path[:200]}") from exc
         if "/" not in name and not sep:
-            return await self._namespace(request, hub, ui, name)
+            return await self._namespace(request, hub, ui, name, number)
         if not sep:
             return await self._pack(request, hub, ui, name, number)
         kind, _, ref = rest.partition("/")
@@ -162,8 +166,13 @@ class BrowseController(Controller):
             return await self._tag(request, hub, ui, name, ref)
         raise NotFoundException(f"no page at /{path[:200]}")
 
-    async def _namespace(self, request: HubRequest, hub: Hub, ui: UI, name: str) -> Response[str]:
+    async def _namespace(
+        self, request: HubRequest, hub: Hub, ui: UI, name: str, page: int
+    ) -> Response[str]:
+        """One page of the packs of ``name`` the viewer may see (``NAMESPACE_PER_PAGE``,
+        newest first), with its members and teams for members."""
         who = await viewer(ui, hub, request)
+        size = NAMESPACE_PER_PAGE
         async with hub.db.reading() as session:
             ns = await accounts.get_namespace(session, name)
             if ns is None:
@@ -171,17 +180,28 @@ class BrowseController(Controller):
             role = await queries.role_in(session, who.principal, ns)
             members = await queries.namespace_members(session, ns) if role else []
             teams = await accounts.list_teams(session, ns.name) if role and ns.kind == "org" else []
+            where = (
+                Repository.namespace_id == ns.id,
+                await session.run_sync(authz.visible, who.principal),
+            )
+            total = await session.scalar(select(func.count()).select_from(Repository).where(*where))
             rows = (
                 await session.execute(
                     select(Repository, queries.tag_count())
-                    .where(
-                        Repository.namespace_id == ns.id,
-                        await session.run_sync(authz.visible, who.principal),
-                    )
+                    .where(*where)
                     .order_by(Repository.updated_at.desc(), Repository.name)
+                    .offset((page - 1) * size)
+                    .limit(size)
                 )
             ).all()
+        last_page = max(1, -(-(total or 0) // size))
+        if page > last_page:
+            raise NotFoundException(f"{name} has {last_page} page(s) of packs you can see")
         packs = [queries.summary(r, n) for r, n in rows]
+
+        def link(n: int) -> str:
+            return f"/{name}?{urlencode({'page': n})}"
+
         return ui.renderer.page(
             "namespace.html",
             **base_context(ui, hub, request, who),
@@ -190,6 +210,10 @@ class BrowseController(Controller):
             members=members,
             teams=teams,
             packs=packs,
+            page=page,
+            pages=last_page,
+            prev_link=link(page - 1) if page > 1 else "",
+            next_link=link(page + 1) if page < last_page else "",
             roles=("pull", "push", "admin"),
         )
 

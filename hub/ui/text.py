@@ -33,6 +33,7 @@ async def set_text(
     """Set what is given (None: keep). Needs push on the repository; NotFound-like
     InvalidInput when the caller may not see or change it (no hint that it exists)."""
     check_text(readme, description)
+    principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     actions = await session.run_sync(authz.repository_access, principal, name)
     repo = actions[0]
     if repo is None or "push" not in actions[1]:

@@ -7,6 +7,7 @@ from hub_support import (  # noqa: F401  (fixtures are found by name)
     hub,
     postgres_server,
     postgres_url,
+    quick_recheck,
     user,
 )
 from s3_hub_support import s3_hub  # noqa: F401

@@ -4,9 +4,11 @@ through the real `forkd hub` commands."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 from hub_server import ADMIN, TIMEOUT, HubServer, free_port, sha  # noqa: F401
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+RECHECK_S = 0.2  # ``quick_recheck``: how often a streaming request asks for its rights
 EMPTY_CONFIG = b"{}"
 EMPTY_MEDIA = "application/vnd.oci.empty.v1+json"
 
@@ -38,6 +41,55 @@ def fresh_hub(tmp_path: Path) -> Iterator[HubServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def quick_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rights asked again every ``RECHECK_S`` (5 s in service) by requests that stream and
+    work that runs on: the hub runs in this process."""
+    from forkd.hub.oci import common
+
+    monkeypatch.setattr(common, "RIGHTS_RECHECK_S", RECHECK_S)
+
+
+def audit_log(hub: HubServer) -> list[dict[str, Any]]:
+    path: Path = hub.data_dir / "audit.log"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def audited(hub: HubServer, actor: str, action: str, result: str) -> list[dict[str, Any]]:
+    """The audit log's entries of ``actor`` doing ``action`` with ``result``."""
+    return [
+        e
+        for e in audit_log(hub)
+        if e["actor"] == actor and e["action"] == action and e["result"] == result
+    ]
+
+
+def api_token(hub: HubServer, who: tuple[str, str], scope: str) -> tuple[str, int]:
+    """A new API token of ``who`` (secret, id) with one scope (``NAMESPACE:ROLE``)."""
+    with hub.client(who) as c:
+        r = c.post("/api/v1/tokens", json={"name": unique_name("t"), "scopes": [scope]})
+        assert r.status_code == 201, r.text
+        return r.json()["token"], r.json()["id"]
+
+
+@contextmanager
+def browser(hub: HubServer, user: str, secret: str) -> Iterator[httpx.Client]:
+    """A client signed in to the hub's UI as ``user`` (the sign-in form, its cookie)."""
+    with httpx.Client(base_url=hub.url, timeout=TIMEOUT) as c:
+        found = re.search(r'name="login_csrf" value="([^"]*)"', c.get("/-/signin").text)
+        assert found
+        data = {"login_csrf": found.group(1), "username": user, "password": secret}
+        assert c.post("/-/signin", data=data).status_code == 303
+        yield c
+
+
+def csrf_of(page: str) -> str:
+    """The CSRF token of a UI page's forms."""
+    found = re.search(r'name="csrf" value="([^"]*)"', page)
+    assert found
+    return found.group(1)
 
 
 _counter = iter(range(1_000_000))

@@ -18,7 +18,6 @@ addresses are parsed strictly.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 from collections.abc import Callable
@@ -30,9 +29,12 @@ import httpx
 import pytest
 from hub_support import (
     ADMIN,
+    RECHECK_S,
     TIMEOUT,
     HubServer,
     SlowBody,
+    api_token,
+    audited,
     error_code,
     org_with_pusher,
     push_blob,
@@ -40,29 +42,7 @@ from hub_support import (
     unique_name,
 )
 
-from forkd.hub.oci import common
-
-RECHECK_S = 0.2
 BIG = 32 << 20  # a download larger than what the loopback's socket buffers hold
-
-
-@pytest.fixture
-def quick_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rights asked again every 0.2 s (5 s in service): the hub runs in this process."""
-    monkeypatch.setattr(common, "RIGHTS_RECHECK_S", RECHECK_S)
-
-
-def _audit(hub: HubServer) -> list[dict[str, Any]]:
-    path: Path = hub.data_dir / "audit.log"
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-def _audited(hub: HubServer, actor: str, action: str, result: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in _audit(hub)
-        if e["actor"] == actor and e["action"] == action and e["result"] == result
-    ]
 
 
 def _linked(hub: HubServer, repo: str, digest: str) -> bool:
@@ -83,14 +63,6 @@ def _sessions(hub: HubServer, repo: str) -> list[str]:
 
 def _upload_file(hub: HubServer, upload_id: str) -> Path:
     return hub.data_dir / "uploads" / upload_id
-
-
-def _api_token(hub: HubServer, who: tuple[str, str], scope: str) -> tuple[str, int]:
-    """A new API token of ``who`` (secret, id)."""
-    with hub.client(who) as c:
-        r = c.post("/api/v1/tokens", json={"name": unique_name("t"), "scopes": [scope]})
-        assert r.status_code == 201, r.text
-        return r.json()["token"], r.json()["id"]
 
 
 # -- how a right is withdrawn ------------------------------------------------------------
@@ -133,7 +105,7 @@ def test_a_download_is_cut_once_its_reader_loses_pull(
     data = bytes(range(256)) * (BIG // 256)
     with hub.client(alice) as c:
         digest = push_blob(c, repo, data)
-    secret, token_id = _api_token(hub, bob, f"{org}:pull")
+    secret, token_id = api_token(hub, bob, f"{org}:pull")
     received = 0
     with hub.client((bob[0], secret)) as c, c.stream("GET", f"/v2/{repo}/blobs/{digest}") as r:
         assert r.status_code == 200
@@ -146,7 +118,7 @@ def test_a_download_is_cut_once_its_reader_loses_pull(
             for chunk in chunks:
                 received += len(chunk)
     assert received < BIG
-    cut = _audited(hub, bob[0], "blob.pull", "cut")
+    cut = audited(hub, bob[0], "blob.pull", "cut")
     assert [e["target"] for e in cut] == [f"{repo}@{digest}"], cut
 
 
@@ -196,7 +168,7 @@ def test_a_slow_download_whose_reader_keeps_pull_completes(
             if i < 4:
                 time.sleep(RECHECK_S)
     assert sha(bytes(got)) == digest
-    assert not _audited(hub, bob[0], "blob.pull", "cut")
+    assert not audited(hub, bob[0], "blob.pull", "cut")
 
 
 # -- 1. an upload body that drips on is refused once push is gone ------------------------
@@ -229,7 +201,7 @@ def test_an_upload_whose_push_is_withdrawn_while_it_drips_keeps_nothing(
     byte; a PUT or monolithic POST was refused only after the whole body was in."""
     org, alice, bob = org_with_pusher(hub)
     repo = f"{org}/app"
-    secret, token_id = _api_token(hub, bob, f"{org}:push")
+    secret, token_id = api_token(hub, bob, f"{org}:push")
     body = _drip()
     first = b"first chunk, "
     whole = first + body.data
@@ -258,7 +230,7 @@ def test_an_upload_whose_push_is_withdrawn_while_it_drips_keeps_nothing(
             withdraw(hub, org, alice, bob, token_id)
             body.go_on.set()
             deadline = time.monotonic() + TIMEOUT
-            while not _audited(hub, bob[0], "blob.push", "denied"):
+            while not audited(hub, bob[0], "blob.push", "denied"):
                 assert time.monotonic() < deadline, "the upload was never refused"
                 time.sleep(0.01)
             sent_when_refused = body.sent
@@ -407,7 +379,7 @@ def test_a_token_id_is_ascii_digits(hub: HubServer) -> None:
     too (or were 404/405), a 30-digit id was a 500; the UI's revoke route took the same.
     Now each is 400 and the token stays."""
     owner = hub.add_user(unique_name("owner"))
-    _secret, token_id = _api_token(hub, owner, f"{owner[0]}:pull")
+    _secret, token_id = api_token(hub, owner, f"{owner[0]}:pull")
     text = str(token_id)
     bad = [
         text.translate(ARABIC_INDIC),

@@ -20,9 +20,7 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +31,9 @@ from hub_support import (
     EMPTY_CONFIG,
     EMPTY_MEDIA,
     OCI_MANIFEST,
-    TIMEOUT,
     HubServer,
     artifact,
+    browser,
     error_code,
     push_blob,
     sha,
@@ -391,16 +389,6 @@ def test_an_organisation_never_goes_to_an_account_given_the_name_meanwhile(
         assert members.status_code != 200 or "orgmaker" not in members.text, members.text
 
 
-@contextmanager
-def _browser(hub: HubServer, user: str, secret: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=hub.url, timeout=TIMEOUT) as c:
-        found = re.search(r'name="login_csrf" value="([^"]*)"', c.get("/-/signin").text)
-        assert found
-        data = {"login_csrf": found.group(1), "username": user, "password": secret}
-        assert c.post("/-/signin", data=data).status_code == 303
-        yield c
-
-
 def test_the_ui_mints_no_token_for_an_account_given_the_name_meanwhile(
     fresh_hub: HubServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -417,7 +405,7 @@ def test_the_ui_mints_no_token_for_an_account_given_the_name_meanwhile(
         await anyio.to_thread.run_sync(_swap_for_robot, hub, "uiswap")
         return viewer
 
-    with _browser(hub, *who) as b:
+    with browser(hub, *who) as b:
         found = re.search(r'name="csrf" value="([^"]*)"', b.get("/-/settings/tokens").text)
         assert found
         monkeypatch.setattr(account, "_signed_in_with_password", racing)
