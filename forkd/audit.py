@@ -8,15 +8,30 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Account(Protocol):
+    """An actor that is an account: its name, and its id (never reused), or None when
+    anonymous."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def user_id(self) -> int | None: ...
+
+
+Actor = str | Account
 
 
 class AuditLog:
     """One JSON object per line, appended (O_APPEND) and flushed per record.
 
     Fields: ``time`` (UTC ISO 8601), ``actor`` (user name or ``-`` for anonymous),
-    ``ip``, ``action``, ``target``, ``result`` (``ok`` / ``denied`` / ``failed``) and
-    any extra detail.
+    ``actor_id`` (when the actor is an account: its id, which no later account gets, so a
+    removed user and a new one given the same name are told apart), ``ip``, ``action``,
+    ``target``, ``result`` (``ok`` / ``denied`` / ``failed``) and any extra detail.
     """
 
     def __init__(self, path: Path) -> None:
@@ -26,11 +41,13 @@ class AuditLog:
         self._lock = threading.Lock()
 
     def record(
-        self, actor: str, ip: str, action: str, target: str, result: str, **detail: Any
+        self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
     ) -> None:
-        entry = {
+        name, account = (actor, None) if isinstance(actor, str) else (actor.name, actor.user_id)
+        entry: dict[str, Any] = {
             "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            "actor": actor or "-",
+            "actor": name or "-",
+            **({"actor_id": account} if account is not None else {}),
             "ip": ip,
             "action": action,
             "target": target,
@@ -65,7 +82,7 @@ class BoundedAudit:
         self._lock = threading.Lock()
         self._window = (float("-inf"), 0, 0)  # (minute start, records written, dropped)
 
-    def record(self, actor: str, ip: str, action: str, target: str, result: str,
+    def record(self, actor: Actor, ip: str, action: str, target: str, result: str,
                **detail: Any) -> bool:
         """Write the record unless the minute's budget is spent; True if written."""
         now = time.monotonic()

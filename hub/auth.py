@@ -286,7 +286,7 @@ def permit(
         granted = held & caller.grant.access.get(repository, frozenset())
     if action in granted:
         return
-    hub.audit.record(caller.principal.name, client_ip(request), action, repository, "denied")
+    hub.audit.record(caller.principal, client_ip(request), action, repository, "denied")
     scope_actions = "pull" if action == "pull" else f"pull,{action}"
     scope = f"repository:{repository}:{scope_actions}"
     if caller.principal.anonymous:
@@ -426,7 +426,7 @@ async def token_endpoint(
     access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}
     token, issued = hub.signer.issue(caller.principal, access)
     hub.audit.record(
-        caller.principal.name,
+        caller.principal,
         client_ip(request),
         "token",
         " ".join(sorted(access)) or "-",

@@ -48,6 +48,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 
 from forkd import digest as dg
+from forkd.audit import Actor
 from forkd.bodies import Body
 from forkd.errors import ChainError, Conflict, ForkdError, IntegrityError, InvalidInput
 from forkd.hub import accounts
@@ -285,7 +286,7 @@ async def compact_tag(
     to: str,
     *,
     force: bool = False,
-    actor: str,
+    actor: Actor,
     ip: str = "-",
     reason: str = "manual",
     expect: str | None = None,
@@ -504,7 +505,7 @@ class CompactionController(Controller):
                 data.tag,
                 data.to,
                 force=data.force,
-                actor=caller.principal.name,
+                actor=caller.principal,
                 ip=client_ip(request),
                 caller=caller,
             )

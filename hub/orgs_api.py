@@ -46,6 +46,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from forkd.audit import Actor
 from forkd.bodies import Body
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members, quotas
@@ -125,25 +126,27 @@ class UserInfo:
     robot: bool
 
 
-async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> str:
-    """The caller's name, if they hold ``role`` on ``namespace`` as a whole; else 401/403."""
-    return (await _require_principal(hub, request, namespace, role))[0]
+async def _require(hub: Hub, request: HubRequest, namespace: str, role: str) -> None:
+    """Pass if the caller holds ``role`` on ``namespace`` as a whole; else 401/403."""
+    await _require_principal(hub, request, namespace, role)
 
 
 async def _require_principal(
     hub: Hub, request: HubRequest, namespace: str, role: str
-) -> tuple[str, accounts.Principal]:
+) -> tuple[Actor, accounts.Principal]:
     """``_require``, with the caller's principal."""
     principal = await _user(hub, request)
     held = await hub.db.read(authz.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
-        hub.audit.record(principal.name, client_ip(request), f"org.{role}", namespace, "denied")
+        hub.audit.record(principal, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {shown(namespace)}")
-    return principal.name, principal
+    return principal, principal  # the actor the audit log names, and the principal
 
 
 @asynccontextmanager
-async def _permitted(hub: Hub, request: HubRequest, actor: str, target: str) -> AsyncIterator[None]:
+async def _permitted(
+    hub: Hub, request: HubRequest, actor: Actor, target: str
+) -> AsyncIterator[None]:
     """``members.NotPermitted`` answers 403 (and is audited)."""
     try:
         yield
@@ -217,7 +220,7 @@ class OrgController(Controller):
     ) -> OrgInfo:
         principal = await _user(hub, request)
         if not principal.with_password or await hub.db.read(_is_robot, principal.user_id):
-            hub.audit.record(principal.name, client_ip(request), "org.create", "-", "denied")
+            hub.audit.record(principal, client_ip(request), "org.create", "-", "denied")
             raise PermissionDeniedException(
                 "only a user signed in with the password (not an API token, a registry bearer "
                 "token or a robot) creates organisations"
@@ -235,7 +238,7 @@ class OrgController(Controller):
                 await accounts.set_member(session, data.name, creator, "admin")
         except accounts.PrincipalChanged as exc:
             raise NotAuthorizedException(str(exc)) from exc
-        hub.audit.record(principal.name, client_ip(request), "org.create", data.name, "ok")
+        hub.audit.record(principal, client_ip(request), "org.create", data.name, "ok")
         return OrgInfo(data.name, "org")
 
     @get("/{org:str}/members")
@@ -401,7 +404,7 @@ class QuotaController(Controller):
         if principal.anonymous:
             raise NotAuthorizedException("log in as a site admin")
         if not principal.site_admin:
-            hub.audit.record(principal.name, client_ip(request), "quota.set", namespace, "denied")
+            hub.audit.record(principal, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
         async with _writing(hub) as session:
             if not (await accounts.current(session, principal)).site_admin:  # still one?
@@ -409,7 +412,7 @@ class QuotaController(Controller):
             await quotas.set_quota(session, namespace, data.quota_bytes)
             quota, used = await quotas.show(session, namespace)
         hub.audit.record(
-            principal.name, client_ip(request), "quota.set", namespace, "ok", quota_bytes=quota
+            principal, client_ip(request), "quota.set", namespace, "ok", quota_bytes=quota
         )
         return QuotaInfo(namespace, quota, used)
 
@@ -420,7 +423,7 @@ async def _site_admin(
     """The caller if a site admin signed in with the password; else 401/403."""
     principal = await _user(hub, request)
     if not principal.is_admin or not principal.with_password:
-        hub.audit.record(principal.name, client_ip(request), action, target, "denied")
+        hub.audit.record(principal, client_ip(request), action, target, "denied")
         raise _not_site_admin()
     return principal
 
@@ -454,7 +457,7 @@ class UserController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], data: JSONBody[UserCreate]
     ) -> UserInfo:
         admin = await _site_admin(hub, request, "user.create", data.name[:64])
-        actor = admin.name
+        actor: Actor = admin
         try:
             accounts.validate_username(data.name)
             if data.password is not None:
@@ -492,7 +495,7 @@ class UserController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], name: FromPath[str]
     ) -> None:
         admin = await _site_admin(hub, request, "user.remove", name)
-        actor = admin.name
+        actor = admin
         async with _writing(hub) as session:
             await _still_site_admin(session, admin)
             admins = await session.scalars(

@@ -122,7 +122,7 @@ class TokenController(Controller):
         except Conflict as exc:  # MAX_TOKENS_PER_USER
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         hub.audit.record(
-            principal.name,
+            principal,
             client_ip(request),
             "token.create",
             token.name,
@@ -148,4 +148,4 @@ class TokenController(Controller):
             if token is None or token.user_id != principal.user_id:
                 raise NotFoundException(f"no token {number}")
             await accounts.revoke_token(session, number)
-        hub.audit.record(principal.name, client_ip(request), "token.revoke", str(number), "ok")
+        hub.audit.record(principal, client_ip(request), "token.revoke", str(number), "ok")

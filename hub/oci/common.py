@@ -121,7 +121,7 @@ class Ctx:
     def audit(self, action: str, target: str, result: str = "ok", **detail: object) -> None:
         """Record a write in the audit log (who, from where, what, on which repository)."""
         self.hub.audit.record(
-            self.caller.principal.name,
+            self.caller.principal,
             client_ip(self.request),
             action,
             f"{self.name}@{target}" if target else self.name,

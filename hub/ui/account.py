@@ -193,7 +193,7 @@ class AccountController(Controller):
         cookie, row = ui.sessions.issue(principal)
         async with hub.db.transaction() as session:
             await session.run_sync(_open_session, row)
-        hub.audit.record(principal.name, client_ip(request), "ui.signin", "-", "ok")
+        hub.audit.record(principal, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
         _set_cookie(
             response,
@@ -223,7 +223,7 @@ class AccountController(Controller):
             # Ended on the server: a copy of the cookie opens nothing from now on.
             async with hub.db.transaction() as session:
                 await session.execute(delete(UiSession).where(UiSession.id_hash == claims.id_hash))
-            hub.audit.record(who.principal.name, client_ip(request), "ui.signout", "-", "ok")
+            hub.audit.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
         response: Response[Any] = Redirect("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -310,7 +310,7 @@ class AccountController(Controller):
                 )
         except (InvalidInput, Conflict, ValueError, accounts.PrincipalChanged) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
-        hub.audit.record(who.principal.name, client_ip(request), "token.create", name, "ok")
+        hub.audit.record(who.principal, client_ip(request), "token.create", name, "ok")
         return _show_once(request, ui, secret, name)
 
     @post("/-/settings/tokens/{token_id:str}/revoke", request_max_body_size=FORM_MAX)
@@ -333,7 +333,7 @@ class AccountController(Controller):
             if token is None or not allowed:
                 raise NotFoundException(f"no token {number}")
             await accounts.revoke_token(session, number)
-        hub.audit.record(who.principal.name, client_ip(request), "token.revoke", str(number), "ok")
+        hub.audit.record(who.principal, client_ip(request), "token.revoke", str(number), "ok")
         return Redirect(NEW_TOKEN_PATH, status_code=303)
 
     @post("/-/settings/robots", request_max_body_size=FORM_MAX)
@@ -375,7 +375,7 @@ class AccountController(Controller):
                 )
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
-        hub.audit.record(who.principal.name, client_ip(request), "robot.token", robot, "ok")
+        hub.audit.record(who.principal, client_ip(request), "robot.token", robot, "ok")
         return _show_once(request, ui, secret, robot)
 
     # -- team membership -----------------------------------------------------
@@ -408,7 +408,7 @@ class AccountController(Controller):
         except Conflict as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         hub.audit.record(
-            who.principal.name, client_ip(request), "member.set", f"{namespace}/{username}", role
+            who.principal, client_ip(request), "member.set", f"{namespace}/{username}", role
         )
         return Redirect(f"/{namespace}", status_code=303)
 
@@ -436,7 +436,7 @@ class AccountController(Controller):
                 )
         except InvalidInput as exc:
             raise NotFoundException(str(exc)) from exc
-        hub.audit.record(who.principal.name, client_ip(request), "repo.readme", name, "ok")
+        hub.audit.record(who.principal, client_ip(request), "repo.readme", name, "ok")
         return Redirect(f"/{name}", status_code=303)
 
 

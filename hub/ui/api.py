@@ -94,5 +94,5 @@ class ReadmeController(Controller):
                 result = RepositoryText(repo.name, repo.description, repo.readme)
         except InvalidInput as exc:
             raise ValidationException(str(exc)) from exc
-        hub.audit.record(caller.principal.name, client_ip(request), "repo.readme", name, "ok")
+        hub.audit.record(caller.principal, client_ip(request), "repo.readme", name, "ok")
         return result
