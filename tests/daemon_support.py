@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import httpx
+import uvicorn
 from net_support import free_port, wait_healthy, wait_until
 
 
@@ -54,3 +56,16 @@ def socket_daemon(
 
     wait_until(f"forkd serve on {sock}", up, timeout)
     return proc
+
+
+@contextlib.contextmanager
+def running(web: uvicorn.Server) -> Iterator[None]:
+    """``web`` served in a thread of its own while the block runs."""
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        wait_until("uvicorn started", lambda: web.started, 15)
+        yield
+    finally:
+        web.should_exit = True
+        thread.join(15)

@@ -5,7 +5,9 @@ the module's TINY_TAG (the guest image itself is cached in $FORKD_CACHE)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +56,15 @@ def tiny(request: pytest.FixtureRequest, env: dict[str, str]) -> str:
     )
     assert proc.returncode == 0, proc.stderr
     return tag
+
+
+@pytest.fixture
+def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A FORKD_HOME and a short FORKD_RUN (sockets' paths fit 108 bytes) of this test."""
+    short = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))  # sockets' paths fit 108 bytes
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORKD_RUN", str(short / "run"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

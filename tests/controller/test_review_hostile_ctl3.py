@@ -9,9 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from net_support import free_port, wait_until
+from daemon_support import running
+from net_support import free_port
 
 from forkd.audit import AuditLog
 from forkd.controller import app, server
@@ -31,29 +30,6 @@ from forkd.store.store import Store
 
 TOKEN = b"t" * 43
 QUICK = server.Limits(head_timeout_s=0.5, max_connections=3, stall_timeout_s=1.0)
-
-
-@contextlib.contextmanager
-def running(web: uvicorn.Server) -> Iterator[None]:
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    try:
-        wait_until("uvicorn started", lambda: web.started, 15)
-        yield
-    finally:
-        web.should_exit = True
-        thread.join(15)
-
-
-@pytest.fixture
-def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    short = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))  # sockets' paths fit 108 bytes
-    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("FORKD_RUN", str(short / "run"))
-    try:
-        yield short
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture

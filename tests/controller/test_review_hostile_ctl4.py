@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from daemon_support import running
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -33,29 +32,6 @@ from forkd.store.store import Store
 TOKEN = b"t" * 43
 QUICK = server.Limits(head_timeout_s=0.5, max_connections=6, stall_timeout_s=1.0,
                       max_per_peer=3)
-
-
-@contextlib.contextmanager
-def running(web: uvicorn.Server) -> Iterator[None]:
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    try:
-        wait_until("uvicorn started", lambda: web.started, 15)
-        yield
-    finally:
-        web.should_exit = True
-        thread.join(15)
-
-
-@pytest.fixture
-def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    short = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))  # sockets' paths fit 108 bytes
-    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("FORKD_RUN", str(short / "run"))
-    try:
-        yield short
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
 
 
 def _daemon_app(tmp_path: Path, token: app.Token | bytes | None) -> Any:
