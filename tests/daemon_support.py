@@ -3,12 +3,14 @@ loopback port, or `forkd serve` on its unix socket."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -69,3 +71,39 @@ def running(web: uvicorn.Server) -> Iterator[None]:
     finally:
         web.should_exit = True
         thread.join(15)
+
+
+MCP_HELLO = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-06-18", "capabilities": {},
+    "clientInfo": {"name": "t", "version": "1"}}}
+
+
+def mcp_auth(token: bytes) -> dict[str, str]:
+    """The headers of an MCP streamable-HTTP request with bearer ``token``."""
+    return {"Authorization": "Bearer " + token.decode(),
+            "Accept": "application/json, text/event-stream"}
+
+
+def slow_app(delay: float, path: str | None = None) -> Callable[..., Awaitable[None]]:
+    """An ASGI app that answers 200 "done" to every request, ``delay`` seconds late (only
+    to requests for ``path``, when given), never reading the body."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if path is None or scope["path"] == path:
+            await asyncio.sleep(delay)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    return app
+
+
+def mcp_sessions(http: httpx.Client, n: int, token: bytes) -> list[str]:
+    """``n`` new MCP sessions opened through ``http`` (each an initialize): their ids."""
+    ids = []
+    for _ in range(n):
+        r = http.post("/mcp", json=MCP_HELLO, headers=mcp_auth(token))
+        assert r.status_code == 200, r.text
+        ids.append(r.headers["mcp-session-id"])
+    return ids

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import running
+from daemon_support import MCP_HELLO, mcp_auth, mcp_sessions, running, slow_app
 from net_support import free_port
 
 from forkd.audit import AuditLog
@@ -220,21 +220,13 @@ def test_mcp_http_is_bounded_and_its_sessions_are_limited_and_expire(place: Path
     port = free_port()
     web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", app.Token(TOKEN),
                       limits=QUICK, max_sessions=2, session_idle_s=1.0)
-    auth = {"Authorization": "Bearer " + TOKEN.decode(),
-            "Accept": "application/json, text/event-stream"}
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}}
+    auth, hello = mcp_auth(TOKEN), MCP_HELLO
     with running(web):
         took, _ = _drip_until_closed(_connect(("127.0.0.1", port)), b"POST /mcp HTTP/1.1\r\n",
                                      5)
         assert took < 3, took
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-            ids = []
-            for _ in range(2):
-                r = http.post("/mcp", json=hello, headers=auth)
-                assert r.status_code == 200, r.text
-                ids.append(r.headers["mcp-session-id"])
+            ids = mcp_sessions(http, 2, TOKEN)
             r = http.post("/mcp", json=hello, headers=auth)
             assert r.status_code == 503 and "Too many open sessions" in r.text, r.text
             time.sleep(2.0)  # both idle past session_idle_s: closed, their slots free
@@ -382,14 +374,7 @@ def test_a_revoked_token_ends_the_requests_it_let_in(place: Path, answer: str) -
 def test_a_body_the_app_does_not_take_yet_is_not_cut(place: Path) -> None:
     """The body-progress bound is the client's pace: while uvicorn stops reading (the app
     has not taken the first 64 KiB), a slow handler's request is not cut."""
-
-    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await asyncio.sleep(1.5)  # three body windows without reading the body
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"done"})
-
+    slow = slow_app(1.5)  # three body windows without reading the body
     sock = place / "slow.sock"
     config = server.bounded_config(slow, server.BoundedProtocol, QUICK, uds=str(sock))
     with running(uvicorn.Server(config)):

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import running
+from daemon_support import MCP_HELLO, mcp_auth, mcp_sessions, running, slow_app
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -287,15 +287,7 @@ def test_a_request_left_running_still_counts_for_its_client(place: Path) -> None
     """A client that closes its connection while its request runs (a handler that waits on
     a guest) holds that slot until the request ends: closing connections does not let one
     client run more than its share."""
-
-    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/slow":
-            await asyncio.sleep(2.0)  # the connection is gone meanwhile
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"done"})
-
+    slow = slow_app(2.0, "/slow")  # the connection is gone meanwhile
     sock = place / "slow.sock"
     config = server.bounded_config(slow, server.UnixPeerProtocol, QUICK, uds=str(sock))
     with running(uvicorn.Server(config)):
@@ -428,11 +420,7 @@ def test_mcp_session_errors_say_what_to_do(place: Path) -> None:
     port = free_port()
     web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", app.Token(TOKEN),
                       limits=QUICK, max_sessions=1, session_idle_s=30.0)
-    auth = {"Authorization": "Bearer " + TOKEN.decode(),
-            "Accept": "application/json, text/event-stream"}
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}}
+    auth, hello = mcp_auth(TOKEN), MCP_HELLO
     with running(web), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
         assert http.post("/mcp", json=hello, headers=auth).status_code == 200
         r = http.post("/mcp", json=hello, headers=auth)
@@ -523,20 +511,12 @@ def test_one_client_holds_at_most_half_the_mcp_sessions(place: Path) -> None:
     web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", app.Token(TOKEN),
                       limits=QUICK, max_sessions=4, session_idle_s=30.0,
                       max_sessions_per_client=2)
-    auth = {"Authorization": "Bearer " + TOKEN.decode(),
-            "Accept": "application/json, text/event-stream"}
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}}
+    auth, hello = mcp_auth(TOKEN), MCP_HELLO
     url = f"http://127.0.0.1:{port}"
     other = httpx.HTTPTransport(local_address="127.0.0.2")
     with running(web), httpx.Client(base_url=url, timeout=10) as http, \
             httpx.Client(base_url=url, timeout=10, transport=other) as elsewhere:
-        ids = []
-        for _ in range(2):
-            r = http.post("/mcp", json=hello, headers=auth)
-            assert r.status_code == 200, r.text
-            ids.append(r.headers["mcp-session-id"])
+        ids = mcp_sessions(http, 2, TOKEN)
         r = http.post("/mcp", json=hello, headers=auth)
         assert r.status_code == 503, r.text
         said = r.json()["error"]["message"]
