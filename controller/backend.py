@@ -13,6 +13,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import os
 import queue
 import sys
 import threading
@@ -64,7 +65,9 @@ from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
-from forkd.names import parse_ref, shown
+from forkd.names import inert, parse_ref, shown
+from forkd.registry import credentials
+from forkd.registry.reference import Hub, default_hub
 from forkd.store.store import Store
 from forkd.store.tagging import dependents
 
@@ -463,6 +466,28 @@ def output_frame(stream: str, text: str) -> ExecFrame:
     return ExecFrame(stdout=text) if stream == "stdout" else ExecFrame(stderr=text)
 
 
+LAZY_HUBS_ENV = "FORKD_LAZY_HUBS"  # comma-separated HOST[:PORT]: more hubs lazy spawns use
+
+
+def check_lazy_hub(hub: Hub) -> None:
+    """Refuse a lazy spawn from a hub this host was not told to use: a caller (an API
+    token's holder, an agent through MCP) names the hub, and the spawn connects to it
+    from this host, which would reach any address it can, past the sandboxes' egress
+    rules. Allowed: the default hub, a hub this user has logged in to (forkd login), and
+    those ``$FORKD_LAZY_HUBS`` lists."""
+    listed = {h.strip().lower() for h in os.environ.get(LAZY_HUBS_ENV, "").split(",")}
+    default = default_hub()
+    if (hub.host.lower() in listed or (default is not None and default.host == hub.host)
+            or credentials.load(hub.host) is not None):
+        return
+    raise InvalidInput(
+        f"lazy spawns fetch only from the default hub, hubs this host has logged in to and "
+        f"those ${LAZY_HUBS_ENV} lists, and {inert(hub.host)} is none of them: add it to "
+        f"{LAZY_HUBS_ENV} where the daemon runs (comma-separated HOST[:PORT]), log in to it "
+        "there (forkd login), or pull the pack and spawn the local tag"
+    )
+
+
 class LocalBackend:
     """The engine and the store in this process."""
 
@@ -635,12 +660,13 @@ class LocalBackend:
                 "snapshot tag: spawn it without lazy, or name the hub it comes from"
             )
         try:
-            parse_remote(req.tag)
+            remote = parse_remote(req.tag)
         except InvalidInput as exc:
             raise InvalidInput(
                 f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got {req.tag!r}: "
                 f"{exc}"
             ) from None
+        check_lazy_hub(remote.hub)
         return lazy_fork.fork
 
     def sandboxes(self) -> list[SandboxInfo]:

@@ -47,14 +47,16 @@ def _sock(run: Path) -> Path:
 def lazy_daemon(env: dict[str, str], tiny: str,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LazyDaemon]:
     """The tiny snapshot pushed to a public repository of a hub of this module, and a
-    daemon on an empty store, with no default hub configured."""
+    daemon on an empty store, with no default hub configured and that hub in
+    FORKD_LAZY_HUBS."""
     from forkd.engine import children as ch
 
     base = tmp_path_factory.mktemp("lazyd")
     hub = HubServer(base / "hub").start()
     fresh = Store(base / "fresh")
     daemon_env = {**os.environ, **env, "FORKD_HOME": str(fresh.home),
-                  "FORKD_RUN": str(base / "run"), "XDG_CONFIG_HOME": str(base / "config")}
+                  "FORKD_RUN": str(base / "run"), "XDG_CONFIG_HOME": str(base / "config"),
+                  "FORKD_LAZY_HUBS": hub.address}  # no default hub, no login: listed
     daemon_env.pop("FORKD_HUB", None)
     proc = None
     try:
@@ -136,6 +138,7 @@ def test_rest_and_sdk_spawn_lazily(lazy_daemon: LazyDaemon) -> None:
     ({"tag": "nohub/tiny:v1", "lazy": True}, "names no hub"),
     ({"tag": "nohub:v1", "lazy": True}, "hub reference"),
     ({"tag": "127.0.0.1:9/ns/name:v1", "lazy": True, "prewarm": 2}, "prewarm"),
+    ({"tag": "10.9.8.7:5000/ns/name:v1", "lazy": True}, "FORKD_LAZY_HUBS"),  # not listed
 ])
 def test_bad_lazy_spawns_are_a_400(lazy_daemon: LazyDaemon, body: dict[str, object],
                                    said: str) -> None:

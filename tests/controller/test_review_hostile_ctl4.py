@@ -584,3 +584,39 @@ def test_a_revoked_token_stops_the_mcp_command_it_started(
         _replace_private_file(place / "token", new)
         assert guest.closed.wait(5), "the tool's command outlived the revoked token"
         wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+
+
+# -- a lazy spawn connects only to hubs this host was told to use --------------------------
+def test_a_lazy_spawn_never_connects_to_a_hub_nobody_listed(
+        place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller named the hub of a lazy spawn, and the daemon connected to it from the
+    host: any address it could reach (an internal service), past the egress rules its
+    sandboxes keep. Now the default hub, a hub logged in to and FORKD_LAZY_HUBS only."""
+    from forkd.controller.backend import check_lazy_hub
+    from forkd.registry import credentials
+    from forkd.registry.reference import parse_hub
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(place / "config"))
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(place / "creds" / "credentials.json"))
+    monkeypatch.delenv("FORKD_HUB", raising=False)
+    monkeypatch.delenv("FORKD_LAZY_HUBS", raising=False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    backend = LocalBackend(Store(place / "home"))
+    with listener:
+        with pytest.raises(InvalidInput, match="FORKD_LAZY_HUBS") as refused:
+            backend.spawn(api.SpawnRequest(tag=f"127.0.0.1:{port}/ns/app:v1", lazy=True))
+        assert f"127.0.0.1:{port}" in str(refused.value)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing connected
+    for allowed in ("FORKD_LAZY_HUBS", "FORKD_HUB", "login"):
+        hub = parse_hub(f"127.0.0.1:{free_port()}")
+        with pytest.raises(InvalidInput):
+            check_lazy_hub(hub)
+        if allowed == "login":
+            credentials.save(hub.host, credentials.Credential("who", "secret-1234"))
+        else:
+            monkeypatch.setenv(allowed, f"10.1.2.3:4, {hub.host}" if allowed != "FORKD_HUB"
+                               else hub.host)
+        check_lazy_hub(hub)  # no error
