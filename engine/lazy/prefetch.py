@@ -187,9 +187,8 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
 def _held(source: ChunkSource, blob: Descriptor, order: list[str]) -> int:
     """How many of the first chunks of ``order`` working-set ``blob`` holds (all of
     ``order`` when it does not fit: workingset.fetch does not use it then)."""
-    stored = {d: ref.stored for d, (ref, _) in source.refs.items()}
     try:
-        return len(accessorder.working_set_chunks(order, stored, blob.size, "working set"))
+        return len(workingset.held_chunks(source, blob, order))
     except ForkdError:
         return len(order)
 

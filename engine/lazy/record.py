@@ -163,7 +163,8 @@ def publish_order(store: Store, tag: str, client: RegistryClient, repo: str,
     head = store.resolve(tag)
     order = record_order(store, tag, probe)
     first = working_set(store, head, order)
-    rest = [d for d in order.chunks if d not in set(first)]
+    held_first = set(first)
+    rest = [d for d in order.chunks if d not in held_first]
     order = accessorder.Order(first + rest, order.windows)
     held = list(itertools.takewhile(store.blobs.has, first))  # all, in a publisher
     return orders.publish(client, repo, head, accessorder.encode(head, order),

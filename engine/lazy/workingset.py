@@ -36,6 +36,18 @@ CHECKERS = 2  # threads checking and decompressing the stream's chunks
 log = logging.getLogger("forkd.lazy")
 
 
+def stored_sizes(source: ChunkSource) -> dict[str, int]:
+    """The stored size of each chunk of the source's chain, from its maps."""
+    return {d: ref.stored for d, (ref, _) in source.refs.items()}
+
+
+def held_chunks(source: ChunkSource, blob: Descriptor, order: list[str]) -> list[str]:
+    """The first chunks of ``order`` working-set ``blob`` holds; IntegrityError when it
+    does not fit the order (then it is not used)."""
+    return working_set_chunks(order, stored_sizes(source), blob.size,
+                              f"{source.name}: working set {dg.short(blob.digest)}")
+
+
 def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
           on_chunk: Callable[[str, bytes], object] | None = None,
           hand: Collection[str] = (), spool: Path | None = None) -> list[str]:
@@ -47,7 +59,7 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
     if hub is None and spool is None:
         return []
     what = f"{source.name}: working set {dg.short(blob.digest)}"
-    stored = {d: ref.stored for d, (ref, _) in source.refs.items()}
+    stored = stored_sizes(source)
     held = working_set_chunks(order, stored, blob.size, what)
     claims = source.claim(held)
     brought: list[str] = []

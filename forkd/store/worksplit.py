@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from forkd.errors import InvalidInput
 from forkd.names import parse_ref
 from forkd.pack import mediatypes as mt
-from forkd.pack.chunking import RawChunk, build_map, known_chunks, unpack_chunk
-from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, runs
+from forkd.pack.chunking import RawChunk, build_map, unpack_chunk
+from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, ImageMap, runs
 from forkd.store.assembly import cache_of
 from forkd.store.compaction import share_cache
 from forkd.store.manifests import write_manifest
@@ -69,16 +69,17 @@ def split_memory(store: Store, ref: str, touched: Collection[int]) -> str:
     if not mixed:
         return digest
 
-    def chunks() -> Iterator[RawChunk]:
-        for chunk in imap.chunks:
+    def split() -> Iterator[RawChunk]:  # only the chunks that straddle are read
+        for chunk in mixed:
             data = unpack_chunk(store.blobs.read(chunk.digest, chunk.stored, f"{what} chunk"),
                                 chunk, f"{what} chunk {chunk.digest}")
-            yield from split_chunk(chunk, data, hot) if _straddles(chunk, hot) \
-                else [RawChunk(data, list(chunk.extents))]
+            yield from split_chunk(chunk, data, hot)
 
     with store.writing():
-        new_map = build_map(store.blobs, imap.kind, imap.size, chunks(), list(imap.zero),
-                            reuse=known_chunks([imap]))
+        cut = build_map(store.blobs, imap.kind, imap.size, split(), [])
+        kept = tuple(c for c in imap.chunks if c not in mixed)
+        new_map = ImageMap(imap.kind, imap.size, kept + cut.chunks, imap.zero)
+        new_map.validate()
         disk_map = store.image_map(manifest, "disk", what)
         chain = store.chain(digest)
         annotations = {k: v for k, v in manifest.annotations.items() if k not in _DERIVED}
