@@ -22,18 +22,22 @@ No image is assembled on this path.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from forkd.engine import children as ch
 from forkd.engine.errors import EngineError, HostError
@@ -41,7 +45,7 @@ from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource, open_remote
 from forkd.engine.lazy.paths import server_dir
 from forkd.engine.lazy.prefetch import RECORDED_WORKERS, load_order, save_order
-from forkd.engine.lazy.spare import Taken, ensure_spare, server_environment
+from forkd.engine.lazy.spare import SERVER_MALLOC, Taken, ensure_spare, server_environment
 from forkd.engine.lazy.spool import SPOOL_NAME, Spooler
 from forkd.engine.qemu import pid_alive
 from forkd.errors import ForkdError
@@ -142,6 +146,151 @@ class Spawn:
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
         self.log.unlink(missing_ok=True)
+
+
+class Forked:
+    """A lazy server forked from this process before its snapshot is known, when no
+    other thread runs here (``Forked.start``). It starts with this process's modules
+    already loaded (httpx, the registry client, the store: most of what a ``Spawn``
+    loads after the interpreter's own start), so it is ready in about a third of a
+    ``Spawn``'s time: it loads only the server's own (pyfuse3, trio), then, like a
+    ``Spawn``, waits for ``go`` to name its directory on a pipe (it exits at EOF), in a
+    session of its own, and outlives this command. Nothing of this process's follows
+    it but memory: its descriptors become /dev/null (no lock, socket or file of this
+    process is held by the server), its signals and environment are a new process's,
+    and it ends with ``os._exit`` (none of this process's exit handlers run)."""
+
+    def __init__(self, log: Path, told: int, pid: int) -> None:
+        self.log, self.told, self.pid = log, told, pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls) -> Forked | None:
+        """A forked server, or None where another thread runs in this process (a fork
+        would copy its locks held, not the thread: a ``Spawn`` then)."""
+        if not _single_threaded():
+            return None
+        _reap()
+        fd, name = tempfile.mkstemp(prefix="forkd-lazy-spawn-", suffix=".log")
+        read, told = os.pipe()
+        environment = server_environment()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            _serve_forked(read, fd, Path(name), environment)
+        os.close(read)
+        os.close(fd)
+        _forked.add(pid)
+        return cls(Path(name), told, pid)
+
+    def go(self, d: Path) -> Forked:
+        """Serve the snapshot whose spec is in ``d``."""
+        with contextlib.suppress(BrokenPipeError):  # it died loading: its log says why
+            os.write(self.told, f"{d}\n".encode())
+        self._close()
+        return self
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self._ended(status)
+        return self.returncode
+
+    def wait(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                self._ended(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def cancel(self) -> None:
+        """Not needed (a server was running): end it, before it serves anything."""
+        self.kill()
+        self.wait()
+        self._close()
+        self.log.unlink(missing_ok=True)
+
+    def _ended(self, status: int) -> None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        _forked.discard(self.pid)
+
+    def _close(self) -> None:
+        if self.told >= 0:
+            os.close(self.told)
+            self.told = -1
+
+
+_forked: set[int] = set()  # forked servers not waited for yet (they outlive their command)
+
+
+def _reap() -> None:
+    """Wait for the forked servers of this process that have ended (no zombie stays)."""
+    for pid in list(_forked):
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                continue
+        _forked.discard(pid)
+
+
+def _single_threaded() -> bool:
+    """No other thread runs in this process: Python's, or a library's own (the kernel's
+    list of this process's tasks)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+# glibc reads its MALLOC_*_ environment at a process's start: a forked server sets the
+# same numbers (spare.SERVER_MALLOC) with mallopt
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+
+
+def _serve_forked(told: int, log_fd: int, log: Path, environment: dict[str, str]) -> NoReturn:
+    """The forked child: become a new process's server (see ``Forked``), then serve."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        os.dup2(null, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd not in (0, 1, 2, told, null):
+                with contextlib.suppress(OSError):  # the listing's own, closed since
+                    os.dup2(null, fd, inheritable=False)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        signal.set_wakeup_fd(-1)
+        for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
+                       signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(environment)
+        libc = ctypes.CDLL(None)
+        for variable, param in _MALLOPT.items():
+            libc.mallopt(param, int(SERVER_MALLOC[variable]))
+        for handler in logging.root.handlers[:]:  # this process's: to files now /dev/null
+            logging.root.removeHandler(handler)
+        gc.freeze()  # this process's objects: not collected, so their pages stay shared
+        from forkd.engine.lazy.serve import serve_when_told
+
+        code = serve_when_told(told, log)
+    except BaseException:  # said in its log, then the process ends
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
@@ -248,8 +397,8 @@ def fork(store: Store, remote_text: str, n: int, *, prefetch: bool = True,
     remote = parse_remote(remote_text)
     t0 = time.perf_counter()
     # a spare server (loaded: an earlier lazy fork or the daemon left it), else a new
-    # process that loads while the chain is resolved
-    spawn: Starter = Taken.take() or Spawn()
+    # process that loads while the chain is resolved: forked from this one where it can be
+    spawn: Starter = Taken.take() or Forked.start() or Spawn()
     with RegistryClient(remote.hub, credentials.load(remote.hub.host)) as client:
         spooler: Spooler | None = None
         try:
@@ -343,7 +492,8 @@ def _fork_on_server(store: Store, source: ChunkSource, remote: RemoteRef, n: int
     tag = f"{remote.name}:{remote.tag}"
     with holding(store, source, remote, tag if _may_tag(store, tag, source) else None,
                  prefetch, spawn, working_set, spooler) as snap:
-        log.debug("lazy fork %s: server ready at %.3f s", remote, time.perf_counter() - t0)
+        log.debug("lazy fork %s: server ready at %.3f s (started as %s)", remote,
+                  time.perf_counter() - t0, type(spawn).__name__)
         on_ready()
         try:
             asm = assembled(store, source, snap)
@@ -375,4 +525,4 @@ def _failures(snap: LazySnapshot) -> str:
     return "".join(f"\nlazy read failed: {msg}" for msg in dict(errors).values())
 
 
-__all__ = ["LazySnapshot", "Spawn", "assembled", "fork", "start_server"]
+__all__ = ["Forked", "LazySnapshot", "Spawn", "assembled", "fork", "start_server"]

@@ -3,7 +3,8 @@
 
 ``python3 -m forkd.engine.lazy.serve - SPAWN_LOG`` loads first and reads DIR from its
 stdin (``fork.Spawn``: it exits on EOF), then moves its output from SPAWN_LOG to DIR's
-server.log.
+server.log; a server forked from the lazy fork's own process (``fork.Forked``) does the
+same through ``serve_when_told``.
 
 It serves the chain's memory image as a FUSE file (``DIR/mnt/memory.img``, memfs) and
 its disk as an NBD export (``$FORKD_RUN/lazy/<hex[:16]>/disk.nbd.sock``, paths.socket_dir,
@@ -303,15 +304,25 @@ def serve(d: Path) -> int:
     return 0
 
 
-def _spawned(spawn_log: Path) -> Path | None:
-    """The directory named on stdin (None at EOF); output moved to its server.log."""
-    line = sys.stdin.readline().strip()
+def _spawned(spawn_log: Path, told: int = 0) -> Path | None:
+    """The directory named on ``told`` (stdin; None at EOF); output moved to its
+    server.log."""
+    with os.fdopen(told, "r", closefd=told != 0) as f:
+        line = f.readline().strip()
     if not line:
         spawn_log.unlink(missing_ok=True)
         return None
     d = Path(line)
     adopt_log(d, spawn_log)
     return d
+
+
+def serve_when_told(told: int, spawn_log: Path) -> int:
+    """What a server forked before its snapshot is known runs (``fork.Forked``): load,
+    then serve the directory named on the pipe ``told`` (exit 0 at EOF)."""
+    warm_up()
+    d = _spawned(spawn_log, told)
+    return 0 if d is None else serve(d)
 
 
 def adopt_log(d: Path, loading_log: Path) -> None:
@@ -330,9 +341,7 @@ def adopt_log(d: Path, loading_log: Path) -> None:
 def main(argv: list[str]) -> int:
     if argv[1] != "-":
         return serve(Path(argv[1]))
-    warm_up()
-    d = _spawned(Path(argv[2]))
-    return 0 if d is None else serve(d)
+    return serve_when_told(0, Path(argv[2]))
 
 
 if __name__ == "__main__":
