@@ -117,20 +117,28 @@ def _record_build(store: Store, key: str, ref: str, snapshot: str) -> None:
 
 
 def rerecord(store: Store, old: str, new: str) -> None:
-    """Builds recorded as snapshot ``old`` are ``new`` from now on (the same image: its
-    memory chunks split by the working set, engine/lazy/record.py), so building the recipe
-    again tags ``new`` instead of booting anew once ``old`` is collected."""
-    for f in _cache_files_of(store):
-        with contextlib.suppress(ValueError, KeyError, OSError, TypeError):
-            doc = json.loads(f.read_text())
-            if doc["digest"] == old:
-                f.write_text(json.dumps({"ref": doc["ref"], "digest": new}))
+    """Builds recorded as snapshot ``old`` are ``new`` in ``store`` from now on (the same
+    image: its memory chunks split by the working set, engine/lazy/record.py), so building
+    the recipe again tags ``new`` instead of booting anew once ``old`` is collected.
+    The store's own records say so; this user's shared ones are left as they are (another
+    store may hold ``old`` alone): one that names ``old`` gets a record of the store's
+    own, which is read first, unless the store has one of its own already."""
+    for shared in (False, True):
+        for f in _cache_files_of(store, shared):
+            own = store.builds_dir / f.name
+            if shared and own.exists():
+                continue
+            with contextlib.suppress(ValueError, KeyError, OSError, TypeError):
+                doc = json.loads(f.read_text())
+                if doc["digest"] == old:
+                    own.parent.mkdir(exist_ok=True)
+                    own.write_text(json.dumps({"ref": doc["ref"], "digest": new}))
 
 
-def _cache_files_of(store: Store) -> list[Path]:
-    """Every build record ``store`` keeps and this user's shared ones."""
-    return [f for d in (store.builds_dir, cache_dir() / "builds") if d.is_dir()
-            for f in sorted(d.glob("*.json"))]
+def _cache_files_of(store: Store, shared: bool) -> list[Path]:
+    """The build records ``store`` keeps, or (``shared``) this user's shared ones."""
+    d = cache_dir() / "builds" if shared else store.builds_dir
+    return sorted(d.glob("*.json")) if d.is_dir() else []
 
 
 def _cache_key(recipe: Recipe, accel: str) -> str:

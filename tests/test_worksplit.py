@@ -4,6 +4,7 @@ were already one-sided kept as they were, and nothing else of the layer changed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,29 @@ def test_a_chunk_cut_to_single_pages_keeps_every_byte(store: Store, tmp_path: Pa
 def test_an_unknown_tag_is_refused(store: Store) -> None:
     with pytest.raises(NotFound):
         split_memory(store, "nothing-here", {1})
+
+
+def test_a_split_moves_this_stores_build_records_only(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's own record and a shared record naming the layer as built both lead
+    this store to the split layer; the shared record still names the layer as built, so
+    another store holding only that finds it, and a record of another snapshot stays."""
+    from forkd.engine import build
+
+    monkeypatch.setenv("FORKD_CACHE", str(tmp_path / "cache"))
+    old, new, other = ("sha256:" + c * 64 for c in "abc")
+    build._record_build(store, "sha256:" + "1" * 64, "r:one", old)  # own and shared
+    shared_only = build._cache_files(store, "sha256:" + "2" * 64)
+    shared_only[1].write_text(json.dumps({"ref": "r:two", "digest": old}))
+    build._record_build(store, "sha256:" + "3" * 64, "r:three", other)
+    build.rerecord(store, old, new)
+
+    def said(f: Path) -> str:
+        return str(json.loads(f.read_text())["digest"])
+
+    own1, shared1 = build._cache_files(store, "sha256:" + "1" * 64)
+    own2, shared2 = shared_only
+    own3, shared3 = build._cache_files(store, "sha256:" + "3" * 64)
+    assert (said(own1), said(own2)) == (new, new)  # this store: the split layer
+    assert (said(shared1), said(shared2)) == (old, old)  # another store: as built
+    assert (said(own3), said(shared3)) == (other, other)
