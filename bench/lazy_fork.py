@@ -11,9 +11,11 @@ command to the answers, each in an empty store:
   then ten, answering an eval;
 - **eager** (pull the whole pack, assemble, fork): one child, then ten, answering;
 - **lazy** (`forkd fork HUB/NS/NAME --lazy`: manifests, maps and device state only, then
-  memory and disk on first access): one child, then ten, answering; the first lazy fork of
-  the run starts its server process, the later ones find the spare server the one before
-  left (engine/lazy/spare.py), so "lazy, spare server" is the first child again with one;
+  memory and disk on first access): one child, then ten, answering; each pack's first lazy
+  fork starts its own server (forked from this process, as `forkd fork --lazy` does: the
+  spare an earlier pack left is ended first), the later ones find the spare server the one
+  before left (engine/lazy/spare.py), so "lazy, spare server" is the first child again
+  with one;
 - **bytes fetched before the first answer**: the eager pull's bytes; for lazy, the blob
   bytes the hub sent from the command to just after the first answer (its /metrics);
 - **warm eval** after the prefetch completed, median of 20 round trips, lazy child next to a
@@ -42,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,7 @@ from forkd.engine import recipe
 from forkd.engine.build import build
 from forkd.engine.lazy import fork as lazy
 from forkd.engine.lazy import record, spare
+from forkd.engine.paths import run_dir
 from forkd.errors import ForkdError
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
@@ -173,6 +177,20 @@ def wait_spare(timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def no_spare(timeout: float = 30.0) -> None:
+    """End the spare an earlier pack's lazy forks left, so the next lazy fork starts its
+    own server, as the first lazy fork on a host does."""
+    run = run_dir()
+    deadline = time.monotonic() + timeout
+    while spare.spares_of(run):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the spare lazy servers {spare.spares_of(run)} did not end")
+        for pid in spare.spares_of(run):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.1)
+
+
 def wait_unmounted(work: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -260,6 +278,7 @@ def measure(name: str, publisher: Store, hub: Hub, client: RegistryClient, work:
         _, out["eager_n_s"] = timed(n, probe, lambda: eager(eagern, n), started)
         done_with(eagern)
 
+        no_spare()  # the first lazy fork on a host: its own server
         warm(hub_data)
         lazy1 = fresh("lazy1")
         sent = hub_bytes_sent(hub)
