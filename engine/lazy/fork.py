@@ -177,11 +177,18 @@ class Forked:
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had (a limit): a Spawn says why, if it fails
+            pid = -1
         if pid == 0:
             _serve_forked(read, fd, Path(name), environment)
         os.close(read)
         os.close(fd)
+        if pid < 0:
+            os.close(told)
+            Path(name).unlink(missing_ok=True)
+            return None
         _forked.add(pid)
         return cls(Path(name), told, pid)
 
