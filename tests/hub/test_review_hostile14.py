@@ -1,0 +1,98 @@
+"""Hostile review 14: what one account could make the hub do for it, and for others.
+
+- Glob teams. A listing (``/api/v1/repositories``, ``_catalog``, the catalog UI, and a
+  repository page's visibility check) for a member of a team with a repository glob
+  read the name of EVERY repository of the team's organisation and matched the glob in
+  Python, per request: a user in glob teams of large organisations made each of their
+  listings cost in proportion to the organisation. A glob is now one SQL ``LIKE`` (its
+  grammar is ``*``, ``?`` and name characters, checked when the team is made), so the
+  database filters and pages; ``_`` is a name character, not LIKE's wildcard.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hub_server import HubServer
+from hub_support import ADMIN, artifact, unique_name
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+
+@contextmanager
+def statements() -> Iterator[list[str]]:
+    """The SQL every engine of this process runs meanwhile (the hub serves in a thread
+    of the test's process)."""
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)
+
+
+def _reads_every_name(statement: str) -> bool:
+    """A SELECT of repository names, neither paged nor counted, nor about one name."""
+    s = " ".join(statement.lower().split())
+    return (
+        s.startswith("select repositories.name")
+        and "limit" not in s
+        and "count(" not in s
+        and "repositories.name = " not in s
+    )
+
+
+def test_a_glob_team_listing_is_filtered_by_the_database(hub: HubServer) -> None:
+    org = unique_name("globs")
+    member = hub.add_user(unique_name("globber"))
+    hub.cli("org", "add", org)
+    granted = [f"{org}/app_{i}" for i in range(3)]
+    # '-' where the glob has '_': LIKE's '_' would take it, the glob does not.
+    refused = [f"{org}/app-{i}" for i in range(3)] + [f"{org}/other"]
+    with hub.client(ADMIN) as c:
+        for repo in granted + refused:
+            artifact(c, repo, repo.encode(), tag="v1")
+        r = c.post(
+            f"/api/v1/orgs/{org}/teams",
+            json={"name": "apps", "role": "pull", "repositories": f"{org}/app_?",
+                  "members": [member[0]]},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+    with hub.client(member) as c, statements() as seen:
+        listed = c.get("/api/v1/repositories", params={"namespace": org, "limit": 100})
+        catalog = c.get("/v2/_catalog", params={"n": 1000})
+        page = c.get(f"/api/v1/repositories/{granted[0]}")
+    assert listed.status_code == 200, listed.text
+    assert sorted(i["name"] for i in listed.json()["items"]) == granted
+    assert [n for n in catalog.json()["repositories"] if n.startswith(f"{org}/")] == granted
+    assert page.status_code == 200
+    assert not [s for s in seen if _reads_every_name(s)], seen
+    # The routes agree with the listing, repository by repository.
+    with hub.client(member) as c:
+        for repo in granted:
+            assert c.get(f"/v2/{repo}/manifests/v1").status_code == 200, repo
+        for repo in refused:
+            assert c.get(f"/v2/{repo}/manifests/v1").status_code == 404, repo
+
+
+def test_a_team_glob_outside_the_grammar_is_refused(hub: HubServer) -> None:
+    """``[...]`` classes (and anything but name characters, ``*`` and ``?``) cannot be one
+    LIKE: refused when the team is made, with what the glob may use."""
+    org = unique_name("badglob")
+    hub.cli("org", "add", org)
+    with hub.client(ADMIN) as c:
+        for glob in (f"{org}/[ab]*", f"{org}/App*", f"{org}/a%", f"{org}/a\\*", f"{org}/ä*"):
+            r = c.post(
+                f"/api/v1/orgs/{org}/teams",
+                json={"name": "t", "role": "pull", "repositories": glob},
+            )
+            assert r.status_code == 400, r.text
+            assert re.search(r"'\*' \(any characters\)", r.text), r.text
+        assert c.get(f"/api/v1/orgs/{org}/teams").json() == []
