@@ -40,7 +40,6 @@ from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 from litestar import Controller, post
 from litestar.di import NamedDependency
 from litestar.exceptions import ValidationException
@@ -79,7 +78,10 @@ log = logging.getLogger("forkd.hub.compaction")
 
 FLAT_SUFFIX = "-flat"
 RETENTION_ACTOR = "(retention)"  # not a valid user name: cannot be mistaken for one
+# The retention rule's jobs waiting: in all, and of one namespace (an account's pushes
+# queue no more than this many, so one account cannot fill the queue for the others).
 QUEUE_MAX = 1000
+QUEUE_PER_NAMESPACE = 50
 # The most bytes a compaction writes into one assembled image (the pages the chain's chunks
 # provide: holes are free). Chunks decompress up to 2 MiB from a few dozen bytes, so the
 # chain's stored size does not bound this. 16x a 1 GiB guest's memory.
@@ -548,18 +550,66 @@ class _Job:
     digest: str
 
 
+class FairQueue:
+    """The retention rule's waiting jobs, fair between namespaces: taken one namespace
+    after the other in turn (each namespace's own in the order they came), at most
+    ``per_namespace`` waiting for one namespace and ``total`` in all. A tag queued again
+    replaces its waiting job (the older one would find the tag moved and do nothing), so
+    pushing one tag over and over takes one place. Used from the event loop only."""
+
+    def __init__(self, total: int = QUEUE_MAX, per_namespace: int = QUEUE_PER_NAMESPACE):
+        self.total, self.per_namespace = total, per_namespace
+        self._waiting: dict[str, dict[tuple[str, str], _Job]] = {}  # in turn order
+        self._size = 0
+        self._ready = anyio.Event()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, job: _Job) -> str | None:
+        """Queue ``job``; None, or why it was not queued."""
+        namespace = accounts.namespace_of(job.name)
+        mine = self._waiting.get(namespace, {})
+        key = (job.name, job.tag)
+        if key not in mine:
+            if len(mine) >= self.per_namespace:
+                return f"{self.per_namespace} jobs of namespace {namespace} wait already"
+            if self._size >= self.total:
+                return f"the queue is full ({self.total} jobs)"
+            self._size += 1
+        mine.pop(key, None)  # a replaced job goes to the back of its namespace's line
+        mine[key] = job
+        self._waiting[namespace] = mine
+        self._ready.set()
+        return None
+
+    async def get(self) -> _Job:
+        """The next job: the first of the namespace whose turn it is."""
+        while not self._waiting:
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        namespace, mine = next(iter(self._waiting.items()))
+        del self._waiting[namespace]
+        job = mine.pop(next(iter(mine)))
+        if mine:
+            self._waiting[namespace] = mine  # its next job waits for the others' turns
+        self._size -= 1
+        return job
+
+
 class Retention:
     """Compacts a tag pushed with a chain deeper than ``deeper_than`` into ``TAG-flat``.
 
-    ``submit`` is a ``Hub.after_push`` hook: it only queues. ``run`` (in the app's task
-    group) takes one job at a time. ``TAG-flat`` belongs to the rule: it is replaced
-    when the tag is pushed again. The pushed tag itself is never moved.
+    ``submit`` is a ``Hub.after_push`` hook: it only queues (``FairQueue``: one
+    account's pushes cannot crowd out the others'). ``run`` (in the app's task group)
+    takes one job at a time. ``TAG-flat`` belongs to the rule: it is replaced when the
+    tag is pushed again. The pushed tag itself is never moved.
     """
 
     def __init__(self, hub: Hub, deeper_than: int) -> None:
         self.hub = hub
         self.deeper_than = deeper_than
-        self._send: MemoryObjectSendStream[_Job] | None = None
+        self.queue: FairQueue | None = None  # while ``run`` runs
 
     def submit(self, name: str, tag: str, digest: str, doc: dict[str, Any]) -> None:
         if doc.get("artifactType") != mt.ARTIFACT_TYPE or not doc.get("subject"):
@@ -567,24 +617,21 @@ class Retention:
         if len(tag) + len(FLAT_SUFFIX) > 128:
             log.warning("retention: %s:%s is too long a tag to add %s", name, tag, FLAT_SUFFIX)
             return
-        if self._send is None:
+        if self.queue is None:
             log.warning("retention: worker not running; %s:%s not compacted", name, tag)
             return
-        try:
-            self._send.send_nowait(_Job(name, tag, digest))
-        except anyio.WouldBlock:
-            log.warning("retention: queue full; %s:%s not compacted", name, tag)
+        refused = self.queue.put(_Job(name, tag, digest))
+        if refused is not None:
+            log.warning("retention: %s; %s:%s not compacted", refused, name, tag)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        send, receive = anyio.create_memory_object_stream[_Job](QUEUE_MAX)
-        self._send = send
+        self.queue = queue = FairQueue()
         task_status.started()
         try:
-            async with receive:
-                async for job in receive:
-                    await self._one(job)
+            while True:
+                await self._one(await queue.get())
         finally:
-            self._send = None
+            self.queue = None
 
     async def _one(self, job: _Job) -> None:
         to = job.tag + FLAT_SUFFIX

@@ -7,19 +7,30 @@
   listings cost in proportion to the organisation. A glob is now one SQL ``LIKE`` (its
   grammar is ``*``, ``?`` and name characters, checked when the team is made), so the
   database filters and pages; ``_`` is a name character, not LIKE's wildcard.
+- The retention rule's compaction queue was one FIFO any account could fill: now fair
+  between namespaces, bounded per namespace, one place per tag.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import anyio
 from hub_server import HubServer
 from hub_support import ADMIN, artifact, unique_name
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+
+from forkd.hub import compaction
+from forkd.hub.compaction import Retention
+from forkd.hub.services import Hub
+from forkd.hub.settings import HubSettings
+from forkd.pack import mediatypes as mt
 
 
 @contextmanager
@@ -96,3 +107,45 @@ def test_a_team_glob_outside_the_grammar_is_refused(hub: HubServer) -> None:
             assert r.status_code == 400, r.text
             assert re.search(r"'\*' \(any characters\)", r.text), r.text
         assert c.get(f"/api/v1/orgs/{org}/teams").json() == []
+
+
+def test_one_namespace_cannot_crowd_out_the_retention_rules_queue(tmp_path: Path) -> None:
+    """Before: one FIFO of 1000 jobs. One account pushing 1000 deep-chain tags filled it;
+    every other account's pushes were dropped ("queue full") and, had they fitted, waited
+    behind all of its compactions. Now the worker takes one job per namespace in turn, a
+    namespace has at most QUEUE_PER_NAMESPACE waiting, and a tag pushed again replaces its
+    waiting job instead of queueing a second one."""
+    hub = Hub.build(HubSettings(tmp_path / "hub", compact_deeper_than=1).validated())
+    retention = Retention(hub, 1)
+    doc = {"artifactType": mt.ARTIFACT_TYPE, "subject": {"digest": "sha256:" + "0" * 64}}
+    digest = "sha256:" + "1" * 64
+
+    def done() -> list[str]:
+        path = hub.settings.audit_path
+        records = (
+            [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        )
+        return [r["target"] for r in records if r["action"] == "manifest.compact"]
+
+    async def main() -> list[str]:
+        await hub.db.migrate()
+        async with anyio.create_task_group() as tg:
+            await tg.start(retention.run)
+            for i in range(1100):  # none of these repositories exist: each job fails fast
+                retention.submit(f"mallory{i % 2}/x", f"t{i // 2}", digest, doc)
+            for _ in range(100):
+                retention.submit("mallory0/x", "t0", digest, doc)  # one place, not 100
+            retention.submit("alice/app", "v1", digest, doc)
+            with anyio.fail_after(60):
+                while "alice/app@v1-flat" not in done() or retention.queue:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        await hub.close()
+        return done()
+
+    order = anyio.run(main)
+    per = compaction.QUEUE_PER_NAMESPACE
+    assert order.index("alice/app@v1-flat") == 2, order[:5]  # after one of each mallory
+    assert sum(t.startswith("mallory0/") for t in order) == per
+    assert sum(t.startswith("mallory1/") for t in order) == per
+    assert order.count("mallory0/x@t0-flat") == 1
