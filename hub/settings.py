@@ -135,6 +135,10 @@ class HubSettings:
     # Repositories per namespace: a push member creates one by starting an upload to a
     # new name (kept however the upload ends); past this, a new name is 403 DENIED.
     repositories_max: int = 10_000
+    # Audit records that callers provoke at will (refusals, anonymous registry tokens),
+    # per minute, for anonymous callers and for accounts each (hub/services.py
+    # ``Provoked``); past it they are counted in one ``audit.suppressed`` record.
+    audit_provoked_per_minute: int = 120
 
     @classmethod
     def from_env(
@@ -194,6 +198,8 @@ class HubSettings:
             )
         if self.repositories_max <= 0:
             raise InvalidInput("repositories_max must be > 0")
+        if self.audit_provoked_per_minute <= 0:
+            raise InvalidInput("audit_provoked_per_minute must be > 0")
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
@@ -248,6 +254,7 @@ class HubSettings:
             upload_sessions_per_user=self.upload_sessions_per_user,
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
+            audit_provoked_per_minute=self.audit_provoked_per_minute,
             compactions_max=self.compactions_max,
             repositories_max=self.repositories_max,
         )
