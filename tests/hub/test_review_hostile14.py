@@ -12,6 +12,7 @@
 - Audit records any caller provokes at will (refusals, anonymous registry tokens) were
   unbounded: an anonymous loop filled the disk. Now bounded per minute, anonymous
   callers and accounts apart (``Hub.provoked``).
+- Tags cost no quota, and a repository could hold any number: now ``tags_max``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import anyio
 import httpx
 from hub_server import HubServer
-from hub_support import ADMIN, artifact, unique_name
+from hub_support import ADMIN, OCI_MANIFEST, artifact, error_code, unique_name
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
@@ -199,3 +200,31 @@ def test_what_callers_provoke_at_will_is_bounded_in_the_audit_log(tmp_path: Path
 def audit_lines(server: HubServer) -> list[dict[str, Any]]:
     path = server.data_dir / "audit.log"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_tags_per_repository_are_bounded(tmp_path: Path) -> None:
+    """Before: a tag costs no quota (any number of tags can name one manifest), so one
+    push member could PUT the same small manifest under new tags without end: rows in
+    the database, entries in every tag listing, and a storage quota that bounded none of
+    it. Now a repository holds at most ``tags_max`` tags; a new one past it is 403
+    DENIED saying what to do, while moving an existing tag, pushing by digest and
+    tagging again after a deletion still work."""
+    server = HubServer(tmp_path / "hub", {"tags_max": 3}).start()
+    try:
+        repo = f"{ADMIN[0]}/many"
+        with server.client(ADMIN) as c:
+            digest, body = artifact(c, repo, b"one", tag="t0")
+            put = {"content": body, "headers": {"Content-Type": OCI_MANIFEST}}
+            for tag in ("t1", "t2"):
+                assert c.put(f"/v2/{repo}/manifests/{tag}", **put).status_code == 201
+            r = c.put(f"/v2/{repo}/manifests/t3", **put)
+            assert r.status_code == 403 and error_code(r) == "DENIED", r.text
+            assert "tags_max" in r.text
+            assert c.put(f"/v2/{repo}/manifests/t1", **put).status_code == 201  # a move
+            assert c.put(f"/v2/{repo}/manifests/{digest}", **put).status_code == 201
+            artifact(c, repo, b"two")  # by digest: no tag
+            assert c.get(f"/v2/{repo}/tags/list").json()["tags"] == ["t0", "t1", "t2"]
+            assert c.delete(f"/v2/{repo}/manifests/t2").status_code == 202
+            assert c.put(f"/v2/{repo}/manifests/t3", **put).status_code == 201
+    finally:
+        server.stop()
