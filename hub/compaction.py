@@ -544,7 +544,7 @@ def _busy_account() -> RegistryError:
 
 # -- the retention rule ----------------------------------------------------------
 @dataclass(frozen=True)
-class _Job:
+class RetentionJob:
     name: str
     tag: str
     digest: str
@@ -555,18 +555,21 @@ class FairQueue:
     after the other in turn (each namespace's own in the order they came), at most
     ``per_namespace`` waiting for one namespace and ``total`` in all. A tag queued again
     replaces its waiting job (the older one would find the tag moved and do nothing), so
-    pushing one tag over and over takes one place. Used from the event loop only."""
+    pushing one tag over and over takes one place. When it is full, a namespace with
+    fewer waiting takes the place of the newest job of the one with the most (an account
+    administers up to 20 organisations: namespaces alone would not keep it from filling
+    the queue). Used from the event loop only."""
 
     def __init__(self, total: int = QUEUE_MAX, per_namespace: int = QUEUE_PER_NAMESPACE):
         self.total, self.per_namespace = total, per_namespace
-        self._waiting: dict[str, dict[tuple[str, str], _Job]] = {}  # in turn order
+        self._waiting: dict[str, dict[tuple[str, str], RetentionJob]] = {}  # in turn order
         self._size = 0
         self._ready = anyio.Event()
 
     def __len__(self) -> int:
         return self._size
 
-    def put(self, job: _Job) -> str | None:
+    def put(self, job: RetentionJob) -> str | None:
         """Queue ``job``; None, or why it was not queued."""
         namespace = accounts.namespace_of(job.name)
         mine = self._waiting.get(namespace, {})
@@ -574,7 +577,7 @@ class FairQueue:
         if key not in mine:
             if len(mine) >= self.per_namespace:
                 return f"{self.per_namespace} jobs of namespace {namespace} wait already"
-            if self._size >= self.total:
+            if self._size >= self.total and not self._evict_for(len(mine)):
                 return f"the queue is full ({self.total} jobs)"
             self._size += 1
         mine.pop(key, None)  # a replaced job goes to the back of its namespace's line
@@ -583,7 +586,24 @@ class FairQueue:
         self._ready.set()
         return None
 
-    async def get(self) -> _Job:
+    def _evict_for(self, waiting: int) -> bool:
+        """The queue is full: drop the newest job of the namespace with the most waiting,
+        if it has more than ``waiting`` (the newcomer's namespace's), so that however
+        many namespaces one account fills, the others still get places. Whether one
+        was dropped."""
+        namespace, most = max(self._waiting.items(), key=lambda item: len(item[1]))
+        if len(most) <= waiting:
+            return False
+        job = most.pop(next(reversed(most)))
+        if not most:
+            del self._waiting[namespace]
+        self._size -= 1
+        log.warning(
+            "retention: queue full; %s:%s dropped for another namespace's", job.name, job.tag
+        )
+        return True
+
+    async def get(self) -> RetentionJob:
         """The next job: the first of the namespace whose turn it is."""
         while not self._waiting:
             self._ready = anyio.Event()
@@ -620,7 +640,7 @@ class Retention:
         if self.queue is None:
             log.warning("retention: worker not running; %s:%s not compacted", name, tag)
             return
-        refused = self.queue.put(_Job(name, tag, digest))
+        refused = self.queue.put(RetentionJob(name, tag, digest))
         if refused is not None:
             log.warning("retention: %s; %s:%s not compacted", refused, name, tag)
 
@@ -633,7 +653,7 @@ class Retention:
         finally:
             self.queue = None
 
-    async def _one(self, job: _Job) -> None:
+    async def _one(self, job: RetentionJob) -> None:
         to = job.tag + FLAT_SUFFIX
         try:
             # One of the compactions_max places, waited for (one job at a time: the

@@ -228,3 +228,32 @@ def test_tags_per_repository_are_bounded(tmp_path: Path) -> None:
             assert c.put(f"/v2/{repo}/manifests/t3", **put).status_code == 201
     finally:
         server.stop()
+
+
+def test_namespaces_one_account_fills_leave_places_for_the_others() -> None:
+    """An account administers up to 20 organisations: at 50 jobs each it could fill the
+    1000 places alone, and everyone else's pushes were "queue full". A full queue now
+    gives a newcomer's namespace the place of the newest job of the namespace with the
+    most waiting."""
+    queue = compaction.FairQueue(total=10, per_namespace=5)
+    job = compaction.RetentionJob
+    digest = "sha256:" + "1" * 64
+    for ns in ("org1", "org2"):
+        for i in range(5):
+            assert queue.put(job(f"{ns}/x", f"t{i}", digest)) is None
+    assert queue.put(job("victim/app", "v1", digest)) is None  # org1's t4 made room
+    assert queue.put(job("victim/app", "v2", digest)) is None  # org2's t4
+    assert len(queue) == 10
+    assert queue.put(job("org3/x", "t0", digest)) is None  # org1 (4) gives t3 up
+    # victim (2) is not the fullest: a third victim job takes org2's t3, not org3's t0.
+    assert queue.put(job("victim/app", "v3", digest)) is None
+
+    async def drain() -> list[str]:
+        return [f"{j.name}:{j.tag}" for j in [await queue.get() for _ in range(len(queue))]]
+
+    taken = anyio.run(drain)
+    assert taken[:3] == ["org1/x:t0", "org2/x:t0", "victim/app:v1"], taken
+    assert sorted(taken) == sorted(
+        [f"org{n}/x:t{i}" for n in (1, 2) for i in range(3)]
+        + ["victim/app:v1", "victim/app:v2", "victim/app:v3", "org3/x:t0"]
+    )
