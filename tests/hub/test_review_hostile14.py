@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import pytest
 from hub_server import HubServer
 from hub_support import ADMIN, OCI_MANIFEST, artifact, error_code, unique_name
 from sqlalchemy import event
@@ -65,7 +67,8 @@ def _reads_every_name(statement: str) -> bool:
     )
 
 
-def test_a_glob_team_listing_is_filtered_by_the_database(hub: HubServer) -> None:
+def test_a_glob_team_listing_is_filtered_by_the_database(backend_hub: HubServer) -> None:
+    hub = backend_hub
     org = unique_name("globs")
     member = hub.add_user(unique_name("globber"))
     hub.cli("org", "add", org)
@@ -202,29 +205,44 @@ def audit_lines(server: HubServer) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_tags_per_repository_are_bounded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_tags_per_repository_are_bounded(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
     """Before: a tag costs no quota (any number of tags can name one manifest), so one
     push member could PUT the same small manifest under new tags without end: rows in
     the database, entries in every tag listing, and a storage quota that bounded none of
     it. Now a repository holds at most ``tags_max`` tags; a new one past it is 403
-    DENIED saying what to do, while moving an existing tag, pushing by digest and
-    tagging again after a deletion still work."""
-    server = HubServer(tmp_path / "hub", {"tags_max": 3}).start()
+    DENIED saying what to do, new tags racing for the last place do not pass together,
+    and moving an existing tag, pushing by digest and tagging again after a deletion
+    still work."""
+    settings: dict[str, Any] = {"tags_max": 3}
+    if backend == "postgresql":
+        settings["database_url"] = request.getfixturevalue("postgres_url")
+    server = HubServer(tmp_path / "hub", settings).start()
     try:
         repo = f"{ADMIN[0]}/many"
         with server.client(ADMIN) as c:
             digest, body = artifact(c, repo, b"one", tag="t0")
             put = {"content": body, "headers": {"Content-Type": OCI_MANIFEST}}
-            for tag in ("t1", "t2"):
-                assert c.put(f"/v2/{repo}/manifests/{tag}", **put).status_code == 201
+            assert c.put(f"/v2/{repo}/manifests/t1", **put).status_code == 201
+
+        def tag(name: str) -> int:
+            with server.client(ADMIN) as c:
+                return c.put(f"/v2/{repo}/manifests/{name}", **put).status_code
+
+        with ThreadPoolExecutor(4) as pool:  # four new tags race for the last place
+            assert sorted(pool.map(tag, ["r0", "r1", "r2", "r3"])) == [201, 403, 403, 403]
+        with server.client(ADMIN) as c:
             r = c.put(f"/v2/{repo}/manifests/t3", **put)
             assert r.status_code == 403 and error_code(r) == "DENIED", r.text
             assert "tags_max" in r.text
             assert c.put(f"/v2/{repo}/manifests/t1", **put).status_code == 201  # a move
             assert c.put(f"/v2/{repo}/manifests/{digest}", **put).status_code == 201
             artifact(c, repo, b"two")  # by digest: no tag
-            assert c.get(f"/v2/{repo}/tags/list").json()["tags"] == ["t0", "t1", "t2"]
-            assert c.delete(f"/v2/{repo}/manifests/t2").status_code == 202
+            tags = c.get(f"/v2/{repo}/tags/list").json()["tags"]
+            assert len(tags) == 3 and tags[1:] == ["t0", "t1"], tags  # and one r*
+            assert c.delete(f"/v2/{repo}/manifests/t1").status_code == 202
             assert c.put(f"/v2/{repo}/manifests/t3", **put).status_code == 201
     finally:
         server.stop()
