@@ -33,13 +33,14 @@ class Provoked:
     """The audit records that any caller can provoke as often as it likes: refusals
     (``denied``, ``rate-limited``, ``failed``) and what anonymous callers are given
     (registry tokens). At most ``per_minute`` (``audit_provoked_per_minute``) a minute
-    for anonymous callers (no account: a refused login's name, an anonymous request)
-    and as many for accounts, apart, so a flood of the one cannot hide a record of the
-    other; past that they are counted into one ``audit.suppressed`` record (actor ``-``
-    or ``(accounts)``): a flood cannot fill the disk, and the log still says it
-    happened. Writes (what a caller changed) are never bounded: ``Hub.audit``."""
+    of each kind, kept apart so a flood of one kind hides no record of another: refused
+    logins, other records of anonymous callers, and records of accounts. Past the budget
+    they are counted into one ``audit.suppressed`` record (actor ``(logins)``, ``-`` or
+    ``(accounts)``): a flood cannot fill the disk, and the log still says it happened.
+    Writes (what a caller changed) are never bounded: ``Hub.audit``."""
 
     def __init__(self, audit: AuditLog, per_minute: int) -> None:
+        self.logins = BoundedAudit(audit, per_minute, "audit.suppressed", "(logins)")
         self.anonymous = BoundedAudit(audit, per_minute, "audit.suppressed")
         self.accounts = BoundedAudit(audit, per_minute, "audit.suppressed", "(accounts)")
 
@@ -47,9 +48,13 @@ class Provoked:
         self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
     ) -> bool:
         """Write the record unless its kind's budget for the minute is spent."""
-        anonymous = isinstance(actor, str) or actor.user_id is None
-        bounded = self.anonymous if anonymous else self.accounts
-        return bounded.record(actor, ip, action, target, result, **detail)
+        if action == "login":
+            kind = self.logins
+        elif isinstance(actor, str) or actor.user_id is None:
+            kind = self.anonymous
+        else:
+            kind = self.accounts
+        return kind.record(actor, ip, action, target, result, **detail)
 
 
 class LazyLimiter:

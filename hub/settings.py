@@ -139,8 +139,8 @@ class HubSettings:
     # a bound one push member could add rows without end; past it a new tag is 403.
     tags_max: int = 100_000
     # Audit records that callers provoke at will (refusals, anonymous registry tokens),
-    # per minute, for anonymous callers and for accounts each (hub/services.py
-    # ``Provoked``); past it they are counted in one ``audit.suppressed`` record.
+    # per minute, for refused logins, other anonymous records and accounts' each
+    # (hub/services.py ``Provoked``); past it they are counted in ``audit.suppressed``.
     audit_provoked_per_minute: int = 120
 
     @classmethod

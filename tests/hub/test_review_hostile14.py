@@ -10,8 +10,8 @@
 - The retention rule's compaction queue was one FIFO any account could fill: now fair
   between namespaces, bounded per namespace, one place per tag.
 - Audit records any caller provokes at will (refusals, anonymous registry tokens) were
-  unbounded: an anonymous loop filled the disk. Now bounded per minute, anonymous
-  callers and accounts apart (``Hub.provoked``).
+  unbounded: an anonymous loop filled the disk. Now bounded per minute, refused logins,
+  anonymous callers and accounts apart (``Hub.provoked``).
 - Tags cost no quota, and a repository could hold any number: now ``tags_max``.
 """
 
@@ -162,40 +162,42 @@ def test_one_namespace_cannot_crowd_out_the_retention_rules_queue(tmp_path: Path
 def test_what_callers_provoke_at_will_is_bounded_in_the_audit_log(tmp_path: Path) -> None:
     """Before: every refused request was one audit record (a 255-character repository
     name in it), and so was every anonymous registry token (each naming up to 64
-    repositories): an anonymous client looping on ``GET /v2/ANY/manifests/x``, ``/token``
-    or a wrong password appended to ``audit.log`` without end (hundreds of bytes to
-    kilobytes a request) until the disk was full. Now those records are at most
-    ``audit_provoked_per_minute`` a minute for anonymous callers, the rest counted in one
-    ``audit.suppressed`` record; accounts have a budget of their own, so the flood hides
-    no account's refusal; and writes are never suppressed."""
+    repositories) and every wrong password: an anonymous client looping on
+    ``GET /v2/ANY/manifests/x``, ``/token`` or a wrong password appended to ``audit.log``
+    without end (hundreds of bytes to kilobytes a request) until the disk was full. Now
+    those records are at most ``audit_provoked_per_minute`` a minute per kind (refused
+    logins, other anonymous records, accounts' records), the rest counted in one
+    ``audit.suppressed`` record; so a flood hides no record of another kind, and writes
+    are never suppressed."""
     per_minute = HubSettings(tmp_path).audit_provoked_per_minute
     server = HubServer(tmp_path / "hub", {"audit_provoked_per_minute": per_minute}).start()
     try:
         name = server.add_user(unique_name("flooded"))[0]
-        # A token: the flood's wrong passwords rate-limit passwords from this address.
         user = (name, server.token(name, f"{name}:push"))
         private = "x" * 200 + "/secret"
         scopes = [f"repository:pub{i}/app:pull" for i in range(64)]
         before = len(audit_lines(server))
-        flood = 3 * per_minute
         with httpx.Client(base_url=server.url, timeout=30) as c:
-            for i in range(flood):
+            for i in range(3 * per_minute):
                 assert c.get(f"/v2/{private}/manifests/v{i}").status_code == 401
                 assert c.get("/token", params={"scope": scopes}).status_code == 200
+            # Refused logins have a budget of their own: the flood above hides none.
+            r = c.get("/v2/", auth=("guesser", "wrong-password-1"))
+            assert r.status_code == 401
+            for i in range(3 * per_minute):  # then rate-limited, and as many again
                 r = c.get("/v2/", auth=(f"nobody{i}", "wrong-password-1"))
                 assert r.status_code in (401, 429)
         added = audit_lines(server)[before:]
-        # Within two minutes' budgets whatever the clock did meanwhile (plus a count).
-        assert len(added) <= 2 * per_minute + 1, len(added)
-        # An account's refusal after the flood is still recorded...
+        # Within two minutes' budgets of each kind whatever the clock did (plus counts).
+        assert len(added) <= 2 * (2 * per_minute + 1), len(added)
+        assert any(e["action"] == "login" and e["actor"] == "guesser" for e in added)
+        # An account's refusal after the flood is still recorded, and so is a write.
         with server.client(user) as c:
             assert c.get(f"/v2/{private}/manifests/v1").status_code == 404
-        # ...and so is a write.
-        with server.client(user) as c:
-            artifact(c, f"{user[0]}/app", b"kept", tag="v1")
+            artifact(c, f"{name}/app", b"kept", tag="v1")
         after = audit_lines(server)
-        assert any(e["actor"] == user[0] and e["result"] == "denied" for e in after)
-        assert any(e["actor"] == user[0] and e["action"] == "manifest.push" for e in after)
+        assert any(e["actor"] == name and e["result"] == "denied" for e in after)
+        assert any(e["actor"] == name and e["action"] == "manifest.push" for e in after)
     finally:
         server.stop()
 
