@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -277,3 +278,26 @@ def test_namespaces_one_account_fills_leave_places_for_the_others() -> None:
         [f"org{n}/x:t{i}" for n in (1, 2) for i in range(3)]
         + ["victim/app:v1", "victim/app:v2", "victim/app:v3", "org3/x:t0"]
     )
+
+
+def test_a_stored_glob_outside_the_grammar_grants_nothing(hub: HubServer) -> None:
+    """A team glob stored before the grammar was enforced (``[...]`` classes could not be
+    one LIKE) grants nowhere, on the routes and in listings alike, rather than on
+    the routes only (fnmatch) and not in listings (SQL): the two can never disagree."""
+    org = unique_name("legacy")
+    member = hub.add_user(unique_name("legacyuser"))
+    hub.cli("org", "add", org)
+    with hub.client(ADMIN) as c:
+        artifact(c, f"{org}/a1", b"a1", tag="v1")
+        r = c.post(
+            f"/api/v1/orgs/{org}/teams",
+            json={"name": "old", "role": "pull", "repositories": f"{org}/a*",
+                  "members": [member[0]]},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        db.execute("UPDATE teams SET repositories = ? WHERE name = 'old'", (f"{org}/[a]*",))
+    with hub.client(member) as c:
+        assert c.get(f"/v2/{org}/a1/manifests/v1").status_code == 404
+        listed = c.get("/api/v1/repositories", params={"namespace": org}).json()["items"]
+        assert listed == []
