@@ -4,7 +4,9 @@ the authentication of a principal. What a principal may do is decided in
 
 Teams: an organisation's team gives its members one role on the organisation's
 repositories, all of them or those whose full name matches the team's glob
-(``fnmatch``, e.g. ``acme/app-*``).
+(``acme/app-*``: ``*`` any run of characters, ``/`` included, ``?`` any one; no
+``[...]`` classes, so that each glob is one SQL ``LIKE`` and a listing is filtered by
+the database: ``team_glob_matches`` and ``authz.visible`` agree by construction).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from fnmatch import fnmatchcase
 from functools import lru_cache
 
 import anyio
@@ -76,6 +79,17 @@ def verify_password(stored: str | None, password: str) -> bool:
         return _hasher.verify(stored or _DUMMY_HASH, password) and stored is not None
     except (VerifyMismatchError, VerificationError, InvalidHashError):
         return False
+
+
+# A team's repository glob: name characters, ``*`` and ``?`` (see the module's doc).
+TEAM_GLOB_RE = names.whole(r"[a-z0-9._/*?-]+")
+
+
+def team_glob_matches(repository: str, glob: str) -> bool:
+    """Whether a team's ``glob`` grants on ``repository``. A stored glob outside the
+    grammar (made before it was enforced, e.g. with ``[...]``) matches nothing: a
+    listing could not filter it in SQL, so it grants nowhere rather than differently."""
+    return names.matches(TEAM_GLOB_RE, glob) and fnmatchcase(repository, glob)
 
 
 def hash_token(secret: str) -> str:
@@ -397,9 +411,15 @@ async def create_team(
     if role not in ROLES:
         raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_org(session, org)
-    if repositories and (len(repositories) > 255 or not repositories.startswith(f"{org}/")):
+    if repositories and (
+        len(repositories) > names.MAX_NAME
+        or not repositories.startswith(f"{org}/")
+        or not names.matches(TEAM_GLOB_RE, repositories)
+    ):
         raise InvalidInput(
-            f"invalid repository glob {repositories[:80]!r}: it must start with {org + '/'!r}"
+            f"invalid repository glob {shown(repositories)}: it must start with "
+            f"{org + '/'!r} and use only lowercase letters, digits, '.', '_', '-', '/', "
+            f"'*' (any characters) and '?' (one character), at most {names.MAX_NAME}"
         )
     exists_ = (
         await session.scalars(select(Team.id).where(Team.namespace_id == ns.id, Team.name == name))

@@ -116,7 +116,7 @@ async def metrics(request: Request[object, object, State], hub: NamedDependency[
                 headers={"WWW-Authenticate": f'Bearer realm="{hub.settings.service} metrics"'},
             )
         if not principal.site_admin:
-            hub.audit.record(principal, client_ip(request), "metrics", "-", "denied")
+            hub.provoked.record(principal, client_ip(request), "metrics", "-", "denied")
             raise PermissionDeniedException("only site admins and the metrics token read metrics")
     return await hub.metrics.render(hub.db)
 

@@ -193,7 +193,7 @@ async def login(
     # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
     wait, attempt = await hub.limiter.attempt(keys, cache_key)
     if wait:
-        hub.audit.record(logged_name(user), host, "login", "-", "rate-limited")
+        hub.provoked.record(logged_name(user), host, "login", "-", "rate-limited")
         raise RegistryError(
             Code.TOOMANYREQUESTS,
             "too many failed logins; try again later",
@@ -204,7 +204,7 @@ async def login(
     if principal is None:
         await hub.limiter.failed(attempt)
         hub.metrics.auth_failures.inc()
-        hub.audit.record(logged_name(user), host, "login", "-", "denied")
+        hub.provoked.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     await hub.limiter.succeeded(attempt)
     hub.verified.put(principal, cache_key)
@@ -218,7 +218,7 @@ async def _login_with_token(
         principal = await accounts.authenticate_password(session, user, secret)
     if principal is None:
         hub.metrics.auth_failures.inc()
-        hub.audit.record(logged_name(user), host, "login", "-", "denied")
+        hub.provoked.record(logged_name(user), host, "login", "-", "denied")
         raise RegistryError(Code.UNAUTHORIZED, "invalid user name, password or token")
     hub.verified.put(principal, cache_key)
     return principal
@@ -286,7 +286,7 @@ def permit(
         granted = held & caller.grant.access.get(repository, frozenset())
     if action in granted:
         return
-    hub.audit.record(caller.principal, client_ip(request), action, repository, "denied")
+    hub.provoked.record(caller.principal, client_ip(request), action, repository, "denied")
     scope_actions = "pull" if action == "pull" else f"pull,{action}"
     scope = f"repository:{repository}:{scope_actions}"
     if caller.principal.anonymous:
@@ -425,7 +425,9 @@ async def token_endpoint(
     held = await hub.db.read(authz.repository_actions, caller.principal, list(wanted))  # one read
     access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}
     token, issued = hub.signer.issue(caller.principal, access)
-    hub.audit.record(
+    # An anonymous caller's tokens are bounded in the log: it may ask for them at will.
+    log = hub.provoked if caller.principal.anonymous else hub.audit
+    log.record(
         caller.principal,
         client_ip(request),
         "token",

@@ -8,8 +8,8 @@ Rules:
 - A repository belongs to the namespace named by its first component.
 - A user's role on a namespace as a whole is the highest of their direct membership's
   role and the roles of their teams there that have no repository glob. Their role on a
-  repository also counts the teams whose glob (``fnmatch``, e.g. ``acme/app-*``) matches
-  its full name.
+  repository also counts the teams whose glob (``*``/``?``, e.g. ``acme/app-*``:
+  ``accounts.team_glob_matches``) matches its full name.
 - Site admins hold ``admin`` on every namespace and repository.
 - An API token narrows all of that to its scopes (``NAMESPACE:ROLE``, ``*`` for any
   namespace): the lower of the two roles, none where no scope names the namespace. A UI
@@ -30,12 +30,20 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
 from sqlalchemy import ColumnElement, and_, false, or_, select, true
 from sqlalchemy.orm import Session
 
-from forkd.hub.accounts import Principal, find_repository, max_role, namespace_of
+from forkd import names
+from forkd.hub.accounts import (
+    TEAM_GLOB_RE,
+    Principal,
+    find_repository,
+    max_role,
+    namespace_of,
+    team_glob_matches,
+)
+from forkd.hub.db import like_literal
 from forkd.hub.models import (
     ROLES,
     Membership,
@@ -137,7 +145,7 @@ class Grants:
         else:
             role = max_role(
                 self.namespace_roles.get(namespace),
-                *(r for glob, r in self.team_globs if fnmatchcase(repository, glob)),
+                *(r for glob, r in self.team_globs if team_glob_matches(repository, glob)),
             )
         return self.narrow(role, namespace)
 
@@ -264,17 +272,29 @@ def _visible(session: Session, principal: Principal) -> ColumnElement[bool]:
         clauses.append(
             Repository.namespace_id.in_(select(Namespace.id).where(Namespace.name.in_(namespaces)))
         )
-    glob_namespaces = {namespace_of(glob) for glob, _ in g.team_globs} - set(namespaces)
-    if glob_namespaces:
-        candidates = session.scalars(
-            select(Repository.name)
-            .join(Namespace, Namespace.id == Repository.namespace_id)
-            .where(Namespace.name.in_(glob_namespaces))
-        )
-        matched = [name for name in candidates if g.repository_role(name)]
-        if matched:
-            clauses.append(Repository.name.in_(matched))
+    # Glob teams: one LIKE each, filtered by the database (never every repository of the
+    # namespace read and matched here: a listing's cost would grow with the namespace),
+    # behind their namespace's id, so another namespace's rows cost one comparison per
+    # namespace, not one LIKE per glob.
+    globs: dict[str, set[str]] = {}
+    for glob, role in g.team_globs:
+        ns = namespace_of(glob)
+        if ns not in namespaces and names.matches(TEAM_GLOB_RE, glob) and g.narrow(role, ns):
+            globs.setdefault(ns, set()).add(glob)
+    if globs:
+        ids = session.execute(select(Namespace.name, Namespace.id).where(Namespace.name.in_(globs)))
+        clauses += [
+            and_(Repository.namespace_id == ns_id, or_(*map(glob_clause, sorted(globs[ns]))))
+            for ns, ns_id in ids.all()
+        ]
     return or_(*clauses) if len(clauses) > 1 else (clauses[0] if clauses else false())
+
+
+def glob_clause(glob: str) -> ColumnElement[bool]:
+    """A filter on Repository: the repositories a team's ``glob`` (in the grammar of
+    ``accounts.TEAM_GLOB_RE``) matches, as ``accounts.team_glob_matches`` decides."""
+    pattern = "".join({"*": "%", "?": "_"}.get(c) or like_literal(c) for c in glob)
+    return Repository.name.like(pattern, escape="\\")
 
 
 def robot_namespaces(session: Session, robot_id: int) -> list[str]:

@@ -25,6 +25,7 @@ from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import accounts, authz, chains
 from forkd.hub.auth import authenticate
+from forkd.hub.db import like_literal
 from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.oci.common import in_chunks
 from forkd.hub.params import QueryNumber, Sort, SortText, page_of, parse_sort
@@ -340,11 +341,6 @@ def small_annotations(
         )
         found.update({digest: text for digest, text in rows if text})
     return found
-
-
-def like_literal(text: str) -> str:
-    """``text`` for a SQL LIKE pattern with ``\\`` as escape: wildcards match literally."""
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def annotations_of(stored: str | None) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 from litestar import Controller, post
 from litestar.di import NamedDependency
 from litestar.exceptions import ValidationException
@@ -79,7 +78,10 @@ log = logging.getLogger("forkd.hub.compaction")
 
 FLAT_SUFFIX = "-flat"
 RETENTION_ACTOR = "(retention)"  # not a valid user name: cannot be mistaken for one
+# The retention rule's jobs waiting: in all, and of one namespace (an account's pushes
+# queue no more than this many, so one account cannot fill the queue for the others).
 QUEUE_MAX = 1000
+QUEUE_PER_NAMESPACE = 50
 # The most bytes a compaction writes into one assembled image (the pages the chain's chunks
 # provide: holes are free). Chunks decompress up to 2 MiB from a few dozen bytes, so the
 # chain's stored size does not bound this. 16x a 1 GiB guest's memory.
@@ -542,24 +544,92 @@ def _busy_account() -> RegistryError:
 
 # -- the retention rule ----------------------------------------------------------
 @dataclass(frozen=True)
-class _Job:
+class RetentionJob:
     name: str
     tag: str
     digest: str
 
 
+class FairQueue:
+    """The retention rule's waiting jobs, fair between namespaces: taken one namespace
+    after the other in turn (each namespace's own in the order they came), at most
+    ``per_namespace`` waiting for one namespace and ``total`` in all. A tag queued again
+    replaces its waiting job (the older one would find the tag moved and do nothing), so
+    pushing one tag over and over takes one place. When it is full, a namespace with
+    fewer waiting takes the place of the newest job of the one with the most (an account
+    administers up to 20 organisations: namespaces alone would not keep it from filling
+    the queue). Used from the event loop only."""
+
+    def __init__(self, total: int = QUEUE_MAX, per_namespace: int = QUEUE_PER_NAMESPACE):
+        self.total, self.per_namespace = total, per_namespace
+        self._waiting: dict[str, dict[tuple[str, str], RetentionJob]] = {}  # in turn order
+        self._size = 0
+        self._ready = anyio.Event()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, job: RetentionJob) -> str | None:
+        """Queue ``job``; None, or why it was not queued."""
+        namespace = accounts.namespace_of(job.name)
+        mine = self._waiting.get(namespace, {})
+        key = (job.name, job.tag)
+        if key not in mine:
+            if len(mine) >= self.per_namespace:
+                return f"{self.per_namespace} jobs of namespace {namespace} wait already"
+            if self._size >= self.total and not self._evict_for(len(mine)):
+                return f"the queue is full ({self.total} jobs)"
+            self._size += 1
+        mine.pop(key, None)  # a replaced job goes to the back of its namespace's line
+        mine[key] = job
+        self._waiting[namespace] = mine
+        self._ready.set()
+        return None
+
+    def _evict_for(self, waiting: int) -> bool:
+        """The queue is full: drop the newest job of the namespace with the most waiting,
+        if it has more than ``waiting`` (the newcomer's namespace's), so that however
+        many namespaces one account fills, the others still get places. Whether one
+        was dropped."""
+        namespace, most = max(self._waiting.items(), key=lambda item: len(item[1]))
+        if len(most) <= waiting:
+            return False
+        job = most.pop(next(reversed(most)))
+        if not most:
+            del self._waiting[namespace]
+        self._size -= 1
+        log.warning(
+            "retention: queue full; %s:%s dropped for another namespace's", job.name, job.tag
+        )
+        return True
+
+    async def get(self) -> RetentionJob:
+        """The next job: the first of the namespace whose turn it is."""
+        while not self._waiting:
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        namespace, mine = next(iter(self._waiting.items()))
+        del self._waiting[namespace]
+        job = mine.pop(next(iter(mine)))
+        if mine:
+            self._waiting[namespace] = mine  # its next job waits for the others' turns
+        self._size -= 1
+        return job
+
+
 class Retention:
     """Compacts a tag pushed with a chain deeper than ``deeper_than`` into ``TAG-flat``.
 
-    ``submit`` is a ``Hub.after_push`` hook: it only queues. ``run`` (in the app's task
-    group) takes one job at a time. ``TAG-flat`` belongs to the rule: it is replaced
-    when the tag is pushed again. The pushed tag itself is never moved.
+    ``submit`` is a ``Hub.after_push`` hook: it only queues (``FairQueue``: one
+    account's pushes cannot crowd out the others'). ``run`` (in the app's task group)
+    takes one job at a time. ``TAG-flat`` belongs to the rule: it is replaced when the
+    tag is pushed again. The pushed tag itself is never moved.
     """
 
     def __init__(self, hub: Hub, deeper_than: int) -> None:
         self.hub = hub
         self.deeper_than = deeper_than
-        self._send: MemoryObjectSendStream[_Job] | None = None
+        self.queue: FairQueue | None = None  # while ``run`` runs
 
     def submit(self, name: str, tag: str, digest: str, doc: dict[str, Any]) -> None:
         if doc.get("artifactType") != mt.ARTIFACT_TYPE or not doc.get("subject"):
@@ -567,26 +637,23 @@ class Retention:
         if len(tag) + len(FLAT_SUFFIX) > 128:
             log.warning("retention: %s:%s is too long a tag to add %s", name, tag, FLAT_SUFFIX)
             return
-        if self._send is None:
+        if self.queue is None:
             log.warning("retention: worker not running; %s:%s not compacted", name, tag)
             return
-        try:
-            self._send.send_nowait(_Job(name, tag, digest))
-        except anyio.WouldBlock:
-            log.warning("retention: queue full; %s:%s not compacted", name, tag)
+        refused = self.queue.put(RetentionJob(name, tag, digest))
+        if refused is not None:
+            log.warning("retention: %s; %s:%s not compacted", refused, name, tag)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        send, receive = anyio.create_memory_object_stream[_Job](QUEUE_MAX)
-        self._send = send
+        self.queue = queue = FairQueue()
         task_status.started()
         try:
-            async with receive:
-                async for job in receive:
-                    await self._one(job)
+            while True:
+                await self._one(await queue.get())
         finally:
-            self._send = None
+            self.queue = None
 
-    async def _one(self, job: _Job) -> None:
+    async def _one(self, job: RetentionJob) -> None:
         to = job.tag + FLAT_SUFFIX
         try:
             # One of the compactions_max places, waited for (one job at a time: the

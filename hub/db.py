@@ -42,6 +42,11 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
+def like_literal(text: str) -> str:
+    """``text`` for a SQL LIKE pattern with ``\\`` as escape: wildcards match literally."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
 def migrations_dir() -> Path:
     return Path(forkd.migrations.__file__).parent
 

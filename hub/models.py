@@ -94,7 +94,7 @@ class Membership(Base):
 
 class Team(Base):
     """A group of an organisation's members holding one role on its repositories (all of
-    them, or those whose full name matches ``repositories``, an fnmatch glob)."""
+    them, or those whose full name matches ``repositories``: accounts.TEAM_GLOB_RE)."""
 
     __tablename__ = "teams"
     __table_args__ = (UniqueConstraint("namespace_id", "name"), NO_REUSE)

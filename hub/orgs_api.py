@@ -138,7 +138,7 @@ async def _require_principal(
     principal = await _user(hub, request)
     held = await hub.db.read(authz.namespace_role, principal, namespace)
     if held is None or ROLES.index(held) < ROLES.index(role):
-        hub.audit.record(principal, client_ip(request), f"org.{role}", namespace, "denied")
+        hub.provoked.record(principal, client_ip(request), f"org.{role}", namespace, "denied")
         raise PermissionDeniedException(f"needs the {role} role on {shown(namespace)}")
     return principal, principal  # the actor the audit log names, and the principal
 
@@ -151,7 +151,7 @@ async def _permitted(
     try:
         yield
     except members.NotPermitted as exc:
-        hub.audit.record(actor, client_ip(request), "member.change", target, "denied")
+        hub.provoked.record(actor, client_ip(request), "member.change", target, "denied")
         raise PermissionDeniedException(str(exc)) from exc
 
 
@@ -220,7 +220,7 @@ class OrgController(Controller):
     ) -> OrgInfo:
         principal = await _user(hub, request)
         if not principal.with_password or await hub.db.read(_is_robot, principal.user_id):
-            hub.audit.record(principal, client_ip(request), "org.create", "-", "denied")
+            hub.provoked.record(principal, client_ip(request), "org.create", "-", "denied")
             raise PermissionDeniedException(
                 "only a user signed in with the password (not an API token, a registry bearer "
                 "token or a robot) creates organisations"
@@ -404,7 +404,7 @@ class QuotaController(Controller):
         if principal.anonymous:
             raise NotAuthorizedException("log in as a site admin")
         if not principal.site_admin:
-            hub.audit.record(principal, client_ip(request), "quota.set", namespace, "denied")
+            hub.provoked.record(principal, client_ip(request), "quota.set", namespace, "denied")
             raise PermissionDeniedException("only site admins set quotas")
         async with _writing(hub) as session:
             if not (await accounts.current(session, principal)).site_admin:  # still one?
@@ -423,7 +423,7 @@ async def _site_admin(
     """The caller if a site admin signed in with the password; else 401/403."""
     principal = await _user(hub, request)
     if not principal.is_admin or not principal.with_password:
-        hub.audit.record(principal, client_ip(request), action, target, "denied")
+        hub.provoked.record(principal, client_ip(request), action, target, "denied")
         raise _not_site_admin()
     return principal
 

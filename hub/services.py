@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from forkd.audit import AuditLog
+from forkd.audit import Actor, AuditLog, BoundedAudit
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.manifest_cache import ManifestCache, ManifestSizes
@@ -27,6 +27,34 @@ from forkd.store.s3 import S3BlobStore
 # sizes), all together: a page parses manifests of up to 4 MiB and image maps of up to
 # 4 MiB each (~0.7 s of CPU), never on the event loop nor in anyio's shared pool.
 FACTS_READERS = 2
+
+
+class Provoked:
+    """The audit records that any caller can provoke as often as it likes: refusals
+    (``denied``, ``rate-limited``, ``failed``) and what anonymous callers are given
+    (registry tokens). At most ``per_minute`` (``audit_provoked_per_minute``) a minute
+    of each kind, kept apart so a flood of one kind hides no record of another: refused
+    logins, other records of anonymous callers, and records of accounts. Past the budget
+    they are counted into one ``audit.suppressed`` record (actor ``(logins)``, ``-`` or
+    ``(accounts)``): a flood cannot fill the disk, and the log still says it happened.
+    Writes (what a caller changed) are never bounded: ``Hub.audit``."""
+
+    def __init__(self, audit: AuditLog, per_minute: int) -> None:
+        self.logins = BoundedAudit(audit, per_minute, "audit.suppressed", "(logins)")
+        self.anonymous = BoundedAudit(audit, per_minute, "audit.suppressed")
+        self.accounts = BoundedAudit(audit, per_minute, "audit.suppressed", "(accounts)")
+
+    def record(
+        self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
+    ) -> bool:
+        """Write the record unless its kind's budget for the minute is spent."""
+        if action == "login":
+            kind = self.logins
+        elif isinstance(actor, str) or actor.user_id is None:
+            kind = self.anonymous
+        else:
+            kind = self.accounts
+        return kind.record(actor, ip, action, target, result, **detail)
 
 
 class LazyLimiter:
@@ -55,6 +83,8 @@ class Hub:
     metrics: Metrics
     audit: AuditLog
     pulls: PullCounter
+    # What callers provoke at will (refusals, anonymous token grants): bounded.
+    provoked: Provoked = field(init=False)
     # Upload sessions in the bucket and the database, continued by any replica (the S3
     # blob backend; hub/shared_uploads.py). None: sessions are files in ``uploads``.
     shared: SharedUploads | None = None
@@ -74,6 +104,9 @@ class Hub:
     # Called after a manifest PUT by tag with (repository, tag, digest, parsed manifest);
     # must return at once (the retention rule's compaction queues a job: hub/compaction.py).
     after_push: list[Callable[[str, str, str, dict[str, Any]], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.provoked = Provoked(self.audit, self.settings.audit_provoked_per_minute)
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:

@@ -135,6 +135,13 @@ class HubSettings:
     # Repositories per namespace: a push member creates one by starting an upload to a
     # new name (kept however the upload ends); past this, a new name is 403 DENIED.
     repositories_max: int = 10_000
+    # Tags per repository: a tag costs no quota (many can name one manifest), so without
+    # a bound one push member could add rows without end; past it a new tag is 403.
+    tags_max: int = 100_000
+    # Audit records that callers provoke at will (refusals, anonymous registry tokens),
+    # per minute, for refused logins, other anonymous records and accounts' each
+    # (hub/services.py ``Provoked``); past it they are counted in ``audit.suppressed``.
+    audit_provoked_per_minute: int = 120
 
     @classmethod
     def from_env(
@@ -192,8 +199,10 @@ class HubSettings:
             raise InvalidInput(
                 "upload_sessions_max, upload_sessions_per_user and upload_max_bytes must be > 0"
             )
-        if self.repositories_max <= 0:
-            raise InvalidInput("repositories_max must be > 0")
+        if self.repositories_max <= 0 or self.tags_max <= 0:
+            raise InvalidInput("repositories_max and tags_max must be > 0")
+        if self.audit_provoked_per_minute <= 0:
+            raise InvalidInput("audit_provoked_per_minute must be > 0")
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
@@ -248,8 +257,10 @@ class HubSettings:
             upload_sessions_per_user=self.upload_sessions_per_user,
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
+            audit_provoked_per_minute=self.audit_provoked_per_minute,
             compactions_max=self.compactions_max,
             repositories_max=self.repositories_max,
+            tags_max=self.tags_max,
         )
 
     def _check_blob_backend(self) -> None:

@@ -119,8 +119,11 @@ class Ctx:
             return repo
 
     def audit(self, action: str, target: str, result: str = "ok", **detail: object) -> None:
-        """Record a write in the audit log (who, from where, what, on which repository)."""
-        self.hub.audit.record(
+        """Record a write in the audit log (who, from where, what, on which repository);
+        a refusal or failure, which the caller may provoke at will, within the bounds of
+        ``Hub.provoked``."""
+        log = self.hub.audit if result == "ok" else self.hub.provoked
+        log.record(
             self.caller.principal,
             client_ip(self.request),
             action,

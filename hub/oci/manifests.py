@@ -371,6 +371,21 @@ def _references_present(session: Session, repo_id: int, pushed: PushedManifest) 
     ) == len(children)
 
 
+def check_tag_room(session: Session, repo_id: int, name: str, tag: str, most: int) -> None:
+    """403 DENIED when ``tag`` is a new tag and ``name`` has ``most`` tags already (the
+    ``tags_max`` setting): tags cost no quota, so they are bounded by count. Moving an
+    existing tag is always allowed."""
+    if session.get(Tag, (repo_id, tag)) is not None:
+        return
+    held = session.scalar(select(func.count()).select_from(Tag).where(Tag.repository_id == repo_id))
+    if (held or 0) >= most:
+        reason = (
+            f"repository {shown(name)} has {held} tags, the limit is {most} (tags_max): "
+            "move an existing tag, delete tags you no longer need, or ask the hub's operator"
+        )
+        raise RegistryError(Code.DENIED, reason, message=reason)
+
+
 def record_manifest(
     session: Session, db: Database, repo_id: int, pushed: PushedManifest, tag: str | None
 ) -> None:
@@ -444,6 +459,8 @@ async def _register(
     # One writer of the repository's references at a time: a blob or child manifest
     # deletion checked before this push commits cannot take what it references.
     await hub.db.lock_repository(session, repo.id)
+    if tag is not None:  # under the lock: new tags racing for the last place take turns
+        await session.run_sync(check_tag_room, repo.id, repo.name, tag, hub.settings.tags_max)
     if not prechecked or not await session.run_sync(_references_present, repo.id, pushed):
         await session.run_sync(check_references, repo.id, repo.name, pushed)
     await anyio.to_thread.run_sync(hub.blobs.put_bytes, pushed.body, pushed.digest)

@@ -408,6 +408,21 @@ def _refused(ctx: Ctx, error: RegistryError, target: str) -> RegistryError:
     return error
 
 
+def _range_mismatch(
+    ctx: Ctx, f: BinaryIO, start: int, upload_id: str, offset: int, detail: str
+) -> RegistryError:
+    """A chunk whose body is not the length its ``Content-Range`` declared: what it wrote
+    into ``f`` (from ``start``) is dropped, and the 416 names where the upload still ends
+    (``offset``) so the client resends from there."""
+    f.truncate(start)
+    return RegistryError(
+        Code.SIZE_INVALID,
+        f"{detail}: resend the chunk from byte {offset}",
+        status=416,
+        headers=_session_headers(ctx, upload_id, offset),
+    )
+
+
 def _parse_content_range(ctx: Ctx, upload_id: str, offset: int, header: str) -> tuple[int, int]:
     """``Content-Range: [bytes ]START-END[/TOTAL]`` → (START, END); 416 when malformed,
     its numbers are not ones ``parse_count`` takes, or END < START."""
@@ -512,12 +527,13 @@ async def _append_locked(
     finally:
         await room.release()
     if expected_len is not None and written != expected_len:
-        f.truncate(start)
-        raise RegistryError(
-            Code.SIZE_INVALID,
+        raise _range_mismatch(
+            ctx,
+            f,
+            start,
+            upload_id,
+            offset,
             f"chunk has {written} bytes, Content-Range said {expected_len}",
-            status=416,
-            headers=_session_headers(ctx, upload_id, offset),
         )
     if commit:
         await _commit(ctx.hub, upload_id, offset, written, f)
@@ -554,12 +570,13 @@ async def _stream_into(
             while (chunk := await _checked_chunk(next_chunk, f, start)) is not None:
                 written += len(chunk)
                 if expected_len is not None and written > expected_len:
-                    f.truncate(start)
-                    raise RegistryError(
-                        Code.SIZE_INVALID,
+                    raise _range_mismatch(
+                        ctx,
+                        f,
+                        start,
+                        upload_id,
+                        offset,
                         f"chunk is longer than its Content-Range ({expected_len} bytes)",
-                        status=416,
-                        headers=_session_headers(ctx, upload_id, offset),
                     )
                 try:
                     await check()

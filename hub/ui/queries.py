@@ -25,8 +25,8 @@ from forkd.hub import accounts, authz, chains
 from forkd.hub.catalog import (
     NOTES_MAX,
     annotations_of,
-    like_literal,
 )
+from forkd.hub.db import like_literal
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import FACTS_READERS, Hub, LazyLimiter
