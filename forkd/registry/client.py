@@ -22,6 +22,15 @@ token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS
 (comma-separated origins such as ``https://auth.example.com``). A challenge naming any
 other realm (another host or port, or https → http) is refused with AuthError before
 anything is sent; without credentials an anonymous token may come from any realm.
+
+Bounds (a hostile hub, or a MITM on plain http, picks every byte and every pause): an
+answer that is not a blob (errors, 401s, tokens, manifests, referrers, upload answers) is
+read up to ``MAX_ANSWER_BYTES`` within the client's ``timeout`` in all; a blob is read up to
+its declared size within ``blob_deadline(size)`` (``BLOB_GRACE`` seconds plus its bytes at
+``MIN_BLOB_RATE``) or the caller's deadline, retries included: a body that drips a byte a
+minute, or never ends, is a RegistryError naming the URL, never a hang or a full memory.
+The text of an error answer is quoted only when the hub's own origin sent it (a redirect
+elsewhere, say to a service on the host, is reported by its status alone).
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ UPLOAD_CHUNK = 16 << 20
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 RETRY_STATUSES = (502, 503, 504)
 UPLOAD_RESTARTS = 3  # times a chunked upload whose session was lost starts again
+MAX_ANSWER_BYTES = MAX_MANIFEST_BYTES  # an answer that is not a blob: manifest, error, token
+BLOB_GRACE = 30.0  # seconds a blob may take whatever its size (connecting, a slow start)
+MIN_BLOB_RATE = 64 << 10  # bytes a second a blob's body must average past BLOB_GRACE
 _CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
 TRUSTED_REALMS_ENV = "FORKD_TRUSTED_REALMS"
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -124,6 +136,11 @@ def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def blob_deadline(size: int) -> float:
+    """Seconds a blob of ``size`` bytes may take to arrive, retries included."""
+    return BLOB_GRACE + size / MIN_BLOB_RATE
+
+
 def warm_up() -> None:
     """Load what a process's first client loads (httpx's transport, the TLS trust):
     what a waiting lazy server does before it is needed."""
@@ -140,6 +157,7 @@ class RegistryClient:
     ) -> None:
         self.hub = hub
         self.credential = credential
+        self.timeout = timeout
         self.realm_origins = {origin(hub.url)} | trusted_realm_origins(trusted_realms)
         self.http = httpx.Client(
             base_url=hub.url,
@@ -171,20 +189,52 @@ class RegistryClient:
         ok: tuple[int, ...] = (200,),
         stream: bool = False,
         headers: dict[str, str] | None = None,
+        deadline: float | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """Send a request, answering one auth challenge; raise unless the status is in ``ok``."""
+        """Send a request, answering one auth challenge; raise unless the status is in ``ok``.
+        Without ``stream`` the answer is read (``read_answer``: bounded in bytes and time);
+        ``deadline`` (``time.monotonic()``): when retries stop and the last one times out."""
         for attempt in (1, 2):
-            resp = self._send(method, url, scope, stream, headers, kwargs)
+            resp = self._send(method, url, scope, stream, headers, kwargs, deadline)
             if resp.status_code == 401 and attempt == 1:
-                resp.read()
+                self.read_answer(resp, f"{method} {url} answer")
                 self._authenticate(resp.headers.get("www-authenticate", ""), scope)
                 continue
             if resp.status_code not in ok:
-                resp.read()
+                self.read_answer(resp, f"{method} {url} answer")
                 raise self._error(method, url, resp)
             return resp
         raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
+
+    def read_answer(self, resp: httpx.Response, what: str, limit: int = MAX_ANSWER_BYTES,
+                    deadline: float | None = None) -> bytes:
+        """The body of an answer that is not a blob, read into ``resp`` (``resp.content``)
+        and closed: at most ``limit`` bytes, within the client's timeout (or until
+        ``deadline``); else RegistryError (a hub that sends a body without end, or a byte
+        a minute, does not fill this process's memory nor hold it)."""
+        if resp.is_stream_consumed:
+            return resp.content
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        declared = resp.headers.get("content-length", "")
+        data = bytearray()
+        try:
+            if declared.isdigit() and int(declared) > limit:
+                raise RegistryError(f"{self.hub}: {what} is {declared} bytes, over the "
+                                    f"{limit} this client reads; refusing it")
+            for block in resp.iter_bytes():
+                data += block
+                if len(data) > limit:
+                    raise RegistryError(f"{self.hub}: {what} goes on past {limit} bytes; "
+                                        "refusing it")
+                if time.monotonic() > end:
+                    raise RegistryError(f"{self.hub}: {what} still arriving after "
+                                        f"{self.timeout:.0f} s ({len(data)} bytes); the hub "
+                                        "sends too slowly: try again, or another hub")
+        finally:
+            resp.close()
+        resp._content = bytes(data)  # what httpx's own read() keeps
+        return resp._content
 
     def _send(
         self,
@@ -194,17 +244,28 @@ class RegistryClient:
         stream: bool,
         headers: dict[str, str] | None,
         kwargs: dict[str, Any],
+        deadline: float | None = None,
     ) -> httpx.Response:
-        """One request, sent again after ``RETRY_DELAYS`` while there is no answer or a
-        balancer's 502/503/504 (the last such answer is returned)."""
+        """One request, sent again after ``RETRY_DELAYS`` while there is no answer (or it
+        broke off before its end, not streamed) or a balancer's 502/503/504 (the last such
+        answer is returned); none is sent past ``deadline``, and each waits at most until
+        it for a byte."""
         for delay in (*RETRY_DELAYS, None):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegistryError(f"{self.hub}: {method} {url}: no answer in time; "
+                                        "is the hub running and reachable?")
+                kwargs = {**kwargs, "timeout": min(self.timeout, left)}
             req = self.http.build_request(method, url, headers=headers, **kwargs)
             if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
                 req.headers.update(self._auth_header(scope))
             try:
-                resp = self.http.send(req, stream=stream)
+                resp = self.http.send(req, stream=True)
+                if not stream and resp.status_code not in RETRY_STATUSES:
+                    self.read_answer(resp, f"{method} {url} answer", deadline=deadline)
             except httpx.TransportError as exc:
-                if delay is None:
+                if delay is None or (deadline is not None and time.monotonic() > deadline):
                     raise RegistryError(
                         f"{self.hub}: {method} {url} failed: {exc}; is the hub running and "
                         "reachable?"
@@ -255,7 +316,9 @@ class RegistryClient:
                 )
             auth = httpx.BasicAuth(self.credential.username, self.credential.secret)
         try:
-            resp = self.http.get(realm_url, params=query, auth=auth or httpx.USE_CLIENT_DEFAULT)
+            resp = self.http.send(self.http.build_request("GET", realm_url, params=query),
+                                  auth=auth or httpx.USE_CLIENT_DEFAULT, stream=True)
+            self.read_answer(resp, f"token endpoint {realm[:200]} answer")
         except httpx.HTTPError as exc:
             raise AuthError(f"{self.hub}: token endpoint {realm} unreachable: {exc}") from exc
         if resp.status_code in (401, 403):
@@ -278,14 +341,18 @@ class RegistryClient:
         detail = ""
         codes: tuple[str, ...] = ()
         details: tuple[str, ...] = ()
-        try:
-            errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
-            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-            codes = tuple(str(e.get("code")) for e in errors)
-            details = tuple(str(e.get("detail") or "") for e in errors)
-        except (InvalidInput, AttributeError, TypeError):
-            detail = resp.text[:200]
-        msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
+        if origin(resp.url) != origin(self.hub.url):  # redirected: not the hub's words
+            detail = f"(from {_printable(str(resp.url.copy_with(query=None)))[:200]})"
+        else:
+            try:
+                errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
+                detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+                codes = tuple(str(e.get("code")) for e in errors)
+                details = tuple(str(e.get("detail") or "") for e in errors)
+            except (InvalidInput, AttributeError, TypeError):
+                detail = resp.text[:200]
+        msg = f"{self.hub}: {method} {url} → {resp.status_code} {_printable(detail)[:1000]}"
+        msg = msg.rstrip()
         status = resp.status_code
         if status in (401, 403):
             return AuthError(
@@ -323,15 +390,22 @@ class RegistryClient:
         size: int | None,
         limit: int,
         sink: Callable[[Iterator[bytes]], None],
+        deadline: float | None = None,
     ) -> None:
         """Stream a blob into ``sink`` (which verifies it), refusing more than ``limit`` bytes.
         ``sink`` is called once: a stream that breaks (its replica went away) is fetched
         again from the start after ``RETRY_DELAYS`` and goes on where the sink's stream
-        stopped (the bytes it has are skipped), so no sink sees a block twice."""
+        stopped (the bytes it has are skipped), so no sink sees a block twice. All of it,
+        retries included, ends by ``deadline`` (``time.monotonic()``; default
+        ``blob_deadline`` of its size): past it, RegistryError naming the blob and what
+        arrived (a hub dripping a byte a minute holds no reader for ever)."""
         url = f"/v2/{repo}/blobs/{digest}"
+        expected = size if size is not None else limit
+        start = time.monotonic()
+        end = start + blob_deadline(expected) if deadline is None else deadline
 
         def answer() -> httpx.Response:
-            resp = self.request("GET", url, self.pull_scope(repo), stream=True)
+            resp = self.request("GET", url, self.pull_scope(repo), stream=True, deadline=end)
             declared = resp.headers.get("content-length")
             if declared is not None and (
                 int(declared) > limit or (size is not None and int(declared) != size)
@@ -348,16 +422,24 @@ class RegistryClient:
             for delay in (*RETRY_DELAYS, None):
                 skip = got
                 try:
-                    for block in resp.iter_bytes(1 << 20):
+                    for block in resp.iter_bytes():
+                        if time.monotonic() > end:
+                            raise RegistryError(
+                                f"{self.hub}: GET {url}: {got} of {expected} bytes after "
+                                f"{time.monotonic() - start:.0f} s; the hub sends too slowly "
+                                "(or stalls): try again, or another hub")
                         if skip >= len(block):
                             skip -= len(block)
                             continue
                         block, skip = block[skip:], 0
                         got += len(block)
+                        if got > limit:
+                            raise IntegrityError(f"{repo}@{digest}: registry sends more "
+                                                 f"than {limit} bytes; refusing it")
                         yield block
                     return
                 except httpx.TransportError as exc:
-                    if delay is None:
+                    if delay is None or time.monotonic() + delay > end:
                         raise RegistryError(f"{self.hub}: GET {url} broke off: {exc}") from exc
                 finally:
                     resp.close()
@@ -494,16 +576,7 @@ class RegistryClient:
             headers={"Accept": MANIFEST_ACCEPT},
             stream=True,
         )
-        try:
-            data = b""
-            for block in resp.iter_bytes(1 << 16):
-                data += block
-                if len(data) > MAX_MANIFEST_BYTES:
-                    raise IntegrityError(
-                        f"{repo}:{reference}: manifest over {MAX_MANIFEST_BYTES} bytes; refusing it"
-                    )
-        finally:
-            resp.close()
+        data = self.read_answer(resp, f"{repo}:{reference} manifest", MAX_MANIFEST_BYTES)
         digest = dg.of_bytes(data)
         if reference.startswith("sha256:"):
             dg.check(reference, digest, f"{repo}@{reference} manifest")
@@ -531,6 +604,11 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RegistryError(f"{what} is not a JSON object; is the address a forkd hub?")
     return doc
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (a terminal's escapes) shown as ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _with_digest(location: str, digest: str) -> str:

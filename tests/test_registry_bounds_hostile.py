@@ -1,0 +1,122 @@
+"""A hostile hub (a real HTTP server, tests/hostile_hub.py) choosing every byte and every
+pause of its answers: an error answer or a blob that never ends is refused at its bound
+(the hub stops being read), a blob or a manifest dripped a byte at a time ends by its
+deadline with an error naming it, and an error answer from where a redirect led (a service
+on this host, say) is never quoted back to the user."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from hostile_hub import HostileHub
+
+from forkd.errors import IntegrityError
+from forkd.registry import client as registry_client
+from forkd.registry.client import MAX_ANSWER_BYTES, RegistryClient, RegistryError
+from forkd.store.store import Store
+
+BLOB = bytes(range(256)) * 64  # 16 KiB
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[tuple[HostileHub, str]]:
+    store = Store(tmp_path / "home")
+    digest = store.blobs.put_bytes(BLOB)
+    with HostileHub(store, {}, pause=0.2) as hub:
+        yield hub, digest
+
+
+def _sink(parts: list[bytes]) -> Callable[[Iterator[bytes]], None]:
+    def sink(blocks: Iterator[bytes]) -> None:
+        parts.extend(blocks)
+
+    return sink
+
+
+def test_an_endless_error_answer_is_refused_at_its_bound(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="goes on past"):
+        client.request("GET", "/error", "registry:catalog:*")
+    assert hub.sent < MAX_ANSWER_BYTES + (32 << 20)  # it stopped reading there
+
+
+def test_an_endless_blob_is_refused_at_its_size(hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "endless"
+    parts: list[bytes] = []
+    with RegistryClient(hub.hub) as client, pytest.raises(IntegrityError, match="more than"):
+        client.get_blob("ns/app", digest, None, len(BLOB), _sink(parts))
+    assert sum(map(len, parts)) <= len(BLOB)
+
+
+def test_a_dripping_blob_ends_by_its_deadline_naming_it(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"
+    parts: list[bytes] = []
+    start = time.monotonic()
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as caught:
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink(parts),
+                        deadline=time.monotonic() + 1.5)
+    assert time.monotonic() - start < 10
+    assert digest in str(caught.value) and "too slowly" in str(caught.value)
+
+
+def test_the_default_blob_deadline_follows_its_size(hostile: tuple[HostileHub, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"
+    monkeypatch.setattr(registry_client, "BLOB_GRACE", 1.0)
+    monkeypatch.setattr(registry_client, "MIN_BLOB_RATE", len(BLOB))  # one more second
+    start = time.monotonic()
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="too slowly"):
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink([]))
+    assert 2 <= time.monotonic() - start < 10
+
+
+def test_a_dripping_manifest_ends_by_the_clients_timeout(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"  # served as a manifest too
+    start = time.monotonic()
+    with RegistryClient(hub.hub, timeout=1.5) as client, \
+            pytest.raises(RegistryError, match="too slowly"):
+        client.get_manifest("ns/app", digest)
+    assert time.monotonic() - start < 10
+
+
+class _Internal(BaseHTTPRequestHandler):
+    """A service on this host that a redirect points at: it answers with its secrets."""
+
+    def do_GET(self) -> None:
+        body = b'{"errors": [{"code": "DENIED", "message": "internal-secret-42"}]}'
+        self.send_response(403)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_error_answer_after_a_redirect_elsewhere_is_not_quoted(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    internal = ThreadingHTTPServer(("127.0.0.1", 0), _Internal)
+    threading.Thread(target=internal.serve_forever, daemon=True).start()
+    try:
+        target = f"http://127.0.0.1:{internal.server_address[1]}/admin"
+        with RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as caught:
+            client.request("GET", "/redirect", "registry:catalog:*", params={"to": target})
+    finally:
+        internal.shutdown()
+        internal.server_close()
+    said = str(caught.value)
+    assert "403" in said and "/admin" in said
+    assert "internal-secret-42" not in said and not caught.value.codes
