@@ -5,6 +5,7 @@ a chunk the hub corrupts is never stored nor served, a gone hub is named with th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -640,4 +641,36 @@ def test_a_closed_source_ends_its_prefetch_cleanly(chain_store: tuple[Store, Pat
         prefetch.run(source, list(source.refs), 0, progress, tmp_path / "prefetch.json", None)
     assert progress.state == "failed" and "lazy server stopped" in (progress.error or "")
     assert not any(fresh.blobs.has(d) for d in source.refs)
+    assert fresh.verify() == []
+
+
+def test_a_dripping_chunk_fails_by_its_deadline_naming_it(
+        chain_store: tuple[Store, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub dripping a chunk a byte at a time (tests/hostile_hub.py) holds a lazy fault
+    until the chunk's deadline only: then ChunkUnavailable names the chunk, nothing of it is
+    stored, and the other chunks are served as before."""
+    from hostile_hub import HostileHub
+
+    from forkd.registry import client as registry_client
+
+    store, head = chain_store
+    monkeypatch.setattr(registry_client, "BLOB_GRACE", 1.5)
+    monkeypatch.setattr(registry_client, "MIN_BLOB_RATE", 1 << 30)
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}, pause=0.2) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        layout = ImageLayout(source, "memory")
+        victim, other = layout.chunk_order[0], layout.chunk_order[-1]
+        hostile.modes[victim] = "drip"
+        start = time.monotonic()
+        with pytest.raises(ChunkUnavailable) as caught:
+            source.read(victim)
+        assert time.monotonic() - start < 15
+        assert victim in str(caught.value) and "too slowly" in str(caught.value)
+        at = layout.by_chunk[other][0].page * PAGE_SIZE
+        assert layout.read(at, PAGE_SIZE) == head.read_bytes()[at : at + PAGE_SIZE]
+        source.flush()
+        assert not fresh.blobs.has(victim) and fresh.blobs.has(other)
     assert fresh.verify() == []
