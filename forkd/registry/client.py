@@ -256,7 +256,7 @@ class RegistryClient:
                 if left <= 0:
                     raise RegistryError(f"{self.hub}: {method} {url}: no answer in time; "
                                         "is the hub running and reachable?")
-                kwargs = {**kwargs, "timeout": min(self.timeout, left)}
+                kwargs = {**kwargs, "timeout": min(kwargs.get("timeout", self.timeout), left)}
             req = self.http.build_request(method, url, headers=headers, **kwargs)
             if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
                 req.headers.update(self._auth_header(scope))
@@ -391,6 +391,7 @@ class RegistryClient:
         limit: int,
         sink: Callable[[Iterator[bytes]], None],
         deadline: float | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         """Stream a blob into ``sink`` (which verifies it), refusing more than ``limit`` bytes.
         ``sink`` is called once: a stream that breaks (its replica went away) is fetched
@@ -398,14 +399,17 @@ class RegistryClient:
         stopped (the bytes it has are skipped), so no sink sees a block twice. All of it,
         retries included, ends by ``deadline`` (``time.monotonic()``; default
         ``blob_deadline`` of its size): past it, RegistryError naming the blob and what
-        arrived (a hub dripping a byte a minute holds no reader for ever)."""
+        arrived (a hub dripping a byte a minute holds no reader for ever); ``read_timeout``:
+        the longest wait for any byte (default the client's timeout)."""
         url = f"/v2/{repo}/blobs/{digest}"
         expected = size if size is not None else limit
         start = time.monotonic()
         end = start + blob_deadline(expected) if deadline is None else deadline
 
         def answer() -> httpx.Response:
-            resp = self.request("GET", url, self.pull_scope(repo), stream=True, deadline=end)
+            waits: dict[str, Any] = {} if read_timeout is None else {"timeout": read_timeout}
+            resp = self.request("GET", url, self.pull_scope(repo), stream=True, deadline=end,
+                                **waits)
             declared = resp.headers.get("content-length")
             if declared is not None and (
                 int(declared) > limit or (size is not None and int(declared) != size)

@@ -674,3 +674,44 @@ def test_a_dripping_chunk_fails_by_its_deadline_naming_it(
         source.flush()
         assert not fresh.blobs.has(victim) and fresh.blobs.has(other)
     assert fresh.verify() == []
+
+
+def test_a_dripping_working_set_leaves_its_chunks_to_readers(
+        chain_store: tuple[Store, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub dripping the working-set blob (tests/hostile_hub.py) stops being read after
+    STREAM_STALL seconds without a chunk: a reader waiting for a chunk the stream claimed
+    fetches it itself then, and gets its verified bytes, instead of waiting for the
+    blob's whole deadline."""
+    from hostile_hub import HostileHub
+
+    from forkd.engine.lazy import orders, workingset
+
+    store, head = chain_store
+    monkeypatch.setattr(workingset, "STREAM_STALL", 1.0)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    whole = orders.WorkingSet(store, chunks)
+    blob = whole.descriptor
+    store.blobs.put_bytes(whole.read(0, blob.size), blob.digest)  # on the hostile hub
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}, pause=0.2) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        hostile.modes[blob.digest] = "drip"
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        layout = ImageLayout(source, "memory")
+        brought: list[list[str]] = []
+        streaming = threading.Thread(target=lambda: brought.append(
+            workingset.fetch(source, blob, chunks)))
+        start = time.monotonic()
+        streaming.start()
+        while not source._inflight:  # the stream's claims are made
+            time.sleep(0.01)
+        victim = next(d for d in chunks if d in layout.by_chunk)
+        segment = layout.by_chunk[victim][0]
+        at, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+        assert layout.read(at, length) == head.read_bytes()[at : at + length]
+        assert time.monotonic() - start < 10
+        streaming.join(10)
+        assert not streaming.is_alive() and brought == [[]]
+        source.close()
+    assert fresh.verify() == []
