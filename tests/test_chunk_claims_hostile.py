@@ -52,3 +52,20 @@ def test_one_digest_with_two_contents_in_a_chain_is_refused(tmp_path: Path) -> N
         ChunkSource(store, chain, "app:v2")
     # the honest chain (the same digest once) opens
     assert real.digest in ChunkSource(store, store.chain(base.digest, "app:v1"), "app:v1").refs
+
+
+def test_a_config_declared_past_its_bound_is_refused_with_the_manifest() -> None:
+    """A config is at most MAX_CONFIG_BYTES when read: a manifest declaring a larger one
+    (1 TiB: a pull or a lazy fork would stream it to disk first) is refused as parsed."""
+    import json
+
+    from forkd.pack.config import MAX_CONFIG_BYTES
+    from forkd.pack.manifest import Manifest
+
+    ref, blob = chunk([(0, 1)], 1)
+    doc = json.loads(layer("app:v1", ImageMap("flat", PAGES * PAGE_SIZE, (ref,)),
+                           {ref.digest: blob}).manifest)
+    for size in (MAX_CONFIG_BYTES + 1, 1 << 40):
+        doc["config"]["size"] = size
+        with pytest.raises(IntegrityError, match="config is"):
+            Manifest.from_bytes(json.dumps(doc).encode())
