@@ -1,12 +1,14 @@
 """A hostile hub: a real HTTP server (anonymous OCI reads) serving a local store's manifests
 and blobs, each blob as ``modes`` says: honest, dripped (its first bytes, then a byte every
-``pause`` seconds), or a body that never ends. ``/error`` answers a 500 whose body never
+``pause`` seconds), or a body that never ends; ``referrers`` lists any manifests of the
+store as a snapshot's referrers. ``/error`` answers a 500 whose body never
 ends; ``/redirect?to=URL`` redirects there. What it sent is counted (``sent``), so a test
 can tell that a client stopped reading."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +29,8 @@ class HostileHub:
         self.tags = tags  # tag -> manifest digest
         self.modes: dict[str, Mode] = {}  # blob digest -> how it is served (else honest)
         self.pause = pause
+        self.referrers: dict[str, list[str]] = {}  # artifact type -> manifest digests
+        self.requests: list[str] = []  # the paths asked for, in order
         self.sent = 0  # body bytes written to clients
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -68,6 +72,15 @@ class HostileHub:
     def answer(self, h: BaseHTTPRequestHandler) -> None:
         url = urlsplit(h.path)
         parts = url.path.split("/")
+        with self._lock:
+            self.requests.append(url.path)
+        if len(parts) >= 5 and parts[-2] == "referrers":
+            kind = parse_qs(url.query).get("artifactType", [""])[0]
+            index = {"schemaVersion": 2, "manifests": [
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": d,
+                 "size": self.store.blobs.size(d), "artifactType": kind}
+                for d in self.referrers.get(kind, [])]}
+            return self._plain(h, 200, json.dumps(index).encode())
         if url.path == "/error":
             h.send_response(500)
             h.send_header("Transfer-Encoding", "chunked")

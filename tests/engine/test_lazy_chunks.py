@@ -715,3 +715,35 @@ def test_a_dripping_working_set_leaves_its_chunks_to_readers(
         assert not streaming.is_alive() and brought == [[]]
         source.close()
     assert fresh.verify() == []
+
+
+def test_a_hub_listing_thousands_of_working_sets_costs_a_few_fetches(
+        chain_store: tuple[Store, Path]) -> None:
+    """A hub (or the pack's publisher) listing many working sets of a snapshot, each cut
+    from another order: a lazy fork looks at the newest MAX_WORKING_SETS only, not one
+    manifest fetch per listed artifact."""
+    from hostile_hub import HostileHub
+
+    from forkd.engine.lazy import orders
+    from forkd.pack import accessorder as ao
+    from forkd.pack import mediatypes as mt
+    from forkd.pack.manifest import Descriptor
+
+    store, _ = chain_store
+    head = store.resolve("app:v2")
+    subject = Descriptor(mt.OCI_MANIFEST, head, store.blobs.size(head))
+    chunks = list(open_local(store, "app:v2").refs)[:2]
+    order = encode(head, Order(chunks))
+    store.blobs.put_bytes(order)
+    store.blobs.put_bytes(ao.EMPTY_CONFIG)
+    order_artifact = store.blobs.put_bytes(ao.artifact(subject, order))
+    blob = orders.WorkingSet(store, chunks).descriptor
+    others = [store.blobs.put_bytes(ao.working_set_artifact(
+        subject, dg.of_bytes(f"another order {i}".encode()), blob)) for i in range(200)]
+    with HostileHub(store, {}) as hostile, RegistryClient(hostile.hub) as client:
+        hostile.referrers = {ao.ACCESS_ORDER_ARTIFACT: [order_artifact],
+                             ao.WORKING_SET_ARTIFACT: others}
+        found = orders.fetch(client, "lazy/app", head)
+        asked = [p for p in hostile.requests if p.rsplit("/", 1)[-1] in set(others)]
+    assert found is not None and found.chunks == chunks and found.working_set is None
+    assert len(asked) == orders.MAX_WORKING_SETS
