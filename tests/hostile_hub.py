@@ -1,6 +1,7 @@
 """A hostile hub: a real HTTP server (anonymous OCI reads) serving a local store's manifests
 and blobs, each blob as ``modes`` says: honest, dripped (its first bytes, then a byte every
-``pause`` seconds), or a body that never ends; ``referrers`` lists any manifests of the
+``pause`` seconds), a body that never ends, or one that says it is gzip and is not;
+``/loop`` redirects to itself; ``referrers`` lists any manifests of the
 store as a snapshot's referrers. ``/error`` answers a 500 whose body never
 ends; ``/redirect?to=URL`` redirects there. What it sent is counted (``sent``), so a test
 can tell that a client stopped reading."""
@@ -19,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 from forkd.registry.reference import Hub
 from forkd.store.store import Store
 
-Mode = Literal["honest", "drip", "endless"]
+Mode = Literal["honest", "drip", "endless", "garbled"]
 BLOCK = b"\0" * (64 << 10)
 
 
@@ -88,6 +89,12 @@ class HostileHub:
             for chunk in self._endless():
                 self._write(h, b"%x\r\n%s\r\n" % (len(chunk), chunk))
             return
+        if url.path == "/loop":
+            h.send_response(302)
+            h.send_header("Location", "/loop")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
         if url.path == "/redirect":
             h.send_response(302)
             h.send_header("Location", parse_qs(url.query)["to"][0])
@@ -116,6 +123,8 @@ class HostileHub:
         mode = self.modes.get(digest, "honest")
         if mode == "honest":
             return self._plain(h, 200, data, headers)
+        if mode == "garbled":  # says gzip, is not
+            return self._plain(h, 200, data, {**(headers or {}), "Content-Encoding": "gzip"})
         h.send_response(200)
         for key, value in (headers or {}).items():
             h.send_header(key, value)

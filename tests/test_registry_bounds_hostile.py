@@ -120,3 +120,20 @@ def test_an_error_answer_after_a_redirect_elsewhere_is_not_quoted(
     said = str(caught.value)
     assert "403" in said and "/admin" in said
     assert "internal-secret-42" not in said and not caught.value.codes
+
+
+def test_a_garbled_encoding_is_a_registry_error(hostile: tuple[HostileHub, str]) -> None:
+    """A body that says it is gzip and is not: a RegistryError naming the blob (a raw
+    httpx error escaped the client, and a lazy server's FUSE handler, before)."""
+    hub, digest = hostile
+    hub.modes[digest] = "garbled"
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink([]))
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.get_manifest("ns/app", digest)
+
+
+def test_a_redirect_loop_is_a_registry_error(hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.request("GET", "/loop", "registry:catalog:*")

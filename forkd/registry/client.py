@@ -213,6 +213,16 @@ class RegistryClient:
         and closed: at most ``limit`` bytes, within the client's timeout (or until
         ``deadline``); else RegistryError (a hub that sends a body without end, or a byte
         a minute, does not fill this process's memory nor hold it)."""
+        try:
+            return self._read_body(resp, what, limit, deadline)
+        except httpx.TransportError as exc:
+            raise RegistryError(f"{self.hub}: {what} broke off: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise RegistryError(f"{self.hub}: {what} is unusable ({exc})") from exc
+
+    def _read_body(self, resp: httpx.Response, what: str, limit: int = MAX_ANSWER_BYTES,
+                   deadline: float | None = None) -> bytes:
+        """``read_answer``, letting httpx's errors through (``_send`` retries some)."""
         if resp.is_stream_consumed:
             return resp.content
         end = time.monotonic() + self.timeout if deadline is None else deadline
@@ -257,19 +267,23 @@ class RegistryClient:
                     raise RegistryError(f"{self.hub}: {method} {url}: no answer in time; "
                                         "is the hub running and reachable?")
                 kwargs = {**kwargs, "timeout": min(kwargs.get("timeout", self.timeout), left)}
-            req = self.http.build_request(method, url, headers=headers, **kwargs)
-            if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
-                req.headers.update(self._auth_header(scope))
             try:
+                req = self.http.build_request(method, url, headers=headers, **kwargs)
+                if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
+                    req.headers.update(self._auth_header(scope))
                 resp = self.http.send(req, stream=True)
                 if not stream and resp.status_code not in RETRY_STATUSES:
-                    self.read_answer(resp, f"{method} {url} answer", deadline=deadline)
+                    self._read_body(resp, f"{method} {url} answer", deadline=deadline)
             except httpx.TransportError as exc:
                 if delay is None or (deadline is not None and time.monotonic() > deadline):
                     raise RegistryError(
                         f"{self.hub}: {method} {url} failed: {exc}; is the hub running and "
                         "reachable?"
                     ) from exc
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a redirect loop, a bad
+                # encoding, an unusable Location: the hub's answer, not the network
+                raise RegistryError(f"{self.hub}: {method} {_printable(url)[:200]}: the hub's "
+                                    f"answer is unusable ({exc})") from exc
             else:
                 if resp.status_code not in RETRY_STATUSES or delay is None:
                     return resp
@@ -445,6 +459,9 @@ class RegistryClient:
                 except httpx.TransportError as exc:
                     if delay is None or time.monotonic() + delay > end:
                         raise RegistryError(f"{self.hub}: GET {url} broke off: {exc}") from exc
+                except httpx.HTTPError as exc:  # e.g. a Content-Encoding its body breaks
+                    raise RegistryError(f"{self.hub}: GET {url}: the hub's answer is "
+                                        f"unusable ({exc})") from exc
                 finally:
                     resp.close()
                 time.sleep(delay)
@@ -489,7 +506,7 @@ class RegistryClient:
             if resp.status_code == 202:  # the registry opened a session and kept nothing
                 self.request(
                     "PUT",
-                    _with_digest(resp.headers["location"], digest),
+                    _with_digest(_location(self.hub, resp), digest),
                     scope,
                     ok=(201,),
                     content=data,
@@ -516,7 +533,7 @@ class RegistryClient:
         resp = self.request(
             "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
         )
-        location = resp.headers["location"]
+        location = _location(self.hub, resp)
         offset = resyncs = sent = 0  # sent: the furthest byte any PATCH so far carried
         while offset < size:
             data = read(offset, min(UPLOAD_CHUNK, size - offset))
@@ -610,6 +627,15 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
     return doc
 
 
+def _location(hub: Hub, resp: httpx.Response) -> str:
+    """The upload session an answer names (its ``Location``); RegistryError without one."""
+    location: str = resp.headers.get("location", "")
+    if not location:
+        raise RegistryError(f"{hub}: {resp.request.method} {resp.request.url} answered "
+                            f"{resp.status_code} without a Location; is it an OCI registry?")
+    return location
+
+
 def _printable(text: str) -> str:
     """``text`` with control characters (a terminal's escapes) shown as ``?``."""
     return "".join(c if c.isprintable() else "?" for c in text)
@@ -617,7 +643,11 @@ def _printable(text: str) -> str:
 
 def _with_digest(location: str, digest: str) -> str:
     """An upload location with ``digest=`` added to whatever query it already carries."""
-    url = httpx.URL(location)
+    try:
+        url = httpx.URL(location)
+    except httpx.InvalidURL as exc:
+        raise RegistryError(f"the registry's upload location {_printable(location)[:200]!r} "
+                            f"is not a URL ({exc})") from exc
     return str(url.copy_merge_params({"digest": digest}))
 
 

@@ -747,3 +747,22 @@ def test_a_hub_listing_thousands_of_working_sets_costs_a_few_fetches(
         asked = [p for p in hostile.requests if p.rsplit("/", 1)[-1] in set(others)]
     assert found is not None and found.chunks == chunks and found.working_set is None
     assert len(asked) == orders.MAX_WORKING_SETS
+
+
+def test_a_garbled_chunk_answer_is_unavailable_naming_it(
+        chain_store: tuple[Store, Path], tmp_path: Path) -> None:
+    """A chunk whose answer says gzip and is not: ChunkUnavailable naming the chunk (what
+    a FUSE read turns into EIO), not a raw httpx error out of the server's read handler."""
+    from hostile_hub import HostileHub
+
+    store, _ = chain_store
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        victim = next(iter(source.refs))
+        hostile.modes[victim] = "garbled"
+        with pytest.raises(ChunkUnavailable, match=victim):
+            source.read(victim)
+        source.close()
+    assert not fresh.blobs.has(victim) and fresh.verify() == []
