@@ -15,7 +15,8 @@ the children's first touches of free memory there cost no read.
 
 A publisher may add the **working set**: a second artifact (``WORKING_SET_ARTIFACT``, same
 ``subject``) whose one layer (``WORKING_SET``) is the stored (compressed) bytes of the
-order's first chunks, concatenated in the order's order, and whose annotation
+order's first chunks (``MAX_WORKING_SET_BYTES`` of them at most: a reader reads no
+further), concatenated in the order's order, and whose annotation
 ``ORDER_ANNOTATION`` names the order blob it was cut from. A lazy server fetches it in
 one request instead of a request per chunk, and checks each chunk in it against the
 digest its map names before using it (``working_set_chunks`` says where each one is).
@@ -28,6 +29,7 @@ referrers API of the snapshot's digest (filtered by the artifact type).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forkd import digest as dg
@@ -46,6 +48,11 @@ MAX_ORDER_BYTES = 80 * MAX_ORDER_CHUNKS  # a quoted sha256 digest and a comma ea
 WINDOW_BYTES = 2 << 20  # the memory image's windows that memory_windows names
 MAX_ORDER_WINDOWS = 1 << 19  # a 1 TiB memory image's windows
 
+
+# the working set's bytes a publisher puts in its blob, and a reader takes from one: a
+# guest touching all its memory before its first answer (or a hostile publisher) would
+# otherwise have every lazy fork stream the whole image before anything else
+MAX_WORKING_SET_BYTES = 256 << 20
 
 WORKING_SET_ARTIFACT = "application/vnd.forkd.working-set.v1"
 WORKING_SET = "application/vnd.forkd.working-set.chunks.v1"
@@ -155,6 +162,21 @@ def _one_layer(data: bytes, artifact_type: str, kind: str, what: str) -> Descrip
     if not isinstance(layers, list) or len(layers) != 1:
         raise IntegrityError(f"{what}: {kind} artifact has exactly one layer")
     return Descriptor.from_json(layers[0], f"{what} layer")
+
+
+def bounded_prefix(chunks: list[str], stored: Callable[[str], int],
+                   limit: int | None = None) -> list[str]:
+    """The first of ``chunks`` whose stored sizes add up to ``limit`` (default
+    ``MAX_WORKING_SET_BYTES``) at most: what a working set holds, or is read for."""
+    limit = MAX_WORKING_SET_BYTES if limit is None else limit
+    out: list[str] = []
+    total = 0
+    for digest in chunks:
+        total += stored(digest)
+        if total > limit:
+            break
+        out.append(digest)
+    return out
 
 
 def working_set_chunks(chunks: list[str], stored: dict[str, int], size: int,

@@ -766,3 +766,31 @@ def test_a_garbled_chunk_answer_is_unavailable_naming_it(
             source.read(victim)
         source.close()
     assert not fresh.blobs.has(victim) and fresh.verify() == []
+
+
+def test_a_working_set_over_its_bound_is_read_up_to_it(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A working set larger than MAX_WORKING_SET_BYTES (a hostile publisher's, or a guest
+    that touched all its memory): only its chunks within the bound are claimed and read,
+    the stream stops there, and the others come one by one, verified, when read."""
+    from forkd.engine.lazy import workingset
+    from forkd.pack import accessorder
+
+    store, head = chain_store
+    remote, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    sizes = [store.blobs.size(d) for d in chunks]
+    monkeypatch.setattr(accessorder, "MAX_WORKING_SET_BYTES", sizes[0] + sizes[1])
+    assert accessorder.bounded_prefix(chunks, store.blobs.size) == chunks[:2]
+    fresh = Store(tmp_path / "fresh")
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        source = open_remote(fresh, parse_remote(remote), client)
+        brought = workingset.fetch(source, order.working_set, order.chunks)
+        assert sorted(brought) == sorted(chunks[:2]) and source.fetched_chunks == 2
+        layout = ImageLayout(source, "memory")
+        assert layout.read(0, SIZE) == head.read_bytes()  # the rest, one by one
+        source.close()
+    assert fresh.verify() == []
