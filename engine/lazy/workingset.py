@@ -16,10 +16,6 @@ a page a reader holds while that reader waits for a later chunk of this stream. 
 chunk is decoded once: its bytes stay with the source (pinned until handed on, the
 others in its LRU), so a reader that overtakes the push is not a second decompression.
 
-Of a working set over ``MAX_WORKING_SET_BYTES`` (a hostile publisher's, or a guest's that
-touched all its memory) only the chunks within the bound are claimed and read; the
-stream stops there and the rest come with the prefetch.
-
 A stream that brings no chunk (or no byte) for ``STREAM_STALL`` seconds ends as a broken
 one: a hub that drips the working set holds a reader waiting for a claimed chunk that long
 at most, then it fetches its chunk itself.
@@ -38,7 +34,7 @@ from forkd import digest as dg
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.engine.lazy.spool import blocks as spooled
 from forkd.errors import ForkdError
-from forkd.pack.accessorder import bounded_prefix, working_set_chunks
+from forkd.pack.accessorder import working_set_chunks
 from forkd.pack.manifest import Descriptor
 
 CHECKERS = 2  # threads checking and decompressing the stream's chunks
@@ -70,7 +66,7 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
         return []
     what = f"{source.name}: working set {dg.short(blob.digest)}"
     stored = stored_sizes(source)
-    held = bounded_prefix(working_set_chunks(order, stored, blob.size, what), stored.__getitem__)
+    held = working_set_chunks(order, stored, blob.size, what)
     claims = source.claim(held)
     brought: list[str] = []
     failed = threading.Event()
@@ -107,8 +103,8 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
         at = 0  # chunks of held the stream has passed
         last = time.monotonic()  # when the stream last brought a chunk
         for block in blocks:
-            if failed.is_set() or at == len(held):
-                return  # a chunk failed, or the bound is read: stop reading
+            if failed.is_set():
+                return  # a chunk failed: stop reading
             buf.extend(block)
             while at < len(held) and len(buf) >= stored[held[at]]:
                 digest, n = held[at], stored[held[at]]

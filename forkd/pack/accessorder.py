@@ -15,8 +15,8 @@ the children's first touches of free memory there cost no read.
 
 A publisher may add the **working set**: a second artifact (``WORKING_SET_ARTIFACT``, same
 ``subject``) whose one layer (``WORKING_SET``) is the stored (compressed) bytes of the
-order's first chunks (``MAX_WORKING_SET_BYTES`` of them at most: a reader reads no
-further), concatenated in the order's order, and whose annotation
+order's first chunks (``MAX_WORKING_SET_BYTES`` of them at most: a reader refuses a larger
+blob before a byte of it travels), concatenated in the order's order, and whose annotation
 ``ORDER_ANNOTATION`` names the order blob it was cut from. A lazy server fetches it in
 one request instead of a request per chunk, and checks each chunk in it against the
 digest its map names before using it (``working_set_chunks`` says where each one is).
@@ -49,9 +49,10 @@ WINDOW_BYTES = 2 << 20  # the memory image's windows that memory_windows names
 MAX_ORDER_WINDOWS = 1 << 19  # a 1 TiB memory image's windows
 
 
-# the working set's bytes a publisher puts in its blob, and a reader takes from one: a
-# guest touching all its memory before its first answer (or a hostile publisher) would
-# otherwise have every lazy fork stream the whole image before anything else
+# the working set's bytes a publisher puts in its blob, and a reader accepts in one: a
+# guest touching all its memory before its first answer (or a hostile publisher, or hub)
+# would otherwise have every lazy fork stream (and spool to disk) the whole image, or
+# whatever size the artifact declares, before anything else
 MAX_WORKING_SET_BYTES = 256 << 20
 
 WORKING_SET_ARTIFACT = "application/vnd.forkd.working-set.v1"
@@ -135,6 +136,8 @@ def working_set_layer(data: bytes, order_digest: str, what: str) -> Descriptor:
     d = _one_layer(data, WORKING_SET_ARTIFACT, "a working-set", what)
     if d.media_type != WORKING_SET:
         raise IntegrityError(f"{what}: its layer is not a working set ({WORKING_SET})")
+    if d.size > MAX_WORKING_SET_BYTES:  # before a byte of it is spooled or streamed
+        raise IntegrityError(f"{what}: {d.size} bytes, over {MAX_WORKING_SET_BYTES}")
     if d.annotations.get(ORDER_ANNOTATION) != order_digest:
         raise IntegrityError(f"{what}: cut from another access order, not {order_digest}")
     return d
@@ -167,7 +170,7 @@ def _one_layer(data: bytes, artifact_type: str, kind: str, what: str) -> Descrip
 def bounded_prefix(chunks: list[str], stored: Callable[[str], int],
                    limit: int | None = None) -> list[str]:
     """The first of ``chunks`` whose stored sizes add up to ``limit`` (default
-    ``MAX_WORKING_SET_BYTES``) at most: what a working set holds, or is read for."""
+    ``MAX_WORKING_SET_BYTES``) at most: what a publisher puts in a working set."""
     limit = MAX_WORKING_SET_BYTES if limit is None else limit
     out: list[str] = []
     total = 0

@@ -768,29 +768,26 @@ def test_a_garbled_chunk_answer_is_unavailable_naming_it(
     assert not fresh.blobs.has(victim) and fresh.verify() == []
 
 
-def test_a_working_set_over_its_bound_is_read_up_to_it(
+def test_a_working_set_over_its_bound_is_not_used(
         chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A working set larger than MAX_WORKING_SET_BYTES (a hostile publisher's, or a guest
-    that touched all its memory): only its chunks within the bound are claimed and read,
-    the stream stops there, and the others come one by one, verified, when read."""
-    from forkd.engine.lazy import workingset
+    """A publisher keeps its working set within MAX_WORKING_SET_BYTES (bounded_prefix); a
+    reader refuses a larger one as its artifact is read, before a byte of its blob is
+    spooled or streamed (a hostile hub's could declare any size), and goes chunk by
+    chunk: the order itself still counts."""
+    from forkd.engine.lazy import orders
     from forkd.pack import accessorder
 
-    store, head = chain_store
-    remote, who = _pushed(hub, store)
+    store, _ = chain_store
+    _, who = _pushed(hub, store)
     chunks = list(open_local(store, "app:v2").refs)[:4]
     order = _published_working_set(hub, store, who, chunks)
     assert order.working_set is not None
     sizes = [store.blobs.size(d) for d in chunks]
     monkeypatch.setattr(accessorder, "MAX_WORKING_SET_BYTES", sizes[0] + sizes[1])
     assert accessorder.bounded_prefix(chunks, store.blobs.size) == chunks[:2]
-    fresh = Store(tmp_path / "fresh")
+    named: list[object] = []
     with RegistryClient(hub.target, Credential(*who)) as client:
-        source = open_remote(fresh, parse_remote(remote), client)
-        brought = workingset.fetch(source, order.working_set, order.chunks)
-        assert sorted(brought) == sorted(chunks[:2]) and source.fetched_chunks == 2
-        layout = ImageLayout(source, "memory")
-        assert layout.read(0, SIZE) == head.read_bytes()  # the rest, one by one
-        source.close()
-    assert fresh.verify() == []
+        found = orders.fetch(client, "lazy/app", store.resolve("app:v2"), named.append)
+    assert found is not None and found.chunks == chunks
+    assert found.working_set is None and named == []
