@@ -1,10 +1,10 @@
 """A hostile hub: a real HTTP server (anonymous OCI reads) serving a local store's manifests
 and blobs, each blob as ``modes`` says: honest, dripped (its first bytes, then a byte every
-``pause`` seconds), a body that never ends, or one that says it is gzip and is not;
-``/loop`` redirects to itself; ``referrers`` lists any manifests of the
-store as a snapshot's referrers. ``/error`` answers a 500 whose body never
-ends; ``/redirect?to=URL`` redirects there. What it sent is counted (``sent``), so a test
-can tell that a client stopped reading."""
+``pause`` seconds), a body that never ends, or one that says it is gzip and is not.
+``referrers`` lists any manifests of the store as a snapshot's referrers; a manifest PUT
+answers ``put_digest``; ``/loop`` redirects to itself, ``/redirect?to=URL`` there;
+``/error`` answers a 500 whose body never ends. What it sent is counted (``sent``), and
+the paths asked for listed (``requests``), so a test can tell what a client read."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class HostileHub:
         self.pause = pause
         self.referrers: dict[str, list[str]] = {}  # artifact type -> manifest digests
         self.requests: list[str] = []  # the paths asked for, in order
+        self.put_digest = "sha256:" + "0" * 64  # what a PUT of a manifest answers
         self.sent = 0  # body bytes written to clients
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -43,6 +44,13 @@ class HostileHub:
             def do_GET(self) -> None:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     hub.answer(self)
+
+            def do_PUT(self) -> None:  # a manifest "stored", another digest answered
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                self.send_response(201)
+                self.send_header("Docker-Content-Digest", hub.put_digest)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, *args: object) -> None:
                 pass

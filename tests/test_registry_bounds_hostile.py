@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hostile_hub import HostileHub
 
+from forkd import digest as dg
 from forkd.errors import IntegrityError
 from forkd.registry import client as registry_client
 from forkd.registry.client import MAX_ANSWER_BYTES, RegistryClient, RegistryError
@@ -137,3 +138,17 @@ def test_a_redirect_loop_is_a_registry_error(hostile: tuple[HostileHub, str]) ->
     hub, _ = hostile
     with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
         client.request("GET", "/loop", "registry:catalog:*")
+
+
+def test_a_manifest_digest_the_hub_made_up_is_refused(
+        hostile: tuple[HostileHub, str]) -> None:
+    """put_manifest returns the digest of what was sent, and a hub answering another one
+    (it stored something else, or wants a made-up digest printed and published) is an
+    error, not the push's result."""
+    hub, _ = hostile
+    data = b'{"schemaVersion": 2}'
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="did not store"):
+        client.put_manifest("ns/app", "v1", data)
+    hub.put_digest = dg.of_bytes(data)
+    with RegistryClient(hub.hub) as client:
+        assert client.put_manifest("ns/app", "v1", data) == dg.of_bytes(data)

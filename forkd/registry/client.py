@@ -612,7 +612,13 @@ class RegistryClient:
             content=data,
             headers={"Content-Type": mt.OCI_MANIFEST},
         )
-        digest: str = resp.headers.get("docker-content-digest") or dg.of_bytes(data)
+        digest = dg.of_bytes(data)  # what was sent: the hub's word is checked, not taken
+        said = resp.headers.get("docker-content-digest")
+        if said and said != digest:
+            raise RegistryError(
+                f"{self.hub}: PUT manifest {repo}:{_printable(reference)[:100]} answered "
+                f"digest {_printable(said)[:100]!r}, but the manifest sent is {digest}; the "
+                "hub did not store what was pushed: check the hub, then push again")
         return digest
 
 
