@@ -152,3 +152,6 @@ def test_a_manifest_digest_the_hub_made_up_is_refused(
     hub.put_digest = dg.of_bytes(data)
     with RegistryClient(hub.hub) as client:
         assert client.put_manifest("ns/app", "v1", data) == dg.of_bytes(data)
+    hub.put_digest = dg.of_bytes(data, "sha512")  # a PUT by sha512 is answered so
+    with RegistryClient(hub.hub) as client:
+        assert client.put_manifest("ns/app", "v1", data) == hub.put_digest

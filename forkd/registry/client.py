@@ -612,8 +612,14 @@ class RegistryClient:
             content=data,
             headers={"Content-Type": mt.OCI_MANIFEST},
         )
-        digest = dg.of_bytes(data)  # what was sent: the hub's word is checked, not taken
-        said = resp.headers.get("docker-content-digest")
+        # the digest of what was sent, in the hub's algorithm when it names a known one (a
+        # manifest PUT by its sha512 is answered with that): its word is checked, not taken
+        said = resp.headers.get("docker-content-digest") or ""
+        try:
+            algorithm = dg.algorithm_of(said) if said else dg.ALGORITHM
+        except InvalidInput:
+            algorithm = dg.ALGORITHM
+        digest = dg.of_bytes(data, algorithm)
         if said and said != digest:
             raise RegistryError(
                 f"{self.hub}: PUT manifest {repo}:{_printable(reference)[:100]} answered "
