@@ -2,9 +2,10 @@
 and blobs, each blob as ``modes`` says: honest, dripped (its first bytes, then a byte every
 ``pause`` seconds), a body that never ends, or one that says it is gzip and is not.
 ``referrers`` lists any manifests of the store as a snapshot's referrers; a manifest PUT
-answers ``put_digest``; ``/loop`` redirects to itself, ``/redirect?to=URL`` there;
-``/error`` answers a 500 whose body never ends. What it sent is counted (``sent``), and
-the paths asked for listed (``requests``), so a test can tell what a client read."""
+answers ``put_digest`` (or a 307 to ``put_redirect``); ``/loop`` redirects to itself,
+``/redirect?to=URL`` there; ``/error`` answers a 500 whose body never ends. What it sent
+is counted (``sent``), and the paths asked for listed (``requests``), so a test can tell
+what a client read."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class HostileHub:
         self.referrers: dict[str, list[str]] = {}  # artifact type -> manifest digests
         self.requests: list[str] = []  # the paths asked for, in order
         self.put_digest = "sha256:" + "0" * 64  # what a PUT of a manifest answers
+        self.put_redirect = ""  # else a PUT is redirected there (307: method and body kept)
         self.sent = 0  # body bytes written to clients
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -47,6 +49,12 @@ class HostileHub:
 
             def do_PUT(self) -> None:  # a manifest "stored", another digest answered
                 self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if hub.put_redirect:  # or sent on to another address
+                    self.send_response(307)
+                    self.send_header("Location", hub.put_redirect)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(201)
                 self.send_header("Docker-Content-Digest", hub.put_digest)
                 self.send_header("Content-Length", "0")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from hostile_hub import HostileHub
@@ -93,7 +94,14 @@ def test_a_dripping_manifest_ends_by_the_clients_timeout(
 
 
 class _Internal(BaseHTTPRequestHandler):
-    """A service on this host that a redirect points at: it answers with its secrets."""
+    """A service on this host that a redirect points at: it answers with its secrets, and
+    notes any write sent to it."""
+
+    writes: ClassVar[list[str]] = []
+
+    def do_PUT(self) -> None:
+        _Internal.writes.append(self.path)
+        self.do_GET()
 
     def do_GET(self) -> None:
         body = b'{"errors": [{"code": "DENIED", "message": "internal-secret-42"}]}'
@@ -155,3 +163,21 @@ def test_a_manifest_digest_the_hub_made_up_is_refused(
     hub.put_digest = dg.of_bytes(data, "sha512")  # a PUT by sha512 is answered so
     with RegistryClient(hub.hub) as client:
         assert client.put_manifest("ns/app", "v1", data) == hub.put_digest
+
+
+def test_a_write_redirected_elsewhere_is_not_sent_there(
+        hostile: tuple[HostileHub, str]) -> None:
+    """A manifest PUT answered with a 307 to a service on this host: the client does not
+    follow it (its body would go there, as a 307 keeps method and body); an error."""
+    hub, _ = hostile
+    internal = ThreadingHTTPServer(("127.0.0.1", 0), _Internal)
+    threading.Thread(target=internal.serve_forever, daemon=True).start()
+    _Internal.writes.clear()
+    try:
+        hub.put_redirect = f"http://127.0.0.1:{internal.server_address[1]}/admin/write"
+        with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="307"):
+            client.put_manifest("ns/app", "v1", b'{"schemaVersion": 2}')
+    finally:
+        internal.shutdown()
+        internal.server_close()
+    assert _Internal.writes == []

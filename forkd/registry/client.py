@@ -30,7 +30,9 @@ its declared size within ``blob_deadline(size)`` (``BLOB_GRACE`` seconds plus it
 ``MIN_BLOB_RATE``) or the caller's deadline, retries included: a body that drips a byte a
 minute, or never ends, is a RegistryError naming the URL, never a hang or a full memory.
 The text of an error answer is quoted only when the hub's own origin sent it (a redirect
-elsewhere, say to a service on the host, is reported by its status alone).
+elsewhere, say to a service on the host, is reported by its status alone). Only reads
+(GET, HEAD) follow redirects: an upload or a manifest PUT answered with a redirect is an
+error, so a hub cannot send a pack's bytes to another address (a service on this host).
 """
 
 from __future__ import annotations
@@ -271,7 +273,10 @@ class RegistryClient:
                 req = self.http.build_request(method, url, headers=headers, **kwargs)
                 if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
                     req.headers.update(self._auth_header(scope))
-                resp = self.http.send(req, stream=True)
+                # reads may be redirected (a registry may serve blobs from a CDN); a write
+                # never: its body (a pack's bytes) goes where the hub is, not where it says
+                resp = self.http.send(req, stream=True,
+                                      follow_redirects=method in ("GET", "HEAD"))
                 if not stream and resp.status_code not in RETRY_STATUSES:
                     self._read_body(resp, f"{method} {url} answer", deadline=deadline)
             except httpx.TransportError as exc:
