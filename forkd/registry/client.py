@@ -29,8 +29,9 @@ read up to ``MAX_ANSWER_BYTES`` within the client's ``timeout`` in all; a blob i
 its declared size within ``blob_deadline(size)`` (``BLOB_GRACE`` seconds plus its bytes at
 ``MIN_BLOB_RATE``) or the caller's deadline, retries included: a body that drips a byte a
 minute, or never ends, is a RegistryError naming the URL, never a hang or a full memory.
-The text of an error answer is quoted only when the hub's own origin sent it (a redirect
-elsewhere, say to a service on the host, is reported by its status alone). Only reads
+The text of an error answer is quoted only when the hub's own origin (or a trusted token
+realm) sent it (a redirect elsewhere, say to a service on the host, is reported by its
+status and URL alone). Only reads
 (GET, HEAD) follow redirects: an upload or a manifest PUT answered with a redirect is an
 error, so a hub cannot send a pack's bytes to another address (a service on this host).
 """
@@ -360,7 +361,7 @@ class RegistryClient:
         detail = ""
         codes: tuple[str, ...] = ()
         details: tuple[str, ...] = ()
-        if origin(resp.url) != origin(self.hub.url):  # redirected: not the hub's words
+        if origin(resp.url) not in self.realm_origins:  # redirected: not the hub's words
             detail = f"(from {_printable(str(resp.url.copy_with(query=None)))[:200]})"
         else:
             try:
