@@ -81,7 +81,8 @@ def encode(head: str, order: Order) -> bytes:
 
 
 def decode(data: bytes, head: str, what: str) -> Order:
-    """The order an untrusted document recorded for ``head``: its chunk digests (any may
+    """The order an untrusted document recorded for ``head``: its chunk digests (each
+    once, in first order: a document repeating one a million times is one entry; any may
     not be the chain's: a reader ignores those) and memory windows (non-negative
     indexes, each once; a reader ignores those past its image)."""
     if len(data) > MAX_ORDER_BYTES:
@@ -96,7 +97,7 @@ def decode(data: bytes, head: str, what: str) -> Order:
     if not isinstance(chunks, list) or len(chunks) > MAX_ORDER_CHUNKS:
         raise IntegrityError(f"{what}: chunks must be a list of at most {MAX_ORDER_CHUNKS}")
     try:
-        digests = [dg.validate(c) for c in chunks]
+        digests = list(dict.fromkeys(dg.validate(c) for c in chunks))  # each once
     except Exception as exc:
         raise IntegrityError(f"{what}: {exc}") from exc
     windows = raw.get("memory_windows", [])
