@@ -26,7 +26,8 @@ BLOCK = b"\0" * (64 << 10)
 
 
 class HostileHub:
-    def __init__(self, store: Store, tags: dict[str, str], pause: float = 0.5) -> None:
+    def __init__(self, store: Store, tags: dict[str, str], pause: float = 0.5,
+                 address: str = "127.0.0.1") -> None:
         self.store = store
         self.tags = tags  # tag -> manifest digest
         self.modes: dict[str, Mode] = {}  # blob digest -> how it is served (else honest)
@@ -63,13 +64,14 @@ class HostileHub:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = address  # where it listens, and how clients address it
+        self.server = ThreadingHTTPServer((address, 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def hub(self) -> Hub:
-        return Hub(f"127.0.0.1:{self.server.server_address[1]}", "http")
+        return Hub(f"{self.address}:{self.server.server_address[1]}", "http")
 
     def __enter__(self) -> HostileHub:
         self.thread.start()

@@ -6,6 +6,7 @@ on this host, say) is never quoted back to the user."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -181,3 +182,41 @@ def test_a_write_redirected_elsewhere_is_not_sent_there(
         internal.shutdown()
         internal.server_close()
     assert _Internal.writes == []
+
+
+@pytest.mark.parametrize("target", ["http://169.254.169.254/latest/meta-data/",
+                                    "http://[::ffff:169.254.169.254]/", "http://[fe80::1]/",
+                                    "http://0.0.0.0:9/"])
+def test_a_redirect_to_a_link_local_or_reserved_address_is_refused(
+        hostile: tuple[HostileHub, str], target: str) -> None:
+    """A cloud's metadata service (link-local), an unspecified or reserved address: no
+    registry serves from one, so a redirect there is refused before a byte is sent."""
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="refusing"):
+        client.request("GET", "/redirect", "registry:catalog:*", params={"to": target})
+
+
+def _outward_address() -> str | None:
+    """An address of this host that is not loopback (a hub "elsewhere"), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
+            address: str = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_a_redirect_from_a_hub_elsewhere_to_this_hosts_loopback_is_refused(
+        tmp_path: Path) -> None:
+    """A hub that is not on this host's loopback sending a read to 127.0.0.1 (a service
+    of this host, past the sandboxes' egress rules: the daemon fetches for callers):
+    refused. A loopback hub's redirects to loopback go on (test setups, a local mirror)."""
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this host has no address besides loopback")
+    store = Store(tmp_path / "home")
+    with HostileHub(store, {}, address=address) as hub, RegistryClient(hub.hub) as client, \
+            pytest.raises(RegistryError, match="loopback"):
+        client.request("GET", "/redirect", "registry:catalog:*",
+                       params={"to": "http://127.0.0.1:9/admin"})

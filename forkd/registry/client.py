@@ -31,7 +31,8 @@ its declared size within ``blob_deadline(size)`` (``BLOB_GRACE`` seconds plus it
 minute, or never ends, is a RegistryError naming the URL, never a hang or a full memory.
 The text of an error answer is quoted only when the hub's own origin (or a trusted token
 realm) sent it (a redirect elsewhere, say to a service on the host, is reported by its
-status and URL alone). Only reads
+status and URL alone), and a redirect or realm leading to a link-local address (a cloud's
+metadata service), or to this host's loopback from a hub elsewhere, is refused. Only reads
 (GET, HEAD) follow redirects: an upload or a manifest PUT answered with a redirect is an
 error, so a hub cannot send a pack's bytes to another address (a service on this host).
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import ipaddress
 import os
 import re
 import ssl
@@ -168,6 +170,7 @@ class RegistryClient:
             timeout=timeout,
             follow_redirects=True,
             limits=httpx.Limits(max_connections=16),
+            event_hooks={"request": [self._check_destination]},
         )
         self._tokens: dict[str, str] = {}
         self._basic = False
@@ -296,6 +299,23 @@ class RegistryClient:
                 resp.close()
             time.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _check_destination(self, request: httpx.Request) -> None:
+        """Refuse a request a redirect or a token realm sends off the hub's origins to an
+        address no registry serves from: link-local (a cloud's metadata service at
+        169.254.169.254), multicast, unspecified or reserved, or this host's loopback
+        when the hub is not on it (a service on this host, past the sandboxes' egress
+        rules: the daemon fetches for its callers). Literal addresses only: a name is
+        not resolved here."""
+        if origin(request.url) in self.realm_origins:
+            return
+        kind = _address_kind(request.url.host)
+        if kind == "special" or (kind == "loopback"
+                                 and _address_kind(httpx.URL(self.hub.url).host) != "loopback"):
+            raise RegistryError(
+                f"{self.hub}: refusing to follow it to {_printable(request.url.host)[:100]} "
+                f"({'a loopback' if kind == 'loopback' else 'a link-local or reserved'} "
+                "address no registry serves from); is the hub what it should be?")
 
     def _auth_header(self, scope: str) -> dict[str, str]:
         with self._lock:
@@ -643,6 +663,25 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RegistryError(f"{what} is not a JSON object; is the address a forkd hub?")
     return doc
+
+
+def _address_kind(host: str) -> str:
+    """"loopback", "special" (link-local, multicast, unspecified, reserved) or "other" (a
+    name, or any other address) of a URL's host."""
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return "loopback"
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return "other"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    if (address.is_link_local or address.is_multicast or address.is_unspecified
+            or address.is_reserved):
+        return "special"
+    return "other"
 
 
 def _location(hub: Hub, resp: httpx.Response) -> str:
