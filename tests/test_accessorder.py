@@ -32,6 +32,14 @@ def test_repeated_windows_are_kept_once_in_first_order() -> None:
     assert ao.decode(json.dumps(doc).encode(), HEAD, "order").windows == [5, 2]
 
 
+def test_repeated_chunks_are_kept_once_in_first_order() -> None:
+    """A hostile order naming one chunk a million times: one entry (each reader, the
+    fork command's fetch of the working set among them, sees each chunk once)."""
+    chunks = [CHUNKS[1], CHUNKS[0]] + [CHUNKS[1]] * (ao.MAX_ORDER_CHUNKS - 2)
+    doc = {"version": 1, "manifest": HEAD, "chunks": chunks}
+    assert ao.decode(json.dumps(doc).encode(), HEAD, "order").chunks == CHUNKS[1::-1]
+
+
 @pytest.mark.parametrize("windows", [
     -1, "3", None, {"0": 1}, [-1], [1.5], [True], ["3"], [ao.MAX_ORDER_WINDOWS], [2**63],
     list(range(ao.MAX_ORDER_WINDOWS + 1)),

@@ -114,7 +114,8 @@ def test_not_a_tar_is_refused(tmp_path: Path):
 
 
 def _bomb_pack(store: Store, tmp_path: Path, payload: bytes) -> Path:
-    """A pack whose one memory chunk is ``payload`` while its map declares one 4 KiB page."""
+    """A pack whose one memory chunk is ``payload`` while its map declares one 2 MiB chunk
+    (``payload`` within the stored bound of one: imagemap.max_stored)."""
     blobs: dict[str, bytes] = {}
 
     def put(data: bytes) -> str:
@@ -133,9 +134,9 @@ def _bomb_pack(store: Store, tmp_path: Path, payload: bytes) -> Path:
             {
                 "digest": chunk_digest,
                 "blake3": "0" * 64,
-                "size": 4096,
+                "size": CHUNK_SIZE,
                 "stored": len(payload),
-                "extents": [[0, 1]],
+                "extents": [[0, CHUNK_SIZE // 4096]],
             }
         ],
     }

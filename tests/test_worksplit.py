@@ -128,3 +128,25 @@ def test_a_split_moves_this_stores_build_records_only(
     assert (said(own1), said(own2)) == (new, new)  # this store: the split layer
     assert (said(shared1), said(shared2)) == (old, old)  # another store: as built
     assert (said(own3), said(shared3)) == (other, other)
+
+
+def test_a_guest_touching_every_other_page_cannot_fragment_the_map_past_its_budget(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The touched pages are the guest's choice: every other page would cut each chunk
+    into one-page extents. Chunks are split only while the map stays within
+    MAX_SPLIT_EXTENTS; the others stay whole, and the image is the same."""
+    from forkd.store import worksplit
+
+    image = tmp_path / "dense.mem"
+    image.write_bytes(b"".join(bytes([i % 251 + 1]) * 4096 for i in range(4 * CHUNK_PAGES)))
+    store.import_layer("dense", memory=image)
+    before = _memory_map(store, store.resolve("dense"))
+    per_split = CHUNK_PAGES - 1  # one extent becomes 512 one-page extents
+    budget = before.extent_count + 2 * per_split  # room for two chunks' splits
+    monkeypatch.setattr(worksplit, "MAX_SPLIT_EXTENTS", budget)
+    new = split_memory(store, "dense", set(range(0, 4 * CHUNK_PAGES, 2)))
+    after = _memory_map(store, new)
+    assert after.extent_count <= budget
+    assert len(after.chunks) == len(before.chunks) + 2  # two split, two left whole
+    _uncached(store)
+    assert store.assemble("dense").memory.read_bytes() == image.read_bytes()

@@ -90,7 +90,14 @@ class ChunkSource:
                 continue
             for imap in chain_maps(store, chain, role, name):
                 for c in imap.chunks:
-                    self.refs.setdefault(c.digest, (c, f"{name}: {role} chunk {c.digest}"))
+                    known = self.refs.setdefault(c.digest, (c, f"{name}: {role} chunk "
+                                                               f"{c.digest}"))[0]
+                    if known.blob != c.blob:  # one digest, two contents: which to serve?
+                        raise IntegrityError(
+                            f"{name}: its maps name chunk {c.digest} twice with different "
+                            f"sizes or content hashes ({known.size}/{known.stored} bytes "
+                            f"and {c.size}/{c.stored}); the pack is corrupt or hostile: "
+                            "ask its publisher to push it again")
         self.fetched_bytes = 0  # compressed bytes that came from the hub
         self.fetched_chunks = 0
         self.decoded = 0  # chunks decompressed and checked (a chunk read twice may count twice)

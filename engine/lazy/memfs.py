@@ -40,6 +40,10 @@ READ_THREADS = 8  # FUSE reads served at once (each may wait for the hub)
 STORE_WINDOW = WINDOW_BYTES  # bytes pushed into the page cache around a first read (notify_store)
 STORE_QUEUE = 64  # windows waiting to be pushed; a read past that pushes nothing
 CACHE_READY_WAIT = 30.0  # seconds push_chunk waits for the file to be looked up
+# recorded windows whose holes push_zeros puts into the page cache, at most (1 GiB): the
+# order is the hub's word, and a hostile one listing every window of a 1 TiB image would
+# have each server push a TiB of zero pages into the host's page cache
+MAX_ZERO_WINDOWS = 512
 ZEROS = memoryview(bytes(STORE_WINDOW))  # a window's holes are pushed from this
 
 
@@ -101,11 +105,14 @@ class MemoryFile(pyfuse3.Operations):
         them, so a child's first touches of free memory there (what it faults on outside
         the recorded chunks) cost no read at all: the prefetch's first step, for the
         windows recorded before (it waits for ``cache_ready``). A window a read reached
-        already is skipped (that read fills it); the windows pushed."""
+        already is skipped (that read fills it); the windows pushed, ``MAX_ZERO_WINDOWS``
+        at most (the rest are filled by their first reads, as without an order)."""
         if not self.cache_ready.wait(CACHE_READY_WAIT):
             return 0
         pushed = 0
         for window in windows:
+            if pushed >= MAX_ZERO_WINDOWS:
+                break
             start = window * STORE_WINDOW
             if start >= self.layout.size:
                 continue  # recorded for a larger image: advice, not a fact

@@ -20,6 +20,9 @@ from forkd.registry.client import RegistryClient, json_answer
 from forkd.store.store import Store
 
 log = logging.getLogger("forkd.lazy")
+# working sets of one snapshot looked at, newest first: a hub listing thousands (each
+# cut from another order) costs a lazy fork that many manifest fetches otherwise
+MAX_WORKING_SETS = 8
 
 
 def publish(client: RegistryClient, repo: str, head: str, order: bytes,
@@ -118,11 +121,12 @@ def fetch(client: RegistryClient, repo: str, head: str,
 
 def _working_sets(client: RegistryClient, repo: str, head: str
                   ) -> list[tuple[str, bytes | None]]:
-    """The working sets the hub lists for ``head``, newest first, the newest's manifest
-    fetched already (the others only if it was cut from another order); [] when the hub
-    has none or cannot say."""
+    """The working sets the hub lists for ``head``, newest first (``MAX_WORKING_SETS`` at
+    most), the newest's manifest fetched already (the others only if it was cut from
+    another order); [] when the hub has none or cannot say."""
     try:
-        digests = list(reversed(_referrers(client, repo, head, ao.WORKING_SET_ARTIFACT)))
+        listed = _referrers(client, repo, head, ao.WORKING_SET_ARTIFACT)
+        digests = list(reversed(listed))[:MAX_WORKING_SETS]
         if not digests:
             return []
         data, _ = client.get_manifest(repo, digests[0])

@@ -166,7 +166,8 @@ def publish_order(store: Store, tag: str, client: RegistryClient, repo: str,
     held_first = set(first)
     rest = [d for d in order.chunks if d not in held_first]
     order = accessorder.Order(first + rest, order.windows)
-    held = list(itertools.takewhile(store.blobs.has, first))  # all, in a publisher
+    held = accessorder.bounded_prefix(  # all are here, in a publisher
+        list(itertools.takewhile(store.blobs.has, first)), store.blobs.size)
     return orders.publish(client, repo, head, accessorder.encode(head, order),
                           orders.WorkingSet(store, held) if held else None)
 

@@ -15,12 +15,17 @@ is handed to ``on_chunk`` (a page-cache push) on a thread of its own: a push may
 a page a reader holds while that reader waits for a later chunk of this stream. Each
 chunk is decoded once: its bytes stay with the source (pinned until handed on, the
 others in its LRU), so a reader that overtakes the push is not a second decompression.
+
+A stream that brings no chunk (or no byte) for ``STREAM_STALL`` seconds ends as a broken
+one: a hub that drips the working set holds a reader waiting for a claimed chunk that long
+at most, then it fetches its chunk itself.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +38,7 @@ from forkd.pack.accessorder import working_set_chunks
 from forkd.pack.manifest import Descriptor
 
 CHECKERS = 2  # threads checking and decompressing the stream's chunks
+STREAM_STALL = 10.0  # seconds the stream may go without bringing a chunk (or a byte)
 log = logging.getLogger("forkd.lazy")
 
 
@@ -95,6 +101,7 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
     def sink(blocks: Iterator[bytes]) -> None:
         buf = bytearray()
         at = 0  # chunks of held the stream has passed
+        last = time.monotonic()  # when the stream last brought a chunk
         for block in blocks:
             if failed.is_set():
                 return  # a chunk failed: stop reading
@@ -104,14 +111,19 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
                 piece = bytes(buf[:n])
                 del buf[:n]
                 at += 1
+                last = time.monotonic()
                 if digest in claims:  # else here already, or on its way
                     checking.submit(check, digest, piece)
+            if at < len(held) and time.monotonic() - last > STREAM_STALL:
+                raise ForkdError(f"no chunk for {STREAM_STALL:.0f} s (at chunk {at + 1} of "
+                                 f"{len(held)}, {held[at]}): the hub sends too slowly")
 
     try:
         if spool is not None:
             sink(spooled(spool, blob.size))
         elif hub is not None:
-            hub.client.get_blob(hub.repo, blob.digest, blob.size, blob.size, sink)
+            hub.client.get_blob(hub.repo, blob.digest, blob.size, blob.size, sink,
+                                read_timeout=STREAM_STALL)
     except (ForkdError, OSError) as exc:
         log.info("%s stopped after %d chunks (%s); the rest come one by one", what,
                  len(brought), exc)

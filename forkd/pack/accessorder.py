@@ -15,7 +15,8 @@ the children's first touches of free memory there cost no read.
 
 A publisher may add the **working set**: a second artifact (``WORKING_SET_ARTIFACT``, same
 ``subject``) whose one layer (``WORKING_SET``) is the stored (compressed) bytes of the
-order's first chunks, concatenated in the order's order, and whose annotation
+order's first chunks (``MAX_WORKING_SET_BYTES`` of them at most: a reader refuses a larger
+blob before a byte of it travels), concatenated in the order's order, and whose annotation
 ``ORDER_ANNOTATION`` names the order blob it was cut from. A lazy server fetches it in
 one request instead of a request per chunk, and checks each chunk in it against the
 digest its map names before using it (``working_set_chunks`` says where each one is).
@@ -28,6 +29,7 @@ referrers API of the snapshot's digest (filtered by the artifact type).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forkd import digest as dg
@@ -46,6 +48,12 @@ MAX_ORDER_BYTES = 80 * MAX_ORDER_CHUNKS  # a quoted sha256 digest and a comma ea
 WINDOW_BYTES = 2 << 20  # the memory image's windows that memory_windows names
 MAX_ORDER_WINDOWS = 1 << 19  # a 1 TiB memory image's windows
 
+
+# the working set's bytes a publisher puts in its blob, and a reader accepts in one: a
+# guest touching all its memory before its first answer (or a hostile publisher, or hub)
+# would otherwise have every lazy fork stream (and spool to disk) the whole image, or
+# whatever size the artifact declares, before anything else
+MAX_WORKING_SET_BYTES = 256 << 20
 
 WORKING_SET_ARTIFACT = "application/vnd.forkd.working-set.v1"
 WORKING_SET = "application/vnd.forkd.working-set.chunks.v1"
@@ -73,7 +81,8 @@ def encode(head: str, order: Order) -> bytes:
 
 
 def decode(data: bytes, head: str, what: str) -> Order:
-    """The order an untrusted document recorded for ``head``: its chunk digests (any may
+    """The order an untrusted document recorded for ``head``: its chunk digests (each
+    once, in first order: a document repeating one a million times is one entry; any may
     not be the chain's: a reader ignores those) and memory windows (non-negative
     indexes, each once; a reader ignores those past its image)."""
     if len(data) > MAX_ORDER_BYTES:
@@ -88,7 +97,7 @@ def decode(data: bytes, head: str, what: str) -> Order:
     if not isinstance(chunks, list) or len(chunks) > MAX_ORDER_CHUNKS:
         raise IntegrityError(f"{what}: chunks must be a list of at most {MAX_ORDER_CHUNKS}")
     try:
-        digests = [dg.validate(c) for c in chunks]
+        digests = list(dict.fromkeys(dg.validate(c) for c in chunks))  # each once
     except Exception as exc:
         raise IntegrityError(f"{what}: {exc}") from exc
     windows = raw.get("memory_windows", [])
@@ -128,6 +137,8 @@ def working_set_layer(data: bytes, order_digest: str, what: str) -> Descriptor:
     d = _one_layer(data, WORKING_SET_ARTIFACT, "a working-set", what)
     if d.media_type != WORKING_SET:
         raise IntegrityError(f"{what}: its layer is not a working set ({WORKING_SET})")
+    if d.size > MAX_WORKING_SET_BYTES:  # before a byte of it is spooled or streamed
+        raise IntegrityError(f"{what}: {d.size} bytes, over {MAX_WORKING_SET_BYTES}")
     if d.annotations.get(ORDER_ANNOTATION) != order_digest:
         raise IntegrityError(f"{what}: cut from another access order, not {order_digest}")
     return d
@@ -155,6 +166,21 @@ def _one_layer(data: bytes, artifact_type: str, kind: str, what: str) -> Descrip
     if not isinstance(layers, list) or len(layers) != 1:
         raise IntegrityError(f"{what}: {kind} artifact has exactly one layer")
     return Descriptor.from_json(layers[0], f"{what} layer")
+
+
+def bounded_prefix(chunks: list[str], stored: Callable[[str], int],
+                   limit: int | None = None) -> list[str]:
+    """The first of ``chunks`` whose stored sizes add up to ``limit`` (default
+    ``MAX_WORKING_SET_BYTES``) at most: what a publisher puts in a working set."""
+    limit = MAX_WORKING_SET_BYTES if limit is None else limit
+    out: list[str] = []
+    total = 0
+    for digest in chunks:
+        total += stored(digest)
+        if total > limit:
+            break
+        out.append(digest)
+    return out
 
 
 def working_set_chunks(chunks: list[str], stored: dict[str, int], size: int,

@@ -13,7 +13,8 @@ A chunk's uncompressed bytes are its extents' pages, packed in order. A
 to zero); every other page comes from the parent.
 
 Bounds (docs/pack-format.md): a map blob is at most ``MAX_MAP_BYTES`` and lists at
-most ``MAX_MAP_EXTENTS`` extents (chunk extents plus zero extents). Readers refuse a
+most ``MAX_MAP_EXTENTS`` extents (chunk extents plus zero extents); a chunk's stored size
+is at most ``max_stored`` of its size (one zstd frame of it). Readers refuse a
 descriptor over the byte bound before fetching or reading the blob, and count the
 extents before building anything from them, so what parsing one map costs is bounded
 whatever image size the map declares.
@@ -56,6 +57,12 @@ class ChunkRef:
     size: int
     stored: int
     extents: tuple[Extent, ...]
+
+    @property
+    def blob(self) -> tuple[str, str, int, int]:
+        """What its digest names (its extents aside): two refs to one digest agree on it,
+        else the maps naming them are corrupt or hostile."""
+        return self.digest, self.blake3, self.size, self.stored
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,12 @@ class ImageMap:
                     f"{what}: chunk {c.digest} declares {c.size} bytes for {pages} pages "
                     f"(at most {CHUNK_PAGES} pages of {PAGE_SIZE} bytes)"
                 )
+            if c.stored > max_stored(c.size):
+                raise IntegrityError(
+                    f"{what}: chunk {c.digest} declares {c.stored} stored bytes for {c.size} "
+                    f"bytes of pages; one zstd frame of them takes at most "
+                    f"{max_stored(c.size)} (corrupt or hostile pack)"
+                )
             spans.extend(c.extents)
         spans.sort()
         end = 0
@@ -173,6 +186,15 @@ class ImageMap:
             raise IntegrityError(
                 f"{what}: extent ends at page {end}, past the image's {self.pages}"
             )
+
+
+def max_stored(size: int) -> int:
+    """The most bytes a chunk of ``size`` uncompressed bytes can be stored in: one zstd frame
+    (zstd's compressBound, plus a frame header and checksum). A map declaring more is
+    refused, so that what a reader fetches, stores and reads into memory for one chunk stays
+    near its 2 MiB whatever a hostile map says."""
+    small = ((128 << 10) - size) >> 11 if size < (128 << 10) else 0
+    return size + (size >> 8) + small + 64
 
 
 def check_map_size(size: int, what: str) -> None:

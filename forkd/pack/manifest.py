@@ -10,6 +10,7 @@ from forkd import digest as dg
 from forkd import jsondoc
 from forkd.errors import IntegrityError
 from forkd.pack import mediatypes as mt
+from forkd.pack.config import MAX_CONFIG_BYTES
 from forkd.pack.imagemap import ImageMap
 
 MAX_MANIFEST_BYTES = 4 << 20
@@ -114,6 +115,10 @@ class Manifest:
         if config.media_type != mt.CONFIG:
             raise IntegrityError(
                 f"{what}: config media type {config.media_type!r} is not {mt.CONFIG}"
+            )
+        if config.size > MAX_CONFIG_BYTES:  # refused before a byte of it is fetched
+            raise IntegrityError(
+                f"{what}: config is {config.size} bytes, over the {MAX_CONFIG_BYTES}-byte limit"
             )
         layers = raw.get("layers")
         if not isinstance(layers, list):

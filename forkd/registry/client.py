@@ -22,12 +22,26 @@ token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS
 (comma-separated origins such as ``https://auth.example.com``). A challenge naming any
 other realm (another host or port, or https → http) is refused with AuthError before
 anything is sent; without credentials an anonymous token may come from any realm.
+
+Bounds (a hostile hub, or a MITM on plain http, picks every byte and every pause): an
+answer that is not a blob (errors, 401s, tokens, manifests, referrers, upload answers) is
+read up to ``MAX_ANSWER_BYTES`` within the client's ``timeout`` in all; a blob is read up to
+its declared size within ``blob_deadline(size)`` (``BLOB_GRACE`` seconds plus its bytes at
+``MIN_BLOB_RATE``) or the caller's deadline, retries included: a body that drips a byte a
+minute, or never ends, is a RegistryError naming the URL, never a hang or a full memory.
+The text of an error answer is quoted only when the hub's own origin (or a trusted token
+realm) sent it (a redirect elsewhere, say to a service on the host, is reported by its
+status and URL alone), and a redirect or realm leading to a link-local address (a cloud's
+metadata service), or to this host's loopback from a hub elsewhere, is refused. Only reads
+(GET, HEAD) follow redirects: an upload or a manifest PUT answered with a redirect is an
+error, so a hub cannot send a pack's bytes to another address (a service on this host).
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import ipaddress
 import os
 import re
 import ssl
@@ -52,6 +66,9 @@ UPLOAD_CHUNK = 16 << 20
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 RETRY_STATUSES = (502, 503, 504)
 UPLOAD_RESTARTS = 3  # times a chunked upload whose session was lost starts again
+MAX_ANSWER_BYTES = MAX_MANIFEST_BYTES  # an answer that is not a blob: manifest, error, token
+BLOB_GRACE = 30.0  # seconds a blob may take whatever its size (connecting, a slow start)
+MIN_BLOB_RATE = 64 << 10  # bytes a second a blob's body must average past BLOB_GRACE
 _CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
 TRUSTED_REALMS_ENV = "FORKD_TRUSTED_REALMS"
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -124,6 +141,11 @@ def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def blob_deadline(size: int) -> float:
+    """Seconds a blob of ``size`` bytes may take to arrive, retries included."""
+    return BLOB_GRACE + size / MIN_BLOB_RATE
+
+
 def warm_up() -> None:
     """Load what a process's first client loads (httpx's transport, the TLS trust):
     what a waiting lazy server does before it is needed."""
@@ -140,6 +162,7 @@ class RegistryClient:
     ) -> None:
         self.hub = hub
         self.credential = credential
+        self.timeout = timeout
         self.realm_origins = {origin(hub.url)} | trusted_realm_origins(trusted_realms)
         self.http = httpx.Client(
             base_url=hub.url,
@@ -147,6 +170,7 @@ class RegistryClient:
             timeout=timeout,
             follow_redirects=True,
             limits=httpx.Limits(max_connections=16),
+            event_hooks={"request": [self._check_destination]},
         )
         self._tokens: dict[str, str] = {}
         self._basic = False
@@ -171,20 +195,62 @@ class RegistryClient:
         ok: tuple[int, ...] = (200,),
         stream: bool = False,
         headers: dict[str, str] | None = None,
+        deadline: float | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """Send a request, answering one auth challenge; raise unless the status is in ``ok``."""
+        """Send a request, answering one auth challenge; raise unless the status is in ``ok``.
+        Without ``stream`` the answer is read (``read_answer``: bounded in bytes and time);
+        ``deadline`` (``time.monotonic()``): when retries stop and the last one times out."""
         for attempt in (1, 2):
-            resp = self._send(method, url, scope, stream, headers, kwargs)
+            resp = self._send(method, url, scope, stream, headers, kwargs, deadline)
             if resp.status_code == 401 and attempt == 1:
-                resp.read()
+                self.read_answer(resp, f"{method} {url} answer")
                 self._authenticate(resp.headers.get("www-authenticate", ""), scope)
                 continue
             if resp.status_code not in ok:
-                resp.read()
+                self.read_answer(resp, f"{method} {url} answer")
                 raise self._error(method, url, resp)
             return resp
         raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
+
+    def read_answer(self, resp: httpx.Response, what: str, limit: int = MAX_ANSWER_BYTES,
+                    deadline: float | None = None) -> bytes:
+        """The body of an answer that is not a blob, read into ``resp`` (``resp.content``)
+        and closed: at most ``limit`` bytes, within the client's timeout (or until
+        ``deadline``); else RegistryError (a hub that sends a body without end, or a byte
+        a minute, does not fill this process's memory nor hold it)."""
+        try:
+            return self._read_body(resp, what, limit, deadline)
+        except httpx.TransportError as exc:
+            raise RegistryError(f"{self.hub}: {what} broke off: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise RegistryError(f"{self.hub}: {what} is unusable ({exc})") from exc
+
+    def _read_body(self, resp: httpx.Response, what: str, limit: int = MAX_ANSWER_BYTES,
+                   deadline: float | None = None) -> bytes:
+        """``read_answer``, letting httpx's errors through (``_send`` retries some)."""
+        if resp.is_stream_consumed:
+            return resp.content
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        declared = resp.headers.get("content-length", "")
+        data = bytearray()
+        try:
+            if declared.isdigit() and int(declared) > limit:
+                raise RegistryError(f"{self.hub}: {what} is {declared} bytes, over the "
+                                    f"{limit} this client reads; refusing it")
+            for block in resp.iter_bytes():
+                data += block
+                if len(data) > limit:
+                    raise RegistryError(f"{self.hub}: {what} goes on past {limit} bytes; "
+                                        "refusing it")
+                if time.monotonic() > end:
+                    raise RegistryError(f"{self.hub}: {what} still arriving after "
+                                        f"{self.timeout:.0f} s ({len(data)} bytes); the hub "
+                                        "sends too slowly: try again, or another hub")
+        finally:
+            resp.close()
+        resp._content = bytes(data)  # what httpx's own read() keeps
+        return resp._content
 
     def _send(
         self,
@@ -194,27 +260,62 @@ class RegistryClient:
         stream: bool,
         headers: dict[str, str] | None,
         kwargs: dict[str, Any],
+        deadline: float | None = None,
     ) -> httpx.Response:
-        """One request, sent again after ``RETRY_DELAYS`` while there is no answer or a
-        balancer's 502/503/504 (the last such answer is returned)."""
+        """One request, sent again after ``RETRY_DELAYS`` while there is no answer (or it
+        broke off before its end, not streamed) or a balancer's 502/503/504 (the last such
+        answer is returned); none is sent past ``deadline``, and each waits at most until
+        it for a byte."""
         for delay in (*RETRY_DELAYS, None):
-            req = self.http.build_request(method, url, headers=headers, **kwargs)
-            if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
-                req.headers.update(self._auth_header(scope))
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegistryError(f"{self.hub}: {method} {url}: no answer in time; "
+                                        "is the hub running and reachable?")
+                kwargs = {**kwargs, "timeout": min(kwargs.get("timeout", self.timeout), left)}
             try:
-                resp = self.http.send(req, stream=stream)
+                req = self.http.build_request(method, url, headers=headers, **kwargs)
+                if origin(req.url) == origin(self.hub.url):  # a Location elsewhere gets none
+                    req.headers.update(self._auth_header(scope))
+                # reads may be redirected (a registry may serve blobs from a CDN); a write
+                # never: its body (a pack's bytes) goes where the hub is, not where it says
+                resp = self.http.send(req, stream=True,
+                                      follow_redirects=method in ("GET", "HEAD"))
+                if not stream and resp.status_code not in RETRY_STATUSES:
+                    self._read_body(resp, f"{method} {url} answer", deadline=deadline)
             except httpx.TransportError as exc:
-                if delay is None:
+                if delay is None or (deadline is not None and time.monotonic() > deadline):
                     raise RegistryError(
                         f"{self.hub}: {method} {url} failed: {exc}; is the hub running and "
                         "reachable?"
                     ) from exc
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a redirect loop, a bad
+                # encoding, an unusable Location: the hub's answer, not the network
+                raise RegistryError(f"{self.hub}: {method} {_printable(url)[:200]}: the hub's "
+                                    f"answer is unusable ({exc})") from exc
             else:
                 if resp.status_code not in RETRY_STATUSES or delay is None:
                     return resp
                 resp.close()
             time.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _check_destination(self, request: httpx.Request) -> None:
+        """Refuse a request a redirect or a token realm sends off the hub's origins to an
+        address no registry serves from: link-local (a cloud's metadata service at
+        169.254.169.254), multicast, unspecified or reserved, or this host's loopback
+        when the hub is not on it (a service on this host, past the sandboxes' egress
+        rules: the daemon fetches for its callers). Literal addresses only: a name is
+        not resolved here."""
+        if origin(request.url) in self.realm_origins:
+            return
+        kind = _address_kind(request.url.host)
+        if kind == "special" or (kind == "loopback"
+                                 and _address_kind(httpx.URL(self.hub.url).host) != "loopback"):
+            raise RegistryError(
+                f"{self.hub}: refusing to follow it to {_printable(request.url.host)[:100]} "
+                f"({'a loopback' if kind == 'loopback' else 'a link-local or reserved'} "
+                "address no registry serves from); is the hub what it should be?")
 
     def _auth_header(self, scope: str) -> dict[str, str]:
         with self._lock:
@@ -255,7 +356,9 @@ class RegistryClient:
                 )
             auth = httpx.BasicAuth(self.credential.username, self.credential.secret)
         try:
-            resp = self.http.get(realm_url, params=query, auth=auth or httpx.USE_CLIENT_DEFAULT)
+            resp = self.http.send(self.http.build_request("GET", realm_url, params=query),
+                                  auth=auth or httpx.USE_CLIENT_DEFAULT, stream=True)
+            self.read_answer(resp, f"token endpoint {realm[:200]} answer")
         except httpx.HTTPError as exc:
             raise AuthError(f"{self.hub}: token endpoint {realm} unreachable: {exc}") from exc
         if resp.status_code in (401, 403):
@@ -278,14 +381,18 @@ class RegistryClient:
         detail = ""
         codes: tuple[str, ...] = ()
         details: tuple[str, ...] = ()
-        try:
-            errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
-            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-            codes = tuple(str(e.get("code")) for e in errors)
-            details = tuple(str(e.get("detail") or "") for e in errors)
-        except (InvalidInput, AttributeError, TypeError):
-            detail = resp.text[:200]
-        msg = f"{self.hub}: {method} {url} → {resp.status_code} {detail}".rstrip()
+        if origin(resp.url) not in self.realm_origins:  # redirected: not the hub's words
+            detail = f"(from {_printable(str(resp.url.copy_with(query=None)))[:200]})"
+        else:
+            try:
+                errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
+                detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+                codes = tuple(str(e.get("code")) for e in errors)
+                details = tuple(str(e.get("detail") or "") for e in errors)
+            except (InvalidInput, AttributeError, TypeError):
+                detail = resp.text[:200]
+        msg = f"{self.hub}: {method} {url} → {resp.status_code} {_printable(detail)[:1000]}"
+        msg = msg.rstrip()
         status = resp.status_code
         if status in (401, 403):
             return AuthError(
@@ -323,15 +430,26 @@ class RegistryClient:
         size: int | None,
         limit: int,
         sink: Callable[[Iterator[bytes]], None],
+        deadline: float | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         """Stream a blob into ``sink`` (which verifies it), refusing more than ``limit`` bytes.
         ``sink`` is called once: a stream that breaks (its replica went away) is fetched
         again from the start after ``RETRY_DELAYS`` and goes on where the sink's stream
-        stopped (the bytes it has are skipped), so no sink sees a block twice."""
+        stopped (the bytes it has are skipped), so no sink sees a block twice. All of it,
+        retries included, ends by ``deadline`` (``time.monotonic()``; default
+        ``blob_deadline`` of its size): past it, RegistryError naming the blob and what
+        arrived (a hub dripping a byte a minute holds no reader for ever); ``read_timeout``:
+        the longest wait for any byte (default the client's timeout)."""
         url = f"/v2/{repo}/blobs/{digest}"
+        expected = size if size is not None else limit
+        start = time.monotonic()
+        end = start + blob_deadline(expected) if deadline is None else deadline
 
         def answer() -> httpx.Response:
-            resp = self.request("GET", url, self.pull_scope(repo), stream=True)
+            waits: dict[str, Any] = {} if read_timeout is None else {"timeout": read_timeout}
+            resp = self.request("GET", url, self.pull_scope(repo), stream=True, deadline=end,
+                                **waits)
             declared = resp.headers.get("content-length")
             if declared is not None and (
                 int(declared) > limit or (size is not None and int(declared) != size)
@@ -348,17 +466,28 @@ class RegistryClient:
             for delay in (*RETRY_DELAYS, None):
                 skip = got
                 try:
-                    for block in resp.iter_bytes(1 << 20):
+                    for block in resp.iter_bytes():
+                        if time.monotonic() > end:
+                            raise RegistryError(
+                                f"{self.hub}: GET {url}: {got} of {expected} bytes after "
+                                f"{time.monotonic() - start:.0f} s; the hub sends too slowly "
+                                "(or stalls): try again, or another hub")
                         if skip >= len(block):
                             skip -= len(block)
                             continue
                         block, skip = block[skip:], 0
                         got += len(block)
+                        if got > limit:
+                            raise IntegrityError(f"{repo}@{digest}: registry sends more "
+                                                 f"than {limit} bytes; refusing it")
                         yield block
                     return
                 except httpx.TransportError as exc:
-                    if delay is None:
+                    if delay is None or time.monotonic() + delay > end:
                         raise RegistryError(f"{self.hub}: GET {url} broke off: {exc}") from exc
+                except httpx.HTTPError as exc:  # e.g. a Content-Encoding its body breaks
+                    raise RegistryError(f"{self.hub}: GET {url}: the hub's answer is "
+                                        f"unusable ({exc})") from exc
                 finally:
                     resp.close()
                 time.sleep(delay)
@@ -403,7 +532,7 @@ class RegistryClient:
             if resp.status_code == 202:  # the registry opened a session and kept nothing
                 self.request(
                     "PUT",
-                    _with_digest(resp.headers["location"], digest),
+                    _with_digest(_location(self.hub, resp), digest),
                     scope,
                     ok=(201,),
                     content=data,
@@ -430,7 +559,7 @@ class RegistryClient:
         resp = self.request(
             "POST", f"/v2/{repo}/blobs/uploads/", scope, ok=(202,), headers={"Content-Length": "0"}
         )
-        location = resp.headers["location"]
+        location = _location(self.hub, resp)
         offset = resyncs = sent = 0  # sent: the furthest byte any PATCH so far carried
         while offset < size:
             data = read(offset, min(UPLOAD_CHUNK, size - offset))
@@ -494,16 +623,7 @@ class RegistryClient:
             headers={"Accept": MANIFEST_ACCEPT},
             stream=True,
         )
-        try:
-            data = b""
-            for block in resp.iter_bytes(1 << 16):
-                data += block
-                if len(data) > MAX_MANIFEST_BYTES:
-                    raise IntegrityError(
-                        f"{repo}:{reference}: manifest over {MAX_MANIFEST_BYTES} bytes; refusing it"
-                    )
-        finally:
-            resp.close()
+        data = self.read_answer(resp, f"{repo}:{reference} manifest", MAX_MANIFEST_BYTES)
         digest = dg.of_bytes(data)
         if reference.startswith("sha256:"):
             dg.check(reference, digest, f"{repo}@{reference} manifest")
@@ -518,7 +638,19 @@ class RegistryClient:
             content=data,
             headers={"Content-Type": mt.OCI_MANIFEST},
         )
-        digest: str = resp.headers.get("docker-content-digest") or dg.of_bytes(data)
+        # the digest of what was sent, in the hub's algorithm when it names a known one (a
+        # manifest PUT by its sha512 is answered with that): its word is checked, not taken
+        said = resp.headers.get("docker-content-digest") or ""
+        try:
+            algorithm = dg.algorithm_of(said) if said else dg.ALGORITHM
+        except InvalidInput:
+            algorithm = dg.ALGORITHM
+        digest = dg.of_bytes(data, algorithm)
+        if said and said != digest:
+            raise RegistryError(
+                f"{self.hub}: PUT manifest {repo}:{_printable(reference)[:100]} answered "
+                f"digest {_printable(said)[:100]!r}, but the manifest sent is {digest}; the "
+                "hub did not store what was pushed: check the hub, then push again")
         return digest
 
 
@@ -533,9 +665,46 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
     return doc
 
 
+def _address_kind(host: str) -> str:
+    """"loopback", "special" (link-local, multicast, unspecified, reserved) or "other" (a
+    name, or any other address) of a URL's host."""
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return "loopback"
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return "other"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    if (address.is_link_local or address.is_multicast or address.is_unspecified
+            or address.is_reserved):
+        return "special"
+    return "other"
+
+
+def _location(hub: Hub, resp: httpx.Response) -> str:
+    """The upload session an answer names (its ``Location``); RegistryError without one."""
+    location: str = resp.headers.get("location", "")
+    if not location:
+        raise RegistryError(f"{hub}: {resp.request.method} {resp.request.url} answered "
+                            f"{resp.status_code} without a Location; is it an OCI registry?")
+    return location
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (a terminal's escapes) shown as ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _with_digest(location: str, digest: str) -> str:
     """An upload location with ``digest=`` added to whatever query it already carries."""
-    url = httpx.URL(location)
+    try:
+        url = httpx.URL(location)
+    except httpx.InvalidURL as exc:
+        raise RegistryError(f"the registry's upload location {_printable(location)[:200]!r} "
+                            f"is not a URL ({exc})") from exc
     return str(url.copy_merge_params({"digest": digest}))
 
 

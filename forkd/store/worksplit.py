@@ -8,7 +8,9 @@ page next to each touched one: 9.6 of 28.7 MiB for langgraph-react (2026-12-06).
 
 Chunks that lie wholly inside or wholly outside the working set keep their blobs; only
 split chunks are compressed anew, at the level of the layer's kind (docs/pack-format.md,
-"Chunking").
+"Chunking"). The pages are the guest's choice, so the split is bounded: a chunk is split
+only while the map stays within ``MAX_SPLIT_EXTENTS`` extents (half the format's bound);
+each split adds one chunk at most, so the chunk count at most doubles.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from forkd.errors import InvalidInput
 from forkd.names import parse_ref
 from forkd.pack import mediatypes as mt
 from forkd.pack.chunking import RawChunk, build_map, unpack_chunk
-from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, ImageMap, runs
+from forkd.pack.imagemap import MAX_MAP_EXTENTS, PAGE_SIZE, ChunkRef, ImageMap, runs
 from forkd.store.assembly import cache_of
 from forkd.store.compaction import share_cache
 from forkd.store.manifests import write_manifest
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from forkd.store.store import Store
 
 # write_manifest sets these from the config; every other annotation is carried over
+MAX_SPLIT_EXTENTS = MAX_MAP_EXTENTS // 2  # a split map's extents: room left for the rest
 _DERIVED = (mt.ANNOTATION_CREATED, mt.ANNOTATION_PARENT_TAG)
 
 
@@ -65,7 +68,7 @@ def split_memory(store: Store, ref: str, touched: Collection[int]) -> str:
     if imap is None:
         raise InvalidInput(f"{what} has no memory map; nothing to split")
     hot = frozenset(touched)
-    mixed = [c for c in imap.chunks if _straddles(c, hot)]
+    mixed = _within_budget(imap, hot)
     if not mixed:
         return digest
 
@@ -92,6 +95,26 @@ def split_memory(store: Store, ref: str, touched: Collection[int]) -> str:
     if images:
         share_cache(store, images, new)  # the same images by construction
     return new
+
+
+def _within_budget(imap: ImageMap, hot: frozenset[int]) -> list[ChunkRef]:
+    """The chunks to split: those that straddle the working set, in image order, as long
+    as the split map stays within ``MAX_SPLIT_EXTENTS`` extents (the touched pages are the
+    guest's choice: one touching every other page would cut each 2 MiB chunk into 512
+    one-page extents, a map past the pack format's bounds, and the push would fail); the
+    others are left whole (their untouched pages travel with the working set)."""
+    budget = MAX_SPLIT_EXTENTS - imap.extent_count
+    out = []
+    for chunk in imap.chunks:
+        if not _straddles(chunk, hot):
+            continue
+        pages = pages_of(chunk)
+        sides = runs([p for p in pages if p in hot]), runs([p for p in pages if p not in hot])
+        extra = len(sides[0]) + len(sides[1]) - len(chunk.extents)
+        if extra <= budget:
+            budget -= extra
+            out.append(chunk)
+    return out
 
 
 def _straddles(chunk: ChunkRef, hot: frozenset[int]) -> bool:

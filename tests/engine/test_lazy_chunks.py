@@ -5,6 +5,7 @@ a chunk the hub corrupts is never stored nor served, a gone hub is named with th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -641,3 +642,152 @@ def test_a_closed_source_ends_its_prefetch_cleanly(chain_store: tuple[Store, Pat
     assert progress.state == "failed" and "lazy server stopped" in (progress.error or "")
     assert not any(fresh.blobs.has(d) for d in source.refs)
     assert fresh.verify() == []
+
+
+def test_a_dripping_chunk_fails_by_its_deadline_naming_it(
+        chain_store: tuple[Store, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub dripping a chunk a byte at a time (tests/hostile_hub.py) holds a lazy fault
+    until the chunk's deadline only: then ChunkUnavailable names the chunk, nothing of it is
+    stored, and the other chunks are served as before."""
+    from hostile_hub import HostileHub
+
+    from forkd.registry import client as registry_client
+
+    store, head = chain_store
+    monkeypatch.setattr(registry_client, "BLOB_GRACE", 1.5)
+    monkeypatch.setattr(registry_client, "MIN_BLOB_RATE", 1 << 30)
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}, pause=0.2) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        layout = ImageLayout(source, "memory")
+        victim, other = layout.chunk_order[0], layout.chunk_order[-1]
+        hostile.modes[victim] = "drip"
+        start = time.monotonic()
+        with pytest.raises(ChunkUnavailable) as caught:
+            source.read(victim)
+        assert time.monotonic() - start < 15
+        assert victim in str(caught.value) and "too slowly" in str(caught.value)
+        at = layout.by_chunk[other][0].page * PAGE_SIZE
+        assert layout.read(at, PAGE_SIZE) == head.read_bytes()[at : at + PAGE_SIZE]
+        source.flush()
+        assert not fresh.blobs.has(victim) and fresh.blobs.has(other)
+    assert fresh.verify() == []
+
+
+def test_a_dripping_working_set_leaves_its_chunks_to_readers(
+        chain_store: tuple[Store, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub dripping the working-set blob (tests/hostile_hub.py) stops being read after
+    STREAM_STALL seconds without a chunk: a reader waiting for a chunk the stream claimed
+    fetches it itself then, and gets its verified bytes, instead of waiting for the
+    blob's whole deadline."""
+    from hostile_hub import HostileHub
+
+    from forkd.engine.lazy import orders, workingset
+
+    store, head = chain_store
+    monkeypatch.setattr(workingset, "STREAM_STALL", 1.0)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    whole = orders.WorkingSet(store, chunks)
+    blob = whole.descriptor
+    store.blobs.put_bytes(whole.read(0, blob.size), blob.digest)  # on the hostile hub
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}, pause=0.2) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        hostile.modes[blob.digest] = "drip"
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        layout = ImageLayout(source, "memory")
+        brought: list[list[str]] = []
+        streaming = threading.Thread(target=lambda: brought.append(
+            workingset.fetch(source, blob, chunks)))
+        start = time.monotonic()
+        streaming.start()
+        while not source._inflight:  # the stream's claims are made
+            time.sleep(0.01)
+        victim = next(d for d in chunks if d in layout.by_chunk)
+        segment = layout.by_chunk[victim][0]
+        at, length = segment.page * PAGE_SIZE, segment.count * PAGE_SIZE
+        assert layout.read(at, length) == head.read_bytes()[at : at + length]
+        assert time.monotonic() - start < 10
+        streaming.join(10)
+        assert not streaming.is_alive() and brought == [[]]
+        source.close()
+    assert fresh.verify() == []
+
+
+def test_a_hub_listing_thousands_of_working_sets_costs_a_few_fetches(
+        chain_store: tuple[Store, Path]) -> None:
+    """A hub (or the pack's publisher) listing many working sets of a snapshot, each cut
+    from another order: a lazy fork looks at the newest MAX_WORKING_SETS only, not one
+    manifest fetch per listed artifact."""
+    from hostile_hub import HostileHub
+
+    from forkd.engine.lazy import orders
+    from forkd.pack import accessorder as ao
+    from forkd.pack import mediatypes as mt
+    from forkd.pack.manifest import Descriptor
+
+    store, _ = chain_store
+    head = store.resolve("app:v2")
+    subject = Descriptor(mt.OCI_MANIFEST, head, store.blobs.size(head))
+    chunks = list(open_local(store, "app:v2").refs)[:2]
+    order = encode(head, Order(chunks))
+    store.blobs.put_bytes(order)
+    store.blobs.put_bytes(ao.EMPTY_CONFIG)
+    order_artifact = store.blobs.put_bytes(ao.artifact(subject, order))
+    blob = orders.WorkingSet(store, chunks).descriptor
+    others = [store.blobs.put_bytes(ao.working_set_artifact(
+        subject, dg.of_bytes(f"another order {i}".encode()), blob)) for i in range(200)]
+    with HostileHub(store, {}) as hostile, RegistryClient(hostile.hub) as client:
+        hostile.referrers = {ao.ACCESS_ORDER_ARTIFACT: [order_artifact],
+                             ao.WORKING_SET_ARTIFACT: others}
+        found = orders.fetch(client, "lazy/app", head)
+        asked = [p for p in hostile.requests if p.rsplit("/", 1)[-1] in set(others)]
+    assert found is not None and found.chunks == chunks and found.working_set is None
+    assert len(asked) == orders.MAX_WORKING_SETS
+
+
+def test_a_garbled_chunk_answer_is_unavailable_naming_it(
+        chain_store: tuple[Store, Path], tmp_path: Path) -> None:
+    """A chunk whose answer says gzip and is not: ChunkUnavailable naming the chunk (what
+    a FUSE read turns into EIO), not a raw httpx error out of the server's read handler."""
+    from hostile_hub import HostileHub
+
+    store, _ = chain_store
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(store, {"v2": store.resolve("app:v2")}) as hostile, \
+            RegistryClient(hostile.hub) as client:
+        source = open_remote(fresh, parse_remote(f"{hostile.hub.host}/lazy/app:v2"), client)
+        victim = next(iter(source.refs))
+        hostile.modes[victim] = "garbled"
+        with pytest.raises(ChunkUnavailable, match=victim):
+            source.read(victim)
+        source.close()
+    assert not fresh.blobs.has(victim) and fresh.verify() == []
+
+
+def test_a_working_set_over_its_bound_is_not_used(
+        chain_store: tuple[Store, Path], hub: HubServer, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher keeps its working set within MAX_WORKING_SET_BYTES (bounded_prefix); a
+    reader refuses a larger one as its artifact is read, before a byte of its blob is
+    spooled or streamed (a hostile hub's could declare any size), and goes chunk by
+    chunk: the order itself still counts."""
+    from forkd.engine.lazy import orders
+    from forkd.pack import accessorder
+
+    store, _ = chain_store
+    _, who = _pushed(hub, store)
+    chunks = list(open_local(store, "app:v2").refs)[:4]
+    order = _published_working_set(hub, store, who, chunks)
+    assert order.working_set is not None
+    sizes = [store.blobs.size(d) for d in chunks]
+    monkeypatch.setattr(accessorder, "MAX_WORKING_SET_BYTES", sizes[0] + sizes[1])
+    assert accessorder.bounded_prefix(chunks, store.blobs.size) == chunks[:2]
+    named: list[object] = []
+    with RegistryClient(hub.target, Credential(*who)) as client:
+        found = orders.fetch(client, "lazy/app", store.resolve("app:v2"), named.append)
+    assert found is not None and found.chunks == chunks
+    assert found.working_set is None and named == []

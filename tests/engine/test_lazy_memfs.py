@@ -184,3 +184,29 @@ def test_recorded_windows_get_their_holes_before_any_read(tmp_path: Path) -> Non
         finally:
             os.close(fd)
     assert ops.push_zeros([1]) == 0  # read already: its first read filled it
+
+
+def test_recorded_windows_pushed_are_bounded(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorded windows come from the hub: push_zeros pushes MAX_ZERO_WINDOWS of them
+    at most (a hostile order naming every window of a 1 TiB image would fill the host's
+    page cache with zeros); the others are filled by their first reads, as before."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    monkeypatch.setattr(memfs, "MAX_ZERO_WINDOWS", 2)
+    store = Store(tmp_path / "home")
+    image = tmp_path / "sparse.img"
+    image.write_bytes(bytes(4 * memfs.STORE_WINDOW))
+    store.import_layer("sparse:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "sparse:v1"), "memory"))
+    ops.reads = []
+    with _serving(ops, tmp_path / "mnt") as path:
+        os.stat(path)
+        ops.cache_ready.set()
+        assert ops.push_zeros([3, 2, 1, 0]) == 2
+        assert ops.filled_windows == {3, 2}
+        fd = os.open(path, os.O_RDONLY)
+        try:  # a window left out reads as zeros all the same
+            assert os.pread(fd, PAGE_SIZE, 100 * PAGE_SIZE) == bytes(PAGE_SIZE)
+        finally:
+            os.close(fd)

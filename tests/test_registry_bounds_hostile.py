@@ -1,0 +1,222 @@
+"""A hostile hub (a real HTTP server, tests/hostile_hub.py) choosing every byte and every
+pause of its answers: an error answer or a blob that never ends is refused at its bound
+(the hub stops being read), a blob or a manifest dripped a byte at a time ends by its
+deadline with an error naming it, and an error answer from where a redirect led (a service
+on this host, say) is never quoted back to the user."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from hostile_hub import HostileHub
+
+from forkd import digest as dg
+from forkd.errors import IntegrityError
+from forkd.registry import client as registry_client
+from forkd.registry.client import MAX_ANSWER_BYTES, RegistryClient, RegistryError
+from forkd.store.store import Store
+
+BLOB = bytes(range(256)) * 64  # 16 KiB
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[tuple[HostileHub, str]]:
+    store = Store(tmp_path / "home")
+    digest = store.blobs.put_bytes(BLOB)
+    with HostileHub(store, {}, pause=0.2) as hub:
+        yield hub, digest
+
+
+def _sink(parts: list[bytes]) -> Callable[[Iterator[bytes]], None]:
+    def sink(blocks: Iterator[bytes]) -> None:
+        parts.extend(blocks)
+
+    return sink
+
+
+def test_an_endless_error_answer_is_refused_at_its_bound(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="goes on past"):
+        client.request("GET", "/error", "registry:catalog:*")
+    assert hub.sent < MAX_ANSWER_BYTES + (32 << 20)  # it stopped reading there
+
+
+def test_an_endless_blob_is_refused_at_its_size(hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "endless"
+    parts: list[bytes] = []
+    with RegistryClient(hub.hub) as client, pytest.raises(IntegrityError, match="more than"):
+        client.get_blob("ns/app", digest, None, len(BLOB), _sink(parts))
+    assert sum(map(len, parts)) <= len(BLOB)
+
+
+def test_a_dripping_blob_ends_by_its_deadline_naming_it(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"
+    parts: list[bytes] = []
+    start = time.monotonic()
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as caught:
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink(parts),
+                        deadline=time.monotonic() + 1.5)
+    assert time.monotonic() - start < 10
+    assert digest in str(caught.value) and "too slowly" in str(caught.value)
+
+
+def test_the_default_blob_deadline_follows_its_size(hostile: tuple[HostileHub, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"
+    monkeypatch.setattr(registry_client, "BLOB_GRACE", 1.0)
+    monkeypatch.setattr(registry_client, "MIN_BLOB_RATE", len(BLOB))  # one more second
+    start = time.monotonic()
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="too slowly"):
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink([]))
+    assert 2 <= time.monotonic() - start < 10
+
+
+def test_a_dripping_manifest_ends_by_the_clients_timeout(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, digest = hostile
+    hub.modes[digest] = "drip"  # served as a manifest too
+    start = time.monotonic()
+    with RegistryClient(hub.hub, timeout=1.5) as client, \
+            pytest.raises(RegistryError, match="too slowly"):
+        client.get_manifest("ns/app", digest)
+    assert time.monotonic() - start < 10
+
+
+class _Internal(BaseHTTPRequestHandler):
+    """A service on this host that a redirect points at: it answers with its secrets, and
+    notes any write sent to it."""
+
+    writes: ClassVar[list[str]] = []
+
+    def do_PUT(self) -> None:
+        _Internal.writes.append(self.path)
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        body = b'{"errors": [{"code": "DENIED", "message": "internal-secret-42"}]}'
+        self.send_response(403)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_error_answer_after_a_redirect_elsewhere_is_not_quoted(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    internal = ThreadingHTTPServer(("127.0.0.1", 0), _Internal)
+    threading.Thread(target=internal.serve_forever, daemon=True).start()
+    try:
+        target = f"http://127.0.0.1:{internal.server_address[1]}/admin"
+        with RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as caught:
+            client.request("GET", "/redirect", "registry:catalog:*", params={"to": target})
+    finally:
+        internal.shutdown()
+        internal.server_close()
+    said = str(caught.value)
+    assert "403" in said and "/admin" in said
+    assert "internal-secret-42" not in said and not caught.value.codes
+
+
+def test_a_garbled_encoding_is_a_registry_error(hostile: tuple[HostileHub, str]) -> None:
+    """A body that says it is gzip and is not: a RegistryError naming the blob (a raw
+    httpx error escaped the client, and a lazy server's FUSE handler, before)."""
+    hub, digest = hostile
+    hub.modes[digest] = "garbled"
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.get_blob("ns/app", digest, len(BLOB), len(BLOB), _sink([]))
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.get_manifest("ns/app", digest)
+
+
+def test_a_redirect_loop_is_a_registry_error(hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="unusable"):
+        client.request("GET", "/loop", "registry:catalog:*")
+
+
+def test_a_manifest_digest_the_hub_made_up_is_refused(
+        hostile: tuple[HostileHub, str]) -> None:
+    """put_manifest returns the digest of what was sent, and a hub answering another one
+    (it stored something else, or wants a made-up digest printed and published) is an
+    error, not the push's result."""
+    hub, _ = hostile
+    data = b'{"schemaVersion": 2}'
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="did not store"):
+        client.put_manifest("ns/app", "v1", data)
+    hub.put_digest = dg.of_bytes(data)
+    with RegistryClient(hub.hub) as client:
+        assert client.put_manifest("ns/app", "v1", data) == dg.of_bytes(data)
+    hub.put_digest = dg.of_bytes(data, "sha512")  # a PUT by sha512 is answered so
+    with RegistryClient(hub.hub) as client:
+        assert client.put_manifest("ns/app", "v1", data) == hub.put_digest
+
+
+def test_a_write_redirected_elsewhere_is_not_sent_there(
+        hostile: tuple[HostileHub, str]) -> None:
+    """A manifest PUT answered with a 307 to a service on this host: the client does not
+    follow it (its body would go there, as a 307 keeps method and body); an error."""
+    hub, _ = hostile
+    internal = ThreadingHTTPServer(("127.0.0.1", 0), _Internal)
+    threading.Thread(target=internal.serve_forever, daemon=True).start()
+    _Internal.writes.clear()
+    try:
+        hub.put_redirect = f"http://127.0.0.1:{internal.server_address[1]}/admin/write"
+        with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="307"):
+            client.put_manifest("ns/app", "v1", b'{"schemaVersion": 2}')
+    finally:
+        internal.shutdown()
+        internal.server_close()
+    assert _Internal.writes == []
+
+
+@pytest.mark.parametrize("target", ["http://169.254.169.254/latest/meta-data/",
+                                    "http://[::ffff:169.254.169.254]/", "http://[fe80::1]/",
+                                    "http://0.0.0.0:9/"])
+def test_a_redirect_to_a_link_local_or_reserved_address_is_refused(
+        hostile: tuple[HostileHub, str], target: str) -> None:
+    """A cloud's metadata service (link-local), an unspecified or reserved address: no
+    registry serves from one, so a redirect there is refused before a byte is sent."""
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="refusing"):
+        client.request("GET", "/redirect", "registry:catalog:*", params={"to": target})
+
+
+def _outward_address() -> str | None:
+    """An address of this host that is not loopback (a hub "elsewhere"), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
+            address: str = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_a_redirect_from_a_hub_elsewhere_to_this_hosts_loopback_is_refused(
+        tmp_path: Path) -> None:
+    """A hub that is not on this host's loopback sending a read to 127.0.0.1 (a service
+    of this host, past the sandboxes' egress rules: the daemon fetches for callers):
+    refused. A loopback hub's redirects to loopback go on (test setups, a local mirror)."""
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this host has no address besides loopback")
+    store = Store(tmp_path / "home")
+    with HostileHub(store, {}, address=address) as hub, RegistryClient(hub.hub) as client, \
+            pytest.raises(RegistryError, match="loopback"):
+        client.request("GET", "/redirect", "registry:catalog:*",
+                       params={"to": "http://127.0.0.1:9/admin"})
