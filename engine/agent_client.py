@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import errno
 import fcntl
 import itertools
@@ -130,6 +131,40 @@ class _ReplyHold:
     def release(self) -> None:
         self.budget.give(self.taken)
         self.taken = 0
+
+
+class KeptReplies:
+    """The reply budgets of one server request's guest replies, kept once each reply is
+    parsed instead of given back: the parsed reply lives on until the request's answer
+    has been sent (converted, encoded, written to a client that may read slowly). The
+    server gives them back when its request ends (``release``); a reply parsed after that
+    (a stream's producer thread outliving its request) is given back at once."""
+
+    def __init__(self) -> None:
+        self._holds: list[_ReplyHold] = []
+        self._lock = threading.Lock()
+        self._released = False
+
+    def keep(self, hold: _ReplyHold) -> bool:
+        """Keep ``hold`` until ``release``; False (not kept) once released."""
+        with self._lock:
+            if not self._released:
+                self._holds.append(hold)
+            return not self._released
+
+    def release(self) -> None:
+        with self._lock:
+            self._released = True
+            holds, self._holds = self._holds, []
+        for hold in holds:
+            hold.release()
+
+
+# The KeptReplies of the server request this thread serves (server.BoundedProtocol sets
+# one per request); None in process (one caller, which has its answer at once): a reply's
+# budget is given back when its request returns.
+KEPT_REPLIES: contextvars.ContextVar[KeptReplies | None] = contextvars.ContextVar(
+    "forkd_kept_replies", default=None)
 
 OnData = Callable[[bytes], None]
 
@@ -307,6 +342,7 @@ class AgentClient:
         self._ls.max_line = SMALL_REPLY_LINE if small else MAX_LINE
         hold = _ReplyHold(BUDGET, f"guest agent ({op})")
         self._ls.on_grow = hold.grow
+        kept = False
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
@@ -321,6 +357,9 @@ class AgentClient:
                         on_event(str(reply["ev"]), data)
                     continue
                 break
+            keeper = KEPT_REPLIES.get()
+            # its parsed reply lives on until the answer is sent
+            kept = keeper is not None and bool(hold.taken) and keeper.keep(hold)
         except ProtocolViolation as e:
             self.close()
             raise AgentError(f"the guest agent broke the protocol answering {op!r} ({e}); "
@@ -333,7 +372,8 @@ class AgentClient:
             raise
         finally:
             self._ls.on_grow = None
-            hold.release()
+            if not kept:
+                hold.release()
         if not reply.get("ok"):
             _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}

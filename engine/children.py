@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import os
 import secrets
 import shutil
@@ -50,6 +51,7 @@ from forkd.engine.errors import (
     ChildNotFound,
     EngineError,
     HostError,
+    TooManyRequests,
     VMMError,
 )
 from forkd.engine.lazy.failures import failure_of
@@ -516,18 +518,36 @@ _require_running = require_running  # the name engine/branch.py calls
 
 MAX_REQUESTS_PER_CHILD = 16  # requests to one child's agent in flight in one process
 MAX_REQUESTS = 32  # requests to any children's agents in flight in one process
+# of them one client may hold (REQUEST_CLIENT): the others always keep the rest
+MAX_REQUESTS_PER_CLIENT = MAX_REQUESTS // 2
+# Who the request this thread serves is for: the listener's client (server.peer_of: a uid
+# on the daemon's Unix socket, an address on TCP), set per request by the daemon and by
+# `forkd mcp`'s HTTP listener; None in process (one caller: no share to keep).
+REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "forkd_request_client", default=None)
 _in_flight: dict[str, int] = {}
+_per_client: dict[str, int] = {}
 _in_flight_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _admitted(child_id: str) -> Iterator[None]:
     """Room for one more request to ``child_id``'s agent in this process, else Busy at
-    once. A request holds a thread until the guest answers (a command without a timeout:
-    until it ends), so without a bound a few commands that never end would hold every
-    worker of a daemon, and its kills, listings and spawns with them."""
+    once (TooManyRequests when its client holds its share). A request holds a thread until
+    the guest answers (a command without a timeout: until it ends), so without a bound a
+    few commands that never end would hold every worker of a daemon, and its kills,
+    listings and spawns with them; and without a share per client one client's commands
+    could hold all MAX_REQUESTS, every other client's exec refused until they end."""
+    client = REQUEST_CLIENT.get()
     with _in_flight_lock:
         mine, total = _in_flight.get(child_id, 0), sum(_in_flight.values())
+        theirs = _per_client.get(client, 0) if client is not None else 0
+        if theirs >= MAX_REQUESTS_PER_CLIENT:
+            raise TooManyRequests(
+                f"this client ({client}) has {theirs} requests to sandboxes in flight here, "
+                f"the most one client may ({MAX_REQUESTS_PER_CLIENT} of {MAX_REQUESTS}): "
+                "wait for one of yours to end and try again (a command without a timeout "
+                "holds its request until it ends; start long ones as background processes)")
         if mine >= MAX_REQUESTS_PER_CHILD or total >= MAX_REQUESTS:
             held = (f"{mine} requests to child {child_id} (at most {MAX_REQUESTS_PER_CHILD})"
                     if mine >= MAX_REQUESTS_PER_CHILD
@@ -535,15 +555,23 @@ def _admitted(child_id: str) -> Iterator[None]:
             raise Busy(f"{held} are in flight here: wait for one to end and try again "
                        "(a command without a timeout holds its request until it ends)")
         _in_flight[child_id] = mine + 1
+        if client is not None:
+            _per_client[client] = theirs + 1
     try:
         yield
     finally:
         with _in_flight_lock:
-            left = _in_flight[child_id] - 1
-            if left:
-                _in_flight[child_id] = left
-            else:
-                del _in_flight[child_id]
+            _dec(_in_flight, child_id)
+            if client is not None:
+                _dec(_per_client, client)
+
+
+def _dec(counts: dict[str, int], key: str) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 @contextlib.contextmanager
