@@ -281,3 +281,44 @@ def test_a_tag_removed_meanwhile_is_not_found(store: Store, images: list[Path]) 
     store.tags.update = gone_first  # type: ignore[method-assign]
     with pytest.raises(NotFound, match="removed meanwhile"):
         tagging.remove(store, "base")
+
+
+# -- a cell whose client went away ----------------------------------------------------------
+def _cell_in_thread(req: dict[str, Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    from forkd.engine.guest import agent
+
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(agent.op_eval(req)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_cancelled_cell_is_interrupted_in_the_guest() -> None:
+    """When a client of eval or run_code went away (or its token was revoked), the relay
+    sent ``cancel`` but the agent only knew how to cancel an exec: the cell ran on to its
+    own timeout (for ever without one), holding the interpreter, so every later cell of
+    the sandbox waited behind it. Now ``cancel`` interrupts it (KeyboardInterrupt)."""
+    from forkd.engine.guest import agent
+
+    thread, out = _cell_in_thread({"id": "cell-1", "code": "while True:\n    pass"})
+    wait_until("the cell runs", lambda: "cell-1" in agent.CELLS
+               and agent.CELLS["cell-1"].deadline is not None, 5)
+    assert agent.op_cancel({"target": "cell-1"}) == {"cancelled": True}
+    thread.join(5)
+    assert not thread.is_alive(), "the cell outlived its cancel"
+    assert out["error"]["cancelled"] is True and "client went away" in out["error"]["message"]
+    assert "cell-1" not in agent.CELLS
+    assert agent.op_eval({"id": "cell-2", "code": "1 + 1"})["value"] == 2  # the next runs
+
+
+def test_a_cell_cancelled_before_its_turn_never_runs() -> None:
+    from forkd.engine.guest import agent
+
+    with agent.NS_LOCK:  # another cell runs
+        thread, out = _cell_in_thread({"id": "cell-3", "code": "ran_after_cancel = True"})
+        wait_until("the cell waits", lambda: "cell-3" in agent.CELLS, 5)
+        assert agent.op_cancel({"target": "cell-3"}) == {"cancelled": True}
+    thread.join(5)
+    assert out["error"]["cancelled"] is True
+    assert "ran_after_cancel" not in agent.NS
+    assert agent.op_cancel({"target": ["not", "an", "id"]}) == {"cancelled": False}
