@@ -518,8 +518,10 @@ _require_running = require_running  # the name engine/branch.py calls
 
 MAX_REQUESTS_PER_CHILD = 16  # requests to one child's agent in flight in one process
 MAX_REQUESTS = 32  # requests to any children's agents in flight in one process
-# of them one client may hold (REQUEST_CLIENT): the others always keep the rest
+# of them one client may hold (REQUEST_CLIENT), in all and to one child: the others
+# always keep the rest of each
 MAX_REQUESTS_PER_CLIENT = MAX_REQUESTS // 2
+MAX_CHILD_REQUESTS_PER_CLIENT = MAX_REQUESTS_PER_CHILD // 2
 # Who the request this thread serves is for: the listener's client (server.peer_of: a uid
 # on the daemon's Unix socket, an address on TCP), set per request by the daemon and by
 # `forkd mcp`'s HTTP listener; None in process (one caller: no share to keep).
@@ -527,6 +529,7 @@ REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "forkd_request_client", default=None)
 _in_flight: dict[str, int] = {}
 _per_client: dict[str, int] = {}
+_per_client_child: dict[str, int] = {}  # "CLIENT CHILD" -> requests
 _in_flight_lock = threading.Lock()
 
 
@@ -539,15 +542,23 @@ def _admitted(child_id: str) -> Iterator[None]:
     listings and spawns with them; and without a share per client one client's commands
     could hold all MAX_REQUESTS, every other client's exec refused until they end."""
     client = REQUEST_CLIENT.get()
+    pair = f"{client} {child_id}"
     with _in_flight_lock:
         mine, total = _in_flight.get(child_id, 0), sum(_in_flight.values())
         theirs = _per_client.get(client, 0) if client is not None else 0
-        if theirs >= MAX_REQUESTS_PER_CLIENT:
+        theirs_here = _per_client_child.get(pair, 0) if client is not None else 0
+        if theirs >= MAX_REQUESTS_PER_CLIENT or theirs_here >= MAX_CHILD_REQUESTS_PER_CLIENT:
+            held, most = ((f"{theirs} requests to sandboxes",
+                           f"{MAX_REQUESTS_PER_CLIENT} of {MAX_REQUESTS} in all")
+                          if theirs >= MAX_REQUESTS_PER_CLIENT else
+                          (f"{theirs_here} requests to {child_id}",
+                           f"{MAX_CHILD_REQUESTS_PER_CLIENT} of a sandbox's "
+                           f"{MAX_REQUESTS_PER_CHILD}"))
             raise TooManyRequests(
-                f"this client ({client}) has {theirs} requests to sandboxes in flight here, "
-                f"the most one client may ({MAX_REQUESTS_PER_CLIENT} of {MAX_REQUESTS}): "
-                "wait for one of yours to end and try again (a command without a timeout "
-                "holds its request until it ends; start long ones as background processes)")
+                f"this client ({client}) has {held} in flight here, the most one client may "
+                f"({most}): wait for one of yours to end and try again (a command without a "
+                "timeout holds its request until it ends; start long ones as background "
+                "processes)")
         if mine >= MAX_REQUESTS_PER_CHILD or total >= MAX_REQUESTS:
             held = (f"{mine} requests to child {child_id} (at most {MAX_REQUESTS_PER_CHILD})"
                     if mine >= MAX_REQUESTS_PER_CHILD
@@ -557,6 +568,7 @@ def _admitted(child_id: str) -> Iterator[None]:
         _in_flight[child_id] = mine + 1
         if client is not None:
             _per_client[client] = theirs + 1
+            _per_client_child[pair] = theirs_here + 1
     try:
         yield
     finally:
@@ -564,6 +576,7 @@ def _admitted(child_id: str) -> Iterator[None]:
             _dec(_in_flight, child_id)
             if client is not None:
                 _dec(_per_client, client)
+                _dec(_per_client_child, pair)
 
 
 def _dec(counts: dict[str, int], key: str) -> None:

@@ -92,6 +92,7 @@ def test_one_client_holds_at_most_its_share_of_guest_requests(
     of them; past it a 429 says whose share it is and what to do, and others get theirs."""
     monkeypatch.setattr(ch, "MAX_REQUESTS", 4)
     monkeypatch.setattr(ch, "MAX_REQUESTS_PER_CLIENT", 2)
+    monkeypatch.setattr(ch, "MAX_CHILD_REQUESTS_PER_CLIENT", 2)
     mine = [_post(tcp, *EXEC, token=TOKEN) for _ in range(2)]
     wait_until("both commands run", lambda: len(guest.requests) == 2, 10)
     refused = _post(tcp, *EXEC, token=TOKEN)
@@ -100,7 +101,7 @@ def test_one_client_holds_at_most_its_share_of_guest_requests(
     assert b"retry-after: 1" in head.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "TooManyRequests", error
-    assert "this client (127.0.0.1) has 2 requests to sandboxes" in error["message"]
+    assert "this client (127.0.0.1) has 2 requests to sandboxes in flight" in error["message"]
     assert "wait for one of yours to end" in error["message"]
     theirs = [_post(tcp, *EXEC, source="127.0.0.2", token=TOKEN) for _ in range(2)]
     wait_until("the other client's commands run", lambda: len(guest.requests) == 4, 10)
@@ -110,11 +111,32 @@ def test_one_client_holds_at_most_its_share_of_guest_requests(
     assert guest.open == 0
 
 
+def test_one_client_holds_at_most_half_of_one_sandboxs_requests(
+        tcp: tuple[str, int], guest: FakeGuest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within its share of the daemon, one client could still hold all 16 requests one
+    sandbox may have (MAX_REQUESTS_PER_CHILD): every other client's exec in that sandbox
+    was Busy. Now it holds at most half of them; another sandbox's are its own."""
+    monkeypatch.setattr(ch, "MAX_REQUESTS_PER_CHILD", 4)
+    monkeypatch.setattr(ch, "MAX_CHILD_REQUESTS_PER_CLIENT", 2)
+    mine = [_post(tcp, *EXEC, token=TOKEN) for _ in range(2)]
+    wait_until("both commands run", lambda: len(guest.requests) == 2, 10)
+    head, body = _head_and_body(_post(tcp, *EXEC, token=TOKEN))
+    assert head.startswith(b"HTTP/1.1 429"), head
+    assert "has 2 requests to sb-1 in flight" in json.loads(body)["error"]["message"]
+    elsewhere = _post(tcp, "/v1/sandboxes/sb-2/exec", EXEC[1], token=TOKEN)
+    theirs = _post(tcp, *EXEC, source="127.0.0.2", token=TOKEN)
+    wait_until("the other commands run", lambda: len(guest.requests) == 4, 10)
+    for conn in [*mine, elsewhere, theirs]:
+        conn.close()
+    wait_until("every guest request freed", lambda: not ch._in_flight and not ch._per_client
+               and not ch._per_client_child, 5)
+
+
 def test_a_streamed_request_counts_for_its_client_too(
         place: Path, tmp_path: Path, guest: FakeGuest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed exec's guest request runs in a thread of its own: it counts against its
     client's share as the same request unstreamed does (its context goes with it)."""
-    monkeypatch.setattr(ch, "MAX_REQUESTS_PER_CLIENT", 1)
+    monkeypatch.setattr(ch, "MAX_CHILD_REQUESTS_PER_CLIENT", 1)
     sock = place / "ctl.sock"
     config = server.bounded_config(_daemon_app(tmp_path, None), server.UnixPeerProtocol,
                                    uds=str(sock))
