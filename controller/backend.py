@@ -167,28 +167,6 @@ def _refuse_private(what: str, tag: str) -> None:
         )
 
 
-def _refuse_saved_state(tag: str) -> None:
-    """Conflict when ``tag`` is a sandbox's saved state (its private tag, the sandbox still
-    there): its resume would have nothing to start from. Called under the store's tags
-    lock (Store.remove), which a pause's save takes to set that tag: a check made before
-    the lock (as it was) let a sandbox pause onto the layer between the check and a
-    cascade's removal, whose saved state the cascade then removed."""
-    owner = private_owner(tag)
-    if owner is not None and _child_exists(owner):
-        raise Conflict(
-            f"{tag} is the saved state of sandbox {owner}; kill it (its saved state goes "
-            "with it) or resume it first"
-        )
-
-
-def _child_exists(child_id: str) -> bool:
-    try:
-        ch.get(child_id)
-    except (InvalidInput, NotFound):
-        return False
-    return True
-
-
 class Stop:
     """Why a request's work should stop early: its client went away (``gone``) or its
     token was revoked (``revoked``); set once, from any thread (app.CallerWatch and
@@ -626,7 +604,7 @@ class LocalBackend:
         """Conflict when it (or, with cascade, a tag built on it) is a sandbox's saved
         state: that sandbox's resume would have nothing to start from."""
         return Removed(removed=self.store.remove(ref, cascade=cascade,
-                                                 refuse=_refuse_saved_state))
+                                                 refuse=ch.refuse_saved_state))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
         _refuse_paused_source(req.ref)  # a copy of it would be a snapshot anyone may fork

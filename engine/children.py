@@ -63,6 +63,7 @@ from forkd.engine.lifecycle import (
     child_dir,
     lock_file,
     new_id,
+    private_owner,
     private_tags,
     record_lock,
     require_running,
@@ -77,7 +78,7 @@ from forkd.engine.lifecycle import (
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import CPU_MODEL, MACHINE, QemuVM, create_overlay, pid_alive, qemu_version
 from forkd.engine.qmp import QMP
-from forkd.errors import ForkdError, InvalidInput
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.pack.config import Compat
 from forkd.store.store import Assembled, Store
 
@@ -789,6 +790,29 @@ def _branch_ended(d: Path) -> Iterator[None]:
             held.enter_context(lock_file(d / "lock", KILL_WAITS_FOR_BRANCH, busy, poll=0.005,
                                          shared=True))
         yield
+
+
+def refuse_saved_state(tag: str) -> None:
+    """Conflict when ``tag`` is a sandbox's saved state (its private tag, the sandbox still
+    there): its resume would have nothing to start from. Given to Store.remove (``refuse``)
+    by every removal of tags (the daemon's DELETE /v1/snapshots, `forkd rmi`), which calls
+    it under the tags' lock that a pause's save takes: a check made before the lock let a
+    sandbox pause onto the layer between the check and a cascade's removal, whose saved
+    state the cascade then removed."""
+    owner = private_owner(tag)
+    if owner is not None and child_exists(owner):
+        raise Conflict(
+            f"{tag} is the saved state of sandbox {owner}; kill it (its saved state goes "
+            "with it) or resume it first"
+        )
+
+
+def child_exists(child_id: str) -> bool:
+    try:
+        get(child_id)
+    except (InvalidInput, NotFound):
+        return False
+    return True
 
 
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:

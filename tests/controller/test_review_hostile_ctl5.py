@@ -261,13 +261,13 @@ def test_a_cascade_never_removes_a_saved_state_set_while_it_runs(
     saved state removed by the cascade, its resume then had nothing to start from. Now the
     check runs under the tags' lock with the removal, which a pause's save takes too: the
     pause's tag is either seen (409) or set after the removal (kept)."""
-    from forkd.controller import backend as backend_module
+    from forkd.errors import Conflict
     from forkd.store import tagging
 
     store.import_layer("base", memory=images[0])
     store.import_layer("d1", memory=images[1], parent="base")
     saved = "forkd-paused/sb-1:a"  # what pause names a sandbox's saved state
-    monkeypatch.setattr(backend_module, "_child_exists", lambda child_id: child_id == "sb-1")
+    monkeypatch.setattr(ch, "child_exists", lambda child_id: child_id == "sb-1")
     pause = threading.Thread(target=store.tag, args=(saved, "d1"))
     real = tagging.dependents
 
@@ -281,7 +281,7 @@ def test_a_cascade_never_removes_a_saved_state_set_while_it_runs(
     backend = LocalBackend(store)
     try:
         removed = backend.delete_snapshot("base", cascade=True).removed
-    except backend_module.Conflict as exc:  # it saw the saved state: nothing removed
+    except Conflict as exc:  # it saw the saved state: nothing removed
         assert "saved state of sandbox sb-1" in str(exc)
         removed = []
     pause.join(10)
@@ -344,3 +344,21 @@ def test_a_cell_cancelled_before_its_turn_never_runs() -> None:
     assert out["error"]["cancelled"] is True
     assert "ran_after_cancel" not in agent.NS
     assert agent.op_cancel({"target": ["not", "an", "id"]}) == {"cancelled": False}
+
+
+def test_forkd_rmi_never_removes_a_sandboxs_saved_state(
+        store: Store, images: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forkd rmi --cascade` removed a paused sandbox's saved state with the tag it was
+    built on (the daemon refused that; the CLI did not check at all)."""
+    from click.testing import CliRunner
+
+    from forkd.cli.store_cmds import rmi
+
+    store.import_layer("base", memory=images[0])
+    store.import_layer("d1", memory=images[1], parent="base")
+    saved = "forkd-paused/sb-1:a"
+    store.tag(saved, "d1")
+    monkeypatch.setattr(ch, "child_exists", lambda child_id: child_id == "sb-1")
+    result = CliRunner().invoke(rmi, ["--cascade", "base"])
+    assert "saved state of sandbox sb-1" in str(result.exception), result.output
+    assert {"base:latest", "d1:latest", saved} <= set(store.tags.read())
