@@ -448,7 +448,7 @@ class Produced(Iterator[Any]):
                 self._items.put(None)
 
         # in the caller's context: its guest request counts against its client's share
-        # (children.REQUEST_CLIENT) as the same request unstreamed would
+        # (agent_client.REQUEST_CLIENT) as the same request unstreamed would
         context = contextvars.copy_context()
         threading.Thread(target=context.run, args=(run,), name=name, daemon=True).start()
 

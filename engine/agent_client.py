@@ -89,11 +89,25 @@ class ReplyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self._clients: dict[str, int] = {}  # what each client's replies hold of it
         self._lock = threading.Lock()
 
-    def take(self, n: int, what: str, own: int = 0) -> None:
-        """``n`` more bytes for a reply that holds ``own`` already, else AgentError."""
+    def take(self, n: int, what: str, own: int = 0, client: str | None = None) -> None:
+        """``n`` more bytes for a reply that holds ``own`` already, else AgentError. A
+        server's client (REQUEST_CLIENT) holds at most half of it with all its replies:
+        one that reads its answers slowly (keeping them counted, KeptReplies) cannot
+        take every large reply from the others."""
         with self._lock:
+            theirs = self._clients.get(client, 0) if client is not None else 0
+            if client is not None and theirs + n > self.limit // 2:
+                raise AgentError(
+                    f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
+                    f"({client}) other replies held {(theirs - own) / MIB:.1f} MiB past "
+                    f"theirs (at most {self.limit // 2 / MIB:g} MiB, half of the "
+                    f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
+                    "connection closed. Read your answers as they come, ask for less at "
+                    "once (stream a command's output, read a file in parts), or retry when "
+                    "fewer of your large replies are in flight")
             if self.held + n > self.limit:
                 others = self.held - own
                 raise AgentError(
@@ -104,32 +118,48 @@ class ReplyBudget:
                     "for less at once (stream a command's output, read a file in parts) or "
                     "retry when fewer large replies are in flight")
             self.held += n
+            if client is not None:
+                self._clients[client] = theirs + n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, client: str | None = None) -> None:
         with self._lock:
             self.held -= n
+            if client is not None and n:
+                left = self._clients.get(client, 0) - n
+                if left > 0:
+                    self._clients[client] = left
+                else:
+                    self._clients.pop(client, None)
 
 
 BUDGET = ReplyBudget(REPLY_BUDGET)
+# Who the request this thread serves is for: the listener's client (server.peer_of: a uid
+# on the daemon's Unix socket, an address on TCP), set per request by the daemon and by
+# `forkd mcp`'s HTTP listener; None in process (one caller: no share to keep). Shares of
+# the reply budget and of the guest requests (children._admitted) are kept per client.
+REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "forkd_request_client", default=None)
 
 
 class _ReplyHold:
     """One request's share of a ReplyBudget: its receive buffer's high-water mark past
-    ``REPLY_FREE``, given back when the request returns (its reply is parsed by then)."""
+    ``REPLY_FREE``, given back when the request returns (its reply is parsed by then), or
+    in a server once its answer is sent (KeptReplies); counted for its client."""
 
     def __init__(self, budget: ReplyBudget, what: str) -> None:
         self.budget = budget
         self.what = what
         self.taken = 0
+        self.client = REQUEST_CLIENT.get()
 
     def grow(self, size: int) -> None:
         want = size - REPLY_FREE
         if want > self.taken:
-            self.budget.take(want - self.taken, self.what, self.taken)
+            self.budget.take(want - self.taken, self.what, self.taken, self.client)
             self.taken = want
 
     def release(self) -> None:
-        self.budget.give(self.taken)
+        self.budget.give(self.taken, self.client)
         self.taken = 0
 
 

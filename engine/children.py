@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import contextvars
 import os
 import secrets
 import shutil
@@ -26,6 +25,7 @@ from forkd.engine import netns
 from forkd.engine.accel import AccelVerdict, cached_probe
 from forkd.engine.agent_client import (
     PROTOCOL,
+    REQUEST_CLIENT,
     AgentClient,
     ExecResult,
     OnData,
@@ -523,11 +523,6 @@ MAX_REQUESTS = 32  # requests to any children's agents in flight in one process
 # always keep the rest of each
 MAX_REQUESTS_PER_CLIENT = MAX_REQUESTS // 2
 MAX_CHILD_REQUESTS_PER_CLIENT = MAX_REQUESTS_PER_CHILD // 2
-# Who the request this thread serves is for: the listener's client (server.peer_of: a uid
-# on the daemon's Unix socket, an address on TCP), set per request by the daemon and by
-# `forkd mcp`'s HTTP listener; None in process (one caller: no share to keep).
-REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "forkd_request_client", default=None)
 _in_flight: dict[str, int] = {}
 _per_client: dict[str, int] = {}
 _per_client_child: dict[str, int] = {}  # "CLIENT CHILD" -> requests

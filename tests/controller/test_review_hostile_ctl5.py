@@ -159,8 +159,9 @@ def test_in_process_callers_have_no_share_to_keep() -> None:
 # -- what guest replies hold until their answers are sent ---------------------------------
 @pytest.fixture
 def budget(monkeypatch: pytest.MonkeyPatch) -> Iterator[ac.ReplyBudget]:
-    """A budget of 4 MiB past 1 MiB per reply (the real one: 256 MiB past 8 MiB)."""
-    small = ac.ReplyBudget(4 * MIB)
+    """A budget of 8 MiB past 1 MiB per reply, 4 per client (the real one: 256 MiB past 8
+    MiB)."""
+    small = ac.ReplyBudget(8 * MIB)
     monkeypatch.setattr(ac, "BUDGET", small)
     monkeypatch.setattr(ac, "REPLY_FREE", 1 * MIB)
     yield small
@@ -204,6 +205,33 @@ def test_a_reply_parsed_after_its_request_ended_is_given_back() -> None:
     assert not kept.keep(late)  # the caller gives it back itself
     late.release()
     assert budget.held == 0
+
+
+def test_one_client_holds_at_most_half_of_the_reply_budget() -> None:
+    """Replies stay counted until their answers are read: one client reading its answers
+    slowly could keep the whole budget, every other client's large reply refused. Now one
+    client's replies hold at most half of it, the refusal saying whose they are."""
+    budget = ac.ReplyBudget(4 * MIB)
+    reset = ac.REQUEST_CLIENT.set("127.0.0.1")
+    try:
+        slow = ac._ReplyHold(budget, "guest agent (eval)")
+        slow.grow(ac.REPLY_FREE + 2 * MIB)
+        more = ac._ReplyHold(budget, "guest agent (eval)")
+        with pytest.raises(ac.AgentError, match=r"this client's \(127\.0\.0\.1\) other "
+                           r"replies held 2\.0 MiB .*at most 2 MiB, half"):
+            more.grow(ac.REPLY_FREE + MIB)
+    finally:
+        ac.REQUEST_CLIENT.reset(reset)
+    reset = ac.REQUEST_CLIENT.set("127.0.0.2")
+    try:
+        other = ac._ReplyHold(budget, "guest agent (eval)")
+        other.grow(ac.REPLY_FREE + 2 * MIB)  # another client's reply still fits
+    finally:
+        ac.REQUEST_CLIENT.reset(reset)
+    assert budget.held == 4 * MIB
+    for hold in (slow, more, other):
+        hold.release()
+    assert budget.held == 0 and not budget._clients
 
 
 # -- an MCP cell through the daemon at a revoked token ------------------------------------
