@@ -323,10 +323,12 @@ def _compact_remote(tag: str, to: str, force: bool, as_json: bool, start: float)
 @json_option
 def rmi(tags: tuple[str, ...], cascade: bool, as_json: bool) -> None:
     """Remove tags (refused while other tags depend on one, unless --cascade)."""
+    from forkd.engine.children import refuse_saved_state  # the engine, only when removing
+
     store = _store()
     removed: list[str] = []
-    for tag in tags:
-        removed.extend(store.remove(tag, cascade=cascade))
+    for tag in tags:  # never a sandbox's saved state: its resume needs it
+        removed.extend(store.remove(tag, cascade=cascade, refuse=refuse_saved_state))
     if as_json:
         emit_json({"removed": removed})
     else:

@@ -83,6 +83,7 @@ from forkd.controller.backend import (
     Waiting,
 )
 from forkd.engine.commands import MAX_PUT_BYTES
+from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
     ChainError,
@@ -96,6 +97,7 @@ from forkd.jsondoc import check_body
 from forkd.names import inert
 
 STATUS: list[tuple[type[ForkdError], int]] = [
+    (TooManyRequests, 429),  # before Conflict, which it is too
     (InvalidInput, 400),
     (NotFound, 404),
     (Conflict, 409),
@@ -209,6 +211,8 @@ ERRORS = {
         (404, "NotFound: no such sandbox, snapshot, pool or file"),
         (409, "Conflict: the tag exists, is depended on, or the sandbox is in another state"),
         (422, "IntegrityError or ChainError: the store's data is damaged"),
+        (429, "TooManyRequests: this client holds its share of the guest requests; retry "
+              "once one of its requests has ended"),
         (500, "any other error, with its forkd exit code"),
     ]
 }
@@ -485,11 +489,13 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
         return Response(ErrorAnswer(error=body), status_code=401,
                         headers={"WWW-Authenticate": 'Bearer realm="forkd"'})
     status, body = error_answer(exc)
+    # a client past its share (429) may retry once one of its requests has ended
+    retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
         audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
     home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
     body.message = hidden_host_paths(body.message, home)
-    return Response(ErrorAnswer(error=body), status_code=status)
+    return Response(ErrorAnswer(error=body), status_code=status, headers=retry)
 
 
 async def check_json_body(request: Request[Any, Any, Any]) -> None:

@@ -69,7 +69,6 @@ from forkd.names import inert, parse_ref, shown
 from forkd.registry import credentials
 from forkd.registry.reference import Hub, default_hub
 from forkd.store.store import Store
-from forkd.store.tagging import dependents
 
 T = TypeVar("T")
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
@@ -168,14 +167,6 @@ def _refuse_private(what: str, tag: str) -> None:
         )
 
 
-def _child_exists(child_id: str) -> bool:
-    try:
-        ch.get(child_id)
-    except (InvalidInput, NotFound):
-        return False
-    return True
-
-
 class Stop:
     """Why a request's work should stop early: its client went away (``gone``) or its
     token was revoked (``revoked``); set once, from any thread (app.CallerWatch and
@@ -184,14 +175,38 @@ class Stop:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason: str | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
 
     def set(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-        self._event.set()
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def __call__(self) -> bool:
         return self._event.is_set()
+
+    @contextlib.contextmanager
+    def calling(self, callback: Callable[[], None]) -> Iterator[None]:
+        """``callback`` is called (once, in the thread that sets this) if this is set while
+        the block runs, or at once if it is set already: what a blocking call that cannot
+        ask (a request to the daemon waiting for its answer) is ended by."""
+        with self._lock:
+            now = self._event.is_set()
+            if not now:
+                self._callbacks.append(callback)
+        if now:
+            callback()
+        try:
+            yield
+        finally:
+            with self._lock:
+                if callback in self._callbacks:
+                    self._callbacks.remove(callback)
 
 
 # The Stop of the request this thread serves (the daemon sets it per request, and its
@@ -432,7 +447,10 @@ class Produced(Iterator[Any]):
             finally:
                 self._items.put(None)
 
-        threading.Thread(target=run, name=name, daemon=True).start()
+        # in the caller's context: its guest request counts against its client's share
+        # (agent_client.REQUEST_CLIENT) as the same request unstreamed would
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(run,), name=name, daemon=True).start()
 
     def __next__(self) -> Any:
         return self.next_within(None)
@@ -585,16 +603,8 @@ class LocalBackend:
     def delete_snapshot(self, ref: str, cascade: bool = False) -> Removed:
         """Conflict when it (or, with cascade, a tag built on it) is a sandbox's saved
         state: that sandbox's resume would have nothing to start from."""
-        key = parse_ref(ref)
-        self.store.resolve(key)
-        for tag in [str(key), *(dependents(self.store, key) if cascade else [])]:
-            owner = private_owner(tag)
-            if owner is not None and _child_exists(owner):
-                raise Conflict(
-                    f"{tag} is the saved state of sandbox {owner}; kill it (its saved state "
-                    "goes with it) or resume it first"
-                )
-        return Removed(removed=self.store.remove(ref, cascade=cascade))
+        return Removed(removed=self.store.remove(ref, cascade=cascade,
+                                                 refuse=ch.refuse_saved_state))
 
     def compact(self, req: CompactRequest) -> LayerInfo:
         _refuse_paused_source(req.ref)  # a copy of it would be a snapshot anyone may fork

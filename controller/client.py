@@ -52,7 +52,9 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
+from forkd.controller.backend import CALLER_STOP, Stop, Stopped
 from forkd.engine.commands import check_handle
+from forkd.engine.errors import TooManyRequests
 from forkd.engine.lifecycle import ID_RE
 from forkd.engine.paths import run_dir
 from forkd.names import shown
@@ -65,6 +67,7 @@ TYPES: dict[str, type[errors.ForkdError]] = {
         errors.IntegrityError,
         errors.ChainError,
         errors.Conflict,
+        TooManyRequests,
     )
 }
 
@@ -130,19 +133,21 @@ class RemoteBackend:
     ) -> None:
         """timeout: the deadline of requests that run no command (exec and eval wait as
         long as their command may run: api.answer_timeout)."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = timeout
-        limit = httpx.Timeout(timeout, connect=api.CONNECT_TIMEOUT_S)
-        if url:
-            self.http = httpx.Client(base_url=url, headers=headers, timeout=limit)
-            self.where = shown_url(url)  # in every message: never a password of the URL
-        else:
-            path = socket or default_socket()
-            transport = httpx.HTTPTransport(uds=str(path))
-            self.http = httpx.Client(
-                transport=transport, base_url="http://forkd", headers=headers, timeout=limit
-            )
-            self.where = str(path)
+        self._url = url
+        self._uds = None if url else str(socket or default_socket())
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = self._client()
+        # in every message: never a password of the URL
+        self.where = shown_url(url) if url else str(self._uds)
+
+    def _client(self) -> httpx.Client:
+        """A client of the daemon: the URL's, else the Unix socket's."""
+        limit = httpx.Timeout(self.timeout, connect=api.CONNECT_TIMEOUT_S)
+        if self._url:
+            return httpx.Client(base_url=self._url, headers=self._headers, timeout=limit)
+        return httpx.Client(transport=httpx.HTTPTransport(uds=self._uds),
+                            base_url="http://forkd", headers=self._headers, timeout=limit)
 
     def close(self) -> None:
         self.http.close()
@@ -164,13 +169,55 @@ class RemoteBackend:
         )
 
     def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        stop = CALLER_STOP.get()
         try:
-            resp = self.http.request(method, url, **kwargs)
+            if stop is None:
+                resp = self.http.request(method, url, **kwargs)
+            else:
+                resp = self._stoppable(stop, method, url, **kwargs)
         except httpx.HTTPError as exc:
+            if stop is not None and stop():
+                raise Stopped(stop.reason) from None
             raise self._unreachable(exc) from exc
         if resp.status_code >= 400:
             raise answered_error(resp.status_code, resp.content)
         return resp
+
+    def _stoppable(self, stop: Stop, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """The request on a connection of its own, shut down once ``stop`` is set (its
+        caller's token revoked: `forkd mcp`'s Revocation): the daemon sees its client go
+        (app.CallerWatch) and stops the request's work in the guest. Without this an MCP
+        tool's cell ran in the sandbox to its own timeout after the caller's token was
+        revoked, only its result dropped: this process, the daemon's client, was still
+        there waiting for it."""
+        sockets: list[socket.socket] = []
+        lock = threading.Lock()
+        cut = False
+
+        def shut(sock: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+        def stopped() -> None:
+            nonlocal cut
+            with lock:
+                cut = True
+                for sock in sockets:
+                    shut(sock)
+
+        def connected(event: str, info: dict[str, Any]) -> None:
+            if not event.endswith(".complete") or ".connect_" not in event:
+                return
+            stream = info.get("return_value")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if isinstance(sock, socket.socket):
+                with lock:
+                    sockets.append(sock)
+                    if cut:
+                        shut(sock)
+
+        with self._client() as http, stop.calling(stopped):
+            return http.request(method, url, extensions={"trace": connected}, **kwargs)
 
     def _get(
         self,

@@ -316,7 +316,7 @@ class Tools:
         sb = self.sandbox(sandbox_id)
         with Revocation(self.token) as revocation:
             r = plain(sb.run_code(code) if timeout_s is None else sb.run_code(code, timeout_s))
-            revocation.check()  # through the daemon: it ran to its end, for nobody
+            revocation.check()  # a run given up at a revocation says so
         r["stdout"], r["stdout_cut_chars"] = clipped(r.get("stdout", ""))
         r["stderr"], r["stderr_cut_chars"] = clipped(r.get("stderr", ""))
         images: list[ImageContent] = []
@@ -388,9 +388,10 @@ class Revocation:
     saying so. Without this, the HTTP request was ended at a revocation (TokenWatch) but
     the tool went on, its command running for a caller whose token no longer held. A
     streamed command's frames are abandoned (the backend kills the command: in process,
-    or the daemon, whose client went away); an in-process cell or command that waits on
-    its guest is given up through backend.CALLER_STOP (a cell through the daemon runs on
-    to its own timeout: the daemon's client is this server, which is still there)."""
+    or the daemon, whose client went away); a cell or command that waits on its guest is
+    given up through backend.CALLER_STOP: in process by the guest request's ``stop``,
+    through the daemon by shutting down the request's connection (client.RemoteBackend
+    ._stoppable), so the daemon's client goes away and the daemon gives it up in turn."""
 
     def __init__(self, token: Token | None, frames: object = None) -> None:
         self.token = token

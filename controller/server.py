@@ -35,6 +35,7 @@ from forkd.controller.app import (
 )
 from forkd.controller.backend import MAX_SANDBOXES, LocalBackend
 from forkd.controller.client import RemoteBackend, default_socket
+from forkd.engine.agent_client import KEPT_REPLIES, REQUEST_CLIENT, KeptReplies
 from forkd.engine.errors import Busy
 from forkd.engine.lazy.spare import SpareKeeper
 from forkd.engine.paths import run_dir
@@ -279,9 +280,24 @@ class BoundedProtocol(H11Protocol):
                 await send({"type": "http.response.body", "body": self._busy_body()})
                 return
             self._running += 1
+            # the request's guest work counts against its client's shares of the guest
+            # requests and the reply budget (agent_client.REQUEST_CLIENT), the client
+            # being who the connection says, as for its slots
+            client = REQUEST_CLIENT.set(self._peer or peer_of(self.transport))
+            # the guest replies it was answered from stay counted (agent_client
+            # KEPT_REPLIES) until its answer has been sent, however slowly it is read
+            kept = KeptReplies()
+            replies = KEPT_REPLIES.set(kept)
             try:
                 await app(scope, receive, send)
+                # an answer's last part waits in the transport for a slow reader (uvicorn
+                # waits for room before a write, not after): its reply is held till then
+                if self.flow.write_paused and not self.transport.is_closing():
+                    await self.flow.drain()  # at most stall_timeout_s (then aborted)
             finally:
+                KEPT_REPLIES.reset(replies)
+                REQUEST_CLIENT.reset(client)
+                kept.release()
                 self._running -= 1
                 if self._lost and not self._running:
                     self._release_peer()

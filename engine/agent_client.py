@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import errno
 import fcntl
 import itertools
@@ -88,11 +89,25 @@ class ReplyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self._clients: dict[str, int] = {}  # what each client's replies hold of it
         self._lock = threading.Lock()
 
-    def take(self, n: int, what: str, own: int = 0) -> None:
-        """``n`` more bytes for a reply that holds ``own`` already, else AgentError."""
+    def take(self, n: int, what: str, own: int = 0, client: str | None = None) -> None:
+        """``n`` more bytes for a reply that holds ``own`` already, else AgentError. A
+        server's client (REQUEST_CLIENT) holds at most half of it with all its replies:
+        one that reads its answers slowly (keeping them counted, KeptReplies) cannot
+        take every large reply from the others."""
         with self._lock:
+            theirs = self._clients.get(client, 0) if client is not None else 0
+            if client is not None and theirs + n > self.limit // 2:
+                raise AgentError(
+                    f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
+                    f"({client}) other replies held {(theirs - own) / MIB:.1f} MiB past "
+                    f"theirs (at most {self.limit // 2 / MIB:g} MiB, half of the "
+                    f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
+                    "connection closed. Read your answers as they come, ask for less at "
+                    "once (stream a command's output, read a file in parts), or retry when "
+                    "fewer of your large replies are in flight")
             if self.held + n > self.limit:
                 others = self.held - own
                 raise AgentError(
@@ -103,33 +118,83 @@ class ReplyBudget:
                     "for less at once (stream a command's output, read a file in parts) or "
                     "retry when fewer large replies are in flight")
             self.held += n
+            if client is not None:
+                self._clients[client] = theirs + n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, client: str | None = None) -> None:
         with self._lock:
             self.held -= n
+            if client is not None and n:
+                left = self._clients.get(client, 0) - n
+                if left > 0:
+                    self._clients[client] = left
+                else:
+                    self._clients.pop(client, None)
 
 
 BUDGET = ReplyBudget(REPLY_BUDGET)
+# Who the request this thread serves is for: the listener's client (server.peer_of: a uid
+# on the daemon's Unix socket, an address on TCP), set per request by the daemon and by
+# `forkd mcp`'s HTTP listener; None in process (one caller: no share to keep). Shares of
+# the reply budget and of the guest requests (children._admitted) are kept per client.
+REQUEST_CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "forkd_request_client", default=None)
 
 
 class _ReplyHold:
     """One request's share of a ReplyBudget: its receive buffer's high-water mark past
-    ``REPLY_FREE``, given back when the request returns (its reply is parsed by then)."""
+    ``REPLY_FREE``, given back when the request returns (its reply is parsed by then), or
+    in a server once its answer is sent (KeptReplies); counted for its client."""
 
     def __init__(self, budget: ReplyBudget, what: str) -> None:
         self.budget = budget
         self.what = what
         self.taken = 0
+        self.client = REQUEST_CLIENT.get()
 
     def grow(self, size: int) -> None:
         want = size - REPLY_FREE
         if want > self.taken:
-            self.budget.take(want - self.taken, self.what, self.taken)
+            self.budget.take(want - self.taken, self.what, self.taken, self.client)
             self.taken = want
 
     def release(self) -> None:
-        self.budget.give(self.taken)
+        self.budget.give(self.taken, self.client)
         self.taken = 0
+
+
+class KeptReplies:
+    """The reply budgets of one server request's guest replies, kept once each reply is
+    parsed instead of given back: the parsed reply lives on until the request's answer
+    has been sent (converted, encoded, written to a client that may read slowly). The
+    server gives them back when its request ends (``release``); a reply parsed after that
+    (a stream's producer thread outliving its request) is given back at once."""
+
+    def __init__(self) -> None:
+        self._holds: list[_ReplyHold] = []
+        self._lock = threading.Lock()
+        self._released = False
+
+    def keep(self, hold: _ReplyHold) -> bool:
+        """Keep ``hold`` until ``release``; False (not kept) once released."""
+        with self._lock:
+            if not self._released:
+                self._holds.append(hold)
+            return not self._released
+
+    def release(self) -> None:
+        with self._lock:
+            self._released = True
+            holds, self._holds = self._holds, []
+        for hold in holds:
+            hold.release()
+
+
+# The KeptReplies of the server request this thread serves (server.BoundedProtocol sets
+# one per request); None in process (one caller, which has its answer at once): a reply's
+# budget is given back when its request returns.
+KEPT_REPLIES: contextvars.ContextVar[KeptReplies | None] = contextvars.ContextVar(
+    "forkd_kept_replies", default=None)
 
 OnData = Callable[[bytes], None]
 
@@ -307,6 +372,7 @@ class AgentClient:
         self._ls.max_line = SMALL_REPLY_LINE if small else MAX_LINE
         hold = _ReplyHold(BUDGET, f"guest agent ({op})")
         self._ls.on_grow = hold.grow
+        kept = False
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
@@ -321,6 +387,9 @@ class AgentClient:
                         on_event(str(reply["ev"]), data)
                     continue
                 break
+            keeper = KEPT_REPLIES.get()
+            # its parsed reply lives on until the answer is sent
+            kept = keeper is not None and bool(hold.taken) and keeper.keep(hold)
         except ProtocolViolation as e:
             self.close()
             raise AgentError(f"the guest agent broke the protocol answering {op!r} ({e}); "
@@ -333,7 +402,8 @@ class AgentClient:
             raise
         finally:
             self._ls.on_grow = None
-            hold.release()
+            if not kept:
+                hold.release()
         if not reply.get("ok"):
             _raise_for(op, reply)
         result: dict[str, Any] = reply.get("result") or {}

@@ -25,6 +25,7 @@ from forkd.engine import netns
 from forkd.engine.accel import AccelVerdict, cached_probe
 from forkd.engine.agent_client import (
     PROTOCOL,
+    REQUEST_CLIENT,
     AgentClient,
     ExecResult,
     OnData,
@@ -50,6 +51,7 @@ from forkd.engine.errors import (
     ChildNotFound,
     EngineError,
     HostError,
+    TooManyRequests,
     VMMError,
 )
 from forkd.engine.lazy.failures import failure_of
@@ -61,6 +63,7 @@ from forkd.engine.lifecycle import (
     child_dir,
     lock_file,
     new_id,
+    private_owner,
     private_tags,
     record_lock,
     require_running,
@@ -75,7 +78,7 @@ from forkd.engine.lifecycle import (
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import CPU_MODEL, MACHINE, QemuVM, create_overlay, pid_alive, qemu_version
 from forkd.engine.qmp import QMP
-from forkd.errors import ForkdError, InvalidInput
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.pack.config import Compat
 from forkd.store.store import Assembled, Store
 
@@ -516,18 +519,42 @@ _require_running = require_running  # the name engine/branch.py calls
 
 MAX_REQUESTS_PER_CHILD = 16  # requests to one child's agent in flight in one process
 MAX_REQUESTS = 32  # requests to any children's agents in flight in one process
+# of them one client may hold (REQUEST_CLIENT), in all and to one child: the others
+# always keep the rest of each
+MAX_REQUESTS_PER_CLIENT = MAX_REQUESTS // 2
+MAX_CHILD_REQUESTS_PER_CLIENT = MAX_REQUESTS_PER_CHILD // 2
 _in_flight: dict[str, int] = {}
+_per_client: dict[str, int] = {}
+_per_client_child: dict[str, int] = {}  # "CLIENT CHILD" -> requests
 _in_flight_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _admitted(child_id: str) -> Iterator[None]:
     """Room for one more request to ``child_id``'s agent in this process, else Busy at
-    once. A request holds a thread until the guest answers (a command without a timeout:
-    until it ends), so without a bound a few commands that never end would hold every
-    worker of a daemon, and its kills, listings and spawns with them."""
+    once (TooManyRequests when its client holds its share). A request holds a thread until
+    the guest answers (a command without a timeout: until it ends), so without a bound a
+    few commands that never end would hold every worker of a daemon, and its kills,
+    listings and spawns with them; and without a share per client one client's commands
+    could hold all MAX_REQUESTS, every other client's exec refused until they end."""
+    client = REQUEST_CLIENT.get()
+    pair = f"{client} {child_id}"
     with _in_flight_lock:
         mine, total = _in_flight.get(child_id, 0), sum(_in_flight.values())
+        theirs = _per_client.get(client, 0) if client is not None else 0
+        theirs_here = _per_client_child.get(pair, 0) if client is not None else 0
+        if theirs >= MAX_REQUESTS_PER_CLIENT or theirs_here >= MAX_CHILD_REQUESTS_PER_CLIENT:
+            held, most = ((f"{theirs} requests to sandboxes",
+                           f"{MAX_REQUESTS_PER_CLIENT} of {MAX_REQUESTS} in all")
+                          if theirs >= MAX_REQUESTS_PER_CLIENT else
+                          (f"{theirs_here} requests to {child_id}",
+                           f"{MAX_CHILD_REQUESTS_PER_CLIENT} of a sandbox's "
+                           f"{MAX_REQUESTS_PER_CHILD}"))
+            raise TooManyRequests(
+                f"this client ({client}) has {held} in flight here, the most one client may "
+                f"({most}): wait for one of yours to end and try again (a command without a "
+                "timeout holds its request until it ends; start long ones as background "
+                "processes)")
         if mine >= MAX_REQUESTS_PER_CHILD or total >= MAX_REQUESTS:
             held = (f"{mine} requests to child {child_id} (at most {MAX_REQUESTS_PER_CHILD})"
                     if mine >= MAX_REQUESTS_PER_CHILD
@@ -535,15 +562,25 @@ def _admitted(child_id: str) -> Iterator[None]:
             raise Busy(f"{held} are in flight here: wait for one to end and try again "
                        "(a command without a timeout holds its request until it ends)")
         _in_flight[child_id] = mine + 1
+        if client is not None:
+            _per_client[client] = theirs + 1
+            _per_client_child[pair] = theirs_here + 1
     try:
         yield
     finally:
         with _in_flight_lock:
-            left = _in_flight[child_id] - 1
-            if left:
-                _in_flight[child_id] = left
-            else:
-                del _in_flight[child_id]
+            _dec(_in_flight, child_id)
+            if client is not None:
+                _dec(_per_client, client)
+                _dec(_per_client_child, pair)
+
+
+def _dec(counts: dict[str, int], key: str) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 @contextlib.contextmanager
@@ -748,6 +785,29 @@ def _branch_ended(d: Path) -> Iterator[None]:
             held.enter_context(lock_file(d / "lock", KILL_WAITS_FOR_BRANCH, busy, poll=0.005,
                                          shared=True))
         yield
+
+
+def refuse_saved_state(tag: str) -> None:
+    """Conflict when ``tag`` is a sandbox's saved state (its private tag, the sandbox still
+    there): its resume would have nothing to start from. Given to Store.remove (``refuse``)
+    by every removal of tags (the daemon's DELETE /v1/snapshots, `forkd rmi`), which calls
+    it under the tags' lock that a pause's save takes: a check made before the lock let a
+    sandbox pause onto the layer between the check and a cascade's removal, whose saved
+    state the cascade then removed."""
+    owner = private_owner(tag)
+    if owner is not None and child_exists(owner):
+        raise Conflict(
+            f"{tag} is the saved state of sandbox {owner}; kill it (its saved state goes "
+            "with it) or resume it first"
+        )
+
+
+def child_exists(child_id: str) -> bool:
+    try:
+        get(child_id)
+    except (InvalidInput, NotFound):
+        return False
+    return True
 
 
 def kill(child_id: str, store: Store | None = None) -> ChildInfo:

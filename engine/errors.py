@@ -53,6 +53,12 @@ class Busy(EngineError, Conflict):
     wait's bound: a Conflict (409 in REST), to try again later."""
 
 
+class TooManyRequests(Busy):
+    """One client holds its whole share of a bound many clients share (the daemon's guest
+    requests, children.MAX_REQUESTS_PER_CLIENT): 429 in REST, to try again once some of
+    its own requests have ended; the other clients keep the rest."""
+
+
 __all__ = [
     "AgentError",
     "Busy",
@@ -62,5 +68,6 @@ __all__ = [
     "GuestBuildError",
     "HostError",
     "InvalidInput",
+    "TooManyRequests",
     "VMMError",
 ]

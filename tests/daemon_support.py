@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -107,3 +109,47 @@ def mcp_sessions(http: httpx.Client, n: int, token: bytes) -> list[str]:
         assert r.status_code == 200, r.text
         ids.append(r.headers["mcp-session-id"])
     return ids
+
+
+class FakeGuest:
+    """A sandbox's agent that takes every request and never answers (a command that runs
+    for ever), or answers each with ``answer``; it notes when the host closes a connection
+    (``closed``; ``open`` counts those still open), which is what makes the relay cancel
+    the request in a real guest (docs/agent-protocol.md, "The relay")."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.closed = threading.Event()
+        self.answer: dict[str, Any] | None = None  # a result to answer with, if any
+        self.open = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def agent(self, child_id: str, timeout: float) -> Iterator[Any]:
+        """What children._agent gives: a client of this guest, on a connection of its own."""
+        from forkd.engine.agent_client import AgentClient
+
+        host, guest = socket.socketpair()
+        with self._lock:
+            self.open += 1
+        threading.Thread(target=self._serve, args=(guest,), daemon=True).start()
+        client = AgentClient(Path("/fake"), sock=host)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+            while b"\n" in got:
+                line, got = got.split(b"\n", 1)
+                self.requests.append(json.loads(line))
+                if self.answer is not None:
+                    reply = {"id": self.requests[-1]["id"], "ok": True, "result": self.answer}
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+        with self._lock:
+            self.open -= 1
+        self.closed.set()
+        conn.close()

@@ -715,8 +715,17 @@ def op_exec(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_cancel(req: dict[str, Any]) -> dict[str, Any]:
-    """End a running exec whose client went away (the host's relay sends this)."""
-    p = FOREGROUND.get(req.get("target"))
+    """End a running exec, eval or run_code whose client went away (the host's relay
+    sends this): an exec's process group is killed, a cell is interrupted (or skipped, if
+    it has not started)."""
+    target = req.get("target")
+    if not isinstance(target, str | int):
+        return {"cancelled": False}
+    cell = CELLS.get(target)
+    if cell is not None:
+        cell.cancel()
+        return {"cancelled": True}
+    p = FOREGROUND.get(target)
     if p is None or p.done.is_set():
         return {"cancelled": False}
     with contextlib.suppress(StateError):
@@ -870,15 +879,21 @@ class _Deadline:
         self.lock = threading.Lock()
         self.ended = False
         self.fired = False
+        self.raised: type[BaseException] | None = None
         self.timer = None if timeout is None else threading.Timer(timeout, self._fire)
         if self.timer is not None:
             self.timer.start()
 
     def _fire(self) -> None:
+        self.interrupt(TimeoutError)
+
+    def interrupt(self, exc: type[BaseException]) -> None:
+        """Raise ``exc`` in the cell's thread, unless it has ended (or been interrupted)."""
         with self.lock:
-            if not self.ended:
+            if not self.ended and not self.fired:
                 self.fired = True
-                _set_async_exc(self.tid, TimeoutError)
+                self.raised = exc
+                _set_async_exc(self.tid, exc)
 
     def end(self) -> None:
         with self.lock:
@@ -894,8 +909,46 @@ def _set_async_exc(thread_id: int, exc: type | None) -> None:
         ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
 
 
+class _Cell:
+    """A cell's request, for ``cancel`` (its client went away): one not yet running is
+    skipped, a running one is interrupted (KeyboardInterrupt in its thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.deadline: _Deadline | None = None
+
+    def start(self, deadline: _Deadline) -> bool:
+        with self.lock:
+            self.deadline = deadline
+            return not self.cancelled
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            deadline = self.deadline
+        if deadline is not None:
+            deadline.interrupt(KeyboardInterrupt)
+
+
+CELLS: dict[object, _Cell] = {}  # request id -> a cell waiting or running (for cancel)
+
+
 def _run_python(req: dict[str, Any], code: str
                 ) -> tuple[object, str, str, dict[str, Any] | None]:
+    rid = req.get("id")
+    cell = _Cell()
+    if isinstance(rid, str | int):
+        CELLS[rid] = cell
+    try:
+        return _run_cell(req, code, cell)
+    finally:
+        if isinstance(rid, str | int):
+            CELLS.pop(rid, None)
+
+
+def _run_cell(req: dict[str, Any], code: str, cell: _Cell
+              ) -> tuple[object, str, str, dict[str, Any] | None]:
     """Run code in the namespace (one request at a time), like a REPL: the value of a
     trailing expression is returned. (value, stdout, stderr, error)."""
     stream = bool(req.get("stream"))
@@ -911,6 +964,8 @@ def _run_python(req: dict[str, Any], code: str
         try:
             try:
                 try:
+                    if not cell.start(deadline):
+                        raise KeyboardInterrupt  # cancelled while it waited its turn
                     expr = _compile_expr(code)
                     value = eval(expr, NS) if expr is not None else _exec_repl(code)
                 finally:
@@ -918,9 +973,12 @@ def _run_python(req: dict[str, Any], code: str
             except BaseException as e:  # the caller's code may raise anything
                 error = {"type": type(e).__name__, "message": str(e),
                          "traceback": traceback.format_exc()}
-                if isinstance(e, TimeoutError) and deadline.fired:
+                if isinstance(e, TimeoutError) and deadline.raised is TimeoutError:
                     error["message"] = f"the code ran longer than its timeout of {timeout} s"
                     error["timed_out"] = True
+                elif isinstance(e, KeyboardInterrupt) and cell.cancelled:
+                    error["message"] = "the cell was cancelled: its client went away"
+                    error["cancelled"] = True
         finally:
             sys.stdout, sys.stderr = saved
     return value, out.getvalue(), err.getvalue(), error

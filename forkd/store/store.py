@@ -259,8 +259,9 @@ class Store:
     def dependents(self, ref: Ref) -> list[str]:
         return tagging.dependents(self, ref)
 
-    def remove(self, ref: str, cascade: bool = False) -> list[str]:
-        return tagging.remove(self, ref, cascade)
+    def remove(self, ref: str, cascade: bool = False,
+               refuse: Callable[[str], None] | None = None) -> list[str]:
+        return tagging.remove(self, ref, cascade, refuse)
 
     def verify(self) -> list[str]:
         """Problems found re-reading everything: each blob's sha256, each tag's chain and maps."""

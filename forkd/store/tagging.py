@@ -3,10 +3,11 @@ tag that is some other tag's parent goes only with its dependents (``--cascade``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from forkd import digest as dg
-from forkd.errors import Conflict
+from forkd.errors import Conflict, NotFound
 from forkd.names import Ref, parse_ref
 
 if TYPE_CHECKING:
@@ -35,10 +36,11 @@ def set_tag(store: Store, ref: Ref, digest: str, force: bool) -> None:
     store.tags.update(change)
 
 
-def dependents(store: Store, ref: Ref) -> list[str]:
+def dependents(store: Store, ref: Ref, tags: dict[str, str] | None = None) -> list[str]:
     """Tags built on the layer ``ref`` names that would lose its last name: none while
-    another tag (a twin, same digest) still names it."""
-    tags = store.tags.read()
+    another tag (a twin, same digest) still names it. ``tags``: the tags to look in (read
+    under the tags' lock by remove), else the store's now."""
+    tags = store.tags.read() if tags is None else tags
     digest = tags.get(str(ref))
     if any(head == digest for name, head in tags.items() if name != str(ref)):
         return []
@@ -49,17 +51,29 @@ def dependents(store: Store, ref: Ref) -> list[str]:
     return sorted(out)
 
 
-def remove(store: Store, ref: str, cascade: bool = False) -> list[str]:
+def remove(store: Store, ref: str, cascade: bool = False,
+           refuse: Callable[[str], None] | None = None) -> list[str]:
+    """Remove tag ``ref`` (with ``cascade``, the tags built on it too). ``refuse`` is called
+    with each tag to remove, under the tags' lock, and raises to keep them all: what it
+    checks cannot change between its check and the removal (a tag set meanwhile, by a
+    pause saving a sandbox's state onto the layer, is seen by it)."""
     key = parse_ref(ref)
     store.resolve(key)
-    deps = dependents(store, key)
-    if deps and not cascade:
-        raise Conflict(
-            f"{key} is the parent of {', '.join(deps)}; remove those first or pass --cascade"
-        )
-    gone = [str(key), *deps]
+    gone: list[str] = []
 
     def change(tags: dict[str, str]) -> None:
+        if str(key) not in tags:
+            raise NotFound(f"no tag {key} (removed meanwhile); `forkd images` lists them")
+        deps = dependents(store, key, tags)
+        if deps and not cascade:
+            raise Conflict(
+                f"{key} is the parent of {', '.join(deps)}; remove those first or pass "
+                "--cascade"
+            )
+        for name in [str(key), *deps]:
+            if refuse is not None:
+                refuse(name)
+            gone.append(name)
         for name in gone:
             tags.pop(name, None)
 

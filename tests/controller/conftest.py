@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_support import FakeGuest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,3 +69,15 @@ def place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         yield short
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def guest(monkeypatch: pytest.MonkeyPatch) -> FakeGuest:
+    """Every sandbox's agent, in this process, is a FakeGuest (and every sandbox exists)."""
+    from forkd.controller.backend import LocalBackend
+    from forkd.engine import children as ch
+
+    fake = FakeGuest()
+    monkeypatch.setattr(ch, "_agent", fake.agent)
+    monkeypatch.setattr(LocalBackend, "sandbox", lambda self, sandbox_id: None)  # exists
+    return fake

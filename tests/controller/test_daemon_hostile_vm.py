@@ -213,3 +213,22 @@ def test_running_sandboxes_count_against_the_limit(
     assert sid in {c.id for c in ch.list_children() if c.status == "running"}
     with pytest.raises(Conflict, match=r"this daemon runs 1 .* its limit is 2"):
         backend.spawn(SpawnRequest(tag=tiny, n=2))
+
+
+def test_a_cell_whose_client_left_is_interrupted_in_the_guest(
+    sandbox: tuple[httpx.Client, str, int],
+) -> None:
+    """A run_code cell whose client went away ran on in the guest to its own timeout,
+    holding the interpreter: the next cell of the sandbox waited behind it. Now the relay's
+    cancel interrupts it, and the next cell answers at once."""
+    import time
+
+    http, sid, _ = sandbox
+    sb = f"/v1/sandboxes/{sid}"
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves after 2 s
+        http.post(sb + "/run_code", json={"code": "while True:\n    pass", "timeout": 600},
+                  timeout=2)
+    start = time.monotonic()
+    after = http.post(sb + "/run_code", json={"code": "6 * 7", "timeout": 60}, timeout=60)
+    assert after.status_code == 200 and after.json()["value"] == 42, after.text
+    assert time.monotonic() - start < 20, "the next cell waited behind the abandoned one"

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, mcp_auth, mcp_sessions, running, slow_app
+from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, mcp_sessions, running, slow_app
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -305,52 +305,6 @@ def test_a_request_left_running_still_counts_for_its_client(place: Path) -> None
 
 
 # -- a blocking guest request whose caller is gone or whose token was revoked ------------
-class FakeGuest:
-    """A sandbox's agent that takes every request and never answers (a command that runs
-    for ever); it notes when the host closes its connection, which is what makes the
-    relay cancel the request in a real guest (docs/agent-protocol.md, "The relay")."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.closed = threading.Event()
-        self.answer: dict[str, Any] | None = None  # a result to answer with, if any
-
-    @contextlib.contextmanager
-    def agent(self, child_id: str, timeout: float) -> Iterator[Any]:
-        from forkd.engine.agent_client import AgentClient
-
-        host, guest = socket.socketpair()
-        threading.Thread(target=self._serve, args=(guest,), daemon=True).start()
-        client = AgentClient(Path("/fake"), sock=host)
-        try:
-            yield client
-        finally:
-            client.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        got = b""
-        while chunk := conn.recv(65536):
-            got += chunk
-            while b"\n" in got:
-                line, got = got.split(b"\n", 1)
-                self.requests.append(json.loads(line))
-                if self.answer is not None:
-                    reply = {"id": self.requests[-1]["id"], "ok": True, "result": self.answer}
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-        self.closed.set()
-        conn.close()
-
-
-@pytest.fixture
-def guest(monkeypatch: pytest.MonkeyPatch) -> FakeGuest:
-    from forkd.engine import children as ch
-
-    fake = FakeGuest()
-    monkeypatch.setattr(ch, "_agent", fake.agent)
-    monkeypatch.setattr(LocalBackend, "sandbox", lambda self, sandbox_id: None)  # exists
-    return fake
-
-
 WAITING = {  # every route that waits on its guest's answer, and its guest op
     "exec": ("/v1/sandboxes/sb-1/exec", {"argv": ["sleep", "1000"]}, "exec"),
     "eval": ("/v1/sandboxes/sb-1/eval", {"code": "1", "timeout": 1000}, "eval"),
