@@ -180,6 +180,10 @@ class Token:
 
 
 REFUSED_PER_MINUTE = 120
+# failed requests (nothing changed) are audited at most this many a minute: a caller with
+# the token, or on the socket, provokes one at will (an exec in a sandbox that is not
+# there), each a record of up to a KiB; past the budget they are counted
+FAILED_PER_MINUTE = 120
 
 
 @dataclass
@@ -193,9 +197,11 @@ class Controller:
     # refused requests (a wrong token) are audited at most this many a minute, each path
     # shortened: anyone who reaches the port can send them
     refused: BoundedAudit = field(init=False)
+    failed: BoundedAudit = field(init=False)
 
     def __post_init__(self) -> None:
         self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed")
+        self.failed = BoundedAudit(self.audit, FAILED_PER_MINUTE, "failed.suppressed")
 
     @property
     def transport(self) -> str:
@@ -492,7 +498,8 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     # a client past its share (429) may retry once one of its requests has ended
     retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
-        audited(request, ctl, request.method, request.url.path, "failed", error=str(exc))
+        ctl.failed.record(ctl.transport, peer(request), request.method, request.url.path,
+                          "failed", error=audit_value(str(exc)))
     home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
     body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)

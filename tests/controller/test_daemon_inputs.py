@@ -16,6 +16,7 @@ before one would be reached).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,3 +349,18 @@ def test_an_in_process_controller_has_the_daemons_vm_limit(tmp_path: Path,
     monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
     backend = Controller(local=True).backend
     assert isinstance(backend, LocalBackend) and backend.max_sandboxes == MAX_SANDBOXES
+
+
+def test_failed_writes_a_caller_provokes_are_audited_within_a_budget(
+        http: TestClient[Any], tmp_path: Path) -> None:
+    """An exec in a sandbox that is not there fails at no cost to its caller: each was an
+    audit record, as often as it liked. At most FAILED_PER_MINUTE are written a minute; the
+    rest are counted (the count is written with the next minute's first record)."""
+    from forkd.controller.app import FAILED_PER_MINUTE
+
+    for _ in range(FAILED_PER_MINUTE + 40):
+        assert http.post(SB + "/exec", json={"argv": ["true"]}).status_code == 404
+    records = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    failed = [r for r in records if r["result"] == "failed"]
+    assert len(failed) == FAILED_PER_MINUTE, len(failed)
+    assert failed[0]["target"] == SB + "/exec" and "ghost-1" in failed[0]["error"], failed[0]
