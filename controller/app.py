@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
-from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit, shortened
 from forkd.bodies import explained
 from forkd.controller import api
 from forkd.controller.api import (
@@ -443,7 +443,7 @@ def audit_value(value: Any, chars: int = AUDIT_CHARS) -> Any:
     """``value`` for an audit record: each text cut to ``chars`` (saying how much was cut),
     each list to AUDIT_ITEMS items (saying how many were left out), in depth."""
     if isinstance(value, str):
-        return value if len(value) <= chars else f"{value[:chars]}…({len(value) - chars} more)"
+        return shortened(value, chars)
     if isinstance(value, (list, tuple)):
         kept = [audit_value(v, chars) for v in value[:AUDIT_ITEMS]]
         if len(value) > AUDIT_ITEMS:

@@ -68,6 +68,16 @@ class AuditLog:
 MAX_TARGET = 300  # characters of a caller-given target kept in a record
 
 
+def shortened(text: str, chars: int) -> str:
+    """``text`` when it has at most ``chars`` characters, else its start followed by how
+    much was left out (``…(N more)``), at most ``chars`` characters in all: a record of
+    what a caller chose is bounded, and a reader sees that it was cut."""
+    if len(text) <= chars:
+        return text
+    keep = chars - len(f"…({len(text)} more)")
+    return f"{text[:max(keep, 0)]}…({len(text) - max(keep, 0)} more)"
+
+
 class BoundedAudit:
     """Records of one kind that a caller can provoke at will (refused requests), at most
     ``per_minute`` a minute, each target shortened to MAX_TARGET: past the budget, records
@@ -97,6 +107,6 @@ class BoundedAudit:
                 self._window = (start, written, dropped + 1)
                 return False
             self._window = (start, written + 1, dropped)
-        self.audit.record(actor, ip, action, target[:MAX_TARGET], result, **self.constant,
-                          **detail)
+        self.audit.record(actor, ip, action, shortened(target, MAX_TARGET), result,
+                          **self.constant, **detail)
         return True

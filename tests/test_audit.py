@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from forkd import audit as audit_module
-from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit, shortened
 
 
 def _lines(path: Path) -> list[dict[str, object]]:
@@ -32,4 +32,17 @@ def test_past_the_budget_records_are_counted_then_reported(
     assert [e["action"] for e in entries] == ["auth"] * 3 + ["auth.suppressed", "auth"]
     assert entries[3]["count"] == 4 and entries[3]["where"] == "tcp"
     assert all(len(str(e["target"])) <= MAX_TARGET for e in entries)
+    # a cut target says how much was left out, within the same bound
+    target = str(entries[0]["target"])
+    kept = target.index("…")
+    assert target == ("/x" * 400)[:kept] + f"…({800 - kept} more)"
     assert all(e["where"] == "tcp" for e in entries)
+
+
+def test_a_shortened_text_keeps_its_bound_and_says_what_was_cut() -> None:
+    assert shortened("abc", 3) == "abc"
+    for size in (301, 1000, 10**6):
+        text = shortened("z" * size, 300)
+        assert len(text) <= 300, size
+        kept = text.index("…")
+        assert text == "z" * kept + f"…({size - kept} more)"
