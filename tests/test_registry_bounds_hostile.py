@@ -220,3 +220,96 @@ def test_a_redirect_from_a_hub_elsewhere_to_this_hosts_loopback_is_refused(
             pytest.raises(RegistryError, match="loopback"):
         client.request("GET", "/redirect", "registry:catalog:*",
                        params={"to": "http://127.0.0.1:9/admin"})
+
+
+def _resolving(monkeypatch: pytest.MonkeyPatch, names: dict[str, list[list[str]]]) -> list[str]:
+    """Resolve each of ``names`` to its next list of addresses (the last list repeats), as
+    a DNS server the hub controls would; other names resolve as usual. The asked names."""
+    asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
+        if host not in names:
+            return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+        asked.append(host)
+        answers = names[host]
+        addresses = answers[min(asked.count(host), len(answers)) - 1]
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (a, port)) for a in addresses]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return asked
+
+
+@pytest.mark.parametrize("addresses", [["169.254.169.254"], ["10.1.2.3", "fe80::1"],
+                                       ["0.0.0.0"]])
+def test_a_redirect_to_a_name_of_a_link_local_or_reserved_address_is_refused(
+        hostile: tuple[HostileHub, str], monkeypatch: pytest.MonkeyPatch,
+        addresses: list[str]) -> None:
+    """A name the hub's own DNS points at a metadata service (or one of whose addresses
+    is such) is refused as the address itself is, naming both, before a byte is sent."""
+    hub, _ = hostile
+    asked = _resolving(monkeypatch, {"metadata.test": [addresses]})
+    with RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as caught:
+        client.request("GET", "/redirect", "registry:catalog:*",
+                       params={"to": "http://metadata.test/latest/meta-data/"})
+    said = str(caught.value)
+    assert "refusing" in said and "metadata.test" in said and addresses[-1] in said, said
+    assert asked == ["metadata.test"]
+
+
+def test_a_name_that_does_not_resolve_is_a_registry_error(
+        hostile: tuple[HostileHub, str]) -> None:
+    hub, _ = hostile
+    with RegistryClient(hub.hub) as client, \
+            pytest.raises(RegistryError, match="does not resolve"):
+        client.request("GET", "/redirect", "registry:catalog:*",
+                       params={"to": "http://no-such-name.invalid/x"})
+
+
+class _Named(BaseHTTPRequestHandler):
+    hosts: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.hosts.append(self.headers.get("Host", ""))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_name_is_resolved_once_and_the_checked_address_is_the_one_reached(
+        hostile: tuple[HostileHub, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: a name that resolves to an acceptable address when checked and to a
+    metadata service a moment later. The request goes to the checked address (its Host
+    header still the name); the name is not resolved again."""
+    hub, _ = hostile
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Named)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    asked = _resolving(monkeypatch, {"rebind.test": [["127.0.0.1"], ["169.254.169.254"]]})
+    port = server.server_address[1]
+    try:
+        with RegistryClient(hub.hub) as client:
+            resp = client.request("GET", "/redirect", "registry:catalog:*",
+                                  params={"to": f"http://rebind.test:{port}/ok"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert resp.content == b"ok"
+    assert asked == ["rebind.test"] and _Named.hosts == [f"rebind.test:{port}"]
+
+
+def test_a_redirect_from_a_hub_elsewhere_to_a_name_of_this_hosts_loopback_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this host has no address besides loopback")
+    _resolving(monkeypatch, {"service.test": [["127.0.0.1"]]})
+    store = Store(tmp_path / "home")
+    with HostileHub(store, {}, address=address) as hub, RegistryClient(hub.hub) as client, \
+            pytest.raises(RegistryError, match=r"service\.test \(127\.0\.0\.1\).*loopback"):
+        client.request("GET", "/redirect", "registry:catalog:*",
+                       params={"to": "http://service.test:9/admin"})

@@ -32,7 +32,9 @@ minute, or never ends, is a RegistryError naming the URL, never a hang or a full
 The text of an error answer is quoted only when the hub's own origin (or a trusted token
 realm) sent it (a redirect elsewhere, say to a service on the host, is reported by its
 status and URL alone), and a redirect or realm leading to a link-local address (a cloud's
-metadata service), or to this host's loopback from a hub elsewhere, is refused. Only reads
+metadata service), or to this host's loopback from a hub elsewhere, is refused, named by
+its address or by a name resolving to it (resolved once, the request pinned to the address
+checked). Only reads
 (GET, HEAD) follow redirects: an upload or a manifest PUT answered with a redirect is an
 error, so a hub cannot send a pack's bytes to another address (a service on this host).
 """
@@ -44,6 +46,7 @@ import functools
 import ipaddress
 import os
 import re
+import socket
 import ssl
 import threading
 import time
@@ -305,17 +308,40 @@ class RegistryClient:
         address no registry serves from: link-local (a cloud's metadata service at
         169.254.169.254), multicast, unspecified or reserved, or this host's loopback
         when the hub is not on it (a service on this host, past the sandboxes' egress
-        rules: the daemon fetches for its callers). Literal addresses only: a name is
-        not resolved here."""
+        rules: the daemon fetches for its callers). A name is resolved here, each of its
+        addresses checked, and the request pinned to the first (``_pinned``): a name that
+        resolves, or re-resolves a moment later (DNS rebinding), to such an address
+        reaches it no more than a literal one does."""
         if origin(request.url) in self.realm_origins:
             return
-        kind = _address_kind(request.url.host)
-        if kind == "special" or (kind == "loopback"
-                                 and _address_kind(httpx.URL(self.hub.url).host) != "loopback"):
-            raise RegistryError(
-                f"{self.hub}: refusing to follow it to {_printable(request.url.host)[:100]} "
-                f"({'a loopback' if kind == 'loopback' else 'a link-local or reserved'} "
-                "address no registry serves from); is the hub what it should be?")
+        host = request.url.host
+        hub_on_loopback = _address_kind(httpx.URL(self.hub.url).host) == "loopback"
+        addresses = [host] if _is_literal(host) else self._resolved(host, request.url)
+        for address in addresses:
+            kind = _address_kind(address)
+            if kind == "special" or (kind == "loopback" and not hub_on_loopback):
+                shown = _printable(host)[:100] + ("" if address == host else f" ({address})")
+                raise RegistryError(
+                    f"{self.hub}: refusing to follow it to {shown} "
+                    f"({'a loopback' if kind == 'loopback' else 'a link-local or reserved'} "
+                    "address no registry serves from); is the hub what it should be?")
+        if addresses[0] != host:
+            _pinned(request, addresses[0])
+
+    def _resolved(self, host: str, url: httpx.URL) -> list[str]:
+        """The addresses ``host`` resolves to (each checked by the caller)."""
+        port = url.port or DEFAULT_PORTS.get(url.scheme, 0)
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise RegistryError(f"{self.hub}: it sends this client to "
+                                f"{_printable(host)[:100]}, which does not resolve ({exc}); "
+                                "is the hub what it should be?") from exc
+        addresses = [str(info[4][0]) for info in found]
+        if not addresses:
+            raise RegistryError(f"{self.hub}: it sends this client to "
+                                f"{_printable(host)[:100]}, which resolves to no address")
+        return addresses
 
     def _auth_header(self, scope: str) -> dict[str, str]:
         with self._lock:
@@ -663,6 +689,24 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise RegistryError(f"{what} is not a JSON object; is the address a forkd hub?")
     return doc
+
+
+def _is_literal(host: str) -> bool:
+    """Whether a URL's host is an IP address (not a name to resolve)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower() == "localhost" or host.lower().endswith(".localhost")
+    return True
+
+
+def _pinned(request: httpx.Request, address: str) -> None:
+    """Send ``request`` to ``address`` (checked) rather than to its name resolved again:
+    its Host header stays the name, and TLS still checks the certificate for the name
+    (``sni_hostname``)."""
+    name = request.url.host
+    request.url = request.url.copy_with(host=address)
+    request.extensions = {**request.extensions, "sni_hostname": name}
 
 
 def _address_kind(host: str) -> str:
