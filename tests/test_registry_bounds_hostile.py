@@ -186,10 +186,14 @@ def test_a_write_redirected_elsewhere_is_not_sent_there(
 
 @pytest.mark.parametrize("target", ["http://169.254.169.254/latest/meta-data/",
                                     "http://[::ffff:169.254.169.254]/", "http://[fe80::1]/",
-                                    "http://0.0.0.0:9/"])
+                                    "http://0.0.0.0:9/", "http://100.100.100.200/",
+                                    "http://[fd00:ec2::254]/", "http://168.63.129.16/",
+                                    "http://[64:ff9b::a9fe:a9fe]/", "http://[2002:a9fe:a9fe::]/"])
 def test_a_redirect_to_a_link_local_or_reserved_address_is_refused(
         hostile: tuple[HostileHub, str], target: str) -> None:
-    """A cloud's metadata service (link-local), an unspecified or reserved address: no
+    """A cloud's metadata service (link-local, Alibaba's in the shared range, AWS's IPv6
+    one, Azure's wire server), one wrapped in IPv6 (NAT64, 6to4), an unspecified or
+    reserved address: no
     registry serves from one, so a redirect there is refused before a byte is sent."""
     hub, _ = hostile
     with RegistryClient(hub.hub) as client, pytest.raises(RegistryError, match="refusing"):

@@ -48,6 +48,7 @@ from typing import Any
 
 import uvloop
 
+from forkd.addresses import public_enough
 from forkd.audit import AuditLog, BoundedAudit
 from forkd.engine.egress import clienthello, http1
 from forkd.engine.egress.ca import EgressCA
@@ -763,37 +764,6 @@ def _pinned_address(name: str, address: str) -> str:
         raise InvalidInput(f"the pin for {name!r} is not an IP address: {address!r}") from None
 
 
-NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: an IPv4 address in the low bits
-IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # RFC 4291's deprecated ::a.b.c.d
-# Global addresses that are still a cloud host's own services (Azure's wire server).
-HOST_SERVICES = frozenset({ipaddress.ip_address("168.63.129.16")})
-
-
-def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 one stands for (mapped, 6to4, NAT64, compatible), if any:
-    ``::ffff:127.0.0.1``, ``2002:7f00:1::`` and ``64:ff9b::7f00:1`` all reach loopback."""
-    if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    if ip.sixtofour is not None:
-        return ip.sixtofour
-    if ip in NAT64 or (ip in IPV4_COMPATIBLE and int(ip) > 1):
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def _public_enough(address: str) -> bool:
-    """A name may lead only to a global address: never loopback, link-local (cloud
-    metadata at 169.254.169.254, fd00:ec2::254), private (RFC 1918, IPv6 ULA), shared
-    (100.64.0.0/10, Alibaba's metadata at 100.100.100.200), reserved or multicast, nor to
-    one of those wrapped in IPv6, nor to a cloud host's own services."""
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
-        address.split("%", 1)[0]
-    )
-    if isinstance(ip, ipaddress.IPv6Address):
-        ip = _embedded_ipv4(ip) or ip
-    return ip.is_global and not ip.is_multicast and ip not in HOST_SERVICES
-
-
 def _this_host(address: str) -> bool:
     """``address`` is one of this host's own (on any of its interfaces, in the proxy's
     network namespace): a connection to it would reach the host's own services, the ones
@@ -816,9 +786,9 @@ def _this_host(address: str) -> bool:
 
 
 def _usable_for_a_name(address: str) -> bool:
-    """An address a resolved name may lead to: global (_public_enough) and not this
+    """An address a resolved name may lead to: global (addresses.public_enough) and not this
     host's own (_this_host: a global address on the host's interface is still the host)."""
-    return _public_enough(address) and not _this_host(address)
+    return public_enough(address) and not _this_host(address)
 
 
 def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import ipaddress
 import os
 import re
 import socket
@@ -55,8 +54,8 @@ from typing import Any
 
 import httpx
 
+from forkd import addresses, jsondoc
 from forkd import digest as dg
-from forkd import jsondoc
 from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.pack import mediatypes as mt
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
@@ -694,7 +693,7 @@ def json_answer(resp: httpx.Response, what: str) -> dict[str, Any]:
 def _is_literal(host: str) -> bool:
     """Whether a URL's host is an IP address (not a name to resolve)."""
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        addresses.parsed(host)
     except ValueError:
         return host.lower() == "localhost" or host.lower().endswith(".localhost")
     return True
@@ -710,22 +709,15 @@ def _pinned(request: httpx.Request, address: str) -> None:
 
 
 def _address_kind(host: str) -> str:
-    """"loopback", "special" (link-local, multicast, unspecified, reserved) or "other" (a
-    name, or any other address) of a URL's host."""
+    """"loopback", "special" (addresses.kind: a cloud's metadata or host services,
+    multicast, unspecified, reserved) or "other" (a name, or any other address) of a URL's
+    host."""
     if host.lower() == "localhost" or host.lower().endswith(".localhost"):
         return "loopback"
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        return addresses.kind(host)
     except ValueError:
         return "other"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_loopback:
-        return "loopback"
-    if (address.is_link_local or address.is_multicast or address.is_unspecified
-            or address.is_reserved):
-        return "special"
-    return "other"
 
 
 def _location(hub: Hub, resp: httpx.Response) -> str:

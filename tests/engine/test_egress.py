@@ -340,14 +340,14 @@ def test_a_name_resolving_to_loopback_is_not_used(plain: StandinModel, audit_pat
 def test_a_name_never_leads_to_an_address_that_is_not_global(address: str) -> None:
     """Loopback, metadata, private, shared, reserved and multicast addresses, bare or
     wrapped in IPv6 (mapped, 6to4, NAT64, compatible): a name resolving to one is refused."""
-    from forkd.engine.egress.proxy import _public_enough
+    from forkd.addresses import public_enough as _public_enough
 
     assert not _public_enough(address)
 
 
 @pytest.mark.parametrize("address", ["8.8.8.8", "2606:4700::1111", "64:ff9b::808:808"])
 def test_a_name_may_lead_to_a_global_address(address: str) -> None:
-    from forkd.engine.egress.proxy import _public_enough
+    from forkd.addresses import public_enough as _public_enough
 
     assert _public_enough(address)
 

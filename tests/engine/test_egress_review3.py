@@ -49,7 +49,8 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 import httpx
 from test_egress import audit_lines, make_proxy
-from forkd.engine.egress.proxy import _public_enough, _usable_for_a_name
+from forkd.addresses import public_enough as _public_enough
+from forkd.engine.egress.proxy import _usable_for_a_name
 from forkd.engine.egress.standin import StandinModel
 
 out = {{}}
