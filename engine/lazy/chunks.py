@@ -41,6 +41,7 @@ from forkd.registry.client import RegistryClient, RegistryError
 from forkd.registry.reference import RemoteRef
 from forkd.store.assembly import chain_maps
 from forkd.store.blobs import BlobBackendError
+from forkd.store.fetch import check_room
 from forkd.store.imports import MAX_FILE_BLOB
 from forkd.store.manifests import chain_files
 from forkd.store.store import Store
@@ -447,6 +448,12 @@ def open_remote(store: Store, remote: RemoteRef, client: RegistryClient,
             config = link.manifest.config
             SnapshotConfig.from_bytes(store.blobs.read(config.digest, config.size, what), what)
     source = ChunkSource(store, chain, name, hub)
+    # what the children's faults and the prefetch will bring into the store, refused now
+    # when it cannot fit rather than when the disk is full under running children
+    unfetched = {d.digest: d.size for d in chain_files(chain).values()
+                 if not store.blobs.has(d.digest)}
+    check_room(store, sum(source.ref(d).stored for d in source.missing())
+               + sum(unfetched.values()), name)
     source.fetched_bytes += fetched
     return source
 

@@ -243,6 +243,16 @@ def local_path(blobs: BlobStore, digest: str) -> Path | None:
     return blobs.path(digest) if isinstance(blobs, FsBlobStore) else None
 
 
+def room(blobs: BlobStore) -> int | None:
+    """Bytes the backend can still take: the free space (for an unprivileged writer) of
+    the filesystem a filesystem backend's blobs are on; None for a backend without such a
+    bound (object storage)."""
+    if not isinstance(blobs, FsBlobStore):
+        return None
+    st = os.statvfs(blobs.root)
+    return st.f_bavail * st.f_frsize
+
+
 def clear_in_flight(blobs: BlobStore) -> None:
     """Remove the filesystem backend's in-flight writes (its caller holds off every writer:
     a store's gc lock). Another backend's may be other hosts' writes: its own lifecycle

@@ -15,13 +15,39 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from forkd import digest as dg
-from forkd.errors import IntegrityError
+from forkd.errors import ForkdError, IntegrityError
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link, walk
 from forkd.pack.chunking import unpack_chunk
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import ChunkRef, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
+from forkd.store.blobs import room
 from forkd.store.store import MAX_FILE_BLOB, Store
+
+# bytes a fetch leaves free on the store's filesystem (what else writes there: the tag
+# index, a build's records, the next fetch's in-flight blobs)
+ROOM_RESERVE = 64 << 20
+
+
+class NoRoom(ForkdError):
+    """The store's filesystem cannot take what a chain's descriptors say it weighs."""
+
+
+def check_room(store: Store, need: int, what: str) -> None:
+    """NoRoom, before a byte of it is fetched, when ``need`` bytes (what ``what``'s
+    descriptors declare the store lacks) would leave less than ROOM_RESERVE free where the
+    store keeps its blobs: a pack, honest or not, that cannot fit is refused whole rather
+    than filling the disk the host's VMs and store live on, then failing."""
+    free = room(store.blobs)
+    if free is not None and need > free - ROOM_RESERVE:
+        raise NoRoom(
+            f"{what} needs {_mib(need)} in the store and {store.home} has {_mib(free)} free "
+            f"(keeping {_mib(ROOM_RESERVE)}); free space (`forkd gc`, `forkd rmi`), or use a "
+            "store on a larger filesystem (FORKD_HOME)")
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):,.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -44,6 +70,8 @@ def fetch_chain(store: Store, head: str, name: str, fetch: Fetcher) -> list[Link
     def need(wants: list[Want]) -> None:
         missing = [w for w in wants if not store.blobs.has(w.digest)]
         if missing:
+            unique = {w.digest: w.limit if w.size is None else w.size for w in missing}
+            check_room(store, sum(unique.values()), name)
             fetch(missing)
 
     def load(digest: str) -> Manifest:
