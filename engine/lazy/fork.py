@@ -258,6 +258,8 @@ def _single_threaded() -> bool:
 # glibc reads its MALLOC_*_ environment at a process's start: a forked server sets the
 # same numbers (spare.SERVER_MALLOC) with mallopt
 _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+PR_SET_NAME = 15  # prctl: this thread's (the process's) name, 15 bytes at most
+SERVER_NAME = b"forkd-lazy"
 
 
 def _serve_forked(told: int, log_fd: int, log: Path, environment: dict[str, str]) -> NoReturn:
@@ -265,6 +267,9 @@ def _serve_forked(told: int, log_fd: int, log: Path, environment: dict[str, str]
     code = 1
     try:
         os.setsid()
+        libc = ctypes.CDLL(None)
+        # its name in ps -e, top and pgrep (its command line stays its command's)
+        libc.prctl(PR_SET_NAME, SERVER_NAME, 0, 0, 0)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         os.dup2(null, 0)
         os.dup2(log_fd, 1)
@@ -282,7 +287,6 @@ def _serve_forked(told: int, log_fd: int, log: Path, environment: dict[str, str]
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(environment)
-        libc = ctypes.CDLL(None)
         for variable, param in _MALLOPT.items():
             libc.mallopt(param, int(SERVER_MALLOC[variable]))
         for handler in logging.root.handlers[:]:  # this process's: to files now /dev/null

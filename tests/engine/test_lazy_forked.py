@@ -49,6 +49,7 @@ else:
                 out["lock_free"] = False
                 break
             time.sleep(0.01)
+    out["comm"] = Path(f"/proc/{server.pid}/comm").read_text().strip()
     out["alive"] = server.poll() is None  # it let go while it runs on, waiting to be told
     if case == "eof":
         server._close()
@@ -79,6 +80,7 @@ def test_told_nothing_it_ends_holding_nothing_of_its_parent(tmp_path: Path) -> N
     out = run(tmp_path, "eof")
     assert out["code"] == 0, out
     assert out["lock_free"] is True and out["alive"] is True, out  # not its parent's lock
+    assert out["comm"] == "forkd-lazy", out  # what ps -e and pgrep show
     assert out["log_left"] is False, out
     ran = (tmp_path / "atexit").read_text().split()
     assert len(ran) == 1 and ran != [str(out["pid"])], ran  # the parent's, once
