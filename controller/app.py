@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
@@ -30,7 +31,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromPath, FromQuery, JSONBody, RawBody
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter, RawBody
 from litestar.response import Stream
 from litestar.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -505,14 +506,52 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)
 
 
-async def check_json_body(request: Request[Any, Any, Any]) -> None:
-    """A JSON body nested deeper than jsondoc.MAX_DEPTH, or naming a key twice in one
-    object, is an InvalidInput (400) before it is parsed (jsondoc.check_body): the parser
-    recurses once per level, and thousands of ``[`` would end in a RecursionError (a 500);
-    and msgspec keeps the last of a repeated key where the audit log or a proxy may read
-    the first. Runs after the token guard, on the routes that take JSON."""
+async def check_request(request: Request[Any, Any, Any]) -> None:
+    """What a request says is read one way only, before the handler runs (after the token
+    guard): its query (check_query), and a JSON body nested deeper than jsondoc.MAX_DEPTH,
+    or naming a key twice in one object, is an InvalidInput (400) before it is parsed
+    (jsondoc.check_body): the parser recurses once per level, and thousands of ``[`` would
+    end in a RecursionError (a 500); and msgspec keeps the last of a repeated key where
+    the audit log or a proxy may read the first."""
+    check_query(request)
     if "data" in request.route_handler.parsed_fn_signature.parameters:
         check_body(await request.body())
+
+
+PARAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def _param_name(name: str) -> str:
+    """A query parameter's name for an error: quoted when it is a plain word (a misspelt
+    ``mod``), else only its length: the URL is the caller's, and an error does not repeat
+    it (markup or a long text in it)."""
+    if PARAM_NAME.fullmatch(name):
+        return repr(name)
+    return f"(a name of {len(name)} characters that is not a plain word)"
+
+
+def check_query(request: Request[Any, Any, Any]) -> None:
+    """InvalidInput (400) for a query parameter the route does not take, or one given
+    twice, naming it: as a JSON body's unknown field or repeated key. Litestar ignored
+    both: ``?path=/a&path=/b`` wrote one of the two files (which one is a parser's choice:
+    a proxy or a log in front may read the other), and a misspelt ``?mod=384`` wrote the
+    file with the default mode, silently."""
+    handler = request.route_handler
+    if is_public(handler):
+        return
+    takes = sorted(name for name, f in handler.parsed_fn_signature.parameters.items()
+                   if isinstance(f.kwarg_definition, QueryParameter))
+    route = f"{request.method} {min(handler.paths)}"
+    seen: set[str] = set()
+    for name, _ in request.query_params.multi_items():
+        if name not in takes:
+            allowed = ("it takes " + ", ".join(takes)) if takes else "it takes none"
+            raise InvalidInput(f"unknown query parameter {_param_name(name)} for {route}: "
+                               f"{allowed} (docs/api.md)")
+        if name in seen:
+            raise InvalidInput(f"query parameter {_param_name(name)} is given twice; send "
+                               "each query parameter once")
+        seen.add(name)
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -1078,7 +1117,7 @@ def create_app(
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
-        before_request=check_json_body,
+        before_request=check_request,
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},

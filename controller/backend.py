@@ -666,15 +666,15 @@ class LocalBackend:
             )
         if _local_tag(self.store, req.tag):
             raise InvalidInput(
-                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {req.tag!r} is a local "
+                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {shown(req.tag)} is a local "
                 "snapshot tag: spawn it without lazy, or name the hub it comes from"
             )
         try:
             remote = parse_remote(req.tag)
         except InvalidInput as exc:
             raise InvalidInput(
-                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got {req.tag!r}: "
-                f"{exc}"
+                "lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got "
+                f"{shown(req.tag)}: {exc}"
             ) from None
         check_lazy_hub(remote.hub)
         return lazy_fork.fork
