@@ -218,8 +218,8 @@ ERRORS = {
         (404, "NotFound: no such sandbox, snapshot, pool or file"),
         (409, "Conflict: the tag exists, is depended on, or the sandbox is in another state"),
         (422, "IntegrityError or ChainError: the store's data is damaged"),
-        (429, "TooManyRequests: this client holds its share of the guest requests; retry "
-              "once one of its requests has ended"),
+        (429, "TooManyRequests: this client holds its share of the guest requests (retry "
+              "once one of its requests has ended) or of the VMs (kill or pause some)"),
         (500, "any other error, with its forkd exit code"),
     ]
 }

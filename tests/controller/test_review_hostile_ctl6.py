@@ -6,7 +6,9 @@ of the daemon's VMs. No VM: the real app and protocol on uvicorn, and a fake gue
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,18 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from click.testing import CliRunner
 from daemon_support import FakeGuest, running
+from net_support import free_port
 
 from forkd.audit import AuditLog
+from forkd.cli.controller_cmds import serve
 from forkd.controller import app, server
 from forkd.controller.backend import LocalBackend
+from forkd.engine import children as ch
+from forkd.engine.lifecycle import ChildInfo
+from forkd.engine.pool import Pool
+from forkd.errors import InvalidInput
 from forkd.store.store import Store
 
 TOKEN = "t" * 43
@@ -137,3 +146,98 @@ def test_an_id_quoted_in_an_error_says_it_was_cut(unix: httpx.Client) -> None:
         assert int(cut.group(2)) == length or length == 300 < int(cut.group(2)), message
     short = _error(unix.get("/v1/sandboxes/A"), 400)
     assert "'A'" in short and CUT.search(short) is None, short
+
+
+# -- one client's share of the daemon's VMs -----------------------------------------------
+class FakeEngine:
+    """Sandboxes that fork at once and run until ``end`` (the engine's fork and list, so
+    the daemon's admission is what runs for real; no VM)."""
+
+    def __init__(self) -> None:
+        self.children: list[ChildInfo] = []
+        self.forks = 0
+
+    def fork(self, store: Store, ref: str, n: int, **_: Any) -> ch.ForkResult:
+        made = []
+        for _i in range(n):
+            self.forks += 1
+            made.append(ChildInfo(id=f"sb-{self.forks}", ref=ref, digest="sha256:" + "0" * 64,
+                                  pid=os.getpid(), dir="/nonexistent", memory="", disk_backing="",
+                                  memory_mib=64, created=time.time()))
+        self.children.extend(made)
+        return ch.ForkResult(children=made, assemble_ms=0.0, total_ms=0.0, errors=[])
+
+    def list_children(self) -> list[ChildInfo]:
+        return list(self.children)
+
+    def end(self, sandbox_id: str) -> None:
+        self.children = [c for c in self.children if c.id != sandbox_id]
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
+    fake = FakeEngine()
+    monkeypatch.setattr(ch, "fork", fake.fork)
+    monkeypatch.setattr(ch, "list_children", fake.list_children)
+    return fake
+
+
+@pytest.fixture
+def limited_tcp(place: Path, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """The daemon's TCP app and protocol (token TOKEN) running at most 4 VMs (so 2 of one
+    client, the default share), with a pool."""
+    port = free_port()
+    store = Store.open()
+    backend = LocalBackend(store, Pool(store), max_sandboxes=4)
+    token = app.Token(TOKEN.encode())
+    watched = app.TokenWatch(app.create_app(backend, AuditLog(tmp_path / "a.log"),
+                                            app.ControllerMetrics(), token), token)
+    config = server.bounded_config(watched, server.BoundedProtocol, host="127.0.0.1",
+                                   port=port)
+    try:
+        with running(uvicorn.Server(config)):
+            yield ("127.0.0.1", port)
+    finally:
+        backend.close()
+
+
+def _client(where: tuple[str, int], source: str) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source),
+                        base_url=f"http://{where[0]}:{where[1]}", timeout=20,
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def test_one_client_runs_at_most_its_share_of_the_daemons_vms(
+        limited_tcp: tuple[str, int], engine: FakeEngine) -> None:
+    """The daemon runs at most --max-sandboxes VMs, and one client could start all of them
+    (spawns, a pool): every other client's spawn was a 409 until it killed some. Now one
+    client (an address on TCP, a uid on the socket) runs at most its share, half by
+    default: past it a 429 says whose share and what to do, and the others keep theirs."""
+    with _client(limited_tcp, "127.0.0.1") as mine, _client(limited_tcp, "127.0.0.2") as theirs:
+        r = mine.post("/v1/sandboxes", json={"tag": "tiny", "n": 2})
+        assert r.status_code == 201, r.text
+        for refused in (mine.post("/v1/sandboxes", json={"tag": "tiny"}),
+                        mine.post("/v1/pools", json={"tag": "tiny", "k": 1})):
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["retry-after"] == "1"
+            message = refused.json()["error"]["message"]
+            assert "this client (127.0.0.1) runs 2" in message, message
+            assert "one client's share is 2 of the daemon's 4" in message, message
+            assert "--max-sandboxes-per-client" in message and "kill or pause" in message
+        assert engine.forks == 2
+        r = theirs.post("/v1/sandboxes", json={"tag": "tiny", "n": 2})
+        assert r.status_code == 201, r.text  # the other client's share was kept for it
+        engine.end("sb-1")  # one of the first client's sandboxes ended: room for one more
+        r = mine.post("/v1/sandboxes", json={"tag": "tiny"})
+        assert r.status_code == 201, r.text
+        assert engine.forks == 5
+
+
+def test_the_per_client_share_is_a_positive_integer(place: Path) -> None:
+    with pytest.raises(InvalidInput, match="per-client sandbox limit must be a positive"):
+        LocalBackend(Store.open(), max_sandboxes=4, max_per_client=0)
+    assert LocalBackend(Store.open(), max_sandboxes=4).max_per_client == 2
+    assert LocalBackend(Store.open(), max_sandboxes=1).max_per_client == 1
+    assert LocalBackend(Store.open(), max_sandboxes=8, max_per_client=8).max_per_client == 8
+    result = CliRunner().invoke(serve, ["--max-sandboxes-per-client", "0"])
+    assert result.exit_code == 2 and "--max-sandboxes-per-client" in result.output
