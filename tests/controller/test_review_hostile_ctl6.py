@@ -24,6 +24,8 @@ from forkd.audit import AuditLog
 from forkd.cli.controller_cmds import serve
 from forkd.controller import app, server
 from forkd.controller.backend import LocalBackend
+from forkd.controller.client import answered_error
+from forkd.engine import agent_client as ac
 from forkd.engine import children as ch
 from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.pool import Pool
@@ -241,3 +243,17 @@ def test_the_per_client_share_is_a_positive_integer(place: Path) -> None:
     assert LocalBackend(Store.open(), max_sandboxes=8, max_per_client=8).max_per_client == 8
     result = CliRunner().invoke(serve, ["--max-sandboxes-per-client", "0"])
     assert result.exit_code == 2 and "--max-sandboxes-per-client" in result.output
+
+
+def test_a_guests_key_and_a_daemons_answer_quoted_in_errors_say_they_were_cut() -> None:
+    """The same class where the text comes from the other untrusted sides: a guest frame
+    naming a long key twice, and an answer that is not the daemon's error body (a proxy's
+    page) shown by the SDK: both were quoted cut, as if whole."""
+    key = "k" * 200
+    frame = b'{"id": 1, "%s": 1, "%s": 2}' % (key.encode(), key.encode())
+    with pytest.raises(ac.ProtocolViolation) as refused:
+        ac.parse_frame(frame)
+    assert "(its first 80 of 200 characters)" in str(refused.value), refused.value
+    error = answered_error(502, b"<html>" + b"x" * 500 + b"</html>")
+    assert "(its first 200 of 513 characters)" in str(error), error
+    assert "(its first" not in str(answered_error(502, b"<html>bad gateway</html>"))
