@@ -83,6 +83,7 @@ from forkd.controller.backend import (
     Stopped,
     Waiting,
 )
+from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.commands import MAX_PUT_BYTES
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
@@ -201,8 +202,12 @@ class Controller:
     failed: BoundedAudit = field(init=False)
 
     def __post_init__(self) -> None:
-        self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed")
-        self.failed = BoundedAudit(self.audit, FAILED_PER_MINUTE, "failed.suppressed")
+        # one client (agent_client.REQUEST_CLIENT: an address on TCP, a uid on the socket)
+        # has half of each budget: its flood leaves the others' records written
+        self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed",
+                                    share=REFUSED_PER_MINUTE // 2)
+        self.failed = BoundedAudit(self.audit, FAILED_PER_MINUTE, "failed.suppressed",
+                                   share=FAILED_PER_MINUTE // 2)
 
     @property
     def transport(self) -> str:
@@ -412,7 +417,8 @@ def require_token(
     if ctl.token is None or is_public(handler):
         return
     if not token_matches(presented_token(connection), ctl.token.current()):
-        ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied")
+        ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied",
+                           client=REQUEST_CLIENT.get())
         many = sum(1 for k, _ in connection.scope["headers"] if k == b"authorization") > 1
         raise NotAuthorizedException(
             "more than one Authorization header: send one, Authorization: Bearer <token>"
@@ -500,7 +506,7 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
         ctl.failed.record(ctl.transport, peer(request), request.method, request.url.path,
-                          "failed", error=audit_value(str(exc)))
+                          "failed", client=REQUEST_CLIENT.get(), error=audit_value(str(exc)))
     home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
     body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)

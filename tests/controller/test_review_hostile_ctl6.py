@@ -6,6 +6,7 @@ of the daemon's VMs. No VM: the real app and protocol on uvicorn, and a fake gue
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -20,6 +21,7 @@ from click.testing import CliRunner
 from daemon_support import FakeGuest, running
 from net_support import free_port
 
+from forkd import audit as audit_module
 from forkd.audit import AuditLog
 from forkd.cli.controller_cmds import serve
 from forkd.controller import app, server
@@ -257,3 +259,49 @@ def test_a_guests_key_and_a_daemons_answer_quoted_in_errors_say_they_were_cut() 
     error = answered_error(502, b"<html>" + b"x" * 500 + b"</html>")
     assert "(its first 200 of 513 characters)" in str(error), error
     assert "(its first" not in str(answered_error(502, b"<html>bad gateway</html>"))
+
+
+# -- one client's share of the audit budgets ---------------------------------------------
+def _records(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_one_clients_flood_leaves_the_others_audit_records_written(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused tokens and failed writes are audited within a budget a minute (past it, only
+    counted): one address that spent it (anyone can send refused requests; anyone with the
+    token failed ones) hid every other client's attempts that minute, their addresses
+    included, e.g. a token guesser behind a flood from another host. Now one client has
+    half of each budget; the others' records are written, and the count of what was
+    dropped names whose it was."""
+    monkeypatch.setattr(app, "REFUSED_PER_MINUTE", 4)
+    monkeypatch.setattr(app, "FAILED_PER_MINUTE", 4)
+    port = free_port()
+    token = app.Token(TOKEN.encode())
+    log = tmp_path / "a.log"
+    ctl_app = app.create_app(LocalBackend(Store.open()), AuditLog(log),
+                             app.ControllerMetrics(), token)
+    config = server.bounded_config(app.TokenWatch(ctl_app, token), server.BoundedProtocol,
+                                   host="127.0.0.1", port=port)
+    where = ("127.0.0.1", port)
+    with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as flood, \
+            _client(where, "127.0.0.2") as other:
+        for _ in range(10):
+            assert flood.get("/v1/sandboxes", headers={"Authorization": "Bearer x"}
+                             ).status_code == 401
+            assert flood.post("/v1/sandboxes/sb-1/exec", json={"argv": ["true"]}
+                              ).status_code == 404
+        assert other.get("/v1/pools", headers={"Authorization": "Bearer y"}).status_code == 401
+        assert other.post("/v1/sandboxes/sb-2/exec", json={"argv": ["true"]}
+                          ).status_code == 404
+        records = _records(log)
+        refused = [r["ip"].rsplit(":", 1)[0] for r in records if r["action"] == "auth"]
+        failed = [r["ip"].rsplit(":", 1)[0] for r in records if r["result"] == "failed"]
+        assert refused == ["127.0.0.1"] * 2 + ["127.0.0.2"], records
+        assert failed == ["127.0.0.1"] * 2 + ["127.0.0.2"], records
+        now = time.monotonic  # the next minute (for the audit's clock): the dropped are told
+        monkeypatch.setattr(audit_module.time, "monotonic", lambda: now() + 61)
+        assert other.get("/v1/pools", headers={"Authorization": "Bearer y"}).status_code == 401
+    told = [r for r in _records(log) if r["action"] == "auth.suppressed"]
+    assert len(told) == 1 and told[0]["count"] == 8, told
+    assert told[0]["clients"] == {"127.0.0.1": 8}, told
