@@ -85,7 +85,7 @@ from forkd.controller.backend import (
 )
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.commands import MAX_PUT_BYTES
-from forkd.engine.errors import TooManyRequests
+from forkd.engine.errors import Busy, TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
     ChainError,
@@ -390,6 +390,98 @@ class CallerWatch:
                 group.cancel_scope.cancel()
         finally:
             CALLER_STOP.reset(reset)
+
+
+BODY_BYTES = 512 << 20  # request bodies the daemon holds at once, all clients' together
+
+
+class BodyBudget:
+    """Bytes of request bodies being held (a file's up to 32 MiB, a JSON body's up to 10 MB,
+    read whole before the handler runs and kept until it ends), in all and per client (as
+    agent_client.REQUEST_CLIENT names it: half of ``total``): without it one client with
+    128 connections held 4 GiB of uploads in the daemon's memory at once."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.held = 0
+        self.by_client: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, client: str | None) -> ForkdError | None:
+        """Count ``n`` more bytes for ``client``; else the error saying which bound."""
+        with self._lock:
+            mine = self.by_client.get(client, 0) if client is not None else 0
+            if client is not None and mine + n > self.total // 2:
+                return TooManyRequests(
+                    f"this client ({client}) has {mine} bytes of request bodies being received "
+                    f"or served, and this one is {n}: one client holds at most "
+                    f"{self.total // 2} (app.BODY_BYTES, half); wait for its uploads to end, "
+                    "or send fewer at once")
+            if self.held + n > self.total:
+                return Busy(
+                    f"the daemon holds as many bytes of request bodies as it takes at once "
+                    f"({self.total}, app.BODY_BYTES) and this one is {n}; try again shortly")
+            self.held += n
+            if client is not None:
+                self.by_client[client] = mine + n
+            return None
+
+    def give(self, n: int, client: str | None) -> None:
+        with self._lock:
+            self.held -= n
+            if client is not None:
+                left = self.by_client.get(client, 0) - n
+                if left > 0:
+                    self.by_client[client] = left
+                else:
+                    self.by_client.pop(client, None)
+
+
+BODY_BUDGET = BodyBudget(BODY_BYTES)
+
+
+def _body_size(scope: Any) -> int:
+    """What a request's body may hold in the daemon: its Content-Length, else (chunked) the
+    most its route takes; never more than that."""
+    most = MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    if length is not None:
+        try:
+            return min(int(length), most)
+        except ValueError:
+            return 0  # h11 refuses it before the app
+    return most if b"transfer-encoding" in headers else 0
+
+
+def body_budget(app: ASGIApp) -> ASGIApp:
+    """A Litestar middleware (every route): a request's body counts against BODY_BUDGET from
+    its start until its answer is sent; one that would pass it is answered at once, its body
+    not read: 429 (TooManyRequests, Retry-After) past its client's share, 409 (Busy) past
+    the daemon's bound."""
+
+    async def budgeted(scope: Any, receive: Any, send: Any) -> None:
+        size = _body_size(scope) if scope.get("type") == "http" else 0
+        if size == 0:
+            await app(scope, receive, send)
+            return
+        client = REQUEST_CLIENT.get()
+        refused = BODY_BUDGET.take(size, client)
+        if refused is not None:
+            status, body = error_answer(refused)
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            if status == 429:
+                headers.append((b"retry-after", b"1"))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body",
+                        "body": msgspec.json.encode(ErrorAnswer(error=body))})
+            return
+        try:
+            await app(scope, receive, send)
+        finally:
+            BODY_BUDGET.give(size, client)
+
+    return budgeted
 
 
 def caller_watch(app: ASGIApp) -> ASGIApp:
@@ -1127,7 +1219,7 @@ def create_app(
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
-        middleware=[caller_watch],
+        middleware=[body_budget, caller_watch],
         openapi_config=OPENAPI,
         debug=False,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 import uvicorn
 from click.testing import CliRunner
 from daemon_support import FakeGuest, running
-from net_support import free_port
+from net_support import free_port, wait_until
 
 from forkd import audit as audit_module
 from forkd.audit import AuditLog
@@ -29,12 +30,14 @@ from forkd.controller.backend import LocalBackend
 from forkd.controller.client import answered_error
 from forkd.engine import agent_client as ac
 from forkd.engine import children as ch
+from forkd.engine.errors import Busy
 from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.pool import Pool
 from forkd.errors import InvalidInput
 from forkd.store.store import Store
 
 TOKEN = "t" * 43
+MIB = 1 << 20
 
 
 def _daemon_app(tmp_path: Path, backend: LocalBackend | None = None) -> Any:
@@ -305,3 +308,65 @@ def test_one_clients_flood_leaves_the_others_audit_records_written(
     told = [r for r in _records(log) if r["action"] == "auth.suppressed"]
     assert len(told) == 1 and told[0]["count"] == 8, told
     assert told[0]["clients"] == {"127.0.0.1": 8}, told
+
+
+# -- request bodies held at once ----------------------------------------------------------
+def _started_put(where: tuple[str, int], source: str, size: int, sent: int) -> socket.socket:
+    """A connection from ``source`` that sent a PUT of a ``size``-byte file and ``sent`` of
+    its bytes, and holds the rest."""
+    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    conn.settimeout(20)
+    conn.bind((source, 0))
+    conn.connect(where)
+    conn.sendall(b"PUT /v1/sandboxes/sb-1/files?path=/tmp/f HTTP/1.1\r\nHost: forkd\r\n"
+                 b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+                 % (TOKEN.encode(), size) + b"x" * sent)
+    return conn
+
+
+def test_one_client_holds_at_most_its_share_of_request_bodies(
+        place: Path, tmp_path: Path, guest: FakeGuest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file body (up to 32 MiB) is read whole into the daemon before its handler runs,
+    and nothing bounded them together: one client with its 128 connections held 4 GiB of
+    uploads at once (sent fast, or held open by sending slowly). Now the bodies being held
+    count against a budget (app.BODY_BYTES), one client at most half of it: past that its
+    next upload is a 429 at once, its body not read, and the other clients keep theirs."""
+    monkeypatch.setattr(app, "BODY_BUDGET", app.BodyBudget(4 * MIB))
+    guest.answer = {}
+    port = free_port()
+    token = app.Token(TOKEN.encode())
+    ctl_app = app.create_app(LocalBackend(Store.open()), AuditLog(tmp_path / "a.log"),
+                             app.ControllerMetrics(), token)
+    config = server.bounded_config(app.TokenWatch(ctl_app, token), server.BoundedProtocol,
+                                   host="127.0.0.1", port=port)
+    where = ("127.0.0.1", port)
+    with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as mine, \
+            _client(where, "127.0.0.2") as theirs:
+        held = [_started_put(where, "127.0.0.1", MIB, 1000) for _ in range(2)]
+        wait_until("both bodies count", lambda: app.BODY_BUDGET.held == 2 * MIB, 10)
+        r = mine.put("/v1/sandboxes/sb-1/files", params={"path": "/tmp/g"}, content=b"y" * 100)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        message = r.json()["error"]["message"]
+        assert "this client (127.0.0.1) has 2097152 bytes of request bodies" in message
+        assert "one client holds at most 2097152" in message and "wait for its uploads" in message
+        r = theirs.put("/v1/sandboxes/sb-1/files", params={"path": "/tmp/h"}, content=b"z" * MIB)
+        assert r.status_code == 204, r.text  # another client's upload is served
+        for conn in held:
+            conn.close()
+        wait_until("the held bodies are given back", lambda: app.BODY_BUDGET.held == 0, 10)
+        r = mine.put("/v1/sandboxes/sb-1/files", params={"path": "/tmp/g"}, content=b"y" * 100)
+        assert r.status_code == 204, r.text
+    assert app.BODY_BUDGET.held == 0 and app.BODY_BUDGET.by_client == {}
+
+
+def test_past_the_daemons_bound_of_request_bodies_any_client_waits() -> None:
+    """The clients' shares together are the daemon's bound: past it a body is a 409 Busy
+    for whoever sends it, and what was given back is free again."""
+    budget = app.BodyBudget(4 * MIB)
+    assert budget.take(2 * MIB, "a") is None and budget.take(2 * MIB, "b") is None
+    refused = budget.take(1, "c")
+    assert isinstance(refused, Busy) and "try again shortly" in str(refused), refused
+    assert app.error_answer(refused)[0] == 409
+    budget.give(2 * MIB, "a")
+    assert budget.take(1, "c") is None and budget.by_client == {"b": 2 * MIB, "c": 1}
