@@ -19,7 +19,7 @@ import httpx
 import pytest
 import uvicorn
 from click.testing import CliRunner
-from daemon_support import FakeGuest, running
+from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, running
 from net_support import free_port, wait_until
 
 from forkd import audit as audit_module
@@ -370,3 +370,38 @@ def test_past_the_daemons_bound_of_request_bodies_any_client_waits() -> None:
     assert app.error_answer(refused)[0] == 409
     budget.give(2 * MIB, "a")
     assert budget.take(1, "c") is None and budget.by_client == {"b": 2 * MIB, "c": 1}
+
+
+def test_an_mcp_message_over_http_is_bounded(place: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """`forkd mcp --transport http`: the MCP SDK read a POST's body whole, with no bound, so
+    a client with the token made the server hold whatever it sent (a GiB in one request).
+    Now a message is at most mcp.MAX_BODY_BYTES (413 past it, a Content-Length at once, a
+    chunked body as soon as it passes it); a message within it is served."""
+    from forkd.controller import mcp
+    from forkd.controller.sdk import Controller
+
+    monkeypatch.setattr(mcp, "MAX_BODY_BYTES", 64 << 10, raising=False)
+    port = free_port()
+    web = mcp.http_server(Controller(local=True), "127.0.0.1", port, "/mcp",
+                          app.Token(TOKEN.encode()))
+    auth = mcp_auth(TOKEN.encode())
+    with running(web), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        big = {**MCP_HELLO, "params": {**MCP_HELLO["params"], "pad": "x" * (65 << 10)}}
+        r = http.post("/mcp", json=big, headers=auth)
+        assert r.status_code == 413, r.text
+        assert f"over the {64 << 10} one MCP message may be" in r.text, r.text
+
+        def chunks() -> Iterator[bytes]:
+            yield json.dumps(big).encode()
+
+        r = http.post("/mcp", content=chunks(), headers={**auth,
+                                                          "content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        r = http.post("/mcp", content=(b for b in [json.dumps(MCP_HELLO).encode()]),
+                      headers={**auth, "content-type": "application/json"})
+        assert r.status_code == 200, r.text  # a chunked message within the bound is served
+        r = http.post("/mcp", json=MCP_HELLO, headers=auth)
+        assert r.status_code == 200, r.text
+        r = http.post("/mcp", json=big)  # without the token: 401 first, nothing read
+        assert r.status_code == 401, r.text
