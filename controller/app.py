@@ -818,9 +818,23 @@ def exec_stream(
     request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExecRequest]
 ) -> Stream:
     ctl.backend.sandbox(sandbox_id)  # an unknown sandbox is a 404, not a 200 with an error
-    audited(request, ctl, "sandbox.exec", sandbox_id, "ok", argv=data.argv[:8], stream=True)
+    # what was asked is recorded when the stream starts ("started": it may still fail), how
+    # it ended when it ends: "ok", "failed" (within the failed budget) or "cut" (its client
+    # left); recording "ok" before anything ran claimed commands that never ran
+    audited(request, ctl, "sandbox.exec", sandbox_id, "started", argv=data.argv[:8],
+            stream=True)
+    client = REQUEST_CLIENT.get()
+
+    def ended(result: str, detail: dict[str, Any]) -> None:
+        if result == "failed":
+            ctl.failed.record(ctl.transport, peer(request), "sandbox.exec",
+                              audit_value(sandbox_id, MAX_TARGET), "failed", client=client,
+                              stream=True, **{k: audit_value(v) for k, v in detail.items()})
+        else:
+            audited(request, ctl, "sandbox.exec", sandbox_id, result, stream=True, **detail)
+
     frames = ctl.backend.exec_stream(sandbox_id, data)
-    return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
+    return Stream(ndjson(frames, api.HEARTBEAT_S, ended), media_type="application/x-ndjson")
 
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
@@ -917,16 +931,31 @@ async def relayed(
             waiting.taken()
 
 
-async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
+async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
+                 ended: Callable[[str, dict[str, Any]], None] | None = None
+                 ) -> AsyncIterator[bytes]:
     """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
     clients and proxies can tell a quiet command from a dead connection), and an
-    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone)."""
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone).
+    ``ended`` is told how the stream ended: "ok" (with the command's status and exit
+    code), "failed" (with the error sent) or "cut" (the client left first)."""
+    outcome: tuple[str, dict[str, Any]] = ("cut", {})
     try:
         async with contextlib.aclosing(relayed(frames, heartbeat, STREAM_FRAMES)) as relay:
             async for frame in relay:
+                if frame is not None and frame.result is not None:
+                    outcome = ("ok", {"status": frame.result.status,
+                                      "exit_code": frame.result.exit_code})
+                elif frame is not None and frame.error is not None:
+                    outcome = ("failed", {"error": frame.error.message})
                 yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
     except Exception as exc:  # the client gets it as its error frame
-        yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
+        error = error_answer(exc)[1]
+        outcome = ("failed", {"error": error.message})
+        yield msgspec.json.encode(ExecFrame(error=error)) + b"\n"
+    finally:
+        if ended is not None:
+            ended(*outcome)
 
 
 class prepended(Iterator[T]):

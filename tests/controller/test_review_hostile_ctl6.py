@@ -405,3 +405,42 @@ def test_an_mcp_message_over_http_is_bounded(place: Path, monkeypatch: pytest.Mo
         assert r.status_code == 200, r.text
         r = http.post("/mcp", json=big)  # without the token: 401 first, nothing read
         assert r.status_code == 401, r.text
+
+
+# -- what the audit log says of a streamed exec -------------------------------------------
+def _stream_records(log: Path) -> list[tuple[str, Any]]:
+    return [(r["result"], r.get("exit_code", r.get("error"))) for r in _records(log)
+            if r["action"] == "sandbox.exec"]
+
+
+def test_a_streamed_exec_is_audited_as_it_ended_not_ok_before_it_ran(
+        place: Path, tmp_path: Path, guest: FakeGuest) -> None:
+    """A streamed exec was recorded "ok" when its stream started, before anything ran: a
+    command that failed (a guest's broken answer, a paused sandbox, a client past its share)
+    or whose client left stood in the audit log as done. Now the start is recorded as
+    "started" (what was asked, at once) and the end as it was: "ok" with the exit code,
+    "failed" with the error sent, "cut" when the client left first."""
+    sock = place / "ctl.sock"
+    log = tmp_path / "a.log"
+    config = server.bounded_config(app.create_app(
+        LocalBackend(Store.open()), AuditLog(log), app.ControllerMetrics(), None),
+        server.UnixPeerProtocol, uds=str(sock))
+    with running(uvicorn.Server(config)), httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://forkd",
+            timeout=20) as http:
+        url = "/v1/sandboxes/sb-1/exec/stream"
+        guest.answer = {"status": "exited", "exit_code": 3}
+        lines = http.post(url, json={"argv": ["false"]}).text.splitlines()
+        assert json.loads(lines[-1])["result"]["exit_code"] == 3, lines
+        guest.answer = {"status": "lied", "exit_code": "x"}  # not the protocol's answer
+        lines = http.post(url, json={"argv": ["true"]}).text.splitlines()
+        assert "does not match the protocol" in json.loads(lines[-1])["error"]["message"]
+        assert _stream_records(log)[:2] == [("started", None), ("ok", 3)], _records(log)
+        failed = _stream_records(log)[2:]
+        assert failed[0] == ("started", None) and failed[1][0] == "failed", failed
+        assert "does not match the protocol" in failed[1][1], failed
+        guest.answer = None  # a command that never ends, and a client that leaves
+        with http.stream("POST", url, json={"argv": ["sleep", "1000"]}):
+            wait_until("the command runs", lambda: len(guest.requests) == 3, 10)
+        wait_until("the cut stream is recorded",
+                   lambda: _stream_records(log)[-1] == ("cut", None), 10)
