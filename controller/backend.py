@@ -626,6 +626,7 @@ class LocalBackend:
             return
         but_pool = str(parse_ref(pool_tag)) if pool_tag is not None else None
         client = REQUEST_CLIENT.get()
+        counted = False  # against the client's share
         with self._admitting:
             used = self._in_use(but_pool)
             if used + n > self.max_sandboxes:
@@ -646,13 +647,14 @@ class LocalBackend:
                         "clients keep the rest"
                     )
                 self._starting_for[client] = self._starting_for.get(client, 0) + n
+                counted = True
             self._starting += n
         try:
             yield
         finally:
             with self._admitting:
                 self._starting -= n
-                if client is not None and client in self._starting_for:
+                if counted and client is not None:
                     self._starting_for[client] -= n
                     if self._starting_for[client] <= 0:
                         del self._starting_for[client]
