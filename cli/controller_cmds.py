@@ -40,6 +40,13 @@ import click
     help="VMs the daemon runs at once: running sandboxes, pool processes and ones starting; "
     "a spawn, pool fill or resume past it is refused (409). Default 512.",
 )
+@click.option(
+    "--max-sandboxes-per-client",
+    type=click.IntRange(min=1),
+    help="VMs one client (a uid on the socket, an address on TCP) may have started and still "
+    "run: sandboxes it spawned or resumed, pools it filled; past it a spawn, pool fill or "
+    "resume is refused (429). Default: half of --max-sandboxes.",
+)
 def serve(
     socket_path: Path | None,
     listen: str | None,
@@ -47,6 +54,7 @@ def serve(
     audit_log: Path | None,
     prewarm: tuple[str, ...],
     max_sandboxes: int | None,
+    max_sandboxes_per_client: int | None,
 ) -> None:
     """Run the controller daemon: owns this host's store and sandboxes (docs/api.md)."""
     from forkd.controller import server
@@ -64,7 +72,7 @@ def serve(
     for tag, k in pools:
         click.echo(f"forkd controller: prewarming {k} processes for {tag}", err=True)
     server.serve(socket_path, listen, audit_log, token_file, pools,
-                 max_sandboxes or MAX_SANDBOXES)
+                 max_sandboxes or MAX_SANDBOXES, max_sandboxes_per_client)
 
 
 def _prewarm_arg(text: str) -> tuple[str, int]:

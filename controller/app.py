@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
@@ -30,7 +31,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import FromPath, FromQuery, JSONBody, RawBody
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter, RawBody
 from litestar.response import Stream
 from litestar.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -82,8 +83,9 @@ from forkd.controller.backend import (
     Stopped,
     Waiting,
 )
+from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.commands import MAX_PUT_BYTES
-from forkd.engine.errors import TooManyRequests
+from forkd.engine.errors import Busy, TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import (
     ChainError,
@@ -200,8 +202,12 @@ class Controller:
     failed: BoundedAudit = field(init=False)
 
     def __post_init__(self) -> None:
-        self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed")
-        self.failed = BoundedAudit(self.audit, FAILED_PER_MINUTE, "failed.suppressed")
+        # one client (agent_client.REQUEST_CLIENT: an address on TCP, a uid on the socket)
+        # has half of each budget: its flood leaves the others' records written
+        self.refused = BoundedAudit(self.audit, REFUSED_PER_MINUTE, "auth.suppressed",
+                                    share=REFUSED_PER_MINUTE // 2)
+        self.failed = BoundedAudit(self.audit, FAILED_PER_MINUTE, "failed.suppressed",
+                                   share=FAILED_PER_MINUTE // 2)
 
     @property
     def transport(self) -> str:
@@ -217,8 +223,8 @@ ERRORS = {
         (404, "NotFound: no such sandbox, snapshot, pool or file"),
         (409, "Conflict: the tag exists, is depended on, or the sandbox is in another state"),
         (422, "IntegrityError or ChainError: the store's data is damaged"),
-        (429, "TooManyRequests: this client holds its share of the guest requests; retry "
-              "once one of its requests has ended"),
+        (429, "TooManyRequests: this client holds its share of the guest requests (retry "
+              "once one of its requests has ended) or of the VMs (kill or pause some)"),
         (500, "any other error, with its forkd exit code"),
     ]
 }
@@ -386,6 +392,98 @@ class CallerWatch:
             CALLER_STOP.reset(reset)
 
 
+BODY_BYTES = 512 << 20  # request bodies the daemon holds at once, all clients' together
+
+
+class BodyBudget:
+    """Bytes of request bodies being held (a file's up to 32 MiB, a JSON body's up to 10 MB,
+    read whole before the handler runs and kept until it ends), in all and per client (as
+    agent_client.REQUEST_CLIENT names it: half of ``total``): without it one client with
+    128 connections held 4 GiB of uploads in the daemon's memory at once."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.held = 0
+        self.by_client: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, client: str | None) -> ForkdError | None:
+        """Count ``n`` more bytes for ``client``; else the error saying which bound."""
+        with self._lock:
+            mine = self.by_client.get(client, 0) if client is not None else 0
+            if client is not None and mine + n > self.total // 2:
+                return TooManyRequests(
+                    f"this client ({client}) has {mine} bytes of request bodies being received "
+                    f"or served, and this one is {n}: one client holds at most "
+                    f"{self.total // 2} (app.BODY_BYTES, half); wait for its uploads to end, "
+                    "or send fewer at once")
+            if self.held + n > self.total:
+                return Busy(
+                    f"the daemon holds as many bytes of request bodies as it takes at once "
+                    f"({self.total}, app.BODY_BYTES) and this one is {n}; try again shortly")
+            self.held += n
+            if client is not None:
+                self.by_client[client] = mine + n
+            return None
+
+    def give(self, n: int, client: str | None) -> None:
+        with self._lock:
+            self.held -= n
+            if client is not None:
+                left = self.by_client.get(client, 0) - n
+                if left > 0:
+                    self.by_client[client] = left
+                else:
+                    self.by_client.pop(client, None)
+
+
+BODY_BUDGET = BodyBudget(BODY_BYTES)
+
+
+def _body_size(scope: Any) -> int:
+    """What a request's body may hold in the daemon: its Content-Length, else (chunked) the
+    most its route takes; never more than that."""
+    most = MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    if length is not None:
+        try:
+            return min(int(length), most)
+        except ValueError:
+            return 0  # h11 refuses it before the app
+    return most if b"transfer-encoding" in headers else 0
+
+
+def body_budget(app: ASGIApp) -> ASGIApp:
+    """A Litestar middleware (every route): a request's body counts against BODY_BUDGET from
+    its start until its answer is sent; one that would pass it is answered at once, its body
+    not read: 429 (TooManyRequests, Retry-After) past its client's share, 409 (Busy) past
+    the daemon's bound."""
+
+    async def budgeted(scope: Any, receive: Any, send: Any) -> None:
+        size = _body_size(scope) if scope.get("type") == "http" else 0
+        if size == 0:
+            await app(scope, receive, send)
+            return
+        client = REQUEST_CLIENT.get()
+        refused = BODY_BUDGET.take(size, client)
+        if refused is not None:
+            status, body = error_answer(refused)
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            if status == 429:
+                headers.append((b"retry-after", b"1"))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body",
+                        "body": msgspec.json.encode(ErrorAnswer(error=body))})
+            return
+        try:
+            await app(scope, receive, send)
+        finally:
+            BODY_BUDGET.give(size, client)
+
+    return budgeted
+
+
 def caller_watch(app: ASGIApp) -> ASGIApp:
     """CallerWatch as a Litestar middleware (every route of the app)."""
     watched: ASGIApp = CallerWatch(app)
@@ -411,7 +509,8 @@ def require_token(
     if ctl.token is None or is_public(handler):
         return
     if not token_matches(presented_token(connection), ctl.token.current()):
-        ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied")
+        ctl.refused.record("-", peer(connection), "auth", connection.url.path, "denied",
+                           client=REQUEST_CLIENT.get())
         many = sum(1 for k, _ in connection.scope["headers"] if k == b"authorization") > 1
         raise NotAuthorizedException(
             "more than one Authorization header: send one, Authorization: Bearer <token>"
@@ -499,20 +598,58 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
     retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
         ctl.failed.record(ctl.transport, peer(request), request.method, request.url.path,
-                          "failed", error=audit_value(str(exc)))
+                          "failed", client=REQUEST_CLIENT.get(), error=audit_value(str(exc)))
     home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
     body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)
 
 
-async def check_json_body(request: Request[Any, Any, Any]) -> None:
-    """A JSON body nested deeper than jsondoc.MAX_DEPTH, or naming a key twice in one
-    object, is an InvalidInput (400) before it is parsed (jsondoc.check_body): the parser
-    recurses once per level, and thousands of ``[`` would end in a RecursionError (a 500);
-    and msgspec keeps the last of a repeated key where the audit log or a proxy may read
-    the first. Runs after the token guard, on the routes that take JSON."""
+async def check_request(request: Request[Any, Any, Any]) -> None:
+    """What a request says is read one way only, before the handler runs (after the token
+    guard): its query (check_query), and a JSON body nested deeper than jsondoc.MAX_DEPTH,
+    or naming a key twice in one object, is an InvalidInput (400) before it is parsed
+    (jsondoc.check_body): the parser recurses once per level, and thousands of ``[`` would
+    end in a RecursionError (a 500); and msgspec keeps the last of a repeated key where
+    the audit log or a proxy may read the first."""
+    check_query(request)
     if "data" in request.route_handler.parsed_fn_signature.parameters:
         check_body(await request.body())
+
+
+PARAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def _param_name(name: str) -> str:
+    """A query parameter's name for an error: quoted when it is a plain word (a misspelt
+    ``mod``), else only its length: the URL is the caller's, and an error does not repeat
+    it (markup or a long text in it)."""
+    if PARAM_NAME.fullmatch(name):
+        return repr(name)
+    return f"(a name of {len(name)} characters that is not a plain word)"
+
+
+def check_query(request: Request[Any, Any, Any]) -> None:
+    """InvalidInput (400) for a query parameter the route does not take, or one given
+    twice, naming it: as a JSON body's unknown field or repeated key. Litestar ignored
+    both: ``?path=/a&path=/b`` wrote one of the two files (which one is a parser's choice:
+    a proxy or a log in front may read the other), and a misspelt ``?mod=384`` wrote the
+    file with the default mode, silently."""
+    handler = request.route_handler
+    if is_public(handler):
+        return
+    takes = sorted(name for name, f in handler.parsed_fn_signature.parameters.items()
+                   if isinstance(f.kwarg_definition, QueryParameter))
+    route = f"{request.method} {min(handler.paths)}"
+    seen: set[str] = set()
+    for name, _ in request.query_params.multi_items():
+        if name not in takes:
+            allowed = ("it takes " + ", ".join(takes)) if takes else "it takes none"
+            raise InvalidInput(f"unknown query parameter {_param_name(name)} for {route}: "
+                               f"{allowed} (docs/api.md)")
+        if name in seen:
+            raise InvalidInput(f"query parameter {_param_name(name)} is given twice; send "
+                               "each query parameter once")
+        seen.add(name)
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -681,9 +818,23 @@ def exec_stream(
     request: Req, ctl: Ctl, sandbox_id: FromPath[str], data: JSONBody[ExecRequest]
 ) -> Stream:
     ctl.backend.sandbox(sandbox_id)  # an unknown sandbox is a 404, not a 200 with an error
-    audited(request, ctl, "sandbox.exec", sandbox_id, "ok", argv=data.argv[:8], stream=True)
+    # what was asked is recorded when the stream starts ("started": it may still fail), how
+    # it ended when it ends: "ok", "failed" (within the failed budget) or "cut" (its client
+    # left); recording "ok" before anything ran claimed commands that never ran
+    audited(request, ctl, "sandbox.exec", sandbox_id, "started", argv=data.argv[:8],
+            stream=True)
+    client = REQUEST_CLIENT.get()
+
+    def ended(result: str, detail: dict[str, Any]) -> None:
+        if result == "failed":
+            ctl.failed.record(ctl.transport, peer(request), "sandbox.exec",
+                              audit_value(sandbox_id, MAX_TARGET), "failed", client=client,
+                              stream=True, **{k: audit_value(v) for k, v in detail.items()})
+        else:
+            audited(request, ctl, "sandbox.exec", sandbox_id, result, stream=True, **detail)
+
     frames = ctl.backend.exec_stream(sandbox_id, data)
-    return Stream(ndjson(frames, api.HEARTBEAT_S), media_type="application/x-ndjson")
+    return Stream(ndjson(frames, api.HEARTBEAT_S, ended), media_type="application/x-ndjson")
 
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
@@ -780,16 +931,31 @@ async def relayed(
             waiting.taken()
 
 
-async def ndjson(frames: Iterator[ExecFrame], heartbeat: float) -> AsyncIterator[bytes]:
+async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
+                 ended: Callable[[str, dict[str, Any]], None] | None = None
+                 ) -> AsyncIterator[bytes]:
     """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
     clients and proxies can tell a quiet command from a dead connection), and an
-    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone)."""
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone).
+    ``ended`` is told how the stream ended: "ok" (with the command's status and exit
+    code), "failed" (with the error sent) or "cut" (the client left first)."""
+    outcome: tuple[str, dict[str, Any]] = ("cut", {})
     try:
         async with contextlib.aclosing(relayed(frames, heartbeat, STREAM_FRAMES)) as relay:
             async for frame in relay:
+                if frame is not None and frame.result is not None:
+                    outcome = ("ok", {"status": frame.result.status,
+                                      "exit_code": frame.result.exit_code})
+                elif frame is not None and frame.error is not None:
+                    outcome = ("failed", {"error": frame.error.message})
                 yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
     except Exception as exc:  # the client gets it as its error frame
-        yield msgspec.json.encode(ExecFrame(error=error_answer(exc)[1])) + b"\n"
+        error = error_answer(exc)[1]
+        outcome = ("failed", {"error": error.message})
+        yield msgspec.json.encode(ExecFrame(error=error)) + b"\n"
+    finally:
+        if ended is not None:
+            ended(*outcome)
 
 
 class prepended(Iterator[T]):
@@ -1078,11 +1244,11 @@ def create_app(
     app = Litestar(
         route_handlers=ROUTES,
         guards=[require_token],  # app-wide: a route is guarded unless is_public says otherwise
-        before_request=check_json_body,
+        before_request=check_request,
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
-        middleware=[caller_watch],
+        middleware=[body_budget, caller_watch],
         openapi_config=OPENAPI,
         debug=False,
     )

@@ -55,10 +55,16 @@ from forkd.controller.api import (
 )
 from forkd.engine import children as ch
 from forkd.engine import lifetimes, watchdog
-from forkd.engine.agent_client import Abandoned, exec_args, guest_b64, host_wait
+from forkd.engine.agent_client import (
+    REQUEST_CLIENT,
+    Abandoned,
+    exec_args,
+    guest_b64,
+    host_wait,
+)
 from forkd.engine.branch import branch as branch_child
 from forkd.engine.commands import check_handle, check_timeout
-from forkd.engine.errors import AgentError
+from forkd.engine.errors import AgentError, TooManyRequests
 from forkd.engine.lifecycle import PAUSED_NAME, ChildInfo, Lifetime, Limits, private_owner
 from forkd.engine.paths import hidden_host_paths
 from forkd.engine.pause import pause as pause_child
@@ -75,6 +81,12 @@ SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within t
 # VMs at once by default: a daemon's (forkd serve), and an in-process controller's (the SDK
 # and `forkd mcp` without a daemon): sandboxes, pool processes, ones starting
 MAX_SANDBOXES = 512
+
+
+def client_share(max_sandboxes: int) -> int:
+    """The VMs one client of the daemon may run by default: half of its limit (at least
+    one), as it holds half of its guest requests and connections."""
+    return max(1, max_sandboxes // 2)
 
 
 class Backend(Protocol):
@@ -516,23 +528,42 @@ class LocalBackend:
         *,
         sweeper: bool = False,
         max_sandboxes: int | None = None,
+        max_per_client: int | None = None,
     ) -> None:
         """pool: prewarmed processes per tag (the daemon has one; in-process use does not).
         sweeper: enforce sandbox deadlines in a thread of this process (the daemon does);
         without it a deadline set here starts the engine's watchdog (engine/watchdog.py).
         max_sandboxes: how many QEMUs may run at once (running sandboxes, pool targets and
-        the ones starting; `forkd serve --max-sandboxes`), None for no limit."""
+        the ones starting; `forkd serve --max-sandboxes`), None for no limit.
+        max_per_client: how many of them one client of the daemon (agent_client
+        .REQUEST_CLIENT: a uid on the Unix socket, an address on TCP) may have started and
+        still run (`--max-sandboxes-per-client`); by default half of max_sandboxes. An
+        in-process caller (no client) has no share to keep."""
         if max_sandboxes is not None and (
             isinstance(max_sandboxes, bool) or not isinstance(max_sandboxes, int)
             or max_sandboxes < 1
         ):
             raise InvalidInput(f"the sandbox limit must be a positive integer, got "
                                f"{max_sandboxes!r}")
+        if max_per_client is not None and (
+            isinstance(max_per_client, bool) or not isinstance(max_per_client, int)
+            or max_per_client < 1
+        ):
+            raise InvalidInput(f"the per-client sandbox limit must be a positive integer, got "
+                               f"{max_per_client!r}")
         self.store = store or Store.open()
         self.pool = pool
         self.max_sandboxes = max_sandboxes
+        self.max_per_client = (max_per_client if max_per_client is not None
+                               else client_share(max_sandboxes) if max_sandboxes else None)
         self._admitting = threading.Lock()
         self._starting = 0  # QEMUs admitted and not yet counted as running or pooled
+        # who started what (a client as agent_client.REQUEST_CLIENT names it): the sandboxes
+        # it spawned or resumed, the pools whose target it set, the VMs it has starting.
+        # In memory: what ran before the daemon started is nobody's.
+        self._owners: dict[str, str] = {}
+        self._pool_owners: dict[str, str] = {}
+        self._starting_for: dict[str, int] = {}
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if sweeper:
@@ -570,15 +601,32 @@ class LocalBackend:
         pooled = sum(int(s["target"]) for s in pools if s["tag"] != but_pool)
         return running + pooled + self._starting
 
+    def _client_uses(self, client: str, but_pool: str | None) -> int:
+        """QEMUs counted against ``client``'s share: the running sandboxes it spawned or
+        resumed, the targets of the pools it last set (``but_pool`` left out), and its
+        ones starting. Sandboxes that no longer exist are forgotten here."""
+        children = {c.id: c.status for c in ch.list_children()}
+        for gone in [i for i in self._owners if i not in children]:
+            del self._owners[gone]
+        running = sum(1 for i, who in self._owners.items()
+                      if who == client and children.get(i) == "running")
+        pools = self.pool.status() if self.pool is not None else []
+        pooled = sum(int(s["target"]) for s in pools if s["tag"] != but_pool
+                     and self._pool_owners.get(str(s["tag"])) == client)
+        return running + pooled + self._starting_for.get(client, 0)
+
     @contextlib.contextmanager
     def _admitted(self, n: int, what: str, pool_tag: str | None = None) -> Iterator[None]:
         """Room for ``n`` more QEMUs while the block runs (a spawn, a pool fill, a resume),
-        or Conflict saying the limit; counted until the block ends, when they are running
-        (or in a pool) and counted there."""
+        or Conflict saying the limit, or TooManyRequests (429) when the request's client
+        would pass its share (max_per_client); counted until the block ends, when they are
+        running (or in a pool) and counted there (the block calls ``_own`` for them)."""
         if self.max_sandboxes is None:
             yield
             return
         but_pool = str(parse_ref(pool_tag)) if pool_tag is not None else None
+        client = REQUEST_CLIENT.get()
+        counted = False  # against the client's share
         with self._admitting:
             used = self._in_use(but_pool)
             if used + n > self.max_sandboxes:
@@ -587,12 +635,46 @@ class LocalBackend:
                     f"processes and ones starting), its limit is {self.max_sandboxes} "
                     "(forkd serve --max-sandboxes): kill or pause sandboxes, or shrink a pool"
                 )
+            if client is not None and self.max_per_client is not None:
+                mine = self._client_uses(client, but_pool)
+                if mine + n > self.max_per_client:
+                    raise TooManyRequests(
+                        f"{what} needs {n} more VMs and this client ({client}) runs {mine} "
+                        "(sandboxes it spawned or resumed, pools it filled, ones starting); "
+                        f"one client's share is {self.max_per_client} of the daemon's "
+                        f"{self.max_sandboxes} (forkd serve --max-sandboxes-per-client): "
+                        "kill or pause some of its sandboxes, or shrink its pools; the other "
+                        "clients keep the rest"
+                    )
+                self._starting_for[client] = self._starting_for.get(client, 0) + n
+                counted = True
             self._starting += n
         try:
             yield
         finally:
             with self._admitting:
                 self._starting -= n
+                if counted and client is not None:
+                    self._starting_for[client] -= n
+                    if self._starting_for[client] <= 0:
+                        del self._starting_for[client]
+
+    def _own(self, ids: list[str] | None = None, pool_tag: str | None = None) -> None:
+        """The sandboxes ``ids`` (spawned, resumed) or the pool of ``pool_tag`` (its target
+        set) count against the request's client's share from now on."""
+        client = REQUEST_CLIENT.get()
+        with self._admitting:
+            for i in ids or []:
+                if client is None:
+                    self._owners.pop(i, None)
+                else:
+                    self._owners[i] = client
+            if pool_tag is not None:
+                tag = str(parse_ref(pool_tag))
+                if client is None:
+                    self._pool_owners.pop(tag, None)
+                else:
+                    self._pool_owners[tag] = client
 
     def snapshots(self) -> list[LayerInfo]:
         return self.store.images()
@@ -634,9 +716,11 @@ class LocalBackend:
                 sandbox=req.sandbox,
                 egress=req.egress,
             )
+            self._own([c.id for c in result.children])
             if req.timeout is not None:
                 self._deadlines_changed()
             if req.prewarm is not None and self.pool is not None:
+                self._own(pool_tag=req.tag)
                 self.pool.fill(
                     req.tag,
                     req.prewarm,
@@ -666,15 +750,15 @@ class LocalBackend:
             )
         if _local_tag(self.store, req.tag):
             raise InvalidInput(
-                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {req.tag!r} is a local "
+                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {shown(req.tag)} is a local "
                 "snapshot tag: spawn it without lazy, or name the hub it comes from"
             )
         try:
             remote = parse_remote(req.tag)
         except InvalidInput as exc:
             raise InvalidInput(
-                f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got {req.tag!r}: "
-                f"{exc}"
+                "lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got "
+                f"{shown(req.tag)}: {exc}"
             ) from None
         check_lazy_hub(remote.hub)
         return lazy_fork.fork
@@ -708,6 +792,7 @@ class LocalBackend:
                 with_netns=req.netns,
                 wait=req.wait,
             )
+            self._own(pool_tag=req.tag)
         return msgspec.convert(status, PoolStatus)
 
     def remove_pool(self, tag: str) -> PoolRemoved:
@@ -733,6 +818,7 @@ class LocalBackend:
     def resume(self, sandbox_id: str) -> SandboxInfo:
         with self._admitted(1, f"resuming {sandbox_id}"):
             info = resume_child(self.store, sandbox_id)
+            self._own([info.id])
         if info.deadline is not None:
             self._deadlines_changed()
         return sandbox_view(info)

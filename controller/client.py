@@ -465,4 +465,5 @@ def answered_error(status: int, content: bytes) -> errors.ForkdError:
     try:
         return error_of(msgspec.json.decode(content, type=ErrorAnswer).error)
     except msgspec.DecodeError:
-        return ControllerError(f"controller answered {status}: {content[:200]!r}")
+        return ControllerError(
+            f"controller answered {status}: {shown(content.decode('utf-8', 'replace'), 200)}")

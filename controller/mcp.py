@@ -34,7 +34,9 @@ from pydantic import Field
 import forkd
 from forkd.controller.api import ExecRequest
 from forkd.controller.app import (
+    BODY_BYTES,
     MAX_MESSAGE_CHARS,
+    BodyBudget,
     Token,
     TokenWatch,
     scope_token,
@@ -44,6 +46,8 @@ from forkd.controller.backend import CALLER_STOP, Stop, Stopped
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
+from forkd.engine.agent_client import REQUEST_CLIENT
+from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 from forkd.names import inert
@@ -543,7 +547,8 @@ def http_server(
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
-    guarded = TokenWatch(BearerAuth(told, token), token)  # a revoked token ends its streams
+    bounded = BodyBound(told, MAX_BODY_BYTES, BodyBudget(BODY_BYTES))
+    guarded = TokenWatch(BearerAuth(bounded, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
 
@@ -552,6 +557,89 @@ def serve_http(controller: Controller, host: str, port: int, path: str, token: T
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
     http_server(controller, host, port, path, token).run()
+
+
+MAX_BODY_BYTES = 32 << 20  # one MCP message over HTTP (write_file's 16 MiB as base64 fits)
+
+
+def _jsonrpc_error(message: str) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": None,
+                       "error": {"code": -32600, "message": message}}).encode()
+
+
+class BodyBound:
+    """ASGI middleware of the MCP HTTP app: a message body is at most ``most`` bytes, and
+    the bodies held at once count against ``budget`` (app.BodyBudget: in all, and one
+    client, agent_client.REQUEST_CLIENT, half of it). The MCP SDK reads a POST's body whole
+    into memory with no bound, so one client with the token made the server hold any size
+    it sent. Past ``most``: 413 (a Content-Length at once, a chunked body when it passes
+    it); past the budget: 429 past the client's share, 503 past the server's; each saying
+    which bound and what to do, the body unread."""
+
+    def __init__(self, app: Any, most: int, budget: BodyBudget) -> None:
+        self.app = app
+        self.most = most
+        self.budget = budget
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        length = headers.get(b"content-length")
+        size = int(length) if length is not None and length.isdigit() else (
+            self.most if b"transfer-encoding" in headers else 0)
+        if size > self.most:
+            await self._refuse(send, 413, f"the message is {size} bytes, over the "
+                               f"{self.most} one MCP message may be; send large files in parts")
+            return
+        if size == 0:
+            await self.app(scope, receive, send)
+            return
+        client = REQUEST_CLIENT.get()
+        refused = self.budget.take(size, client)
+        if refused is not None:
+            await self._refuse(send, 429 if isinstance(refused, TooManyRequests) else 503,
+                               str(refused))
+            return
+        try:
+            if length is None:  # chunked: read here, within the bound, then passed on
+                body = bytearray()
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left
+                    body += message.get("body", b"")
+                    more = bool(message.get("more_body"))
+                    if len(body) > self.most:
+                        await self._refuse(send, 413, f"the message is over the {self.most} "
+                                           "bytes one MCP message may be; send large files "
+                                           "in parts")
+                        return
+                whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+                given = False
+
+                async def replay() -> Any:
+                    nonlocal given
+                    if not given:
+                        given = True
+                        return whole
+                    return await receive()
+
+                await self.app(scope, replay, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            self.budget.give(size, client)
+
+    @staticmethod
+    async def _refuse(send: Any, status: int, message: str) -> None:
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        if status in (429, 503):
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": _jsonrpc_error(message)})
 
 
 class SessionShare:

@@ -120,16 +120,19 @@ def serve(
     token_file: Path | None = None,
     prewarm: Sequence[tuple[str, int]] = (),
     max_sandboxes: int = MAX_SANDBOXES,
+    max_per_client: int | None = None,
 ) -> None:
     """Serve until interrupted. Blocks. prewarm: (tag, K) pools filled in the background at
     start; every pool is drained (waiting QEMUs killed, files removed) when the daemon stops.
-    max_sandboxes: the VMs it runs at once (LocalBackend). With ``listen``, the token
+    max_sandboxes: the VMs it runs at once, max_per_client: those one client may have started
+    (LocalBackend; None: half of max_sandboxes). With ``listen``, the token
     (load_token) is checked before anything starts."""
     token = load_token(token_file) if listen else None
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)
-    backend = LocalBackend(store, Pool(store), sweeper=True, max_sandboxes=max_sandboxes)
+    backend = LocalBackend(store, Pool(store), sweeper=True, max_sandboxes=max_sandboxes,
+                           max_per_client=max_per_client)
     keeper = SpareKeeper().start()  # a lazy spawn finds a lazy server that has loaded
     try:
         for tag, k in prewarm:

@@ -43,7 +43,7 @@ from forkd.engine.commands import (
 from forkd.engine.errors import AgentError
 from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
-from forkd.names import inert
+from forkd.names import inert, shown
 
 PROTOCOL = 2
 RELAY_SOCKET = "agent-mux.sock"
@@ -251,7 +251,7 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
         return None
     if twice[-1] is not None:  # in the frame's own fields; a value's (an eval of
         # {1: "a", "1": "b"} encodes "1" twice) is the guest's data, not routing
-        raise ProtocolViolation(f"key {twice[-1][:80]!r} twice in the frame")
+        raise ProtocolViolation(f"key {shown(twice[-1])} twice in the frame")
     _check_frame(frame)
     return frame
 

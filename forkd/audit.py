@@ -78,35 +78,53 @@ def shortened(text: str, chars: int) -> str:
     return f"{text[:max(keep, 0)]}…({len(text) - max(keep, 0)} more)"
 
 
+SUPPRESSED_CLIENTS = 16  # clients a ``suppressed`` record names with their counts, at most
+
+
 class BoundedAudit:
     """Records of one kind that a caller can provoke at will (refused requests), at most
     ``per_minute`` a minute, each target shortened to MAX_TARGET: past the budget, records
     are counted, and the first record of the next minute is preceded by one ``suppressed``
     record with the count. A flood of refused requests cannot fill the disk, and the log
-    still says it happened."""
+    still says it happened. With ``share``, one client (``record``'s ``client``) gets at
+    most that many of a minute's records: one client's flood no longer spends the whole
+    budget, so another's requests are still recorded with their address (the suppressed
+    record then names the clients whose records were dropped, with their counts)."""
 
     def __init__(self, audit: AuditLog, per_minute: int, suppressed: str, actor: str = "-",
-                 **constant: Any) -> None:
+                 share: int | None = None, **constant: Any) -> None:
         self.audit, self.per_minute, self.suppressed = audit, per_minute, suppressed
-        self.actor, self.constant = actor, constant
+        self.actor, self.share, self.constant = actor, share, constant
         self._lock = threading.Lock()
         self._window = (float("-inf"), 0, 0)  # (minute start, records written, dropped)
+        self._written_by: dict[str, int] = {}  # this minute's records per client (<= budget)
+        self._dropped_by: dict[str, int] = {}  # and dropped, SUPPRESSED_CLIENTS at most
 
     def record(self, actor: Actor, ip: str, action: str, target: str, result: str,
-               **detail: Any) -> bool:
-        """Write the record unless the minute's budget is spent; True if written."""
+               client: str | None = None, **detail: Any) -> bool:
+        """Write the record unless the minute's budget, or ``client``'s share of it, is
+        spent; True if written."""
         now = time.monotonic()
         with self._lock:
             start, written, dropped = self._window
             if now - start >= 60:
                 if dropped:
+                    named = ({"clients": dict(self._dropped_by)} if self._dropped_by else {})
                     self.audit.record(self.actor, "-", self.suppressed, "-", "denied",
-                                      count=dropped, **self.constant)
+                                      count=dropped, **named, **self.constant)
                 start, written, dropped = now, 0, 0
-            if written >= self.per_minute:
+                self._written_by, self._dropped_by = {}, {}
+            mine = self._written_by.get(client, 0) if client is not None else 0
+            if written >= self.per_minute or (
+                    self.share is not None and client is not None and mine >= self.share):
                 self._window = (start, written, dropped + 1)
+                if client is not None and (client in self._dropped_by
+                                           or len(self._dropped_by) < SUPPRESSED_CLIENTS):
+                    self._dropped_by[client] = self._dropped_by.get(client, 0) + 1
                 return False
             self._window = (start, written + 1, dropped)
+            if client is not None:
+                self._written_by[client] = mine + 1
         self.audit.record(actor, ip, action, shortened(target, MAX_TARGET), result,
                           **self.constant, **detail)
         return True

@@ -14,6 +14,8 @@ from typing import Any
 import msgspec
 from litestar.exceptions import ValidationException
 
+from forkd.names import clipped
+
 MAX_PROBLEM = 200  # characters of one field's message in an answer
 
 
@@ -35,14 +37,14 @@ def problems(exc: ValidationException) -> str:
     """What msgspec said about each field, e.g. "Object contains unknown field `nn`"
     (each message bounded: a message can carry a value the client sent)."""
     extra = exc.extra if isinstance(exc.extra, list) else [exc.extra]
-    said = [_problem(e)[:MAX_PROBLEM] for e in extra if e]
+    said = [clipped(_problem(e), MAX_PROBLEM) for e in extra if e]
     return "; ".join(said) or "the request does not match the API"
 
 
 def _problem(entry: Any) -> str:
     if not isinstance(entry, dict):
         return str(entry)
-    key = str(entry.get("key") or "")[:80]
+    key = clipped(str(entry.get("key") or ""))
     source = entry.get("source")
     source = getattr(source, "value", source)  # a ParamType: "query", not "ParamType.QUERY"
     where = f" ({source} parameter {key})" if source and key else f" (field {key})" if key else ""

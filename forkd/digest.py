@@ -18,7 +18,7 @@ from typing import BinaryIO, Protocol
 import blake3
 
 from forkd.errors import IntegrityError, InvalidInput
-from forkd.names import matches, whole
+from forkd.names import matches, shown, whole
 
 ALGORITHM = "sha256"
 # Algorithm → length of its lowercase hex encoding: what ``parse`` accepts.
@@ -38,7 +38,7 @@ def validate(digest: str) -> str:
     """Return ``digest`` if it is a well-formed sha256 digest, else raise InvalidInput."""
     if not matches(_DIGEST_RE, digest):
         raise InvalidInput(
-            f"invalid digest {str(digest)[:80]!r}: "
+            f"invalid digest {shown(digest)}: "
             "expected 'sha256:' followed by 64 lowercase hex digits"
         )
     return digest
@@ -51,7 +51,7 @@ def parse(digest: str) -> tuple[str, str]:
     """
     if not matches(_OCI_DIGEST_RE, digest):
         raise InvalidInput(
-            f"invalid digest {str(digest)[:80]!r}: expected 'sha256:' followed by 64 "
+            f"invalid digest {shown(digest)}: expected 'sha256:' followed by 64 "
             "or 'sha512:' followed by 128 lowercase hex digits"
         )
     algorithm, hexd = digest.split(":", 1)
@@ -72,7 +72,7 @@ def algorithm_of(digest: str) -> str:
 def validate_blake3(value: str) -> str:
     if not matches(_BLAKE3_RE, value):
         raise InvalidInput(
-            f"invalid blake3 hash {str(value)[:80]!r}: expected 64 lowercase hex digits"
+            f"invalid blake3 hash {shown(value)}: expected 64 lowercase hex digits"
         )
     return value
 
@@ -94,7 +94,7 @@ class Hasher:
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         if algorithm not in HEX_LENGTHS:
             raise InvalidInput(
-                f"unsupported digest algorithm {str(algorithm)[:40]!r}: use one of "
+                f"unsupported digest algorithm {shown(algorithm, 40)}: use one of "
                 + ", ".join(sorted(HEX_LENGTHS))
             )
         self.algorithm = algorithm

@@ -6,7 +6,7 @@ CLI). ``loads`` measures the nesting on the raw bytes (strings blanked out, then
 brackets counted) and refuses anything deeper than ``MAX_DEPTH`` before the
 parser sees it. Every document forkd reads from a peer goes through here, and so
 do the hub's and the controller's JSON request bodies (``check_body``: hub/app.py
-``HubHttpRequest``, controller/app.py ``check_json_body``).
+``HubHttpRequest``, controller/app.py ``check_request``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from forkd.errors import InvalidInput
+from forkd.names import shown
 
 # forkd's own documents nest 4 deep; OCI manifests and indexes a few more. 64 leaves room.
 MAX_DEPTH = 64
@@ -68,7 +69,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     key = repeated_key(pairs, out)
     if key is not None:
-        raise _RepeatedKey(f"key {key[:80]!r} appears twice in one object")
+        raise _RepeatedKey(f"key {shown(key)} appears twice in one object")
     return out
 
 

@@ -46,9 +46,24 @@ def matches(pattern: re.Pattern[str], text: object) -> bool:
     return isinstance(text, str) and text.isascii() and pattern.fullmatch(text) is not None
 
 
-def shown(text: object) -> str:
-    """An untrusted value, shortened and quoted for an error message."""
-    return repr(str(text)[:80])
+SHOWN_CHARS = 80  # characters of an untrusted value quoted in a message
+
+
+def shown(text: object, chars: int = SHOWN_CHARS) -> str:
+    """An untrusted value, quoted for an error message, shortened to ``chars`` characters
+    and then saying so: a cut value quoted as if whole (an id of 300 characters shown as
+    its first 80) would send its reader after a value nobody sent."""
+    value = str(text)
+    if len(value) <= chars:
+        return repr(value)
+    return f"{value[:chars]!r} (its first {chars} of {len(value)} characters)"
+
+
+def clipped(text: str, chars: int = SHOWN_CHARS) -> str:
+    """``text`` unquoted (a field's name in a message), cut as ``shown`` cuts and saying so."""
+    if len(text) <= chars:
+        return text
+    return f"{text[:chars]}… (its first {chars} of {len(text)} characters)"
 
 
 def validate_name(name: str) -> str:

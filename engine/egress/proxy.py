@@ -330,7 +330,7 @@ class EgressProxy:
             raise Refused(403, f"{dest} is not in this child's egress policy")
         return dest
 
-    def _record(self, ip: str, action: str, target: str, result: str, **detail: object) -> None:
+    def _record(self, ip: str, action: str, target: str, result: str, **detail: Any) -> None:
         """Audit one decision, at most ``audit_per_minute`` a minute: a guest that floods
         the proxy gets one ``egress.suppressed`` record with the count per minute after."""
         if self._audit is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from forkd.engine.egress.policy import Destination, parse_destination
 from forkd.errors import InvalidInput, NotFound
-from forkd.names import matches, whole
+from forkd.names import matches, shown, whole
 from forkd.private import create_private_file, private_dir, read_private_file
 
 SECRET_NAME_RE = whole(r"[A-Za-z][A-Za-z0-9_]{0,63}")
@@ -41,7 +41,7 @@ MAX_SECRET_FILE = 64 << 10
 def validate_secret_name(name: str) -> str:
     if not matches(SECRET_NAME_RE, name):
         raise InvalidInput(
-            f"invalid secret name {str(name)[:80]!r}: use 1-64 letters, digits or '_', "
+            f"invalid secret name {shown(name)}: use 1-64 letters, digits or '_', "
             "starting with a letter (an environment-variable name such as OPENAI_API_KEY)"
         )
     return name

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from forkd.errors import InvalidInput
-from forkd.names import DEFAULT_TAG, validate_name, validate_tag
+from forkd.names import DEFAULT_TAG, shown, validate_name, validate_tag
 from forkd.registry import credentials
 
 HUB_ENV = "FORKD_HUB"
@@ -95,7 +95,7 @@ def parse_hub(text: str) -> Hub:
     match = _HOST_RE.fullmatch(text) if len(text) <= _MAX_HOST else None
     if match is None or not _valid_parts(match):
         raise InvalidInput(
-            f"invalid hub address {text[:80]!r}: expected HOST[:PORT] (a DNS name, an IPv4 "
+            f"invalid hub address {shown(text)}: expected HOST[:PORT] (a DNS name, an IPv4 "
             "address or [IPv6], port 1-65535), optionally after http:// or https://"
         )
     return Hub(text, scheme or _default_scheme(text))

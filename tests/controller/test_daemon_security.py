@@ -482,7 +482,7 @@ def test_refused_requests_cannot_flood_the_audit_log(place: Place, daemon: str):
     for _ in range(REFUSED_PER_MINUTE + 30):
         assert _status(port, "GET", long_path, "Bearer wrong") == 401
     refused = [e for e in _audit(place) if e["action"] == "auth"]
-    assert len(refused) == REFUSED_PER_MINUTE
+    assert len(refused) == REFUSED_PER_MINUTE // 2  # one client's share of the budget
     assert all(len(e["target"]) <= MAX_TARGET for e in refused)
     assert not any("B" * 100 in e["target"] for e in _audit(place))
     assert _status(port, "GET", "/v1/sandboxes", f"Bearer {GOOD_TOKEN}") == 200
