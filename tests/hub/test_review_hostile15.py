@@ -6,18 +6,28 @@
   of its kind, and every other client's refusals of that minute went unrecorded (a
   flood to hide a probe behind). Now one client (an account; for anonymous callers and
   logins, an address) has a share of its kind's budget (``Hub.provoked``).
+- A listing (``/api/v1/repositories``, a repository's page, the catalog UI) wrote the
+  batched pull counts first whenever any were pending: a read that is a write
+  transaction, waiting for the write lock. An anonymous client alternating a pull and a
+  listing made every listing a write. Now a listing writes them at most once a second.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from hub_server import HubServer
-from hub_support import unique_name
+from hub_support import ADMIN, artifact, unique_name
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
+from forkd.hub.pulls import FLUSH_INTERVAL_S, READ_FLUSH_S
 from forkd.hub.services import PROVOKED_SHARES
 
 PER_MINUTE = 40
@@ -68,3 +78,45 @@ def test_one_client_cannot_spend_every_clients_audit_budget(tmp_path: Path) -> N
         assert any(e["ip"] == "10.9.0.2" and e["actor"] == "other-guess" for e in refused)
     finally:
         server.stop()
+
+
+@contextmanager
+def statements() -> Iterator[list[str]]:
+    """The SQL every engine of this process runs meanwhile (the hub serves in a thread
+    of the test's process)."""
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(" ".join(statement.lower().split()))
+
+    event.listen(Engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)
+
+
+def test_listings_between_pulls_do_not_each_write(hub: HubServer) -> None:
+    """Before: each of the 40 listings below, every one after a pull, was a write
+    transaction (``UPDATE repositories SET pull_count``): 40 writes."""
+    org = unique_name("pulled")
+    hub.cli("org", "add", org)
+    repo = f"{org}/app"
+    with hub.client(ADMIN) as c:
+        artifact(c, repo, b"pulled", tag="v1")
+    hub.public(repo)
+    rounds = 40
+    with hub.client() as c, statements() as seen:
+        start = time.monotonic()
+        for i in range(rounds):
+            assert c.get(f"/v2/{repo}/manifests/v1").status_code == 200
+            path = "/api/v1/repositories" if i % 2 else f"/api/v1/repositories/{repo}"
+            assert c.get(path).status_code == 200
+        elapsed = time.monotonic() - start
+    writes = [s for s in seen if s.startswith("update repositories set pull_count")]
+    bound = elapsed / READ_FLUSH_S + elapsed / FLUSH_INTERVAL_S + 2
+    assert len(writes) <= bound < rounds, (len(writes), elapsed)
+    # The counts still arrive: a listing a second later shows every pull.
+    time.sleep(READ_FLUSH_S)
+    with hub.client() as c:
+        assert c.get(f"/api/v1/repositories/{repo}").json()["pulls"] == rounds
