@@ -20,7 +20,9 @@ configured, and on demand with ``forkd hub gc --retention``.
 
 from __future__ import annotations
 
+import heapq
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -170,36 +172,34 @@ async def _sweep_repository(
         if report.dry_run:
             return
         # Manifests the sweep untagged, unless still tagged or depended on (to a fixpoint:
-        # deleting a child can release its parent).
+        # deleting a child can release its parent). Worked out in memory from what was
+        # read above, in time linear in the repository's rows (the lock is held: nothing
+        # else changes them): it re-read every tag of the repository for each manifest it
+        # deleted, quadratic in rows under the write lock, for any pusher of many tags.
+        doomed_names = {t.name for t in doomed}
+        tagged = {t.manifest_digest for t in tags if t.name not in doomed_names}
+        referrers: Counter[str] = Counter(ref for rs in refs.values() for ref in rs)
         candidates = {t.manifest_digest for t in doomed}
-        changed = True
-        while changed:
-            changed = False
-            tagged = set(
-                (
-                    await session.scalars(
-                        select(Tag.manifest_digest).where(Tag.repository_id == repo_id)
-                    )
-                ).all()
+        ready = sorted(candidates)
+        heapq.heapify(ready)
+        while ready:
+            digest = heapq.heappop(ready)
+            if digest in tagged or referrers[digest] or digest not in by_digest:
+                continue
+            manifest_id = by_digest.pop(digest)
+            for ref in refs.pop(digest, ()):
+                referrers[ref] -= 1
+                if not referrers[ref] and ref in candidates:
+                    heapq.heappush(ready, ref)
+            await session.execute(
+                delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
             )
-            referenced = {ref for digest, rs in refs.items() if digest in by_digest for ref in rs}
-            for digest in sorted(candidates):
-                if digest in tagged or digest in referenced or digest not in by_digest:
-                    continue
-                manifest_id = by_digest.pop(digest)
-                refs.pop(digest, None)
-                await session.execute(
-                    delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
-                )
-                await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
-                await session.run_sync(quotas.release, repo_id, digest)
-                candidates.discard(digest)
-                report.manifests.append(f"{name}@{digest}")
-                audit.record(
-                    ACTOR, "-", "manifest.delete", f"{name}@{digest}", "ok", rule=rule.repositories
-                )
-                changed = True
-                break
+            await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
+            await session.run_sync(quotas.release, repo_id, digest)
+            report.manifests.append(f"{name}@{digest}")
+            audit.record(
+                ACTOR, "-", "manifest.delete", f"{name}@{digest}", "ok", rule=rule.repositories
+            )
 
 
 async def run(

@@ -10,11 +10,17 @@
   batched pull counts first whenever any were pending: a read that is a write
   transaction, waiting for the write lock. An anonymous client alternating a pull and a
   listing made every listing a write. Now a listing writes them at most once a second.
+- A retention sweep deleting the manifests it untagged re-read every tag of the
+  repository once per manifest deleted, under the write lock: quadratic in a pusher's
+  tags (up to ``tags_max``, 100,000), the whole hub's writes waiting meanwhile. Now
+  worked out in memory from one read, linear in the repository's rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -120,3 +126,49 @@ def test_listings_between_pulls_do_not_each_write(hub: HubServer) -> None:
     time.sleep(READ_FLUSH_S)
     with hub.client() as c:
         assert c.get(f"/api/v1/repositories/{repo}").json()["pulls"] == rounds
+
+
+def test_a_retention_sweep_reads_a_repositorys_tags_once(tmp_path: Path) -> None:
+    """Before: 300 untagged manifests were 300 reads of every tag of the repository."""
+    hub = HubServer(tmp_path / "hub").start()
+    try:
+        repo, rows = "swept/app", 300
+        with hub.client(ADMIN) as c:
+            kept, _ = artifact(c, repo, b"newest", tag="newest")
+        old = "2026-01-01 00:00:00.000000+00:00"
+        digests = [f"sha256:{hashlib.sha256(b'row %d' % i).hexdigest()}" for i in range(rows)]
+        with sqlite3.connect(hub.data_dir / "hub.db") as db:
+            found = db.execute("SELECT id FROM repositories WHERE name = ?", (repo,))
+            (repo_id,) = found.fetchone()
+            db.executemany(
+                "INSERT INTO blobs (digest, size, created_at) VALUES (?, 100, ?)",
+                [(d, old) for d in digests],
+            )
+            db.executemany(
+                "INSERT INTO manifests (repository_id, digest, media_type, size, created_at)"
+                " VALUES (?, ?, 'application/vnd.oci.image.manifest.v1+json', 100, ?)",
+                [(repo_id, d, old) for d in digests],
+            )
+            db.executemany(
+                "INSERT INTO tags (repository_id, name, manifest_digest, updated_at, pull_count)"
+                " VALUES (?, ?, ?, ?, 0)",
+                [(repo_id, f"old{i:04d}", d, old) for i, d in enumerate(digests)],
+            )
+        config = tmp_path / "hub.toml"
+        config.write_text('[[retention]]\nrepositories = "swept/*"\nkeep_last = 1\n')
+        with statements() as seen:
+            out = hub.cli("gc", "--retention", "--config", str(config), "--grace-minutes", "60")
+        assert f"deleted {rows} tags" in out, out
+        tag_reads = [s for s in seen if s.startswith("select") and " from tags" in s]
+        assert len(tag_reads) <= 3, len(tag_reads)
+        with hub.client(ADMIN) as c:
+            assert c.get(f"/v2/{repo}/tags/list").json()["tags"] == ["newest"]
+            assert c.get(f"/v2/{repo}/manifests/{kept}").status_code == 200
+            assert c.get(f"/v2/{repo}/manifests/{digests[0]}").status_code == 404
+        with sqlite3.connect(hub.data_dir / "hub.db") as db:
+            (left,) = db.execute(
+                "SELECT count(*) FROM manifests WHERE repository_id = ?", (repo_id,)
+            ).fetchone()
+        assert left == 1
+    finally:
+        hub.stop()
