@@ -14,6 +14,10 @@
   repository once per manifest deleted, under the write lock: quadratic in a pusher's
   tags (up to ``tags_max``, 100,000), the whole hub's writes waiting meanwhile. Now
   worked out in memory from one read, linear in the repository's rows.
+- A sweep took the repositories in name order, each in one transaction: a namespace of
+  many repositories or tags held the write lock as long as it liked, and every later
+  namespace's deletions waited for all of its own. Now ``SWEEP_CHUNK`` tags a
+  transaction, namespaces taking turns.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from forkd.hub.pulls import FLUSH_INTERVAL_S, READ_FLUSH_S
+from forkd.hub.retention import SWEEP_CHUNK
 from forkd.hub.services import PROVOKED_SHARES
 
 PER_MINUTE = 40
@@ -128,6 +133,31 @@ def test_listings_between_pulls_do_not_each_write(hub: HubServer) -> None:
         assert c.get(f"/api/v1/repositories/{repo}").json()["pulls"] == rounds
 
 
+def _old_tags(hub: HubServer, repo: str, rows: int) -> tuple[list[str], int]:
+    """``rows`` tags pushed long ago, each on a manifest of its own, written straight to
+    the database (pushing them through the API would take minutes)."""
+    old = "2026-01-01 00:00:00.000000+00:00"
+    digests = [f"sha256:{hashlib.sha256(f'{repo} {i}'.encode()).hexdigest()}" for i in range(rows)]
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        found = db.execute("SELECT id FROM repositories WHERE name = ?", (repo,))
+        (repo_id,) = found.fetchone()
+        db.executemany(
+            "INSERT INTO blobs (digest, size, created_at) VALUES (?, 100, ?)",
+            [(d, old) for d in digests],
+        )
+        db.executemany(
+            "INSERT INTO manifests (repository_id, digest, media_type, size, created_at)"
+            " VALUES (?, ?, 'application/vnd.oci.image.manifest.v1+json', 100, ?)",
+            [(repo_id, d, old) for d in digests],
+        )
+        db.executemany(
+            "INSERT INTO tags (repository_id, name, manifest_digest, updated_at, pull_count)"
+            " VALUES (?, ?, ?, ?, 0)",
+            [(repo_id, f"old{i:04d}", d, old) for i, d in enumerate(digests)],
+        )
+    return digests, repo_id
+
+
 def test_a_retention_sweep_reads_a_repositorys_tags_once(tmp_path: Path) -> None:
     """Before: 300 untagged manifests were 300 reads of every tag of the repository."""
     hub = HubServer(tmp_path / "hub").start()
@@ -135,25 +165,7 @@ def test_a_retention_sweep_reads_a_repositorys_tags_once(tmp_path: Path) -> None
         repo, rows = "swept/app", 300
         with hub.client(ADMIN) as c:
             kept, _ = artifact(c, repo, b"newest", tag="newest")
-        old = "2026-01-01 00:00:00.000000+00:00"
-        digests = [f"sha256:{hashlib.sha256(b'row %d' % i).hexdigest()}" for i in range(rows)]
-        with sqlite3.connect(hub.data_dir / "hub.db") as db:
-            found = db.execute("SELECT id FROM repositories WHERE name = ?", (repo,))
-            (repo_id,) = found.fetchone()
-            db.executemany(
-                "INSERT INTO blobs (digest, size, created_at) VALUES (?, 100, ?)",
-                [(d, old) for d in digests],
-            )
-            db.executemany(
-                "INSERT INTO manifests (repository_id, digest, media_type, size, created_at)"
-                " VALUES (?, ?, 'application/vnd.oci.image.manifest.v1+json', 100, ?)",
-                [(repo_id, d, old) for d in digests],
-            )
-            db.executemany(
-                "INSERT INTO tags (repository_id, name, manifest_digest, updated_at, pull_count)"
-                " VALUES (?, ?, ?, ?, 0)",
-                [(repo_id, f"old{i:04d}", d, old) for i, d in enumerate(digests)],
-            )
+        digests, repo_id = _old_tags(hub, repo, rows)
         config = tmp_path / "hub.toml"
         config.write_text('[[retention]]\nrepositories = "swept/*"\nkeep_last = 1\n')
         with statements() as seen:
@@ -170,5 +182,30 @@ def test_a_retention_sweep_reads_a_repositorys_tags_once(tmp_path: Path) -> None
                 "SELECT count(*) FROM manifests WHERE repository_id = ?", (repo_id,)
             ).fetchone()
         assert left == 1
+    finally:
+        hub.stop()
+
+
+def test_a_retention_sweep_takes_namespaces_in_turns(tmp_path: Path) -> None:
+    """Before: namespace ``aaa``'s 1,200 deletions were one transaction, and ``zzz``'s one
+    deletion came after all of them."""
+    hub = HubServer(tmp_path / "hub").start()
+    try:
+        big, small, rows = "aaa/app", "zzz/app", 2 * SWEEP_CHUNK + 200
+        with hub.client(ADMIN) as c:
+            artifact(c, big, b"big newest", tag="newest")
+            artifact(c, small, b"small old", tag="old")
+            artifact(c, small, b"small newest", tag="newest")
+        _old_tags(hub, big, rows)
+        config = tmp_path / "hub.toml"
+        config.write_text('[[retention]]\nrepositories = "*"\nkeep_last = 1\n')
+        out = hub.cli("gc", "--retention", "--config", str(config), "--grace-minutes", "60")
+        assert f"deleted {rows + 1} tags" in out, out
+        deleted = [e["target"] for e in audit_lines(hub) if e["action"] == "tag.delete"]
+        assert len(deleted) == rows + 1
+        assert deleted.index(f"{small}:old") <= SWEEP_CHUNK, deleted.index(f"{small}:old")
+        with hub.client(ADMIN) as c:
+            assert c.get(f"/v2/{big}/tags/list").json()["tags"] == ["newest"]
+            assert c.get(f"/v2/{small}/tags/list").json()["tags"] == ["newest"]
     finally:
         hub.stop()
