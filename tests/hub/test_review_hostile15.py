@@ -209,3 +209,37 @@ def test_a_retention_sweep_takes_namespaces_in_turns(tmp_path: Path) -> None:
             assert c.get(f"/v2/{small}/tags/list").json()["tags"] == ["newest"]
     finally:
         hub.stop()
+
+
+def test_a_stored_team_glob_grants_only_in_its_organisation_and_says_so(hub: HubServer) -> None:
+    """Before: a glob stored in a team of ``org`` naming another organisation
+    (``other/*``: made by hand, or before the checks) listed that organisation's private
+    repositories to the team's members; and a stored glob that grants nothing (this one,
+    or one with ``[...]``) was listed as if it granted, with nothing to say why."""
+    org, other = unique_name("home"), unique_name("elsewhere")
+    member = hub.add_user(unique_name("teamed"))
+    hub.cli("org", "add", org)
+    hub.cli("org", "add", other)
+    with hub.client(ADMIN) as c:
+        artifact(c, f"{other}/secret", b"elsewhere", tag="v1")
+        for team in ("wide", "classy"):
+            r = c.post(
+                f"/api/v1/orgs/{org}/teams",
+                json={"name": team, "role": "pull", "repositories": f"{org}/*",
+                      "members": [member[0]]},
+            )  # fmt: skip
+            assert r.status_code == 201, r.text
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        db.execute("UPDATE teams SET repositories = ? WHERE name = 'wide'", (f"{other}/*",))
+        db.execute("UPDATE teams SET repositories = ? WHERE name = 'classy'", (f"{org}/[a]*",))
+    with hub.client(member) as c:
+        listed = c.get("/api/v1/repositories", params={"namespace": other}).json()["items"]
+        assert listed == []
+        assert c.get(f"/v2/{other}/secret/manifests/v1").status_code == 404
+    with hub.client(ADMIN) as c:
+        teams = {t["name"]: t for t in c.get(f"/api/v1/orgs/{org}/teams").json()}
+        for team in ("wide", "classy"):
+            assert "grants nothing" in teams[team]["problem"], teams[team]
+            assert f"must start with '{org}/'" in teams[team]["problem"]
+    out = hub.cli("team", "list", org)
+    assert out.count("grants nothing") == 2, out
