@@ -46,9 +46,11 @@ class SharedBudget:
     share (``clients``). The clients remembered are those written this minute: at most
     ``per_minute``."""
 
-    def __init__(self, audit: AuditLog, per_minute: int, actor: str = "-") -> None:
+    def __init__(
+        self, audit: AuditLog, per_minute: int, actor: str = "-", per_client: int | None = None
+    ) -> None:
         self.audit, self.per_minute, self.actor = audit, per_minute, actor
-        self.per_client = max(1, per_minute // PROVOKED_SHARES)
+        self.per_client = per_client or max(1, per_minute // PROVOKED_SHARES)
         self._lock = threading.Lock()
         self._start = float("-inf")
         self._written: Counter[Hashable] = Counter()
@@ -88,6 +90,10 @@ class Provoked:
     logins, other records of anonymous callers, and records of accounts. Within a kind,
     one client (an account; for logins and anonymous callers, an address) has at most
     1/PROVOKED_SHARES of it, so one client's flood hides no record of another client.
+    The registry tokens accounts are given (``token``, up to 64 repositories named in
+    each) are a kind of their own: ``per_minute`` a minute for each account, and
+    PROVOKED_SHARES times as many in all; a token grants no more than what the account
+    already holds, and what it then pulls is not audited either.
     Past the budget they are counted into one ``audit.suppressed`` record (actor
     ``(logins)``, ``-`` or ``(accounts)``): a flood cannot fill the disk, and the log
     still says it happened. Writes (what a caller changed) are never bounded:
@@ -97,6 +103,9 @@ class Provoked:
         self.logins = SharedBudget(audit, per_minute, "(logins)")
         self.anonymous = SharedBudget(audit, per_minute)
         self.accounts = SharedBudget(audit, per_minute, "(accounts)")
+        self.grants = SharedBudget(
+            audit, per_minute * PROVOKED_SHARES, "(grants)", per_client=per_minute
+        )
 
     def record(
         self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
@@ -108,6 +117,8 @@ class Provoked:
             kind, client = self.logins, ip
         elif isinstance(actor, str) or actor.user_id is None:
             kind, client = self.anonymous, ip
+        elif action == "token":
+            kind, client = self.grants, actor.user_id
         else:
             kind, client = self.accounts, actor.user_id
         return kind.record(client, actor, ip, action, target, result, **detail)

@@ -5,7 +5,9 @@
   or one address looping anonymously or on wrong passwords, spent the minute's budget
   of its kind, and every other client's refusals of that minute went unrecorded (a
   flood to hide a probe behind). Now one client (an account; for anonymous callers and
-  logins, an address) has a share of its kind's budget (``Hub.provoked``).
+  logins, an address) has a share of its kind's budget (``Hub.provoked``). And an
+  account's registry tokens (up to 64 repositories named in each record) were recorded
+  as often as it asked: now a budget per account.
 - A listing (``/api/v1/repositories``, a repository's page, the catalog UI) wrote the
   batched pull counts first whenever any were pending: a read that is a write
   transaction, waiting for the write lock. An anonymous client alternating a pull and a
@@ -243,3 +245,25 @@ def test_a_stored_team_glob_grants_only_in_its_organisation_and_says_so(hub: Hub
             assert f"must start with '{org}/'" in teams[team]["problem"]
     out = hub.cli("team", "list", org)
     assert out.count("grants nothing") == 2, out
+
+
+def test_an_accounts_registry_tokens_are_bounded_in_the_audit_log(tmp_path: Path) -> None:
+    """Before: every registry token an account asked for was one audit record naming up
+    to 64 repositories (about 17 KB with long names), as often as it liked: one account
+    looping on ``/token`` filled the disk. Now ``audit_provoked_per_minute`` a minute per
+    account; another account's tokens are still recorded."""
+    server = HubServer(tmp_path / "hub", {"audit_provoked_per_minute": PER_MINUTE}).start()
+    try:
+        looper = server.add_user(unique_name("looper"))
+        other = server.add_user(unique_name("other"))
+        scopes = [f"repository:{looper[0]}/{'r' * 200}{i}:pull" for i in range(64)]
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for _ in range(3 * PER_MINUTE):
+                assert c.get("/token", params={"scope": scopes}, auth=looper).status_code == 200
+            r = c.get("/token", params={"scope": f"repository:{other[0]}/app:pull"}, auth=other)
+            assert r.status_code == 200
+        tokens = [e for e in audit_lines(server) if e["action"] == "token"]
+        assert len([e for e in tokens if e["actor"] == looper[0]]) <= 2 * PER_MINUTE
+        assert any(e["actor"] == other[0] for e in tokens)
+    finally:
+        server.stop()
