@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import threading
 import time
@@ -36,6 +37,27 @@ FACTS_READERS = 2
 # ``audit_provoked_per_minute`` a minute (at least one), so one client cannot spend the
 # budget of everyone else of its kind.
 PROVOKED_SHARES = 8
+
+
+IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
+
+
+def limited_address(address: str) -> str:
+    """The client an address stands for, in the failed-login limiter (hub/auth.py) and
+    in the budgets of provoked audit records (``Provoked``): an IPv4 address as is (an
+    IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64. A host handed an IPv6
+    /64 (every ISP's and cloud's smallest allocation) holds 2**64 addresses: counted one
+    by one, each new source address was ``login_fail_limit`` more guesses, or a share of
+    the audit budget of its own."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # "unknown", or a test client's name: as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_LIMIT_PREFIX}", strict=False))
+    return str(ip)
 
 
 class SharedBudget:
@@ -114,9 +136,9 @@ class Provoked:
         the minute is spent."""
         client: Hashable
         if action == "login":
-            kind, client = self.logins, ip
+            kind, client = self.logins, limited_address(ip)
         elif isinstance(actor, str) or actor.user_id is None:
-            kind, client = self.anonymous, ip
+            kind, client = self.anonymous, limited_address(ip)
         elif action == "token":
             kind, client = self.grants, actor.user_id
         else:

@@ -7,7 +7,7 @@
   flood to hide a probe behind). Now one client (an account; for anonymous callers and
   logins, an address) has a share of its kind's budget (``Hub.provoked``). And an
   account's registry tokens (up to 64 repositories named in each record) were recorded
-  as often as it asked: now a budget per account.
+  as often as it asked: now a budget per account. An IPv6 address is counted by its /64.
 - A listing (``/api/v1/repositories``, a repository's page, the catalog UI) wrote the
   batched pull counts first whenever any were pending: a read that is a write
   transaction, waiting for the write lock. An anonymous client alternating a pull and a
@@ -20,6 +20,10 @@
   many repositories or tags held the write lock as long as it liked, and every later
   namespace's deletions waited for all of its own. Now ``SWEEP_CHUNK`` tags a
   transaction, namespaces taking turns.
+- A team's stored glob naming another organisation (by hand, or from before the
+  checks) listed that organisation's private repositories to the team's members, and a
+  stored glob that grants nothing was listed as if it granted. A glob now grants in its
+  team's organisation only, and team listings say why one grants nothing.
 """
 
 from __future__ import annotations
@@ -265,5 +269,27 @@ def test_an_accounts_registry_tokens_are_bounded_in_the_audit_log(tmp_path: Path
         tokens = [e for e in audit_lines(server) if e["action"] == "token"]
         assert len([e for e in tokens if e["actor"] == looper[0]]) <= 2 * PER_MINUTE
         assert any(e["actor"] == other[0] for e in tokens)
+    finally:
+        server.stop()
+
+
+def test_addresses_of_one_ipv6_subscriber_share_one_audit_share(tmp_path: Path) -> None:
+    """An IPv6 subscriber has a /64 of addresses: each of them is not a client of its own
+    in the provoked-record budget (else 8 of them spend everyone's)."""
+    server = HubServer(
+        tmp_path / "hub",
+        {"audit_provoked_per_minute": PER_MINUTE, "trusted_proxies": "127.0.0.1"},
+    ).start()
+    try:
+        share = PER_MINUTE // PROVOKED_SHARES
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for i in range(PER_MINUTE + 5):
+                flood = {"X-Forwarded-For": f"2001:db8:1:2::{i + 1:x}"}
+                assert c.get(f"/v2/victim/x/manifests/v{i}", headers=flood).status_code == 401
+            other = {"X-Forwarded-For": "2001:db8:1:3::1"}
+            assert c.get("/v2/victim/other/manifests/v1", headers=other).status_code == 401
+        refused = [e for e in audit_lines(server) if e["result"] == "denied"]
+        assert len([e for e in refused if e["ip"].startswith("2001:db8:1:2:")]) <= 2 * share
+        assert any(e["ip"] == "2001:db8:1:3::1" for e in refused)
     finally:
         server.stop()
