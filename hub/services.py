@@ -76,6 +76,7 @@ class SharedBudget:
         self._lock = threading.Lock()
         self._start = float("-inf")
         self._written: Counter[Hashable] = Counter()
+        self._total = 0  # records written this minute (the sum of ``_written``)
         self._dropped = 0
         self._over: set[Hashable] = set()
 
@@ -90,16 +91,17 @@ class SharedBudget:
                 if self._dropped:
                     self.audit.record(self.actor, "-", "audit.suppressed", "-", "denied",
                                       count=self._dropped, clients=len(self._over))
-                self._start, self._dropped = now, 0
+                self._start, self._dropped, self._total = now, 0, 0
                 self._written.clear()
                 self._over.clear()
             spent = self._written.get(client, 0)
-            if self._written.total() >= self.per_minute or spent >= self.per_client:
+            if self._total >= self.per_minute or spent >= self.per_client:
                 self._dropped += 1
                 if spent >= self.per_client:
                     self._over.add(client)
                 return False
             self._written[client] = spent + 1
+            self._total += 1
         self.audit.record(actor, ip, action, shortened(target, MAX_TARGET), result, **detail)
         return True
 

@@ -43,9 +43,10 @@ from hub_support import ADMIN, artifact, unique_name
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+from forkd.audit import AuditLog
 from forkd.hub.pulls import FLUSH_INTERVAL_S, READ_FLUSH_S
 from forkd.hub.retention import SWEEP_CHUNK
-from forkd.hub.services import PROVOKED_SHARES
+from forkd.hub.services import PROVOKED_SHARES, SharedBudget
 
 PER_MINUTE = 40
 
@@ -293,3 +294,27 @@ def test_addresses_of_one_ipv6_subscriber_share_one_audit_share(tmp_path: Path) 
         assert any(e["ip"] == "2001:db8:1:3::1" for e in refused)
     finally:
         server.stop()
+
+
+def test_a_budgets_next_minute_says_how_much_and_how_many_clients_were_cut(
+    tmp_path: Path,
+) -> None:
+    """What a share cut is not lost without a trace: the next minute's first record is
+    preceded by ``audit.suppressed`` with the count and how many clients went past their
+    share."""
+    audit = AuditLog(tmp_path / "audit.log")
+    budget = SharedBudget(audit, PER_MINUTE, "(accounts)")
+    for client in ("a", "b"):
+        for i in range(budget.per_client + 3):
+            budget.record(client, client, "10.0.0.1", "pull", f"x/{i}", "denied")
+    budget.record("c", "c", "10.0.0.1", "pull", "x/c", "denied")
+    budget._start -= 61  # the minute is over (white box: no minute-long test)
+    assert budget.record("a", "a", "10.0.0.1", "pull", "x/next", "denied")
+    audit.close()
+    lines = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
+    assert [e["actor"] for e in lines].count("a") == budget.per_client + 1
+    assert any(e["actor"] == "c" for e in lines)
+    suppressed = [e for e in lines if e["action"] == "audit.suppressed"]
+    assert len(suppressed) == 1 and suppressed[0]["actor"] == "(accounts)"
+    assert suppressed[0]["count"] == 6 and suppressed[0]["clients"] == 2
+    assert lines[-1]["target"] == "x/next" and lines[-2] == suppressed[0]
