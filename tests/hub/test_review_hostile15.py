@@ -24,12 +24,16 @@
   checks) listed that organisation's private repositories to the team's members, and a
   stored glob that grants nothing was listed as if it granted. A glob now grants in its
   team's organisation only, and team listings say why one grants nothing.
+- The UI cut each form field to its limit without a word (a README or description
+  stored cut short, as if saved); a README the text check refused was a 404. Now a
+  field past its limit, or text the check refuses, is a 400 that says which and why.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -318,3 +322,42 @@ def test_a_budgets_next_minute_says_how_much_and_how_many_clients_were_cut(
     assert len(suppressed) == 1 and suppressed[0]["actor"] == "(accounts)"
     assert suppressed[0]["count"] == 6 and suppressed[0]["clients"] == 2
     assert lines[-1]["target"] == "x/next" and lines[-2] == suppressed[0]
+
+
+def _ui_signed_in(c: httpx.Client, who: tuple[str, str]) -> str:
+    """Sign ``c`` in through the UI's form; the CSRF field of its session's forms."""
+    token = re.search(r'name="login_csrf" value="([^"]*)"', c.get("/-/signin").text)
+    assert token
+    data = {"login_csrf": token.group(1), "username": who[0], "password": who[1]}
+    assert c.post("/-/signin", data=data).status_code == 303
+    csrf = re.search(r'name="csrf" value="([^"]*)"', c.get("/-/settings/tokens").text)
+    assert csrf
+    return csrf.group(1)
+
+
+def test_a_form_field_past_its_limit_is_refused_not_cut(hub: HubServer) -> None:
+    """Before: the UI cut each form field to its limit without a word: a README of more
+    than 256 Ki characters was stored cut short (303, as if saved), a description of
+    more than 300 too; and a README of multi-byte characters over 256 KiB was a 404
+    ("no repository") for a repository the caller may edit."""
+    owner = hub.add_user(unique_name("writer"))
+    repo = f"{owner[0]}/docs"
+    with hub.client(owner) as c:
+        artifact(c, repo, b"docs", tag="v1")
+    with hub.client() as c:
+        csrf = _ui_signed_in(c, owner)
+        for readme, description, why in [
+            ("x" * (256 * 1024 + 10), "short", "readme is 262154 characters, the limit is 262144"),
+            ("short", "d" * 301, "description is 301 characters, the limit is 300"),
+            ("\u00e9" * 140_000, "short", "README is over 256 KiB"),  # 280,000 bytes
+        ]:
+            # multipart: a URL-encoded \u00e9 is 6 bytes, past the form's bound
+            fields = {"csrf": csrf, "readme": readme, "description": description}
+            r = c.post(f"/-/edit/{repo}", files={k: (None, v) for k, v in fields.items()})
+            assert r.status_code == 400, (r.status_code, r.text[-500:])
+            assert why in r.text, r.text[-500:]
+        r = c.post(f"/-/edit/{repo}", data={"csrf": csrf, "readme": "kept", "description": "one"})
+        assert r.status_code == 303
+    with hub.client(owner) as c:
+        text = c.get(f"/api/v1/readme/{repo}").json()
+    assert text["readme"] == "kept" and text["description"] == "one"
