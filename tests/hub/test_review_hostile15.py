@@ -27,6 +27,9 @@
 - The UI cut each form field to its limit without a word (a README or description
   stored cut short, as if saved); a README the text check refused was a 404. Now a
   field past its limit, or text the check refuses, is a 400 that says which and why.
+- A blob ``Range`` of another unit (``items=``), of several ranges, or with the unit in
+  capitals was a 416: RFC 9110 says ignore the first two (the whole blob) and the unit
+  is case-insensitive.
 """
 
 from __future__ import annotations
@@ -361,3 +364,26 @@ def test_a_form_field_past_its_limit_is_refused_not_cut(hub: HubServer) -> None:
     with hub.client(owner) as c:
         text = c.get(f"/api/v1/readme/{repo}").json()
     assert text["readme"] == "kept" and text["description"] == "one"
+
+
+def test_a_range_of_another_unit_or_of_several_ranges_is_ignored(hub: HubServer) -> None:
+    """RFC 9110 14.2: a range unit the server does not know MUST be ignored (the whole
+    blob, 200); the unit is case-insensitive; several ranges (no multipart answers here)
+    may be ignored. Before: 416 for all three, and so a client that asked for the whole
+    of a blob it may read, in a form the spec allows, got nothing."""
+    owner = hub.add_user(unique_name("ranger"))
+    repo = f"{owner[0]}/ranged"
+    with hub.client(owner) as c:
+        artifact(c, repo, b"0123456789", tag="v1")
+        layer = c.get(f"/v2/{repo}/manifests/v1").json()["layers"][0]["digest"]
+        url = f"/v2/{repo}/blobs/{layer}"
+        for header in ("items=0-1", "bytes=0-0,2-3", "bytes=0-1, 4-5"):
+            r = c.get(url, headers={"Range": header})
+            assert r.status_code == 200 and r.content == b"0123456789", (header, r.status_code)
+            assert "content-range" not in r.headers
+        r = c.get(url, headers={"Range": "Bytes=2-4"})
+        assert r.status_code == 206 and r.content == b"234"
+        assert r.headers["content-range"] == "bytes 2-4/10"
+        # A byte range that cannot be served is still 416, saying the size.
+        r = c.get(url, headers={"Range": "bytes=10-"})
+        assert r.status_code == 416 and r.headers["content-range"] == "bytes */10"
