@@ -119,7 +119,7 @@ class Provoked:
     PROVOKED_SHARES times as many in all; a token grants no more than what the account
     already holds, and what it then pulls is not audited either.
     Past the budget they are counted into one ``audit.suppressed`` record (actor
-    ``(logins)``, ``-`` or ``(accounts)``): a flood cannot fill the disk, and the log
+    ``(logins)``, ``-``, ``(accounts)`` or ``(grants)``): a flood cannot fill the disk, and the log
     still says it happened. Writes (what a caller changed) are never bounded:
     ``Hub.audit``."""
 
