@@ -581,7 +581,11 @@ def team_list(data_dir: Path, database_url: str, org: str) -> None:
         return [(t.name, t.role, t.repositories, m) for t, m in rows]
 
     for name, role, repositories, members in _admin(data_dir, database_url, op):
-        click.echo(f"{name}\t{role}\t{repositories or '*'}\t{','.join(members)}")
+        line = f"{name}\t{role}\t{repositories or '*'}\t{','.join(members)}"
+        problem = repositories and accounts.team_glob_problem(org, repositories)
+        if problem:  # stored before the checks, or by hand: it grants nothing
+            line += f"\t(grants nothing: {problem}; remove the team and make it again)"
+        click.echo(line)
 
 
 @hub.group("quota")

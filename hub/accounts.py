@@ -85,11 +85,35 @@ def verify_password(stored: str | None, password: str) -> bool:
 TEAM_GLOB_RE = names.whole(r"[a-z0-9._/*?-]+")
 
 
-def team_glob_matches(repository: str, glob: str) -> bool:
-    """Whether a team's ``glob`` grants on ``repository``. A stored glob outside the
-    grammar (made before it was enforced, e.g. with ``[...]``) matches nothing: a
-    listing could not filter it in SQL, so it grants nowhere rather than differently."""
-    return names.matches(TEAM_GLOB_RE, glob) and fnmatchcase(repository, glob)
+def team_glob_problem(org: str, glob: str) -> str | None:
+    """What is wrong with ``glob`` as a repository glob of a team of ``org`` (None: it is
+    right). Checked when a team is made; a stored glob with a problem (made before the
+    checks, or written to the database by hand) grants nothing, and listings of the
+    team say why (``TeamInfo.problem``, ``forkd hub team list``)."""
+    if (
+        len(glob) > names.MAX_NAME
+        or not glob.startswith(f"{org}/")
+        or not names.matches(TEAM_GLOB_RE, glob)
+    ):
+        return (
+            f"invalid repository glob {shown(glob)}: it must start with "
+            f"{org + '/'!r} and use only lowercase letters, digits, '.', '_', '-', '/', "
+            f"'*' (any characters) and '?' (one character), at most {names.MAX_NAME}"
+        )
+    return None
+
+
+def team_glob_matches(org: str, repository: str, glob: str) -> bool:
+    """Whether the ``glob`` of a team of ``org`` grants on ``repository``. A stored glob
+    with a problem (``team_glob_problem``: e.g. a ``[...]`` class, or another
+    organisation's name) matches nothing: a listing could not filter it in SQL, and a
+    team grants within its own organisation only, so it grants nowhere rather than
+    differently or elsewhere."""
+    return (
+        team_glob_problem(org, glob) is None
+        and repository.startswith(f"{org}/")
+        and fnmatchcase(repository, glob)
+    )
 
 
 def hash_token(secret: str) -> str:
@@ -411,16 +435,9 @@ async def create_team(
     if role not in ROLES:
         raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_org(session, org)
-    if repositories and (
-        len(repositories) > names.MAX_NAME
-        or not repositories.startswith(f"{org}/")
-        or not names.matches(TEAM_GLOB_RE, repositories)
-    ):
-        raise InvalidInput(
-            f"invalid repository glob {shown(repositories)}: it must start with "
-            f"{org + '/'!r} and use only lowercase letters, digits, '.', '_', '-', '/', "
-            f"'*' (any characters) and '?' (one character), at most {names.MAX_NAME}"
-        )
+    problem = team_glob_problem(org, repositories) if repositories else None
+    if problem:
+        raise InvalidInput(problem)
     exists_ = (
         await session.scalars(select(Team.id).where(Team.namespace_id == ns.id, Team.name == name))
     ).first()

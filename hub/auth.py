@@ -28,7 +28,7 @@ from forkd.hub import accounts, authz
 from forkd.hub.accounts import ANONYMOUS, Principal
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Repository, User
-from forkd.hub.services import Hub
+from forkd.hub.services import Hub, limited_address
 from forkd.hub.settings import Network, host_names, parse_host, proxy_networks
 from forkd.hub.tokens import Grant
 from forkd.names import shown, validate_name
@@ -140,25 +140,6 @@ def challenge(
     if error:
         value += f',error="{error}"'
     return RegistryError(Code.UNAUTHORIZED, headers={"WWW-Authenticate": value})
-
-
-IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
-
-
-def limited_address(address: str) -> str:
-    """What the failed-login limiter counts for a client address: an IPv4 address as is
-    (an IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64. A host handed an
-    IPv6 /64 (every ISP's and cloud's smallest allocation) holds 2**64 addresses: counted
-    one by one, each new source address was ``login_fail_limit`` more guesses."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address  # "unknown", or a test client's name: as it is
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/{IPV6_LIMIT_PREFIX}", strict=False))
-    return str(ip)
 
 
 def logged_name(user: str) -> str:
@@ -425,9 +406,8 @@ async def token_endpoint(
     held = await hub.db.read(authz.repository_actions, caller.principal, list(wanted))  # one read
     access = {name: wanted[name] & held[name] for name in wanted if wanted[name] & held[name]}
     token, issued = hub.signer.issue(caller.principal, access)
-    # An anonymous caller's tokens are bounded in the log: it may ask for them at will.
-    log = hub.provoked if caller.principal.anonymous else hub.audit
-    log.record(
+    # Bounded in the log, per caller: anyone may ask for tokens at will (Hub.provoked).
+    hub.provoked.record(
         caller.principal,
         client_ip(request),
         "token",

@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from sqlalchemy import ColumnElement, and_, false, or_, select, true
 from sqlalchemy.orm import Session
 
-from forkd import names
 from forkd.hub.accounts import (
-    TEAM_GLOB_RE,
     Principal,
     find_repository,
     max_role,
     namespace_of,
     team_glob_matches,
+    team_glob_problem,
 )
 from forkd.hub.db import like_literal
 from forkd.hub.models import (
@@ -80,7 +79,9 @@ class Grants:
 
     principal: Principal
     namespace_roles: dict[str, str]  # direct memberships and glob-less teams
-    team_globs: tuple[tuple[str, str], ...]  # (glob, role) of teams with a glob
+    # (organisation, glob, role) of teams with a glob: a glob grants in its team's
+    # organisation only, and only when it has no problem (accounts.team_glob_problem).
+    team_globs: tuple[tuple[str, str, str], ...]
     loaded: frozenset[str] | None  # None: every namespace
 
     @classmethod
@@ -107,10 +108,10 @@ class Grants:
         roles: dict[str, str] = {}
         for ns, role in session.execute(direct).all():
             roles[ns] = max_role(roles.get(ns), role) or role
-        globs: list[tuple[str, str]] = []
+        globs: list[tuple[str, str, str]] = []
         for ns, pattern, role in session.execute(teams).all():
             if pattern:
-                globs.append((pattern, role))
+                globs.append((ns, pattern, role))
             else:
                 roles[ns] = max_role(roles.get(ns), role) or role
         return cls(principal, roles, tuple(globs), loaded)
@@ -145,7 +146,11 @@ class Grants:
         else:
             role = max_role(
                 self.namespace_roles.get(namespace),
-                *(r for glob, r in self.team_globs if team_glob_matches(repository, glob)),
+                *(
+                    r
+                    for org, glob, r in self.team_globs
+                    if team_glob_matches(org, repository, glob)
+                ),
             )
         return self.narrow(role, namespace)
 
@@ -277,9 +282,8 @@ def _visible(session: Session, principal: Principal) -> ColumnElement[bool]:
     # behind their namespace's id, so another namespace's rows cost one comparison per
     # namespace, not one LIKE per glob.
     globs: dict[str, set[str]] = {}
-    for glob, role in g.team_globs:
-        ns = namespace_of(glob)
-        if ns not in namespaces and names.matches(TEAM_GLOB_RE, glob) and g.narrow(role, ns):
+    for ns, glob, role in g.team_globs:
+        if ns not in namespaces and team_glob_problem(ns, glob) is None and g.narrow(role, ns):
             globs.setdefault(ns, set()).add(glob)
     if globs:
         ids = session.execute(select(Namespace.name, Namespace.id).where(Namespace.name.in_(globs)))

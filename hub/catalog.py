@@ -111,7 +111,7 @@ class CatalogController(Controller):
         pages = page_of(page, per_page, 20, 100)
         order = parse_sort(sort)
         principal = await _principal(hub, request)
-        await hub.pulls.flush(hub.db)  # counts are batched: make them current first
+        await hub.pulls.flush_for_read(hub.db)  # counts are batched: make them current first
         async with hub.db.reading() as session:
             where = [await session.run_sync(authz.visible, principal)]
             if q:
@@ -165,7 +165,7 @@ class CatalogController(Controller):
         except InvalidInput as exc:
             raise ValidationException(str(exc)) from exc
         principal = await _principal(hub, request)
-        await hub.pulls.flush(hub.db)  # counts are batched: make them current first
+        await hub.pulls.flush_for_read(hub.db)  # counts are batched: make them current first
         async with hub.db.reading() as session:
             repo = (
                 await session.scalars(

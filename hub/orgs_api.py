@@ -51,7 +51,7 @@ from forkd.bodies import Body
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members, quotas
 from forkd.hub.auth import authenticate, client_ip
-from forkd.hub.models import ROLES, Membership, Namespace, User
+from forkd.hub.models import ROLES, Membership, Namespace, Team, User
 from forkd.hub.oci.common import MAX_COUNT
 from forkd.hub.services import Hub
 from forkd.hub.tokens_api import _user
@@ -81,6 +81,14 @@ class MemberInfo:
     robot: bool
 
 
+def _glob_problem(org: str, team: Team) -> str | None:
+    """Why ``team``'s stored glob grants nothing, and what to do; None when it is right."""
+    problem = team.repositories and accounts.team_glob_problem(org, team.repositories)
+    if not problem:
+        return None
+    return f"{problem}; this team grants nothing: remove it and make it again with a valid glob"
+
+
 @dataclass
 class TeamInfo:
     name: str
@@ -88,6 +96,9 @@ class TeamInfo:
     repositories: str  # glob on full repository names; "" = all of the org's repositories
     members: list[str]
     created_at: datetime
+    # Why the glob grants nothing (stored before the checks, or by hand), and what to do;
+    # None when it is right (accounts.team_glob_problem).
+    problem: str | None = None
 
 
 class TeamCreate(Body):
@@ -288,7 +299,10 @@ class OrgController(Controller):
         await _require(hub, request, org, "pull")
         async with _reading(hub) as session:
             rows = await accounts.list_teams(session, org)
-        return [TeamInfo(t.name, t.role, t.repositories, m, t.created_at) for t, m in rows]
+        return [
+            TeamInfo(t.name, t.role, t.repositories, m, t.created_at, _glob_problem(org, t))
+            for t, m in rows
+        ]
 
     @post("/{org:str}/teams")
     async def create_team(

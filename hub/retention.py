@@ -20,7 +20,9 @@ configured, and on demand with ``forkd hub gc --retention``.
 
 from __future__ import annotations
 
+import heapq
 import logging
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -37,6 +39,9 @@ from forkd.hub.settings import RetentionRule
 
 log = logging.getLogger("forkd.hub.retention")
 ACTOR = "(retention)"
+# Tags one transaction of a sweep deletes at most (then the write lock is let go, and the
+# next namespace takes its turn).
+SWEEP_CHUNK = 500
 
 
 @dataclass
@@ -80,19 +85,32 @@ async def sweep(
     dry_run: bool = False,
     now: datetime | None = None,
 ) -> RetentionReport:
+    """One pass of the rules over every repository they match. Fair between namespaces
+    and bounded per transaction: a repository's deletions are made SWEEP_CHUNK tags at a
+    time, one transaction each, and namespaces take turns chunk by chunk, so a namespace
+    of many repositories or tags neither holds the write lock for long nor makes the
+    others' deletions wait for all of its own."""
     report = RetentionReport(dry_run=dry_run)
     if not rules:
         return report
     now = now or utcnow()
+    queues: dict[str, deque[tuple[int, str, RetentionRule]]] = {}
     async with db.reading() as session:
-        repos = [
-            (r.id, r.name)
-            for r in (await session.scalars(select(Repository).order_by(Repository.name))).all()
-        ]
-    for repo_id, name in repos:
-        rule = rule_for(rules, name)
-        if rule is not None:
-            await _sweep_repository(db, repo_id, name, rule, audit, report, now)
+        rows = await session.execute(
+            select(Repository.id, Repository.name).order_by(Repository.name)
+        )
+        for repo_id, name in rows.all():
+            rule = rule_for(rules, name)
+            if rule is not None:
+                queues.setdefault(name.split("/", 1)[0], deque()).append((repo_id, name, rule))
+    turns = deque(queues.values())
+    while turns:
+        queue = turns.popleft()
+        repo_id, name, rule = queue[0]
+        if not await _sweep_repository(db, repo_id, name, rule, audit, report, now):
+            queue.popleft()
+        if queue:
+            turns.append(queue)
     return report
 
 
@@ -104,7 +122,9 @@ async def _sweep_repository(
     audit: AuditLog,
     report: RetentionReport,
     now: datetime,
-) -> None:
+) -> bool:
+    """Delete up to SWEEP_CHUNK of the tags the rule no longer keeps, and the manifests
+    that leaves unneeded, in one transaction; True when more are left to delete."""
     async with db.transaction() as session:
         await db.lock_for_write(session)
         # No push or deletion in the repository commits while the sweep decides from the
@@ -113,7 +133,7 @@ async def _sweep_repository(
         await session.run_sync(quotas.lock_namespace, repo_id)
         tags = list((await session.scalars(select(Tag).where(Tag.repository_id == repo_id))).all())
         if not tags:
-            return
+            return False
         manifests = dict(
             (
                 await session.execute(
@@ -142,13 +162,22 @@ async def _sweep_repository(
                 if ref not in needed:
                     needed.add(ref)
                     todo.append(ref)
-        doomed = [t for t in tags if t.name not in kept and t.manifest_digest not in needed]
-        report.protected += [
-            f"{name}:{t.name}" for t in tags if t.name not in kept and t.manifest_digest in needed
-        ]
+        doomed = sorted(
+            (t for t in tags if t.name not in kept and t.manifest_digest not in needed),
+            key=lambda t: t.name,
+        )
+        more = not report.dry_run and len(doomed) > SWEEP_CHUNK
+        if not more:  # the last turn: say once what stays only as a parent
+            report.protected += [
+                f"{name}:{t.name}"
+                for t in tags
+                if t.name not in kept and t.manifest_digest in needed
+            ]
+        if more:
+            doomed = doomed[:SWEEP_CHUNK]
         if not doomed:
-            return
-        for t in sorted(doomed, key=lambda t: t.name):
+            return False
+        for t in doomed:
             report.tags.append(f"{name}:{t.name}")
             if not report.dry_run:
                 await session.execute(
@@ -168,38 +197,37 @@ async def _sweep_repository(
                     rule=rule.repositories,
                 )
         if report.dry_run:
-            return
+            return False
         # Manifests the sweep untagged, unless still tagged or depended on (to a fixpoint:
-        # deleting a child can release its parent).
+        # deleting a child can release its parent). Worked out in memory from what was
+        # read above, in time linear in the repository's rows (the lock is held: nothing
+        # else changes them): it re-read every tag of the repository for each manifest it
+        # deleted, quadratic in rows under the write lock, for any pusher of many tags.
+        doomed_names = {t.name for t in doomed}
+        tagged = {t.manifest_digest for t in tags if t.name not in doomed_names}
+        referrers: Counter[str] = Counter(ref for rs in refs.values() for ref in rs)
         candidates = {t.manifest_digest for t in doomed}
-        changed = True
-        while changed:
-            changed = False
-            tagged = set(
-                (
-                    await session.scalars(
-                        select(Tag.manifest_digest).where(Tag.repository_id == repo_id)
-                    )
-                ).all()
+        ready = sorted(candidates)
+        heapq.heapify(ready)
+        while ready:
+            digest = heapq.heappop(ready)
+            if digest in tagged or referrers[digest] or digest not in by_digest:
+                continue
+            manifest_id = by_digest.pop(digest)
+            for ref in refs.pop(digest, ()):
+                referrers[ref] -= 1
+                if not referrers[ref] and ref in candidates:
+                    heapq.heappush(ready, ref)
+            await session.execute(
+                delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
             )
-            referenced = {ref for digest, rs in refs.items() if digest in by_digest for ref in rs}
-            for digest in sorted(candidates):
-                if digest in tagged or digest in referenced or digest not in by_digest:
-                    continue
-                manifest_id = by_digest.pop(digest)
-                refs.pop(digest, None)
-                await session.execute(
-                    delete(ManifestReference).where(ManifestReference.manifest_id == manifest_id)
-                )
-                await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
-                await session.run_sync(quotas.release, repo_id, digest)
-                candidates.discard(digest)
-                report.manifests.append(f"{name}@{digest}")
-                audit.record(
-                    ACTOR, "-", "manifest.delete", f"{name}@{digest}", "ok", rule=rule.repositories
-                )
-                changed = True
-                break
+            await session.execute(delete(Manifest).where(Manifest.id == manifest_id))
+            await session.run_sync(quotas.release, repo_id, digest)
+            report.manifests.append(f"{name}@{digest}")
+            audit.record(
+                ACTOR, "-", "manifest.delete", f"{name}@{digest}", "ok", rule=rule.repositories
+            )
+    return more
 
 
 async def run(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
-from collections.abc import Callable
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from forkd.audit import Actor, AuditLog, BoundedAudit
+from forkd.audit import MAX_TARGET, Actor, AuditLog, shortened
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.manifest_cache import ManifestCache, ManifestSizes
@@ -29,32 +33,119 @@ from forkd.store.s3 import S3BlobStore
 FACTS_READERS = 2
 
 
+# One client's share of a kind's budget of provoked records: at most 1/PROVOKED_SHARES of
+# ``audit_provoked_per_minute`` a minute (at least one), so one client cannot spend the
+# budget of everyone else of its kind.
+PROVOKED_SHARES = 8
+
+
+IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
+
+
+def limited_address(address: str) -> str:
+    """The client an address stands for, in the failed-login limiter (hub/auth.py) and
+    in the budgets of provoked audit records (``Provoked``): an IPv4 address as is (an
+    IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64. A host handed an IPv6
+    /64 (every ISP's and cloud's smallest allocation) holds 2**64 addresses: counted one
+    by one, each new source address was ``login_fail_limit`` more guesses, or a share of
+    the audit budget of its own."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # "unknown", or a test client's name: as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_LIMIT_PREFIX}", strict=False))
+    return str(ip)
+
+
+class SharedBudget:
+    """The budget of one kind of provoked records: at most ``per_minute`` a minute in
+    all, and at most ``per_client`` of them for one client (an account, or an address).
+    Past either, records are counted; the first record of the next minute is preceded by
+    one ``audit.suppressed`` record with the count and how many clients went past their
+    share (``clients``). The clients remembered are those written this minute: at most
+    ``per_minute``."""
+
+    def __init__(
+        self, audit: AuditLog, per_minute: int, actor: str = "-", per_client: int | None = None
+    ) -> None:
+        self.audit, self.per_minute, self.actor = audit, per_minute, actor
+        self.per_client = per_client or max(1, per_minute // PROVOKED_SHARES)
+        self._lock = threading.Lock()
+        self._start = float("-inf")
+        self._written: Counter[Hashable] = Counter()
+        self._total = 0  # records written this minute (the sum of ``_written``)
+        self._dropped = 0
+        self._over: set[Hashable] = set()
+
+    def record(
+        self, client: Hashable, actor: Actor, ip: str, action: str, target: str, result: str,
+        **detail: Any,
+    ) -> bool:
+        """Write the record unless the minute's budget, or this client's share, is spent."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._start >= 60:
+                if self._dropped:
+                    self.audit.record(self.actor, "-", "audit.suppressed", "-", "denied",
+                                      count=self._dropped, clients=len(self._over))
+                self._start, self._dropped, self._total = now, 0, 0
+                self._written.clear()
+                self._over.clear()
+            spent = self._written.get(client, 0)
+            if self._total >= self.per_minute or spent >= self.per_client:
+                self._dropped += 1
+                if spent >= self.per_client:
+                    self._over.add(client)
+                return False
+            self._written[client] = spent + 1
+            self._total += 1
+        self.audit.record(actor, ip, action, shortened(target, MAX_TARGET), result, **detail)
+        return True
+
+
 class Provoked:
     """The audit records that any caller can provoke as often as it likes: refusals
     (``denied``, ``rate-limited``, ``failed``) and what anonymous callers are given
     (registry tokens). At most ``per_minute`` (``audit_provoked_per_minute``) a minute
     of each kind, kept apart so a flood of one kind hides no record of another: refused
-    logins, other records of anonymous callers, and records of accounts. Past the budget
-    they are counted into one ``audit.suppressed`` record (actor ``(logins)``, ``-`` or
-    ``(accounts)``): a flood cannot fill the disk, and the log still says it happened.
-    Writes (what a caller changed) are never bounded: ``Hub.audit``."""
+    logins, other records of anonymous callers, and records of accounts. Within a kind,
+    one client (an account; for logins and anonymous callers, an address) has at most
+    1/PROVOKED_SHARES of it, so one client's flood hides no record of another client.
+    The registry tokens accounts are given (``token``, up to 64 repositories named in
+    each) are a kind of their own: ``per_minute`` a minute for each account, and
+    PROVOKED_SHARES times as many in all; a token grants no more than what the account
+    already holds, and what it then pulls is not audited either.
+    Past the budget they are counted into one ``audit.suppressed`` record (actor
+    ``(logins)``, ``-``, ``(accounts)`` or ``(grants)``): a flood cannot fill the disk, and the log
+    still says it happened. Writes (what a caller changed) are never bounded:
+    ``Hub.audit``."""
 
     def __init__(self, audit: AuditLog, per_minute: int) -> None:
-        self.logins = BoundedAudit(audit, per_minute, "audit.suppressed", "(logins)")
-        self.anonymous = BoundedAudit(audit, per_minute, "audit.suppressed")
-        self.accounts = BoundedAudit(audit, per_minute, "audit.suppressed", "(accounts)")
+        self.logins = SharedBudget(audit, per_minute, "(logins)")
+        self.anonymous = SharedBudget(audit, per_minute)
+        self.accounts = SharedBudget(audit, per_minute, "(accounts)")
+        self.grants = SharedBudget(
+            audit, per_minute * PROVOKED_SHARES, "(grants)", per_client=per_minute
+        )
 
     def record(
         self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
     ) -> bool:
-        """Write the record unless its kind's budget for the minute is spent."""
+        """Write the record unless its kind's budget, or the client's share of it, for
+        the minute is spent."""
+        client: Hashable
         if action == "login":
-            kind = self.logins
+            kind, client = self.logins, limited_address(ip)
         elif isinstance(actor, str) or actor.user_id is None:
-            kind = self.anonymous
+            kind, client = self.anonymous, limited_address(ip)
+        elif action == "token":
+            kind, client = self.grants, actor.user_id
         else:
-            kind = self.accounts
-        return kind.record(actor, ip, action, target, result, **detail)
+            kind, client = self.accounts, actor.user_id
+        return kind.record(client, actor, ip, action, target, result, **detail)
 
 
 class LazyLimiter:

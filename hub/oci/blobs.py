@@ -39,11 +39,21 @@ RANGE_RE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.ASCII)
 OCTET = "application/octet-stream"
 
 
+def _served_range(header: str) -> bool:
+    """Whether a ``Range`` header asks for what this hub serves: one range of bytes. RFC
+    9110 14.2: a range unit the server does not know MUST be ignored (``items=0-1``: the
+    whole blob, 200, not a 416), and a server MAY ignore a Range header, as it does one
+    asking for several ranges (no multipart answers). The unit is case-insensitive."""
+    unit, sep, spec = header.strip().partition("=")
+    return bool(sep) and unit.strip().lower() == "bytes" and "," not in spec
+
+
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
     """``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` → inclusive (start, end); None if
     unusable (416). Per RFC 9110 14.1.1 a number past the blob's size, of any length,
     means "to the end" (an end, a suffix length) or is unsatisfiable (a start)."""
-    m = RANGE_RE.fullmatch(header.strip())
+    _unit, _, spec = header.strip().partition("=")
+    m = RANGE_RE.fullmatch(f"bytes={spec.strip()}")
     if not m or (not m.group(1) and not m.group(2)):
         return None
     first = parse_bound(m.group(1), "range start") if m.group(1) else None
@@ -98,7 +108,7 @@ async def get(ctx: Ctx, digest: str, *, head: bool) -> Response[Any]:
     }
     start, end, status = 0, size - 1, 200
     range_header = ctx.request.headers.get("range")
-    if range_header:
+    if range_header and _served_range(range_header):
         parsed = parse_range(range_header, size)
         if parsed is None:
             raise RegistryError(

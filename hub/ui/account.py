@@ -10,7 +10,12 @@ from urllib.parse import urlsplit
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException, NotFoundException, PermissionDeniedException
+from litestar.exceptions import (
+    HTTPException,
+    NotFoundException,
+    PermissionDeniedException,
+    ValidationException,
+)
 from litestar.params import FromPath
 from litestar.response import Redirect
 from sqlalchemy import delete, select
@@ -28,6 +33,7 @@ from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
 from forkd.hub.ui.errors import HTML_ERRORS
+from forkd.hub.ui.render import README_MAX
 from forkd.hub.ui.session import (
     COOKIE,
     LOGIN_COOKIE,
@@ -38,7 +44,7 @@ from forkd.hub.ui.session import (
     SESSION_TTL,
     Viewer,
 )
-from forkd.hub.ui.text import set_text
+from forkd.hub.ui.text import DESCRIPTION_MAX, check_text, set_text
 from forkd.names import shown, validate_name
 
 FORM_MAX = 300 * 1024
@@ -52,9 +58,19 @@ async def _form(request: HubRequest) -> FormMultiDict:
     return await request.form()
 
 
-def _field(form: FormMultiDict, key: str, limit: int = 300) -> str:
+def _field(form: FormMultiDict, key: str, limit: int = 300, *, cut: bool = False) -> str:
+    """The form's ``key`` (stripped), at most ``limit`` characters: a longer one is a 400
+    naming the field, never cut to fit (a README or description cut short, a user name
+    or scope list cut into another one, stored without a word). ``cut``: a value that
+    may be cut (where to go after sign-in)."""
     value = form.get(key)
-    return str(value)[:limit].strip() if isinstance(value, str) else ""
+    if not isinstance(value, str):
+        return ""
+    if len(value) > limit and not cut:
+        raise ValidationException(
+            f"the form's {key} is {len(value)} characters, the limit is {limit}: shorten it"
+        )
+    return value[:limit].strip()
 
 
 def _set_cookie(
@@ -177,7 +193,7 @@ class AccountController(Controller):
                 "open the sign-in page again."
             )
         username, password = _field(form, "username", 64), _field(form, "password", 1024)
-        nxt = local_path(_field(form, "next", 1000))
+        nxt = local_path(_field(form, "next", 1000, cut=True))
         try:
             principal = await login(hub, request, username, password)
         except RegistryError as exc:
@@ -424,17 +440,17 @@ class AccountController(Controller):
         form = await _form(request)
         who = await _signed_in(ui, hub, request, form)
         name = name.strip("/")
+        readme = _field(form, "readme", README_MAX)
+        description = _field(form, "description", DESCRIPTION_MAX)
+        try:
+            check_text(readme, description)  # what is wrong with the text: 400, saying so
+        except InvalidInput as exc:
+            raise ValidationException(str(exc)) from exc
         try:
             validate_name(name)
             async with hub.db.transaction() as session:
-                await set_text(
-                    session,
-                    who.principal,
-                    name,
-                    readme=_field(form, "readme", 256 * 1024),
-                    description=_field(form, "description", 300),
-                )
-        except InvalidInput as exc:
+                await set_text(session, who.principal, name, readme=readme, description=description)
+        except InvalidInput as exc:  # no repository the caller may push to: no hint
             raise NotFoundException(str(exc)) from exc
         hub.audit.record(who.principal, client_ip(request), "repo.readme", name, "ok")
         return Redirect(f"/{name}", status_code=303)

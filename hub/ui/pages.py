@@ -179,7 +179,12 @@ class BrowseController(Controller):
                 raise NotFoundException(f"no user or organisation named {name}")
             role = await queries.role_in(session, who.principal, ns)
             members = await queries.namespace_members(session, ns) if role else []
-            teams = await accounts.list_teams(session, ns.name) if role and ns.kind == "org" else []
+            teams = [
+                (t, m, t.repositories and accounts.team_glob_problem(ns.name, t.repositories))
+                for t, m in (
+                    await accounts.list_teams(session, ns.name) if role and ns.kind == "org" else []
+                )
+            ]
             where = (
                 Repository.namespace_id == ns.id,
                 await session.run_sync(authz.visible, who.principal),

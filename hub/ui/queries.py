@@ -276,7 +276,7 @@ async def search(
     per_page: int,
 ) -> tuple[list[PackSummary], int]:
     """One page of the packs ``principal`` may see that match ``filters``, and the total."""
-    await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
+    await hub.pulls.flush_for_read(hub.db)  # pull counts are batched: make them current first
     async with hub.db.reading() as session:
         where = [await session.run_sync(authz.visible, principal)]
         if filters.q:
@@ -423,7 +423,7 @@ async def pack(
     Bounded whatever the repository holds: the facts of a tag are blob reads (its manifest
     and config; S3 GETs), and the rows read are that page's tags and their chains
     (hub/chains.py), never every manifest or tag of the repository."""
-    await hub.pulls.flush(hub.db)  # pull counts are batched: make them current first
+    await hub.pulls.flush_for_read(hub.db)  # pull counts are batched: make them current first
     async with hub.db.reading() as session:
         repo = await _visible_repository(session, principal, name)
         if repo is None:
