@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from forkd.audit import MAX_TARGET, Actor, AuditLog, shortened
+from forkd.audit import Actor, AuditLog, BoundedAudit
 from forkd.hub.db import Database
 from forkd.hub.login_limit import LoginLimiter
 from forkd.hub.manifest_cache import ManifestCache, ManifestSizes
@@ -37,6 +34,7 @@ FACTS_READERS = 2
 # ``audit_provoked_per_minute`` a minute (at least one), so one client cannot spend the
 # budget of everyone else of its kind.
 PROVOKED_SHARES = 8
+SUPPRESSED = "audit.suppressed"  # the action of the record counting what a budget dropped
 
 
 IPV6_LIMIT_PREFIX = 64  # the addresses one IPv6 client holds: a /64 is one site's LAN
@@ -60,52 +58,6 @@ def limited_address(address: str) -> str:
     return str(ip)
 
 
-class SharedBudget:
-    """The budget of one kind of provoked records: at most ``per_minute`` a minute in
-    all, and at most ``per_client`` of them for one client (an account, or an address).
-    Past either, records are counted; the first record of the next minute is preceded by
-    one ``audit.suppressed`` record with the count and how many clients went past their
-    share (``clients``). The clients remembered are those written this minute: at most
-    ``per_minute``."""
-
-    def __init__(
-        self, audit: AuditLog, per_minute: int, actor: str = "-", per_client: int | None = None
-    ) -> None:
-        self.audit, self.per_minute, self.actor = audit, per_minute, actor
-        self.per_client = per_client or max(1, per_minute // PROVOKED_SHARES)
-        self._lock = threading.Lock()
-        self._start = float("-inf")
-        self._written: Counter[Hashable] = Counter()
-        self._total = 0  # records written this minute (the sum of ``_written``)
-        self._dropped = 0
-        self._over: set[Hashable] = set()
-
-    def record(
-        self, client: Hashable, actor: Actor, ip: str, action: str, target: str, result: str,
-        **detail: Any,
-    ) -> bool:
-        """Write the record unless the minute's budget, or this client's share, is spent."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._start >= 60:
-                if self._dropped:
-                    self.audit.record(self.actor, "-", "audit.suppressed", "-", "denied",
-                                      count=self._dropped, clients=len(self._over))
-                self._start, self._dropped, self._total = now, 0, 0
-                self._written.clear()
-                self._over.clear()
-            spent = self._written.get(client, 0)
-            if self._total >= self.per_minute or spent >= self.per_client:
-                self._dropped += 1
-                if spent >= self.per_client:
-                    self._over.add(client)
-                return False
-            self._written[client] = spent + 1
-            self._total += 1
-        self.audit.record(actor, ip, action, shortened(target, MAX_TARGET), result, **detail)
-        return True
-
-
 class Provoked:
     """The audit records that any caller can provoke as often as it likes: refusals
     (``denied``, ``rate-limited``, ``failed``) and what anonymous callers are given
@@ -124,11 +76,12 @@ class Provoked:
     ``Hub.audit``."""
 
     def __init__(self, audit: AuditLog, per_minute: int) -> None:
-        self.logins = SharedBudget(audit, per_minute, "(logins)")
-        self.anonymous = SharedBudget(audit, per_minute)
-        self.accounts = SharedBudget(audit, per_minute, "(accounts)")
-        self.grants = SharedBudget(
-            audit, per_minute * PROVOKED_SHARES, "(grants)", per_client=per_minute
+        share = max(1, per_minute // PROVOKED_SHARES)
+        self.logins = BoundedAudit(audit, per_minute, SUPPRESSED, "(logins)", share)
+        self.anonymous = BoundedAudit(audit, per_minute, SUPPRESSED, "-", share)
+        self.accounts = BoundedAudit(audit, per_minute, SUPPRESSED, "(accounts)", share)
+        self.grants = BoundedAudit(
+            audit, per_minute * PROVOKED_SHARES, SUPPRESSED, "(grants)", per_minute
         )
 
     def record(
@@ -136,16 +89,16 @@ class Provoked:
     ) -> bool:
         """Write the record unless its kind's budget, or the client's share of it, for
         the minute is spent."""
-        client: Hashable
+        client: str
         if action == "login":
             kind, client = self.logins, limited_address(ip)
         elif isinstance(actor, str) or actor.user_id is None:
             kind, client = self.anonymous, limited_address(ip)
         elif action == "token":
-            kind, client = self.grants, actor.user_id
+            kind, client = self.grants, f"account {actor.user_id}"
         else:
-            kind, client = self.accounts, actor.user_id
-        return kind.record(client, actor, ip, action, target, result, **detail)
+            kind, client = self.accounts, f"account {actor.user_id}"
+        return kind.record(actor, ip, action, target, result, client=client, **detail)
 
 
 class LazyLimiter:

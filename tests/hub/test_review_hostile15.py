@@ -50,10 +50,10 @@ from hub_support import ADMIN, artifact, unique_name
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from forkd.audit import AuditLog
+from forkd.audit import AuditLog, BoundedAudit
 from forkd.hub.pulls import FLUSH_INTERVAL_S, READ_FLUSH_S
 from forkd.hub.retention import SWEEP_CHUNK
-from forkd.hub.services import PROVOKED_SHARES, SharedBudget
+from forkd.hub.services import PROVOKED_SHARES, SUPPRESSED
 
 PER_MINUTE = 40
 
@@ -310,20 +310,22 @@ def test_a_budgets_next_minute_says_how_much_and_how_many_clients_were_cut(
     preceded by ``audit.suppressed`` with the count and how many clients went past their
     share."""
     audit = AuditLog(tmp_path / "audit.log")
-    budget = SharedBudget(audit, PER_MINUTE, "(accounts)")
+    share = PER_MINUTE // PROVOKED_SHARES
+    budget = BoundedAudit(audit, PER_MINUTE, SUPPRESSED, "(accounts)", share)
     for client in ("a", "b"):
-        for i in range(budget.per_client + 3):
-            budget.record(client, client, "10.0.0.1", "pull", f"x/{i}", "denied")
-    budget.record("c", "c", "10.0.0.1", "pull", "x/c", "denied")
-    budget._start -= 61  # the minute is over (white box: no minute-long test)
-    assert budget.record("a", "a", "10.0.0.1", "pull", "x/next", "denied")
+        for i in range(share + 3):
+            budget.record(client, "10.0.0.1", "pull", f"x/{i}", "denied", client=client)
+    budget.record("c", "10.0.0.1", "pull", "x/c", "denied", client="c")
+    start, written, dropped = budget._window  # the minute is over (white box: no
+    budget._window = (start - 61, written, dropped)  # minute-long test)
+    assert budget.record("a", "10.0.0.1", "pull", "x/next", "denied", client="a")
     audit.close()
     lines = [json.loads(line) for line in (tmp_path / "audit.log").read_text().splitlines()]
-    assert [e["actor"] for e in lines].count("a") == budget.per_client + 1
+    assert [e["actor"] for e in lines].count("a") == share + 1
     assert any(e["actor"] == "c" for e in lines)
     suppressed = [e for e in lines if e["action"] == "audit.suppressed"]
     assert len(suppressed) == 1 and suppressed[0]["actor"] == "(accounts)"
-    assert suppressed[0]["count"] == 6 and suppressed[0]["clients"] == 2
+    assert suppressed[0]["count"] == 6 and suppressed[0]["clients"] == {"a": 3, "b": 3}
     assert lines[-1]["target"] == "x/next" and lines[-2] == suppressed[0]
 
 
