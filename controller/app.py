@@ -97,6 +97,7 @@ from forkd.errors import (
 )
 from forkd.jsondoc import check_body
 from forkd.names import inert
+from forkd.shares import Shares
 
 STATUS: list[tuple[type[ForkdError], int]] = [
     (TooManyRequests, 429),  # before Conflict, which it is too
@@ -395,46 +396,26 @@ class CallerWatch:
 BODY_BYTES = 512 << 20  # request bodies the daemon holds at once, all clients' together
 
 
-class BodyBudget:
+class BodyBudget(Shares):
     """Bytes of request bodies being held (a file's up to 32 MiB, a JSON body's up to 10 MB,
     read whole before the handler runs and kept until it ends), in all and per client (as
     agent_client.REQUEST_CLIENT names it: half of ``total``): without it one client with
     128 connections held 4 GiB of uploads in the daemon's memory at once."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.held = 0
-        self.by_client: dict[str, int] = {}
-        self._lock = threading.Lock()
-
     def take(self, n: int, client: str | None) -> ForkdError | None:
         """Count ``n`` more bytes for ``client``; else the error saying which bound."""
-        with self._lock:
-            mine = self.by_client.get(client, 0) if client is not None else 0
-            if client is not None and mine + n > self.total // 2:
-                return TooManyRequests(
-                    f"this client ({client}) has {mine} bytes of request bodies being received "
-                    f"or served, and this one is {n}: one client holds at most "
-                    f"{self.total // 2} (app.BODY_BYTES, half); wait for its uploads to end, "
-                    "or send fewer at once")
-            if self.held + n > self.total:
-                return Busy(
-                    f"the daemon holds as many bytes of request bodies as it takes at once "
-                    f"({self.total}, app.BODY_BYTES) and this one is {n}; try again shortly")
-            self.held += n
-            if client is not None:
-                self.by_client[client] = mine + n
+        refused = self.take_or_refuse(n, client)
+        if refused is None:
             return None
-
-    def give(self, n: int, client: str | None) -> None:
-        with self._lock:
-            self.held -= n
-            if client is not None:
-                left = self.by_client.get(client, 0) - n
-                if left > 0:
-                    self.by_client[client] = left
-                else:
-                    self.by_client.pop(client, None)
+        if refused.bound == "client":
+            return TooManyRequests(
+                f"this client ({client}) has {refused.held} bytes of request bodies being "
+                f"received or served, and this one is {n}: one client holds at most "
+                f"{self.share} (app.BODY_BYTES, half); wait for its uploads to end, "
+                "or send fewer at once")
+        return Busy(
+            f"the daemon holds as many bytes of request bodies as it takes at once "
+            f"({self.total}, app.BODY_BYTES) and this one is {n}; try again shortly")
 
 
 BODY_BUDGET = BodyBudget(BODY_BYTES)

@@ -44,6 +44,7 @@ from forkd.engine.errors import AgentError
 from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
 from forkd.names import inert, shown
+from forkd.shares import Shares
 
 PROTOCOL = 2
 RELAY_SOCKET = "agent-mux.sock"
@@ -83,53 +84,36 @@ REPLY_BUDGET = 256 << 20
 MIB = 1 << 20
 
 
-class ReplyBudget:
-    """The bytes replies in this process hold past ``REPLY_FREE`` each, at most ``limit``."""
+class ReplyBudget(Shares):
+    """The bytes replies in this process hold past ``REPLY_FREE`` each, at most ``limit``;
+    one server's client (REQUEST_CLIENT) at most half of it with all its replies."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._clients: dict[str, int] = {}  # what each client's replies hold of it
-        self._lock = threading.Lock()
+    @property
+    def limit(self) -> int:
+        return self.total
 
     def take(self, n: int, what: str, own: int = 0, client: str | None = None) -> None:
         """``n`` more bytes for a reply that holds ``own`` already, else AgentError. A
-        server's client (REQUEST_CLIENT) holds at most half of it with all its replies:
-        one that reads its answers slowly (keeping them counted, KeptReplies) cannot
+        client that reads its answers slowly (keeping them counted, KeptReplies) cannot
         take every large reply from the others."""
-        with self._lock:
-            theirs = self._clients.get(client, 0) if client is not None else 0
-            if client is not None and theirs + n > self.limit // 2:
-                raise AgentError(
-                    f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
-                    f"({client}) other replies held {(theirs - own) / MIB:.1f} MiB past "
-                    f"theirs (at most {self.limit // 2 / MIB:g} MiB, half of the "
-                    f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
-                    "connection closed. Read your answers as they come, ask for less at "
-                    "once (stream a command's output, read a file in parts), or retry when "
-                    "fewer of your large replies are in flight")
-            if self.held + n > self.limit:
-                others = self.held - own
-                raise AgentError(
-                    f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while the other "
-                    f"replies being read in this process held {others / MIB:.1f} MiB past "
-                    f"theirs (at most {self.limit / MIB:g} MiB in all); it was dropped and "
-                    "the connection closed. Ask "
-                    "for less at once (stream a command's output, read a file in parts) or "
-                    "retry when fewer large replies are in flight")
-            self.held += n
-            if client is not None:
-                self._clients[client] = theirs + n
-
-    def give(self, n: int, client: str | None = None) -> None:
-        with self._lock:
-            self.held -= n
-            if client is not None and n:
-                left = self._clients.get(client, 0) - n
-                if left > 0:
-                    self._clients[client] = left
-                else:
-                    self._clients.pop(client, None)
+        refused = self.take_or_refuse(n, client)
+        if refused is None:
+            return
+        if refused.bound == "client":
+            raise AgentError(
+                f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
+                f"({client}) other replies held {(refused.held - own) / MIB:.1f} MiB past "
+                f"theirs (at most {self.share / MIB:g} MiB, half of the "
+                f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
+                "connection closed. Read your answers as they come, ask for less at "
+                "once (stream a command's output, read a file in parts), or retry when "
+                "fewer of your large replies are in flight")
+        raise AgentError(
+            f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while the other "
+            f"replies being read in this process held {(refused.held - own) / MIB:.1f} MiB "
+            f"past theirs (at most {self.limit / MIB:g} MiB in all); it was dropped and "
+            "the connection closed. Ask for less at once (stream a command's output, read "
+            "a file in parts) or retry when fewer large replies are in flight")
 
 
 BUDGET = ReplyBudget(REPLY_BUDGET)

@@ -231,7 +231,7 @@ def test_one_client_holds_at_most_half_of_the_reply_budget() -> None:
     assert budget.held == 4 * MIB
     for hold in (slow, more, other):
         hold.release()
-    assert budget.held == 0 and not budget._clients
+    assert budget.held == 0 and not budget.by_client
 
 
 # -- an MCP cell through the daemon at a revoked token ------------------------------------
