@@ -269,6 +269,18 @@ def _records(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+def _tcp_daemon(log: Path) -> tuple[Any, tuple[str, int]]:
+    """A daemon's TCP listener (the token TOKEN) on a free port of 127.0.0.1: its uvicorn
+    config and its address."""
+    port = free_port()
+    token = app.Token(TOKEN.encode())
+    ctl_app = app.create_app(LocalBackend(Store.open()), AuditLog(log),
+                             app.ControllerMetrics(), token)
+    config = server.bounded_config(app.TokenWatch(ctl_app, token), server.BoundedProtocol,
+                                   host="127.0.0.1", port=port)
+    return config, ("127.0.0.1", port)
+
+
 def test_one_clients_flood_leaves_the_others_audit_records_written(
         place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused tokens and failed writes are audited within a budget a minute (past it, only
@@ -279,14 +291,8 @@ def test_one_clients_flood_leaves_the_others_audit_records_written(
     dropped names whose it was."""
     monkeypatch.setattr(app, "REFUSED_PER_MINUTE", 4)
     monkeypatch.setattr(app, "FAILED_PER_MINUTE", 4)
-    port = free_port()
-    token = app.Token(TOKEN.encode())
     log = tmp_path / "a.log"
-    ctl_app = app.create_app(LocalBackend(Store.open()), AuditLog(log),
-                             app.ControllerMetrics(), token)
-    config = server.bounded_config(app.TokenWatch(ctl_app, token), server.BoundedProtocol,
-                                   host="127.0.0.1", port=port)
-    where = ("127.0.0.1", port)
+    config, where = _tcp_daemon(log)
     with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as flood, \
             _client(where, "127.0.0.2") as other:
         for _ in range(10):
@@ -333,13 +339,7 @@ def test_one_client_holds_at_most_its_share_of_request_bodies(
     next upload is a 429 at once, its body not read, and the other clients keep theirs."""
     monkeypatch.setattr(app, "BODY_BUDGET", app.BodyBudget(4 * MIB))
     guest.answer = {}
-    port = free_port()
-    token = app.Token(TOKEN.encode())
-    ctl_app = app.create_app(LocalBackend(Store.open()), AuditLog(tmp_path / "a.log"),
-                             app.ControllerMetrics(), token)
-    config = server.bounded_config(app.TokenWatch(ctl_app, token), server.BoundedProtocol,
-                                   host="127.0.0.1", port=port)
-    where = ("127.0.0.1", port)
+    config, where = _tcp_daemon(tmp_path / "a.log")
     with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as mine, \
             _client(where, "127.0.0.2") as theirs:
         held = [_started_put(where, "127.0.0.1", MIB, 1000) for _ in range(2)]

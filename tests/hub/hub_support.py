@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from hub_server import ADMIN, TIMEOUT, HubServer, free_port, sha  # noqa: F401
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 RECHECK_S = 0.2  # ``quick_recheck``: how often a streaming request asks for its rights
@@ -267,3 +269,19 @@ class SlowBody:
                 time.sleep(self.gap)
             self.sent += 1
             yield part
+
+
+@contextmanager
+def statements() -> Iterator[list[str]]:
+    """The SQL every engine of this process runs meanwhile (the hub serves in a thread
+    of the test's process), each statement lower case, its whitespace collapsed."""
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        seen.append(" ".join(statement.lower().split()))
+
+    event.listen(Engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)

@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,31 +28,13 @@ import anyio
 import httpx
 import pytest
 from hub_server import HubServer
-from hub_support import ADMIN, OCI_MANIFEST, artifact, error_code, unique_name
-from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from hub_support import ADMIN, OCI_MANIFEST, artifact, error_code, statements, unique_name
 
 from forkd.hub import compaction
 from forkd.hub.compaction import Retention
 from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 from forkd.pack import mediatypes as mt
-
-
-@contextmanager
-def statements() -> Iterator[list[str]]:
-    """The SQL every engine of this process runs meanwhile (the hub serves in a thread
-    of the test's process)."""
-    seen: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        seen.append(statement)
-
-    event.listen(Engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(Engine, "before_cursor_execute", record)
 
 
 def _reads_every_name(statement: str) -> bool:

@@ -39,16 +39,12 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from hub_server import HubServer
-from hub_support import ADMIN, artifact, unique_name
-from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from hub_support import ADMIN, artifact, statements, unique_name
 
 from forkd.audit import AuditLog, BoundedAudit
 from forkd.hub.pulls import FLUSH_INTERVAL_S, READ_FLUSH_S
@@ -103,22 +99,6 @@ def test_one_client_cannot_spend_every_clients_audit_budget(tmp_path: Path) -> N
         assert any(e["ip"] == "10.9.0.2" and e["actor"] == "other-guess" for e in refused)
     finally:
         server.stop()
-
-
-@contextmanager
-def statements() -> Iterator[list[str]]:
-    """The SQL every engine of this process runs meanwhile (the hub serves in a thread
-    of the test's process)."""
-    seen: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        seen.append(" ".join(statement.lower().split()))
-
-    event.listen(Engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(Engine, "before_cursor_execute", record)
 
 
 def test_listings_between_pulls_do_not_each_write(hub: HubServer) -> None:
