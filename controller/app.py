@@ -449,13 +449,7 @@ def body_budget(app: ASGIApp) -> ASGIApp:
         client = REQUEST_CLIENT.get()
         refused = BODY_BUDGET.take(size, client)
         if refused is not None:
-            status, body = error_answer(refused)
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            if status == 429:
-                headers.append((b"retry-after", b"1"))
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body",
-                        "body": msgspec.json.encode(ErrorAnswer(error=body))})
+            await refuse_at_once(send, refused)
             return
         try:
             await app(scope, receive, send)
@@ -463,6 +457,71 @@ def body_budget(app: ASGIApp) -> ASGIApp:
             BODY_BUDGET.give(size, client)
 
     return budgeted
+
+
+# the threads the daemon's blocking handlers run in (anyio's default limiter, 40 unless
+# set: ``set_workers`` at start-up), and so the requests in flight at once: one client (as
+# REQUEST_CLIENT names it) at most half; without it one client's slow requests (compacts,
+# spawns, pool fills that wait, file transfers) took every worker and every other
+# client's kill or list waited behind them
+WORKERS = 64
+
+
+class RequestShares(Shares):
+    """Requests in flight, counted from their start until their answer is sent."""
+
+    def take(self, client: str | None) -> ForkdError | None:
+        refused = self.take_or_refuse(1, client)
+        if refused is None:
+            return None
+        if refused.bound == "client":
+            return TooManyRequests(
+                f"this client ({client}) has {refused.held} requests in flight: one client "
+                f"has at most {self.share} at once (half of the daemon's {self.total} "
+                "workers, app.WORKERS); wait for one of them to end")
+        return Busy(f"the daemon serves {self.total} requests at once (app.WORKERS) and "
+                    "all of them are in flight; try again shortly")
+
+
+REQUESTS = RequestShares(WORKERS)
+
+
+def set_workers() -> None:
+    """Give the daemon's blocking handlers WORKERS threads (at its start, in its loop)."""
+    anyio.to_thread.current_default_thread_limiter().total_tokens = WORKERS
+
+
+def request_share(app: ASGIApp) -> ASGIApp:
+    """Each HTTP request counts against REQUESTS from its start until its answer is sent;
+    one past its client's share is a 429 at once (TooManyRequests, Retry-After), past the
+    daemon's a 409 (Busy), its body unread."""
+
+    async def shared(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await app(scope, receive, send)
+            return
+        client = REQUEST_CLIENT.get()
+        refused = REQUESTS.take(client)
+        if refused is not None:
+            await refuse_at_once(send, refused)
+            return
+        try:
+            await app(scope, receive, send)
+        finally:
+            REQUESTS.give(1, client)
+
+    return shared
+
+
+async def refuse_at_once(send: Any, refused: ForkdError) -> None:
+    """Answer ``refused`` before the request's body is read, closing the connection."""
+    status, body = error_answer(refused)
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    if status == 429:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body",
+                "body": msgspec.json.encode(ErrorAnswer(error=body))})
 
 
 def caller_watch(app: ASGIApp) -> ASGIApp:
@@ -1229,7 +1288,8 @@ def create_app(
         request_max_body_size=MAX_JSON_BYTES,
         dependencies={"ctl": Provide(ctl_dep, sync_to_thread=False)},
         exception_handlers={Exception: error_response},
-        middleware=[body_budget, caller_watch],
+        middleware=[request_share, body_budget, caller_watch],
+        on_startup=[set_workers],
         openapi_config=OPENAPI,
         debug=False,
     )

@@ -444,3 +444,59 @@ def test_a_streamed_exec_is_audited_as_it_ended_not_ok_before_it_ran(
             wait_until("the command runs", lambda: len(guest.requests) == 3, 10)
         wait_until("the cut stream is recorded",
                    lambda: _stream_records(log)[-1] == ("cut", None), 10)
+
+
+# -- one client's share of the daemon's workers ------------------------------------------
+def _started_exec(where: tuple[str, int], source: str) -> socket.socket:
+    """A connection from ``source`` whose exec waits on a guest that never answers."""
+    body = json.dumps({"argv": ["sleep", "100"]}).encode()
+    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    conn.settimeout(20)
+    conn.bind((source, 0))
+    conn.connect(where)
+    conn.sendall(b"POST /v1/sandboxes/sb-1/exec HTTP/1.1\r\nHost: forkd\r\n"
+                 b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(body), body))
+    return conn
+
+
+def test_one_client_holds_at_most_half_of_the_daemons_workers(
+        tmp_path: Path, guest: FakeGuest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocking handlers run in a pool of threads (anyio's 40 by default): one client's
+    requests that wait (here execs on a guest that never answers; as well compacts,
+    spawns, pool fills) took every worker, and every other client's kill or list waited
+    behind them. Now one client has at most half of app.WORKERS in flight: its next is a
+    429 at once, and another client is served."""
+    monkeypatch.setattr(app, "REQUESTS", app.RequestShares(8))  # 4 for one client
+    config, where = _tcp_daemon(tmp_path / "a.log")
+    with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as mine, \
+            _client(where, "127.0.0.2") as theirs:
+        held = [_started_exec(where, "127.0.0.1") for _ in range(4)]
+        try:
+            wait_until("four execs wait on the guest", lambda: len(guest.requests) == 4, 10)
+            r = mine.get("/v1/sandboxes")
+            message = _error(r, 429)
+            assert r.headers["retry-after"] == "1"
+            assert "this client (127.0.0.1) has 4 requests in flight" in message, message
+            assert "at most 4 at once" in message and "app.WORKERS" in message, message
+            assert theirs.get("/v1/sandboxes").status_code == 200  # another client is served
+        finally:
+            for conn in held:
+                conn.close()
+        wait_until("the execs ended", lambda: app.REQUESTS.held == 0, 10)
+        assert app.REQUESTS.by_client == {}
+        assert mine.get("/v1/sandboxes").status_code == 200
+
+
+def test_the_daemons_workers_are_what_its_requests_are_bounded_by(
+        tmp_path: Path) -> None:
+    """The thread pool the handlers run in is WORKERS threads, set at start-up."""
+    import anyio
+
+    async def limiter_after_startup() -> float:
+        ctl_app = _daemon_app(tmp_path)
+        for hook in ctl_app.on_startup:
+            hook()
+        return anyio.to_thread.current_default_thread_limiter().total_tokens
+
+    assert anyio.run(limiter_after_startup) == app.WORKERS == app.REQUESTS.total
