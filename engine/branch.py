@@ -221,6 +221,23 @@ def _copy_stopped(q: QMP, info: ch.ChildInfo, devstate: Path, overlay_copy: Path
                    read_ms=(t_read - t_scan) * 1000, devstate_ms=(t_dev - t_read) * 1000)
 
 
+# seconds a failed branch waits for its child's QEMU to be gone before saying the failure
+# is its own: a kill's SIGKILL closes QEMU's sockets (the branch's QMP read fails at once)
+# before the process is a zombie, so a check at once found it alive and the branch said
+# "connection reset" for a child that a kill had ended
+ENDING_GRACE = 2.0
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) now or within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: bool = True,
            settings: precopy.PrecopySettings | None = None) -> BranchResult:
     """A diff layer `tag` from the running child: live (copy while it runs, pause for the
@@ -245,7 +262,7 @@ def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: 
                 else:
                     copied = _copy_stopped(q, info, devstate, overlay_copy)
         except (ForkdError, OSError) as e:
-            if pid_alive(info.pid):
+            if not _ends_within(info.pid, ENDING_GRACE):
                 raise
             # killed (a kill waits only so long for a branch) or crashed mid-copy: the
             # child's state is gone, whatever the failed step said about it
