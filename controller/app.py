@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -435,28 +435,42 @@ def _body_size(scope: Any) -> int:
     return most if b"transfer-encoding" in headers else 0
 
 
-def body_budget(app: ASGIApp) -> ASGIApp:
-    """A Litestar middleware (every route): a request's body counts against BODY_BUDGET from
-    its start until its answer is sent; one that would pass it is answered at once, its body
-    not read: 429 (TooManyRequests, Retry-After) past its client's share, 409 (Busy) past
-    the daemon's bound."""
+class Budget(Protocol):
+    """A Shares whose ``take`` says, as a ForkdError, which bound a request would pass."""
 
-    async def budgeted(scope: Any, receive: Any, send: Any) -> None:
-        size = _body_size(scope) if scope.get("type") == "http" else 0
-        if size == 0:
+    def take(self, n: int, client: str | None) -> ForkdError | None: ...
+
+    def give(self, n: int, client: str | None = None) -> None: ...
+
+
+def counted(app: ASGIApp, budget: Callable[[], Budget],
+            size: Callable[[Any], int]) -> ASGIApp:
+    """``app`` with each HTTP request counted against ``budget()`` (``size(scope)`` of it;
+    0: not counted) from its start until its answer is sent, for its client
+    (REQUEST_CLIENT); one that would pass it is answered at once, its body not read: 429
+    (TooManyRequests, Retry-After) past its client's share, 409 (Busy) past the bound."""
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        n = size(scope) if scope.get("type") == "http" else 0
+        if n == 0:
             await app(scope, receive, send)
             return
-        client = REQUEST_CLIENT.get()
-        refused = BODY_BUDGET.take(size, client)
+        client, shares = REQUEST_CLIENT.get(), budget()
+        refused = shares.take(n, client)
         if refused is not None:
             await refuse_at_once(send, refused)
             return
         try:
             await app(scope, receive, send)
         finally:
-            BODY_BUDGET.give(size, client)
+            shares.give(n, client)
 
-    return budgeted
+    return middleware
+
+
+def body_budget(app: ASGIApp) -> ASGIApp:
+    """A Litestar middleware (every route): a request's body counts against BODY_BUDGET."""
+    return counted(app, lambda: BODY_BUDGET, _body_size)
 
 
 # the threads the daemon's blocking handlers run in (anyio's default limiter, 40 unless
@@ -470,8 +484,8 @@ WORKERS = 64
 class RequestShares(Shares):
     """Requests in flight, counted from their start until their answer is sent."""
 
-    def take(self, client: str | None) -> ForkdError | None:
-        refused = self.take_or_refuse(1, client)
+    def take(self, n: int, client: str | None) -> ForkdError | None:
+        refused = self.take_or_refuse(n, client)
         if refused is None:
             return None
         if refused.bound == "client":
@@ -492,25 +506,8 @@ def set_workers() -> None:
 
 
 def request_share(app: ASGIApp) -> ASGIApp:
-    """Each HTTP request counts against REQUESTS from its start until its answer is sent;
-    one past its client's share is a 429 at once (TooManyRequests, Retry-After), past the
-    daemon's a 409 (Busy), its body unread."""
-
-    async def shared(scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http":
-            await app(scope, receive, send)
-            return
-        client = REQUEST_CLIENT.get()
-        refused = REQUESTS.take(client)
-        if refused is not None:
-            await refuse_at_once(send, refused)
-            return
-        try:
-            await app(scope, receive, send)
-        finally:
-            REQUESTS.give(1, client)
-
-    return shared
+    """A Litestar middleware (every route): each request counts one against REQUESTS."""
+    return counted(app, lambda: REQUESTS, lambda scope: 1)
 
 
 async def refuse_at_once(send: Any, refused: ForkdError) -> None:

@@ -317,17 +317,23 @@ def test_one_clients_flood_leaves_the_others_audit_records_written(
 
 
 # -- request bodies held at once ----------------------------------------------------------
-def _started_put(where: tuple[str, int], source: str, size: int, sent: int) -> socket.socket:
-    """A connection from ``source`` that sent a PUT of a ``size``-byte file and ``sent`` of
-    its bytes, and holds the rest."""
+def _started(where: tuple[str, int], source: str, request: bytes) -> socket.socket:
+    """A connection from ``source`` that sent ``request`` (head, and what of the body)."""
     conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     conn.settimeout(20)
     conn.bind((source, 0))
     conn.connect(where)
-    conn.sendall(b"PUT /v1/sandboxes/sb-1/files?path=/tmp/f HTTP/1.1\r\nHost: forkd\r\n"
-                 b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
-                 % (TOKEN.encode(), size) + b"x" * sent)
+    conn.sendall(request)
     return conn
+
+
+def _started_put(where: tuple[str, int], source: str, size: int, sent: int) -> socket.socket:
+    """A connection from ``source`` that sent a PUT of a ``size``-byte file and ``sent`` of
+    its bytes, and holds the rest."""
+    return _started(where, source,
+                    b"PUT /v1/sandboxes/sb-1/files?path=/tmp/f HTTP/1.1\r\nHost: forkd\r\n"
+                    b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+                    % (TOKEN.encode(), size) + b"x" * sent)
 
 
 def test_one_client_holds_at_most_its_share_of_request_bodies(
@@ -450,14 +456,10 @@ def test_a_streamed_exec_is_audited_as_it_ended_not_ok_before_it_ran(
 def _started_exec(where: tuple[str, int], source: str) -> socket.socket:
     """A connection from ``source`` whose exec waits on a guest that never answers."""
     body = json.dumps({"argv": ["sleep", "100"]}).encode()
-    conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    conn.settimeout(20)
-    conn.bind((source, 0))
-    conn.connect(where)
-    conn.sendall(b"POST /v1/sandboxes/sb-1/exec HTTP/1.1\r\nHost: forkd\r\n"
-                 b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(body), body))
-    return conn
+    return _started(where, source,
+                    b"POST /v1/sandboxes/sb-1/exec HTTP/1.1\r\nHost: forkd\r\n"
+                    b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(body), body))
 
 
 def test_one_client_holds_at_most_half_of_the_daemons_workers(
