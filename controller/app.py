@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 import forkd
-from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit, shortened
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
 from forkd.bodies import explained
 from forkd.controller import api
 from forkd.controller.api import (
@@ -96,7 +96,7 @@ from forkd.errors import (
     NotFound,
 )
 from forkd.jsondoc import check_body
-from forkd.names import inert
+from forkd.names import inert, shortened
 from forkd.shares import Shares
 
 STATUS: list[tuple[type[ForkdError], int]] = [

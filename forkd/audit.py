@@ -10,6 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from forkd.names import shortened
+
 
 class Account(Protocol):
     """An actor that is an account: its name, and its id (never reused), or None when
@@ -66,16 +68,6 @@ class AuditLog:
 
 
 MAX_TARGET = 300  # characters of a caller-given target kept in a record
-
-
-def shortened(text: str, chars: int) -> str:
-    """``text`` when it has at most ``chars`` characters, else its start followed by how
-    much was left out (``…(N more)``), at most ``chars`` characters in all: a record of
-    what a caller chose is bounded, and a reader sees that it was cut."""
-    if len(text) <= chars:
-        return text
-    keep = chars - len(f"…({len(text)} more)")
-    return f"{text[:max(keep, 0)]}…({len(text) - max(keep, 0)} more)"
 
 
 SUPPRESSED_CLIENTS = 16  # clients a ``suppressed`` record names with their counts, at most

@@ -49,6 +49,12 @@ def matches(pattern: re.Pattern[str], text: object) -> bool:
 SHOWN_CHARS = 80  # characters of an untrusted value quoted in a message
 
 
+def cut_note(kept: int, total: int) -> str:
+    """What a cut text says of itself: how much of it is kept. The one format of every
+    cut untrusted text (an error's quoted value, an audit record's target)."""
+    return f"(its first {kept} of {total} characters)"
+
+
 def shown(text: object, chars: int = SHOWN_CHARS) -> str:
     """An untrusted value, quoted for an error message, shortened to ``chars`` characters
     and then saying so: a cut value quoted as if whole (an id of 300 characters shown as
@@ -56,14 +62,24 @@ def shown(text: object, chars: int = SHOWN_CHARS) -> str:
     value = str(text)
     if len(value) <= chars:
         return repr(value)
-    return f"{value[:chars]!r} (its first {chars} of {len(value)} characters)"
+    return f"{value[:chars]!r} {cut_note(chars, len(value))}"
 
 
 def clipped(text: str, chars: int = SHOWN_CHARS) -> str:
     """``text`` unquoted (a field's name in a message), cut as ``shown`` cuts and saying so."""
     if len(text) <= chars:
         return text
-    return f"{text[:chars]}… (its first {chars} of {len(text)} characters)"
+    return f"{text[:chars]}… {cut_note(chars, len(text))}"
+
+
+def shortened(text: str, chars: int) -> str:
+    """``text`` cut as ``clipped`` cuts, but at most ``chars`` characters in all, saying
+    included: a record of what a caller chose (an audit target) keeps a hard bound, and
+    its reader still sees that it was cut and how long it was."""
+    if len(text) <= chars:
+        return text
+    keep = max(chars - len(f"… {cut_note(chars, len(text))}"), 0)
+    return f"{text[:keep]}… {cut_note(keep, len(text))}"
 
 
 def validate_name(name: str) -> str:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from forkd import audit as audit_module
-from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit, shortened
+from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
+from forkd.names import cut_note, shortened
 
 
 def _lines(path: Path) -> list[dict[str, object]]:
@@ -35,7 +36,7 @@ def test_past_the_budget_records_are_counted_then_reported(
     # a cut target says how much was left out, within the same bound
     target = str(entries[0]["target"])
     kept = target.index("…")
-    assert target == ("/x" * 400)[:kept] + f"…({800 - kept} more)"
+    assert target == ("/x" * 400)[:kept] + "… " + cut_note(kept, 800)
     assert all(e["where"] == "tcp" for e in entries)
 
 
@@ -45,4 +46,5 @@ def test_a_shortened_text_keeps_its_bound_and_says_what_was_cut() -> None:
         text = shortened("z" * size, 300)
         assert len(text) <= 300, size
         kept = text.index("…")
-        assert text == "z" * kept + f"…({size - kept} more)"
+        assert text == "z" * kept + "… " + cut_note(kept, size)
+        assert text.endswith(f"(its first {kept} of {size} characters)")
