@@ -62,8 +62,9 @@ def setup(yes: bool) -> None:
     "--wait",
     "wait_bundles",
     is_flag=True,
-    help="Build and publish the bundled packs before returning (default: in the background "
-    "when some need a build; a later run waits for them).",
+    help="Build and publish the bundled packs before returning, waiting first for a "
+    "background job an earlier run started (default: in the background when some need a "
+    "build; a later run returns without waiting for that job).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def quickstart(
@@ -106,7 +107,7 @@ def quickstart(
     if report.bundles_log:
         click.echo(
             "bundled packs (deeplethe/…): being built and published in the background; "
-            f"follow {report.bundles_log}, or run `forkd quickstart` again to wait for them"
+            f"follow {report.bundles_log}, or run `forkd quickstart --wait` to wait for them"
         )
     for b in report.bundled:
         what = "built" if b.built else "cached"

@@ -52,6 +52,11 @@ def start(root: Path, paths: list[Path], repositories: list[str]) -> Path:
     return log
 
 
+def log_path(root: Path) -> Path:
+    """The job's log."""
+    return root / LOG
+
+
 def status(root: Path) -> dict[str, Any] | None:
     """The job's state (None: none ever ran here); a job that died running is failed."""
     try:
@@ -104,7 +109,7 @@ def pending_hint(root: Path, repository: str) -> str | None:
     if repository in done:
         return None
     return (f"{repository} is still being built by `forkd quickstart` in the background "
-            f"(log {root / LOG}); run `forkd quickstart` again to wait for it, then pull")
+            f"(log {root / LOG}); run `forkd quickstart --wait` to wait for it, then pull")
 
 
 def main(paths: list[str]) -> int:

@@ -405,11 +405,20 @@ def bundles(
 ) -> tuple[list[BundledReport], str]:
     """The bundled packs: published here when none needs a build (seconds) or ``wait``,
     else by a background job (controller/bundles_job.py) whose log is returned. A job an
-    earlier run started is waited for first, so one recipe is never built twice at once."""
+    earlier run started is left to finish (its log is returned: a second run takes
+    seconds however long the bundled builds take), or with ``wait`` waited for first; either
+    way one recipe is never built twice at once."""
     from forkd.controller import bundles_job
     from forkd.engine import recipe as recipes
     from forkd.engine.build import cached_snapshot
 
+    running = bundles_job.status(root)
+    if not wait and running is not None and running["state"] == "running":
+        log = bundles_job.log_path(root)
+        say(f"bundled packs: the background job of an earlier run (pid {running['pid']}) is "
+            f"still building and publishing them (log {log}); `forkd quickstart --wait` "
+            "waits for it")
+        return [], str(log)
     bundles_job.wait(root, say)
     loaded = [recipes.load(p) for p in paths]
     to_build = [r.name for r in loaded if cached_snapshot(store, r) is None]
@@ -418,7 +427,7 @@ def bundles(
     log = bundles_job.start(root, paths, [f"{BUNDLED_NAMESPACE}/{r.name}" for r in loaded])
     say(
         f"bundled packs: {', '.join(to_build)} to build; publishing all {len(paths)} in the "
-        f"background (log {log}); `forkd quickstart` again waits for them"
+        f"background (log {log}); `forkd quickstart --wait` waits for them"
     )
     return [], str(log)
 
@@ -489,7 +498,8 @@ def run(
             t0 = time.perf_counter()
             if cached_snapshot(store, recipe) is None:
                 image.build_guest(recipe, _prefixed(say, "  "))  # kernel, initramfs, rootfs
-            prefetch = GuestPrefetch.start(store, bundle_paths, say)
+                # while the base boots and compresses (a cached base has nothing to overlap)
+                prefetch = GuestPrefetch.start(store, bundle_paths, say)
             res = build(store, recipe, tag, progress=lambda m: say(f"  {m}"))
             built = not res.cached
             say(

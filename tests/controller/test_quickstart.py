@@ -92,8 +92,8 @@ def _pull_and_fork(env: dict[str, str], tmp_path: Path, repository: str, digest:
         _forkd(fresh, "kill", "--all")
 
 
-def _quickstart(env: dict[str, str], bundle: Path = REPO / "recipes" / "tiny.toml"
-                ) -> dict[str, object]:
+def _quickstart(env: dict[str, str], bundle: Path = REPO / "recipes" / "tiny.toml",
+                *more: str, timeout: float = 3000) -> dict[str, object]:
     proc = subprocess.run(
         [
             "forkd",
@@ -108,12 +108,13 @@ def _quickstart(env: dict[str, str], bundle: Path = REPO / "recipes" / "tiny.tom
             "--bundle",
             str(bundle),
             "--json",
+            *more,
         ],
         env=env,
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
-        timeout=3000,  # the first run builds tiny: minutes on a loaded host
+        timeout=timeout,  # the first run builds tiny: minutes on a loaded host
     )
     assert proc.returncode == 0, proc.stderr
     report: dict[str, object] = json.loads(proc.stdout)
@@ -173,7 +174,9 @@ def test_quickstart_twice(tmp_path: Path):
 def test_background_bundles(tmp_path: Path):
     """The main job returns once its forks answered; a bundled pack that still needs a
     build is published by a background job. Pulling it meanwhile says so; the next
-    quickstart waits for the job, and then the pack pulls and forks."""
+    quickstart leaves the job running and returns (a second run takes seconds, however
+    long the bundled builds take); `--wait` waits for the job, and then the pack pulls
+    and forks."""
     if os.geteuid() != 0:
         pytest.skip("quickstart forks VMs: needs root")
     variant = tmp_path / "tiny-later.toml"  # a recipe no cache holds: it needs a build
@@ -199,10 +202,23 @@ def test_background_bundles(tmp_path: Path):
                                stdin=subprocess.DEVNULL, timeout=120)
         assert early.returncode != 0
         assert "still being built by `forkd quickstart` in the background" in early.stderr
+        assert "`forkd quickstart --wait`" in early.stderr
 
-        second = _quickstart(env, variant)  # waits for the job, then finds it all published
-        assert second["bundles_log"] == ""
-        [again] = second["bundled"]  # type: ignore[misc]
+        # the job stopped (alive, still running) for the whole second run: a second run
+        # that waited for it would never return
+        job_pid = int(json.loads(job.read_text())["pid"])
+        os.killpg(job_pid, signal.SIGSTOP)
+        try:
+            second = _quickstart(env, variant, timeout=600)
+        finally:
+            os.killpg(job_pid, signal.SIGCONT)
+        assert len(second["children"]) == 3  # type: ignore[arg-type]
+        assert second["bundled"] == [] and second["bundles_log"] == first["bundles_log"]
+        assert json.loads(job.read_text())["state"] == "running"  # left to finish
+
+        third = _quickstart(env, variant, "--wait")  # waits for the job: all published
+        assert third["bundles_log"] == ""
+        [again] = third["bundled"]  # type: ignore[misc]
         assert again["repository"] == "deeplethe/tiny-later" and again["built"] is False
         assert again["pushed"] is False  # the background job pushed it
         done = json.loads(job.read_text())
