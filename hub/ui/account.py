@@ -209,7 +209,9 @@ class AccountController(Controller):
         cookie, row = ui.sessions.issue(principal)
         async with hub.db.transaction() as session:
             await session.run_sync(_open_session, row)
-        hub.audit.record(principal, client_ip(request), "ui.signin", "-", "ok")
+        # Bounded per account (Hub.provoked): a sign-in answers from the credential cache,
+        # and one form serves any number of them, so an account signs in at will.
+        hub.provoked.record(principal, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
         _set_cookie(
             response,
@@ -239,7 +241,7 @@ class AccountController(Controller):
             # Ended on the server: a copy of the cookie opens nothing from now on.
             async with hub.db.transaction() as session:
                 await session.execute(delete(UiSession).where(UiSession.id_hash == claims.id_hash))
-            hub.audit.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
+            hub.provoked.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
         response: Response[Any] = Redirect("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response

@@ -1,0 +1,74 @@
+"""Hostile review 16: what an insider could still do at will, or to someone else.
+
+- A UI sign-in is a credential handed out, as a registry token is: an account with its
+  password (or an API token) signed in over and over, reusing one sign-in form (its
+  login cookie lives 30 minutes), and every sign-in and sign-out was an audit record
+  that no budget bounded: one account filled the disk with ``ui.signin`` lines. Now
+  sign-ins and sign-outs are counted with the account's registry tokens
+  (``Hub.provoked``, the ``(grants)`` kind: ``audit_provoked_per_minute`` a minute per
+  account), and past that counted in one ``audit.suppressed`` record.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+from hub_server import HubServer
+from hub_support import unique_name
+
+PER_MINUTE = 40
+
+
+def audit_lines(server: HubServer) -> list[dict[str, Any]]:
+    path = server.data_dir / "audit.log"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _signin_form(c: httpx.Client) -> tuple[str, str]:
+    """(the login cookie, the form's login_csrf) of one sign-in page."""
+    page = c.get("/-/signin")
+    found = re.search(r'name="login_csrf" value="([^"]*)"', page.text)
+    assert found
+    return page.cookies["forkd_login"], found.group(1)
+
+
+def test_signing_in_at_will_is_bounded_in_the_audit_log(tmp_path: Path) -> None:
+    """Before: 3 x ``PER_MINUTE`` sign-ins and sign-outs of one account with one sign-in
+    form were 6 x ``PER_MINUTE`` audit records. Now at most ``PER_MINUTE`` of them a
+    minute, the rest counted in ``audit.suppressed``; another account's sign-in in the
+    same minute is still recorded."""
+    server = HubServer(tmp_path / "hub", {"audit_provoked_per_minute": PER_MINUTE}).start()
+    try:
+        name, password = server.add_user(unique_name("looper"))
+        other = server.add_user(unique_name("other"))
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            nonce, login_csrf = _signin_form(c)
+        form = {"login_csrf": login_csrf, "username": name, "password": password}
+        for _ in range(3 * PER_MINUTE):
+            # A client of its own each time, the same login cookie and form each time.
+            with httpx.Client(base_url=server.url, timeout=30) as c:
+                c.cookies.set("forkd_login", nonce)
+                r = c.post("/-/signin", data=form)
+                assert r.status_code == 303
+                page = c.get(f"/{name}").text
+                csrf = re.search(r'name="csrf" value="([^"]*)"', page)
+                assert csrf
+                assert c.post("/-/signout", data={"csrf": csrf.group(1)}).status_code == 303
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            nonce, login_csrf = _signin_form(c)
+            c.cookies.set("forkd_login", nonce)
+            r = c.post(
+                "/-/signin",
+                data={"login_csrf": login_csrf, "username": other[0], "password": other[1]},
+            )
+            assert r.status_code == 303
+        lines = audit_lines(server)
+        mine = [e for e in lines if e["actor"] == name and e["action"].startswith("ui.")]
+        assert len(mine) <= PER_MINUTE
+        assert [e for e in lines if e["actor"] == other[0] and e["action"] == "ui.signin"]
+    finally:
+        server.stop()
