@@ -585,11 +585,12 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
     return await create_user(session, name, None, robot=True)
 
 
-async def create_org(session: AsyncSession, name: str) -> Namespace:
+async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
+    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``)."""
     validate_namespace(name)
     if await get_namespace(session, name) is not None:
         raise Conflict(f"namespace {shown(name)} already exists")
-    ns = Namespace(name=name, kind="org")
+    ns = Namespace(name=name, kind="org", created_by=creator.id if creator else None)
     session.add(ns)
     await session.flush()
     return ns

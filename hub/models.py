@@ -76,6 +76,10 @@ class Namespace(Base):
     quota_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # The running total of that usage while there is a quota (hub/quotas.py); else None.
     used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The user who created an organisation (by id, never reused): what the bound on the
+    # organisations one user creates counts (migration 0012); None for a user's own
+    # namespace, one a site admin's push made, or one created before the migration.
+    created_by: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class Membership(Base):

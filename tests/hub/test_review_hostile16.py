@@ -72,3 +72,50 @@ def test_signing_in_at_will_is_bounded_in_the_audit_log(tmp_path: Path) -> None:
         assert [e for e in lines if e["actor"] == other[0] and e["action"] == "ui.signin"]
     finally:
         server.stop()
+
+
+def test_organisations_one_account_creates_stay_bounded_when_handed_over(
+    hub: HubServer,
+) -> None:
+    """Before: the bound counted the organisations the creator was the direct admin of
+    at the time. Creating one, making another account its admin (any user, or a robot
+    the creator just made in it through the robot form) and leaving it gave the place
+    back, so one account made namespaces without end (and a robot with each). Now the
+    bound counts the organisations the account created: handing one over frees no
+    place, 409 past ``MAX_ORGS_PER_USER``."""
+    from forkd.hub.accounts import MAX_ORGS_PER_USER
+
+    founder = hub.add_user(unique_name("handover"))
+    heir = hub.add_user(unique_name("heir"))
+    answers = []
+    with hub.client(founder) as c:
+        for i in range(MAX_ORGS_PER_USER + 3):
+            org = unique_name(f"handed{i}-")
+            r = c.post("/api/v1/orgs", json={"name": org})
+            answers.append(r.status_code)
+            if r.status_code != 201:
+                continue
+            r = c.put(f"/api/v1/orgs/{org}/members/{heir[0]}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+            assert c.delete(f"/api/v1/orgs/{org}/members/{founder[0]}").status_code == 204
+    assert answers == [201] * MAX_ORGS_PER_USER + [409] * 3, answers
+
+
+def test_being_made_an_admin_does_not_spend_ones_own_places(hub: HubServer) -> None:
+    """Before: an org admin could add anyone as a direct admin of their organisations,
+    no consent asked, and so use up that account's places: a user made the admin of 20
+    organisations by someone else could create none. Now only the organisations one
+    created count against one's bound."""
+    from forkd.hub.accounts import MAX_ORGS_PER_USER
+
+    griefer = hub.add_user(unique_name("griefer"))
+    victim = hub.add_user(unique_name("victim"))
+    with hub.client(griefer) as c:
+        for i in range(MAX_ORGS_PER_USER):
+            org = unique_name(f"grief{i}-")
+            assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+            r = c.put(f"/api/v1/orgs/{org}/members/{victim[0]}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+    with hub.client(victim) as c:
+        r = c.post("/api/v1/orgs", json={"name": unique_name("mine")})
+        assert r.status_code == 201, r.text
