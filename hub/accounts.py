@@ -24,7 +24,7 @@ import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 from litestar.exceptions import NotAuthorizedException
-from sqlalchemy import bindparam, delete, func, select, text
+from sqlalchemy import bindparam, delete, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -564,25 +564,30 @@ async def create_user(
 
 async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> User:
     """A new robot account ``name`` for ``namespace``'s admins (who then make it a member);
-    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robot members already.
-    Counted with the namespace's row held (PostgreSQL; SQLite's writers are serial), so
-    creations racing for the last place take turns."""
+    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robots already: robot
+    members, and the robots made for it (``User.robot_for``) whether still members or
+    not (a robot removed from the namespace stays an account and a name no one else can
+    take, so removing one gives no place back). Counted with the namespace's row held
+    (PostgreSQL; SQLite's writers are serial), so creations racing for the last place
+    take turns."""
     ns = await get_namespace(session, namespace)
     if ns is None:
         raise InvalidInput(f"no such namespace {shown(namespace)}")
     await session.execute(select(Namespace.id).where(Namespace.id == ns.id).with_for_update())
+    members = select(Membership.user_id).where(Membership.namespace_id == ns.id)
     held = await session.scalar(
         select(func.count())
-        .select_from(Membership)
-        .join(User, User.id == Membership.user_id)
-        .where(Membership.namespace_id == ns.id, User.is_robot.is_(True))
+        .select_from(User)
+        .where(User.is_robot.is_(True), or_(User.robot_for == ns.id, User.id.in_(members)))
     )
     if (held or 0) >= MAX_ROBOTS_PER_NAMESPACE:
         raise Conflict(
             f"{shown(namespace)} has {held} robots, the limit is {MAX_ROBOTS_PER_NAMESPACE}: "
             "mint another token for one of them, or ask a site admin to remove some"
         )
-    return await create_user(session, name, None, robot=True)
+    robot = await create_user(session, name, None, robot=True)
+    robot.robot_for = ns.id
+    return robot
 
 
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:

@@ -60,6 +60,9 @@ class User(Base):
     # a new one at every password change (accounts.set_password).
     stamp: Mapped[str] = mapped_column(String(32), default=new_stamp)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The namespace (by id) whose admins made this robot in the UI's robot form: what
+    # the bound on the robots a namespace makes counts, members or not (migration 0012).
+    robot_for: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class Namespace(Base):

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hub_server import HubServer
-from hub_support import unique_name
+from hub_support import ADMIN, browser, csrf_of, org_with_pusher, unique_name
+
+from forkd.hub import accounts
 
 PER_MINUTE = 40
 
@@ -119,3 +122,31 @@ def test_being_made_an_admin_does_not_spend_ones_own_places(hub: HubServer) -> N
     with hub.client(victim) as c:
         r = c.post("/api/v1/orgs", json={"name": unique_name("mine")})
         assert r.status_code == 201, r.text
+
+
+def test_robots_an_organisation_makes_stay_bounded_when_removed(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the bound on the robots an organisation's admins make counted its robot
+    members at the time. Making one in the robot form, then removing it from the
+    organisation in the member form, gave the place back, and the robot stayed: an
+    account and a name no one else can take, without end. Now the robots made for an
+    organisation count whether or not they are still members (2 here)."""
+    monkeypatch.setattr(accounts, "MAX_ROBOTS_PER_NAMESPACE", 2)
+    org, alice, _bob = org_with_pusher(hub)
+    robots = [unique_name("gone") for _ in range(4)]
+    answers = []
+    with browser(hub, *alice) as b:
+        for robot in robots:
+            csrf = csrf_of(b.get("/-/settings/tokens").text)
+            data = {"csrf": csrf, "namespace": org, "robot": robot, "role": "pull"}
+            r = b.post("/-/settings/robots", data=data)
+            answers.append(r.status_code)
+            if r.status_code != 303:
+                continue
+            data = {"csrf": csrf, "username": robot, "role": "remove"}
+            assert b.post(f"/-/members/{org}", data=data).status_code == 303
+    assert answers == [303, 303, 400, 400], answers
+    with hub.client(ADMIN) as c:
+        users = c.get("/api/v1/users").text
+    assert robots[1] in users and robots[2] not in users and robots[3] not in users
