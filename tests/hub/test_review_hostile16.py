@@ -7,19 +7,30 @@
   sign-ins and sign-outs are counted with the account's registry tokens
   (``Hub.provoked``, the ``(grants)`` kind: ``audit_provoked_per_minute`` a minute per
   account), and past that counted in one ``audit.suppressed`` record.
+- Bounds that counted what their counter could take back: the organisations a user
+  created counted only while they administered them (create, make another admin, leave:
+  the place came back), and the robots an organisation made only while members (make,
+  remove: the place came back, the robot stayed). Now both count what was made
+  (``namespaces.created_by``, ``users.robot_for``, migration 0012); and being made the
+  admin of someone else's organisations no longer spends one's own places.
+- A pack page rendered its README on the event loop at every view: Markdown that is
+  slow to parse stalled the whole hub per anonymous view. Now rendered in a worker
+  thread, once per text.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from hub_server import HubServer
-from hub_support import ADMIN, browser, csrf_of, org_with_pusher, unique_name
+from hub_support import ADMIN, artifact, browser, csrf_of, org_with_pusher, unique_name
 
 from forkd.hub import accounts
 
@@ -150,3 +161,46 @@ def test_robots_an_organisation_makes_stay_bounded_when_removed(
     with hub.client(ADMIN) as c:
         users = c.get("/api/v1/users").text
     assert robots[1] in users and robots[2] not in users and robots[3] not in users
+
+
+def test_a_readme_that_is_slow_to_render_neither_stalls_the_hub_nor_renders_per_view(
+    hub: HubServer,
+) -> None:
+    """Before: a pack page rendered its README (Markdown, up to 256 KiB) on the event
+    loop, at every view, uncached. Some Markdown costs the parser time that grows faster
+    than its length (100,000 ``[`` took seconds; 256 KiB of them 8 s): any pusher set
+    such a README on a public pack, and every anonymous view of the page stalled the
+    whole hub, every other request waiting. Now the README is rendered in a worker
+    thread, once per text (a bounded cache by its hash), so the hub answers meanwhile
+    and later views cost nothing."""
+    who = hub.add_user(unique_name("slowmd"))
+    repo = f"{who[0]}/readme"
+    with hub.client(who) as c:
+        artifact(c, repo, b"a layer", tag="v1")
+        r = c.put(f"/api/v1/readme/{repo}", json={"readme": "[" * 100_000})
+        assert r.status_code in (200, 201), r.text
+    hub.public(repo)
+    answers: list[int] = []
+
+    def view() -> None:
+        with hub.client() as c:
+            answers.append(c.get(f"/{repo}").status_code)
+
+    viewer = threading.Thread(target=view)
+    started = time.monotonic()
+    viewer.start()
+    time.sleep(0.3)
+    with hub.client() as c:
+        asked = time.monotonic()
+        assert c.get("/healthz").status_code == 200
+        waited = time.monotonic() - asked
+    viewer.join()
+    first = time.monotonic() - started
+    assert waited < min(1.0, first / 2), (waited, first)
+    with hub.client() as c:
+        again = time.monotonic()
+        page = c.get(f"/{repo}")
+        assert page.status_code == 200
+        assert time.monotonic() - again < 1.0
+        assert "[[[[" in page.text
+    assert answers == [200]
