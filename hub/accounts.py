@@ -122,10 +122,12 @@ def hash_token(secret: str) -> str:
 
 
 # What one account may make (rows it alone decides to add; each is read by the requests
-# and pages that list them): API tokens of one user or robot, organisations one user is
-# the direct admin of (site admins: no limit), teams of one organisation.
+# and pages that list them): API tokens of one user or robot, organisations one user
+# creates (site admins: no limit), teams of one organisation.
 MAX_TOKENS_PER_USER = 100
 MAX_ORGS_PER_USER = 20
+# Characters of an API token's name (its column): longer is refused, never cut.
+TOKEN_NAME_MAX = 64
 MAX_TEAMS_PER_ORG = 100
 # Robot accounts a namespace's admins make (the UI's robot form: any organisation admin,
 # and any signed-in user makes organisations): each is a user row and a name no one
@@ -637,6 +639,10 @@ async def create_token(
         user = found
     else:
         user = username
+    if len(name) > TOKEN_NAME_MAX:
+        raise InvalidInput(
+            f"a token's name is at most {TOKEN_NAME_MAX} characters, not {len(name)}"
+        )
     parsed = parse_scopes(scopes)
     # The user's row held (PostgreSQL) while counting: concurrent creations take turns.
     await session.execute(select(User.id).where(User.id == user.id).with_for_update())
@@ -652,7 +658,7 @@ async def create_token(
     session.add(
         ApiToken(
             user_id=user.id,
-            name=name[:64] or "token",
+            name=name or "token",
             token_hash=hash_token(secret),
             scopes=" ".join(f"{ns}:{role}" for ns, role in sorted(parsed.items())),
             expires_at=utcnow() + expires_in if expires_in else None,

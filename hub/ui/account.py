@@ -389,7 +389,11 @@ class AccountController(Controller):
                     )
                 await accounts.set_member(session, ns_name, user, role)
                 secret = await accounts.create_token(
-                    session, user, f"{ns_name}-{role}", f"{ns_name}:{role}"
+                    # A label the hub makes (a namespace name has up to 255 characters).
+                    session,
+                    user,
+                    f"{ns_name}-{role}"[-accounts.TOKEN_NAME_MAX :],
+                    f"{ns_name}:{role}",
                 )
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)

@@ -16,6 +16,8 @@
 - A pack page rendered its README on the event loop at every view: Markdown that is
   slow to parse stalled the whole hub per anonymous view. Now rendered in a worker
   thread, once per text.
+- ``POST /api/v1/tokens`` stored a token name of any length cut to 64 characters: now
+  400, as the UI's form refuses a field past its limit.
 """
 
 from __future__ import annotations
@@ -204,3 +206,19 @@ def test_a_readme_that_is_slow_to_render_neither_stalls_the_hub_nor_renders_per_
         assert time.monotonic() - again < 1.0
         assert "[[[[" in page.text
     assert answers == [200]
+
+
+def test_a_token_name_past_its_column_is_refused_not_cut(hub: HubServer) -> None:
+    """Before: ``POST /api/v1/tokens`` stored a name of any length cut to its first 64
+    characters without a word (two names differing past there became one; the list and
+    the audit log showed another name than the one sent), where the UI's form has
+    refused such a field since review 15. Now 400 naming the field, nothing made."""
+    who = hub.add_user(unique_name("longname"))
+    with hub.client(who) as c:
+        r = c.post("/api/v1/tokens", json={"name": "n" * 65, "scopes": [f"{who[0]}:pull"]})
+        assert r.status_code == 400, r.text
+        assert "name" in r.text
+        assert c.get("/api/v1/tokens").json() == []
+        r = c.post("/api/v1/tokens", json={"name": "n" * 64, "scopes": [f"{who[0]}:pull"]})
+        assert r.status_code == 201, r.text
+        assert r.json()["name"] == "n" * 64
