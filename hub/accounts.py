@@ -24,7 +24,7 @@ import anyio
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 from litestar.exceptions import NotAuthorizedException
-from sqlalchemy import bindparam, delete, func, select, text
+from sqlalchemy import bindparam, delete, func, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -122,10 +122,12 @@ def hash_token(secret: str) -> str:
 
 
 # What one account may make (rows it alone decides to add; each is read by the requests
-# and pages that list them): API tokens of one user or robot, organisations one user is
-# the direct admin of (site admins: no limit), teams of one organisation.
+# and pages that list them): API tokens of one user or robot, organisations one user
+# creates (site admins: no limit), teams of one organisation.
 MAX_TOKENS_PER_USER = 100
 MAX_ORGS_PER_USER = 20
+# Characters of an API token's name (its column): longer is refused, never cut.
+TOKEN_NAME_MAX = 64
 MAX_TEAMS_PER_ORG = 100
 # Robot accounts a namespace's admins make (the UI's robot form: any organisation admin,
 # and any signed-in user makes organisations): each is a user row and a name no one
@@ -564,32 +566,38 @@ async def create_user(
 
 async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> User:
     """A new robot account ``name`` for ``namespace``'s admins (who then make it a member);
-    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robot members already.
-    Counted with the namespace's row held (PostgreSQL; SQLite's writers are serial), so
-    creations racing for the last place take turns."""
+    Conflict when ``namespace`` has ``MAX_ROBOTS_PER_NAMESPACE`` robots already: robot
+    members, and the robots made for it (``User.robot_for``) whether still members or
+    not (a robot removed from the namespace stays an account and a name no one else can
+    take, so removing one gives no place back). Counted with the namespace's row held
+    (PostgreSQL; SQLite's writers are serial), so creations racing for the last place
+    take turns."""
     ns = await get_namespace(session, namespace)
     if ns is None:
         raise InvalidInput(f"no such namespace {shown(namespace)}")
     await session.execute(select(Namespace.id).where(Namespace.id == ns.id).with_for_update())
+    members = select(Membership.user_id).where(Membership.namespace_id == ns.id)
     held = await session.scalar(
         select(func.count())
-        .select_from(Membership)
-        .join(User, User.id == Membership.user_id)
-        .where(Membership.namespace_id == ns.id, User.is_robot.is_(True))
+        .select_from(User)
+        .where(User.is_robot.is_(True), or_(User.robot_for == ns.id, User.id.in_(members)))
     )
     if (held or 0) >= MAX_ROBOTS_PER_NAMESPACE:
         raise Conflict(
             f"{shown(namespace)} has {held} robots, the limit is {MAX_ROBOTS_PER_NAMESPACE}: "
             "mint another token for one of them, or ask a site admin to remove some"
         )
-    return await create_user(session, name, None, robot=True)
+    robot = await create_user(session, name, None, robot=True)
+    robot.robot_for = ns.id
+    return robot
 
 
-async def create_org(session: AsyncSession, name: str) -> Namespace:
+async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
+    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``)."""
     validate_namespace(name)
     if await get_namespace(session, name) is not None:
         raise Conflict(f"namespace {shown(name)} already exists")
-    ns = Namespace(name=name, kind="org")
+    ns = Namespace(name=name, kind="org", created_by=creator.id if creator else None)
     session.add(ns)
     await session.flush()
     return ns
@@ -631,6 +639,10 @@ async def create_token(
         user = found
     else:
         user = username
+    if len(name) > TOKEN_NAME_MAX:
+        raise InvalidInput(
+            f"a token's name is at most {TOKEN_NAME_MAX} characters, not {len(name)}"
+        )
     parsed = parse_scopes(scopes)
     # The user's row held (PostgreSQL) while counting: concurrent creations take turns.
     await session.execute(select(User.id).where(User.id == user.id).with_for_update())
@@ -646,7 +658,7 @@ async def create_token(
     session.add(
         ApiToken(
             user_id=user.id,
-            name=name[:64] or "token",
+            name=name or "token",
             token_hash=hash_token(secret),
             scopes=" ".join(f"{ns}:{role}" for ns, role in sorted(parsed.items())),
             expires_at=utcnow() + expires_in if expires_in else None,

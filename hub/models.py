@@ -60,6 +60,9 @@ class User(Base):
     # a new one at every password change (accounts.set_password).
     stamp: Mapped[str] = mapped_column(String(32), default=new_stamp)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The namespace (by id) whose admins made this robot in the UI's robot form: what
+    # the bound on the robots a namespace makes counts, members or not (migration 0012).
+    robot_for: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class Namespace(Base):
@@ -76,6 +79,10 @@ class Namespace(Base):
     quota_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # The running total of that usage while there is a quota (hub/quotas.py); else None.
     used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The user who created an organisation (by id, never reused): what the bound on the
+    # organisations one user creates counts (migration 0012); None for a user's own
+    # namespace, one a site admin's push made, or one created before the migration.
+    created_by: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class Membership(Base):

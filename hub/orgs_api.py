@@ -167,25 +167,22 @@ async def _permitted(
 
 
 async def _below_org_limit(session: AsyncSession, creator: User) -> None:
-    """Conflict when ``creator`` is already the direct admin of ``MAX_ORGS_PER_USER``
-    organisations (any signed-in user creates them: without a bound one account could
-    add namespaces without end). ``acting_user`` holds the user's row, so concurrent
+    """Conflict when ``creator`` has created ``MAX_ORGS_PER_USER`` organisations (any
+    signed-in user creates them: without a bound one account could add namespaces
+    without end). Counted by creator (``Namespace.created_by``), not by who administers
+    them now: handing one over (another admin made, then left) gave the place back, so
+    the bound bound nothing; and anyone could use up someone else's places by making
+    them the admin of organisations. ``acting_user`` holds the user's row, so concurrent
     creations are counted one after another."""
-    administered = await session.scalar(
+    created = await session.scalar(
         select(func.count())
-        .select_from(Membership)
-        .join(Namespace, Namespace.id == Membership.namespace_id)
-        .where(
-            Membership.user_id == creator.id,
-            Membership.role == "admin",
-            Namespace.kind == "org",
-        )
+        .select_from(Namespace)
+        .where(Namespace.created_by == creator.id, Namespace.kind == "org")
     )
-    if (administered or 0) >= accounts.MAX_ORGS_PER_USER:
+    if (created or 0) >= accounts.MAX_ORGS_PER_USER:
         raise Conflict(
-            f"you administer {administered} organisations, the limit is "
-            f"{accounts.MAX_ORGS_PER_USER}: hand one over (make another admin, then leave it)"
-            " or ask a site admin"
+            f"you have created {created} organisations, the limit is "
+            f"{accounts.MAX_ORGS_PER_USER}: ask a site admin to create another for you"
         )
 
 
@@ -245,7 +242,7 @@ class OrgController(Controller):
                     raise PermissionDeniedException("a robot creates no organisations")
                 if not creator.is_admin:
                     await _below_org_limit(session, creator)
-                await accounts.create_org(session, data.name)
+                await accounts.create_org(session, data.name, creator)
                 await accounts.set_member(session, data.name, creator, "admin")
         except accounts.PrincipalChanged as exc:
             raise NotAuthorizedException(str(exc)) from exc

@@ -58,6 +58,11 @@ def limited_address(address: str) -> str:
     return str(ip)
 
 
+# Credentials an account is handed (and UI sessions it ends) as often as it asks: the
+# ``(grants)`` kind of ``Provoked``, a budget per account.
+GRANTS = frozenset({"token", "ui.signin", "ui.signout"})
+
+
 class Provoked:
     """The audit records that any caller can provoke as often as it likes: refusals
     (``denied``, ``rate-limited``, ``failed``) and what anonymous callers are given
@@ -66,10 +71,12 @@ class Provoked:
     logins, other records of anonymous callers, and records of accounts. Within a kind,
     one client (an account; for logins and anonymous callers, an address) has at most
     1/PROVOKED_SHARES of it, so one client's flood hides no record of another client.
-    The registry tokens accounts are given (``token``, up to 64 repositories named in
-    each) are a kind of their own: ``per_minute`` a minute for each account, and
-    PROVOKED_SHARES times as many in all; a token grants no more than what the account
-    already holds, and what it then pulls is not audited either.
+    The credentials accounts are given (``token``: registry tokens, up to 64
+    repositories named in each; ``ui.signin``/``ui.signout``: UI sessions, which an
+    account opens and closes as often as it posts the forms) are a kind of their own:
+    ``per_minute`` a minute for each account, and PROVOKED_SHARES times as many in all;
+    a token grants no more than what the account already holds, and what it then pulls
+    is not audited either.
     Past the budget they are counted into one ``audit.suppressed`` record (actor
     ``(logins)``, ``-``, ``(accounts)`` or ``(grants)``): a flood cannot fill the disk, and the log
     still says it happened. Writes (what a caller changed) are never bounded:
@@ -94,7 +101,7 @@ class Provoked:
             kind, client = self.logins, limited_address(ip)
         elif isinstance(actor, str) or actor.user_id is None:
             kind, client = self.anonymous, limited_address(ip)
-        elif action == "token":
+        elif action in GRANTS:
             kind, client = self.grants, f"account {actor.user_id}"
         else:
             kind, client = self.accounts, f"account {actor.user_id}"

@@ -45,7 +45,8 @@ class TokenInfo:
 
 
 class TokenCreate(Body):
-    name: str
+    # The column's length: a longer name is refused (400), never stored cut short.
+    name: Annotated[str, msgspec.Meta(max_length=accounts.TOKEN_NAME_MAX)]
     scopes: list[str]
     expires_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] | None = None
 

@@ -209,7 +209,9 @@ class AccountController(Controller):
         cookie, row = ui.sessions.issue(principal)
         async with hub.db.transaction() as session:
             await session.run_sync(_open_session, row)
-        hub.audit.record(principal, client_ip(request), "ui.signin", "-", "ok")
+        # Bounded per account (Hub.provoked): a sign-in answers from the credential cache,
+        # and one form serves any number of them, so an account signs in at will.
+        hub.provoked.record(principal, client_ip(request), "ui.signin", "-", "ok")
         response: Response[Any] = Redirect(nxt, status_code=303)
         _set_cookie(
             response,
@@ -239,7 +241,7 @@ class AccountController(Controller):
             # Ended on the server: a copy of the cookie opens nothing from now on.
             async with hub.db.transaction() as session:
                 await session.execute(delete(UiSession).where(UiSession.id_hash == claims.id_hash))
-            hub.audit.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
+            hub.provoked.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
         response: Response[Any] = Redirect("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -387,7 +389,11 @@ class AccountController(Controller):
                     )
                 await accounts.set_member(session, ns_name, user, role)
                 secret = await accounts.create_token(
-                    session, user, f"{ns_name}-{role}", f"{ns_name}:{role}"
+                    # A label the hub makes (a namespace name has up to 255 characters).
+                    session,
+                    user,
+                    f"{ns_name}-{role}"[-accounts.TOKEN_NAME_MAX :],
+                    f"{ns_name}:{role}",
                 )
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)

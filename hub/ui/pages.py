@@ -27,7 +27,6 @@ from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, checked_query, invalid, viewer
 from forkd.hub.ui.errors import HTML_ERRORS
-from forkd.hub.ui.render import render_markdown
 from forkd.names import validate_name, validate_tag
 
 PER_PAGE = 20
@@ -246,7 +245,10 @@ class BrowseController(Controller):
             repo=detail.repo,
             featured=featured,
             description=description,
-            readme_html=render_markdown(detail.repo.readme) if detail.repo.readme else "",
+            # Off the event loop, once per text (some Markdown costs seconds to parse).
+            readme_html=await ui.renderer.readmes.html(detail.repo.readme)
+            if detail.repo.readme
+            else "",
             pull_tag=featured.name if featured else "latest",
             prev_link=link(page - 1) if page > 1 else "",
             next_link=link(page + 1) if page < detail.pages else "",

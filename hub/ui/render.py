@@ -6,13 +6,17 @@ whole UI is one router that ``create_app`` mounts with one line.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 from typing import Any
 
+import anyio
 import nh3
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from litestar import Response
@@ -101,6 +105,69 @@ def render_markdown(text: str) -> str:
     )
 
 
+# Rendered READMEs kept, by the hash of their text: at most this many bytes of HTML.
+README_CACHE_BYTES = 32 << 20
+# READMEs rendered at once (worker threads): one pusher's costly texts wait for each
+# other, never for the event loop.
+README_RENDERERS = 1
+
+
+class ReadmeCache:
+    """READMEs rendered once per text, off the event loop.
+
+    Some Markdown costs the parser time that grows faster than its length (256 KiB of
+    ``[`` take seconds), and a pack page is a cheap anonymous GET: rendered on the event
+    loop at every view, one README stalled the whole hub for every viewer. Here it is
+    rendered in a worker thread (``README_RENDERERS`` at a time), once per text (a
+    README is rendered again only when a pusher changes it), and a request wanting a
+    text another request is rendering waits for it instead of rendering it again."""
+
+    def __init__(self, limit: int = README_CACHE_BYTES, renderers: int = README_RENDERERS):
+        self._limit = limit
+        self._items: OrderedDict[str, str] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+        self._rendering: dict[str, anyio.Event] = {}
+        self._renderers = renderers
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    def _keep(self, key: str, html: str) -> None:
+        with self._lock:
+            if key in self._items or len(html) > self._limit:
+                return
+            self._items[key] = html
+            self._size += len(html)
+            while self._size > self._limit:
+                _, dropped = self._items.popitem(last=False)
+                self._size -= len(dropped)
+
+    async def html(self, text: str) -> str:
+        """``render_markdown(text)``, from the cache or rendered in a worker thread."""
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        mine = anyio.Event()
+        while True:
+            with self._lock:
+                hit = self._items.get(key)
+                if hit is not None:
+                    self._items.move_to_end(key)
+                    return hit
+                waiting = self._rendering.get(key)
+                if waiting is None:
+                    self._rendering[key] = mine
+                    break
+            await waiting.wait()  # another request renders this text: take it from the cache
+        try:
+            if self._limiter is None:
+                self._limiter = anyio.CapacityLimiter(self._renderers)
+            html = await anyio.to_thread.run_sync(render_markdown, text, limiter=self._limiter)
+            self._keep(key, html)
+            return html
+        finally:
+            with self._lock:
+                del self._rendering[key]
+            mine.set()
+
+
 def human_size(n: int | None) -> str:
     return human_bytes(n, missing="—")
 
@@ -142,6 +209,7 @@ class Renderer:
 
     def __init__(self) -> None:
         self.env = _environment()
+        self.readmes = ReadmeCache()
 
     def html(self, template: str, **context: Any) -> str:
         return self.env.get_template(template).render(**context)
