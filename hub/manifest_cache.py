@@ -12,37 +12,51 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 import anyio
 
 DEFAULT_BUDGET = 32 << 20  # bytes of manifests kept
 
 
-class ManifestCache:
-    def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
+V = TypeVar("V", bytes, str)
+
+
+class SizedLRU(Generic[V]):
+    """Values by key, at most ``budget`` characters (or bytes) of them, least recently
+    used first out; a value larger than the budget is not kept."""
+
+    def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._items: OrderedDict[str, V] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
 
-    def get(self, digest: str) -> bytes | None:
+    def get(self, key: str) -> V | None:
         with self._lock:
-            body = self._items.get(digest)
-            if body is not None:
-                self._items.move_to_end(digest)
-            return body
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
 
-    def put(self, digest: str, body: bytes) -> None:
-        if len(body) > self.budget:
+    def put(self, key: str, value: V) -> None:
+        if len(value) > self.budget:
             return
         with self._lock:
-            if digest in self._items:
+            if key in self._items:
                 return
-            self._items[digest] = body
-            self._size += len(body)
+            self._items[key] = value
+            self._size += len(value)
             while self._size > self.budget:
                 _, old = self._items.popitem(last=False)
                 self._size -= len(old)
+
+
+class ManifestCache(SizedLRU[bytes]):
+    """Manifest bytes by digest."""
+
+    def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
+        super().__init__(budget)
 
 
 SIZES_CACHE = 16384  # manifest digests whose total size is remembered (an int each)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from html import escape
@@ -27,6 +26,7 @@ from markdown_it.token import Token
 from markdown_it.utils import EnvType, OptionsDict
 
 from forkd import digest as dg
+from forkd.hub.manifest_cache import SizedLRU
 from forkd.units import human_bytes
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -123,23 +123,11 @@ class ReadmeCache:
     text another request is rendering waits for it instead of rendering it again."""
 
     def __init__(self, limit: int = README_CACHE_BYTES, renderers: int = README_RENDERERS):
-        self._limit = limit
-        self._items: OrderedDict[str, str] = OrderedDict()
-        self._size = 0
+        self._items = SizedLRU[str](limit)
         self._lock = threading.Lock()
         self._rendering: dict[str, anyio.Event] = {}
         self._renderers = renderers
         self._limiter: anyio.CapacityLimiter | None = None
-
-    def _keep(self, key: str, html: str) -> None:
-        with self._lock:
-            if key in self._items or len(html) > self._limit:
-                return
-            self._items[key] = html
-            self._size += len(html)
-            while self._size > self._limit:
-                _, dropped = self._items.popitem(last=False)
-                self._size -= len(dropped)
 
     async def html(self, text: str) -> str:
         """``render_markdown(text)``, from the cache or rendered in a worker thread."""
@@ -149,7 +137,6 @@ class ReadmeCache:
             with self._lock:
                 hit = self._items.get(key)
                 if hit is not None:
-                    self._items.move_to_end(key)
                     return hit
                 waiting = self._rendering.get(key)
                 if waiting is None:
@@ -160,7 +147,7 @@ class ReadmeCache:
             if self._limiter is None:
                 self._limiter = anyio.CapacityLimiter(self._renderers)
             html = await anyio.to_thread.run_sync(render_markdown, text, limiter=self._limiter)
-            self._keep(key, html)
+            self._items.put(key, html)
             return html
         finally:
             with self._lock:
