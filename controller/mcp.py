@@ -46,11 +46,13 @@ from forkd.controller.backend import CALLER_STOP, Stop, Stopped
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
+from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 from forkd.names import inert
+from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
 MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
@@ -111,6 +113,57 @@ def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
             ) from exc
 
     return wrapper
+
+
+class ToolCalls(Shares):
+    """Tool calls in flight on one `forkd mcp --transport http`, in all and per client (as
+    agent_client.REQUEST_CLIENT names it: an address, an IPv6 /64), one client at most
+    half. In front of a daemon every MCP client is the same client of the daemon (this
+    process: its uid on the socket, its address on TCP), so the daemon's per-client
+    shares were one share for all of them: one MCP client whose commands wait held all of
+    this server's guest requests at the daemon, and every other MCP client's call was a
+    TooManyRequests. So this server may have in flight what the daemon lets one client
+    have (children.MAX_REQUESTS_PER_CLIENT), in process what a process may
+    (children.MAX_REQUESTS), and one MCP client half of it; a call past it is a tool error
+    at once, before anything runs."""
+
+    @classmethod
+    def for_daemon(cls) -> ToolCalls:
+        return cls(ch.MAX_REQUESTS_PER_CLIENT)
+
+    @classmethod
+    def in_process(cls) -> ToolCalls:
+        return cls(ch.MAX_REQUESTS)
+
+    @classmethod
+    def of(cls, controller: Controller) -> ToolCalls:
+        return cls.for_daemon() if controller.remote else cls.in_process()
+
+    def counting(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """``fn`` counted against this from its start to its end, for its caller's client;
+        TooManyRequests (a tool error saying which bound) when it would pass a share."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            client = REQUEST_CLIENT.get()
+            refused = self.take_or_refuse(1, client)
+            if refused is not None:
+                if refused.bound == "client":
+                    raise TooManyRequests(
+                        f"this client ({client}) has {refused.held} tool calls in flight on "
+                        f"this MCP server, the most one client may ({self.share} of "
+                        f"{self.total}): wait for one of yours to end and try again (a "
+                        "command without a timeout holds its call until it ends; give it "
+                        "timeout_s)")
+                raise TooManyRequests(
+                    f"this MCP server has {refused.held} tool calls in flight, the most it "
+                    f"takes at once ({self.total}): wait for one to end and try again")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.give(1, client)
+
+        return wrapper
 
 
 def error_text(exc: Exception) -> str:
@@ -487,9 +540,12 @@ TOOL_NAMES = (
 )
 
 
-def build_server(controller: Controller, token: Token | None = None) -> MCPServer[Any]:
+def build_server(controller: Controller, token: Token | None = None,
+                 calls: ToolCalls | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
-    callers' (its revocation stops the commands they run, Revocation)."""
+    callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
+    callers' tool calls in flight, in all and per client (None: not counted, stdio's one
+    caller)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -504,7 +560,10 @@ def build_server(controller: Controller, token: Token | None = None) -> MCPServe
     )
     tools = Tools(controller, token)
     for name in TOOL_NAMES:
-        server.add_tool(tool_errors(getattr(tools, name)), name=name)
+        tool = getattr(tools, name)
+        if calls is not None:
+            tool = calls.counting(tool)
+        server.add_tool(tool_errors(tool), name=name)
     return server
 
 
@@ -537,8 +596,9 @@ def http_server(
     bounded_config: head deadline, connection cap, no WebSocket), and at most
     ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
     (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
-    SDK's: a new session past the limit gets 503 "Too many open sessions")."""
-    mcp = build_server(controller, token)
+    SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
+    calls in flight bounded in all and per client (ToolCalls)."""
+    mcp = build_server(controller, token, ToolCalls.of(controller))
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
