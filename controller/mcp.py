@@ -20,10 +20,12 @@ import contextvars
 import functools
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
+import anyio
 import anyio.from_thread
+import anyio.to_thread
 import msgspec
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
@@ -164,6 +166,42 @@ class ToolCalls(Shares):
                 self.give(1, client)
 
         return wrapper
+
+
+# The Stop of the tool call this thread runs (stoppable): set when the call is cancelled
+CALL_STOP: contextvars.ContextVar[Stop | None] = contextvars.ContextVar(
+    "forkd_mcp_call_stop", default=None)
+
+
+def stoppable(fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``fn`` (a tool, which blocks) as a coroutine that runs it in a worker thread and,
+    when the call is cancelled (the client's ``notifications/cancelled``, its session
+    ended by DELETE or closed idle, the server stopping), sets the call's Stop (CALL_STOP),
+    which stops what it runs as a revocation does (Revocation): a command killed with its
+    process group, a cell given up in the guest. The SDK ran a tool with
+    ``to_thread.run_sync``, which no cancellation reaches: a cancelled call answered
+    nothing, but its command ran on in the sandbox (one without a timeout for ever),
+    holding its guest request and its client's share of them for a call nobody waited
+    for."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        stop = Stop()
+
+        def run() -> R:
+            reset = CALL_STOP.set(stop)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                CALL_STOP.reset(reset)
+
+        try:
+            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            stop.set("cancelled")  # the thread, let go of, ends what it runs and returns
+            raise
+
+    return wrapper
 
 
 def error_text(exc: Exception) -> str:
@@ -448,7 +486,9 @@ class Revocation:
     or the daemon, whose client went away); a cell or command that waits on its guest is
     given up through backend.CALLER_STOP: in process by the guest request's ``stop``,
     through the daemon by shutting down the request's connection (client.RemoteBackend
-    ._stoppable), so the daemon's client goes away and the daemon gives it up in turn."""
+    ._stoppable), so the daemon's client goes away and the daemon gives it up in turn.
+    A cancelled call (stoppable: its CALL_STOP set) is stopped the same way, for any
+    caller, stdio's too."""
 
     def __init__(self, token: Token | None, frames: object = None) -> None:
         self.token = token
@@ -456,20 +496,24 @@ class Revocation:
         self.stop = Stop()
         self._done = threading.Event()
         self._reset: contextvars.Token[Stop | None] | None = None
+        self._abandoning = contextlib.ExitStack()
 
     def __enter__(self) -> Revocation:
+        # the call's own Stop when it has one (stoppable: set when the call is cancelled),
+        # so a cancellation and a revocation stop the run the same way
+        self.stop = CALL_STOP.get() or self.stop
+        self._reset = CALLER_STOP.set(self.stop)
+        abandon = getattr(self.frames, "abandon", None)
+        if abandon is not None:
+            self._abandoning.enter_context(self.stop.calling(abandon))
         if self.token is None:
             return self
         given = self.token.current()
-        self._reset = CALLER_STOP.set(self.stop)
 
         def watch() -> None:
             while not self._done.wait(REVOCATION_CHECK_S):
                 if not token_matches(given, self.token.current() if self.token else b""):
-                    self.stop.set("revoked")
-                    abandon = getattr(self.frames, "abandon", None)
-                    if abandon is not None:
-                        abandon()
+                    self.stop.set("revoked")  # abandons the frames (calling, above)
                     return
 
         threading.Thread(target=watch, name="forkd-mcp-revocation", daemon=True).start()
@@ -477,10 +521,11 @@ class Revocation:
 
     def check(self) -> None:
         if self.stop():
-            raise Stopped("revoked")
+            raise Stopped(self.stop.reason)
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        self._abandoning.close()
         if self._reset is not None:
             CALLER_STOP.reset(self._reset)
 
@@ -563,7 +608,7 @@ def build_server(controller: Controller, token: Token | None = None,
         tool = getattr(tools, name)
         if calls is not None:
             tool = calls.counting(tool)
-        server.add_tool(tool_errors(tool), name=name)
+        server.add_tool(stoppable(tool_errors(tool)), name=name)
     return server
 
 

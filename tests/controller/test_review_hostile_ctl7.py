@@ -19,6 +19,7 @@ from net_support import free_port, wait_until
 from forkd.audit import AuditLog
 from forkd.controller import app, server
 from forkd.controller.backend import LocalBackend
+from forkd.engine import children as ch
 from forkd.store.store import Store
 
 TOKEN = b"t" * 43
@@ -103,3 +104,56 @@ def test_one_mcp_client_cannot_take_every_guest_request_of_the_mcp_server(
     wait_until("the other client's command reached the guest",
                lambda: len(guest.requests) == share + 1, 10)
     assert guest.requests[-1]["argv"] == ["true"]
+
+
+@pytest.fixture
+def mcp_in_process(place: Path) -> Iterator[str]:
+    """`forkd mcp --transport http` with the engine in its own process (its URL)."""
+    from forkd.controller.mcp import http_server
+    from forkd.controller.sdk import Controller
+
+    port = free_port()
+    with running(http_server(Controller(local=True), "127.0.0.1", port, "/mcp",
+                             app.Token(TOKEN))):
+        yield f"http://127.0.0.1:{port}"
+
+
+CALLS = [("run_command", {"command": ["sleep", "1000"]}),
+         ("run_code", {"code": "import time; time.sleep(1000)", "timeout_s": 2000})]
+
+
+@pytest.mark.parametrize("how", ["cancelled", "session ended"])
+@pytest.mark.parametrize(("tool", "arguments"), CALLS)
+@pytest.mark.parametrize("where", ["mcp_in_process", "mcp_on_daemon"])
+def test_a_cancelled_tool_call_stops_what_it_runs(
+        where: str, tool: str, arguments: dict[str, Any], how: str, guest: FakeGuest,
+        request: pytest.FixtureRequest) -> None:
+    """Before: an MCP client that cancelled a call (``notifications/cancelled``, as the
+    spec has it: the server should stop the work) got no answer, but the tool went on in
+    its worker thread (the SDK cannot cancel a thread), and so it did when the client
+    ended its session (DELETE), so the command or cell ran in the
+    sandbox to its end, a command without a timeout for ever, holding its guest request
+    (and the client's share of them) for a call nobody waits for. Now: the cancellation
+    stops it as a revocation does, in process or through the daemon, and the share is
+    given back."""
+    url = request.getfixturevalue(where)
+    client = McpClient(url, "127.0.0.1")
+    request.addfinalizer(client.http.close)
+    body = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": tool, "arguments": {"sandbox_id": "sb-1", **arguments}}}
+
+    def call() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            client.http.post("/mcp", json=body, headers=client.session)
+
+    threading.Thread(target=call, daemon=True).start()
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 10)
+    if how == "cancelled":
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": 7, "reason": "the user pressed stop"}}
+        r = client.http.post("/mcp", json=cancel, headers=client.session)
+        assert r.status_code == 202, r.text
+    else:
+        assert client.http.delete("/mcp", headers=client.session).status_code < 300
+    assert guest.closed.wait(5), f"the cancelled {tool} still runs in the sandbox"
+    wait_until("the guest request given back", lambda: not ch._in_flight, 5)
