@@ -535,10 +535,20 @@ REVOCATION_CHECK_S = 0.5  # how often a running tool checks its caller's token s
 
 def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
     """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
-    file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
+    file, or /dev/zero, costs this server ``limit`` bytes, not its size). A cancelled call
+    (CALL_STOP) ends the transfer, also while it waits for a chunk that never comes (a
+    FIFO nobody writes): it waited for ever, holding its guest request."""
     parts: list[bytes] = []
     size = 0
-    with contextlib.closing(sb.files.stream(path)) as chunks:
+    chunks = sb.controller.backend.read_file(sb.id, path)
+    stop = CALL_STOP.get()
+    with contextlib.ExitStack() as ending:
+        close = getattr(chunks, "close", None)  # ends the transfer if it still runs
+        if close is not None:
+            ending.callback(close)
+        abandon = getattr(chunks, "abandon", None)  # thread-safe (backend.Produced)
+        if stop is not None and abandon is not None:
+            ending.enter_context(stop.calling(abandon))
         for chunk in chunks:
             size += len(chunk)
             if size > limit:
@@ -547,6 +557,8 @@ def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
                     "it with run_command (head, tail, split)"
                 )
             parts.append(chunk)
+    if stop is not None and stop():  # abandoned: what came is not the whole file
+        raise Stopped(stop.reason)
     return b"".join(parts)
 
 
