@@ -300,11 +300,12 @@ class RemoteBackend:
         ``abandon`` (from any thread) ends the stream at once: the daemon sees its client
         go and kills the command."""
         url = sandbox_route(sandbox_id, "exec", "stream")
-        frames = RemoteFrames()
+        frames: RemoteFrames[ExecFrame] = RemoteFrames()
         frames.start(self._frames(url, req, frames))
         return frames
 
-    def _frames(self, url: str, req: ExecRequest, frames: RemoteFrames) -> Iterator[ExecFrame]:
+    def _frames(self, url: str, req: ExecRequest,
+                frames: RemoteFrames[ExecFrame]) -> Iterator[ExecFrame]:
         limit = httpx.Timeout(4 * api.HEARTBEAT_S, connect=api.CONNECT_TIMEOUT_S)
         try:
             with self.http.stream(
@@ -384,16 +385,32 @@ class RemoteBackend:
 
     def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
         """The file's bytes in chunks as the daemon passes them on (it streams them from
-        the guest); a body cut short is a ControllerError, never a shorter file."""
-        url = sandbox_route(sandbox_id, "files")
+        the guest); a body cut short is a ControllerError, never a shorter file. The
+        iterator's ``abandon`` (from any thread) ends the transfer at once, also while a
+        read waits for a chunk that never comes (a FIFO nobody writes)."""
+        chunks: RemoteFrames[bytes] = RemoteFrames()
+        chunks.start(self._chunks(sandbox_route(sandbox_id, "files"), sandbox_id, path,
+                                  chunks))
+        return chunks
+
+    def _chunks(self, url: str, sandbox_id: str, path: str,
+                chunks: RemoteFrames[bytes]) -> Iterator[bytes]:
         started = False
         try:
-            with self.http.stream("GET", url, params={"path": path}) as resp:
+            # a connection of its own, known from its connect (``connected``): the answer
+            # starts only with the first chunk (or 5 s without one, app.FIRST_CHUNK_WAIT_S),
+            # and an abandon while it waits for it must end the transfer then
+            with self._client() as http, http.stream(
+                    "GET", url, params={"path": path},
+                    extensions={"trace": chunks.connected}) as resp:
+                chunks.reading(resp)
                 if resp.status_code >= 400:
                     raise answered_error(resp.status_code, resp.read())
                 started = True
                 yield from resp.iter_bytes()
         except httpx.HTTPError as exc:
+            if chunks.abandoned:
+                raise ControllerError(f"the transfer of {path} was abandoned") from exc
             if started and not isinstance(exc, httpx.TimeoutException):
                 raise ControllerError(
                     f"controller at {self.where} ended {path} of {sandbox_id} before its end "
@@ -405,18 +422,19 @@ class RemoteBackend:
         return self._get(BranchResult, "POST", sandbox_route(sandbox_id, "branch"), req)
 
 
-class RemoteFrames(Iterator[ExecFrame]):
-    """A streamed exec's frames (RemoteBackend._frames) with ``abandon``, callable from any
-    thread, also while another waits in ``next`` for a frame: the connection is shut down,
-    so that read ends now and the daemon, its client gone, kills the command."""
+class RemoteFrames(Iterator[T]):
+    """A streamed exec's frames (RemoteBackend._frames), or a file's chunks (_chunks), with
+    ``abandon``, callable from any thread, also while another waits in ``next`` for an
+    item: the connection is shut down, so that read ends now and the daemon, its client
+    gone, kills the command or ends the file's transfer."""
 
     def __init__(self) -> None:
-        self._frames: Iterator[ExecFrame] = iter(())
+        self._frames: Iterator[T] = iter(())
         self._socket: socket.socket | None = None
         self._lock = threading.Lock()
         self.abandoned = False
 
-    def start(self, frames: Iterator[ExecFrame]) -> None:
+    def start(self, frames: Iterator[T]) -> None:
         self._frames = frames
 
     def reading(self, resp: httpx.Response) -> None:
@@ -429,7 +447,21 @@ class RemoteFrames(Iterator[ExecFrame]):
         if gone:
             self.abandon()
 
-    def __next__(self) -> ExecFrame:
+    def connected(self, event: str, info: dict[str, Any]) -> None:
+        """An httpx trace hook: the connection being made is what ``abandon`` shuts down,
+        also before its answer starts."""
+        if not event.endswith(".complete") or ".connect_" not in event:
+            return
+        stream = info.get("return_value")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            with self._lock:
+                self._socket = sock
+                gone = self.abandoned
+            if gone:
+                self.abandon()
+
+    def __next__(self) -> T:
         if self.abandoned:
             raise StopIteration
         return next(self._frames)

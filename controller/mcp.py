@@ -20,10 +20,12 @@ import contextvars
 import functools
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
+import anyio
 import anyio.from_thread
+import anyio.to_thread
 import msgspec
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
@@ -46,11 +48,13 @@ from forkd.controller.backend import CALLER_STOP, Stop, Stopped
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
+from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import ForkdError, InvalidInput
 from forkd.names import inert
+from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
 MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
@@ -109,6 +113,93 @@ def tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
                 f"unexpected {type(exc).__name__}: {error_text(exc)}; the MCP "
                 "server is still running (its stderr has the details)"
             ) from exc
+
+    return wrapper
+
+
+class ToolCalls(Shares):
+    """Tool calls in flight on one `forkd mcp --transport http`, in all and per client (as
+    agent_client.REQUEST_CLIENT names it: an address, an IPv6 /64), one client at most
+    half. In front of a daemon every MCP client is the same client of the daemon (this
+    process: its uid on the socket, its address on TCP), so the daemon's per-client
+    shares were one share for all of them: one MCP client whose commands wait held all of
+    this server's guest requests at the daemon, and every other MCP client's call was a
+    TooManyRequests. So this server may have in flight what the daemon lets one client
+    have (children.MAX_REQUESTS_PER_CLIENT), in process what a process may
+    (children.MAX_REQUESTS), and one MCP client half of it; a call past it is a tool error
+    at once, before anything runs."""
+
+    @classmethod
+    def for_daemon(cls) -> ToolCalls:
+        return cls(ch.MAX_REQUESTS_PER_CLIENT)
+
+    @classmethod
+    def in_process(cls) -> ToolCalls:
+        return cls(ch.MAX_REQUESTS)
+
+    @classmethod
+    def of(cls, controller: Controller) -> ToolCalls:
+        return cls.for_daemon() if controller.remote else cls.in_process()
+
+    def counting(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """``fn`` counted against this from its start to its end, for its caller's client;
+        TooManyRequests (a tool error saying which bound) when it would pass a share."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            client = REQUEST_CLIENT.get()
+            refused = self.take_or_refuse(1, client)
+            if refused is not None:
+                if refused.bound == "client":
+                    raise TooManyRequests(
+                        f"this client ({client}) has {refused.held} tool calls in flight on "
+                        f"this MCP server, the most one client may ({self.share} of "
+                        f"{self.total}): wait for one of yours to end and try again (a "
+                        "command without a timeout holds its call until it ends; give it "
+                        "timeout_s)")
+                raise TooManyRequests(
+                    f"this MCP server has {refused.held} tool calls in flight, the most it "
+                    f"takes at once ({self.total}): wait for one to end and try again")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.give(1, client)
+
+        return wrapper
+
+
+# The Stop of the tool call this thread runs (stoppable): set when the call is cancelled
+CALL_STOP: contextvars.ContextVar[Stop | None] = contextvars.ContextVar(
+    "forkd_mcp_call_stop", default=None)
+
+
+def stoppable(fn: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``fn`` (a tool, which blocks) as a coroutine that runs it in a worker thread and,
+    when the call is cancelled (the client's ``notifications/cancelled``, its session
+    ended by DELETE or closed idle, the server stopping), sets the call's Stop (CALL_STOP),
+    which stops what it runs as a revocation does (Revocation): a command killed with its
+    process group, a cell given up in the guest. The SDK ran a tool with
+    ``to_thread.run_sync``, which no cancellation reaches: a cancelled call answered
+    nothing, but its command ran on in the sandbox (one without a timeout for ever),
+    holding its guest request and its client's share of them for a call nobody waited
+    for."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        stop = Stop()
+
+        def run() -> R:
+            reset = CALL_STOP.set(stop)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                CALL_STOP.reset(reset)
+
+        try:
+            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            stop.set("cancelled")  # the thread, let go of, ends what it runs and returns
+            raise
 
     return wrapper
 
@@ -395,7 +486,9 @@ class Revocation:
     or the daemon, whose client went away); a cell or command that waits on its guest is
     given up through backend.CALLER_STOP: in process by the guest request's ``stop``,
     through the daemon by shutting down the request's connection (client.RemoteBackend
-    ._stoppable), so the daemon's client goes away and the daemon gives it up in turn."""
+    ._stoppable), so the daemon's client goes away and the daemon gives it up in turn.
+    A cancelled call (stoppable: its CALL_STOP set) is stopped the same way, for any
+    caller, stdio's too."""
 
     def __init__(self, token: Token | None, frames: object = None) -> None:
         self.token = token
@@ -403,20 +496,24 @@ class Revocation:
         self.stop = Stop()
         self._done = threading.Event()
         self._reset: contextvars.Token[Stop | None] | None = None
+        self._abandoning = contextlib.ExitStack()
 
     def __enter__(self) -> Revocation:
+        # the call's own Stop when it has one (stoppable: set when the call is cancelled),
+        # so a cancellation and a revocation stop the run the same way
+        self.stop = CALL_STOP.get() or self.stop
+        self._reset = CALLER_STOP.set(self.stop)
+        abandon = getattr(self.frames, "abandon", None)
+        if abandon is not None:
+            self._abandoning.enter_context(self.stop.calling(abandon))
         if self.token is None:
             return self
         given = self.token.current()
-        self._reset = CALLER_STOP.set(self.stop)
 
         def watch() -> None:
             while not self._done.wait(REVOCATION_CHECK_S):
                 if not token_matches(given, self.token.current() if self.token else b""):
-                    self.stop.set("revoked")
-                    abandon = getattr(self.frames, "abandon", None)
-                    if abandon is not None:
-                        abandon()
+                    self.stop.set("revoked")  # abandons the frames (calling, above)
                     return
 
         threading.Thread(target=watch, name="forkd-mcp-revocation", daemon=True).start()
@@ -424,10 +521,11 @@ class Revocation:
 
     def check(self) -> None:
         if self.stop():
-            raise Stopped("revoked")
+            raise Stopped(self.stop.reason)
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        self._abandoning.close()
         if self._reset is not None:
             CALLER_STOP.reset(self._reset)
 
@@ -437,10 +535,20 @@ REVOCATION_CHECK_S = 0.5  # how often a running tool checks its caller's token s
 
 def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
     """The file's bytes, read only as far as ``limit`` (the transfer stops there: a huge
-    file, or /dev/zero, costs this server ``limit`` bytes, not its size)."""
+    file, or /dev/zero, costs this server ``limit`` bytes, not its size). A cancelled call
+    (CALL_STOP) ends the transfer, also while it waits for a chunk that never comes (a
+    FIFO nobody writes): it waited for ever, holding its guest request."""
     parts: list[bytes] = []
     size = 0
-    with contextlib.closing(sb.files.stream(path)) as chunks:
+    chunks = sb.controller.backend.read_file(sb.id, path)
+    stop = CALL_STOP.get()
+    with contextlib.ExitStack() as ending:
+        close = getattr(chunks, "close", None)  # ends the transfer if it still runs
+        if close is not None:
+            ending.callback(close)
+        abandon = getattr(chunks, "abandon", None)  # thread-safe (backend.Produced)
+        if stop is not None and abandon is not None:
+            ending.enter_context(stop.calling(abandon))
         for chunk in chunks:
             size += len(chunk)
             if size > limit:
@@ -449,6 +557,8 @@ def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
                     "it with run_command (head, tail, split)"
                 )
             parts.append(chunk)
+    if stop is not None and stop():  # abandoned: what came is not the whole file
+        raise Stopped(stop.reason)
     return b"".join(parts)
 
 
@@ -487,9 +597,12 @@ TOOL_NAMES = (
 )
 
 
-def build_server(controller: Controller, token: Token | None = None) -> MCPServer[Any]:
+def build_server(controller: Controller, token: Token | None = None,
+                 calls: ToolCalls | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
-    callers' (its revocation stops the commands they run, Revocation)."""
+    callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
+    callers' tool calls in flight, in all and per client (None: not counted, stdio's one
+    caller)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -504,7 +617,10 @@ def build_server(controller: Controller, token: Token | None = None) -> MCPServe
     )
     tools = Tools(controller, token)
     for name in TOOL_NAMES:
-        server.add_tool(tool_errors(getattr(tools, name)), name=name)
+        tool = getattr(tools, name)
+        if calls is not None:
+            tool = calls.counting(tool)
+        server.add_tool(stoppable(tool_errors(tool)), name=name)
     return server
 
 
@@ -537,8 +653,9 @@ def http_server(
     bounded_config: head deadline, connection cap, no WebSocket), and at most
     ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
     (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
-    SDK's: a new session past the limit gets 503 "Too many open sessions")."""
-    mcp = build_server(controller, token)
+    SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
+    calls in flight bounded in all and per client (ToolCalls)."""
+    mcp = build_server(controller, token, ToolCalls.of(controller))
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
