@@ -395,6 +395,17 @@ def publish_bundled(
     return reports
 
 
+def running_job_for(root: Path, repositories: list[str]) -> dict[str, Any] | None:
+    """The state of the bundles job running under ``root`` when it publishes every one of
+    ``repositories`` (a later run leaves it to finish); else None."""
+    from forkd.controller import bundles_job
+
+    state = bundles_job.status(root)
+    if state is None or state["state"] != "running":
+        return None
+    return state if set(repositories) <= set(state.get("repositories", [])) else None
+
+
 def bundles(
     store: Store,
     root: Path,
@@ -405,26 +416,28 @@ def bundles(
 ) -> tuple[list[BundledReport], str]:
     """The bundled packs: published here when none needs a build (seconds) or ``wait``,
     else by a background job (controller/bundles_job.py) whose log is returned. A job an
-    earlier run started is left to finish (its log is returned: a second run takes
-    seconds however long the bundled builds take), or with ``wait`` waited for first; either
-    way one recipe is never built twice at once."""
+    earlier run started for these packs is left to finish (its log is returned: a second
+    run takes seconds however long the bundled builds take); one publishing other packs,
+    or any with ``wait``, is waited for first. Either way one recipe is never built twice
+    at once."""
     from forkd.controller import bundles_job
     from forkd.engine import recipe as recipes
     from forkd.engine.build import cached_snapshot
 
-    running = bundles_job.status(root)
-    if not wait and running is not None and running["state"] == "running":
+    loaded = [recipes.load(p) for p in paths]
+    repositories = [f"{BUNDLED_NAMESPACE}/{r.name}" for r in loaded]
+    running = None if wait else running_job_for(root, repositories)
+    if running is not None:
         log = bundles_job.log_path(root)
         say(f"bundled packs: the background job of an earlier run (pid {running['pid']}) is "
             f"still building and publishing them (log {log}); `forkd quickstart --wait` "
             "waits for it")
         return [], str(log)
-    bundles_job.wait(root, say)
-    loaded = [recipes.load(p) for p in paths]
+    bundles_job.wait(root, say)  # a job publishing other packs: never two builds at once
     to_build = [r.name for r in loaded if cached_snapshot(store, r) is None]
     if wait or not to_build:
         return publish_bundled(store, paths, embedded, say), ""
-    log = bundles_job.start(root, paths, [f"{BUNDLED_NAMESPACE}/{r.name}" for r in loaded])
+    log = bundles_job.start(root, paths, repositories)
     say(
         f"bundled packs: {', '.join(to_build)} to build; publishing all {len(paths)} in the "
         f"background (log {log}); `forkd quickstart --wait` waits for them"

@@ -233,3 +233,25 @@ def test_background_bundles(tmp_path: Path):
             pid = json.loads(state.read_text())["pid"]
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
+
+
+def test_a_running_job_is_left_to_finish_only_for_its_own_packs(tmp_path: Path):
+    """A later run leaves a running bundles job alone when it publishes every pack the run
+    would (it returns in seconds); a job publishing other packs is not its job: the run
+    waits for it (never two builds at once) and publishes its own. A job that died is not
+    running."""
+    from forkd.controller import bundles_job
+    from forkd.controller.quickstart import running_job_for
+
+    assert running_job_for(tmp_path, ["deeplethe/a"]) is None  # no job ever ran here
+    state = {"state": "running", "pid": os.getpid(), "repositories": ["deeplethe/a",
+                                                                       "deeplethe/b"]}
+    (tmp_path / bundles_job.STATE).write_text(json.dumps(state))
+    assert running_job_for(tmp_path, ["deeplethe/a"]) == state
+    assert running_job_for(tmp_path, ["deeplethe/a", "deeplethe/b"]) == state
+    assert running_job_for(tmp_path, ["deeplethe/a", "deeplethe/c"]) is None
+    gone = subprocess.Popen(["true"])  # a pid that has ended
+    gone.wait()
+    (tmp_path / bundles_job.STATE).write_text(json.dumps({**state, "pid": gone.pid}))
+    assert running_job_for(tmp_path, ["deeplethe/a"]) is None
+
