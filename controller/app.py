@@ -81,6 +81,7 @@ from forkd.controller.backend import (
     PoolBackend,
     Stop,
     Stopped,
+    Transfer,
     Waiting,
 )
 from forkd.engine.agent_client import REQUEST_CLIENT
@@ -421,18 +422,26 @@ class BodyBudget(Shares):
 BODY_BUDGET = BodyBudget(BODY_BYTES)
 
 
-def _body_size(scope: Any) -> int:
-    """What a request's body may hold in the daemon: its Content-Length, else (chunked) the
-    most its route takes; never more than that."""
-    most = MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES
+def announced_body(scope: Any) -> int | None:
+    """The size of body a request's head announces: its Content-Length (0: no body), or
+    None for a chunked body, whose size is known only once it is read. The daemon's and
+    `forkd mcp`'s bounds on bodies both read it here."""
     headers = dict(scope.get("headers", []))
     length = headers.get(b"content-length")
     if length is not None:
         try:
-            return min(int(length), most)
+            return int(length)
         except ValueError:
             return 0  # h11 refuses it before the app
-    return most if b"transfer-encoding" in headers else 0
+    return None if b"transfer-encoding" in headers else 0
+
+
+def _body_size(scope: Any) -> int:
+    """What a request's body may hold in the daemon: its Content-Length, else (chunked) the
+    most its route takes; never more than that."""
+    most = MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES
+    announced = announced_body(scope)
+    return most if announced is None else min(announced, most)
 
 
 class Budget(Protocol):
@@ -885,18 +894,17 @@ _END = object()  # what follows the last item in relayed's queue
 
 
 async def relayed(
-    items: Iterator[T], heartbeat: float | None, size: int
+    items: Transfer[T], heartbeat: float | None, size: int
 ) -> AsyncGenerator[T | None, None]:
     """``items`` produced in a thread (the backend blocks) and handed to the event loop,
     None after every ``heartbeat`` seconds without one (never, for None); the iterator's
     exception is raised here after the items before it. At most ``size`` wait for a slow
     client. Once the client is gone (this generator is closed) the producer stops
     and closes ``items``: a command is killed with its process group
-    (LocalBackend.exec_stream), a file's transfer ends; an iterator with a
-    thread-safe ``abandon`` (backend.Produced) is told at once, even while the producer
-    waits in it for an item that never comes. Items wait within
-    RELAY_BYTES_EACH bytes, and all but each stream's first within RELAY_BYTES with the
-    other streams' (backend.Waiting; the producer waits for room)."""
+    (LocalBackend.exec_stream), a file's transfer ends; ``items`` is abandoned at once
+    (thread-safe), even while the producer waits in it for an item that never comes.
+    Items wait within RELAY_BYTES_EACH bytes, and all but each stream's first within
+    RELAY_BYTES with the other streams' (backend.Waiting; the producer waits for room)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[object] = asyncio.Queue(size)
     gone = threading.Event()
@@ -937,9 +945,7 @@ async def relayed(
         except Exception as exc:  # raised in the client's coroutine below
             deliver(exc)
         finally:
-            close = getattr(items, "close", None)  # a generator's: tells the backend
-            if close is not None:
-                close()
+            items.close()  # tells the backend
             deliver(_END)
 
     threading.Thread(target=produce, name="forkd-relay", daemon=True).start()
@@ -960,15 +966,13 @@ async def relayed(
         gone.set()
         # the producer may be waiting in next(items) for an item that never comes (a
         # command that prints nothing): tell the backend now, from here (thread-safe)
-        abandon = getattr(items, "abandon", None)
-        if abandon is not None:
-            abandon()
+        items.abandon()
         while not queue.empty():  # what waits is dropped: its bytes are free for others
             queue.get_nowait()
             waiting.taken()
 
 
-async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
+async def ndjson(frames: Transfer[ExecFrame], heartbeat: float,
                  ended: Callable[[str, dict[str, Any]], None] | None = None
                  ) -> AsyncIterator[bytes]:
     """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
@@ -996,10 +1000,10 @@ async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
 
 
 class prepended(Iterator[T]):
-    """``first``, then ``rest``; ``close`` and ``abandon`` are passed on to ``rest`` (a
-    chain would not)."""
+    """``first``, then ``rest``: a Transfer, whose ``close`` and ``abandon`` are passed on
+    to ``rest`` (a chain would not)."""
 
-    def __init__(self, first: T, rest: Iterator[T]) -> None:
+    def __init__(self, first: T, rest: Transfer[T]) -> None:
         self._first: list[T] = [first]
         self._rest = rest
 
@@ -1009,17 +1013,13 @@ class prepended(Iterator[T]):
         return next(self._rest)
 
     def close(self) -> None:
-        close = getattr(self._rest, "close", None)
-        if close is not None:
-            close()
+        self._rest.close()
 
     def abandon(self) -> None:
-        abandon = getattr(self._rest, "abandon", None)
-        if abandon is not None:
-            abandon()
+        self._rest.abandon()
 
 
-async def passed_on(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+async def passed_on(chunks: Transfer[bytes]) -> AsyncIterator[bytes]:
     """A file's chunks as the backend gives them (relayed: bounded, and the transfer ends
     when the client is gone); a failure midway ends the connection before the body is
     complete, so the client sees a cut transfer, never a shorter file."""

@@ -77,6 +77,7 @@ from forkd.registry.reference import Hub, default_hub
 from forkd.store.store import Store
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 SWEEP_INTERVAL_S = 1.0  # the daemon's sweeper acts on passed deadlines within this
 # VMs at once by default: a daemon's (forkd serve), and an in-process controller's (the SDK
 # and `forkd mcp` without a daemon): sandboxes, pool processes, ones starting
@@ -87,6 +88,17 @@ def client_share(max_sandboxes: int) -> int:
     """The VMs one client of the daemon may run by default: half of its limit (at least
     one), as it holds half of its guest requests and connections."""
     return max(1, max_sandboxes // 2)
+
+
+class Transfer(Iterator[T_co], Protocol):
+    """What a streamed command (``exec_stream``) or a file read (``read_file``) gives: its
+    items as they come. ``close`` (in the reading thread: use ``contextlib.closing``) ends
+    it and what produces it (the command is killed, the file's transfer ends); ``abandon``
+    does too from any thread, also while another thread waits in ``next`` for an item that
+    never comes (a command that prints nothing, a FIFO nobody writes)."""
+
+    def close(self) -> None: ...
+    def abandon(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -104,7 +116,7 @@ class Backend(Protocol):
     def pause(self, sandbox_id: str) -> SandboxInfo: ...
     def resume(self, sandbox_id: str) -> SandboxInfo: ...
     def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]: ...
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Transfer[ExecFrame]: ...
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult: ...
     def run_code(self, sandbox_id: str, req: RunCodeRequest) -> RunCodeResult: ...
     def process_start(self, sandbox_id: str, req: ProcessStartRequest) -> ProcessInfo: ...
@@ -119,7 +131,7 @@ class Backend(Protocol):
         self, sandbox_id: str, handle: str, req: ProcessKillRequest
     ) -> ProcessSignaled: ...
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
-    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]: ...
+    def read_file(self, sandbox_id: str, path: str) -> Transfer[bytes]: ...
     def branch(self, sandbox_id: str, req: BranchRequest) -> BranchResult: ...
 
 
@@ -830,7 +842,7 @@ class LocalBackend:
         result = asked(sandbox_id, "exec", args, host_wait(req.timeout))
         return guest_answer(result, ExecResult, "exec")
 
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Transfer[ExecFrame]:
         """The command's output as frames while it runs (UTF-8, a character split between
         two chunks is kept whole), then its result. The command runs in a thread of its
         own; at most STREAM_QUEUE frames wait for the caller (a slow reader slows the
@@ -919,7 +931,7 @@ class LocalBackend:
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         ch.write_file(sandbox_id, path, data, mode)
 
-    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+    def read_file(self, sandbox_id: str, path: str) -> Transfer[bytes]:
         """The file's bytes in chunks (up to 1 MiB each) as the guest sends them; NotFound
         (404 in REST) before the first when the guest has no such file. The read runs in a
         thread of its own and at most FILE_QUEUE chunks wait for the caller, so a file of

@@ -52,7 +52,7 @@ from forkd.controller.api import (
     SpawnResult,
     StdinWritten,
 )
-from forkd.controller.backend import CALLER_STOP, Stop, Stopped
+from forkd.controller.backend import CALLER_STOP, Stop, Stopped, Transfer
 from forkd.engine.commands import check_handle
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.lifecycle import ID_RE
@@ -293,7 +293,7 @@ class RemoteBackend:
             timeout=waiting(api.answer_timeout(req.timeout)),
         )
 
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecFrame]:
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Transfer[ExecFrame]:
         """The frames of ``POST …/exec/stream`` as they arrive; the last one has ``result``.
         Waits at most 4 heartbeats (api.HEARTBEAT_S) between two frames, however long the
         command runs; an ``error`` frame is raised as its error family. The iterator's
@@ -383,7 +383,7 @@ class RemoteBackend:
             content=data,
         )
 
-    def read_file(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+    def read_file(self, sandbox_id: str, path: str) -> Transfer[bytes]:
         """The file's bytes in chunks as the daemon passes them on (it streams them from
         the guest); a body cut short is a ControllerError, never a shorter file. The
         iterator's ``abandon`` (from any thread) ends the transfer at once, also while a

@@ -41,6 +41,7 @@ from forkd.controller.app import (
     BodyBudget,
     Token,
     TokenWatch,
+    announced_body,
     scope_token,
     token_matches,
 )
@@ -376,9 +377,7 @@ class Tools:
                 revocation.check()  # the stream was ended for a revocation: say that
                 raise
             finally:
-                close = getattr(frames, "close", None)  # ends what runs it, if it still does
-                if close is not None:
-                    close()
+                frames.close()  # ends what runs it, if it still does
             revocation.check()
         if r is None:
             raise ForkdError(f"sandbox {sandbox_id}: the command's stream ended without a "
@@ -540,15 +539,11 @@ def _read_at_most(sb: Sandbox, path: str, limit: int) -> bytes:
     FIFO nobody writes): it waited for ever, holding its guest request."""
     parts: list[bytes] = []
     size = 0
-    chunks = sb.controller.backend.read_file(sb.id, path)
     stop = CALL_STOP.get()
     with contextlib.ExitStack() as ending:
-        close = getattr(chunks, "close", None)  # ends the transfer if it still runs
-        if close is not None:
-            ending.callback(close)
-        abandon = getattr(chunks, "abandon", None)  # thread-safe (backend.Produced)
-        if stop is not None and abandon is not None:
-            ending.enter_context(stop.calling(abandon))
+        chunks = ending.enter_context(contextlib.closing(sb.files.transfer(path)))
+        if stop is not None:
+            ending.enter_context(stop.calling(chunks.abandon))
         for chunk in chunks:
             size += len(chunk)
             if size > limit:
@@ -702,10 +697,8 @@ class BodyBound:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))
-        length = headers.get(b"content-length")
-        size = int(length) if length is not None and length.isdigit() else (
-            self.most if b"transfer-encoding" in headers else 0)
+        announced = announced_body(scope)
+        size = self.most if announced is None else announced
         if size > self.most:
             await self._refuse(send, 413, f"the message is {size} bytes, over the "
                                f"{self.most} one MCP message may be; send large files in parts")
@@ -720,7 +713,7 @@ class BodyBound:
                                str(refused))
             return
         try:
-            if length is None:  # chunked: read here, within the bound, then passed on
+            if announced is None:  # chunked: read here, within the bound, then passed on
                 body = bytearray()
                 more = True
                 while more:

@@ -43,7 +43,7 @@ from forkd.controller.api import (
     SandboxInfo,
     SpawnRequest,
 )
-from forkd.controller.backend import MAX_SANDBOXES, Backend, LocalBackend
+from forkd.controller.backend import MAX_SANDBOXES, Backend, LocalBackend, Transfer
 from forkd.controller.client import RemoteBackend
 from forkd.errors import ForkdError, InvalidInput
 
@@ -290,13 +290,15 @@ class Commands:
         backend = self._sb.controller.backend
         if on_stdout is None and on_stderr is None:
             return CommandResult.of(backend.exec(self._sb.id, req))
-        for frame in backend.exec_stream(self._sb.id, req):
-            if frame.stdout and on_stdout is not None:
-                on_stdout(frame.stdout)
-            if frame.stderr and on_stderr is not None:
-                on_stderr(frame.stderr)
-            if frame.result is not None:
-                return CommandResult.of(frame.result)
+        # closed however this ends (a callback that raises too): the command is killed
+        with contextlib.closing(backend.exec_stream(self._sb.id, req)) as frames:
+            for frame in frames:
+                if frame.stdout and on_stdout is not None:
+                    on_stdout(frame.stdout)
+                if frame.stderr and on_stderr is not None:
+                    on_stderr(frame.stderr)
+                if frame.result is not None:
+                    return CommandResult.of(frame.result)
         raise ForkdError(f"sandbox {self._sb.id}: the command's stream ended without a result")
 
 
@@ -316,13 +318,14 @@ class Files:
         """The file's bytes in chunks (up to 1 MiB) as they arrive, for a file too large
         to hold whole; forkd.errors.NotFound at the first when there is no such file.
         Closing the generator early ends the transfer."""
-        chunks = self._sb.controller.backend.read_file(self._sb.id, path)
-        try:
+        with contextlib.closing(self.transfer(path)) as chunks:
             yield from chunks
-        finally:
-            close = getattr(chunks, "close", None)  # a generator's: ends the transfer now
-            if close is not None:
-                close()
+
+    def transfer(self, path: str) -> Transfer[bytes]:
+        """``stream``'s chunks as a Transfer: close it when done (``contextlib.closing``);
+        its ``abandon`` ends the transfer from another thread, also while a read waits for
+        a chunk that never comes (a FIFO nobody writes)."""
+        return self._sb.controller.backend.read_file(self._sb.id, path)
 
 
 class Sandbox:

@@ -90,7 +90,7 @@ def _signature(cls: type, name: str) -> tuple[list[tuple[str, Any, Any]], Any]:
 def test_every_backend_has_the_declared_method(op: api.Operation) -> None:
     protocol = backend.PoolBackend
     params, answer = _signature(protocol, op.name)
-    expected = Iterator[op.answer] if op.stream else op.answer
+    expected = backend.Transfer[op.answer] if op.stream else op.answer
     expected = type(None) if expected is None else expected
     assert answer == expected, (op.name, answer, expected)
     names = [n for n, _, _ in params]

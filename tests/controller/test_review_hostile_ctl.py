@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,25 @@ def test_a_slow_reader_makes_the_daemon_hold_a_few_mib_per_stream_and_a_bound_in
     assert backend.STREAM_BUDGET.used == 0  # nothing of the readers that left is counted
 
 
+class _Transfer(Iterator[bytes]):
+    """``items`` as a backend.Transfer (what app.relayed takes): close closes a generator,
+    abandon is told nothing here (these items never keep a reader waiting)."""
+
+    def __init__(self, items: Iterator[bytes]) -> None:
+        self._items = items
+
+    def __next__(self) -> bytes:
+        return next(self._items)
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
+
+    def abandon(self) -> None:
+        pass
+
+
 def test_the_relay_to_a_slow_client_holds_a_few_mib_and_frees_them() -> None:
     """app.relayed, the queue between the backend and the HTTP answer, is bounded by bytes
     the same way (its 16 frames of up to 2 MiB were 32 MiB per stream)."""
@@ -205,13 +225,13 @@ def test_the_relay_to_a_slow_client_holds_a_few_mib_and_frees_them() -> None:
 
     pulled = [0]
 
-    def items() -> object:
+    def items() -> Iterator[bytes]:
         while True:
             pulled[0] += 1
             yield CHUNK
 
     async def slow_client() -> int:
-        relay = app.relayed(items(), None, 16)  # type: ignore[arg-type]
+        relay = app.relayed(_Transfer(items()), None, 16)
         assert await relay.__anext__() is CHUNK
         while True:  # the client takes nothing more
             before = pulled[0]
@@ -244,7 +264,7 @@ def test_a_relay_read_to_its_end_gives_each_items_bytes_back_once(
     monkeypatch.setattr(threading, "excepthook", lambda a: failures.append(a.exc_value))
 
     async def read_all(n: int) -> list[object]:
-        return [x async for x in app.relayed(iter([CHUNK] * n), None, 4)]
+        return [x async for x in app.relayed(_Transfer(iter([CHUNK] * n)), None, 4)]
 
     async def many() -> None:
         for i in range(200):
