@@ -20,7 +20,7 @@ import contextvars
 import functools
 import json
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -45,7 +45,7 @@ from forkd.controller.app import (
     scope_token,
     token_matches,
 )
-from forkd.controller.backend import CALLER_STOP, Stop, Stopped
+from forkd.controller.backend import CALLER_STOP, MAX_SANDBOXES, Stop, Stopped, client_share
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
@@ -169,6 +169,71 @@ class ToolCalls(Shares):
         return wrapper
 
 
+class SandboxShares:
+    """The sandboxes one MCP client runs through a daemon, at most ``share``. In front of a
+    daemon every MCP client is the same client of the daemon (this process's uid), so the
+    daemon's per-client share of VMs (half its --max-sandboxes) was one share for all of
+    them: one MCP client's create_sandboxes could take all of it, and every other MCP
+    client's was refused until it killed some. A client (REQUEST_CLIENT) counts the
+    sandboxes it created here that the daemon still lists, paused ones left out (as the
+    daemon counts them), and the ones it is creating. In process there is no such class:
+    the engine keeps each MCP client's share itself (LocalBackend.max_per_client)."""
+
+    def __init__(self, share: int) -> None:
+        self.share = share
+        self._owners: dict[str, tuple[str, int]] = {}  # sandbox id: (client, when made)
+        self._starting: dict[str, int] = {}  # client: sandboxes it is creating
+        self._made = 0  # sandboxes recorded so far, to order them against a listing
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, controller: Controller) -> SandboxShares | None:
+        """Half of this process's default share at a daemon; None in process."""
+        return cls(client_share(client_share(MAX_SANDBOXES))) if controller.remote else None
+
+    @contextlib.contextmanager
+    def admitted(self, n: int, what: str, controller: Controller
+                 ) -> Iterator[Callable[[list[str]], None]]:
+        """Room for ``n`` more sandboxes of the calling client while the block runs, or
+        TooManyRequests saying its share; the block hands the ids it made to the callable
+        it gets, and they count against the client from then on."""
+        client = REQUEST_CLIENT.get()
+        if client is None:  # stdio: one caller, nothing to share
+            yield lambda ids: None
+            return
+        with self._lock:
+            listed_after = self._made  # ids recorded before the listing below
+        running = {sb.id for sb in controller.backend.sandboxes() if sb.status != "paused"}
+        with self._lock:
+            for gone in [i for i, (_, made) in self._owners.items()
+                         if made < listed_after and i not in running]:
+                del self._owners[gone]
+            mine = sum(1 for i, (who, _) in self._owners.items()
+                       if who == client and i in running) + self._starting.get(client, 0)
+            if mine + n > self.share:
+                raise TooManyRequests(
+                    f"{what} needs {n} more sandboxes and this client ({client}) runs {mine} "
+                    f"(the ones it created on this MCP server that run, and ones starting); "
+                    f"one MCP client runs at most {self.share}, so that every client of this "
+                    "server keeps a share of what the daemon gives it: kill_sandbox some "
+                    "of yours and try again")
+            self._starting[client] = self._starting.get(client, 0) + n
+
+        def own(ids: list[str]) -> None:
+            with self._lock:
+                for i in ids:
+                    self._made += 1
+                    self._owners[i] = (client, self._made)
+
+        try:
+            yield own
+        finally:
+            with self._lock:
+                self._starting[client] -= n
+                if self._starting[client] <= 0:
+                    del self._starting[client]
+
+
 # The Stop of the tool call this thread runs (stoppable): set when the call is cancelled
 CALL_STOP: contextvars.ContextVar[Stop | None] = contextvars.ContextVar(
     "forkd_mcp_call_stop", default=None)
@@ -277,9 +342,11 @@ class Tools:
     HTTP callers present (http_server); a command or cell that runs when it is revoked is
     stopped (Revocation)."""
 
-    def __init__(self, controller: Controller, token: Token | None = None) -> None:
+    def __init__(self, controller: Controller, token: Token | None = None,
+                 sandboxes: SandboxShares | None = None) -> None:
         self.controller = controller
         self.token = token
+        self.sandboxes = sandboxes
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
@@ -337,7 +404,12 @@ class Tools:
             options["timeout"] = timeout_s
         if memory_limit_mib is not None:
             options["memory_limit_mib"] = memory_limit_mib
-        started = self.controller.spawn_sandboxes(tag, n, **options)
+        if self.sandboxes is None:
+            started = self.controller.spawn_sandboxes(tag, n, **options)
+        else:
+            with self.sandboxes.admitted(n, f"forking {n} of {tag}", self.controller) as own:
+                started = self.controller.spawn_sandboxes(tag, n, **options)
+                own([sb.id for sb in started])
         return {"tag": tag, "sandboxes": [sb.id for sb in started]}
 
     def run_command(
@@ -593,11 +665,13 @@ TOOL_NAMES = (
 
 
 def build_server(controller: Controller, token: Token | None = None,
-                 calls: ToolCalls | None = None) -> MCPServer[Any]:
+                 calls: ToolCalls | None = None,
+                 sandboxes: SandboxShares | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
     callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
     callers' tool calls in flight, in all and per client (None: not counted, stdio's one
-    caller)."""
+    caller); ``sandboxes``: the sandboxes each HTTP caller runs through a daemon (None:
+    not counted here)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -610,7 +684,7 @@ def build_server(controller: Controller, token: Token | None = None,
             "each one you created when done."
         ),
     )
-    tools = Tools(controller, token)
+    tools = Tools(controller, token, sandboxes)
     for name in TOOL_NAMES:
         tool = getattr(tools, name)
         if calls is not None:
@@ -643,14 +717,18 @@ def http_server(
     max_sessions: int = MAX_SESSIONS,
     session_idle_s: float = SESSION_IDLE_S,
     max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT,
+    sandboxes: SandboxShares | None = None,
 ) -> uvicorn.Server:
     """The streamable-HTTP server, not started: the daemon's listener bounds (server.
     bounded_config: head deadline, connection cap, no WebSocket), and at most
     ``max_sessions`` MCP sessions, ``max_sessions_per_client`` of them one client's
     (SessionShare), each closed after ``session_idle_s`` without a request in flight (the
     SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
-    calls in flight bounded in all and per client (ToolCalls)."""
-    mcp = build_server(controller, token, ToolCalls.of(controller))
+    calls in flight bounded in all and per client (ToolCalls), and through a daemon the
+    sandboxes each client runs (``sandboxes``, SandboxShares.of the controller by
+    default)."""
+    mcp = build_server(controller, token, ToolCalls.of(controller),
+                       sandboxes if sandboxes is not None else SandboxShares.of(controller))
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,

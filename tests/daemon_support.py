@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,10 @@ from typing import Any
 import httpx
 import uvicorn
 from net_support import free_port, wait_healthy, wait_until
+
+from forkd.engine import children as ch
+from forkd.engine.lifecycle import ChildInfo
+from forkd.store.store import Store
 
 
 @contextlib.contextmanager
@@ -153,3 +158,28 @@ class FakeGuest:
             self.open -= 1
         self.closed.set()
         conn.close()
+
+
+class FakeEngine:
+    """Sandboxes that fork at once and run until ``end`` (the engine's fork and list, so
+    the daemon's admission is what runs for real; no VM)."""
+
+    def __init__(self) -> None:
+        self.children: list[ChildInfo] = []
+        self.forks = 0
+
+    def fork(self, store: Store, ref: str, n: int, **_: Any) -> ch.ForkResult:
+        made = []
+        for _i in range(n):
+            self.forks += 1
+            made.append(ChildInfo(id=f"sb-{self.forks}", ref=ref, digest="sha256:" + "0" * 64,
+                                  pid=os.getpid(), dir="/nonexistent", memory="", disk_backing="",
+                                  memory_mib=64, created=time.time()))
+        self.children.extend(made)
+        return ch.ForkResult(children=made, assemble_ms=0.0, total_ms=0.0, errors=[])
+
+    def list_children(self) -> list[ChildInfo]:
+        return list(self.children)
+
+    def end(self, sandbox_id: str) -> None:
+        self.children = [c for c in self.children if c.id != sandbox_id]

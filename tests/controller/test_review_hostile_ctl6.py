@@ -7,7 +7,6 @@ of the daemon's VMs. No VM: the real app and protocol on uvicorn, and a fake gue
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -19,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 from click.testing import CliRunner
-from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, running
+from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, mcp_auth, running
 from net_support import free_port, wait_until
 
 from forkd import audit as audit_module
@@ -31,7 +30,6 @@ from forkd.controller.client import answered_error
 from forkd.engine import agent_client as ac
 from forkd.engine import children as ch
 from forkd.engine.errors import Busy
-from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.pool import Pool
 from forkd.errors import InvalidInput
 from forkd.store.store import Store
@@ -156,31 +154,6 @@ def test_an_id_quoted_in_an_error_says_it_was_cut(unix: httpx.Client) -> None:
 
 
 # -- one client's share of the daemon's VMs -----------------------------------------------
-class FakeEngine:
-    """Sandboxes that fork at once and run until ``end`` (the engine's fork and list, so
-    the daemon's admission is what runs for real; no VM)."""
-
-    def __init__(self) -> None:
-        self.children: list[ChildInfo] = []
-        self.forks = 0
-
-    def fork(self, store: Store, ref: str, n: int, **_: Any) -> ch.ForkResult:
-        made = []
-        for _i in range(n):
-            self.forks += 1
-            made.append(ChildInfo(id=f"sb-{self.forks}", ref=ref, digest="sha256:" + "0" * 64,
-                                  pid=os.getpid(), dir="/nonexistent", memory="", disk_backing="",
-                                  memory_mib=64, created=time.time()))
-        self.children.extend(made)
-        return ch.ForkResult(children=made, assemble_ms=0.0, total_ms=0.0, errors=[])
-
-    def list_children(self) -> list[ChildInfo]:
-        return list(self.children)
-
-    def end(self, sandbox_id: str) -> None:
-        self.children = [c for c in self.children if c.id != sandbox_id]
-
-
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     fake = FakeEngine()

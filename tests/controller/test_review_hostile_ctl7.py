@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, running
+from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, mcp_auth, running
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -160,3 +160,55 @@ def test_a_cancelled_tool_call_stops_what_it_runs(
     # (the daemon learns its client left once the answer starts: app.FIRST_CHUNK_WAIT_S)
     assert guest.closed.wait(10), f"the cancelled {tool} still runs in the sandbox"
     wait_until("the guest request given back", lambda: not ch._in_flight, 5)
+
+
+@pytest.fixture
+def mcp_sharing_two(place: Path, tmp_path: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FakeEngine]]:
+    """`forkd mcp --transport http` in front of a daemon whose engine forks at once (no VM),
+    each MCP client running at most 2 sandboxes through it (its URL, the engine)."""
+    from forkd.controller.mcp import SandboxShares, http_server
+    from forkd.controller.sdk import Controller
+
+    engine = FakeEngine()
+    monkeypatch.setattr(ch, "fork", engine.fork)
+    monkeypatch.setattr(ch, "list_children", engine.list_children)
+    sock = place / "ctl.sock"
+    daemon = server.bounded_config(_daemon_app(tmp_path), server.UnixPeerProtocol,
+                                   uds=str(sock))
+    port = free_port()
+    with running(uvicorn.Server(daemon)):
+        web = http_server(Controller(socket=sock, local=False), "127.0.0.1", port, "/mcp",
+                          app.Token(TOKEN), sandboxes=SandboxShares(2))
+        with running(web):
+            yield f"http://127.0.0.1:{port}", engine
+
+
+def test_one_mcp_client_cannot_take_every_sandbox_the_daemon_gives_the_mcp_server(
+        mcp_sharing_two: tuple[str, FakeEngine], request: pytest.FixtureRequest) -> None:
+    """Before: in front of a daemon every MCP client is the same client of the daemon, so
+    the daemon's per-client share of VMs (half its --max-sandboxes) was one share for all
+    of them: one MCP client's create_sandboxes took all of it, and every other MCP client
+    was refused until it killed some. Now each MCP client runs at most its share of
+    sandboxes through the MCP server (mcp.SandboxShares): past it a tool error says whose
+    share and what to do, the other clients keep theirs, and a sandbox that ended gives
+    its place back."""
+    url, engine = mcp_sharing_two
+    mine, theirs = McpClient(url, "127.0.0.1"), McpClient(url, "127.0.0.2")
+    request.addfinalizer(mine.http.close)
+    request.addfinalizer(theirs.http.close)
+    made = mine.call("create_sandboxes", tag="tiny", n=2)
+    assert '"isError":false' in made and "sb-2" in made, made
+    for n in (1, 2):
+        refused = mine.call("create_sandboxes", tag="tiny", n=n)
+        assert '"isError":true' in refused and "TooManyRequests" in refused, refused
+        assert "this client (127.0.0.1) runs 2" in refused, refused
+        assert "one MCP client runs at most 2" in refused and "kill_sandbox" in refused
+    assert engine.forks == 2  # the refused ones never reached the daemon
+    theirs_made = theirs.call("create_sandboxes", tag="tiny", n=2)
+    assert '"isError":false' in theirs_made, theirs_made  # their share was kept for them
+    engine.end("sb-1")  # one of mine ended: room for one more of mine, not two
+    assert '"isError":true' in mine.call("create_sandboxes", tag="tiny", n=2)
+    again = mine.call("create_sandboxes", tag="tiny", n=1)
+    assert '"isError":false' in again, again
+    assert engine.forks == 5
