@@ -1,0 +1,252 @@
+"""The controller against the tenth hostile review: what a daemon's answer may do to its
+clients, the Python client (RemoteBackend, under the CLI, the SDK and `forkd mcp`) and the
+TypeScript SDK. Whatever answers at the URL (another server, a proxy, a daemon gone wrong)
+is read within a bound (an answer, an error, a streamed line), an answer of another shape is
+the client's error (never an exception of its parser, never the end of a Node process), and
+an error never has a success's exit code. No VM: the real clients over real HTTP against a
+server on uvicorn that answers what each test makes it answer."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from daemon_support import running
+from net_support import free_port
+
+from forkd.controller import client
+from forkd.controller.api import ExecRequest
+from forkd.controller.client import ControllerError, RemoteBackend
+from forkd.errors import ForkdError
+
+SDK = Path(__file__).resolve().parents[2] / "sdk" / "typescript" / "src" / "index.js"
+BODY_CAP = 24 << 20  # what an endless answer sends at most before it ends on its own
+CHUNK = 64 << 10
+
+
+@dataclass
+class Answer:
+    """What the hostile server answers every request with: its status and body parts,
+    endless (``endless``, up to BODY_CAP, after ``parts``) or not; ``sent`` counts bytes."""
+
+    status: int = 200
+    parts: list[bytes] = field(default_factory=list)
+    endless: bytes = b""
+    sent: int = 0
+
+
+def hostile_app(answer: Answer) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": answer.status,
+                    "headers": [(b"content-type", b"application/json")]})
+        for part in answer.parts:
+            answer.sent += len(part)
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        while answer.endless and answer.sent < BODY_CAP:
+            answer.sent += len(answer.endless)
+            await send({"type": "http.response.body", "body": answer.endless,
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.fixture
+def hostile() -> Iterator[tuple[str, Answer]]:
+    """A server (its URL) answering every request with the Answer the test fills in."""
+    answer = Answer()
+    port = free_port()
+    config = uvicorn.Config(hostile_app(answer), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="off")
+    with running(uvicorn.Server(config)):
+        yield f"http://127.0.0.1:{port}", answer
+
+
+def remote(url: str) -> RemoteBackend:
+    return RemoteBackend(url=url, token="t" * 43)
+
+
+# -- the Python client --------------------------------------------------------------
+def test_an_answer_that_is_not_json_is_the_clients_error(
+        hostile: tuple[str, Answer]) -> None:
+    """A 200 that is not JSON (a web server's page at the URL) raised msgspec's DecodeError
+    out of RemoteBackend: no ForkdError, so the CLI ended in a traceback."""
+    url, answer = hostile
+    answer.parts = [b"<html>not a daemon</html>"]
+    with pytest.raises(ControllerError, match="unexpected shape"):
+        remote(url).snapshots()
+
+
+def test_a_streamed_line_that_is_not_a_frame_is_the_clients_error(
+        hostile: tuple[str, Answer]) -> None:
+    url, answer = hostile
+    answer.parts = [b'{"stdout": "a"}\n', b"<html>\n"]
+    frames = remote(url).exec_stream("sb-1", ExecRequest(argv=["true"]))
+    assert next(frames).stdout == "a"
+    with pytest.raises(ControllerError, match="not a frame"):
+        next(frames)
+
+
+@pytest.mark.parametrize("code", [0, 256, -1, 4096])
+def test_an_error_never_has_a_success_exit_code(
+        hostile: tuple[str, Answer], code: int) -> None:
+    """An error answered with exit code 0 (or 256, which a shell reads as 0) made `forkd`
+    print the error and exit 0 (cli.errors: sys.exit(exc.exit_code)); a failure's own
+    exit code is kept."""
+    url, answer = hostile
+    answer.status = 500
+    for given, kept in ((code, 1), (13, 13)):
+        answer.parts = [b'{"error": {"type": "Odd", "message": "m", "exit_code": %d}}' % given]
+        with pytest.raises(ControllerError) as failed:
+            remote(url).snapshots()
+        assert failed.value.exit_code == kept
+
+
+def test_an_endless_answer_is_read_within_its_bound(
+        hostile: tuple[str, Answer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """RemoteBackend read an answer whole (httpx's .content), whatever its size: an endless
+    one held all of it in the client's memory. Read to MAX_ANSWER_BYTES (made small here)."""
+    url, answer = hostile
+    monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 1 << 20)
+    answer.parts, answer.endless = [b"["], b"0," * (CHUNK // 2)
+    with pytest.raises(ControllerError, match="more than 1048576 bytes"):
+        remote(url).snapshots()
+
+
+def test_an_endless_error_is_read_within_its_bound(hostile: tuple[str, Answer]) -> None:
+    url, answer = hostile
+    answer.status = 500
+    answer.parts, answer.endless = [b'{"error": {"message": "'], b"a" * CHUNK
+    with pytest.raises(ControllerError, match=f"more than {client.MAX_ERROR_BYTES} bytes"):
+        remote(url).snapshots()
+
+
+def test_a_streamed_line_without_end_is_read_within_its_bound(
+        hostile: tuple[str, Answer]) -> None:
+    """httpx's iter_lines held a line until its end: one without end grew for ever."""
+    url, answer = hostile
+    answer.parts, answer.endless = [b'{"stdout": "'], b"a" * CHUNK
+    frames = remote(url).exec_stream("sb-1", ExecRequest(argv=["true"]))
+    with pytest.raises(ControllerError, match=f"more than {client.MAX_FRAME_BYTES} bytes"):
+        next(frames)
+
+
+def test_a_compressed_answer_is_not_inflated(hostile: tuple[str, Answer]) -> None:
+    """The client asks for answers as they are (Accept-Encoding: identity) and reads them
+    so: a 64 KiB gzip answer was 64 MiB once httpx decoded it, past every bound."""
+    url, answer = hostile
+    import gzip
+    answer.parts = [gzip.compress(b"[]")]
+    with pytest.raises(ForkdError, match="unexpected shape"):
+        remote(url).snapshots()
+
+
+# -- the TypeScript SDK -------------------------------------------------------------
+def run_node(url: str, script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` (its top-level await's ``ctl`` a Controller of ``url``) in Node."""
+    from test_typescript_sdk import node
+
+    prelude = (f'import {{ Controller, Sandbox, ForkdError }} from "{SDK.as_uri()}";\n'
+               f'const ctl = new Controller({{ url: "{url}", token: "{"t" * 43}" }});\n')
+    return subprocess.run([node(), "--input-type=module", "-e", prelude + script],
+                          capture_output=True, text=True, timeout=120)
+
+
+REJECTION = """
+try {
+  await %s;
+  console.log("resolved");
+} catch (e) {
+  console.log(JSON.stringify({forkd: e instanceof ForkdError, exit: e?.exitCode ?? null,
+                              message: String(e?.message ?? e)}));
+}
+"""
+
+
+def rejection(url: str, call: str) -> dict[str, Any]:
+    import json
+
+    done = run_node(url, REJECTION % call)
+    assert done.returncode == 0, f"the Node process ended: {done.stderr[-2000:]}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("body", [b'{"detail": "bad gateway"}', b"{}"])
+def test_node_an_error_of_another_shape_is_a_rejection(
+        hostile: tuple[str, Answer], body: bytes) -> None:
+    """An error body without ``error`` (a proxy's) threw in the answer's "end" handler,
+    outside any promise: the whole Node process ended, not the one call."""
+    url, answer = hostile
+    answer.status, answer.parts = 502, [body]
+    got = rejection(url, "ctl.snapshots()")
+    assert got["forkd"] and got["exit"] == 1, got
+
+
+@pytest.mark.parametrize("kind", ["constructor", "toString", "__proto__", "hasOwnProperty"])
+def test_node_an_error_type_is_a_family_only_of_its_own(
+        hostile: tuple[str, Answer], kind: str) -> None:
+    """FAMILIES[type] found Object's own members: "constructor" rejected with a String (not
+    an Error), "toString" threw a TypeError in the "end" handler (the process ended)."""
+    url, answer = hostile
+    answer.status = 400
+    answer.parts = [b'{"error": {"type": "%s", "message": "m", "exit_code": 2}}'
+                    % kind.encode()]
+    got = rejection(url, "ctl.snapshots()")
+    assert got == {"forkd": True, "exit": 2, "message": "m"}
+
+
+@pytest.mark.parametrize("code", [0, 256, -1])
+def test_node_an_error_never_has_a_success_exit_code(
+        hostile: tuple[str, Answer], code: int) -> None:
+    url, answer = hostile
+    answer.status = 400
+    answer.parts = [b'{"error": {"type": "InvalidInput", "message": "m", "exit_code": %d}}'
+                    % code]
+    assert rejection(url, "ctl.snapshots()")["exit"] == 1
+
+
+STREAM = 'Sandbox.connect("sb-1", { controller: ctl }).commands.run("x", { onStdout() {} })'
+
+
+def test_node_a_streamed_line_that_is_not_json_is_a_rejection(
+        hostile: tuple[str, Answer]) -> None:
+    """JSON.parse of a streamed line ran in the answer's "data" handler: a line that is not
+    JSON ended the Node process."""
+    url, answer = hostile
+    answer.parts = [b'{"stdout": "a"}\n', b"<html>\n"]
+    got = rejection(url, STREAM)
+    assert got["forkd"] and "not JSON" in got["message"], got
+
+
+def test_node_a_streamed_line_without_end_is_read_within_its_bound(
+        hostile: tuple[str, Answer]) -> None:
+    url, answer = hostile
+    answer.parts, answer.endless = [b'{"stdout": "'], b"a" * CHUNK
+    got = rejection(url, STREAM)
+    assert got["forkd"] and "more than 1048576 bytes" in got["message"], got
+
+
+def test_node_an_endless_error_is_read_within_its_bound(hostile: tuple[str, Answer]) -> None:
+    url, answer = hostile
+    answer.status = 500
+    answer.parts, answer.endless = [b'{"error": {"message": "'], b"a" * CHUNK
+    got = rejection(url, "ctl.snapshots()")
+    assert got["forkd"] and "more than 1048576 bytes" in got["message"], got
+
+
+def test_node_an_answer_that_is_not_json_is_a_forkd_error(
+        hostile: tuple[str, Answer]) -> None:
+    url, answer = hostile
+    answer.parts = [b"<html>not a daemon</html>"]
+    got = rejection(url, "ctl.snapshots()")
+    assert got["forkd"] and "not JSON" in got["message"], got
