@@ -96,7 +96,7 @@ from forkd.errors import (
     NotFound,
 )
 from forkd.jsondoc import check_body
-from forkd.names import inert, shortened
+from forkd.names import inert, shortened, shown
 from forkd.shares import Shares
 
 STATUS: list[tuple[type[ForkdError], int]] = [
@@ -647,10 +647,36 @@ async def check_request(request: Request[Any, Any, Any]) -> None:
     or naming a key twice in one object, is an InvalidInput (400) before it is parsed
     (jsondoc.check_body): the parser recurses once per level, and thousands of ``[`` would
     end in a RecursionError (a 500); and msgspec keeps the last of a repeated key where
-    the audit log or a proxy may read the first."""
+    the audit log or a proxy may read the first. A body's value is of its declared type
+    (strict_body), as a query's number or flag is written one way (check_query)."""
     check_query(request)
-    if "data" in request.route_handler.parsed_fn_signature.parameters:
-        check_body(await request.body())
+    data = request.route_handler.parsed_fn_signature.parameters.get("data")
+    if data is not None:
+        body = await request.body()
+        check_body(body)
+        strict_body(body, data.annotation)
+
+
+def strict_body(body: bytes, declared: Any) -> None:
+    """InvalidInput (400) when a JSON body's value is not of the type docs/api.md and the
+    OpenAPI document declare: Litestar converts leniently, so ``"n": "2"``, ``"n": 2.0``
+    and ``"timeout": "1e9"`` were numbers to the daemon, while a proxy or policy in front
+    that checks the numbers of a request (as the schema says they are) let the strings
+    by. A number for a float field is a float, as JSON has it. A body wrong in any other
+    way (a field missing, a value out of range) is left to Litestar's parse, which says
+    so as before."""
+    try:
+        msgspec.json.decode(body, type=declared)
+    except msgspec.ValidationError as exc:
+        try:
+            msgspec.json.decode(body, type=declared, strict=False)
+        except msgspec.DecodeError:
+            return  # wrong however read
+        raise InvalidInput(f"invalid request: {shortened(str(exc), 300)}; send each field "
+                           "as the type docs/api.md declares (a number as a JSON number, "
+                           "an integer without a point)") from None
+    except msgspec.DecodeError:
+        return  # not JSON: Litestar's parse says so
 
 
 PARAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
@@ -665,20 +691,32 @@ def _param_name(name: str) -> str:
     return f"(a name of {len(name)} characters that is not a plain word)"
 
 
+# how a query's number and flag are written (docs/api.md): Litestar also took ``420.0``,
+# ``4.2e2`` and ``-0`` as the mode 420 or 0, and ``1`` as true, which a proxy or log in
+# front reads as other text than the daemon's number
+QUERY_FORMS: dict[type, tuple[re.Pattern[str], str]] = {
+    int: (re.compile(r"0|-?[1-9][0-9]{0,18}"), "a decimal integer (digits, no sign but -, "
+          "no point, exponent or leading zero)"),
+    bool: (re.compile(r"true|false"), "true or false"),
+}
+
+
 def check_query(request: Request[Any, Any, Any]) -> None:
     """InvalidInput (400) for a query parameter the route does not take, or one given
     twice, naming it: as a JSON body's unknown field or repeated key. Litestar ignored
     both: ``?path=/a&path=/b`` wrote one of the two files (which one is a parser's choice:
     a proxy or a log in front may read the other), and a misspelt ``?mod=384`` wrote the
-    file with the default mode, silently."""
+    file with the default mode, silently. A number or flag not written as QUERY_FORMS says
+    is refused too."""
     handler = request.route_handler
     if is_public(handler):
         return
-    takes = sorted(name for name, f in handler.parsed_fn_signature.parameters.items()
-                   if isinstance(f.kwarg_definition, QueryParameter))
+    kinds = {name: f.annotation for name, f in handler.parsed_fn_signature.parameters.items()
+             if isinstance(f.kwarg_definition, QueryParameter)}
+    takes = sorted(kinds)
     route = f"{request.method} {min(handler.paths)}"
     seen: set[str] = set()
-    for name, _ in request.query_params.multi_items():
+    for name, value in request.query_params.multi_items():
         if name not in takes:
             allowed = ("it takes " + ", ".join(takes)) if takes else "it takes none"
             raise InvalidInput(f"unknown query parameter {_param_name(name)} for {route}: "
@@ -687,6 +725,10 @@ def check_query(request: Request[Any, Any, Any]) -> None:
             raise InvalidInput(f"query parameter {_param_name(name)} is given twice; send "
                                "each query parameter once")
         seen.add(name)
+        form = QUERY_FORMS.get(kinds[name])
+        if form is not None and not form[0].fullmatch(value):
+            raise InvalidInput(f"query parameter {_param_name(name)} of {route} must be "
+                               f"{form[1]}, got {shown(value, 40)}")
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:

@@ -1,10 +1,13 @@
 """The controller against the tenth hostile review: what a daemon's answer may do to its
 clients, the Python client (RemoteBackend, under the CLI, the SDK and `forkd mcp`) and the
-TypeScript SDK. Whatever answers at the URL (another server, a proxy, a daemon gone wrong)
-is read within a bound (an answer, an error, a streamed line), an answer of another shape is
-the client's error (never an exception of its parser, never the end of a Node process), and
-an error never has a success's exit code. No VM: the real clients over real HTTP against a
-server on uvicorn that answers what each test makes it answer."""
+TypeScript SDK, and what a request's values are. Whatever answers at the URL (another
+server, a proxy, a daemon gone wrong) is read within a bound (an answer, an error, a
+streamed line), an answer of another shape is the client's error (never an exception of
+its parser, never the end of a Node process), and an error never has a success's exit
+code. A request's number is a number as the schema says (``"n": "2"``, ``2.0``,
+``?mode=4.2e2``, ``?cascade=1`` were converted leniently, past a proxy that reads them as
+text). No VM: the real clients over real HTTP against a server on uvicorn that answers
+what each test makes it answer, and the real daemon app on its Unix socket."""
 
 from __future__ import annotations
 
@@ -14,15 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from daemon_support import running
 from net_support import free_port
 
-from forkd.controller import client
+from forkd.audit import AuditLog
+from forkd.controller import app, client, server
 from forkd.controller.api import ExecRequest
+from forkd.controller.backend import LocalBackend
 from forkd.controller.client import ControllerError, RemoteBackend
 from forkd.errors import ForkdError
+from forkd.store.store import Store
 
 SDK = Path(__file__).resolve().parents[2] / "sdk" / "typescript" / "src" / "index.js"
 BODY_CAP = 24 << 20  # what an endless answer sends at most before it ends on its own
@@ -250,3 +257,64 @@ def test_node_an_answer_that_is_not_json_is_a_forkd_error(
     answer.parts = [b"<html>not a daemon</html>"]
     got = rejection(url, "ctl.snapshots()")
     assert got["forkd"] and "not JSON" in got["message"], got
+
+
+# -- the daemon: a request's values of their declared type ---------------------------
+@pytest.fixture
+def daemon(place: Path, tmp_path: Path) -> Iterator[httpx.Client]:
+    """A client of the real daemon app on its Unix socket (no sandbox, no tag)."""
+    sock = place / "ctl.sock"
+    web = app.create_app(LocalBackend(Store.open()), AuditLog(tmp_path / "a.log"),
+                         app.ControllerMetrics(), None)
+    config = server.bounded_config(web, server.UnixPeerProtocol, uds=str(sock))
+    with running(uvicorn.Server(config)), httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://forkd",
+            timeout=30) as http:
+        yield http
+
+
+LENIENT_BODIES = [
+    ("/v1/sandboxes", '{"tag": "nope:x", "n": "2"}', '{"tag": "nope:x", "n": 2}', "$.n"),
+    ("/v1/sandboxes", '{"tag": "nope:x", "n": 2.0}', '{"tag": "nope:x", "n": 2}', "$.n"),
+    ("/v1/sandboxes", '{"tag": "nope:x", "timeout": "1e9"}', '{"tag": "nope:x", "timeout": 9}',
+     "$.timeout"),
+    ("/v1/sandboxes/abc/extend", '{"seconds": "5"}', '{"seconds": 5}', "$.seconds"),
+    ("/v1/sandboxes/abc/exec", '{"argv": ["true"], "timeout": "60"}',
+     '{"argv": ["true"], "timeout": 60.5}', "$.timeout"),
+    ("/v1/pools", '{"tag": "nope:x", "k": "1"}', '{"tag": "nope:x", "k": 1}', "$.k"),
+]
+
+
+@pytest.mark.parametrize(("route", "lenient", "declared", "where"), LENIENT_BODIES)
+def test_a_json_value_of_another_type_is_refused(
+        daemon: httpx.Client, route: str, lenient: str, declared: str, where: str) -> None:
+    """Litestar converted ``"n": "2"`` and ``"timeout": "1e9"`` to numbers, which a proxy
+    or policy in front reading the body as the schema declares it took for text: the
+    request went on to spawn (here, a 404 for the missing tag) instead of a 400."""
+    headers = {"content-type": "application/json"}
+    r = daemon.post(route, content=declared, headers=headers)
+    assert r.status_code in (404, 400) and "type docs/api.md" not in r.text, r.text
+    r = daemon.post(route, content=lenient, headers=headers)
+    assert r.status_code == 400, r.text
+    assert where in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "route", "name", "lenient", "declared"), [
+    ("PUT", "/v1/sandboxes/abc/files", "mode", "420.0", "420"),
+    ("PUT", "/v1/sandboxes/abc/files", "mode", "4.2e2", "420"),
+    ("PUT", "/v1/sandboxes/abc/files", "mode", "-0", "0"),
+    ("DELETE", "/v1/snapshots/nope:x", "cascade", "1", "true"),
+    ("DELETE", "/v1/snapshots/nope:x", "cascade", "True", "false"),
+])
+def test_a_query_number_or_flag_is_written_one_way(
+        daemon: httpx.Client, method: str, route: str, name: str, lenient: str,
+        declared: str) -> None:
+    """``?mode=4.2e2`` wrote the file 0644 and ``?cascade=1`` removed what depends on a
+    tag, where a proxy or log in front saw text that is not the number or flag."""
+    params = {name: declared, **({"path": "/a"} if name == "mode" else {})}
+    r = daemon.request(method, route, params=params, content=b"x" if method == "PUT" else None)
+    assert r.status_code == 404, r.text  # the request went on: no such sandbox or tag
+    params[name] = lenient
+    r = daemon.request(method, route, params=params, content=b"x" if method == "PUT" else None)
+    assert r.status_code == 400, r.text
+    assert f"query parameter '{name}'" in r.json()["error"]["message"]
