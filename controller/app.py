@@ -590,14 +590,21 @@ def audit_value(value: Any, chars: int = AUDIT_CHARS) -> Any:
     return value
 
 
-def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
-    """The HTTP status and error body of an exception (the error family's). A request
-    that does not match its declared type (api.py) is InvalidInput, saying what is wrong.
-    The message is inert (names.inert): what a guest wrote into it (an agent's refusal, a
-    console tail) reaches a client's terminal as visible text, never as its commands."""
+def error_answer(exc: Exception, home: Path | None = None) -> tuple[int, ErrorBody]:
+    """The HTTP status and error body of an exception (the error family's), however it
+    is sent (an error answer, a stream's error frame). A request that does not match its
+    declared type (api.py) is InvalidInput, saying what is wrong. The message names this
+    host's forkd directories by their variables (hidden_host_paths; ``home``: the store's)
+    and is inert (names.inert): what a guest wrote into it (an agent's refusal, a console
+    tail) reaches a client's terminal as visible text, never as its commands."""
     status, body = _answer_of(exc)
-    body.message = inert(body.message, MAX_MESSAGE_CHARS)
+    body.message = inert(hidden_host_paths(body.message, home), MAX_MESSAGE_CHARS)
     return status, body
+
+
+def store_home(ctl: Controller) -> Path | None:
+    """The home of the store the daemon serves (hidden in its errors), if it has one."""
+    return ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
 
 
 def _answer_of(exc: Exception) -> tuple[int, ErrorBody]:
@@ -630,14 +637,12 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
         body = ErrorBody(type="Unauthorized", message=str(exc), exit_code=8)
         return Response(ErrorAnswer(error=body), status_code=401,
                         headers={"WWW-Authenticate": 'Bearer realm="forkd"'})
-    status, body = error_answer(exc)
+    status, body = error_answer(exc, store_home(ctl))
     # a client past its share (429) may retry once one of its requests has ended
     retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
         ctl.failed.record(ctl.transport, peer(request), request.method, request.url.path,
                           "failed", client=REQUEST_CLIENT.get(), error=audit_value(str(exc)))
-    home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
-    body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)
 
 
@@ -913,7 +918,8 @@ def exec_stream(
             audited(request, ctl, "sandbox.exec", sandbox_id, result, stream=True, **detail)
 
     frames = ctl.backend.exec_stream(sandbox_id, data)
-    return Stream(ndjson(frames, api.HEARTBEAT_S, ended), media_type="application/x-ndjson")
+    return Stream(ndjson(frames, api.HEARTBEAT_S, ended, store_home(ctl)),
+                  media_type="application/x-ndjson")
 
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
@@ -1011,11 +1017,13 @@ async def relayed(
 
 
 async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
-                 ended: Callable[[str, dict[str, Any]], None] | None = None
-                 ) -> AsyncIterator[bytes]:
+                 ended: Callable[[str, dict[str, Any]], None] | None = None,
+                 home: Path | None = None) -> AsyncIterator[bytes]:
     """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
     clients and proxies can tell a quiet command from a dead connection), and an
-    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone).
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone),
+    said as an error answer says it (error_answer, ``home`` the store's: the frame named
+    this host's directories, which the same error answered by POST …/exec hid).
     ``ended`` is told how the stream ended: "ok" (with the command's status and exit
     code), "failed" (with the error sent) or "cut" (the client left first)."""
     outcome: tuple[str, dict[str, Any]] = ("cut", {})
@@ -1029,7 +1037,7 @@ async def ndjson(frames: Iterator[ExecFrame], heartbeat: float,
                     outcome = ("failed", {"error": frame.error.message})
                 yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
     except Exception as exc:  # the client gets it as its error frame
-        error = error_answer(exc)[1]
+        error = error_answer(exc, home)[1]
         outcome = ("failed", {"error": error.message})
         yield msgspec.json.encode(ExecFrame(error=error)) + b"\n"
     finally:

@@ -6,12 +6,17 @@ streamed line), an answer of another shape is the client's error (never an excep
 its parser, never the end of a Node process), and an error never has a success's exit
 code. A request's number is a number as the schema says (``"n": "2"``, ``2.0``,
 ``?mode=4.2e2``, ``?cascade=1`` were converted leniently, past a proxy that reads them as
-text). No VM: the real clients over real HTTP against a server on uvicorn that answers
-what each test makes it answer, and the real daemon app on its Unix socket."""
+text), and a streamed command's error frame hides the host's paths as an error answer
+does. No VM: the real clients over real HTTP against a server on uvicorn that answers
+what each test makes it answer, and the real daemon app on its Unix socket (a sandbox
+there is a record whose "QEMU" is a process the test starts)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,8 @@ from forkd.controller import app, client, server
 from forkd.controller.api import ExecRequest
 from forkd.controller.backend import LocalBackend
 from forkd.controller.client import ControllerError, RemoteBackend
+from forkd.engine.lifecycle import ChildInfo
+from forkd.engine.paths import children_dir
 from forkd.errors import ForkdError
 from forkd.store.store import Store
 
@@ -180,8 +187,6 @@ try {
 
 
 def rejection(url: str, call: str) -> dict[str, Any]:
-    import json
-
     done = run_node(url, REJECTION % call)
     assert done.returncode == 0, f"the Node process ended: {done.stderr[-2000:]}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -318,3 +323,36 @@ def test_a_query_number_or_flag_is_written_one_way(
     r = daemon.request(method, route, params=params, content=b"x" if method == "PUT" else None)
     assert r.status_code == 400, r.text
     assert f"query parameter '{name}'" in r.json()["error"]["message"]
+
+
+# -- the daemon: an error said one way, however it is sent ----------------------------
+@pytest.fixture
+def unreachable(place: Path) -> Iterator[str]:
+    """A sandbox whose "QEMU" (a process this test starts) runs and whose agent cannot be
+    reached: its relay exits at once, saying so with its directory's path."""
+    d = children_dir() / "sb-unreachable"
+    d.mkdir(parents=True)
+    qemu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                             str(d / "qmp.sock")], start_new_session=True)
+    try:
+        ChildInfo(id=d.name, ref="tiny:latest", digest="sha256:" + "0" * 64, pid=qemu.pid,
+                  dir=str(d), memory=str(d / "mem"), disk_backing="-", memory_mib=128,
+                  created=time.time()).save()
+        yield d.name
+    finally:
+        qemu.kill()
+        qemu.wait()
+
+
+def test_a_streamed_commands_error_hides_the_host_paths_as_an_answer_does(
+        daemon: httpx.Client, unreachable: str, place: Path) -> None:
+    """POST …/exec answered the failure with $FORKD_RUN for the run directory
+    (hidden_host_paths, in error_response); the same failure in …/exec/stream's error
+    frame named the host's path (ndjson made its frame without it)."""
+    body = {"argv": ["true"]}
+    answered = daemon.post(f"/v1/sandboxes/{unreachable}/exec", json=body)
+    assert answered.status_code == 409 and "$FORKD_RUN" in answered.text, answered.text
+    streamed = daemon.post(f"/v1/sandboxes/{unreachable}/exec/stream", json=body)
+    frame = json.loads(streamed.text.strip().splitlines()[-1])
+    message = frame["error"]["message"]
+    assert "$FORKD_RUN" in message and str(place) not in message, message
