@@ -26,6 +26,8 @@ export declare const EVAL_TIMEOUT_S: number;
 export declare const MAX_ANSWER_BYTES: number;
 export declare const MAX_ERROR_BYTES: number;
 export declare const MAX_FRAME_BYTES: number;
+/** Bytes of a file files.read reads whole at most (a guest sends at most this of one file). */
+export declare const MAX_FILE_BYTES: number;
 
 export declare class ForkdError extends Error {
   constructor(message: string, options?: { type?: string; exitCode?: number; status?: number });

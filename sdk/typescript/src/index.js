@@ -20,6 +20,8 @@ export const EVAL_TIMEOUT_S = 300;
 export const MAX_ANSWER_BYTES = 256 * 1024 * 1024;
 export const MAX_ERROR_BYTES = 1024 * 1024;
 export const MAX_FRAME_BYTES = 1024 * 1024;
+// a file read whole (files.read): the most a guest sends of one file (docs/api.md)
+export const MAX_FILE_BYTES = 4 * 1024 * 1024 * 1024;
 const MAX_EXIT_CODE = 125; // past it a shell reads "not executable", "not found" or a signal
 
 /** The daemon answered with an error: `type` is its family, `exitCode` forkd's. */
@@ -192,14 +194,17 @@ export class Controller {
     return req;
   }
 
-  /** One request; resolves to the answer's bytes (a Buffer), rejects with its error. */
-  request(method, route, { query, body, raw, wait = this.timeout } = {}) {
+  /**
+   * One request; resolves to the answer's bytes (a Buffer), rejects with its error. An
+   * answer is read up to `limit` bytes (MAX_ANSWER_BYTES), an error up to MAX_ERROR_BYTES.
+   */
+  request(method, route, { query, body, raw, wait = this.timeout, limit = MAX_ANSWER_BYTES } = {}) {
     return new Promise((resolve, reject) => {
       this._open(method, route, { query, body, raw, wait }, (res) => {
         const failed = res.statusCode >= 400;
-        const limit = failed ? MAX_ERROR_BYTES : MAX_ANSWER_BYTES;
+        const most = failed ? MAX_ERROR_BYTES : limit;
         res.on("error", reject);
-        collected(res, limit, () => reject(tooLarge(this.where, `${method} ${route}`, limit)),
+        collected(res, most, () => reject(tooLarge(this.where, `${method} ${route}`, most)),
           (data) => (failed ? reject(errorOf(res.statusCode, data.toString())) : resolve(data)));
       }, reject);
     });
@@ -395,7 +400,7 @@ class Files {
   /** The file's bytes (a Buffer); rejects with NotFound when there is none. */
   read(file) {
     return this.sandbox.controller.request("GET", `/v1/sandboxes/${this.sandbox.id}/files`,
-      { query: { path: file } });
+      { query: { path: file }, limit: MAX_FILE_BYTES });
   }
 
   async write(file, data, { mode = 0o644 } = {}) {
