@@ -6,14 +6,16 @@ streamed line), an answer of another shape is the client's error (never an excep
 its parser, never the end of a Node process), and an error never has a success's exit
 code. A request's number is a number as the schema says (``"n": "2"``, ``2.0``,
 ``?mode=4.2e2``, ``?cascade=1`` were converted leniently, past a proxy that reads them as
-text), and a streamed command's error frame hides the host's paths as an error answer
-does. No VM: the real clients over real HTTP against a server on uvicorn that answers
-what each test makes it answer, and the real daemon app on its Unix socket (a sandbox
-there is a record whose "QEMU" is a process the test starts)."""
+text), a streamed command's error frame hides the host's paths as an error answer does,
+and the daemon's token from its environment reaches no process it starts. No VM: the
+real clients over real HTTP against a server on uvicorn that answers what each test makes
+it answer, the real daemon app on its Unix socket (a sandbox there is a record whose
+"QEMU" is a process the test starts), and `forkd serve`."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import running
-from net_support import free_port
+from daemon_support import running, tcp_daemon
+from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, client, server
@@ -356,3 +358,48 @@ def test_a_streamed_commands_error_hides_the_host_paths_as_an_answer_does(
     frame = json.loads(streamed.text.strip().splitlines()[-1])
     message = frame["error"]["message"]
     assert "$FORKD_RUN" in message and str(place) not in message, message
+
+
+# -- the daemon: its token passed on to no process it starts --------------------------
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (started from any of its threads)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_daemons_token_reaches_no_process_it_starts(place: Path) -> None:
+    """`forkd serve` starts a spare lazy page server (engine/lazy/spare.py) with its whole
+    environment, $FORKD_CONTROLLER_TOKEN in it: a process that serves guests' memory held
+    the token of every sandbox of the daemon (and so will a lazy spawn's, the watchdog)."""
+    token = "env-token-0123456789-0123456789-0123456789"
+    env = {"FORKD_HOME": os.environ["FORKD_HOME"], "FORKD_RUN": os.environ["FORKD_RUN"],
+           "FORKD_CONTROLLER_TOKEN": token, "FORKD_MARK": "ctl8"}
+    with tcp_daemon(env, place / "serve.log") as url:
+        r = httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200, r.text  # the token it was given is the one it takes
+        daemon = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                      and _is_this_daemon(int(p.name), url))
+        wait_until("the daemon's spare lazy server", lambda: bool(_children(daemon)), 30)
+        for child in _children(daemon):
+            got = _environ(child)
+            assert b"FORKD_MARK=ctl8" in got  # it has the daemon's environment...
+            assert not any(e.startswith(b"FORKD_CONTROLLER_TOKEN=") for e in got)  # ...but
+
+
+def _is_this_daemon(pid: int, url: str) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"serve" in argv and url.rsplit("//", 1)[1].encode() in argv
