@@ -805,6 +805,7 @@ def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
     result = ctl.backend.spawn(data)
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
     ctl.metrics.spawned.inc(len(result.sandboxes))
+    unclaimed(request, ctl, data, result)
     audited(
         request,
         ctl,
@@ -815,6 +816,24 @@ def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
         errors=len(result.errors),
     )
     return result
+
+
+def unclaimed(request: Req, ctl: Controller, data: SpawnRequest, result: SpawnResult) -> None:
+    """The sandboxes of a spawn whose client went away (or whose token was revoked) while
+    they started are killed, and the spawn is Stopped: nobody was told their ids, and
+    they ran (with no timeout, for ever) counted against that client's share of the VMs,
+    a client that gave up on a slow spawn (RemoteBackend's deadline, a cancelled MCP
+    call) finding its share taken by sandboxes it never had. A spawn gives all it was
+    asked for or none."""
+    stop = CALLER_STOP.get()
+    if stop is None or not stop() or not result.sandboxes:
+        return
+    ids = [s.id for s in result.sandboxes]
+    for sandbox_id in ids:
+        with contextlib.suppress(ForkdError):
+            ctl.backend.kill(sandbox_id)
+    audited(request, ctl, "sandbox.create", data.tag, "unclaimed", ids=ids, why=stop.reason)
+    raise Stopped(stop.reason)
 
 
 @get("/v1/sandboxes", responses=ERRORS, sync_to_thread=True)

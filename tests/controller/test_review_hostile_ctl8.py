@@ -7,17 +7,21 @@ its parser, never the end of a Node process), and an error never has a success's
 code. A request's number is a number as the schema says (``"n": "2"``, ``2.0``,
 ``?mode=4.2e2``, ``?cascade=1`` were converted leniently, past a proxy that reads them as
 text), a streamed command's error frame hides the host's paths as an error answer does,
-and the daemon's token from its environment reaches no process it starts. No VM: the
+the daemon's token from its environment reaches no process it starts, and the sandboxes
+of a spawn whose client left are killed. No VM: the
 real clients over real HTTP against a server on uvicorn that answers what each test makes
 it answer, the real daemon app on its Unix socket (a sandbox there is a record whose
 "QEMU" is a process the test starts), and `forkd serve`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,14 +31,15 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import running, tcp_daemon
-from net_support import free_port, wait_until
+from daemon_support import running
+from net_support import free_port, wait_healthy, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, client, server
 from forkd.controller.api import ExecRequest
-from forkd.controller.backend import LocalBackend
+from forkd.controller.backend import CALLER_STOP, LocalBackend
 from forkd.controller.client import ControllerError, RemoteBackend
+from forkd.engine import children as ch
 from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.paths import children_dir
 from forkd.errors import ForkdError
@@ -385,7 +390,7 @@ def test_the_daemons_token_reaches_no_process_it_starts(place: Path) -> None:
     token = "env-token-0123456789-0123456789-0123456789"
     env = {"FORKD_HOME": os.environ["FORKD_HOME"], "FORKD_RUN": os.environ["FORKD_RUN"],
            "FORKD_CONTROLLER_TOKEN": token, "FORKD_MARK": "ctl8"}
-    with tcp_daemon(env, place / "serve.log") as url:
+    with serving(env, place / "serve.log") as url:
         r = httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200, r.text  # the token it was given is the one it takes
         daemon = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
@@ -397,9 +402,83 @@ def test_the_daemons_token_reaches_no_process_it_starts(place: Path) -> None:
             assert not any(e.startswith(b"FORKD_CONTROLLER_TOKEN=") for e in got)  # ...but
 
 
+@contextlib.contextmanager
+def serving(env: dict[str, str], log: Path) -> Iterator[str]:
+    """`forkd serve --listen` of this checkout (this interpreter's forkd, whatever `forkd`
+    is on PATH) with ``env`` over the environment; its URL once /healthz answers."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "forkd.cli", "serve", "--listen",
+                                 f"127.0.0.1:{port}"], env={**os.environ, **env}, stdout=out,
+                                stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, "forkd serve", 30)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
 def _is_this_daemon(pid: int, url: str) -> bool:
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
     return b"serve" in argv and url.rsplit("//", 1)[1].encode() in argv
+
+
+# -- the daemon: a spawn whose client left ---------------------------------------------
+class SlowEngine:
+    """Sandboxes whose fork ends only once the spawn's client has gone (the request's Stop
+    set: app.CallerWatch), so the spawn ends after it; the engine's fork, list and kill (the
+    daemon's handlers and admission run for real; no VM)."""
+
+    def __init__(self) -> None:
+        self.children: list[ChildInfo] = []
+        self.forking = threading.Event()
+        self.forked = threading.Event()
+        self.killed: list[str] = []
+
+    def fork(self, store: Store, ref: str, n: int, **_: Any) -> ch.ForkResult:
+        self.forking.set()
+        stop = CALLER_STOP.get()
+        assert stop is not None
+        wait_until("the spawn's client to be gone", stop, 30)
+        made = [ChildInfo(id=f"sb-{i}", ref=ref, digest="sha256:" + "0" * 64, pid=os.getpid(),
+                          dir="/nonexistent", memory="", disk_backing="", memory_mib=64,
+                          created=time.time()) for i in range(n)]
+        self.children.extend(made)
+        self.forked.set()
+        return ch.ForkResult(children=made, assemble_ms=0.0, total_ms=0.0, errors=[])
+
+    def list_children(self) -> list[ChildInfo]:
+        return list(self.children)
+
+    def kill(self, child_id: str, store: Store | None = None) -> ChildInfo:
+        gone = next(c for c in self.children if c.id == child_id)
+        self.children.remove(gone)
+        self.killed.append(child_id)
+        return gone
+
+
+def test_the_sandboxes_of_a_spawn_whose_client_left_are_killed(
+        monkeypatch: pytest.MonkeyPatch, daemon: httpx.Client, place: Path) -> None:
+    """A spawn whose client went away while its sandboxes started left them running (with
+    no timeout: for ever), their ids told to nobody, counted against that client's share
+    of the VMs: a client that gave up on a slow spawn (RemoteBackend's deadline, a
+    cancelled MCP call) found its share taken by sandboxes it never had."""
+    engine = SlowEngine()
+    monkeypatch.setattr(ch, "fork", engine.fork)
+    monkeypatch.setattr(ch, "list_children", engine.list_children)
+    monkeypatch.setattr(ch, "kill", engine.kill)
+    body = json.dumps({"tag": "slow:x", "n": 2}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(place / "ctl.sock"))
+        conn.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: forkd\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert engine.forking.wait(30)
+    assert engine.forked.wait(30)
+    wait_until("the spawn's request to end", lambda: app.REQUESTS.held == 0, 30)
+    assert sorted(engine.killed) == ["sb-0", "sb-1"] and engine.children == []
+    assert daemon.get("/v1/sandboxes").json() == []
