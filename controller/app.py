@@ -97,7 +97,7 @@ from forkd.errors import (
     NotFound,
 )
 from forkd.jsondoc import check_body
-from forkd.names import inert, shortened
+from forkd.names import inert, shortened, shown
 from forkd.shares import Shares
 
 STATUS: list[tuple[type[ForkdError], int]] = [
@@ -599,14 +599,21 @@ def audit_value(value: Any, chars: int = AUDIT_CHARS) -> Any:
     return value
 
 
-def error_answer(exc: Exception) -> tuple[int, ErrorBody]:
-    """The HTTP status and error body of an exception (the error family's). A request
-    that does not match its declared type (api.py) is InvalidInput, saying what is wrong.
-    The message is inert (names.inert): what a guest wrote into it (an agent's refusal, a
-    console tail) reaches a client's terminal as visible text, never as its commands."""
+def error_answer(exc: Exception, home: Path | None = None) -> tuple[int, ErrorBody]:
+    """The HTTP status and error body of an exception (the error family's), however it
+    is sent (an error answer, a stream's error frame). A request that does not match its
+    declared type (api.py) is InvalidInput, saying what is wrong. The message names this
+    host's forkd directories by their variables (hidden_host_paths; ``home``: the store's)
+    and is inert (names.inert): what a guest wrote into it (an agent's refusal, a console
+    tail) reaches a client's terminal as visible text, never as its commands."""
     status, body = _answer_of(exc)
-    body.message = inert(body.message, MAX_MESSAGE_CHARS)
+    body.message = inert(hidden_host_paths(body.message, home), MAX_MESSAGE_CHARS)
     return status, body
+
+
+def store_home(ctl: Controller) -> Path | None:
+    """The home of the store the daemon serves (hidden in its errors), if it has one."""
+    return ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
 
 
 def _answer_of(exc: Exception) -> tuple[int, ErrorBody]:
@@ -639,14 +646,12 @@ def error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[
         body = ErrorBody(type="Unauthorized", message=str(exc), exit_code=8)
         return Response(ErrorAnswer(error=body), status_code=401,
                         headers={"WWW-Authenticate": 'Bearer realm="forkd"'})
-    status, body = error_answer(exc)
+    status, body = error_answer(exc, store_home(ctl))
     # a client past its share (429) may retry once one of its requests has ended
     retry = {"Retry-After": "1"} if status == 429 else None
     if isinstance(exc, ForkdError) and request.method != "GET":
         ctl.failed.record(ctl.transport, peer(request), request.method, request.url.path,
                           "failed", client=REQUEST_CLIENT.get(), error=audit_value(str(exc)))
-    home = ctl.backend.store.home if isinstance(ctl.backend, LocalBackend) else None
-    body.message = hidden_host_paths(body.message, home)
     return Response(ErrorAnswer(error=body), status_code=status, headers=retry)
 
 
@@ -656,10 +661,36 @@ async def check_request(request: Request[Any, Any, Any]) -> None:
     or naming a key twice in one object, is an InvalidInput (400) before it is parsed
     (jsondoc.check_body): the parser recurses once per level, and thousands of ``[`` would
     end in a RecursionError (a 500); and msgspec keeps the last of a repeated key where
-    the audit log or a proxy may read the first."""
+    the audit log or a proxy may read the first. A body's value is of its declared type
+    (strict_body), as a query's number or flag is written one way (check_query)."""
     check_query(request)
-    if "data" in request.route_handler.parsed_fn_signature.parameters:
-        check_body(await request.body())
+    data = request.route_handler.parsed_fn_signature.parameters.get("data")
+    if data is not None:
+        body = await request.body()
+        check_body(body)
+        strict_body(body, data.annotation)
+
+
+def strict_body(body: bytes, declared: Any) -> None:
+    """InvalidInput (400) when a JSON body's value is not of the type docs/api.md and the
+    OpenAPI document declare: Litestar converts leniently, so ``"n": "2"``, ``"n": 2.0``
+    and ``"timeout": "1e9"`` were numbers to the daemon, while a proxy or policy in front
+    that checks the numbers of a request (as the schema says they are) let the strings
+    by. A number for a float field is a float, as JSON has it. A body wrong in any other
+    way (a field missing, a value out of range) is left to Litestar's parse, which says
+    so as before."""
+    try:
+        msgspec.json.decode(body, type=declared)
+    except msgspec.ValidationError as exc:
+        try:
+            msgspec.json.decode(body, type=declared, strict=False)
+        except msgspec.DecodeError:
+            return  # wrong however read
+        raise InvalidInput(f"invalid request: {shortened(str(exc), 300)}; send each field "
+                           "as the type docs/api.md declares (a number as a JSON number, "
+                           "an integer without a point)") from None
+    except msgspec.DecodeError:
+        return  # not JSON: Litestar's parse says so
 
 
 PARAM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
@@ -674,20 +705,32 @@ def _param_name(name: str) -> str:
     return f"(a name of {len(name)} characters that is not a plain word)"
 
 
+# how a query's number and flag are written (docs/api.md): Litestar also took ``420.0``,
+# ``4.2e2`` and ``-0`` as the mode 420 or 0, and ``1`` as true, which a proxy or log in
+# front reads as other text than the daemon's number
+QUERY_FORMS: dict[type, tuple[re.Pattern[str], str]] = {
+    int: (re.compile(r"0|-?[1-9][0-9]{0,18}"), "a decimal integer (digits, no sign but -, "
+          "no point, exponent or leading zero)"),
+    bool: (re.compile(r"true|false"), "true or false"),
+}
+
+
 def check_query(request: Request[Any, Any, Any]) -> None:
     """InvalidInput (400) for a query parameter the route does not take, or one given
     twice, naming it: as a JSON body's unknown field or repeated key. Litestar ignored
     both: ``?path=/a&path=/b`` wrote one of the two files (which one is a parser's choice:
     a proxy or a log in front may read the other), and a misspelt ``?mod=384`` wrote the
-    file with the default mode, silently."""
+    file with the default mode, silently. A number or flag not written as QUERY_FORMS says
+    is refused too."""
     handler = request.route_handler
     if is_public(handler):
         return
-    takes = sorted(name for name, f in handler.parsed_fn_signature.parameters.items()
-                   if isinstance(f.kwarg_definition, QueryParameter))
+    kinds = {name: f.annotation for name, f in handler.parsed_fn_signature.parameters.items()
+             if isinstance(f.kwarg_definition, QueryParameter)}
+    takes = sorted(kinds)
     route = f"{request.method} {min(handler.paths)}"
     seen: set[str] = set()
-    for name, _ in request.query_params.multi_items():
+    for name, value in request.query_params.multi_items():
         if name not in takes:
             allowed = ("it takes " + ", ".join(takes)) if takes else "it takes none"
             raise InvalidInput(f"unknown query parameter {_param_name(name)} for {route}: "
@@ -696,6 +739,10 @@ def check_query(request: Request[Any, Any, Any]) -> None:
             raise InvalidInput(f"query parameter {_param_name(name)} is given twice; send "
                                "each query parameter once")
         seen.add(name)
+        form = QUERY_FORMS.get(kinds[name])
+        if form is not None and not form[0].fullmatch(value):
+            raise InvalidInput(f"query parameter {_param_name(name)} of {route} must be "
+                               f"{form[1]}, got {shown(value, 40)}")
 
 
 def ctl_dep(request: Request[Any, Any, Any]) -> Controller:
@@ -767,6 +814,7 @@ def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
     result = ctl.backend.spawn(data)
     ctl.metrics.spawn_seconds.observe(time.perf_counter() - start)
     ctl.metrics.spawned.inc(len(result.sandboxes))
+    unclaimed(request, ctl, data, result)
     audited(
         request,
         ctl,
@@ -777,6 +825,24 @@ def spawn(request: Req, ctl: Ctl, data: JSONBody[SpawnRequest]) -> SpawnResult:
         errors=len(result.errors),
     )
     return result
+
+
+def unclaimed(request: Req, ctl: Controller, data: SpawnRequest, result: SpawnResult) -> None:
+    """The sandboxes of a spawn whose client went away (or whose token was revoked) while
+    they started are killed, and the spawn is Stopped: nobody was told their ids, and
+    they ran (with no timeout, for ever) counted against that client's share of the VMs,
+    a client that gave up on a slow spawn (RemoteBackend's deadline, a cancelled MCP
+    call) finding its share taken by sandboxes it never had. A spawn gives all it was
+    asked for or none."""
+    stop = CALLER_STOP.get()
+    if stop is None or not stop() or not result.sandboxes:
+        return
+    ids = [s.id for s in result.sandboxes]
+    for sandbox_id in ids:
+        with contextlib.suppress(ForkdError):
+            ctl.backend.kill(sandbox_id)
+    audited(request, ctl, "sandbox.create", data.tag, "unclaimed", ids=ids, why=stop.reason)
+    raise Stopped(stop.reason)
 
 
 @get("/v1/sandboxes", responses=ERRORS, sync_to_thread=True)
@@ -880,7 +946,8 @@ def exec_stream(
             audited(request, ctl, "sandbox.exec", sandbox_id, result, stream=True, **detail)
 
     frames = ctl.backend.exec_stream(sandbox_id, data)
-    return Stream(ndjson(frames, api.HEARTBEAT_S, ended), media_type="application/x-ndjson")
+    return Stream(ndjson(frames, api.HEARTBEAT_S, ended, store_home(ctl)),
+                  media_type="application/x-ndjson")
 
 
 STREAM_FRAMES = 16  # frames of a streamed command waiting to be sent to a client, at most
@@ -973,11 +1040,13 @@ async def relayed(
 
 
 async def ndjson(frames: Transfer[ExecFrame], heartbeat: float,
-                 ended: Callable[[str, dict[str, Any]], None] | None = None
-                 ) -> AsyncIterator[bytes]:
+                 ended: Callable[[str, dict[str, Any]], None] | None = None,
+                 home: Path | None = None) -> AsyncIterator[bytes]:
     """The frames as JSON lines, with an empty frame ``{}`` for every heartbeat (so
     clients and proxies can tell a quiet command from a dead connection), and an
-    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone).
+    ``error`` frame if it fails (relayed: bounded, and ended when the client is gone),
+    said as an error answer says it (error_answer, ``home`` the store's: the frame named
+    this host's directories, which the same error answered by POST …/exec hid).
     ``ended`` is told how the stream ended: "ok" (with the command's status and exit
     code), "failed" (with the error sent) or "cut" (the client left first)."""
     outcome: tuple[str, dict[str, Any]] = ("cut", {})
@@ -991,7 +1060,7 @@ async def ndjson(frames: Transfer[ExecFrame], heartbeat: float,
                     outcome = ("failed", {"error": frame.error.message})
                 yield b"{}\n" if frame is None else msgspec.json.encode(frame) + b"\n"
     except Exception as exc:  # the client gets it as its error frame
-        error = error_answer(exc)[1]
+        error = error_answer(exc, home)[1]
         outcome = ("failed", {"error": error.message})
         yield msgspec.json.encode(ExecFrame(error=error)) + b"\n"
     finally:

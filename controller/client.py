@@ -1,7 +1,9 @@
 """``RemoteBackend``: the controller API over its Unix socket or TCP, as a Backend.
 
 Every answer is decoded into its forkd.controller.api type (a daemon that answers
-another shape is an error, not a dict with surprises). Deadlines (docs/api.md,
+another shape, or no JSON at all, is a ControllerError, not a dict with surprises), read
+within a bound (MAX_ANSWER_BYTES, MAX_ERROR_BYTES, MAX_FRAME_BYTES: what answers at the
+URL is not trusted with this process's memory), never decompressed. Deadlines (docs/api.md,
 "Timeouts"): connecting gives up after api.CONNECT_TIMEOUT_S; a command waits its own
 timeout plus api.ANSWER_GRACE_S (no limit for a command without one); a streamed command
 waits at most 4 heartbeats between two frames; anything else api.REQUEST_TIMEOUT_S.
@@ -73,11 +75,36 @@ TYPES: dict[str, type[errors.ForkdError]] = {
 
 
 class ControllerError(errors.ForkdError):
-    """The daemon answered with an error (its message and exit code are kept)."""
+    """The daemon answered with an error (its message and exit code are kept: an exit code
+    a failure cannot have, 0 or past 125, is 1)."""
 
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = failure_exit_code(exit_code)
+
+
+MAX_EXIT_CODE = 125  # past it a shell reads "not executable", "not found" or a signal
+
+
+def failure_exit_code(code: int) -> int:
+    """``code`` when a failed command may exit with it (1 to MAX_EXIT_CODE), else 1: a
+    daemon's error answered with exit code 0 (or 256, which a shell reads as 0) made
+    `forkd` print the error and exit 0, and a script went on as if it had worked."""
+    return code if 1 <= code <= MAX_EXIT_CODE else 1
+
+
+# What this process reads of one answer at most. The daemon's largest is a command's
+# result (a guest's reply line is at most 64 MiB, agent_client.MAX_LINE), its errors are
+# 16,000 characters (app.MAX_MESSAGE_CHARS), a streamed frame 64 Ki characters of output
+# (backend.STREAM_FRAME_CHARS, up to 6 bytes each escaped); whatever answers at the URL
+# (another server, a proxy, a daemon gone wrong) sending more, or a line without end,
+# held all of it in this process's memory.
+MAX_ANSWER_BYTES = 256 << 20
+MAX_ERROR_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 20
+# answers are asked for, and read, as they are sent: a compressed one of a few KiB would
+# be gigabytes once decoded, past every bound above
+IDENTITY = {"Accept-Encoding": "identity"}
 
 
 def default_socket() -> Path:
@@ -136,7 +163,8 @@ class RemoteBackend:
         self.timeout = timeout
         self._url = url
         self._uds = None if url else str(socket or default_socket())
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {**IDENTITY, **({"Authorization": f"Bearer {token}"} if token
+                                         else {})}
         self.http = self._client()
         # in every message: never a password of the URL
         self.where = shown_url(url) if url else str(self._uds)
@@ -168,22 +196,29 @@ class RemoteBackend:
             f"controller at {self.where} unreachable: {exc}; is `forkd serve` running?"
         )
 
-    def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, url: str, **kwargs: Any) -> bytes:
+        """The answer's body (read within its bound: answer_body); its error raised."""
         stop = CALLER_STOP.get()
         try:
             if stop is None:
-                resp = self.http.request(method, url, **kwargs)
+                with self.http.stream(method, url, **kwargs) as resp:
+                    status, content = resp.status_code, self._body(resp, method, url)
             else:
-                resp = self._stoppable(stop, method, url, **kwargs)
+                status, content = self._stoppable(stop, method, url, **kwargs)
         except httpx.HTTPError as exc:
             if stop is not None and stop():
                 raise Stopped(stop.reason) from None
             raise self._unreachable(exc) from exc
-        if resp.status_code >= 400:
-            raise answered_error(resp.status_code, resp.content)
-        return resp
+        if status >= 400:
+            raise answered_error(status, content)
+        return content
 
-    def _stoppable(self, stop: Stop, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    def _body(self, resp: httpx.Response, method: str, url: str) -> bytes:
+        """answer_body of ``resp``, for ``method url`` of this daemon."""
+        return answer_body(resp, f"controller at {self.where} answered {method} {url}")
+
+    def _stoppable(self, stop: Stop, method: str, url: str,
+                   **kwargs: Any) -> tuple[int, bytes]:
         """The request on a connection of its own, shut down once ``stop`` is set (its
         caller's token revoked: `forkd mcp`'s Revocation): the daemon sees its client go
         (app.CallerWatch) and stops the request's work in the guest. Without this an MCP
@@ -216,8 +251,9 @@ class RemoteBackend:
                     if cut:
                         shut(sock)
 
-        with self._client() as http, stop.calling(stopped):
-            return http.request(method, url, extensions={"trace": connected}, **kwargs)
+        with self._client() as http, stop.calling(stopped), http.stream(
+                method, url, extensions={"trace": connected}, **kwargs) as resp:
+            return resp.status_code, self._body(resp, method, url)
 
     def _get(
         self,
@@ -230,10 +266,10 @@ class RemoteBackend:
         if body is not None:
             kwargs["content"] = msgspec.json.encode(body)
             kwargs["headers"] = {"Content-Type": "application/json"}
-        content = self._call(method, url, **kwargs).content
+        content = self._call(method, url, **kwargs)
         try:
             return msgspec.json.decode(content, type=answer)
-        except msgspec.ValidationError as exc:
+        except msgspec.DecodeError as exc:  # not JSON, or not the answer's shape
             raise ControllerError(
                 f"controller at {self.where} answered {method} {url} with an unexpected "
                 f"shape ({exc}); is it another forkd version?"
@@ -317,11 +353,11 @@ class RemoteBackend:
             ) as resp:
                 frames.reading(resp)
                 if resp.status_code >= 400:
-                    raise answered_error(resp.status_code, resp.read())
-                for line in resp.iter_lines():
+                    raise answered_error(resp.status_code, self._body(resp, "POST", url))
+                for line in answer_lines(resp, f"controller at {self.where} answered {url}"):
                     if not line:
                         continue
-                    frame = msgspec.json.decode(line, type=ExecFrame)
+                    frame = self._frame(line, url)
                     if frame.error is not None:
                         raise error_of(frame.error)
                     yield frame
@@ -332,6 +368,14 @@ class RemoteBackend:
                 raise ControllerError(f"the stream of {url} was abandoned") from exc
             raise self._unreachable(exc) from exc
         raise ControllerError(f"controller at {self.where} ended {url} before the result")
+
+    def _frame(self, line: bytes, url: str) -> ExecFrame:
+        try:
+            return msgspec.json.decode(line, type=ExecFrame)
+        except msgspec.DecodeError as exc:
+            raise ControllerError(
+                f"controller at {self.where} sent {url} a line that is not a frame ({exc}); "
+                "is it another forkd version?") from exc
 
     def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
         return self._get(
@@ -405,9 +449,9 @@ class RemoteBackend:
                     extensions={"trace": chunks.connected}) as resp:
                 chunks.reading(resp)
                 if resp.status_code >= 400:
-                    raise answered_error(resp.status_code, resp.read())
+                    raise answered_error(resp.status_code, self._body(resp, "GET", url))
                 started = True
-                yield from resp.iter_bytes()
+                yield from resp.iter_raw()
         except httpx.HTTPError as exc:
             if chunks.abandoned:
                 raise ControllerError(f"the transfer of {path} was abandoned") from exc
@@ -478,6 +522,45 @@ class RemoteFrames(Iterator[T]):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+
+def answer_body(resp: httpx.Response, what: str) -> bytes:
+    """The body of ``resp`` as sent (never decompressed), read up to its bound: an error's
+    MAX_ERROR_BYTES, any other answer's MAX_ANSWER_BYTES; ControllerError past it, its
+    rest not read (the connection is closed)."""
+    limit = MAX_ERROR_BYTES if resp.status_code >= 400 else MAX_ANSWER_BYTES
+    parts: list[bytes] = []
+    size = 0
+    for chunk in resp.iter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise ControllerError(
+                f"{what} with more than {limit} bytes (client.MAX_ANSWER_BYTES, "
+                "MAX_ERROR_BYTES); no forkd daemon answers that much: is the URL a forkd "
+                "daemon's?")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def answer_lines(resp: httpx.Response, what: str) -> Iterator[bytes]:
+    """The lines of a streamed answer as sent (never decompressed), each up to
+    MAX_FRAME_BYTES; ControllerError for a longer one, never held whole."""
+    pending = bytearray()
+    for chunk in resp.iter_raw():
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending += chunk[start:end]
+            yield bytes(pending)
+            pending.clear()
+            start = end + 1
+        pending += chunk[start:]
+        if len(pending) > MAX_FRAME_BYTES:
+            raise ControllerError(
+                f"{what} with a line of more than {MAX_FRAME_BYTES} bytes "
+                "(client.MAX_FRAME_BYTES); no forkd daemon sends one: is the URL a forkd "
+                "daemon's?")
+    if pending:
+        yield bytes(pending)
 
 
 def waiting(seconds: float | None) -> httpx.Timeout:

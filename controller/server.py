@@ -49,6 +49,18 @@ def token_path() -> Path:
     return run_dir() / "controller.token"
 
 
+TOKEN_ENV = "FORKD_CONTROLLER_TOKEN"
+
+
+def taken_env_token() -> str | None:
+    """$FORKD_CONTROLLER_TOKEN, taken out of this process's environment (the daemon's,
+    `forkd mcp`'s): what they start with the whole environment (the spare lazy page server
+    started with the daemon, a lazy spawn's, the watchdog) inherited the token that
+    controls every sandbox of the daemon, readable in its /proc/PID/environ and handed to
+    whatever those processes run."""
+    return os.environ.pop(TOKEN_ENV, None)
+
+
 def load_token(token_file: Path | None = None) -> Token:
     """The TCP bearer token, checked (app.checked_token): from ``token_file``, else
     $FORKD_CONTROLLER_TOKEN, else $FORKD_RUN/controller.token, made once when missing. A
@@ -58,12 +70,13 @@ def load_token(token_file: Path | None = None) -> Token:
     Token files are private files (forkd.private: your own regular file, mode 0600, not a
     symlink). A token file that exists but is empty or short is refused, never replaced:
     forkd writes its file whole, so such a file is not forkd's and may be what a client
-    was given."""
+    was given. $FORKD_CONTROLLER_TOKEN is taken out of the environment (taken_env_token),
+    whichever token is used."""
+    env = taken_env_token()
     if token_file is not None:
         return _file_token(token_file, "remove it or write a longer token into it")
-    env = os.environ.get("FORKD_CONTROLLER_TOKEN")
     if env is not None:
-        return Token(checked_token(env, "$FORKD_CONTROLLER_TOKEN"))
+        return Token(checked_token(env, f"${TOKEN_ENV}"))
     path = token_path()
     made = secrets.token_urlsafe(32)
     create_private_file(path, (made + "\n").encode())
@@ -128,6 +141,7 @@ def serve(
     (LocalBackend; None: half of max_sandboxes). With ``listen``, the token
     (load_token) is checked before anything starts."""
     token = load_token(token_file) if listen else None
+    taken_env_token()  # without --listen it serves nothing, and is passed on to nothing
     store = Store.open()
     path = socket_path or default_socket()
     unix = _unix_listener(path)

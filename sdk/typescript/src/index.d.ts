@@ -22,6 +22,12 @@ export declare const REQUEST_TIMEOUT_S: number;
 export declare const ANSWER_GRACE_S: number;
 export declare const HEARTBEAT_S: number;
 export declare const EVAL_TIMEOUT_S: number;
+/** Bytes of one answer, one error answer, one streamed line this SDK reads at most. */
+export declare const MAX_ANSWER_BYTES: number;
+export declare const MAX_ERROR_BYTES: number;
+export declare const MAX_FRAME_BYTES: number;
+/** Bytes of a file files.read reads whole at most (a guest sends at most this of one file). */
+export declare const MAX_FILE_BYTES: number;
 
 export declare class ForkdError extends Error {
   constructor(message: string, options?: { type?: string; exitCode?: number; status?: number });

@@ -13,6 +13,16 @@ export const REQUEST_TIMEOUT_S = 600;
 export const ANSWER_GRACE_S = 60;
 export const HEARTBEAT_S = 15;
 export const EVAL_TIMEOUT_S = 300;
+// What one answer may hold in this process at most (the Python client's bounds,
+// forkd.controller.client): a command's result, an error, a streamed frame. Whatever
+// answers at the URL (another server, a proxy, a daemon gone wrong) sending more, or a
+// line without end, held all of it in memory.
+export const MAX_ANSWER_BYTES = 256 * 1024 * 1024;
+export const MAX_ERROR_BYTES = 1024 * 1024;
+export const MAX_FRAME_BYTES = 1024 * 1024;
+// a file read whole (files.read): the most a guest sends of one file (docs/api.md)
+export const MAX_FILE_BYTES = 4 * 1024 * 1024 * 1024;
+const MAX_EXIT_CODE = 125; // past it a shell reads "not executable", "not found" or a signal
 
 /** The daemon answered with an error: `type` is its family, `exitCode` forkd's. */
 export class ForkdError extends Error {
@@ -67,15 +77,46 @@ function shownUrl(url) {
   return shown.href;
 }
 
+// The error a daemon answered, as its family; an answer of any other shape (not JSON, no
+// error object, a type that is not a family's) is a plain ForkdError, never thrown while
+// it is read: a body without `error` (a proxy's) threw in the answer's "end" handler,
+// which ended the whole Node process, and a type "constructor" rejected with a String.
 function errorOf(status, text) {
-  let body;
+  let body = null;
   try {
-    body = JSON.parse(text).error;
+    body = JSON.parse(text)?.error;
   } catch {
+    // not JSON: said below
+  }
+  if (body === null || typeof body !== "object" || typeof body.type !== "string"
+      || typeof body.message !== "string") {
     return new ForkdError(`controller answered ${status}: ${text.slice(0, 200)}`, { status });
   }
-  const Family = FAMILIES[body.type] ?? ForkdError;
-  return new Family(body.message, { type: body.type, exitCode: body.exit_code, status });
+  const Family = Object.hasOwn(FAMILIES, body.type) ? FAMILIES[body.type] : ForkdError;
+  return new Family(body.message, { type: body.type, exitCode: failureExitCode(body.exit_code), status });
+}
+
+// A failure's exit code as the daemon gave it, when a failed command may exit with it (1 to
+// 125), else 1: 0 (or 256, a shell's 0) would say a failed request worked.
+function failureExitCode(code) {
+  return Number.isInteger(code) && code >= 1 && code <= MAX_EXIT_CODE ? code : 1;
+}
+
+function tooLarge(where, what, limit) {
+  return new ForkdError(`controller at ${where} answered ${what} with more than ${limit} bytes; `
+    + "no forkd daemon answers that much: is the URL a forkd daemon's?");
+}
+
+// Reads `res` whole, up to `limit` bytes (the connection is ended past it: `fail`).
+function collected(res, limit, fail, done) {
+  const parts = [];
+  let size = 0;
+  res.on("data", (c) => {
+    size += c.length;
+    if (size > limit) { res.destroy(); fail(); return; }
+    parts.push(c);
+  });
+  res.on("end", () => { if (size <= limit) done(Buffer.concat(parts)); });
 }
 
 /** $FORKD_RUN/controller.sock, with forkd's defaults for $FORKD_RUN (engine/paths.py). */
@@ -153,25 +194,31 @@ export class Controller {
     return req;
   }
 
-  /** One request; resolves to the answer's bytes (a Buffer), rejects with its error. */
-  request(method, route, { query, body, raw, wait = this.timeout } = {}) {
+  /**
+   * One request; resolves to the answer's bytes (a Buffer), rejects with its error. An
+   * answer is read up to `limit` bytes (MAX_ANSWER_BYTES), an error up to MAX_ERROR_BYTES.
+   */
+  request(method, route, { query, body, raw, wait = this.timeout, limit = MAX_ANSWER_BYTES } = {}) {
     return new Promise((resolve, reject) => {
       this._open(method, route, { query, body, raw, wait }, (res) => {
-        const parts = [];
-        res.on("data", (c) => parts.push(c));
+        const failed = res.statusCode >= 400;
+        const most = failed ? MAX_ERROR_BYTES : limit;
         res.on("error", reject);
-        res.on("end", () => {
-          const data = Buffer.concat(parts);
-          if (res.statusCode >= 400) reject(errorOf(res.statusCode, data.toString()));
-          else resolve(data);
-        });
+        collected(res, most, () => reject(tooLarge(this.where, `${method} ${route}`, most)),
+          (data) => (failed ? reject(errorOf(res.statusCode, data.toString())) : resolve(data)));
       }, reject);
     });
   }
 
   async json(method, route, options = {}) {
     const data = await this.request(method, route, options);
-    return data.length ? JSON.parse(data.toString()) : null;
+    if (!data.length) return null;
+    try {
+      return JSON.parse(data.toString());
+    } catch {
+      throw new ForkdError(`controller at ${this.where} answered ${method} ${route} with `
+        + "something that is not JSON; is it another forkd version?");
+    }
   }
 
   /** NDJSON frames of a streamed route, as they arrive (an async iterator). */
@@ -184,20 +231,44 @@ export class Controller {
     await new Promise((started, reject) => {
       this._open("POST", route, { body, wait: 4 * HEARTBEAT_S }, (res) => {
         if (res.statusCode >= 400) {
-          const parts = [];
-          res.on("data", (c) => parts.push(c));
-          res.on("end", () => reject(errorOf(res.statusCode, Buffer.concat(parts).toString())));
+          res.on("error", reject);
+          collected(res, MAX_ERROR_BYTES,
+            () => reject(tooLarge(this.where, route, MAX_ERROR_BYTES)),
+            (data) => reject(errorOf(res.statusCode, data.toString())));
           return;
         }
-        let buffer = "";
-        res.setEncoding("utf8");
+        // a line is parsed here, in the answer's "data" handler: what it throws (a line
+        // that is not JSON, one past MAX_FRAME_BYTES) ends this stream, never the process
+        const broken = (message) => {
+          failure = new ForkdError(`controller at ${this.where} sent ${route} ${message}; `
+            + "is the URL a forkd daemon's, of this version?");
+          res.destroy();
+          push();
+        };
+        let pending = [];
+        let pendingSize = 0;
         res.on("data", (chunk) => {
-          buffer += chunk;
+          if (failure) return;
+          let start = 0;
           let nl;
-          while ((nl = buffer.indexOf("\n")) >= 0) {
-            const line = buffer.slice(0, nl);
-            buffer = buffer.slice(nl + 1);
-            if (line) lines.push(JSON.parse(line));
+          while ((nl = chunk.indexOf(10, start)) >= 0) {
+            const line = Buffer.concat([...pending, chunk.subarray(start, nl)]).toString();
+            pending = [];
+            pendingSize = 0;
+            start = nl + 1;
+            if (!line) continue;
+            try {
+              lines.push(JSON.parse(line));
+            } catch {
+              broken("a line that is not JSON");
+              return;
+            }
+          }
+          pending.push(chunk.subarray(start));
+          pendingSize += chunk.length - start;
+          if (pendingSize > MAX_FRAME_BYTES) {
+            broken(`a line of more than ${MAX_FRAME_BYTES} bytes`);
+            return;
           }
           push();
         });
@@ -209,6 +280,9 @@ export class Controller {
     for (;;) {
       if (lines.length) {
         const frame = lines.shift();
+        if (frame === null || typeof frame !== "object") {
+          throw new ForkdError(`controller at ${this.where} sent ${route} a line that is not a frame`);
+        }
         if (frame.error) throw errorOf(500, JSON.stringify({ error: frame.error }));
         yield frame;
         if (frame.result) return;
@@ -326,7 +400,7 @@ class Files {
   /** The file's bytes (a Buffer); rejects with NotFound when there is none. */
   read(file) {
     return this.sandbox.controller.request("GET", `/v1/sandboxes/${this.sandbox.id}/files`,
-      { query: { path: file } });
+      { query: { path: file }, limit: MAX_FILE_BYTES });
   }
 
   async write(file, data, { mode = 0o644 } = {}) {
