@@ -45,7 +45,14 @@ from forkd.controller.app import (
     scope_token,
     token_matches,
 )
-from forkd.controller.backend import CALLER_STOP, MAX_SANDBOXES, Stop, Stopped, client_share
+from forkd.controller.backend import (
+    CALLER_STOP,
+    MAX_SANDBOXES,
+    Stop,
+    Stopped,
+    Transfer,
+    client_share,
+)
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
@@ -234,6 +241,10 @@ class SandboxShares:
                     del self._starting[client]
 
 
+def _owned_by_nobody(ids: list[str]) -> None:
+    """Sandboxes counted against no client's share here (stdio, in process)."""
+
+
 # The Stop of the tool call this thread runs (stoppable): set when the call is cancelled
 CALL_STOP: contextvars.ContextVar[Stop | None] = contextvars.ContextVar(
     "forkd_mcp_call_stop", default=None)
@@ -404,12 +415,20 @@ class Tools:
             options["timeout"] = timeout_s
         if memory_limit_mib is not None:
             options["memory_limit_mib"] = memory_limit_mib
-        if self.sandboxes is None:
+        admitted = (self.sandboxes.admitted(n, f"forking {n} of {tag}", self.controller)
+                    if self.sandboxes is not None else contextlib.nullcontext(_owned_by_nobody))
+        # A call cancelled (or its token revoked) while its sandboxes start gives them to
+        # nobody: they are killed, not left running for ever unknown to anyone. Through a
+        # daemon the spawn's connection is cut and the daemon kills them (app.unclaimed);
+        # in process, or when the stop came after the daemon's answer, they are killed here.
+        with admitted as own, Revocation(self.token) as revocation:
             started = self.controller.spawn_sandboxes(tag, n, **options)
-        else:
-            with self.sandboxes.admitted(n, f"forking {n} of {tag}", self.controller) as own:
-                started = self.controller.spawn_sandboxes(tag, n, **options)
-                own([sb.id for sb in started])
+            if revocation.stop():
+                for sb in started:
+                    with contextlib.suppress(ForkdError):
+                        sb.kill()
+                revocation.check()
+            own([sb.id for sb in started])
         return {"tag": tag, "sandboxes": [sb.id for sb in started]}
 
     def run_command(
@@ -561,7 +580,7 @@ class Revocation:
     A cancelled call (stoppable: its CALL_STOP set) is stopped the same way, for any
     caller, stdio's too."""
 
-    def __init__(self, token: Token | None, frames: object = None) -> None:
+    def __init__(self, token: Token | None, frames: Transfer[Any] | None = None) -> None:
         self.token = token
         self.frames = frames
         self.stop = Stop()
@@ -574,9 +593,8 @@ class Revocation:
         # so a cancellation and a revocation stop the run the same way
         self.stop = CALL_STOP.get() or self.stop
         self._reset = CALLER_STOP.set(self.stop)
-        abandon = getattr(self.frames, "abandon", None)
-        if abandon is not None:
-            self._abandoning.enter_context(self.stop.calling(abandon))
+        if self.frames is not None:
+            self._abandoning.enter_context(self.stop.calling(self.frames.abandon))
         if self.token is None:
             return self
         given = self.token.current()

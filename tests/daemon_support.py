@@ -19,6 +19,7 @@ import httpx
 import uvicorn
 from net_support import free_port, wait_healthy, wait_until
 
+from forkd.controller.backend import CALLER_STOP
 from forkd.engine import children as ch
 from forkd.engine.lifecycle import ChildInfo
 from forkd.store.store import Store
@@ -183,3 +184,30 @@ class FakeEngine:
 
     def end(self, sandbox_id: str) -> None:
         self.children = [c for c in self.children if c.id != sandbox_id]
+
+
+class SlowEngine(FakeEngine):
+    """Sandboxes whose fork ends only once the spawn's client has gone (the request's Stop
+    set: app.CallerWatch), so the spawn ends after it; the engine's fork, list and kill (the
+    daemon's handlers and admission run for real; no VM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forking = threading.Event()
+        self.forked = threading.Event()
+        self.killed: list[str] = []
+
+    def fork(self, store: Store, ref: str, n: int, **options: Any) -> ch.ForkResult:
+        self.forking.set()
+        stop = CALLER_STOP.get()
+        assert stop is not None
+        wait_until("the spawn's client to be gone", stop, 30)
+        result = super().fork(store, ref, n, **options)
+        self.forked.set()
+        return result
+
+    def kill(self, child_id: str, store: Store | None = None) -> ChildInfo:
+        gone = next(c for c in self.children if c.id == child_id)
+        self.end(child_id)
+        self.killed.append(child_id)
+        return gone

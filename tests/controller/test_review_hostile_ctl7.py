@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, mcp_auth, running
+from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, SlowEngine, mcp_auth, running
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -212,3 +212,34 @@ def test_one_mcp_client_cannot_take_every_sandbox_the_daemon_gives_the_mcp_serve
     again = mine.call("create_sandboxes", tag="tiny", n=1)
     assert '"isError":false' in again, again
     assert engine.forks == 5
+
+
+@pytest.mark.parametrize("where", ["mcp_in_process", "mcp_on_daemon"])
+def test_a_create_cancelled_while_its_sandboxes_start_leaves_none_running(
+        where: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Before: a create_sandboxes cancelled while its sandboxes started (a slow fork, a
+    lazy one from a far hub) got no answer, but the spawn went on and its sandboxes ran,
+    with no timeout for ever, their ids told to nobody (and, through a daemon, counted
+    against the MCP server's share of its VMs). Now the call's stop reaches the spawn: they
+    are killed, in process by the tool, through a daemon by the daemon (app.unclaimed)."""
+    engine = SlowEngine()
+    monkeypatch.setattr(ch, "fork", engine.fork)
+    monkeypatch.setattr(ch, "list_children", engine.list_children)
+    monkeypatch.setattr(ch, "kill", engine.kill)
+    client = McpClient(request.getfixturevalue(where), "127.0.0.1")
+    request.addfinalizer(client.http.close)
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+            "params": {"name": "create_sandboxes", "arguments": {"tag": "slow:x", "n": 2}}}
+
+    def call() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            client.http.post("/mcp", json=body, headers=client.session)
+
+    threading.Thread(target=call, daemon=True).start()
+    assert engine.forking.wait(30)
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+              "params": {"requestId": 9, "reason": "the user pressed stop"}}
+    assert client.http.post("/mcp", json=cancel, headers=client.session).status_code == 202
+    assert engine.forked.wait(30)
+    wait_until("the cancelled create's sandboxes killed", lambda: engine.children == [], 30)
+    assert sorted(engine.killed) == ["sb-1", "sb-2"]

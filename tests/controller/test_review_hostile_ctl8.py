@@ -21,7 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,13 +30,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import FakeEngine, running
+from daemon_support import SlowEngine, running
 from net_support import free_port, wait_healthy, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, client, server
 from forkd.controller.api import ExecRequest
-from forkd.controller.backend import CALLER_STOP, LocalBackend
+from forkd.controller.backend import LocalBackend
 from forkd.controller.client import ControllerError, RemoteBackend
 from forkd.engine import children as ch
 from forkd.engine.lifecycle import ChildInfo
@@ -429,33 +428,6 @@ def _is_this_daemon(pid: int, url: str) -> bool:
 
 
 # -- the daemon: a spawn whose client left ---------------------------------------------
-class SlowEngine(FakeEngine):
-    """Sandboxes whose fork ends only once the spawn's client has gone (the request's Stop
-    set: app.CallerWatch), so the spawn ends after it; the engine's fork, list and kill (the
-    daemon's handlers and admission run for real; no VM)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forking = threading.Event()
-        self.forked = threading.Event()
-        self.killed: list[str] = []
-
-    def fork(self, store: Store, ref: str, n: int, **options: Any) -> ch.ForkResult:
-        self.forking.set()
-        stop = CALLER_STOP.get()
-        assert stop is not None
-        wait_until("the spawn's client to be gone", stop, 30)
-        result = super().fork(store, ref, n, **options)
-        self.forked.set()
-        return result
-
-    def kill(self, child_id: str, store: Store | None = None) -> ChildInfo:
-        gone = next(c for c in self.children if c.id == child_id)
-        self.end(child_id)
-        self.killed.append(child_id)
-        return gone
-
-
 def test_the_sandboxes_of_a_spawn_whose_client_left_are_killed(
         monkeypatch: pytest.MonkeyPatch, daemon: httpx.Client, place: Path) -> None:
     """A spawn whose client went away while its sandboxes started left them running (with
