@@ -232,9 +232,15 @@ class MemoryFile(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
                    ) -> pyfuse3.FileInfo:
         """Any open mode is accepted (QEMU opens its memory file read-write, then maps it
-        private); a write is refused (no ``write`` handler: ENOSYS)."""
+        private); a write is refused (no ``write`` handler: ENOSYS). Only the server's
+        user and root may open it (EACCES): the mount is ``allow_other``, for the reads of
+        a QEMU that dropped to another user after opening it as root, and without
+        ``default_permissions`` no mode bit is checked for whoever else reaches it (any
+        local user, any other sandbox's QEMU) wanting a snapshot's memory."""
         if inode != FILE_INODE:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if ctx.uid not in (0, os.getuid()):
+            raise pyfuse3.FUSEError(errno.EACCES)
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1

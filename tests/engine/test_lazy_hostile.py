@@ -9,23 +9,34 @@ what a killed lazy fork leaves behind, against the real chunk source, prefetch a
   here and tagged the chain: a pack that ``forkd pull`` refuses became a local tag that
   forks and pushes on. The prefetch now checks the content of every chunk of the chain
   it has not decoded itself before it tags, and tags nothing when one fails.
+* The lazy memory file is mounted ``allow_other`` (each QEMU reads it after it drops to
+  ``nobody``) without ``default_permissions``, and its ``open`` took any caller: any
+  local user, or any other sandbox's QEMU (all run as ``nobody``), who reached the mount
+  point could read a snapshot's memory; only the directories above it stood in the way.
+  ``open`` now refuses a caller that is neither the server's user nor root (QEMU opens it
+  as root, before its drop: its reads go on).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from hostile_hub import HostileHub
 from hostile_packs import chunk, layer
 
 from forkd import digest as dg
 from forkd.engine.lazy import prefetch
-from forkd.engine.lazy.chunks import ChunkSource, Hub, open_remote
+from forkd.engine.lazy.chunks import ChunkSource, Hub, open_local, open_remote
+from forkd.engine.lazy.layout import ImageLayout
 from forkd.pack.imagemap import CHUNK_PAGES, ImageMap
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_remote
 from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 TAG = "evil/app:v1"
 
@@ -65,3 +76,48 @@ def test_a_chunk_stored_unchecked_is_checked_before_the_chain_is_tagged(
         server.close()
     assert TAG not in fresh.tags.read()
     assert progress.state == "failed" and bad in (progress.error or ""), progress
+
+
+NOBODY = 65534
+# run as nobody, with the mount's directory open as fd argv[1] (no path above it to
+# traverse: the test's own directories are private)
+_OTHER_USER_READS = """
+import os, sys
+try:
+    fd = os.open("memory.img", os.O_RDONLY, dir_fd=int(sys.argv[1]))
+except PermissionError:
+    sys.exit(13)
+sys.stdout.buffer.write(os.pread(fd, 4096, 0))
+"""
+
+
+def test_another_user_cannot_open_the_lazy_memory_file(tmp_path: Path) -> None:
+    """A process of another user (nobody: what every child QEMU runs as) that can reach the
+    mount point opens the memory file: before, it read the snapshot's memory; now the open
+    is refused (EACCES), while the server's own user (root, as QEMU opens it) still reads."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    from test_lazy_memfs import CountingFile, _serving
+
+    store = Store(tmp_path / "home")
+    image = tmp_path / "base.img"
+    write_base(image, 4 << 20, seed=9, random_share=1.0)
+    store.import_layer("app:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "app:v1"), "memory"))
+    ops.reads = []
+    want = image.read_bytes()[:4096]
+    with _serving(ops, tmp_path / "mnt") as path:
+        with path.open("rb") as f:  # the server's user (root)
+            assert f.read(4096) == want
+        mount = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            other = subprocess.run(
+                ["/usr/bin/python3", "-I", "-c", _OTHER_USER_READS, str(mount)],
+                user=NOBODY, group=NOBODY, extra_groups=[], pass_fds=(mount,),
+                capture_output=True, timeout=60, cwd="/", check=False,
+                env={"PATH": "/usr/bin"})
+        finally:
+            os.close(mount)
+    read = "its memory" if other.stdout == want else other.stderr[-300:]
+    assert other.returncode == 13, f"another user opened the memory file and read {read!r}"
+    assert other.stdout == b""
