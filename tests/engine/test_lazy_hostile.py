@@ -15,12 +15,22 @@ what a killed lazy fork leaves behind, against the real chunk source, prefetch a
   point could read a snapshot's memory; only the directories above it stood in the way.
   ``open`` now refuses a caller that is neither the server's user nor root (QEMU opens it
   as root, before its drop: its reads go on).
+* A working set is bounded in stored bytes (256 MiB), not in what they decode to: 2 MiB
+  of one repeated byte is stored in a few dozen. The server kept every streamed chunk's
+  decoded bytes until the stream ended (each claim's future holds its result), and pinned
+  each memory chunk's until its page-cache push, which waits for the file's lookup: a
+  pack of such chunks with a working set naming them had each lazy fork's server hold
+  thousands of 2 MiB buffers (a TiB from 256 MiB) and die of it, with the host's memory.
+  A chunk that arrived is no longer held by its claim, and at most ``HANDING`` decoded
+  chunks wait for their push (a chunk past that goes unpushed: reads produce its pages).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,10 +39,12 @@ from hostile_hub import HostileHub
 from hostile_packs import chunk, layer
 
 from forkd import digest as dg
-from forkd.engine.lazy import prefetch
+from forkd.engine.lazy import prefetch, workingset
 from forkd.engine.lazy.chunks import ChunkSource, Hub, open_local, open_remote
 from forkd.engine.lazy.layout import ImageLayout
-from forkd.pack.imagemap import CHUNK_PAGES, ImageMap
+from forkd.pack.accessorder import WORKING_SET
+from forkd.pack.imagemap import CHUNK_PAGES, CHUNK_SIZE, ImageMap
+from forkd.pack.manifest import Descriptor
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_remote
 from forkd.store.store import Store
@@ -121,3 +133,49 @@ def test_another_user_cannot_open_the_lazy_memory_file(tmp_path: Path) -> None:
     read = "its memory" if other.stdout == want else other.stderr[-300:]
     assert other.returncode == 13, f"another user opened the memory file and read {read!r}"
     assert other.stdout == b""
+
+
+def test_a_working_set_of_tiny_chunks_holds_a_bounded_decoded_size(tmp_path: Path) -> None:
+    """A working set of chunks that each decode to 2 MiB of one byte (a few dozen stored
+    bytes each), streamed from the spool while the page-cache push waits (as it does for
+    the file's lookup): before, the server held every chunk decoded (96 x 2 MiB here) until
+    the stream ended; now at most the LRU, ``HANDING`` chunks waiting for their push and the
+    checkers' own, and every chunk still arrives."""
+    count = 96
+    image = tmp_path / "repeated.img"
+    with image.open("wb") as f:
+        for i in range(count):
+            f.write(bytes([i + 1]) * CHUNK_SIZE)
+    publisher = Store(tmp_path / "publisher")
+    publisher.import_layer("ws:v1", memory=image)
+    head = publisher.resolve("ws:v1")
+    fresh = Store(tmp_path / "fresh")
+    with HostileHub(publisher, {"v1": head}) as hostile, RegistryClient(hostile.hub) as client:
+        open_remote(fresh, parse_remote(f"{hostile.hub.host}/ws/app:v1"), client)
+    source = ChunkSource(fresh, fresh.chain(head, TAG), TAG, cached_chunks=2)
+    order = ImageLayout(source, "memory").chunk_order
+    assert len(order) == count and all(source.ref(d).stored < 4096 for d in order)
+    blob = b"".join(publisher.blobs.read(d, source.ref(d).stored) for d in order)
+    spool = tmp_path / "ws.spool"
+    spool.write_bytes(blob)
+    (tmp_path / "ws.spool.done").write_text("")
+    descriptor = Descriptor(WORKING_SET, dg.of_bytes(blob), len(blob))
+    lookup = threading.Event()  # the first push waits for it, as push_chunk for cache_ready
+    handed: list[str] = []
+
+    def push(digest: str, data: bytes) -> None:
+        lookup.wait(3)  # nobody sets it: the file is "looked up" 3 s on
+        lookup.set()
+        handed.append(digest)
+
+    tracemalloc.start()
+    try:
+        brought = workingset.fetch(source, descriptor, order, push, set(order), spool)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        source.close()
+    assert sorted(brought) == sorted(order)
+    held = 2 + workingset.HANDING + workingset.CHECKERS + 4  # chunks (4: the one being read)
+    assert peak < held * CHUNK_SIZE, f"{peak / CHUNK_SIZE:.0f} decoded chunks held at once"
+    assert handed and len(handed) <= count
