@@ -163,11 +163,16 @@ def _write_image(
             f"of {store.max_written} bytes here; flatten it where it was made "
             "(forkd compact) and push the flat layer"
         )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # what the maps make it write (2 MiB of one byte is stored in a few dozen: a small pack
+    # can declare a TiB), refused before a byte is written when it cannot fit
+    from forkd.store.fetch import check_room  # (fetch imports the store, which imports this)
+
+    check_room(store, written, f"{name}: its {role} image", target.parent)
     label: dict[str, str] = {}
     for i, link in reversed(list(enumerate(chain))):
         for d in link.manifest.chunks:
             label[d.digest] = f"layer {i} ({dg.short(link.digest)})"
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{role}-")
     try:
         os.ftruncate(fd, maps[0].size)
