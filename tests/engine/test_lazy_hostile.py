@@ -23,13 +23,20 @@ what a killed lazy fork leaves behind, against the real chunk source, prefetch a
   thousands of 2 MiB buffers (a TiB from 256 MiB) and die of it, with the host's memory.
   A chunk that arrived is no longer held by its claim, and at most ``HANDING`` decoded
   chunks wait for their push (a chunk past that goes unpushed: reads produce its pages).
+* A lazy server killed (SIGKILL, the OOM killer) left its FUSE mount behind, dead: every
+  access to it fails (ENOTCONN), so every later server of that snapshot failed at its
+  mount point and no lazy fork of it started on the host until someone unmounted it by
+  hand. A server that holds the directory's lock now unmounts a mount of ours left there
+  (no live server can hold it) before it mounts.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
+import time
 import tracemalloc
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +48,7 @@ from hostile_packs import chunk, layer
 from forkd import digest as dg
 from forkd.engine.lazy import prefetch, workingset
 from forkd.engine.lazy.chunks import ChunkSource, Hub, open_local, open_remote
+from forkd.engine.lazy.fork import start_server
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.pack.accessorder import WORKING_SET
 from forkd.pack.imagemap import CHUNK_PAGES, CHUNK_SIZE, ImageMap
@@ -179,3 +187,44 @@ def test_a_working_set_of_tiny_chunks_holds_a_bounded_decoded_size(tmp_path: Pat
     held = 2 + workingset.HANDING + workingset.CHECKERS + 4  # chunks (4: the one being read)
     assert peak < held * CHUNK_SIZE, f"{peak / CHUNK_SIZE:.0f} decoded chunks held at once"
     assert handed and len(handed) <= count
+
+
+def test_a_killed_servers_dead_mount_does_not_stop_the_next_server(tmp_path: Path) -> None:
+    """SIGKILL a real lazy server (no VM): its mount stays, dead. Before, the next server
+    of the snapshot failed at its mount point (HostError: did not start); now it serves the
+    same bytes, and its mount is the only one left."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    from forkd.engine.lazy.memfs import our_mounts
+
+    store = Store(tmp_path / "home")
+    image = tmp_path / "base.img"
+    write_base(image, 4 << 20, seed=11, random_share=1.0)
+    store.import_layer("app:v1", memory=image)
+    want = image.read_bytes()[:4096]
+    source = open_local(store, "app:v1")
+    under = str(tmp_path)
+    try:
+        first = start_server(store, source, None, None, prefetch=False)
+        os.kill(first.pid, signal.SIGKILL)
+        _wait_gone(first.pid)
+        assert len(our_mounts(under)) == 1  # left behind, dead
+        second = start_server(store, source, None, None, prefetch=False)
+        with second.memory.open("rb") as f:
+            assert f.read(4096) == want
+        assert len(our_mounts(under)) == 1
+        _wait_gone(second.pid)  # it exits once its file is closed (LINGER)
+        assert our_mounts(under) == []
+    finally:
+        for point in our_mounts(under):
+            subprocess.run(["umount", "-l", point], check=False)
+
+
+def _wait_gone(pid: int) -> None:
+    from forkd.engine.qemu import pid_alive
+
+    for _ in range(1200):
+        if not pid_alive(pid):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"lazy server {pid} still runs")
