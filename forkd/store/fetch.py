@@ -41,10 +41,16 @@ def check_room(store: Store, need: int, what: str, where: Path | None = None) ->
     or not, that cannot fit is refused whole rather than filling the disk the host's VMs
     and store live on, then failing."""
     free = room(store.blobs) if where is None else free_space(where)
-    if free is not None and need > free - ROOM_RESERVE:
+    if free is not None:
+        check_free(free, need, what, where or store.home)
+
+
+def check_free(free: int, need: int, what: str, where: Path) -> None:
+    """NoRoom when ``need`` bytes would leave less than ROOM_RESERVE of the ``free`` bytes
+    of the filesystem of ``where`` (a directory of the store)."""
+    if need > free - ROOM_RESERVE:
         raise NoRoom(
-            f"{what} needs {_mib(need)} in the store and {where or store.home} has "
-            f"{_mib(free)} free "
+            f"{what} needs {_mib(need)} in the store and {where} has {_mib(free)} free "
             f"(keeping {_mib(ROOM_RESERVE)}); free space (`forkd gc`, `forkd rmi`), or use a "
             "store on a larger filesystem (FORKD_HOME)")
 

@@ -28,6 +28,11 @@ what a killed lazy fork leaves behind, against the real chunk source, prefetch a
   mount point and no lazy fork of it started on the host until someone unmounted it by
   hand. A server that holds the directory's lock now unmounts a mount of ours left there
   (no live server can hold it) before it mounts.
+* The fork command streams the working set (up to 256 MiB, the hub's word) into the
+  server's spool from the moment the order names it, before the chain's room check
+  (open_remote's check_room, which does not count the spool either): a spool could take
+  the store's disk past its reserve. The spooler now refuses a blob that cannot fit
+  there (NoRoom, written as its end) before a byte of it is written.
 """
 
 from __future__ import annotations
@@ -44,17 +49,20 @@ from pathlib import Path
 import pytest
 from hostile_hub import HostileHub
 from hostile_packs import chunk, layer
+from test_store_room import small  # noqa: F401  (a tmpfs with 8 MiB past the reserve)
 
 from forkd import digest as dg
 from forkd.engine.lazy import prefetch, workingset
 from forkd.engine.lazy.chunks import ChunkSource, Hub, open_local, open_remote
 from forkd.engine.lazy.fork import start_server
 from forkd.engine.lazy.layout import ImageLayout
+from forkd.engine.lazy.spool import Spooler, done_path
 from forkd.pack.accessorder import WORKING_SET
 from forkd.pack.imagemap import CHUNK_PAGES, CHUNK_SIZE, ImageMap
 from forkd.pack.manifest import Descriptor
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_remote
+from forkd.store.blobs import free_space
 from forkd.store.store import Store
 from forkd.synthetic import write_base
 
@@ -228,3 +236,22 @@ def _wait_gone(pid: int) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"lazy server {pid} still runs")
+
+
+def test_a_working_set_spool_that_cannot_fit_is_refused_before_a_byte(
+        tmp_path: Path, small: Path) -> None:  # noqa: F811
+    """A 32 MiB working set spooled where 8 MiB are free past the store's reserve: before,
+    all of it was written (the reserve eaten); now the spool ends at once, saying why, and
+    the filesystem has every byte it had."""
+    hub_store = Store(tmp_path / "hub")
+    blob = os.urandom(32 << 20)
+    digest = hub_store.blobs.put_bytes(blob)
+    spool = small / "lazy" / "working-set.spool"
+    spool.parent.mkdir()
+    free = free_space(small)
+    with HostileHub(hub_store, {}) as hostile, RegistryClient(hostile.hub) as client:
+        spooler = Spooler(client, "evil/app", Descriptor(WORKING_SET, digest, len(blob)), spool)
+        spooler.wait(120)
+    assert "needs 32.0 MiB" in done_path(spool).read_text()
+    assert spool.stat().st_size == 0
+    assert free_space(small) >= free - (64 << 10)  # the spool's and its end's inodes
