@@ -102,6 +102,7 @@ class ChunkSource:
         self.fetched_bytes = 0  # compressed bytes that came from the hub
         self.fetched_chunks = 0
         self.decoded = 0  # chunks decompressed and checked (a chunk read twice may count twice)
+        self._checked: set[str] = set()  # chunks whose content this source has checked
         self._cached_chunks = cached_chunks
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._inflight: dict[str, Future[bytes]] = {}
@@ -256,10 +257,32 @@ class ChunkSource:
             try:
                 blob = self.store.blobs.read(digest, ref.stored, what)
             except NotFound:
-                return self._fetch(ref, what)  # verified, decompressed
+                data = self._fetch(ref, what)  # verified, decompressed
+                self._note_checked(digest)
+                return data
             except BlobBackendError:
                 raise
-        return unpack_chunk(blob, ref, what)
+        data = unpack_chunk(blob, ref, what)
+        self._note_checked(digest)
+        return data
+
+    def _note_checked(self, digest: str) -> None:
+        with self._lock:
+            self._checked.add(digest)
+
+    def unchecked(self) -> list[str]:
+        """The chain's chunks whose content this source has not checked: what reached the
+        store by its digest alone (``fetch_into_store`` in the fork command, a pull killed
+        before its check, another store user) and no reader has read since."""
+        with self._lock:
+            return [d for d in self.refs if d not in self._checked]
+
+    def check(self, digest: str) -> None:
+        """Check a chunk's content (bounded decompression, blake3) as a read would, without
+        keeping it: IntegrityError naming the chunk when it fails (``complete`` must not
+        call a chain with such a chunk whole)."""
+        if digest not in self._checked:
+            self.read(digest, keep=False)
 
     def fetch_into_store(self, digest: str) -> bool:
         """Bring a chunk that is not here into the store without decompressing it (streamed
@@ -310,6 +333,7 @@ class ChunkSource:
         self._keep_fetched(digest, blob)
         with self._lock:
             self.decoded += 1
+            self._checked.add(digest)
             pending = self._inflight.pop(digest)
             if pin:
                 self._pinned[digest] = data

@@ -20,9 +20,11 @@ import contextlib
 import errno
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import pyfuse3
@@ -232,9 +234,15 @@ class MemoryFile(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
                    ) -> pyfuse3.FileInfo:
         """Any open mode is accepted (QEMU opens its memory file read-write, then maps it
-        private); a write is refused (no ``write`` handler: ENOSYS)."""
+        private); a write is refused (no ``write`` handler: ENOSYS). Only the server's
+        user and root may open it (EACCES): the mount is ``allow_other``, for the reads of
+        a QEMU that dropped to another user after opening it as root, and without
+        ``default_permissions`` no mode bit is checked for whoever else reaches it (any
+        local user, any other sandbox's QEMU) wanting a snapshot's memory."""
         if inode != FILE_INODE:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if ctx.uid not in (0, os.getuid()):
+            raise pyfuse3.FUSEError(errno.EACCES)
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
@@ -281,6 +289,22 @@ def mount(ops: MemoryFile, mountpoint: str) -> None:
     options = set(pyfuse3.default_options) - {"default_permissions"}
     options |= {"fsname=forkd-lazy", "subtype=forkd", "allow_other"}
     pyfuse3.init(ops, mountpoint, options)
+
+
+def clear_dead_mount(mountpoint: Path) -> None:
+    """Unmount (lazily) a mount of ours left at ``mountpoint`` by a server that was killed
+    (SIGKILL, the OOM killer): every access to it fails (ENOTCONN), so no later server
+    could mount there. Call it holding the directory's server lock: no live server then
+    serves that mount."""
+    point = str(mountpoint.parent.resolve() / mountpoint.name)
+    if point not in our_mounts(point):
+        return
+    done = subprocess.run(["fusermount3", "-u", "-z", point], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"a dead lazy mount at {point} (its server was killed) could not be "
+                      f"unmounted: {done.stderr.strip()[:300]}; unmount it (umount -l "
+                      f"{point}) and fork again")
 
 
 def our_mounts(under: str = "") -> list[str]:

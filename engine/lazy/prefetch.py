@@ -172,6 +172,11 @@ def run(source: ChunkSource, order: list[str], recorded: int, progress: Progress
             list(pool.map(one, later))  # what no child needed yet
         progress.fetched_bytes += source.fetch_files()
         source.flush()  # the fetched chunks are in the store
+        # a chunk that came into the store by its digest alone (the fork command's
+        # WorkingSetFetch, a pull killed before its check) is checked before the chain
+        # is called whole: a pack `forkd pull` refuses is never tagged here
+        with ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, initializer=_background) as pool:
+            list(pool.map(source.check, source.unchecked()))
         if not source.complete():
             raise ForkdError(f"{source.name}: blobs are still missing after the prefetch")
         if tag is not None:

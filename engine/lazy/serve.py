@@ -268,6 +268,7 @@ def serve(d: Path) -> int:
         (d / name).unlink(missing_ok=True)
     server = Server(d, ServerSpec.load(d))
     mnt = d / MOUNT_DIR
+    memfs.clear_dead_mount(mnt)  # a killed server's (the lock is ours: none serves it)
     mnt.mkdir(exist_ok=True)
     with server.store.writing():
         if server.recorded is not None:  # a known working set: fetch it from now on

@@ -10,7 +10,8 @@ once read. Every chunk of it is checked as the hub's stream is (workingset.py): 
 is a buffer, never trusted.
 
 The writer ends with ``working-set.spool.done``: empty when the whole blob is in the
-file, else what went wrong. A reader that finds the blob short, or no byte coming for
+file, else what went wrong (a blob that would take the store's disk past its reserve is
+refused before a byte is written: NoRoom). A reader that finds the blob short, or no byte coming for
 ``STALL`` seconds and no end written (its command died), stops there: the chunks not read
 come one by one (workingset.py).
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from forkd.errors import ForkdError
 from forkd.pack.manifest import Descriptor
 from forkd.registry.client import RegistryClient, RegistryError
+from forkd.store.blobs import free_space
+from forkd.store.fetch import check_free
 
 SPOOL_NAME = "working-set.spool"
 DONE_SUFFIX = ".done"
@@ -63,6 +66,9 @@ class Spooler:
 
         outcome = ""
         try:
+            # the hub's word, streamed before the chain's own room check (open_remote)
+            check_free(free_space(self.path.parent), blob.size, "the working set's spool",
+                       self.path.parent)
             client.get_blob(repo, blob.digest, blob.size, blob.size, sink)
         except _Discarded:
             outcome = "discarded"

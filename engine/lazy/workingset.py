@@ -16,6 +16,12 @@ a page a reader holds while that reader waits for a later chunk of this stream. 
 chunk is decoded once: its bytes stay with the source (pinned until handed on, the
 others in its LRU), so a reader that overtakes the push is not a second decompression.
 
+The blob is bounded in stored bytes, not in what they decode to (2 MiB of one repeated
+byte is stored in a few dozen): a chunk that arrived is not held by its claim any more
+(its waiting readers have it), and at most ``HANDING`` decoded chunks wait for their push;
+a chunk past that is not pushed (reads produce its pages, as without a working set). The
+checkers never wait for a push: a push may wait for a reader that waits for them.
+
 A stream that brings no chunk (or no byte) for ``STREAM_STALL`` seconds ends as a broken
 one: a hub that drips the working set holds a reader waiting for a claimed chunk that long
 at most, then it fetches its chunk itself.
@@ -39,6 +45,7 @@ from forkd.pack.manifest import Descriptor
 
 CHECKERS = 2  # threads checking and decompressing the stream's chunks
 STREAM_STALL = 10.0  # seconds the stream may go without bringing a chunk (or a byte)
+HANDING = 16  # decoded memory chunks waiting for their page-cache push, at most (32 MiB)
 log = logging.getLogger("forkd.lazy")
 
 
@@ -71,21 +78,26 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
     brought: list[str] = []
     failed = threading.Event()
     lock = threading.Lock()
+    handing_slots = threading.BoundedSemaphore(HANDING)
     checking = ThreadPoolExecutor(max_workers=CHECKERS, thread_name_prefix="working-set")
     handing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="working-set-hand")
 
     def check(digest: str, piece: bytes) -> None:
         if failed.is_set():
             return
+        handed = hand_it(digest) and handing_slots.acquire(blocking=False)
         try:
-            data = source.arrived(digest, piece, pin=hand_it(digest))
+            data = source.arrived(digest, piece, pin=handed)
         except ForkdError as exc:
+            if handed:
+                handing_slots.release()
             log.info("%s: %s; the rest come one by one", what, exc)
             failed.set()
             return
         with lock:
             brought.append(digest)
-        if hand_it(digest):
+            del claims[digest]  # its readers have it: held here, every chunk would stay
+        if handed:
             handing.submit(hand_on, digest, data)
 
     def hand_it(digest: str) -> bool:
@@ -97,6 +109,7 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
             on_chunk(digest, data)
         finally:
             source.unpin(digest)
+            handing_slots.release()
 
     def sink(blocks: Iterator[bytes]) -> None:
         buf = bytearray()
@@ -112,7 +125,9 @@ def fetch(source: ChunkSource, blob: Descriptor, order: list[str],
                 del buf[:n]
                 at += 1
                 last = time.monotonic()
-                if digest in claims:  # else here already, or on its way
+                with lock:
+                    claimed = digest in claims  # else here already, or on its way
+                if claimed:
                     checking.submit(check, digest, piece)
             if at < len(held) and time.monotonic() - last > STREAM_STALL:
                 raise ForkdError(f"no chunk for {STREAM_STALL:.0f} s (at chunk {at + 1} of "

@@ -146,6 +146,21 @@ def _file(store: Store, head: str, role: str, d: Descriptor, name: str) -> Path:
     return target
 
 
+def _check_written(store: Store, written: int, where: Path, what: str) -> None:
+    """Refuse an image whose maps make it write ``written`` bytes into ``where`` past the
+    store's bound or the free space there (2 MiB of one byte is stored in a few dozen: a
+    small pack can declare a TiB), before a byte is written."""
+    from forkd.store.fetch import check_room  # (fetch imports the store, which imports this)
+
+    if store.max_written is not None and written > store.max_written:
+        raise InvalidInput(
+            f"{what} would get {written} bytes written, over the limit of "
+            f"{store.max_written} bytes here; flatten it where it was made (forkd compact) "
+            "and push the flat layer"
+        )
+    check_room(store, written, what, where)
+
+
 def _write_image(
     store: Store,
     chain: list[Link],
@@ -156,18 +171,13 @@ def _write_image(
     progress: Progress | None,
 ) -> None:
     plan = flatten(maps, f"{name} {role}")
-    written = sum(p.count for _, pieces in plan for p in pieces) * PAGE_SIZE
-    if store.max_written is not None and written > store.max_written:
-        raise InvalidInput(
-            f"{name}: its {role} image would get {written} bytes written, over the limit "
-            f"of {store.max_written} bytes here; flatten it where it was made "
-            "(forkd compact) and push the flat layer"
-        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _check_written(store, sum(p.count for _, pieces in plan for p in pieces) * PAGE_SIZE,
+                   target.parent, f"{name}: its {role} image")
     label: dict[str, str] = {}
     for i, link in reversed(list(enumerate(chain))):
         for d in link.manifest.chunks:
             label[d.digest] = f"layer {i} ({dg.short(link.digest)})"
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{role}-")
     try:
         os.ftruncate(fd, maps[0].size)

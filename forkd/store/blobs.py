@@ -249,7 +249,12 @@ def room(blobs: BlobStore) -> int | None:
     bound (object storage)."""
     if not isinstance(blobs, FsBlobStore):
         return None
-    st = os.statvfs(blobs.root)
+    return free_space(blobs.root)
+
+
+def free_space(path: Path) -> int:
+    """The free space (for an unprivileged writer) of the filesystem ``path`` is on."""
+    st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 

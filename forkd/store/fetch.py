@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from forkd import digest as dg
 from forkd.errors import ForkdError, IntegrityError
@@ -21,7 +22,7 @@ from forkd.pack.chunking import unpack_chunk
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import ChunkRef, check_map_size
 from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
-from forkd.store.blobs import room
+from forkd.store.blobs import free_space, room
 from forkd.store.store import MAX_FILE_BLOB, Store
 
 # bytes a fetch leaves free on the store's filesystem (what else writes there: the tag
@@ -33,15 +34,23 @@ class NoRoom(ForkdError):
     """The store's filesystem cannot take what a chain's descriptors say it weighs."""
 
 
-def check_room(store: Store, need: int, what: str) -> None:
+def check_room(store: Store, need: int, what: str, where: Path | None = None) -> None:
     """NoRoom, before a byte of it is fetched, when ``need`` bytes (what ``what``'s
     descriptors declare the store lacks) would leave less than ROOM_RESERVE free where the
-    store keeps its blobs: a pack, honest or not, that cannot fit is refused whole rather
-    than filling the disk the host's VMs and store live on, then failing."""
-    free = room(store.blobs)
-    if free is not None and need > free - ROOM_RESERVE:
+    store keeps its blobs (or in directory ``where``: an assembled image's): a pack, honest
+    or not, that cannot fit is refused whole rather than filling the disk the host's VMs
+    and store live on, then failing."""
+    free = room(store.blobs) if where is None else free_space(where)
+    if free is not None:
+        check_free(free, need, what, where or store.home)
+
+
+def check_free(free: int, need: int, what: str, where: Path) -> None:
+    """NoRoom when ``need`` bytes would leave less than ROOM_RESERVE of the ``free`` bytes
+    of the filesystem of ``where`` (a directory of the store)."""
+    if need > free - ROOM_RESERVE:
         raise NoRoom(
-            f"{what} needs {_mib(need)} in the store and {store.home} has {_mib(free)} free "
+            f"{what} needs {_mib(need)} in the store and {where} has {_mib(free)} free "
             f"(keeping {_mib(ROOM_RESERVE)}); free space (`forkd gc`, `forkd rmi`), or use a "
             "store on a larger filesystem (FORKD_HOME)")
 
