@@ -45,7 +45,11 @@ from forkd.pack.manifest import Descriptor
 
 CHECKERS = 2  # threads checking and decompressing the stream's chunks
 STREAM_STALL = 10.0  # seconds the stream may go without bringing a chunk (or a byte)
-HANDING = 16  # decoded memory chunks waiting for their page-cache push, at most (32 MiB)
+# decoded memory chunks waiting for their page-cache push, at most (128 MiB): the pushes
+# wait for QEMU's open of the memory file while the stream is decoded, and a chunk past
+# this is not pushed but read by the child (issue 14: a first answer waits for its working
+# set, langgraph-react's 105 chunks); 16 would skip most of what arrives before the open
+HANDING = 64
 log = logging.getLogger("forkd.lazy")
 
 
