@@ -142,6 +142,23 @@ def test_an_endless_answer_is_read_within_its_bound(
         remote(url).snapshots()
 
 
+def test_a_health_check_reads_no_body(hostile: tuple[str, Answer]) -> None:
+    """RemoteBackend.alive (the SDK's and `forkd serve`'s check for a daemon) read the
+    /healthz answer whole: an endless one (BODY_CAP here) was all held in memory. Its
+    status is what it asks; the body is not read."""
+    import tracemalloc
+
+    url, answer = hostile
+    answer.parts, answer.endless = [b"ok"], b"a" * CHUNK
+    tracemalloc.start()
+    try:
+        assert remote(url).alive()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < BODY_CAP // 4, f"alive() held {peak} bytes of an endless answer"
+
+
 def test_an_endless_error_is_read_within_its_bound(hostile: tuple[str, Answer]) -> None:
     url, answer = hostile
     answer.status = 500
