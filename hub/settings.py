@@ -142,6 +142,11 @@ class HubSettings:
     # per minute, for refused logins, other anonymous records and accounts' each
     # (hub/services.py ``Provoked``); past it they are counted in ``audit.suppressed``.
     audit_provoked_per_minute: int = 120
+    # Bytes of request bodies the hub holds in memory at once (manifests, API and UI
+    # bodies are read whole before their handler runs; blob uploads stream to storage and
+    # are not counted), one client (an address; IPv6 by its /64) at most half of it:
+    # past that 429, past the whole 503, before the body is read (hub/body_budget.py).
+    request_bodies_max: int = 256 * MiB
 
     @classmethod
     def from_env(
@@ -203,6 +208,12 @@ class HubSettings:
             raise InvalidInput("repositories_max and tags_max must be > 0")
         if self.audit_provoked_per_minute <= 0:
             raise InvalidInput("audit_provoked_per_minute must be > 0")
+        if self.request_bodies_max < 2 * self.manifest_max_bytes:
+            raise InvalidInput(
+                f"request_bodies_max ({self.request_bodies_max}) must be at least twice "
+                f"manifest_max_bytes ({self.manifest_max_bytes}): one client may hold half "
+                "of it, and must be able to push its largest manifest"
+            )
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
@@ -258,6 +269,7 @@ class HubSettings:
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
             audit_provoked_per_minute=self.audit_provoked_per_minute,
+            request_bodies_max=self.request_bodies_max,
             compactions_max=self.compactions_max,
             repositories_max=self.repositories_max,
             tags_max=self.tags_max,

@@ -1,0 +1,116 @@
+"""Request bodies held in memory: bounded in all and per client.
+
+A manifest ``PUT`` (up to ``manifest_max_bytes``), a UI form (``ui.account.FORM_MAX``), a
+README (``ui.api.BODY_MAX``) and every ``/api/v1`` JSON body are read whole before their
+handler runs, and kept until it answers. Each route bounds its own body, but nothing
+bounded their sum: one anonymous client that opened connections and sent each a sign-in
+form short of its last byte (a byte a minute keeps one open) made the hub hold
+``FORM_MAX`` per connection, 16 MiB for 40 of them, gigabytes for thousands.
+
+``counted`` counts each request's body (its ``Content-Length``, at most what its route
+takes; a chunked body as the most its route takes) from the request's start until its
+answer is sent, against ``request_bodies_max`` in all and half of it per client (the
+address ``auth.client_ip`` names, an IPv6 one by its /64: ``services.limited_address``),
+as the controller daemon counts its own (``forkd.shares.Shares``). A request past its
+client's share is answered 429 at once, past the whole 503, its body never read. Blob
+uploads stream to storage (``hub/oci/uploads.py``) and are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from litestar import Request
+
+from forkd.hub.auth import client_ip
+from forkd.hub.errors import Code
+from forkd.hub.observability import route_of
+from forkd.hub.services import limited_address
+from forkd.shares import Refusal, Shares
+
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
+RETRY_AFTER_S = 1
+STREAMED = "blobs/uploads"  # route_of: bodies written to storage as they come
+
+
+class BodyBudget(Shares):
+    """Bytes of request bodies held at once, in all and per client (half of ``total``)."""
+
+    def refusal(self, refused: Refusal, n: int, client: str) -> tuple[int, str]:
+        """(status, what to tell the client) for a body of ``n`` bytes ``take_or_refuse``
+        refused."""
+        if refused.bound == "client":
+            return 429, (
+                f"this client ({client}) has {refused.held} bytes of request bodies being "
+                f"received or answered, and this one is {n}: one client holds at most "
+                f"{self.share} (half of request_bodies_max); wait for its requests to end, "
+                "or send fewer at once"
+            )
+        return 503, (
+            f"the hub holds as many bytes of request bodies as it takes at once "
+            f"({self.total}, request_bodies_max) and this one is {n}; try again shortly"
+        )
+
+
+def body_size(scope: Any, manifest_max: int, other_max: int) -> int:
+    """What a request's body may make the hub hold: its ``Content-Length``, else
+    (chunked) the most its route takes, never more than that; 0 for a body that is
+    streamed to storage (blob uploads) and for no body."""
+    route = route_of(scope.get("path", ""))
+    if route == STREAMED:
+        return 0
+    most = manifest_max if route == "manifests" else other_max
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    if length is not None:
+        digits = length.strip()
+        # httptools checked it; a number of any length is capped without converting it
+        if not digits.isdigit():
+            return most
+        return most if len(digits) > 19 else min(int(digits), most)
+    return most if b"transfer-encoding" in headers else 0
+
+
+async def _refuse(send: Any, scope: Any, status: int, detail: str) -> None:
+    """Answer at once, the body unread, and close the connection: in the registry's error
+    form on ``/v2/``, as the rest of the API answers elsewhere."""
+    if scope.get("path", "").startswith("/v2/"):
+        code = Code.TOOMANYREQUESTS
+        doc: dict[str, Any] = {
+            "errors": [{"code": code.name, "message": code.message, "detail": detail}]
+        }
+    else:
+        doc = {"status_code": status, "detail": detail}
+    body = json.dumps(doc).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def counted(app: ASGIApp, budget: BodyBudget, size: Callable[[Any], int]) -> ASGIApp:
+    """``app`` (a Litestar middleware: the scope has the app, for ``client_ip``) with
+    each HTTP request's body counted against ``budget`` until its answer is sent."""
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        n = size(scope) if scope.get("type") == "http" else 0
+        if n == 0:
+            await app(scope, receive, send)
+            return
+        client = limited_address(client_ip(Request(scope)))
+        refused = budget.take_or_refuse(n, client)
+        if refused is not None:
+            await _refuse(send, scope, *budget.refusal(refused, n, client))
+            return
+        try:
+            await app(scope, receive, send)
+        finally:
+            budget.give(n, client)
+
+    return middleware

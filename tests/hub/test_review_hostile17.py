@@ -1,0 +1,158 @@
+"""Hostile review 17: what one client's connections hold in the hub's memory, summed.
+
+- Request bodies. A manifest ``PUT``, a UI form, a README and every ``/api/v1`` JSON
+  body are read whole before their handler runs; each route bounds its own body, but
+  nothing bounded their sum. One anonymous client that opened connections and sent each
+  a sign-in form short of its last byte (a byte a minute keeps one open) made the hub
+  hold 300 KiB per connection: 16 MiB for 40 of them, gigabytes for thousands. Now the
+  bodies held at once are counted (``hub/body_budget.py``): ``request_bodies_max`` in
+  all, one client (an address; IPv6 by its /64) at most half of it; a request past its
+  client's share is 429, past the whole 503, at once and its body unread. Blob uploads
+  stream to storage and are not counted.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from hub_server import HubServer, sha
+
+MiB = 1 << 20
+BUDGET = 4 * MiB  # request_bodies_max here: one client holds at most 2 MiB
+FORM = 300_000  # a sign-in form's Content-Length: 6 fit in a client's share, not 7
+HELD_MOST = (BUDGET // 2) // FORM
+ATTACKER, OTHER, THIRD = "203.0.113.9", "198.51.100.7", "192.0.2.44"
+DEADLINE_S = 60.0  # only bounds a wait for answers that a failing hub never sends
+
+
+def _budget_hub(tmp_path: Path) -> HubServer:
+    """A hub whose bodies budget is ``BUDGET``, taking the client's address from
+    X-Forwarded-For (the test's clients all connect from 127.0.0.1)."""
+    return HubServer(
+        tmp_path / "hub",
+        {
+            "request_bodies_max": BUDGET,
+            "manifest_max_bytes": MiB,
+            "trusted_proxies": "127.0.0.1",
+        },
+    ).start()
+
+
+def _held_form(server: HubServer, client: str) -> socket.socket:
+    """A connection that sent a sign-in form all but its last byte, and waits."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S)
+    head = (
+        f"POST /-/signin HTTP/1.1\r\nHost: {server.address}\r\n"
+        f"X-Forwarded-For: {client}\r\n"
+        "Content-Type: application/x-www-form-urlencoded\r\n"
+        f"Content-Length: {FORM}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + b"a" * (FORM - 1))
+    return sock
+
+
+@contextmanager
+def _held_forms(server: HubServer, client: str, count: int) -> Iterator[list[socket.socket]]:
+    socks = [_held_form(server, client) for _ in range(count)]
+    try:
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _answered(socks: list[socket.socket], at_least: int) -> dict[socket.socket, bytes]:
+    """The first bytes of the answers the hub sent on ``socks`` (the connections it
+    refused; it answers the others only once their bodies end), once ``at_least`` have
+    come or ``DEADLINE_S`` has passed."""
+    answers: dict[socket.socket, bytes] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while len(answers) < at_least and time.monotonic() < deadline:
+        waiting = [s for s in socks if s not in answers]
+        readable, _, _ = select.select(waiting, [], [], 0.2)
+        for sock in readable:
+            answers[sock] = sock.recv(4096)
+    return answers
+
+
+def _form_status(server: HubServer, client: str) -> int:
+    """The status of a whole sign-in form (no login cookie: 403) sent from ``client``."""
+    with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
+        r = c.post(
+            "/-/signin",
+            content=b"a" * FORM,
+            headers={
+                "X-Forwarded-For": client,
+                "Content-Type": "application/x-www-form-urlencoded",
+            },
+        )
+        return r.status_code
+
+
+def test_one_client_holds_at_most_its_share_of_request_bodies(tmp_path: Path) -> None:
+    """Before: 12 sign-in forms held open by one client were 12 x 300 KB in the hub's
+    memory, and as many more as it opened. Now at most ``HELD_MOST`` are held (half of
+    ``request_bodies_max``); the others are answered 429 at once, their bodies unread.
+    Another client's forms, and the first client's blob uploads (streamed to storage,
+    larger than the whole budget), go on; once its connections close, its share is
+    back."""
+    server = _budget_hub(tmp_path)
+    try:
+        pusher = server.add_user("bodies-pusher")
+        with _held_forms(server, ATTACKER, HELD_MOST + 6) as socks:
+            answers = _answered(socks, 6)
+            assert len(answers) >= 6, f"{len(answers)} of {len(socks)} forms refused"
+            assert all(a.startswith(b"HTTP/1.1 429 ") for a in answers.values()), answers
+            assert all(b"retry-after: 1" in a.lower() for a in answers.values())
+            assert _form_status(server, ATTACKER) == 429
+            assert _form_status(server, OTHER) == 403  # the login CSRF check: read whole
+
+            blob = b"b" * (BUDGET + MiB)  # streamed: never counted
+            with httpx.Client(base_url=server.url, auth=pusher, timeout=DEADLINE_S) as c:
+                r = c.post(
+                    f"/v2/{pusher[0]}/app/blobs/uploads/",
+                    params={"digest": sha(blob)},
+                    content=blob,
+                    headers={"X-Forwarded-For": ATTACKER},
+                )
+                assert r.status_code == 201, r.text
+        deadline = time.monotonic() + DEADLINE_S
+        status = _form_status(server, ATTACKER)
+        while status == 429 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the closed connections' requests end as the hub reads EOF
+            status = _form_status(server, ATTACKER)
+        assert status == 403
+    finally:
+        server.stop()
+
+
+def test_request_bodies_of_all_clients_are_bounded(tmp_path: Path) -> None:
+    """Before: clients each below any bound of their own held as much as they liked
+    together. Now past ``request_bodies_max`` in all a request is 503 at once (in the
+    registry's error form on ``/v2/``), whoever sends it: three clients' 14 forms, each
+    client within its share, are one more than the budget holds."""
+    server = _budget_hub(tmp_path)
+    try:
+        with (
+            _held_forms(server, ATTACKER, HELD_MOST) as first,
+            _held_forms(server, OTHER, HELD_MOST) as second,
+            _held_forms(server, THIRD, 2) as third,
+        ):
+            answers = list(_answered(first + second + third, 1).values())
+            assert len(answers) == 1 and answers[0].startswith(b"HTTP/1.1 503 "), answers
+            with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
+                r = c.put(
+                    "/v2/someone/app/manifests/v1",
+                    content=b"{}" * (FORM // 2),
+                    headers={"X-Forwarded-For": "192.0.2.99"},
+                )
+                assert r.status_code == 503, r.text
+                assert r.json()["errors"][0]["code"] == "TOOMANYREQUESTS"
+    finally:
+        server.stop()
