@@ -9,10 +9,16 @@
   all, one client (an address; IPv6 by its /64) at most half of it; a request past its
   client's share is 429, past the whole 503, at once and its body unread. Blob uploads
   stream to storage and are not counted.
+- A UI form whose client went away before its body ended (any anonymous client: open a
+  sign-in request, close it) was the 500 page and an ERROR with a traceback of ~30
+  lines in the hub's log, as often as a client liked. Now it is the client's end, not
+  the hub's error: a 400 no one reads, and silent, as on the JSON routes.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import select
 import socket
 import time
@@ -21,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from hub_server import HubServer, sha
+import pytest
+from hub_server import ADMIN, HubServer, sha
 
 MiB = 1 << 20
 BUDGET = 4 * MiB  # request_bodies_max here: one client holds at most 2 MiB
@@ -154,5 +161,62 @@ def test_request_bodies_of_all_clients_are_bounded(tmp_path: Path) -> None:
                 )
                 assert r.status_code == 503, r.text
                 assert r.json()["errors"][0]["code"] == "TOOMANYREQUESTS"
+    finally:
+        server.stop()
+
+
+UI_FORMS = (
+    "/-/signin",
+    "/-/signout",
+    "/-/settings/tokens",
+    "/-/settings/tokens/1/revoke",
+    "/-/settings/robots",
+    "/-/members/someone",
+    "/-/edit/someone/app",
+)
+
+
+def _ui_posts_answered(server: HubServer) -> int:
+    """POSTs to UI pages (``route="other"``) the hub has finished with, by its metrics:
+    counted once the app has returned, so its log is written by then."""
+    with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
+        text = c.get("/metrics").text
+    pattern = r'^forkd_hub_requests_total\{method="POST",route="other",status="\d+"\} (\S+)$'
+    return sum(int(float(n)) for n in re.findall(pattern, text, re.MULTILINE))
+
+
+def test_a_client_gone_mid_form_is_no_error_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: each UI form whose client closed the connection with its body half sent
+    logged ``error rendering /-/signin`` at ERROR with Litestar's traceback. Now nothing
+    at WARNING or above, on every form route, signed in or not."""
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
+            found = re.search(r'name="login_csrf" value="([^"]*)"', c.get("/-/signin").text)
+            assert found
+            form = {"login_csrf": found.group(1), "username": ADMIN[0], "password": ADMIN[1]}
+            assert c.post("/-/signin", data=form).status_code == 303
+            session = c.cookies["forkd_session"]
+        before = _ui_posts_answered(server)
+        with caplog.at_level(logging.INFO):
+            for path in UI_FORMS:
+                for cookie in ("", f"Cookie: forkd_session={session}\r\n"):
+                    sock = socket.create_connection(("127.0.0.1", server.port))
+                    sock.sendall(
+                        (
+                            f"POST {path} HTTP/1.1\r\nHost: {server.address}\r\n{cookie}"
+                            "Content-Type: application/x-www-form-urlencoded\r\n"
+                            "Content-Length: 1000\r\n\r\ncsrf=abc"
+                        ).encode()
+                    )
+                    sock.close()
+            deadline = time.monotonic() + DEADLINE_S
+            while _ui_posts_answered(server) < before + 2 * len(UI_FORMS):
+                assert time.monotonic() < deadline, "the hub did not finish the requests"
+                time.sleep(0.1)
+        loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not loud, [(r.name, r.getMessage()) for r in loud]
     finally:
         server.stop()
