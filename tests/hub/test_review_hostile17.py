@@ -9,6 +9,11 @@
   all, one client (an address; IPv6 by its /64) at most half of it; a request past its
   client's share is 429, past the whole 503, at once and its body unread. Blob uploads
   stream to storage and are not counted.
+- Request heads. ``forkd hub serve`` bounds each head (1 MiB, 256 fields, 60 s:
+  round 12), not their sum: one client that opened connections and sent each most of a
+  1 MiB head had a worker buffer 1 MiB per connection. Now the head bytes being received
+  are counted per worker (``workers.HEADS``), one peer address at most half: past it (or
+  the whole) 503 and the connection closed.
 - A UI form whose client went away before its body ended (any anonymous client: open a
   sign-in request, close it) was the 500 page and an ERROR with a traceback of ~30
   lines in the hub's log, as often as a client liked. Now it is the client's end, not
@@ -17,10 +22,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +35,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hub_server import ADMIN, HubServer, sha
+import uvicorn
+from hub_server import ADMIN, HubServer, free_port, sha
+
+from forkd.hub import workers
+from forkd.hub.settings import HubSettings
+from forkd.shares import Shares
 
 MiB = 1 << 20
 BUDGET = 4 * MiB  # request_bodies_max here: one client holds at most 2 MiB
@@ -220,3 +232,66 @@ def test_a_client_gone_mid_form_is_no_error_in_the_log(
         assert not loud, [(r.name, r.getMessage()) for r in loud]
     finally:
         server.stop()
+
+
+HEAD_PART = 600 << 10  # of a header sent and not ended: 3 fit in a peer's half, not 4
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """A hub served as ``forkd hub serve`` serves it (``workers.server_config``), whose
+    heads budget is ``BUDGET`` (one peer: 2 MiB); its port."""
+    monkeypatch.setattr(workers, "HEADS", Shares(BUDGET), raising=False)
+    settings = HubSettings(
+        tmp_path / "hub",
+        host="127.0.0.1",
+        port=free_port(),
+        admin_user=ADMIN[0],
+        admin_password=ADMIN[1],
+    )
+    server = uvicorn.Server(workers.server_config(settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the hub did not start"
+        time.sleep(0.02)
+    try:
+        yield settings.port
+    finally:
+        server.should_exit = True
+        thread.join(DEADLINE_S)
+
+
+def _healthz(port: int, source: str) -> bytes:
+    """A whole request from ``source`` (a loopback address); the answer's first bytes."""
+    with socket.create_connection(
+        ("127.0.0.1", port), timeout=DEADLINE_S, source_address=(source, 0)
+    ) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return s.recv(100)
+
+
+def test_request_heads_one_client_sends_at_once_are_bounded(served: int) -> None:
+    """Before: six connections of one client, each with 600 KiB of a head not ended,
+    were 3.6 MiB buffered in the worker (and as many more as it opened). Now at most a
+    peer's half (2 MiB here): the others are 503 and closed. Another peer is served
+    meanwhile; once the first one's connections close, it is served again."""
+    socks = []
+    try:
+        for _ in range(6):
+            sock = socket.create_connection(("127.0.0.1", served), timeout=DEADLINE_S)
+            with contextlib.suppress(OSError):  # the hub may close before it is all sent
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * HEAD_PART)
+            socks.append(sock)
+        answers = _answered(socks, 3)
+        assert len(answers) >= 3, f"{len(answers)} of {len(socks)} heads refused"
+        assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers.values()), answers
+        assert _healthz(served, "127.0.0.2").startswith(b"HTTP/1.1 200 ")
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + DEADLINE_S
+    while not (answer := _healthz(served, "127.0.0.1")).startswith(b"HTTP/1.1 200 "):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
