@@ -47,11 +47,12 @@ from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
 from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub
-from forkd.hub.settings import HubSettings
+from forkd.hub.settings import CLIENT_PARTS, HubSettings
 from forkd.hub.tokens_api import TokenController
 from forkd.hub.ui import ui_router
 from forkd.hub.ui.account import FORM_MAX
 from forkd.hub.ui.api import BODY_MAX as README_BODY_MAX
+from forkd.shares import Shares
 
 log = logging.getLogger("forkd.hub")
 
@@ -183,6 +184,7 @@ def create_app(settings: HubSettings) -> Litestar:
         return hub
 
     bodies = BodyBudget(settings.request_bodies_max)
+    responses = Shares(settings.response_bytes_max, CLIENT_PARTS)
 
     def body_of(scope: Any) -> int:
         return body_size(scope, settings.manifest_max_bytes, OTHER_BODY_MAX)
@@ -213,7 +215,8 @@ def create_app(settings: HubSettings) -> Litestar:
         middleware=[
             CutStreams,
             lambda app: MetricsMiddleware(app, hub.metrics),
-            lambda app: counted(app, bodies, body_of),  # bodies held at once, bounded
+            # request and response bodies held at once, bounded
+            lambda app: counted(app, bodies, body_of, responses),
         ],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
         request_class=HubHttpRequest,

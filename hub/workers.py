@@ -25,7 +25,7 @@ from forkd.errors import InvalidInput
 from forkd.hub.app import bootstrap_admin, create_app
 from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub, limited_address
-from forkd.hub.settings import HubSettings
+from forkd.hub.settings import CLIENT_PARTS, HubSettings
 from forkd.shares import Shares
 
 MAX_WORKERS = 64
@@ -40,12 +40,12 @@ HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
 # it a body sent a byte a minute held a connection and a request for weeks.
 BODY_IDLE_TIMEOUT_S = 60.0
 # Bytes of request heads being received, summed over the connections of a worker: one
-# client (a peer address; IPv6 by its /64) at most half. Each head is bounded on its own
-# (HEAD_MAX_BYTES), but one client that opened connections and sent each most of a 1 MiB
-# head had the hub buffer 1 MiB per connection: gigabytes for thousands. Past its half,
-# or the whole, a connection is answered 503 and closed. Heads of real clients are a few
-# KiB and take milliseconds, so 32 MiB is thousands of them at once.
-HEADS = Shares(64 << 20)
+# client (a peer address; IPv6 by its /64) at most 1/8 of it (CLIENT_PARTS). Each head
+# is bounded on its own (HEAD_MAX_BYTES), but one client that opened connections and
+# sent each most of a 1 MiB head had the hub buffer 1 MiB per connection: gigabytes for
+# thousands. Past its part, or the whole, a connection is answered 503 and closed. Heads
+# of real clients are a few KiB and take milliseconds: 8 MiB is thousands at once.
+HEADS = Shares(64 << 20, CLIENT_PARTS)
 
 
 class _HeadTooLarge(Exception):

@@ -6,13 +6,18 @@
   a sign-in form short of its last byte (a byte a minute keeps one open) made the hub
   hold 300 KiB per connection: 16 MiB for 40 of them, gigabytes for thousands. Now the
   bodies held at once are counted (``hub/body_budget.py``): ``request_bodies_max`` in
-  all, one client (an address; IPv6 by its /64) at most half of it; a request past its
+  all, one client (an address; IPv6 by its /64) at most 1/8 of it; a request past its
   client's share is 429, past the whole 503, at once and its body unread. Blob uploads
   stream to storage and are not counted.
+- Response bodies, the other way round: a client that opened connections to a public
+  blob and read none had the hub hold about 2 MiB per connection (80 MiB for 40
+  anonymous ones). Now the response bytes being sent are counted per client against
+  ``response_bytes_max`` (1/8 per client): past it a response is cut short of its
+  Content-Length (a failed transfer, retried), and other clients are served.
 - Request heads. ``forkd hub serve`` bounds each head (1 MiB, 256 fields, 60 s:
   round 12), not their sum: one client that opened connections and sent each most of a
   1 MiB head had a worker buffer 1 MiB per connection. Now the head bytes being received
-  are counted per worker (``workers.HEADS``), one peer address at most half: past it (or
+  are counted per worker (``workers.HEADS``), one peer address at most 1/8: past it (or
   the whole) 503 and the connection closed.
 - A UI form whose client went away before its body ended (any anonymous client: open a
   sign-in request, close it) was the 500 page and an ERROR with a traceback of ~30
@@ -43,9 +48,10 @@ from forkd.hub.settings import HubSettings
 from forkd.shares import Shares
 
 MiB = 1 << 20
-BUDGET = 4 * MiB  # request_bodies_max here: one client holds at most 2 MiB
+SHARE = 2 * MiB  # what one client holds at most here: 1/8 of the budget
+BUDGET = 8 * SHARE  # request_bodies_max (and response_bytes_max) here
 FORM = 300_000  # a sign-in form's Content-Length: 6 fit in a client's share, not 7
-HELD_MOST = (BUDGET // 2) // FORM
+HELD_MOST = SHARE // FORM
 ATTACKER, OTHER, THIRD = "203.0.113.9", "198.51.100.7", "192.0.2.44"
 DEADLINE_S = 60.0  # only bounds a wait for answers that a failing hub never sends
 
@@ -57,7 +63,7 @@ def _budget_hub(tmp_path: Path) -> HubServer:
         tmp_path / "hub",
         {
             "request_bodies_max": BUDGET,
-            "manifest_max_bytes": MiB,
+            "manifest_max_bytes": SHARE,
             "trusted_proxies": "127.0.0.1",
         },
     ).start()
@@ -116,7 +122,7 @@ def _form_status(server: HubServer, client: str) -> int:
 
 def test_one_client_holds_at_most_its_share_of_request_bodies(tmp_path: Path) -> None:
     """Before: 12 sign-in forms held open by one client were 12 x 300 KB in the hub's
-    memory, and as many more as it opened. Now at most ``HELD_MOST`` are held (half of
+    memory, and as many more as it opened. Now at most ``HELD_MOST`` are held (1/8 of
     ``request_bodies_max``); the others are answered 429 at once, their bodies unread.
     Another client's forms, and the first client's blob uploads (streamed to storage,
     larger than the whole budget), go on; once its connections close, its share is
@@ -154,16 +160,17 @@ def test_one_client_holds_at_most_its_share_of_request_bodies(tmp_path: Path) ->
 def test_request_bodies_of_all_clients_are_bounded(tmp_path: Path) -> None:
     """Before: clients each below any bound of their own held as much as they liked
     together. Now past ``request_bodies_max`` in all a request is 503 at once (in the
-    registry's error form on ``/v2/``), whoever sends it: three clients' 14 forms, each
-    client within its share, are one more than the budget holds."""
+    registry's error form on ``/v2/``), whoever sends it: ten clients' 56 forms, each
+    client within its share, are one more than the budget holds (55)."""
+    assert BUDGET // FORM == 55
     server = _budget_hub(tmp_path)
     try:
-        with (
-            _held_forms(server, ATTACKER, HELD_MOST) as first,
-            _held_forms(server, OTHER, HELD_MOST) as second,
-            _held_forms(server, THIRD, 2) as third,
-        ):
-            answers = list(_answered(first + second + third, 1).values())
+        with contextlib.ExitStack() as stack:
+            socks = []
+            for i in range(1, 11):
+                count = HELD_MOST if i < 10 else 2
+                socks += stack.enter_context(_held_forms(server, f"203.0.113.{i}", count))
+            answers = list(_answered(socks, 1).values())
             assert len(answers) == 1 and answers[0].startswith(b"HTTP/1.1 503 "), answers
             with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
                 r = c.put(
@@ -234,14 +241,14 @@ def test_a_client_gone_mid_form_is_no_error_in_the_log(
         server.stop()
 
 
-HEAD_PART = 600 << 10  # of a header sent and not ended: 3 fit in a peer's half, not 4
+HEAD_PART = 600 << 10  # of a header sent and not ended: 3 fit in a peer's part, not 4
 
 
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """A hub served as ``forkd hub serve`` serves it (``workers.server_config``), whose
     heads budget is ``BUDGET`` (one peer: 2 MiB); its port."""
-    monkeypatch.setattr(workers, "HEADS", Shares(BUDGET), raising=False)
+    monkeypatch.setattr(workers, "HEADS", Shares(BUDGET, 8), raising=False)
     settings = HubSettings(
         tmp_path / "hub",
         host="127.0.0.1",
@@ -275,7 +282,7 @@ def _healthz(port: int, source: str) -> bytes:
 def test_request_heads_one_client_sends_at_once_are_bounded(served: int) -> None:
     """Before: six connections of one client, each with 600 KiB of a head not ended,
     were 3.6 MiB buffered in the worker (and as many more as it opened). Now at most a
-    peer's half (2 MiB here): the others are 503 and closed. Another peer is served
+    peer's part (1/8: 2 MiB here): the others are 503 and closed. Another peer is served
     meanwhile; once the first one's connections close, it is served again."""
     socks = []
     try:
@@ -295,3 +302,62 @@ def test_request_heads_one_client_sends_at_once_are_bounded(served: int) -> None
     while not (answer := _healthz(served, "127.0.0.1")).startswith(b"HTTP/1.1 200 "):
         assert time.monotonic() < deadline, answer
         time.sleep(0.1)
+
+
+def _slow_reader(server: HubServer, path: str, client: str) -> socket.socket:
+    """A connection that asks for ``path`` and reads nothing (a 4 KiB receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(DEADLINE_S)
+    sock.connect(("127.0.0.1", server.port))
+    head = f"GET {path} HTTP/1.1\r\nHost: {server.address}\r\nX-Forwarded-For: {client}\r\n"
+    sock.sendall(head.encode() + b"\r\n")
+    return sock
+
+
+def _blob_gets_ended(server: HubServer) -> int:
+    """Blob GETs the hub has finished with (answered whole, or cut), by its metrics."""
+    with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
+        text = c.get("/metrics").text
+    pattern = r'^forkd_hub_requests_total\{method="GET",route="blobs",status="\d+"\} (\S+)$'
+    return sum(int(float(n)) for n in re.findall(pattern, text, re.MULTILINE))
+
+
+def test_responses_one_client_leaves_unread_are_bounded(tmp_path: Path) -> None:
+    """Before: 12 connections of one client to an 8 MiB public blob, none read, each
+    held its response's chunk in the hub's memory. Now the client's share of
+    ``response_bytes_max`` (2 MiB here: two 1 MiB chunks) is held, the others are cut
+    short; another client pulls the blob whole meanwhile."""
+    server = HubServer(
+        tmp_path / "hub",
+        {
+            "response_bytes_max": BUDGET,
+            "manifest_max_bytes": SHARE,
+            "trusted_proxies": "127.0.0.1",
+        },
+    ).start()
+    try:
+        blob = b"z" * (8 * MiB)
+        with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
+            r = c.post(
+                f"/v2/{ADMIN[0]}/pub/blobs/uploads/", params={"digest": sha(blob)}, content=blob
+            )
+            assert r.status_code == 201, r.text
+        server.public(f"{ADMIN[0]}/pub")
+        path = f"/v2/{ADMIN[0]}/pub/blobs/{sha(blob)}"
+        socks = [_slow_reader(server, path, ATTACKER) for _ in range(12)]
+        try:
+            # An 8 MiB answer cannot have been taken whole by a client reading nothing:
+            # each of these requests the hub is done with was cut.
+            deadline = time.monotonic() + DEADLINE_S
+            while (ended := _blob_gets_ended(server)) < 4 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ended >= 4, f"{ended} of {len(socks)} unread downloads cut"
+            with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
+                r = c.get(path, headers={"X-Forwarded-For": OTHER})
+                assert r.status_code == 200 and r.content == blob
+        finally:
+            for sock in socks:
+                sock.close()
+    finally:
+        server.stop()
