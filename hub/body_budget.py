@@ -23,7 +23,8 @@ message is counted, for the request's client, from when it is handed to the serv
 the server has taken it (``send`` returns once the connection's buffer drained), against
 ``response_bytes_max`` (1/8 per client). One past that is cut (``ResponseCut``): the
 connection closed short of its ``Content-Length``, which every client reads as a failed
-transfer to retry; logged at DEBUG only (a client provokes it at will).
+transfer to retry; logged at DEBUG only (a client provokes it at will). A response whose
+first bytes have no room is answered 429 instead, never begun.
 """
 
 from __future__ import annotations
@@ -71,31 +72,47 @@ class BodyBudget(Shares):
 
 class ResponseCut(StreamCut):
     """A response body its client's share (or all clients' bound) of
-    ``response_bytes_max`` had no room for: the response is cut short."""
+    ``response_bytes_max`` had no room for, after the response's first bytes: the
+    response is cut short."""
 
     level = logging.DEBUG
 
 
-def metered(send: Any, budget: Shares, client: str) -> Any:
+def _no_room(refused: Refusal, n: int, client: str) -> str:
+    bound = "this client's share" if refused.bound == "client" else "all clients' bound"
+    return (
+        f"{n} more bytes of responses for {client} would pass {bound} of "
+        f"response_bytes_max ({refused.held} being sent already): read the responses "
+        "begun first, or ask for fewer at once"
+    )
+
+
+def metered(send: Any, scope: Any, budget: Shares, client: str) -> Any:
     """``send`` with each response body message counted against ``budget`` for
-    ``client`` until the server has taken it; ``ResponseCut`` when there is no room."""
+    ``client`` until the server has taken it. The response's head waits for its first
+    body message: one with no room is answered 429 (Retry-After) instead, never begun;
+    a later one is cut (``ResponseCut``)."""
+    head: list[Any] = []  # the response's start, until its first body message
 
     async def counted_send(message: Any) -> None:
-        n = len(message.get("body", b"")) if message["type"] == "http.response.body" else 0
-        if n == 0:
-            await send(message)
+        if message["type"] == "http.response.start":
+            head.append(message)
             return
-        refused = budget.take_or_refuse(n, client)
+        n = len(message.get("body", b"")) if message["type"] == "http.response.body" else 0
+        refused = budget.take_or_refuse(n, client) if n else None
         if refused is not None:
-            held = "this client's share" if refused.bound == "client" else "all clients' bound"
-            raise ResponseCut(
-                f"{n} more bytes of responses for {client} would pass {held} of "
-                f"response_bytes_max ({refused.held} being sent already)"
-            )
+            why = _no_room(refused, n, client)
+            if head:  # not begun: a whole answer, and the app stops there
+                head.clear()
+                await _refuse(send, scope, 429, why)
+            raise ResponseCut(why)
         try:
+            if head:
+                await send(head.pop())
             await send(message)
         finally:
-            budget.give(n, client)
+            if n:
+                budget.give(n, client)
 
     return counted_send
 
@@ -158,7 +175,7 @@ def counted(
             await _refuse(send, scope, *budget.refusal(refused, n, client))
             return
         try:
-            await app(scope, receive, metered(send, responses, client))
+            await app(scope, receive, metered(send, scope, responses, client))
         finally:
             if n:
                 budget.give(n, client)

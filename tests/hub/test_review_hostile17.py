@@ -327,7 +327,8 @@ def test_responses_one_client_leaves_unread_are_bounded(tmp_path: Path) -> None:
     """Before: 12 connections of one client to an 8 MiB public blob, none read, each
     held its response's chunk in the hub's memory. Now the client's share of
     ``response_bytes_max`` (2 MiB here: two 1 MiB chunks) is held, the others are cut
-    short; another client pulls the blob whole meanwhile."""
+    short, and its next answers are 429 before they begin; another client pulls the
+    blob whole meanwhile."""
     server = HubServer(
         tmp_path / "hub",
         {
@@ -356,6 +357,11 @@ def test_responses_one_client_leaves_unread_are_bounded(tmp_path: Path) -> None:
             with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as c:
                 r = c.get(path, headers={"X-Forwarded-For": OTHER})
                 assert r.status_code == 200 and r.content == blob
+                # Its share held, the client's next answer is not begun: 429, whole.
+                for page in (path, "/", "/api/v1/repositories"):
+                    r = c.get(page, headers={"X-Forwarded-For": ATTACKER})
+                    assert r.status_code == 429, (page, r.status_code)
+                    assert r.headers["retry-after"] == "1"
         finally:
             for sock in socks:
                 sock.close()
