@@ -198,8 +198,8 @@ class BoundedHead(HttpToolsProtocol):
         self._refuse(
             b"503 Service Unavailable",
             f"this client ({self._peer}), or all clients together, are sending as many "
-            f"bytes of request heads at once as the hub takes ({HEADS.share} for one, "
-            f"{HEADS.total} in all, workers.HEADS): finish the requests begun first",
+            f"bytes of request heads at once as the hub takes ({self._heads.share} for one, "
+            f"{self._heads.total} in all, workers.HEADS): finish the requests begun first",
         )
 
     def _refuse(self, status: bytes, detail: str) -> None:
