@@ -12,8 +12,9 @@
 - Response bodies, the other way round: a client that opened connections to a public
   blob and read none had the hub hold about 2 MiB per connection (80 MiB for 40
   anonymous ones). Now the response bytes being sent are counted per client against
-  ``response_bytes_max`` (1/8 per client): past it a response is cut short of its
-  Content-Length (a failed transfer, retried), and other clients are served.
+  ``response_bytes_max`` (1/8 per client): past it a response not begun is 429, one
+  begun is cut short of its Content-Length (a failed transfer, retried), and other
+  clients are served.
 - Request heads. ``forkd hub serve`` bounds each head (1 MiB, 256 fields, 60 s:
   round 12), not their sum: one client that opened connections and sent each most of a
   1 MiB head had a worker buffer 1 MiB per connection. Now the head bytes being received
