@@ -19,18 +19,21 @@ class Refusal:
 
 
 class Shares:
-    """At most ``total`` held in all, ``total // 2`` of it by one client (None: a caller
-    in process, counted in the total only)."""
+    """At most ``total`` held in all, ``total // parts`` of it by one client (None: a
+    caller in process, counted in the total only). Two parts (half) where clients are
+    few (the daemon's); more where anyone may connect (the hub's), so that a couple of
+    clients cannot hold all of it."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, parts: int = 2) -> None:
         self.total = total
+        self.parts = parts
         self.held = 0
         self.by_client: dict[str, int] = {}  # what each client holds (entries > 0)
         self._lock = threading.Lock()
 
     @property
     def share(self) -> int:
-        return self.total // 2
+        return self.total // self.parts
 
     def take_or_refuse(self, n: int, client: str | None) -> Refusal | None:
         """Count ``n`` more for ``client``, or the Refusal (nothing counted)."""

@@ -31,6 +31,7 @@ from forkd.errors import InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
 from forkd.hub.auth import authenticate, check_host, client_ip, token_endpoint
+from forkd.hub.body_budget import BodyBudget, body_size, counted
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
@@ -46,9 +47,12 @@ from forkd.hub.orgs_api import OrgController, QuotaController, UserController
 from forkd.hub.pulls import FLUSH_INTERVAL_S
 from forkd.hub.secrets import claim_blob_storage
 from forkd.hub.services import Hub
-from forkd.hub.settings import HubSettings
+from forkd.hub.settings import CLIENT_PARTS, HubSettings
 from forkd.hub.tokens_api import TokenController
 from forkd.hub.ui import ui_router
+from forkd.hub.ui.account import FORM_MAX
+from forkd.hub.ui.api import BODY_MAX as README_BODY_MAX
+from forkd.shares import Shares
 
 log = logging.getLogger("forkd.hub")
 
@@ -130,6 +134,8 @@ async def healthz() -> dict[str, str]:
 # (a team, a token, an organisation) are a few hundred bytes. The registry routes take
 # any size (uploads: ``upload_max_bytes``), README and UI forms set their own.
 API_BODY_MAX = 64 * 1024
+# The largest body a route other than a manifest PUT reads whole (body_budget.body_size).
+OTHER_BODY_MAX = max(API_BODY_MAX, FORM_MAX, README_BODY_MAX)
 HOST_EXEMPT = ("/healthz",)  # answers with no URL; load balancers probe it by address
 
 
@@ -177,6 +183,12 @@ def create_app(settings: HubSettings) -> Litestar:
     def provide_hub() -> Hub:
         return hub
 
+    bodies = BodyBudget(settings.request_bodies_max)
+    responses = Shares(settings.response_bytes_max, CLIENT_PARTS)
+
+    def body_of(scope: Any) -> int:
+        return body_size(scope, settings.manifest_max_bytes, OTHER_BODY_MAX)
+
     def host_checked(request: Request[object, object, State]) -> None:
         if request.scope["path"] not in HOST_EXEMPT:  # not ``url``: it parses the Host
             check_host(hub, request)
@@ -200,7 +212,12 @@ def create_app(settings: HubSettings) -> Litestar:
         openapi_config=OpenAPIConfig(
             title="forkd hub", version=forkd.__version__, path="/api/schema"
         ),
-        middleware=[CutStreams, lambda app: MetricsMiddleware(app, hub.metrics)],
+        middleware=[
+            CutStreams,
+            lambda app: MetricsMiddleware(app, hub.metrics),
+            # request and response bodies held at once, bounded
+            lambda app: counted(app, bodies, body_of, responses),
+        ],
         dependencies={"hub": Provide(provide_hub, use_cache=True, sync_to_thread=False)},
         request_class=HubHttpRequest,
         request_max_body_size=API_BODY_MAX,

@@ -98,6 +98,8 @@ class StreamCut(Exception):
     reader lost pull): no error document can follow, so the connection is closed short of
     its ``Content-Length``. ``str()`` says why, in one line, for the hub's log."""
 
+    level = logging.WARNING  # of its line in the hub's log (``CutStreams``)
+
 
 # Set in the request's task when ``CutStreams`` ended its response: the server's own
 # "returned without completing response" line for it says nothing the hub's line did not.
@@ -133,7 +135,8 @@ class CutStreams:
             cut = _cut_in(exc)
             if cut is None or scope["type"] != "http":
                 raise
-            log.warning(
+            log.log(
+                cut.level,
                 "%s %s response cut short: %s",
                 scope.get("method", ""),
                 route_of(scope.get("path", "")),

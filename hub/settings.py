@@ -76,6 +76,12 @@ class RetentionRule:
         return self
 
 
+# One client holds at most this part of the request and response bodies budgets
+# (hub/body_budget.py): a few clients (an attacker's addresses) cannot hold all of it and
+# so refuse everyone else.
+CLIENT_PARTS = 8
+
+
 @dataclass(frozen=True)
 class HubSettings:
     """Everything the hub needs to start; ``from_env`` or direct, then ``validated``."""
@@ -142,6 +148,15 @@ class HubSettings:
     # per minute, for refused logins, other anonymous records and accounts' each
     # (hub/services.py ``Provoked``); past it they are counted in ``audit.suppressed``.
     audit_provoked_per_minute: int = 120
+    # Bytes of request bodies the hub holds in memory at once (manifests, API and UI
+    # bodies are read whole before their handler runs; blob uploads stream to storage and
+    # are not counted), one client (an address; IPv6 by its /64) at most 1/8 of it:
+    # past that 429, past the whole 503, before the body is read (hub/body_budget.py).
+    request_bodies_max: int = 256 * MiB
+    # Bytes of responses being sent at once (a blob's chunk, a manifest, a page, from
+    # the hub's memory to a client reading at its own pace), one client at most 1/8 of
+    # it: a response past that is cut short of its Content-Length (hub/body_budget.py).
+    response_bytes_max: int = 512 * MiB
 
     @classmethod
     def from_env(
@@ -203,6 +218,18 @@ class HubSettings:
             raise InvalidInput("repositories_max and tags_max must be > 0")
         if self.audit_provoked_per_minute <= 0:
             raise InvalidInput("audit_provoked_per_minute must be > 0")
+        if self.request_bodies_max < CLIENT_PARTS * self.manifest_max_bytes:
+            raise InvalidInput(
+                f"request_bodies_max ({self.request_bodies_max}) must be at least {CLIENT_PARTS} "
+                f"times manifest_max_bytes ({self.manifest_max_bytes}): one client may hold "
+                f"1/{CLIENT_PARTS} of it, and must be able to push its largest manifest"
+            )
+        if self.response_bytes_max < CLIENT_PARTS * self.manifest_max_bytes:
+            raise InvalidInput(
+                f"response_bytes_max ({self.response_bytes_max}) must be at least {CLIENT_PARTS} "
+                f"times manifest_max_bytes ({self.manifest_max_bytes}): one client may hold "
+                f"1/{CLIENT_PARTS} of it, and must be able to pull its largest manifest"
+            )
         if self.upload_idle_timeout <= 0:
             raise InvalidInput("upload_idle_timeout must be > 0 seconds")
         if not 1 <= self.compactions_max <= MAX_COMPACTIONS:
@@ -258,6 +285,8 @@ class HubSettings:
             upload_max_bytes=self.upload_max_bytes,
             upload_idle_timeout=float(self.upload_idle_timeout),
             audit_provoked_per_minute=self.audit_provoked_per_minute,
+            request_bodies_max=self.request_bodies_max,
+            response_bytes_max=self.response_bytes_max,
             compactions_max=self.compactions_max,
             repositories_max=self.repositories_max,
             tags_max=self.tags_max,

@@ -24,8 +24,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from forkd.errors import InvalidInput
 from forkd.hub.app import bootstrap_admin, create_app
 from forkd.hub.secrets import claim_blob_storage
-from forkd.hub.services import Hub
-from forkd.hub.settings import HubSettings
+from forkd.hub.services import Hub, limited_address
+from forkd.hub.settings import CLIENT_PARTS, HubSettings
+from forkd.shares import Shares
 
 MAX_WORKERS = 64
 # A request's head (request line and headers): at most this many bytes, headers and
@@ -38,6 +39,13 @@ HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
 # paused by the hub itself) closes the connection: nginx's client_body_timeout. Without
 # it a body sent a byte a minute held a connection and a request for weeks.
 BODY_IDLE_TIMEOUT_S = 60.0
+# Bytes of request heads being received, summed over the connections of a worker: one
+# client (a peer address; IPv6 by its /64) at most 1/8 of it (CLIENT_PARTS). Each head
+# is bounded on its own (HEAD_MAX_BYTES), but one client that opened connections and
+# sent each most of a 1 MiB head had the hub buffer 1 MiB per connection: gigabytes for
+# thousands. Past its part, or the whole, a connection is answered 503 and closed. Heads
+# of real clients are a few KiB and take milliseconds: 8 MiB is thousands at once.
+HEADS = Shares(64 << 20, CLIENT_PARTS)
 
 
 class _HeadTooLarge(Exception):
@@ -58,6 +66,8 @@ class BoundedHead(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         self._head_bytes = 0
+        self._peer = limited_address(self.client[0]) if self.client else "unknown"
+        self._heads = HEADS  # this connection gives back to the budget it took from
         self._headers = 0
         self._too_large = False
         self._in_head = True
@@ -83,6 +93,7 @@ class BoundedHead(HttpToolsProtocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._give_head()
         self._disarm_head_timer()
         self._end_body()
         super().connection_lost(exc)
@@ -114,14 +125,25 @@ class BoundedHead(HttpToolsProtocol):
             return
         self._body_timer = self.loop.call_later(BODY_IDLE_TIMEOUT_S - idle, self._body_check)
 
+    def _give_head(self) -> None:
+        """Give back what this connection's head took of ``HEADS`` (it ended, or the
+        connection did)."""
+        self._heads.give(self._head_bytes, self._peer)
+        self._head_bytes = 0
+
     def data_received(self, data: bytes) -> None:
         if self._too_large:
             return
-        super().data_received(data)
-        if self._in_head and not self._too_large and self.parser is not None:
+        if self._in_head and self.parser is not None:
+            # Counted before httptools buffers it: one connection's head, and all of them.
+            if self._heads.take_or_refuse(len(data), self._peer) is not None:
+                self._refuse_heads()
+                return
             self._head_bytes += len(data)
             if self._head_bytes > HEAD_MAX_BYTES:
                 self._refuse_head()
+                return
+        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -136,7 +158,7 @@ class BoundedHead(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._head_bytes = 0
+        self._give_head()
         self._disarm_head_timer()
         super().on_headers_complete()
         self._in_body = True  # until on_message_complete (at once without a body)
@@ -166,16 +188,30 @@ class BoundedHead(HttpToolsProtocol):
             super().send_400_response(msg)
 
     def _refuse_head(self) -> None:
+        self._refuse(
+            b"431 Request Header Fields Too Large",
+            f"request head too large: at most {HEAD_MAX_BYTES} bytes and "
+            f"{HEAD_MAX_HEADERS} header fields; send fewer or shorter headers",
+        )
+
+    def _refuse_heads(self) -> None:
+        self._refuse(
+            b"503 Service Unavailable",
+            f"this client ({self._peer}), or all clients together, are sending as many "
+            f"bytes of request heads at once as the hub takes ({self._heads.share} for one, "
+            f"{self._heads.total} in all, workers.HEADS): finish the requests begun first",
+        )
+
+    def _refuse(self, status: bytes, detail: str) -> None:
+        """Answer ``status`` with ``detail`` and close: the head is not read further."""
         self._too_large = True
         self._disarm_head_timer()
+        self._give_head()
         if self.transport.is_closing():
             return
-        msg = (
-            f"request head too large: at most {HEAD_MAX_BYTES} bytes and "
-            f"{HEAD_MAX_HEADERS} header fields; send fewer or shorter headers"
-        ).encode()
+        msg = detail.encode()
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"HTTP/1.1 " + status + b"\r\n"
             b"content-type: text/plain; charset=utf-8\r\n"
             b"content-length: " + str(len(msg)).encode() + b"\r\n"
             b"connection: close\r\n\r\n" + msg
