@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
-from net_support import free_port, wait_healthy, wait_until
+from net_support import free_port, running, wait_healthy, wait_until  # noqa: F401
 
 from forkd.controller.backend import CALLER_STOP
 from forkd.engine import children as ch
@@ -66,19 +65,6 @@ def socket_daemon(
 
     wait_until(f"forkd serve on {sock}", up, timeout)
     return proc
-
-
-@contextlib.contextmanager
-def running(web: uvicorn.Server) -> Iterator[None]:
-    """``web`` served in a thread of its own while the block runs."""
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    try:
-        wait_until("uvicorn started", lambda: web.started, 15)
-        yield
-    finally:
-        web.should_exit = True
-        thread.join(15)
 
 
 MCP_HELLO = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {

@@ -3,12 +3,15 @@ to answer."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
+import uvicorn
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,3 +40,17 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: fl
             return False
 
     wait_until(what, up, timeout)
+
+
+@contextlib.contextmanager
+def running(web: uvicorn.Server) -> Iterator[None]:
+    """``web`` served in a thread of its own while the block runs."""
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        wait_until("uvicorn started", lambda: web.started or not thread.is_alive(), 15)
+        assert web.started, "uvicorn did not start (its thread ended): see its log above"
+        yield
+    finally:
+        web.should_exit = True
+        thread.join(15)

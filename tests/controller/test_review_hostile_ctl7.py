@@ -30,9 +30,10 @@ def _daemon_app(tmp_path: Path) -> Any:
                           app.ControllerMetrics(), None)
 
 
-@pytest.fixture
-def mcp_on_daemon(place: Path, tmp_path: Path) -> Iterator[str]:
-    """`forkd mcp --transport http` (its URL) whose tools go to a daemon on its socket."""
+@contextlib.contextmanager
+def _mcp_on_daemon(place: Path, tmp_path: Path, **options: Any) -> Iterator[str]:
+    """`forkd mcp --transport http` (its URL, ``options`` of mcp.http_server) whose tools
+    go to a daemon on its socket."""
     from forkd.controller.mcp import http_server
     from forkd.controller.sdk import Controller
 
@@ -42,9 +43,15 @@ def mcp_on_daemon(place: Path, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     with running(uvicorn.Server(daemon)):
         web = http_server(Controller(socket=sock, local=False), "127.0.0.1", port, "/mcp",
-                          app.Token(TOKEN))
+                          app.Token(TOKEN), **options)
         with running(web):
             yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def mcp_on_daemon(place: Path, tmp_path: Path) -> Iterator[str]:
+    with _mcp_on_daemon(place, tmp_path) as url:
+        yield url
 
 
 class McpClient:
@@ -167,21 +174,13 @@ def mcp_sharing_two(place: Path, tmp_path: Path,
                     monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FakeEngine]]:
     """`forkd mcp --transport http` in front of a daemon whose engine forks at once (no VM),
     each MCP client running at most 2 sandboxes through it (its URL, the engine)."""
-    from forkd.controller.mcp import SandboxShares, http_server
-    from forkd.controller.sdk import Controller
+    from forkd.controller.mcp import SandboxShares
 
     engine = FakeEngine()
     monkeypatch.setattr(ch, "fork", engine.fork)
     monkeypatch.setattr(ch, "list_children", engine.list_children)
-    sock = place / "ctl.sock"
-    daemon = server.bounded_config(_daemon_app(tmp_path), server.UnixPeerProtocol,
-                                   uds=str(sock))
-    port = free_port()
-    with running(uvicorn.Server(daemon)):
-        web = http_server(Controller(socket=sock, local=False), "127.0.0.1", port, "/mcp",
-                          app.Token(TOKEN), sandboxes=SandboxShares(2))
-        with running(web):
-            yield f"http://127.0.0.1:{port}", engine
+    with _mcp_on_daemon(place, tmp_path, sandboxes=SandboxShares(2)) as url:
+        yield url, engine
 
 
 def test_one_mcp_client_cannot_take_every_sandbox_the_daemon_gives_the_mcp_server(

@@ -62,6 +62,7 @@ from hub_support import (
     sha,
     unique_name,
 )
+from net_support import running
 
 from forkd.hub import accounts, compaction, orgs_api, workers
 from forkd.hub.settings import HubSettings
@@ -303,18 +304,8 @@ def served(tmp_path: Path, monkeypatch: Any) -> Iterator[int]:
         tmp_path / "hub", host="127.0.0.1", port=free_port(), admin_user=ADMIN[0],
         admin_password=ADMIN[1],
     )
-    server = uvicorn.Server(workers.server_config(settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the hub did not start"
-        time.sleep(0.02)
-    try:
+    with running(uvicorn.Server(workers.server_config(settings))):
         yield settings.port
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
 
 
 def _exchange(port: int, head: bytes) -> bytes:

@@ -33,7 +33,6 @@ import logging
 import re
 import select
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +42,7 @@ import httpx
 import pytest
 import uvicorn
 from hub_server import ADMIN, HubServer, free_port, sha
+from net_support import running
 
 from forkd.hub import workers
 from forkd.hub.settings import HubSettings
@@ -257,18 +257,8 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
         admin_user=ADMIN[0],
         admin_password=ADMIN[1],
     )
-    server = uvicorn.Server(workers.server_config(settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + DEADLINE_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the hub did not start"
-        time.sleep(0.02)
-    try:
+    with running(uvicorn.Server(workers.server_config(settings))):
         yield settings.port
-    finally:
-        server.should_exit = True
-        thread.join(DEADLINE_S)
 
 
 def _healthz(port: int, source: str) -> bytes:
