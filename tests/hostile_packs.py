@@ -4,13 +4,15 @@ image size, any chunks, any map bytes. Shared by the bounded-work tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from forkd import digest as dg
 from forkd.pack import mediatypes as mt
 from forkd.pack.chunking import compress
 from forkd.pack.config import SnapshotConfig
-from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, Extent, ImageMap
+from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE, ChunkRef, Extent, ImageMap
 from forkd.pack.manifest import Descriptor, Manifest
+from forkd.store.store import Store
 
 TIB = 1 << 40
 
@@ -94,3 +96,16 @@ def sparse_tib_chain(tag: str) -> tuple[Layer, Layer]:
         parent=base,
     )
     return base, diff
+
+
+def repeated_memory(home: Path, tag: str, count: int) -> Store:
+    """A store at ``home`` whose ``tag`` is a memory image of ``count`` chunks, each 2 MiB
+    of one repeated byte (stored in a few dozen bytes: what decodes to far more than it
+    stores)."""
+    image = home.parent / f"{home.name}-repeated.img"
+    with image.open("wb") as f:
+        for i in range(count):
+            f.write(bytes([i + 1]) * CHUNK_SIZE)
+    store = Store(home)
+    store.import_layer(tag, memory=image)
+    return store

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hostile_hub import HostileHub
+from hostile_packs import repeated_memory
 from test_store_room import small  # noqa: F401  (the tmpfs fixture)
 
 from forkd.pack.imagemap import CHUNK_SIZE
@@ -28,12 +29,7 @@ from forkd.store.store import Store
 def test_a_pulled_pack_that_assembles_past_the_free_space_is_refused_before_writing(
         tmp_path: Path, small: Path) -> None:  # noqa: F811
     count = 48  # 96 MiB of pages, each 2 MiB stored in a few dozen bytes
-    image = tmp_path / "repeated.img"
-    with image.open("wb") as f:
-        for i in range(count):
-            f.write(bytes([i + 1]) * CHUNK_SIZE)
-    publisher = Store(tmp_path / "publisher")
-    publisher.import_layer("bomb:v1", memory=image)
+    publisher = repeated_memory(tmp_path / "publisher", "bomb:v1", count)
     store = Store(small / "home")
     with HostileHub(publisher, {"v1": publisher.resolve("bomb:v1")}) as hub, \
             RegistryClient(hub.hub) as client:

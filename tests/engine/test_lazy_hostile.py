@@ -48,7 +48,7 @@ from pathlib import Path
 
 import pytest
 from hostile_hub import HostileHub
-from hostile_packs import chunk, layer
+from hostile_packs import chunk, layer, repeated_memory
 from test_store_room import small  # noqa: F401  (a tmpfs with 8 MiB past the reserve)
 
 from forkd import digest as dg
@@ -158,12 +158,7 @@ def test_a_working_set_of_tiny_chunks_holds_a_bounded_decoded_size(tmp_path: Pat
     the stream ended; now at most the LRU, ``HANDING`` chunks waiting for their push and the
     checkers' own, and every chunk still arrives."""
     count = 96
-    image = tmp_path / "repeated.img"
-    with image.open("wb") as f:
-        for i in range(count):
-            f.write(bytes([i + 1]) * CHUNK_SIZE)
-    publisher = Store(tmp_path / "publisher")
-    publisher.import_layer("ws:v1", memory=image)
+    publisher = repeated_memory(tmp_path / "publisher", "ws:v1", count)
     head = publisher.resolve("ws:v1")
     fresh = Store(tmp_path / "fresh")
     with HostileHub(publisher, {"v1": head}) as hostile, RegistryClient(hostile.hub) as client:
