@@ -39,7 +39,7 @@ from prometheus_client.exposition import generate_latest
 
 import forkd
 from forkd.audit import MAX_TARGET, AuditLog, BoundedAudit
-from forkd.bodies import explained
+from forkd.bodies import explained, held_size
 from forkd.controller import api
 from forkd.controller.api import (
     BranchRequest,
@@ -422,26 +422,10 @@ class BodyBudget(Shares):
 BODY_BUDGET = BodyBudget(BODY_BYTES)
 
 
-def announced_body(scope: Any) -> int | None:
-    """The size of body a request's head announces: its Content-Length (0: no body), or
-    None for a chunked body, whose size is known only once it is read. The daemon's and
-    `forkd mcp`'s bounds on bodies both read it here."""
-    headers = dict(scope.get("headers", []))
-    length = headers.get(b"content-length")
-    if length is not None:
-        try:
-            return int(length)
-        except ValueError:
-            return 0  # h11 refuses it before the app
-    return None if b"transfer-encoding" in headers else 0
-
-
 def _body_size(scope: Any) -> int:
     """What a request's body may hold in the daemon: its Content-Length, else (chunked) the
     most its route takes; never more than that."""
-    most = MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES
-    announced = announced_body(scope)
-    return most if announced is None else min(announced, most)
+    return held_size(scope, MAX_FILE_BYTES if scope.get("method") == "PUT" else MAX_JSON_BYTES)
 
 
 class Budget(Protocol):

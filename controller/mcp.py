@@ -34,6 +34,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import Field
 
 import forkd
+from forkd.bodies import announced_size
 from forkd.controller.api import ExecRequest
 from forkd.controller.app import (
     BODY_BYTES,
@@ -41,7 +42,6 @@ from forkd.controller.app import (
     BodyBudget,
     Token,
     TokenWatch,
-    announced_body,
     scope_token,
     token_matches,
 )
@@ -793,7 +793,7 @@ class BodyBound:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        announced = announced_body(scope)
+        announced = announced_size(scope)
         size = self.most if announced is None else announced
         if size > self.most:
             await self._refuse(send, 413, f"the message is {size} bytes, over the "

@@ -17,10 +17,34 @@ from litestar.exceptions import ValidationException
 from forkd.names import clipped
 
 MAX_PROBLEM = 200  # characters of one field's message in an answer
+MAX_LENGTH_DIGITS = 19  # a Content-Length of more digits is past any bound, unconverted
 
 
 class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request body: unknown fields are refused."""
+
+
+def announced_size(scope: Any) -> int | None:
+    """The size of body an ASGI request's head announces: its Content-Length (0: no body),
+    or None when the size is known only once the body is read (chunked) or the length is
+    not a number this reader takes (past 19 digits, or not digits: the server's parser
+    refuses those first). A caller bounds None by the most its route takes. The hub's and
+    the daemon's bounds on bodies, and `forkd mcp`'s, all read a body's size here."""
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    if length is None:
+        return None if b"transfer-encoding" in headers else 0
+    digits = length.strip()
+    if not digits.isdigit() or len(digits) > MAX_LENGTH_DIGITS:
+        return None
+    return int(digits)
+
+
+def held_size(scope: Any, most: int) -> int:
+    """What a request's body may make a server hold: its announced size, at most ``most``
+    (the most its route takes), and ``most`` when the size is not announced."""
+    announced = announced_size(scope)
+    return most if announced is None else min(announced, most)
 
 
 def explained(exc: ValidationException) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 
 from litestar import Request
 
+from forkd.bodies import held_size
 from forkd.hub.auth import client_ip
 from forkd.hub.errors import Code
 from forkd.hub.observability import StreamCut, route_of
@@ -124,16 +125,7 @@ def body_size(scope: Any, manifest_max: int, other_max: int) -> int:
     route = route_of(scope.get("path", ""))
     if route == STREAMED:
         return 0
-    most = manifest_max if route == "manifests" else other_max
-    headers = dict(scope.get("headers", []))
-    length = headers.get(b"content-length")
-    if length is not None:
-        digits = length.strip()
-        # httptools checked it; a number of any length is capped without converting it
-        if not digits.isdigit():
-            return most
-        return most if len(digits) > 19 else min(int(digits), most)
-    return most if b"transfer-encoding" in headers else 0
+    return held_size(scope, manifest_max if route == "manifests" else other_max)
 
 
 async def _refuse(send: Any, scope: Any, status: int, detail: str) -> None:
