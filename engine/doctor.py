@@ -14,6 +14,7 @@ from forkd.engine.errors import HostError
 from forkd.engine.netns import available as netns_available
 from forkd.engine.qemu import QEMU, QEMU_IMG, qemu_version, unprivileged_user
 from forkd.errors import ForkdError
+from forkd.private import open_to_others
 
 TMPFS_MAGIC = 0x01021994
 
@@ -133,6 +134,7 @@ def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Che
                         f"{mem_dir} on {kind}, {free / 2**30:.1f} GiB free",
                         "" if free > (2 << 30) else "free space: each snapshot's assembled "
                         "memory image is as large as the guest RAM"))
+    checks.append(_store_access(home))
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         s2 = os.statvfs(shm)
@@ -204,6 +206,17 @@ def run(store_home: Path | None = None, *, check_store: bool = True) -> list[Che
         except ForkdError as e:
             checks.append(Check("store", "fail", str(e), "check $FORKD_HOME"))
     return checks
+
+
+def _store_access(home: Path) -> Check:
+    """A store others may read gives them every stored snapshot's memory: whatever the
+    guests held in it (an agent's keys, a session's data). A new store is made 0700; one
+    made before, or under a chosen $FORKD_HOME, may not be."""
+    opened = open_to_others(home)
+    if opened is None:
+        return Check("store-access", "ok", f"{home}: only its owner may read it")
+    return Check("store-access", "warn", f"{home}: {opened}, and it holds snapshots' memory",
+                 f"chmod 700 {home}")
 
 
 def verdict(checks: list[Check]) -> bool:

@@ -67,6 +67,20 @@ def check_owned_dir(level: Path) -> None:
         _refuse(level, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
 
 
+def open_to_others(path: Path) -> str | None:
+    """What group or others may do in the directory ``path`` that only its user should,
+    e.g. "mode 0755: group and others may read it", or None when they may do nothing (or
+    it does not exist). For a store's home or a hub's data directory: snapshots' memory
+    (an agent's keys in its process memory) and private packs' blobs are in them."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & GROUP_OTHER_ANY:
+        return None
+    return f"mode {mode:04o}: group or others may read or enter it"
+
+
 def _check_ancestor(level: Path) -> None:
     link = os.lstat(level)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.geteuid()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from forkd.hub.settings import HubSettings
 from forkd.hub.shared_uploads import SharedUploads
 from forkd.hub.storage import UploadArea
 from forkd.hub.tokens import CredentialCache, TokenSigner
+from forkd.private import open_to_others
 from forkd.store.blobs import BlobStore, FsBlobStore
 from forkd.store.s3 import S3BlobStore
 
@@ -161,7 +163,13 @@ class Hub:
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # 0700: the SQLite database (token and password hashes) and private packs' blobs
+        settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        opened = open_to_others(settings.data_dir)
+        if opened is not None:
+            logging.getLogger("forkd.hub").warning(
+                "the data directory %s is %s, and it holds the database and private packs' "
+                "blobs: chmod 700 it", settings.data_dir, opened)
         db = Database(settings.database_url)
         placeholder = secrets.token_bytes(32)  # random: nothing signed before the start holds
         blobs = open_blob_store(settings)

@@ -97,7 +97,8 @@ class Store:
         imported)."""
         self.home = home
         self.max_written = max_written
-        home.mkdir(parents=True, exist_ok=True)
+        # 0700: the blobs are snapshots' memory, with whatever the guests held in it
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.blobs: BlobStore = blobs or FsBlobStore(home / "blobs")
         self.tags = TagIndex(home / "tags.json")
         self.cache_dir = home / "cache"
