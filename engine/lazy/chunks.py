@@ -267,21 +267,26 @@ class ChunkSource:
         return data
 
     def _note_checked(self, digest: str) -> None:
+        """Its content checked: by this source, and in the store's record
+        (``forkd.store.checks``), so no later pull or lazy server decodes it to check it."""
         with self._lock:
             self._checked.add(digest)
+        self.store.checked.add(self.refs[digest][0])
 
     def unchecked(self) -> list[str]:
-        """The chain's chunks whose content this source has not checked: what reached the
-        store by its digest alone (``fetch_into_store`` in the fork command, a pull killed
-        before its check, another store user) and no reader has read since."""
+        """The chain's chunks whose content neither this source nor the store's record has
+        checked: what reached the store by its digest alone (``fetch_into_store`` in the
+        fork command, a pull killed before its check, another store user) and no reader
+        has read since."""
         with self._lock:
-            return [d for d in self.refs if d not in self._checked]
+            left = [d for d in self.refs if d not in self._checked]
+        return [d for d in left if not self.store.checked.has(self.refs[d][0])]
 
     def check(self, digest: str) -> None:
         """Check a chunk's content (bounded decompression, blake3) as a read would, without
         keeping it: IntegrityError naming the chunk when it fails (``complete`` must not
         call a chain with such a chunk whole)."""
-        if digest not in self._checked:
+        if digest not in self._checked and not self.store.checked.has(self.refs[digest][0]):
             self.read(digest, keep=False)
 
     def fetch_into_store(self, digest: str) -> bool:
@@ -331,9 +336,9 @@ class ChunkSource:
         dg.check(digest, dg.of_bytes(blob), what)
         data = unpack_chunk(blob, ref, what)
         self._keep_fetched(digest, blob)
+        self._note_checked(digest)
         with self._lock:
             self.decoded += 1
-            self._checked.add(digest)
             pending = self._inflight.pop(digest)
             if pin:
                 self._pinned[digest] = data

@@ -43,6 +43,7 @@ def collect(store: Store, on_remove: Callable[[str, int], None] | None = None) -
                 continue  # a running VM maps this image (its tag may be gone): keep it
             if entry.name.startswith(".") or f"sha256:{entry.name}" not in keep:
                 shutil.rmtree(entry, ignore_errors=True)
+        store.checked.prune(keep)
         clear_in_flight(store.blobs)  # no writer of this store runs while we hold the lock
         store.forget_manifests()
         return count, freed

@@ -6,6 +6,7 @@ Layout of ``$FORKD_HOME`` (default ``~/.local/share/forkd``; this module owns it
     blobs/tmp/            in-flight blob writes
     tags.json             NAME:TAG → manifest digest (TagIndex, updated under tags.lock)
     gc.lock               writers hold it shared, gc holds it exclusive
+    checked/              chunks whose content was checked (CheckedChunks: one empty file each)
     cache/<hex>/          assembled images of manifest <hex>: memory.img, disk.img (and, over
                           a backend that keeps no local files, the chain's vmstate, kernel, initrd)
     builds/<key>.json     the engine's build records: recipe content -> the snapshot it built
@@ -36,6 +37,7 @@ from forkd.pack.manifest import MAX_MANIFEST_BYTES, Manifest
 from forkd.store import assembly, compaction, gc, imports, listing, tagging, verify
 from forkd.store.assembly import Assembled
 from forkd.store.blobs import BlobStore, FsBlobStore
+from forkd.store.checks import CheckedChunks
 from forkd.store.gc import mapped_dirs
 from forkd.store.imports import MAX_FILE_BLOB, ImageSource
 from forkd.store.listing import LayerInfo
@@ -105,6 +107,7 @@ class Store:
         self.cache_dir.mkdir(exist_ok=True)
         self.builds_dir = home / "builds"
         self.gc_lock = home / "gc.lock"
+        self.checked = CheckedChunks(home / "checked")
         self.auto_compact_depth = _auto_compact_depth(auto_compact_depth)
         self._manifests: dict[str, Manifest] = {}
 
