@@ -39,6 +39,11 @@ HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
 # paused by the hub itself) closes the connection: nginx's client_body_timeout. Without
 # it a body sent a byte a minute held a connection and a request for weeks.
 BODY_IDLE_TIMEOUT_S = 60.0
+# An answer its client reads none of for this long (the hub's writes paused the whole
+# time: what it sent fills the socket's buffers) ends the connection: nginx's
+# send_timeout. Without it a client that asked for a blob and read nothing held its
+# connection, its request and the answer's bytes in flight for as long as it liked.
+SEND_STALL_TIMEOUT_S = 60.0
 # Bytes of request heads being received, summed over the connections of a worker: one
 # client (a peer address; IPv6 by its /64) at most 1/8 of it (CLIENT_PARTS). Each head
 # is bounded on its own (HEAD_MAX_BYTES), but one client that opened connections and
@@ -57,7 +62,8 @@ class BoundedHead(HttpToolsProtocol):
     ``HEAD_MAX_BYTES`` or ``HEAD_MAX_HEADERS`` the client gets 431 and the connection is
     closed; a head not complete ``HEAD_TIMEOUT_S`` after the connection opened or the
     previous response ended closes the connection (never while a response is sent), and
-    so does a body whose client is silent for ``BODY_IDLE_TIMEOUT_S``. A
+    so does a body whose client is silent for ``BODY_IDLE_TIMEOUT_S``, and an answer whose
+    client takes none of it for ``SEND_STALL_TIMEOUT_S``. A
     head's bytes are counted as they arrive, so one endless header is refused too
     (httptools buffers a header whole before handing it on). Counted generously: a read
     that ends one request's body and begins the next one's head counts whole (a read is
@@ -76,6 +82,30 @@ class BoundedHead(HttpToolsProtocol):
         self._in_body = False
         self._body_at = 0.0
         self._body_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        """The client stopped taking the answer: it has ``SEND_STALL_TIMEOUT_S`` to take
+        some of it (``resume_writing``) before the connection ends."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(SEND_STALL_TIMEOUT_S, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send_timer()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_stalled(self) -> None:
+        self._send_timer = None
+        if self.flow.write_paused and not self.transport.is_closing():
+            self.logger.info("closed a connection whose client read none of its answer "
+                             "for %ss", SEND_STALL_TIMEOUT_S)
+            self.transport.abort()  # its unsent bytes dropped, not flushed to nobody
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
@@ -95,6 +125,7 @@ class BoundedHead(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._give_head()
         self._disarm_head_timer()
+        self._disarm_send_timer()
         self._end_body()
         super().connection_lost(exc)
 

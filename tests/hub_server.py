@@ -41,6 +41,7 @@ _installed_subpackages()
 from net_support import free_port  # noqa: E402 (hub tests import it from here)
 
 from forkd.cli.hub_cmds import hub as hub_group  # noqa: E402
+from forkd.hub import workers  # noqa: E402
 from forkd.hub.app import create_app  # noqa: E402
 from forkd.hub.settings import HubSettings  # noqa: E402
 from forkd.registry.client import RegistryClient  # noqa: E402
@@ -65,6 +66,8 @@ class HubServer:
     data_dir: Path
     overrides: dict[str, Any] = field(default_factory=dict)
     port: int = 0
+    # served as `forkd hub serve` serves it (workers.server_config: its bounded protocol)
+    as_served: bool = False
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -87,14 +90,17 @@ class HubServer:
             # per-minute bound is tested with its default where it applies (hostile 14).
             **{"audit_provoked_per_minute": 1_000_000, **self.overrides},
         )
-        config = uvicorn.Config(
-            create_app(settings),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            lifespan="on",
-            proxy_headers=False,  # as `forkd hub serve` (hub/workers.py)
-        )
+        if self.as_served:
+            config = workers.server_config(settings)  # host 127.0.0.1 by default
+        else:
+            config = uvicorn.Config(
+                create_app(settings),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                proxy_headers=False,  # as `forkd hub serve` (hub/workers.py)
+            )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()

@@ -24,6 +24,10 @@
   sign-in request, close it) was the 500 page and an ERROR with a traceback of ~30
   lines in the hub's log, as often as a client liked. Now it is the client's end, not
   the hub's error: a 400 no one reads, and silent, as on the JSON routes.
+- An answer its client stopped reading (after round 10, the lead): the share of
+  response bytes bounded what one client held, not for how long. ``forkd hub serve``
+  now ends a connection whose writes stayed paused for ``SEND_STALL_TIMEOUT_S`` (60 s,
+  nginx's ``send_timeout``), as the controller's listener does.
 """
 
 from __future__ import annotations
@@ -356,5 +360,37 @@ def test_responses_one_client_leaves_unread_are_bounded(tmp_path: Path) -> None:
         finally:
             for sock in socks:
                 sock.close()
+    finally:
+        server.stop()
+
+
+def test_an_answer_its_client_stops_reading_ends_its_connection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a client that asked for a public 8 MiB blob and read none of it kept its
+    connection, its request and the answer's bytes in flight for as long as it liked
+    (its share of response bytes held the whole time). Now, its writes paused for
+    ``SEND_STALL_TIMEOUT_S`` (1 s here), the hub ends the connection: the request ends
+    (the hub's metrics count it) and the client, reading at last, finds the answer cut."""
+    monkeypatch.setattr(workers, "SEND_STALL_TIMEOUT_S", 1.0)
+    server = HubServer(tmp_path / "hub", as_served=True).start()
+    try:
+        blob = b"z" * (8 * MiB)
+        with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
+            r = c.post(
+                f"/v2/{ADMIN[0]}/pub/blobs/uploads/", params={"digest": sha(blob)}, content=blob
+            )
+            assert r.status_code == 201, r.text
+        server.public(f"{ADMIN[0]}/pub")
+        before = _blob_gets_ended(server)
+        with _slow_reader(server, f"/v2/{ADMIN[0]}/pub/blobs/{sha(blob)}", ATTACKER) as sock:
+            deadline = time.monotonic() + DEADLINE_S
+            while _blob_gets_ended(server) == before and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _blob_gets_ended(server) == before + 1, "the unread download still runs"
+            got = 0
+            with contextlib.suppress(ConnectionResetError):
+                while block := sock.recv(1 << 20):
+                    got += len(block)
+            assert got < len(blob), "the answer was not cut"
     finally:
         server.stop()
