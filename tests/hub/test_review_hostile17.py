@@ -310,6 +310,17 @@ def _slow_reader(server: HubServer, path: str, client: str) -> socket.socket:
     return sock
 
 
+def _public_blob(server: HubServer) -> bytes:
+    """An 8 MiB blob pushed to a public repository of the hub (``ADMIN/pub``)."""
+    blob = b"z" * (8 * MiB)
+    with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
+        r = c.post(f"/v2/{ADMIN[0]}/pub/blobs/uploads/", params={"digest": sha(blob)},
+                   content=blob)
+        assert r.status_code == 201, r.text
+    server.public(f"{ADMIN[0]}/pub")
+    return blob
+
+
 def _blob_gets_ended(server: HubServer) -> int:
     """Blob GETs the hub has finished with (answered whole, or cut), by its metrics."""
     with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
@@ -333,13 +344,7 @@ def test_responses_one_client_leaves_unread_are_bounded(tmp_path: Path) -> None:
         },
     ).start()
     try:
-        blob = b"z" * (8 * MiB)
-        with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
-            r = c.post(
-                f"/v2/{ADMIN[0]}/pub/blobs/uploads/", params={"digest": sha(blob)}, content=blob
-            )
-            assert r.status_code == 201, r.text
-        server.public(f"{ADMIN[0]}/pub")
+        blob = _public_blob(server)
         path = f"/v2/{ADMIN[0]}/pub/blobs/{sha(blob)}"
         socks = [_slow_reader(server, path, ATTACKER) for _ in range(12)]
         try:
@@ -374,13 +379,7 @@ def test_an_answer_its_client_stops_reading_ends_its_connection(
     monkeypatch.setattr(workers, "SEND_STALL_TIMEOUT_S", 1.0)
     server = HubServer(tmp_path / "hub", as_served=True).start()
     try:
-        blob = b"z" * (8 * MiB)
-        with httpx.Client(base_url=server.url, auth=ADMIN, timeout=DEADLINE_S) as c:
-            r = c.post(
-                f"/v2/{ADMIN[0]}/pub/blobs/uploads/", params={"digest": sha(blob)}, content=blob
-            )
-            assert r.status_code == 201, r.text
-        server.public(f"{ADMIN[0]}/pub")
+        blob = _public_blob(server)
         before = _blob_gets_ended(server)
         with _slow_reader(server, f"/v2/{ADMIN[0]}/pub/blobs/{sha(blob)}", ATTACKER) as sock:
             deadline = time.monotonic() + DEADLINE_S
