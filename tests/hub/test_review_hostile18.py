@@ -1,0 +1,98 @@
+"""Hostile review 18: what two requests at once, or a name taken back, make of the hub.
+
+- Creations of one name at once (PostgreSQL). Each create path asked whether the name was
+  free, then inserted: under READ COMMITTED two requests both found it free and the
+  second's insert broke the unique key, a 500 and an ERROR with a traceback in the log.
+  Any two users could make it happen at will (both create organisation ``acme``), and so
+  could one admin creating a team twice. Now a unique or foreign key another transaction
+  won is ``ConcurrentChange`` (hub/db.py), wherever the write runs (``transaction`` and
+  ``write``): 409 saying what happened, on the JSON routes and the registry's alike.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hub_server import TIMEOUT, HubServer
+
+RACERS = 8  # requests sent at once for one name
+ROUNDS = 3  # names raced for, each a new chance for the race to happen
+
+Call = Callable[[httpx.Client], httpx.Response]
+
+
+@pytest.fixture
+def pg_hub(postgres_url: str, tmp_path: Path) -> Iterator[HubServer]:
+    server = HubServer(tmp_path / "hub", {"database_url": postgres_url}).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _at_once(server: HubServer, calls: list[Call]) -> Counter[int]:
+    """The statuses of ``calls``, each from its own thread and connection, released
+    together."""
+    clients = [httpx.Client(base_url=server.url, timeout=TIMEOUT) for _ in calls]
+    for c in clients:  # connected before the start: the requests leave together
+        assert c.get("/healthz").status_code == 200
+    start = threading.Barrier(len(calls))
+    statuses: list[int] = []
+
+    def run(call: Call, client: httpx.Client) -> None:
+        start.wait()
+        statuses.append(call(client).status_code)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(calls, clients, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        c.close()
+    return Counter(statuses)
+
+
+def _one_created(statuses: Counter[int]) -> None:
+    assert statuses == Counter({201: 1, 409: RACERS - 1}), statuses
+
+
+def test_organisations_of_one_name_created_at_once_are_one_201_and_409s(
+    pg_hub: HubServer,
+) -> None:
+    users = [pg_hub.add_user(f"racer{i}") for i in range(RACERS)]
+    for round_ in range(ROUNDS):
+        name = f"contested{round_}"
+        calls: list[Call] = [
+            lambda c, who=who, name=name: c.post("/api/v1/orgs", json={"name": name}, auth=who)
+            for who in users
+        ]
+        _one_created(_at_once(pg_hub, calls))
+
+
+def test_teams_of_one_name_created_at_once_are_one_201_and_409s(pg_hub: HubServer) -> None:
+    owner = pg_hub.add_user("owner")
+    admins = [pg_hub.add_user(f"admin{i}")[0] for i in range(RACERS)]
+    with pg_hub.client(owner) as c:
+        assert c.post("/api/v1/orgs", json={"name": "teamed"}).status_code == 201
+        for name in admins:
+            r = c.put(f"/api/v1/orgs/teamed/members/{name}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+    # Several admins (one account's requests take turns on its row), each with an API
+    # token over Basic: a hash, not a password's argon2, stands between the start and
+    # the transaction, so the requests reach the database together.
+    who = [(name, pg_hub.token(name, "teamed:admin")) for name in admins]
+    for round_ in range(ROUNDS):
+        body = {"name": f"crew{round_}", "role": "pull"}
+        calls: list[Call] = [
+            lambda c, auth=auth, body=body: c.post(
+                "/api/v1/orgs/teamed/teams", json=body, auth=auth
+            )
+            for auth in who
+        ]
+        _one_created(_at_once(pg_hub, calls))
