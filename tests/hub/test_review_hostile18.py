@@ -7,10 +7,20 @@
   could one admin creating a team twice. Now a unique or foreign key another transaction
   won is ``ConcurrentChange`` (hub/db.py), wherever the write runs (``transaction`` and
   ``write``): 409 saying what happened, on the JSON routes and the registry's alike.
+- A robot's tokens were managed by whoever administered every namespace the robot was a
+  direct member of; its team places did not count. A robot that pushes to one
+  organisation through a team and is a member of another was the second's admins' to
+  manage alone: they listed its tokens (names, scopes) and revoked the ones the first
+  organisation's pipelines push with, or minted it tokens. Now a team place counts as a
+  membership does (``authz.robot_namespaces``): the robot's managers administer both,
+  on every surface that asks (the token page and its revocation, the robot form, the
+  member and team routes), and a robot placed only through a team is listed to those
+  who administer its team's organisation.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,7 +28,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hub_server import TIMEOUT, HubServer
+from hub_server import ADMIN, TIMEOUT, HubServer
+from hub_support import browser, csrf_of, push_blob, unique_name
 
 RACERS = 8  # requests sent at once for one name
 ROUNDS = 3  # names raced for, each a new chance for the race to happen
@@ -96,3 +107,48 @@ def test_teams_of_one_name_created_at_once_are_one_201_and_409s(pg_hub: HubServe
             for auth in who
         ]
         _one_created(_at_once(pg_hub, calls))
+
+
+def test_a_robot_placed_in_a_team_is_not_managed_by_another_namespaces_admins_alone(
+    hub: HubServer,
+) -> None:
+    north, south, robot = unique_name("north"), unique_name("south"), unique_name("courier")
+    bob = hub.add_user(unique_name("bob"))
+    with hub.client(ADMIN) as c:
+        for org in (north, south):
+            assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        r = c.put(f"/api/v1/orgs/{north}/members/{bob[0]}", json={"role": "admin"})
+        assert r.status_code == 204, r.text
+        assert c.post("/api/v1/users", json={"name": robot, "robot": True}).status_code == 201
+        r = c.put(f"/api/v1/orgs/{north}/members/{robot}", json={"role": "pull"})
+        assert r.status_code == 204, r.text
+        team = {"name": "couriers", "role": "push", "members": [robot]}
+        assert c.post(f"/api/v1/orgs/{south}/teams", json=team).status_code == 201
+    # south's pipeline token: the robot pushes to south through its team place.
+    secret = hub.token(robot, f"{south}:push")
+    listed = re.search(r"^(\d+)\s", hub.cli("token", "list", "--user", robot), re.M)
+    assert listed
+    token_id = int(listed.group(1))
+    with hub.client((robot, secret)) as c:
+        push_blob(c, f"{south}/app", b"before")
+
+    with browser(hub, *bob) as b:  # north's admin, not south's
+        page = b.get("/-/settings/tokens").text
+        assert f"robot-tokens-{robot}" not in page
+        assert f"{south}:push" not in page
+        r = b.post(f"/-/settings/tokens/{token_id}/revoke", data={"csrf": csrf_of(page)})
+        assert r.status_code == 404
+        mint = {"csrf": csrf_of(page), "namespace": north, "robot": robot, "role": "push"}
+        r = b.post("/-/settings/robots", data=mint)
+        assert r.status_code == 400 and "do not administer" in r.text
+    with hub.client((robot, secret)) as c:
+        push_blob(c, f"{south}/app", b"after")
+
+    carol = hub.add_user(unique_name("carol"))  # administers both: manages the robot
+    with hub.client(ADMIN) as c:
+        for org in (north, south):
+            r = c.put(f"/api/v1/orgs/{org}/members/{carol[0]}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+    with browser(hub, *carol) as b:
+        page = b.get("/-/settings/tokens").text
+        assert f"robot-tokens-{robot}" in page
