@@ -4,9 +4,11 @@
   free, then inserted: under READ COMMITTED two requests both found it free and the
   second's insert broke the unique key, a 500 and an ERROR with a traceback in the log.
   Any two users could make it happen at will (both create organisation ``acme``), and so
-  could one admin creating a team twice. Now a unique or foreign key another transaction
-  won is ``ConcurrentChange`` (hub/db.py), wherever the write runs (``transaction`` and
-  ``write``): 409 saying what happened, on the JSON routes and the registry's alike.
+  could two admins creating one team, adding one member, or two organisations' admins
+  making robots of one name in the UI (the robot form's error page was the 500 page).
+  Now a unique or foreign key another transaction won is ``ConcurrentChange``
+  (hub/db.py), wherever the write runs (``transaction`` and ``write``): 409 saying what
+  happened on the JSON routes and the registry's, the form's own refusal in the UI.
 - A robot's tokens were managed by whoever administered every namespace the robot was a
   direct member of; its team places did not count. A robot that pushes to one
   organisation through a team and is a member of another was the second's admins' to
@@ -24,6 +26,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -107,6 +110,54 @@ def test_teams_of_one_name_created_at_once_are_one_201_and_409s(pg_hub: HubServe
             for auth in who
         ]
         _one_created(_at_once(pg_hub, calls))
+
+
+def _org_with_admins(server: HubServer, org: str, count: int) -> list[tuple[str, str]]:
+    """A new organisation ``org`` and ``count`` new users who administer it."""
+    owner = server.add_user(unique_name("owner"))
+    admins = [server.add_user(unique_name("admin")) for _ in range(count)]
+    with server.client(owner) as c:
+        assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        for name, _ in admins:
+            r = c.put(f"/api/v1/orgs/{org}/members/{name}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+    return admins
+
+
+def test_members_added_at_once_by_several_admins_are_never_a_500(pg_hub: HubServer) -> None:
+    admins = _org_with_admins(pg_hub, "crowded", RACERS)
+    for round_ in range(ROUNDS):
+        newcomer = pg_hub.add_user(f"newcomer{round_}")[0]
+        who = [(name, pg_hub.token(name, "crowded:admin")) for name, _ in admins]
+        calls: list[Call] = [
+            lambda c, auth=auth, newcomer=newcomer: c.put(
+                f"/api/v1/orgs/crowded/members/{newcomer}", json={"role": "admin"}, auth=auth
+            )
+            for auth in who
+        ]
+        statuses = _at_once(pg_hub, calls)
+        assert statuses[204] >= 1 and set(statuses) <= {204, 409}, statuses
+
+
+def test_robots_of_one_name_made_at_once_in_the_ui_are_one_and_refusals(
+    pg_hub: HubServer,
+) -> None:
+    """Each admin makes the robot for their own organisation: the organisations' rows
+    they hold differ, so only the robot's name is contested."""
+    admins = [_org_with_admins(pg_hub, f"yard{i}", 1)[0] for i in range(RACERS)]
+    with ExitStack() as stack:
+        signed_in = [stack.enter_context(browser(pg_hub, *who)) for who in admins]
+        forms = [csrf_of(b.get("/-/settings/tokens").text) for b in signed_in]
+        for round_ in range(ROUNDS):
+            robot = f"shared-bot{round_}"
+            calls: list[Call] = [
+                lambda _c, b=b, i=i, csrf=csrf, robot=robot: b.post(
+                    "/-/settings/robots",
+                    data={"csrf": csrf, "namespace": f"yard{i}", "robot": robot, "role": "pull"},
+                )
+                for i, (b, csrf) in enumerate(zip(signed_in, forms, strict=True))
+            ]
+            assert _at_once(pg_hub, calls) == Counter({303: 1, 400: RACERS - 1})
 
 
 def test_a_robot_placed_in_a_team_is_not_managed_by_another_namespaces_admins_alone(
