@@ -54,7 +54,7 @@ class ConcurrentChange(Conflict):
 
 def raced(exc: IntegrityError) -> bool:
     """Whether ``exc`` is a unique key or a foreign key another transaction won."""
-    code = getattr(exc.orig, "sqlstate", None)
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
     if code is not None:
         return code in RACED_SQLSTATES
     return str(exc.orig).startswith(RACED_SQLITE)
