@@ -1,4 +1,4 @@
-"""Hostile review 18: what two requests at once, or a name taken back, make of the hub.
+"""Hostile review 18: what two requests at once make of the hub, and whose a robot is.
 
 - Creations of one name at once (PostgreSQL). Each create path asked whether the name was
   free, then inserted: under READ COMMITTED two requests both found it free and the
