@@ -76,6 +76,18 @@ def _one_created(statuses: Counter[int]) -> None:
     assert statuses == Counter({201: 1, 409: RACERS - 1}), statuses
 
 
+def _org_with_admins(server: HubServer, org: str, count: int) -> list[tuple[str, str]]:
+    """A new organisation ``org`` and ``count`` new users who administer it."""
+    owner = server.add_user(unique_name("owner"))
+    admins = [server.add_user(unique_name("admin")) for _ in range(count)]
+    with server.client(owner) as c:
+        assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        for name, _ in admins:
+            r = c.put(f"/api/v1/orgs/{org}/members/{name}", json={"role": "admin"})
+            assert r.status_code == 204, r.text
+    return admins
+
+
 def test_organisations_of_one_name_created_at_once_are_one_201_and_409s(
     pg_hub: HubServer,
 ) -> None:
@@ -90,13 +102,7 @@ def test_organisations_of_one_name_created_at_once_are_one_201_and_409s(
 
 
 def test_teams_of_one_name_created_at_once_are_one_201_and_409s(pg_hub: HubServer) -> None:
-    owner = pg_hub.add_user("owner")
-    admins = [pg_hub.add_user(f"admin{i}")[0] for i in range(RACERS)]
-    with pg_hub.client(owner) as c:
-        assert c.post("/api/v1/orgs", json={"name": "teamed"}).status_code == 201
-        for name in admins:
-            r = c.put(f"/api/v1/orgs/teamed/members/{name}", json={"role": "admin"})
-            assert r.status_code == 204, r.text
+    admins = [name for name, _ in _org_with_admins(pg_hub, "teamed", RACERS)]
     # Several admins (one account's requests take turns on its row), each with an API
     # token over Basic: a hash, not a password's argon2, stands between the start and
     # the transaction, so the requests reach the database together.
@@ -112,23 +118,11 @@ def test_teams_of_one_name_created_at_once_are_one_201_and_409s(pg_hub: HubServe
         _one_created(_at_once(pg_hub, calls))
 
 
-def _org_with_admins(server: HubServer, org: str, count: int) -> list[tuple[str, str]]:
-    """A new organisation ``org`` and ``count`` new users who administer it."""
-    owner = server.add_user(unique_name("owner"))
-    admins = [server.add_user(unique_name("admin")) for _ in range(count)]
-    with server.client(owner) as c:
-        assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
-        for name, _ in admins:
-            r = c.put(f"/api/v1/orgs/{org}/members/{name}", json={"role": "admin"})
-            assert r.status_code == 204, r.text
-    return admins
-
-
 def test_members_added_at_once_by_several_admins_are_never_a_500(pg_hub: HubServer) -> None:
     admins = _org_with_admins(pg_hub, "crowded", RACERS)
+    who = [(name, pg_hub.token(name, "crowded:admin")) for name, _ in admins]
     for round_ in range(ROUNDS):
         newcomer = pg_hub.add_user(f"newcomer{round_}")[0]
-        who = [(name, pg_hub.token(name, "crowded:admin")) for name, _ in admins]
         calls: list[Call] = [
             lambda c, auth=auth, newcomer=newcomer: c.put(
                 f"/api/v1/orgs/crowded/members/{newcomer}", json={"role": "admin"}, auth=auth
