@@ -27,7 +27,7 @@ from sqlalchemy import text
 
 import forkd
 from forkd import jsondoc
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, gc
 from forkd.hub import retention as retention_rules
 from forkd.hub.auth import authenticate, check_host, client_ip, token_endpoint
@@ -37,6 +37,7 @@ from forkd.hub.compaction import CompactionController, Retention
 from forkd.hub.db import MIGRATE_LOCK
 from forkd.hub.errors import (
     RegistryError,
+    conflict_handler,
     invalid_input_handler,
     registry_error_handler,
     validation_error_handler,
@@ -89,7 +90,7 @@ async def bootstrap_admin(hub: Hub) -> None:
 
 async def log_unexpected(exc: Exception, scope: Scope) -> None:
     """Registry errors are answers; anything else is a bug worth a traceback."""
-    if not isinstance(exc, RegistryError | HTTPException | InvalidInput):
+    if not isinstance(exc, RegistryError | HTTPException | InvalidInput | Conflict):
         log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
 
 
@@ -225,6 +226,7 @@ def create_app(settings: HubSettings) -> Litestar:
         exception_handlers={
             RegistryError: registry_error_handler,
             InvalidInput: invalid_input_handler,
+            Conflict: conflict_handler,
             ValidationException: validation_error_handler,
         },
         lifespan=[lifespan],

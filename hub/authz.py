@@ -302,11 +302,18 @@ def glob_clause(glob: str) -> ColumnElement[bool]:
 
 
 def robot_namespaces(session: Session, robot_id: int) -> list[str]:
-    """The namespaces a robot is a member of, by name."""
+    """The namespaces a robot holds a place in, by name: those it is a direct member of
+    and the organisations of the teams it is in (a team place is a right there as much as
+    a membership is: who manages the robot's tokens manages that right)."""
+    direct = select(Membership.namespace_id).where(Membership.user_id == robot_id)
+    teams = (
+        select(Team.namespace_id)
+        .join(TeamMember, TeamMember.team_id == Team.id)
+        .where(TeamMember.user_id == robot_id)
+    )
     query = (
         select(Namespace.name)
-        .join(Membership, Membership.namespace_id == Namespace.id)
-        .where(Membership.user_id == robot_id)
+        .where(or_(Namespace.id.in_(direct), Namespace.id.in_(teams)))
         .order_by(Namespace.name)
     )
     return list(session.scalars(query))
@@ -314,7 +321,8 @@ def robot_namespaces(session: Session, robot_id: int) -> list[str]:
 
 def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> bool:
     """Whether ``principal`` may mint, see and revoke the tokens of robot ``robot_id``
-    (and add it to a namespace): they administer every namespace it is a member of."""
+    (and add it to a namespace or a team): they administer every namespace it holds a
+    place in, as a member or through a team (``robot_namespaces``)."""
     robot = session.get(User, robot_id)
     if robot is None or not robot.is_robot or principal.anonymous:
         return False
@@ -323,17 +331,21 @@ def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> b
 
 
 def manageable_robots(session: Session, principal: Principal) -> list[User]:
-    """The robots ``principal`` may manage that are members of a namespace they
-    administer, by name."""
+    """The robots ``principal`` may manage that hold a place (a membership or a team's) in
+    a namespace they administer, by name."""
     administered = admin_namespaces(session, principal)
     if not administered:
         return []
+    places = select(Namespace.id).where(Namespace.name.in_(administered))
+    members = select(Membership.user_id).where(Membership.namespace_id.in_(places))
+    in_teams = (
+        select(TeamMember.user_id)
+        .join(Team, Team.id == TeamMember.team_id)
+        .where(Team.namespace_id.in_(places))
+    )
     candidates = session.scalars(
         select(User)
-        .join(Membership, Membership.user_id == User.id)
-        .join(Namespace, Namespace.id == Membership.namespace_id)
-        .where(User.is_robot.is_(True), Namespace.name.in_(administered))
-        .distinct()
+        .where(User.is_robot.is_(True), or_(User.id.in_(members), User.id.in_(in_teams)))
         .order_by(User.name)
     )
     return [robot for robot in candidates if may_manage_robot(session, principal, robot.id)]

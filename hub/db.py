@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -13,7 +13,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Insert
 
 import forkd.migrations
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 
 SQLITE_BUSY_TIMEOUT_S = 30
 # How long a read on the event loop's thread may wait for a lock (WAL readers normally
@@ -38,8 +38,42 @@ MIGRATE_LOCK = 0x6D69677261  # "migra": one migrating process at a time (Postgre
 REPOSITORY_LOCK_CLASS = 0x7265706F  # "repo"
 # The integers both backends store (BIGINT, SQLite INTEGER): a signed 64-bit number.
 MIN_STORABLE, MAX_STORABLE = -(1 << 63), (1 << 63) - 1
+# SQLSTATEs of a row another transaction wrote first: a unique key taken, a row referred
+# to gone (PostgreSQL); SQLite's messages for the same.
+RACED_SQLSTATES = ("23505", "23503")
+RACED_SQLITE = ("UNIQUE constraint failed", "FOREIGN KEY constraint failed")
 T = TypeVar("T")
 P = ParamSpec("P")
+
+
+class ConcurrentChange(Conflict):
+    """A write refused by the database because another request wrote first: a name it
+    created was taken meanwhile (check-then-insert under READ COMMITTED), or a row it
+    refers to was removed. The client's answer is 409, never a 500."""
+
+
+def raced(exc: IntegrityError) -> bool:
+    """Whether ``exc`` is a unique key or a foreign key another transaction won."""
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    if code is not None:
+        return code in RACED_SQLSTATES
+    return str(exc.orig).startswith(RACED_SQLITE)
+
+
+@contextmanager
+def concurrent_changes_conflict() -> Iterator[None]:
+    """Turn a unique or foreign key violation (a concurrent request won) into
+    ``ConcurrentChange``; its text names no value (the statement's parameters stay out)."""
+    try:
+        yield
+    except IntegrityError as exc:
+        if not raced(exc):
+            raise
+        raise ConcurrentChange(
+            "another request changed the same records at the same time (e.g. created one "
+            "of this name, or removed one this request refers to); nothing was changed: "
+            "look again, then repeat the request if it still applies"
+        ) from exc
 
 
 def like_literal(text: str) -> str:
@@ -102,9 +136,11 @@ class Database:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
-        """A session inside one transaction: committed on success, rolled back on error."""
-        async with self.sessions() as session, session.begin():
-            yield session
+        """A session inside one transaction: committed on success, rolled back on error;
+        a write another request's won is ``ConcurrentChange`` (409)."""
+        with concurrent_changes_conflict():
+            async with self.sessions() as session, session.begin():
+                yield session
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[AsyncSession]:
@@ -165,7 +201,11 @@ class Database:
             self._writer = anyio.CapacityLimiter(1)
 
         def run() -> T:
-            with Session(engine, expire_on_commit=False) as session, session.begin():
+            with (
+                concurrent_changes_conflict(),
+                Session(engine, expire_on_commit=False) as session,
+                session.begin(),
+            ):
                 return fn(session, *args, **kwargs)
 
         return await anyio.to_thread.run_sync(run, limiter=self._writer)

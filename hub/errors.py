@@ -14,7 +14,7 @@ from litestar.datastructures import State
 from litestar.exceptions import ValidationException
 
 from forkd.bodies import explained
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 
 
 class Code(Enum):
@@ -91,3 +91,13 @@ def validation_error_handler(
     and why, never the request's URL (Litestar's own detail repeats the query string)."""
     assert isinstance(exc, ValidationException)
     return invalid_input_handler(request, InvalidInput(explained(exc)))
+
+
+def conflict_handler(request: Request[object, object, State], exc: Exception) -> Response[object]:
+    """``Conflict`` that no route turned into its own answer (e.g. a concurrent request
+    created the same name first, hub/db.py ``ConcurrentChange``): 409, never a 500; in the
+    registry's error body on ``/v2/``, Litestar's elsewhere."""
+    assert isinstance(exc, Conflict)
+    if request.url.path.startswith("/v2/"):
+        return registry_error_handler(request, RegistryError(Code.DENIED, str(exc), status=409))
+    return Response({"status_code": 409, "detail": str(exc)}, status_code=409)

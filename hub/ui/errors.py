@@ -10,13 +10,19 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
 from forkd.bodies import explained
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 from forkd.hub.ui.render import Renderer
 
 log = logging.getLogger("forkd.hub.ui")
 _renderer: Renderer | None = None
 
-TITLES = {400: "Bad request", 403: "Not allowed", 404: "Not found", 405: "Not allowed"}
+TITLES = {
+    400: "Bad request",
+    403: "Not allowed",
+    404: "Not found",
+    405: "Not allowed",
+    409: "Changed meanwhile",
+}
 
 
 def _page(request: Request[Any, Any, State], status: int, title: str, detail: str) -> Response[str]:
@@ -55,6 +61,12 @@ def invalid_input(request: Request[Any, Any, State], exc: Exception) -> Response
     return _page(request, 400, TITLES[400], str(exc))
 
 
+def conflict(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
+    """A change another request made first (hub/db.py ``ConcurrentChange``) that the form
+    did not answer itself: 409, as a page."""
+    return _page(request, 409, TITLES[409], str(exc))
+
+
 def server_error(request: Request[Any, Any, State], exc: Exception) -> Response[str]:
     log.error("error rendering %s", request.url.path, exc_info=exc)
     return _page(request, 500, "Hub error", "Something went wrong on the hub; it was logged.")
@@ -65,5 +77,6 @@ HTML_ERRORS: dict[type[Exception] | int, Any] = {
     # by name too: the app's JSON handler for it would be found first (the exact class)
     ValidationException: http_error,
     InvalidInput: invalid_input,
+    Conflict: conflict,
     500: server_error,
 }
