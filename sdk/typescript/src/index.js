@@ -119,6 +119,31 @@ function collected(res, limit, fail, done) {
   res.on("end", () => { if (size <= limit) done(Buffer.concat(parts)); });
 }
 
+// Credentials (the bearer token, a password in the URL) over plain http:// to another host
+// than this one (loopback) are refused unless the caller opts in (plainHttp): anyone on the
+// path reads them and drives the daemon with them (the Python client's check_plain_http).
+function checkPlainHttp(url, token, plainHttp) {
+  if (plainHttp || url.protocol !== "http:" || !(token || url.username || url.password)) return;
+  const host = unbracketed(url.hostname);
+  if (host === "localhost" || isLoopback(host)) return;
+  throw new InvalidInput(`refusing to send the bearer token over plain http:// to ${shownUrl(url)}: `
+    + "anyone on the path can read it and drive the daemon; use https:// (TLS in front of "
+    + "`forkd serve --listen`), an SSH tunnel to 127.0.0.1, or pass plainHttp: true if every "
+    + "network between here and there is yours", { type: "InvalidInput" });
+}
+
+function unbracketed(hostname) {
+  return hostname.replace(/^\[(.*)\]$/, "$1");
+}
+
+// 127.0.0.0/8, ::1, or an IPv4-mapped loopback (::ffff:7f00:1, as URL writes ::ffff:127.0.0.1)
+function isLoopback(host) {
+  if (/^127\.\d+\.\d+\.\d+$/.test(host)) return true;
+  if (host === "::1") return true;
+  const mapped = /^::ffff:([0-9a-f]{1,4}):[0-9a-f]{1,4}$/.exec(host);
+  return mapped !== null && (parseInt(mapped[1], 16) >> 8) === 127;
+}
+
 /** $FORKD_RUN/controller.sock, with forkd's defaults for $FORKD_RUN (engine/paths.py). */
 export function defaultSocket() {
   const env = process.env;
@@ -141,9 +166,12 @@ export class Controller {
    * @param {{url?: string, token?: string, socket?: string, timeout?: number}} [options]
    * url: http(s)://HOST:PORT (then token is required by the daemon); else the Unix socket.
    * timeout: seconds for requests that run no command (default REQUEST_TIMEOUT_S).
+   * plainHttp: send the token over http:// to another host than this one (refused
+   * otherwise: checkPlainHttp).
    */
-  constructor({ url, token, socket, timeout = REQUEST_TIMEOUT_S } = {}) {
+  constructor({ url, token, socket, timeout = REQUEST_TIMEOUT_S, plainHttp = false } = {}) {
     this.url = url ? new URL(url) : null;
+    if (this.url) checkPlainHttp(this.url, token, plainHttp);
     this.socket = this.url ? null : (socket ?? defaultSocket());
     this.token = token ?? null;
     this.timeout = timeout;
@@ -166,7 +194,9 @@ export class Controller {
     const options = { method, headers, path: route + qs };
     let client = http;
     if (this.url) {
-      Object.assign(options, { hostname: this.url.hostname, port: this.url.port });
+      // an IPv6 literal's brackets are the URL's, not the address's (node:http looked
+      // "[::1]" up as a name: ENOTFOUND)
+      Object.assign(options, { hostname: unbracketed(this.url.hostname), port: this.url.port });
       options.path = this.url.pathname.replace(/\/$/, "") + route + qs;
       if (this.url.protocol === "https:") client = https;
     } else {
