@@ -7,14 +7,21 @@ sandbox of the daemon, their files and the secrets their egress injects. Now suc
 is the client's InvalidInput, before any byte is sent, saying how to go on (https://, an
 SSH tunnel to 127.0.0.1, or the explicit opt-in ``plain_http=True`` / ``plainHttp:
 true``); loopback (``127.0.0.0/8``, ``::1``, ``localhost``) and https:// are as before.
+The TypeScript SDK connected to whatever socket was at the daemon's default place: a
+``$FORKD_RUN`` another local user made first (``/tmp/forkd-UID`` when there is no
+``$XDG_RUNTIME_DIR``), or one others may write, answered as the daemon and was sent every
+command, file and cell; it now checks the place as the Python client does
+(forkd.private), and the socket's owner.
 
 No VM: the real clients (RemoteBackend under the Python SDK, the TypeScript Controller in
-Node) against a server on uvicorn, bound to every address of this host, that records the
-credentials each request brings."""
+Node) against a server on uvicorn, bound to every address of this host or to a Unix
+socket, that records the credentials each request brings; a directory another user owns
+is made by root (the test skips without it)."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -155,3 +162,75 @@ def test_node_plain_http_is_the_callers_choice_or_this_hosts(server: tuple[int, 
         got = node_send(options)
         assert got.get("type") == "NotFound", (options, got)
     assert seen.authorizations == [f"Bearer {TOKEN}".encode()] * 3
+
+
+# -- the daemon's socket at its default place -----------------------------------------
+NOBODY = 65534
+
+
+@pytest.fixture
+def planted(tmp_path: Path) -> Iterator[tuple[Path, Seen]]:
+    """A FORKD_RUN another user (``nobody``) made, with a socket of theirs in it where the
+    daemon's would be, answered by the recording server: what another local user leaves
+    at /tmp/forkd-UID/forkd before forkd ever ran there."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's directory needs root")
+    run = tmp_path / "run"
+    run.mkdir()
+    seen = Seen()
+    sock = run / "controller.sock"
+    config = uvicorn.Config(recording_app(seen), uds=str(sock), log_level="warning",
+                            lifespan="off")
+    with running(uvicorn.Server(config)):
+        os.chown(sock, NOBODY, NOBODY)
+        os.chown(run, NOBODY, NOBODY)
+        yield run, seen
+
+
+def node_send_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    from test_typescript_sdk import node
+
+    script = SEND % (SDK.as_uri(), json.dumps(options))
+    done = subprocess.run([node(), "--input-type=module", "-e", script], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+    assert done.returncode == 0, f"the Node process ended: {done.stderr[-2000:]}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_node_a_socket_another_user_planted_is_not_the_daemon(
+        planted: tuple[Path, Seen]) -> None:
+    run, seen = planted
+    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    assert got.get("type") == "InvalidInput" and "owned by uid 65534" in got["message"], got
+    assert seen.authorizations == []
+
+
+def test_node_a_socket_in_a_directory_others_may_write_is_not_the_daemon(
+        planted: tuple[Path, Seen]) -> None:
+    run, seen = planted
+    os.chown(run, os.geteuid(), os.getegid())
+    os.chown(run / "controller.sock", os.geteuid(), os.getegid())
+    run.chmod(0o777)  # anyone could have swapped the socket
+    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    assert got.get("type") == "InvalidInput" and "writable by group" in got["message"], got
+    assert seen.authorizations == []
+
+
+def test_the_python_client_refuses_the_same_places(planted: tuple[Path, Seen],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    run, seen = planted
+    monkeypatch.setenv("FORKD_RUN", str(run))
+    with pytest.raises(InvalidInput, match="owned by uid 65534"):
+        Controller(local=False).snapshots()
+    assert seen.authorizations == []
+
+
+def test_node_the_default_socket_of_ones_own_is_the_daemon(planted: tuple[Path, Seen]) -> None:
+    run, seen = planted
+    os.chown(run, os.geteuid(), os.getegid())
+    os.chown(run / "controller.sock", os.geteuid(), os.getegid())
+    run.chmod(0o700)
+    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    assert got.get("type") == "NotFound", got
+    assert seen.authorizations == [b""]
