@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from forkd.addresses import reaches_this_host
 from forkd.engine import netns
 from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, REFUSAL_PORT
 from forkd.engine.egress.policy import MAX_ENTRIES, EgressPolicy, parse_destination
@@ -124,6 +125,15 @@ def parse_policy(entries: object) -> EgressPolicy:
     policy = EgressPolicy.parse(entries)
     if not policy.entries:
         raise InvalidInput("egress needs at least one HOST[:PORT] entry")
+    for entry in policy.entries:
+        reached = reaches_this_host(entry.host) if entry.kind == "ip" else None
+        if reached is not None:
+            raise InvalidInput(
+                f"egress entry {entry} reaches {reached}: the proxy connects from this host, "
+                "so a sandbox (or a recipe's egress) naming it would reach the host's own "
+                "services or the cloud's credentials; to let sandboxes reach a service of "
+                "this host on purpose, the host's operator pins a name to it "
+                "(FORKD_EGRESS_PINS=NAME=ADDRESS) and the entry names NAME")
     return policy
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import uvloop
 
-from forkd.addresses import public_enough
+from forkd.addresses import public_enough, this_host
 from forkd.audit import AuditLog, BoundedAudit
 from forkd.engine.egress import clienthello, http1
 from forkd.engine.egress.ca import EgressCA
@@ -764,31 +764,10 @@ def _pinned_address(name: str, address: str) -> str:
         raise InvalidInput(f"the pin for {name!r} is not an IP address: {address!r}") from None
 
 
-def _this_host(address: str) -> bool:
-    """``address`` is one of this host's own (on any of its interfaces, in the proxy's
-    network namespace): a connection to it would reach the host's own services, the ones
-    listening on 0.0.0.0 or ::. Asked of the kernel's routing: the source address it picks
-    for a destination is that destination exactly when the destination is local (its
-    route is in the ``local`` table). Nothing is sent (a UDP socket is only connected)."""
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
-        address.split("%", 1)[0]
-    )
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((str(ip), 9))
-            source = ipaddress.ip_address(str(probe.getsockname()[0]).split("%", 1)[0])
-    except OSError:  # no route at all: not this host's (and a TCP connect fails too)
-        return False
-    return source == ip
-
-
 def _usable_for_a_name(address: str) -> bool:
     """An address a resolved name may lead to: global (addresses.public_enough) and not this
-    host's own (_this_host: a global address on the host's interface is still the host)."""
-    return public_enough(address) and not _this_host(address)
+    host's own (this_host: a global address on the host's interface is still the host)."""
+    return public_enough(address) and not this_host(address)
 
 
 def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:

@@ -1,0 +1,109 @@
+"""The egress proxy against the fourth review: what an address a policy names may reach. No VM.
+
+A name was kept from this host and its cloud (round 3: loopback, link-local, this host's
+own addresses are never used for a name), but an IP literal entry was used as it was:
+a client of the daemon (a spawn's ``egress``), or a recipe (``[guest] egress``, in a pack
+pulled from a hub), naming ``127.0.0.1:7070``, ``[::ffff:127.0.0.1]:5432``,
+``0.0.0.0:22``, ``169.254.169.254:80`` or the host's own public address let the guest
+reach, through its proxy (which connects from the host), the daemon's and the hub's
+ports, the host's databases and the cloud's metadata service with the host's
+credentials. Such an entry is now refused where a policy is admitted
+(egress.child.parse_policy: a spawn, `forkd fork --egress`, a recipe), with a message
+saying why and how an operator lets sandboxes reach a service of this host on purpose
+(a pinned name, FORKD_EGRESS_PINS). An address of another host (a LAN's ``10.0.0.5``,
+a global one) is allowed as before.
+
+The real daemon app (Litestar, LocalBackend on a real store; every spawn here is refused
+before a VM would be reached), the engine's fork and the recipe parser.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+
+from forkd.audit import AuditLog
+from forkd.controller.app import ControllerMetrics, create_app
+from forkd.controller.backend import LocalBackend
+from forkd.engine import children as ch
+from forkd.engine import recipe
+from forkd.engine.egress.child import EgressSettings
+from forkd.errors import InvalidInput
+from forkd.store.store import Store
+
+
+def this_hosts_other_address() -> str | None:
+    """This host's address on its default route (not loopback), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.1", 9))  # nothing is sent: the route is only looked up
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+HOSTS_OWN = [
+    "127.0.0.1:7070",  # the daemon's --listen, the hub, anything on loopback
+    "127.9.9.9:5432",
+    "[::1]:7071",
+    "[::ffff:127.0.0.1]:5432",  # loopback wrapped in IPv6
+    "0.0.0.0:22",  # a connection to 0.0.0.0 reaches loopback
+    "169.254.169.254:80",  # the cloud's metadata service: the host's credentials
+    "[fd00:ec2::254]:80",
+    "100.100.100.200:80",
+    "168.63.129.16:80",
+]
+OTHERS = ["10.0.0.5:8000", "192.168.1.20:8080", "8.8.8.8:443", "api.openai.com", "localhost:80"]
+
+
+@pytest.fixture
+def secrets_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("FORKD_SECRETS", str(tmp_path / "secrets"))
+    monkeypatch.setenv("FORKD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    return tmp_path / "secrets"
+
+
+@pytest.fixture
+def http(secrets_dir: Path, tmp_path: Path) -> Iterator[TestClient[Any]]:
+    app = create_app(LocalBackend(Store.open()), AuditLog(tmp_path / "audit.log"),
+                     ControllerMetrics(), None)
+    with TestClient(app) as client:
+        yield client
+
+
+def own_entries() -> list[str]:
+    own = this_hosts_other_address()
+    return [*HOSTS_OWN, *([f"{own}:80"] if own else [])]
+
+
+def test_a_spawn_naming_this_host_is_refused_before_any_vm(http: TestClient[Any]) -> None:
+    for entry in own_entries():
+        answer = http.post("/v1/sandboxes", json={"tag": "ghost", "egress": [entry]})
+        assert answer.status_code == 400, (entry, answer.text)
+        error = answer.json()["error"]
+        assert error["type"] == "InvalidInput" and "FORKD_EGRESS_PINS" in error["message"], error
+
+
+def test_a_spawn_naming_another_host_goes_on(http: TestClient[Any]) -> None:
+    for entry in OTHERS:  # past the policy: the tag is what is missing
+        answer = http.post("/v1/sandboxes", json={"tag": "ghost", "egress": [entry]})
+        assert answer.status_code == 404, (entry, answer.text)
+
+
+def test_the_engine_and_a_recipe_refuse_an_entry_reaching_this_host(secrets_dir: Path) -> None:
+    base = '[recipe]\nname = "r"\n[guest]\nnetwork = true\n'
+    for entry in own_entries():
+        with pytest.raises(InvalidInput, match="reaches"):
+            ch.fork(Store.open(), "ghost", 1, egress=[entry])
+        with pytest.raises(InvalidInput, match="reaches"):
+            recipe.parse(base + f'egress = ["{entry}"]\n')
+    for entry in OTHERS:
+        assert EgressSettings.resolve([entry], env={}).allow
+        assert recipe.parse(base + f'egress = ["{entry}"]\n').egress
