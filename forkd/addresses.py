@@ -91,8 +91,9 @@ def this_host(address: str) -> bool:
 def reaches_this_host(address: str) -> str | None:
     """What of this host (or of the cloud it runs in) a connection from it to ``address``
     reaches, said for a message, or None when it reaches another host: loopback, one of
-    this host's own addresses, a cloud's metadata or host services (kind: "special", with
-    link-local, multicast, unspecified — 0.0.0.0 is loopback — and reserved)."""
+    this host's own addresses, a cloud's metadata or host services (kind "special": with
+    link-local, multicast, reserved and unspecified, since a connection to 0.0.0.0 or ::
+    reaches loopback)."""
     if kind(address) == "loopback":
         return "this host's loopback"
     if kind(address) == "special":

@@ -5,7 +5,6 @@
 import fs from "node:fs";
 import http from "node:http";
 import https from "node:https";
-import os from "node:os";
 import path from "node:path";
 
 // Deadlines (docs/api.md, "Timeouts"): the same as the Python client's.
