@@ -65,12 +65,15 @@ class EgressSettings:
     audit: str
     upstream_ca: str | None = None
     pins: tuple[tuple[str, str], ...] = ()
+    with_secrets: bool = True  # the host's secrets are bound (False: a recipe's defaults)
 
     @classmethod
     def resolve(cls, entries: Sequence[str], env: Mapping[str, str] | None = None,
-                ) -> EgressSettings:
+                with_secrets: bool = True) -> EgressSettings:
         """Validated settings for a child allowed ``entries``, from this host's configuration
-        (InvalidInput naming what is wrong)."""
+        (InvalidInput naming what is wrong). with_secrets=False: the host's secrets are
+        bound to none of them (the destinations a snapshot's recipe names by default: a
+        pack pulled from a hub is anyone's, and would get to use this host's keys)."""
         env = os.environ if env is None else env
         policy = parse_policy(entries)
         audit = env.get("FORKD_EGRESS_AUDIT") or str(default_home() / "egress-audit.log")
@@ -80,21 +83,24 @@ class EgressSettings:
                                "give a PEM bundle of CA certificates")
         settings = cls(allow=tuple(str(e) for e in policy.entries),
                        secrets=str(secrets_dir()), audit=audit, upstream_ca=upstream,
-                       pins=parse_pins(env.get("FORKD_EGRESS_PINS", "")))
+                       pins=parse_pins(env.get("FORKD_EGRESS_PINS", "")),
+                       with_secrets=with_secrets)
         if settings.bound_secrets():  # made once here, not by N proxies starting at once
             load_ca(settings)
         return settings
 
     def record(self) -> dict[str, Any]:
         return {"allow": list(self.allow), "secrets": self.secrets, "audit": self.audit,
-                "upstream_ca": self.upstream_ca, "pins": [list(p) for p in self.pins]}
+                "upstream_ca": self.upstream_ca, "pins": [list(p) for p in self.pins],
+                "with_secrets": self.with_secrets}
 
     @classmethod
     def from_record(cls, doc: Mapping[str, Any]) -> EgressSettings:
         try:
             pins = tuple((str(h), str(a)) for h, a in doc.get("pins", []))
             return cls(allow=tuple(str(e) for e in doc["allow"]), secrets=str(doc["secrets"]),
-                       audit=str(doc["audit"]), upstream_ca=doc.get("upstream_ca"), pins=pins)
+                       audit=str(doc["audit"]), upstream_ca=doc.get("upstream_ca"), pins=pins,
+                       with_secrets=doc.get("with_secrets", True) is not False)
         except (KeyError, TypeError, ValueError) as e:
             raise HostError(f"a child record's egress settings are malformed ({e})") from e
 
@@ -103,7 +109,9 @@ class EgressSettings:
 
     def bound_secrets(self) -> list[Any]:
         """The secrets bound to a destination this policy allows (the only ones its proxy
-        uses and its guest sees a placeholder of)."""
+        uses and its guest sees a placeholder of); none without ``with_secrets``."""
+        if not self.with_secrets:
+            return []
         policy = self.policy()
         return [s for s in SecretStore(Path(self.secrets)).all()
                 if any(policy.allowing(b) is not None for b in s.bindings)]
@@ -163,8 +171,9 @@ def parse_pins(text: str) -> tuple[tuple[str, str], ...]:
 
 def proxy_argv(settings: EgressSettings, child_id: str, ns: str, d: Path) -> list[str]:
     argv = [sys.executable, "-P", "-m", MODULE, "--child", child_id, "--netns", ns,
-            "--ready", str(d / READY_FILE), "--secrets", settings.secrets,
-            "--audit", settings.audit]
+            "--ready", str(d / READY_FILE), "--audit", settings.audit]
+    if settings.with_secrets:
+        argv += ["--secrets", settings.secrets]
     if settings.upstream_ca:
         argv += ["--upstream-ca", settings.upstream_ca]
     for host, addr in settings.pins:

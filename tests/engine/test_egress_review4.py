@@ -19,21 +19,37 @@ before a VM would be reached), the engine's fork and the recipe parser.
 
 from __future__ import annotations
 
+import json
+import secrets
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from litestar.testing import TestClient
+from test_egress_serve import CHAT
 
 from forkd.audit import AuditLog
 from forkd.controller.app import ControllerMetrics, create_app
 from forkd.controller.backend import LocalBackend
 from forkd.engine import children as ch
-from forkd.engine import recipe
-from forkd.engine.egress.child import EgressSettings
+from forkd.engine import netns, recipe
+from forkd.engine.egress import EgressCA, SecretStore
+from forkd.engine.egress.child import (
+    PROXY_URL,
+    EgressSettings,
+    proxy_argv,
+    start_proxy,
+    stop_proxy,
+    wait_ready,
+)
+from forkd.engine.egress.standin import StandinModel
 from forkd.errors import InvalidInput
+from forkd.pack.config import SnapshotConfig
+from forkd.store.assembly import Assembled
 from forkd.store.store import Store
 
 
@@ -107,3 +123,79 @@ def test_the_engine_and_a_recipe_refuse_an_entry_reaching_this_host(secrets_dir:
     for entry in OTHERS:
         assert EgressSettings.resolve([entry], env={}).allow
         assert recipe.parse(base + f'egress = ["{entry}"]\n').egress
+
+
+# -- a recipe's egress binds none of the host's secrets ---------------------------------
+def recipe_snapshot(entries: list[str]) -> Assembled:
+    """A snapshot's images as a fork sees them, its recipe naming ``entries`` as egress (a
+    pack pulled from a hub carries the recipe of whoever built it)."""
+    config = SnapshotConfig(tag="hub.example/someone/agent:latest", parent_tag=None,
+                            parent_digest=None, depth=0, memory_size=1 << 20,
+                            disk_size=None, page_size=4096, compat=None,
+                            created_at="2026-01-01T00:00:00Z",
+                            recipe={"name": "agent", "egress": entries})
+    return Assembled("sha256:" + "0" * 64, config, Path("/nonexistent"), None, None)
+
+
+def test_a_recipes_egress_binds_none_of_the_hosts_secrets(secrets_dir: Path) -> None:
+    key = SecretStore(secrets_dir).set("OPENAI_API_KEY", "sk-host-" + "k" * 24,
+                                       ["api.openai.com"])
+    settings = ch.recipe_egress(recipe_snapshot(["api.openai.com", "exfil.example"]))
+    assert settings is not None and settings.allow == ("api.openai.com:443", "exfil.example:443")
+    assert settings.bound_secrets() == []
+    assert EgressSettings.from_record(settings.record()).bound_secrets() == []  # a resume
+    assert "--secrets" not in proxy_argv(settings, "c1", "forkd-x", secrets_dir)
+    named = EgressSettings.resolve(["api.openai.com"], env={})  # the caller named it
+    assert [s.name for s in named.bound_secrets()] == [key.name]
+    assert "--secrets" in proxy_argv(named, "c1", "forkd-x", secrets_dir)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    name = f"{netns.PREFIX}egrev4-{secrets.token_hex(3)}"
+    netns.create(name)
+    try:
+        yield name
+    finally:
+        netns.remove(name)
+
+
+def test_the_proxy_of_a_recipes_egress_never_puts_the_secret_in(
+        tmp_path: Path, secrets_dir: Path, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real proxy process, started with the settings a fork with the recipe's default
+    egress gets: a request with the placeholder reaches the upstream as the placeholder
+    (the guest's TLS goes through the tunnel end to end), never as the host's value. The
+    guest trusts the forkd egress CA too, so a terminating proxy would be answered."""
+    upstream_ca = EgressCA.load_or_create(tmp_path / "upstream-ca")
+    (tmp_path / "upstream.pem").write_bytes(upstream_ca.cert_pem)
+    value = "sk-host-" + secrets.token_hex(12)
+    with StandinModel(tls=upstream_ca.leaf_context("model.test")) as model:
+        dest = f"model.test:{model.port}"
+        secret = SecretStore(secrets_dir).set("OPENAI_API_KEY", value, [dest])
+        monkeypatch.setenv("FORKD_EGRESS_AUDIT", str(tmp_path / "audit.log"))
+        monkeypatch.setenv("FORKD_EGRESS_UPSTREAM_CA", str(tmp_path / "upstream.pem"))
+        monkeypatch.setenv("FORKD_EGRESS_PINS", "model.test=127.0.0.1")
+        settings = ch.recipe_egress(recipe_snapshot([dest]))
+        assert settings is not None
+        forkd_ca = EgressCA.load_or_create(secrets_dir / "ca")
+        d = tmp_path / "child"
+        d.mkdir()
+        pid = start_proxy(settings, "egrev4", namespace, d)
+        try:
+            wait_ready(pid, d)
+            trusted = ssl.create_default_context(
+                cadata=(upstream_ca.cert_pem + forkd_ca.cert_pem).decode())
+            with netns.entered(namespace), httpx.Client(
+                    proxy=PROXY_URL, verify=trusted, trust_env=False, timeout=30) as client:
+                r = client.post(f"https://{dest}/v1/chat/completions", json=CHAT,
+                                headers={"Authorization": f"Bearer {secret.placeholder}"})
+            assert r.status_code == 200
+        finally:
+            stop_proxy(pid, d)
+        seen = [q.headers["authorization"] for q in model.completions()]
+        assert seen == [f"Bearer {secret.placeholder}"], seen
+        assert value not in json.dumps(seen)
