@@ -1,4 +1,5 @@
-"""The egress proxy against the fourth review: what an address a policy names may reach. No VM.
+"""The egress proxy against the fourth review: what a policy a client or a snapshot names
+may reach, and use. No VM.
 
 A name was kept from this host and its cloud (round 3: loopback, link-local, this host's
 own addresses are never used for a name), but an IP literal entry was used as it was:
@@ -13,8 +14,16 @@ saying why and how an operator lets sandboxes reach a service of this host on pu
 (a pinned name, FORKD_EGRESS_PINS). An address of another host (a LAN's ``10.0.0.5``,
 a global one) is allowed as before.
 
+A snapshot's recipe (``[guest] egress``, the default of forks that name none) bound every
+secret of the host to the destinations it named: a pack pulled from a hub is anyone's,
+and its recipe naming ``api.openai.com`` made the host's key usable by that guest (the
+account's files and models read with it, and sent on to a second host the recipe
+names). A recipe's egress now gives its destinations only; the real proxy process started
+with those settings puts no value in (before: the upstream got the host's value).
+
 The real daemon app (Litestar, LocalBackend on a real store; every spawn here is refused
-before a VM would be reached), the engine's fork and the recipe parser.
+before a VM would be reached), the engine's fork, the recipe parser, and the real proxy
+process in a network namespace (root) with a stand-in TLS model upstream.
 """
 
 from __future__ import annotations
