@@ -132,8 +132,7 @@ def check_plain_http(url: str, token: str | None, plain_http: bool) -> None:
     parts = urlsplit(url)
     if plain_http or parts.scheme.lower() != "http" or not (token or "@" in parts.netloc):
         return
-    host = parts.hostname or ""
-    if host == "localhost" or _loopback(host):
+    if this_hosts_url(url):
         return
     raise errors.InvalidInput(
         f"refusing to send the bearer token over plain http:// to {shown_url(url)}: anyone "
@@ -142,7 +141,11 @@ def check_plain_http(url: str, token: str | None, plain_http: bool) -> None:
         "every network between here and there is yours")
 
 
-def _loopback(host: str) -> bool:
+def this_hosts_url(url: str) -> bool:
+    """``url`` names this host: ``localhost`` or a loopback address."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
     try:
         return kind(host) == "loopback"
     except ValueError:  # a name, not an address
@@ -204,7 +207,11 @@ class RemoteBackend:
         """A client of the daemon: the URL's, else the Unix socket's."""
         limit = httpx.Timeout(self.timeout, connect=api.CONNECT_TIMEOUT_S)
         if self._url:
-            return httpx.Client(base_url=self._url, headers=self._headers, timeout=limit)
+            # a daemon on this host is reached directly: a proxy of the environment
+            # (HTTP_PROXY) was sent the token in the clear, and reached its own loopback
+            direct = this_hosts_url(self._url)
+            return httpx.Client(base_url=self._url, headers=self._headers, timeout=limit,
+                                trust_env=not direct)
         return httpx.Client(transport=httpx.HTTPTransport(uds=self._uds),
                             base_url="http://forkd", headers=self._headers, timeout=limit)
 

@@ -6,7 +6,9 @@ Both SDKs sent the daemon's bearer token (and a password in the URL) over plain
 sandbox of the daemon, their files and the secrets their egress injects. Now such a URL
 is the client's InvalidInput, before any byte is sent, saying how to go on (https://, an
 SSH tunnel to 127.0.0.1, or the explicit opt-in ``plain_http=True`` / ``plainHttp:
-true``); loopback (``127.0.0.0/8``, ``::1``, ``localhost``) and https:// are as before.
+true``); loopback (``127.0.0.0/8``, ``::1``, ``localhost``) and https:// are as before,
+and a daemon on this host is reached directly: with ``HTTP_PROXY`` in the environment the
+Python client sent ``http://127.0.0.1`` requests, token and all, to that proxy.
 The TypeScript SDK connected to whatever socket was at the daemon's default place: a
 ``$FORKD_RUN`` another local user made first (``/tmp/forkd-UID`` when there is no
 ``$XDG_RUNTIME_DIR``), or one others may write, answered as the daemon and was sent every
@@ -114,6 +116,28 @@ def test_plain_http_to_this_host_sends_the_token(server: tuple[int, Seen], host:
     port, seen = server
     with pytest.raises(Exception, match="nothing here"):
         RemoteBackend(url=f"http://{host}:{port}", token=TOKEN).snapshots()
+    assert seen.authorizations == [f"Bearer {TOKEN}".encode()]
+
+
+def test_a_daemon_on_this_host_is_reached_without_the_environments_proxy(
+        server: tuple[int, Seen], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HTTP_PROXY set (a corporate proxy, a sandbox's egress proxy), the client sent
+    its request for http://127.0.0.1 to the proxy, the token in the clear to another host,
+    and the proxy could only reach its own loopback."""
+    port, seen = server
+    proxy_seen = Seen()
+    proxy_port = free_port("0.0.0.0")
+    config = uvicorn.Config(recording_app(proxy_seen), host="0.0.0.0", port=proxy_port,
+                            log_level="warning", lifespan="off")
+    with running(uvicorn.Server(config)):
+        proxy = f"http://{this_hosts_other_address()}:{proxy_port}"
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, proxy)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        with pytest.raises(Exception, match="nothing here"):
+            RemoteBackend(url=f"http://127.0.0.1:{port}", token=TOKEN).snapshots()
+    assert proxy_seen.authorizations == []
     assert seen.authorizations == [f"Bearer {TOKEN}".encode()]
 
 
