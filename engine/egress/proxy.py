@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import ipaddress
 import json
 import re
@@ -779,16 +780,24 @@ def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:
 
 def _spellings(secrets: list[Secret]) -> list[tuple[bytes, bytes]]:
     """(spelling of a value, its placeholder) for each secret, longest spelling first: the
-    value as it is, JSON-escaped (``\\"`` ``\\\\``, and ``\\/``) and percent-encoded
-    (upper- and lower-case hex). A placeholder is ``[A-Za-z0-9_-]``: the same in each."""
+    value as it is, JSON-escaped (``\\"`` ``\\\\``, with ``\\/``, and Go's encoding/json,
+    which writes ``<`` ``>`` ``&`` as ``\\u003c`` ``\\u003e`` ``\\u0026``), percent-encoded
+    (upper- and lower-case hex; a form's ``+`` for a space too) and HTML-escaped (an error
+    page). A placeholder is ``[A-Za-z0-9_-]``: the same in each."""
     pairs: dict[bytes, bytes] = {}
     for s in secrets:
-        json_form = json.dumps(s.value)[1:-1]
-        quoted = urllib.parse.quote(s.value, safe="")
-        lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quoted)
-        for spelling in (s.value, json_form, json_form.replace("/", "\\/"), quoted, lower):
+        for spelling in _spellings_of(s.value):
             pairs.setdefault(spelling.encode(), s.placeholder.encode())
     return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
+
+
+def _spellings_of(value: str) -> set[str]:
+    json_form = json.dumps(value)[1:-1]
+    go_form = json_form.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    encoded = {urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value, safe="")}
+    lower = {re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), e) for e in encoded}
+    return {value, json_form, json_form.replace("/", "\\/"), go_form, html.escape(value),
+            *encoded, *lower}
 
 
 def _scrub(value: bytes, spellings: list[tuple[bytes, bytes]]) -> bytes:

@@ -21,6 +21,10 @@ account's files and models read with it, and sent on to a second host the recipe
 names). A recipe's egress now gives its destinations only; the real proxy process started
 with those settings puts no value in (before: the upstream got the host's value).
 
+A reply echoing the key was scrubbed in its raw, JSON and percent-encoded spellings only:
+Go's encoding/json (``\\u003c`` ``\\u003e`` ``\\u0026``), a form's ``+`` for a space and
+an HTML error page's entities reached the guest as the value; they are scrubbed too.
+
 The real daemon app (Litestar, LocalBackend on a real store; every spawn here is refused
 before a VM would be reached), the engine's fork, the recipe parser, and the real proxy
 process in a network namespace (root) with a stand-in TLS model upstream.
@@ -39,6 +43,9 @@ from typing import Any
 import httpx
 import pytest
 from litestar.testing import TestClient
+from test_egress import audit_path, make_proxy, proxy_ca, store, test_ca
+from test_egress_http1 import ScriptedUpstream, dechunk, terminated_exchange
+from test_egress_review import GET_CLOSE
 from test_egress_serve import CHAT
 
 from forkd.audit import AuditLog
@@ -60,6 +67,8 @@ from forkd.errors import InvalidInput
 from forkd.pack.config import SnapshotConfig
 from forkd.store.assembly import Assembled
 from forkd.store.store import Store
+
+__all__ = ["audit_path", "proxy_ca", "store", "test_ca"]  # fixtures, used by name
 
 
 def this_hosts_other_address() -> str | None:
@@ -208,3 +217,39 @@ def test_the_proxy_of_a_recipes_egress_never_puts_the_secret_in(
         seen = [q.headers["authorization"] for q in model.completions()]
         assert seen == [f"Bearer {secret.placeholder}"], seen
         assert value not in json.dumps(seen)
+
+
+# -- the spellings of a value an upstream may echo ---------------------------------------
+MARKUP = "sk-a<b>c&d e'f\"g-0123456789"  # what Go's JSON, a form and HTML each escape
+
+
+def test_the_go_form_and_html_spellings_of_a_value_are_scrubbed(
+    test_ca: EgressCA, proxy_ca: EgressCA, store: SecretStore, audit_path: Path
+) -> None:
+    """An upstream that echoes the key in an error: Go's encoding/json (most gateways)
+    writes ``<`` ``>`` ``&`` as ``\\u003c`` ``\\u003e`` ``\\u0026``, a form writes a
+    space as ``+``, an HTML error page writes ``&lt;`` ``&amp;`` ``&#x27;``: each reached
+    the guest as the value, which a branch of the sandbox then carried to a hub."""
+    spellings = [
+        'sk-a\\u003cb\\u003ec\\u0026d e\'f\\"g-0123456789',  # Go's encoding/json
+        "sk-a%3Cb%3Ec%26d+e%27f%22g-0123456789",  # a form (application/x-www-form-urlencoded)
+        "sk-a%3cb%3ec%26d+e%27f%22g-0123456789",  # the same, lower-case hex
+        "sk-a&lt;b&gt;c&amp;d e&#x27;f&quot;g-0123456789",  # HTML
+    ]
+    body = " | ".join(spellings).encode()
+    head = f"HTTP/1.1 401 Bad {spellings[1]}\r\nX-Echo: {spellings[0]}\r\n".encode()
+    upstream = ScriptedUpstream(test_ca, [head + b"Content-Length: %d\r\n\r\n" % len(body), body])
+    secret = store.set("OPENAI_API_KEY", MARKUP, [f"model.test:{upstream.port}"])
+    proxy = make_proxy([f"model.test:{upstream.port}"], audit_path, [secret], proxy_ca, test_ca)
+    try:
+        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
+    finally:
+        proxy.stop()
+        upstream.join()
+    p = secret.placeholder
+    for spelling in spellings:
+        assert spelling.encode() not in reply, spelling
+    head_out, _, chunked = reply.partition(b"\r\n\r\n")
+    assert head_out.startswith(f"HTTP/1.1 401 Bad {p}\r\n".encode())
+    assert f"X-Echo: {p}".encode() in head_out
+    assert dechunk(chunked) == " | ".join([p] * len(spellings)).encode()
