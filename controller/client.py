@@ -23,6 +23,7 @@ import httpx
 import msgspec
 
 from forkd import errors
+from forkd.addresses import kind
 from forkd.controller import api
 from forkd.controller.api import (
     BranchRequest,
@@ -122,6 +123,35 @@ def shown_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
+def check_plain_http(url: str, token: str | None, plain_http: bool) -> None:
+    """InvalidInput for a URL that would carry credentials (the bearer token, a password
+    in the URL) over plain ``http://`` to another host than this one (loopback): anyone on
+    the path (the LAN, a Wi-Fi, a proxy) reads them and drives the daemon with them, its
+    sandboxes and their secrets. ``plain_http=True`` is the caller's choice to send them
+    anyway (a network that is the caller's own)."""
+    parts = urlsplit(url)
+    if plain_http or parts.scheme.lower() != "http" or not (token or "@" in parts.netloc):
+        return
+    if this_hosts_url(url):
+        return
+    raise errors.InvalidInput(
+        f"refusing to send the bearer token over plain http:// to {shown_url(url)}: anyone "
+        "on the path can read it and drive the daemon; use https:// (TLS in front of "
+        "`forkd serve --listen`), an SSH tunnel to 127.0.0.1, or pass plain_http=True if "
+        "every network between here and there is yours")
+
+
+def this_hosts_url(url: str) -> bool:
+    """``url`` names this host: ``localhost`` or a loopback address."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return kind(host) == "loopback"
+    except ValueError:  # a name, not an address
+        return False
+
+
 def sandbox_route(sandbox_id: str, *rest: str) -> str:
     """``/v1/sandboxes/ID[/REST...]`` for a well-formed sandbox id, else InvalidInput (the
     engine's message): an id goes into the URL's path, where ``..``, ``/``, ``?`` or ``#``
@@ -157,9 +187,13 @@ class RemoteBackend:
         token: str | None = None,
         socket: Path | None = None,
         timeout: float = api.REQUEST_TIMEOUT_S,
+        plain_http: bool = False,
     ) -> None:
         """timeout: the deadline of requests that run no command (exec and eval wait as
-        long as their command may run: api.answer_timeout)."""
+        long as their command may run: api.answer_timeout). plain_http: send the token
+        over ``http://`` to another host than this one (check_plain_http)."""
+        if url:
+            check_plain_http(url, token, plain_http)
         self.timeout = timeout
         self._url = url
         self._uds = None if url else str(socket or default_socket())
@@ -173,7 +207,11 @@ class RemoteBackend:
         """A client of the daemon: the URL's, else the Unix socket's."""
         limit = httpx.Timeout(self.timeout, connect=api.CONNECT_TIMEOUT_S)
         if self._url:
-            return httpx.Client(base_url=self._url, headers=self._headers, timeout=limit)
+            # a daemon on this host is reached directly: a proxy of the environment
+            # (HTTP_PROXY) was sent the token in the clear, and reached its own loopback
+            direct = this_hosts_url(self._url)
+            return httpx.Client(base_url=self._url, headers=self._headers, timeout=limit,
+                                trust_env=not direct)
         return httpx.Client(transport=httpx.HTTPTransport(uds=self._uds),
                             base_url="http://forkd", headers=self._headers, timeout=limit)
 

@@ -110,13 +110,16 @@ class Controller:
         token: str | None = None,
         socket: Path | None = None,
         local: bool | None = None,
+        plain_http: bool = False,
     ) -> None:
-        """Daemon at ``url`` or ``socket`` if it answers (unless ``local=True``), else local."""
+        """Daemon at ``url`` or ``socket`` if it answers (unless ``local=True``), else local.
+        plain_http: send the token over ``http://`` to another host than this one (the
+        token is refused there otherwise: client.check_plain_http)."""
         self.backend: Backend
         if local:
             self.backend = LocalBackend(max_sandboxes=MAX_SANDBOXES)
             return
-        remote = RemoteBackend(url=url, token=token, socket=socket)
+        remote = RemoteBackend(url=url, token=token, socket=socket, plain_http=plain_http)
         if url or remote.alive():
             self.backend = remote
         elif local is False:

@@ -393,9 +393,13 @@ class WaitingSource(Protocol):
 
 
 def recipe_egress(asm: Assembled) -> EgressSettings | None:
-    """The egress the snapshot's recipe gives its forks by default (``[guest] egress``)."""
+    """The egress the snapshot's recipe gives its forks by default (``[guest] egress``):
+    its destinations, none of this host's secrets. A snapshot's config is whoever built it
+    (a pack pulled from a hub is anyone's): its recipe naming a host a secret is bound to
+    made the host's key usable by that guest (and, with a second host in the recipe, what
+    the key reads sent on); a fork that names its egress binds the secrets."""
     entries = list((asm.config.recipe or {}).get("egress") or [])
-    return EgressSettings.resolve(entries) if entries else None
+    return EgressSettings.resolve(entries, with_secrets=False) if entries else None
 
 
 def check_count(n: object) -> int:

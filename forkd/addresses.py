@@ -5,6 +5,7 @@ client (a hub's redirects may not lead to a cloud's metadata service or this hos
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -66,3 +67,38 @@ def kind(address: str) -> str:
             or (isinstance(ip, ipaddress.IPv4Address) and ip in SHARED)):
         return "special"
     return "other"
+
+
+def this_host(address: str) -> bool:
+    """``address`` is one of this host's own (on any of its interfaces, in this process's
+    network namespace): a connection to it would reach the host's own services, the ones
+    listening on 0.0.0.0 or ::. Asked of the kernel's routing: the source address it picks
+    for a destination is that destination exactly when the destination is local (its
+    route is in the ``local`` table). Nothing is sent (a UDP socket is only connected)."""
+    ip: IPAddress = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((str(ip), 9))
+            source = ipaddress.ip_address(str(probe.getsockname()[0]).split("%", 1)[0])
+    except OSError:  # no route at all: not this host's (and a TCP connect fails too)
+        return False
+    return source == ip
+
+
+def reaches_this_host(address: str) -> str | None:
+    """What of this host (or of the cloud it runs in) a connection from it to ``address``
+    reaches, said for a message, or None when it reaches another host: loopback, one of
+    this host's own addresses, a cloud's metadata or host services (kind "special": with
+    link-local, multicast, reserved and unspecified, since a connection to 0.0.0.0 or ::
+    reaches loopback)."""
+    if kind(address) == "loopback":
+        return "this host's loopback"
+    if kind(address) == "special":
+        return ("a cloud's metadata or host services, or a link-local, unspecified, multicast "
+                "or reserved address")
+    if this_host(address):
+        return "one of this host's own addresses"
+    return None

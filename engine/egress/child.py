@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from forkd.addresses import reaches_this_host
 from forkd.engine import netns
 from forkd.engine.egress.netns_listen import DEFAULT_PROXY_PORT, REFUSAL_PORT
 from forkd.engine.egress.policy import MAX_ENTRIES, EgressPolicy, parse_destination
@@ -64,12 +65,15 @@ class EgressSettings:
     audit: str
     upstream_ca: str | None = None
     pins: tuple[tuple[str, str], ...] = ()
+    with_secrets: bool = True  # the host's secrets are bound (False: a recipe's defaults)
 
     @classmethod
     def resolve(cls, entries: Sequence[str], env: Mapping[str, str] | None = None,
-                ) -> EgressSettings:
+                with_secrets: bool = True) -> EgressSettings:
         """Validated settings for a child allowed ``entries``, from this host's configuration
-        (InvalidInput naming what is wrong)."""
+        (InvalidInput naming what is wrong). with_secrets=False: the host's secrets are
+        bound to none of them (the destinations a snapshot's recipe names by default: a
+        pack pulled from a hub is anyone's, and would get to use this host's keys)."""
         env = os.environ if env is None else env
         policy = parse_policy(entries)
         audit = env.get("FORKD_EGRESS_AUDIT") or str(default_home() / "egress-audit.log")
@@ -79,21 +83,24 @@ class EgressSettings:
                                "give a PEM bundle of CA certificates")
         settings = cls(allow=tuple(str(e) for e in policy.entries),
                        secrets=str(secrets_dir()), audit=audit, upstream_ca=upstream,
-                       pins=parse_pins(env.get("FORKD_EGRESS_PINS", "")))
+                       pins=parse_pins(env.get("FORKD_EGRESS_PINS", "")),
+                       with_secrets=with_secrets)
         if settings.bound_secrets():  # made once here, not by N proxies starting at once
             load_ca(settings)
         return settings
 
     def record(self) -> dict[str, Any]:
         return {"allow": list(self.allow), "secrets": self.secrets, "audit": self.audit,
-                "upstream_ca": self.upstream_ca, "pins": [list(p) for p in self.pins]}
+                "upstream_ca": self.upstream_ca, "pins": [list(p) for p in self.pins],
+                "with_secrets": self.with_secrets}
 
     @classmethod
     def from_record(cls, doc: Mapping[str, Any]) -> EgressSettings:
         try:
             pins = tuple((str(h), str(a)) for h, a in doc.get("pins", []))
             return cls(allow=tuple(str(e) for e in doc["allow"]), secrets=str(doc["secrets"]),
-                       audit=str(doc["audit"]), upstream_ca=doc.get("upstream_ca"), pins=pins)
+                       audit=str(doc["audit"]), upstream_ca=doc.get("upstream_ca"), pins=pins,
+                       with_secrets=doc.get("with_secrets", True) is not False)
         except (KeyError, TypeError, ValueError) as e:
             raise HostError(f"a child record's egress settings are malformed ({e})") from e
 
@@ -102,7 +109,9 @@ class EgressSettings:
 
     def bound_secrets(self) -> list[Any]:
         """The secrets bound to a destination this policy allows (the only ones its proxy
-        uses and its guest sees a placeholder of)."""
+        uses and its guest sees a placeholder of); none without ``with_secrets``."""
+        if not self.with_secrets:
+            return []
         policy = self.policy()
         return [s for s in SecretStore(Path(self.secrets)).all()
                 if any(policy.allowing(b) is not None for b in s.bindings)]
@@ -124,6 +133,15 @@ def parse_policy(entries: object) -> EgressPolicy:
     policy = EgressPolicy.parse(entries)
     if not policy.entries:
         raise InvalidInput("egress needs at least one HOST[:PORT] entry")
+    for entry in policy.entries:
+        reached = reaches_this_host(entry.host) if entry.kind == "ip" else None
+        if reached is not None:
+            raise InvalidInput(
+                f"egress entry {entry} reaches {reached}: the proxy connects from this host, "
+                "so a sandbox (or a recipe's egress) naming it would reach the host's own "
+                "services or the cloud's credentials; to let sandboxes reach a service of "
+                "this host on purpose, the host's operator pins a name to it "
+                "(FORKD_EGRESS_PINS=NAME=ADDRESS) and the entry names NAME")
     return policy
 
 
@@ -153,8 +171,9 @@ def parse_pins(text: str) -> tuple[tuple[str, str], ...]:
 
 def proxy_argv(settings: EgressSettings, child_id: str, ns: str, d: Path) -> list[str]:
     argv = [sys.executable, "-P", "-m", MODULE, "--child", child_id, "--netns", ns,
-            "--ready", str(d / READY_FILE), "--secrets", settings.secrets,
-            "--audit", settings.audit]
+            "--ready", str(d / READY_FILE), "--audit", settings.audit]
+    if settings.with_secrets:
+        argv += ["--secrets", settings.secrets]
     if settings.upstream_ca:
         argv += ["--upstream-ca", settings.upstream_ca]
     for host, addr in settings.pins:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import ipaddress
 import json
 import re
@@ -48,7 +49,7 @@ from typing import Any
 
 import uvloop
 
-from forkd.addresses import public_enough
+from forkd.addresses import public_enough, this_host
 from forkd.audit import AuditLog, BoundedAudit
 from forkd.engine.egress import clienthello, http1
 from forkd.engine.egress.ca import EgressCA
@@ -764,31 +765,10 @@ def _pinned_address(name: str, address: str) -> str:
         raise InvalidInput(f"the pin for {name!r} is not an IP address: {address!r}") from None
 
 
-def _this_host(address: str) -> bool:
-    """``address`` is one of this host's own (on any of its interfaces, in the proxy's
-    network namespace): a connection to it would reach the host's own services, the ones
-    listening on 0.0.0.0 or ::. Asked of the kernel's routing: the source address it picks
-    for a destination is that destination exactly when the destination is local (its
-    route is in the ``local`` table). Nothing is sent (a UDP socket is only connected)."""
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
-        address.split("%", 1)[0]
-    )
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((str(ip), 9))
-            source = ipaddress.ip_address(str(probe.getsockname()[0]).split("%", 1)[0])
-    except OSError:  # no route at all: not this host's (and a TCP connect fails too)
-        return False
-    return source == ip
-
-
 def _usable_for_a_name(address: str) -> bool:
     """An address a resolved name may lead to: global (addresses.public_enough) and not this
-    host's own (_this_host: a global address on the host's interface is still the host)."""
-    return public_enough(address) and not _this_host(address)
+    host's own (this_host: a global address on the host's interface is still the host)."""
+    return public_enough(address) and not this_host(address)
 
 
 def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:
@@ -800,16 +780,24 @@ def _swap_in(value: bytes, secrets: list[Secret]) -> bytes:
 
 def _spellings(secrets: list[Secret]) -> list[tuple[bytes, bytes]]:
     """(spelling of a value, its placeholder) for each secret, longest spelling first: the
-    value as it is, JSON-escaped (``\\"`` ``\\\\``, and ``\\/``) and percent-encoded
-    (upper- and lower-case hex). A placeholder is ``[A-Za-z0-9_-]``: the same in each."""
+    value as it is, JSON-escaped (``\\"`` ``\\\\``, with ``\\/``, and Go's encoding/json,
+    which writes ``<`` ``>`` ``&`` as ``\\u003c`` ``\\u003e`` ``\\u0026``), percent-encoded
+    (upper- and lower-case hex; a form's ``+`` for a space too) and HTML-escaped (an error
+    page). A placeholder is ``[A-Za-z0-9_-]``: the same in each."""
     pairs: dict[bytes, bytes] = {}
     for s in secrets:
-        json_form = json.dumps(s.value)[1:-1]
-        quoted = urllib.parse.quote(s.value, safe="")
-        lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quoted)
-        for spelling in (s.value, json_form, json_form.replace("/", "\\/"), quoted, lower):
+        for spelling in _spellings_of(s.value):
             pairs.setdefault(spelling.encode(), s.placeholder.encode())
     return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
+
+
+def _spellings_of(value: str) -> set[str]:
+    json_form = json.dumps(value)[1:-1]
+    go_form = json_form.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    encoded = {urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value, safe="")}
+    lower = {re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), e) for e in encoded}
+    return {value, json_form, json_form.replace("/", "\\/"), go_form, html.escape(value),
+            *encoded, *lower}
 
 
 def _scrub(value: bytes, spellings: list[tuple[bytes, bytes]]) -> bytes:

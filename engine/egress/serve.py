@@ -1,10 +1,11 @@
 """One child's egress proxy as its own host process (started by engine/lifecycle.py).
 
 ``python3 -P -m forkd.engine.egress.serve --child ID --netns forkd-ID --ready DIR/egress.ready
---secrets DIR --audit FILE [--upstream-ca FILE] [--pin HOST=ADDR]... ALLOW...``
+[--secrets DIR] --audit FILE [--upstream-ca FILE] [--pin HOST=ADDR]... ALLOW...``
 
 It loads the child's policy (the ALLOW entries), the secrets bound to destinations the
-policy allows and (when there are any) the egress CA, opens the audit log, makes its
+policy allows (none without ``--secrets``: a recipe's default egress) and (when there are
+any) the egress CA, opens the audit log, makes its
 listening socket inside the child's network namespace (``GW_IP:3128``: the guest reaches
 it at the same address in every child) and serves with an event loop in the host's
 namespace, so every upstream connection is the host's. When it listens it writes the
@@ -63,7 +64,7 @@ async def follow_store(proxy: EgressProxy, store: SecretStore) -> None:
 
 def build_proxy(args: argparse.Namespace) -> EgressProxy:
     policy = EgressPolicy.parse(args.allow)
-    secrets, ca = load(SecretStore(Path(args.secrets)), policy)
+    secrets, ca = load(SecretStore(Path(args.secrets)), policy) if args.secrets else ([], None)
     trust = None
     if args.upstream_ca:
         trust = ssl.create_default_context()
@@ -74,11 +75,11 @@ def build_proxy(args: argparse.Namespace) -> EgressProxy:
                        upstream_trust=trust, hosts=pins)
 
 
-async def serve(proxy: EgressProxy, store: SecretStore, ns: str, ready: Path) -> None:
+async def serve(proxy: EgressProxy, store: SecretStore | None, ns: str, ready: Path) -> None:
     sock = listen_in_netns(ns, netns.GW_IP, DEFAULT_PROXY_PORT)
     server = await proxy.serve(sock)
     refusals = await proxy.serve_refusals(listen_in_netns(ns, netns.GW_IP, REFUSAL_PORT))
-    follower = asyncio.create_task(follow_store(proxy, store))
+    follower = asyncio.create_task(follow_store(proxy, store) if store else asyncio.sleep(0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,7 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--child", required=True)
     p.add_argument("--netns", required=True)
     p.add_argument("--ready", required=True, help="file written once the proxy listens")
-    p.add_argument("--secrets", required=True, help="the secret store directory")
+    p.add_argument("--secrets", default=None,
+                   help="the secret store directory (none: no secret is bound)")
     p.add_argument("--audit", required=True, help="the egress audit log")
     p.add_argument("--upstream-ca", default=None, help="extra CA bundle for upstreams")
     p.add_argument("--pin", action="append", default=[], metavar="HOST=ADDR")
@@ -115,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         proxy = build_proxy(args)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(serve(proxy, SecretStore(Path(args.secrets)), args.netns, Path(args.ready)))
+            store = SecretStore(Path(args.secrets)) if args.secrets else None
+            runner.run(serve(proxy, store, args.netns, Path(args.ready)))
     except (ForkdError, OSError, ValueError) as exc:
         print(f"forkd egress proxy for {args.child}: {exc}", file=sys.stderr)
         return 1

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from forkd.engine.egress.proxy import _this_host, _usable_for_a_name
+from forkd.addresses import this_host
+from forkd.engine.egress.proxy import _usable_for_a_name
 
 HERE = Path(__file__).resolve().parent
 needs_root = pytest.mark.skipif(
@@ -98,6 +99,6 @@ def test_a_name_resolving_to_the_hosts_own_global_address_is_not_used(tmp_path: 
 def test_this_hosts_addresses_are_told_from_others() -> None:
     """In the test's own namespace: loopback is this host's, a global address it does not
     hold is not, and stays usable for a name (the check refuses no more than it should)."""
-    assert _this_host("127.0.0.1") and _this_host("::1") and _this_host("::ffff:127.0.0.1")
-    assert not _this_host("8.8.8.8") and _usable_for_a_name("8.8.8.8")
+    assert this_host("127.0.0.1") and this_host("::1") and this_host("::ffff:127.0.0.1")
+    assert not this_host("8.8.8.8") and _usable_for_a_name("8.8.8.8")
     assert not _usable_for_a_name("127.0.0.1") and not _usable_for_a_name("::1")

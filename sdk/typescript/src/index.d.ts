@@ -57,6 +57,9 @@ export interface ControllerOptions {
   socket?: string;
   /** Seconds to wait for requests that run no command (default REQUEST_TIMEOUT_S). */
   timeout?: number;
+  /** Send the token over plain http:// to another host than this one (loopback); without
+   * it such a URL is InvalidInput: anyone on the path could read the token. */
+  plainHttp?: boolean;
 }
 
 export declare class Controller {

@@ -2,9 +2,9 @@
 // socket or TCP with a bearer token. No runtime dependencies (node:http only), Node >= 20.
 // Types: index.d.ts, and api.d.ts generated from forkd.controller.api (docs/api.md).
 
+import fs from "node:fs";
 import http from "node:http";
 import https from "node:https";
-import os from "node:os";
 import path from "node:path";
 
 // Deadlines (docs/api.md, "Timeouts"): the same as the Python client's.
@@ -119,17 +119,99 @@ function collected(res, limit, fail, done) {
   res.on("end", () => { if (size <= limit) done(Buffer.concat(parts)); });
 }
 
+// Credentials (the bearer token, a password in the URL) over plain http:// to another host
+// than this one (loopback) are refused unless the caller opts in (plainHttp): anyone on the
+// path reads them and drives the daemon with them (the Python client's check_plain_http).
+function checkPlainHttp(url, token, plainHttp) {
+  if (plainHttp || url.protocol !== "http:" || !(token || url.username || url.password)) return;
+  const host = unbracketed(url.hostname);
+  if (host === "localhost" || isLoopback(host)) return;
+  throw new InvalidInput(`refusing to send the bearer token over plain http:// to ${shownUrl(url)}: `
+    + "anyone on the path can read it and drive the daemon; use https:// (TLS in front of "
+    + "`forkd serve --listen`), an SSH tunnel to 127.0.0.1, or pass plainHttp: true if every "
+    + "network between here and there is yours", { type: "InvalidInput" });
+}
+
+function unbracketed(hostname) {
+  return hostname.replace(/^\[(.*)\]$/, "$1");
+}
+
+// 127.0.0.0/8, ::1, or an IPv4-mapped loopback (::ffff:7f00:1, as URL writes ::ffff:127.0.0.1)
+function isLoopback(host) {
+  if (/^127\.\d+\.\d+\.\d+$/.test(host)) return true;
+  if (host === "::1") return true;
+  const mapped = /^::ffff:([0-9a-f]{1,4}):[0-9a-f]{1,4}$/.exec(host);
+  return mapped !== null && (parseInt(mapped[1], 16) >> 8) === 127;
+}
+
+// $FORKD_RUN with forkd's defaults (engine/paths.py), and how many of its last levels
+// are forkd's own (forkd.private): [directory, ownedLevels].
+function runLocation() {
+  const env = process.env;
+  if (env.FORKD_RUN) return [path.resolve(env.FORKD_RUN), 1];
+  const uid = process.geteuid?.() ?? 0;
+  if (uid === 0) return ["/run/forkd", 1];
+  if (env.XDG_RUNTIME_DIR) return [path.resolve(env.XDG_RUNTIME_DIR, "forkd"), 1];
+  return [path.join("/tmp", `forkd-${uid}`, "forkd"), 2];
+}
+
 /** $FORKD_RUN/controller.sock, with forkd's defaults for $FORKD_RUN (engine/paths.py). */
 export function defaultSocket() {
-  const env = process.env;
-  let run = env.FORKD_RUN;
-  if (!run) {
-    const uid = process.getuid?.() ?? 0;
-    if (uid === 0) run = "/run/forkd";
-    else if (env.XDG_RUNTIME_DIR) run = path.join(env.XDG_RUNTIME_DIR, "forkd");
-    else run = path.join(os.tmpdir(), `forkd-${uid}`, "forkd");
+  return path.join(runLocation()[0], "controller.sock");
+}
+
+const GROUP_OTHER_WRITE = 0o022;
+
+function notPrivate(where, why) {
+  return new InvalidInput(`${where} ${why}: forkd keeps its socket there and trusts only a `
+    + "directory of yours with mode 0700 (and a socket of yours in it); remove it (or fix its "
+    + "owner and mode) and retry, or point FORKD_RUN at a directory of your own",
+  { type: "InvalidInput" });
+}
+
+// The daemon's socket at the default place is connected to only when nobody else could have
+// put it there (forkd.private's check of $FORKD_RUN, as the Python client makes): forkd's
+// levels of $FORKD_RUN are real directories of this user that group and others cannot
+// write, the ones above them (resolved) are root's or this user's (writable by others only
+// when sticky), and the socket is this user's. Otherwise another local user who made
+// /tmp/forkd-UID first (or a FORKD_RUN others may write) answered as the daemon: was sent
+// every command, file and cell, and answered what it liked.
+function checkedDefaultSocket(socket) {
+  const uid = process.geteuid?.() ?? 0;
+  const [run, owned] = runLocation();
+  const levels = [];
+  for (let level = run; ; level = path.dirname(level)) {
+    levels.unshift(level);
+    if (level === path.dirname(level)) break;
   }
-  return path.join(run, "controller.sock");
+  levels.forEach((level, depth) => {
+    if (depth >= levels.length - owned) {
+      const st = fs.lstatSync(level, { throwIfNoEntry: false });
+      if (!st) return; // no daemon made it: the connection is refused below
+      if (st.isSymbolicLink()) throw notPrivate(level, "is a symlink");
+      if (!st.isDirectory()) throw notPrivate(level, "is not a directory");
+      if (st.uid !== uid) throw notPrivate(level, `is owned by uid ${st.uid}, not by you (uid ${uid})`);
+      if (st.mode & GROUP_OTHER_WRITE) throw notPrivate(level, "is writable by group or others");
+      return;
+    }
+    const link = fs.lstatSync(level, { throwIfNoEntry: false });
+    if (!link) return;
+    if (link.isSymbolicLink() && link.uid !== 0 && link.uid !== uid) {
+      throw notPrivate(level, `is a symlink owned by uid ${link.uid}, who could re-point it`);
+    }
+    const real = fs.realpathSync(level);
+    for (let up = real; ; up = path.dirname(up)) {
+      const st = fs.statSync(up);
+      if (st.uid !== 0 && st.uid !== uid) throw notPrivate(up, `is owned by uid ${st.uid}`);
+      if ((st.mode & GROUP_OTHER_WRITE) && !(st.mode & 0o1000)) {
+        throw notPrivate(up, "is writable by group or others and not sticky");
+      }
+      if (up === path.dirname(up)) break;
+    }
+  });
+  const st = fs.lstatSync(socket, { throwIfNoEntry: false });
+  if (st && st.uid !== uid) throw notPrivate(socket, `is owned by uid ${st.uid}, not by you (uid ${uid})`);
+  return socket;
 }
 
 function answerTimeout(commandTimeout) {
@@ -141,10 +223,14 @@ export class Controller {
    * @param {{url?: string, token?: string, socket?: string, timeout?: number}} [options]
    * url: http(s)://HOST:PORT (then token is required by the daemon); else the Unix socket.
    * timeout: seconds for requests that run no command (default REQUEST_TIMEOUT_S).
+   * plainHttp: send the token over http:// to another host than this one (refused
+   * otherwise: checkPlainHttp).
    */
-  constructor({ url, token, socket, timeout = REQUEST_TIMEOUT_S } = {}) {
+  constructor({ url, token, socket, timeout = REQUEST_TIMEOUT_S, plainHttp = false } = {}) {
     this.url = url ? new URL(url) : null;
+    if (this.url) checkPlainHttp(this.url, token, plainHttp);
     this.socket = this.url ? null : (socket ?? defaultSocket());
+    this.checked = !this.url && socket == null; // the default socket: checked at each connection
     this.token = token ?? null;
     this.timeout = timeout;
     this.where = this.url ? shownUrl(this.url) : this.socket; // in messages: no password
@@ -166,11 +252,13 @@ export class Controller {
     const options = { method, headers, path: route + qs };
     let client = http;
     if (this.url) {
-      Object.assign(options, { hostname: this.url.hostname, port: this.url.port });
+      // an IPv6 literal's brackets are the URL's, not the address's (node:http looked
+      // "[::1]" up as a name: ENOTFOUND)
+      Object.assign(options, { hostname: unbracketed(this.url.hostname), port: this.url.port });
       options.path = this.url.pathname.replace(/\/$/, "") + route + qs;
       if (this.url.protocol === "https:") client = https;
     } else {
-      options.socketPath = this.socket;
+      options.socketPath = this.checked ? checkedDefaultSocket(this.socket) : this.socket;
     }
     const req = client.request(options, onResponse);
     const connect = setTimeout(() => req.destroy(new ForkdError(
