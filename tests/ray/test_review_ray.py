@@ -8,34 +8,32 @@ every job in its cluster) when a node's name, a spawn or a handle is not what it
   300 characters came back in front of every error of its sandboxes. Now a name is 1-63
   of ``[A-Za-z0-9._-]`` and no other node's id, else ``nodes()`` refuses the table with
   the node's id and its name shown inert (``forkd.names.shown``).
+- A spawn's all or none. A node's agent failing with anything but a forkd error (here a
+  malformed credentials file of that node: a TypeError in the pull) left ``spawn`` at
+  once with the node's traceback (its host paths included), without waiting for the
+  other nodes' calls or killing what they had started: those sandboxes ran on with no
+  handle, for ever without a ``timeout``, and took their host's slots from every later
+  spawn. Now any failure of a call is that node's failure (``cluster.unexpected``:
+  ``node b: its forkd agent failed with TypeError: ...``, inert and at most 500
+  characters of it), so the spawn waits for every node and kills what the others
+  started, as for a forkd error.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Iterator
 
 import pytest
 import ray
-from conftest import teardown
+from conftest import SLOTS
 from ray_cluster import START_S, LocalCluster, LocalNode
 
 import forkd.ray
 from forkd.errors import InvalidInput
+from forkd.ray import ClusterSpawnError
 
-SLOTS = {"a": 2, "b": 2}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    """Two forkd nodes (no snapshot, no hub: nothing here starts a VM); the driver connected."""
-    local = LocalCluster.create(SLOTS)
-    try:
-        local.start()
-        local.connect()
-        yield local
-    finally:
-        teardown(local)
+pytestmark = pytest.mark.vm  # the cluster (conftest: hub, nodes a and b, the tiny snapshot)
 
 
 def forkd_nodes_in_ray() -> int:
@@ -94,3 +92,25 @@ def test_a_node_with_a_hostile_name_is_refused_and_shown_inert(
     finally:
         left(node)
 
+
+
+def test_a_node_failing_oddly_leaves_no_sandbox_on_the_others(
+    cluster: LocalCluster, base_ref: str
+) -> None:
+    """Before: a failure of one node's agent that was not a forkd error (here its malformed
+    credentials file: a TypeError) left ``spawn`` at once with the node's traceback, without
+    waiting for the other nodes' calls or killing what they started: those sandboxes ran
+    with no handle, for ever without a timeout, counted against their host's slots."""
+    creds = cluster.nodes[1].dir / "client" / "credentials.json"
+    saved = creds.read_bytes()
+    creds.write_text(json.dumps({hub: "not a credential" for hub in json.loads(saved)}))
+    try:
+        with pytest.raises(ClusterSpawnError) as refused:
+            forkd.ray.spawn(base_ref, 2, pull=True)  # one on a, one on b
+    finally:
+        creds.write_bytes(saved)
+    (line,) = refused.value.errors
+    assert line.startswith("node b: its forkd agent failed with TypeError: ")
+    assert "Traceback" not in line and len(line) < 1000
+    assert json.loads(cluster.head.forkd("ls", "--json")) == [], "a's sandbox was left running"
+    assert forkd.ray.fork_on("b", base_ref, pull=True).kill() is None  # b is fine again
