@@ -17,23 +17,41 @@ every job in its cluster) when a node's name, a spawn or a handle is not what it
   ``node b: its forkd agent failed with TypeError: ...``, inert and at most 500
   characters of it), so the spawn waits for every node and kills what the others
   started, as for a forkd error.
+- The harness. tests/ray's nodes ran the `ray` and `forkd` first on PATH, not the
+  interpreter's under test: the node agents (forkd/ray/node.py) and `forkd serve` that
+  the tests exercised were another checkout's. Now each node runs Ray on
+  ``sys.executable`` and `forkd` from its environment (``ray_cluster.BIN``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
 from conftest import SLOTS
-from ray_cluster import START_S, LocalCluster, LocalNode
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray_cluster import BIN, START_S, LocalCluster, LocalNode
 
 import forkd.ray
 from forkd.errors import InvalidInput
 from forkd.ray import ClusterSpawnError
 
 pytestmark = pytest.mark.vm  # the cluster (conftest: hub, nodes a and b, the tiny snapshot)
+
+# the task below is sent by value: Ray's workers cannot import this test module
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@ray.remote(num_cpus=0)
+def forkd_file() -> str:
+    """Where the forkd package a Ray worker of a node imports comes from."""
+    import forkd
+
+    return str(forkd.__file__)
 
 
 def forkd_nodes_in_ray() -> int:
@@ -114,3 +132,17 @@ def test_a_node_failing_oddly_leaves_no_sandbox_on_the_others(
     assert "Traceback" not in line and len(line) < 1000
     assert json.loads(cluster.head.forkd("ls", "--json")) == [], "a's sandbox was left running"
     assert forkd.ray.fork_on("b", base_ref, pull=True).kill() is None  # b is fine again
+
+
+def test_the_nodes_run_the_code_under_test(cluster: LocalCluster) -> None:
+    """Before: the nodes' `ray start` and `forkd serve` were the first on PATH (here another
+    checkout's), so the agents every test of tests/ray exercised were not the code under
+    test: a fix of forkd/ray/node.py was never run, a test of it could not fail."""
+    for node in forkd.ray.nodes():
+        on_it = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        assert ray.get(forkd_file.options(scheduling_strategy=on_it).remote()) == forkd.__file__
+    for local in cluster.nodes[: len(SLOTS)]:  # a and b (the named ones only ran Ray)
+        assert local.serve is not None
+        cmdline = Path(f"/proc/{local.serve.pid}/cmdline").read_bytes().split(b"\0")
+        assert any(arg.startswith(str(BIN).encode()) for arg in cmdline), cmdline
+
