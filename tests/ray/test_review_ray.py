@@ -17,6 +17,12 @@ every job in its cluster) when a node's name, a spawn or a handle is not what it
   ``node b: its forkd agent failed with TypeError: ...``, inert and at most 500
   characters of it), so the spawn waits for every node and kills what the others
   started, as for a forkd error.
+- What a read returns. ``files.read`` held the whole guest file in the node's agent (one
+  per host, shared by every sandbox and job there), then in Ray's object store and the
+  caller: the guest decides what the file is, and a sparse file of gigabytes or a link to
+  /dev/zero (4 GiB streamed) grew the agent without a bound, 256 reads at once. Now a
+  read returns at most ``forkd.ray.node.MAX_READ`` (32 MiB, what one frame of the guest
+  agent carries): past it InvalidInput, the transfer ended.
 - The harness. tests/ray's nodes ran the `ray` and `forkd` first on PATH, not the
   interpreter's under test: the node agents (forkd/ray/node.py) and `forkd serve` that
   the tests exercised were another checkout's. Now each node runs Ray on
@@ -39,6 +45,7 @@ from ray_cluster import BIN, START_S, LocalCluster, LocalNode
 import forkd.ray
 from forkd.errors import InvalidInput
 from forkd.ray import ClusterSpawnError
+from forkd.ray.node import MAX_READ
 
 pytestmark = pytest.mark.vm  # the cluster (conftest: hub, nodes a and b, the tiny snapshot)
 
@@ -146,3 +153,21 @@ def test_the_nodes_run_the_code_under_test(cluster: LocalCluster) -> None:
         cmdline = Path(f"/proc/{local.serve.pid}/cmdline").read_bytes().split(b"\0")
         assert any(arg.startswith(str(BIN).encode()) for arg in cmdline), cmdline
 
+
+def test_a_guest_file_read_through_ray_is_bounded(cluster: LocalCluster, base_ref: str) -> None:
+    """Before: ``files.read`` held the whole file in the node's agent, then in Ray's object
+    store and the caller: a guest that made the file a driver reads sparse and huge (or a
+    link to /dev/zero: 4 GiB streamed) grew the agent that every sandbox of the host
+    shares, 256 calls at once."""
+    sb = forkd.ray.fork_on("a", base_ref, pull=True)
+    try:
+        made = sb.commands.run(
+            f"truncate -s {MAX_READ + 1} /root/big && truncate -s {MAX_READ} /root/edge"
+        )
+        assert made.exit_code == 0, made.stderr
+        with pytest.raises(InvalidInput, match=f"larger than {MAX_READ} bytes"):
+            sb.files.read("/root/big")
+        assert len(sb.files.read("/root/edge")) == MAX_READ
+        assert sb.commands.run("echo alive").stdout == "alive\n"  # the same agent serves on
+    finally:
+        sb.kill()
