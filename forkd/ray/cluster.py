@@ -10,11 +10,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from forkd.errors import ForkdError
+from forkd.names import inert
 from forkd.ray.node import MAX_CALLS, NodeAgent
 from forkd.ray.placement import ForkdNode, forkd_nodes, pick
 
 NAMESPACE = "forkd"  # the Ray namespace of the agents, whatever the caller's job uses
 T = TypeVar("T")
+UNEXPECTED_SHOWN = 500  # characters of a node's unexpected error in its message
 
 
 class NodeGone(ForkdError):
@@ -75,13 +77,24 @@ def result(ref: Any, node_name: str) -> Any:
     except RayTaskError as exc:
         if isinstance(exc.cause, ForkdError):
             raise exc.cause from None
-        raise
+        raise unexpected(node_name, exc.cause) from None
     except RayActorError as exc:  # died, or unavailable while Ray restarts it
         raise NodeGone(
             f"node {node_name}'s forkd agent is gone ({type(exc).__name__}): the node left "
             "the Ray cluster or its Ray processes died; its sandboxes may still run there "
             "(`forkd ls` on that host)"
         ) from exc
+
+
+def unexpected(node_name: str, cause: object) -> ForkdError:
+    """A failure of the agent that is not a forkd error (a broken file of its node, a bug):
+    that node's failure, so a spawn still waits for the others and kills what they
+    started, shown inert and short, not as the node's traceback."""
+    return ForkdError(
+        f"node {node_name}: its forkd agent failed with {type(cause).__name__}: "
+        f"{inert(cause, UNEXPECTED_SHOWN)} (check that node's forkd setup: its FORKD_HOME, "
+        "FORKD_CREDENTIALS and `forkd serve`)"
+    )
 
 
 def call(node_id: str, node_name: str, method: str, *args: Any) -> Any:

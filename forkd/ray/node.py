@@ -9,6 +9,7 @@ forkd family with the same message, prefixed with the node's name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from forkd.controller.api import (
 )
 from forkd.controller.client import TYPES, RemoteBackend, default_socket
 from forkd.controller.sdk import Controller
-from forkd.errors import Conflict, ForkdError
+from forkd.errors import Conflict, ForkdError, InvalidInput
+from forkd.names import shown
 from forkd.registry import credentials
 from forkd.registry.client import RegistryClient
 from forkd.registry.reference import parse_remote
@@ -34,6 +36,10 @@ from forkd.registry.transfer import TransferResult, pull, push
 from forkd.store.store import Store
 
 MAX_CALLS = 256  # calls one agent serves at once (exec, eval... each waits on its sandbox)
+# Bytes of a guest file one files.read returns: the agent holds them, then Ray's object
+# store and the caller; what the guest makes of a file (a sparse 4 GiB, a link to
+# /dev/zero) is no reason to hold more.
+MAX_READ = 32 << 20
 
 T = TypeVar("T")
 
@@ -144,7 +150,18 @@ class NodeAgent:
 
     @on_node
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return b"".join(self._backend().read_file(sandbox_id, path))
+        """The file's bytes, at most MAX_READ (InvalidInput past them, the transfer ended)."""
+        data = bytearray()
+        with contextlib.closing(self._backend().read_file(sandbox_id, path)) as chunks:
+            for chunk in chunks:
+                data += chunk
+                if len(data) > MAX_READ:
+                    raise InvalidInput(
+                        f"{shown(path)} in sandbox {sandbox_id} is larger than {MAX_READ} "
+                        "bytes, more than one read through Ray returns: read it in parts "
+                        "(commands.run with `head -c`, `tail -c` or `dd`)"
+                    )
+        return bytes(data)
 
     @on_node
     def branch(self, sandbox_id: str, req: BranchRequest, push_to: str | None) -> BranchResult:

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkd.errors import Conflict, InvalidInput
+from forkd.names import matches, shown, whole
 
 SLOTS = "forkd_slots"  # the custom resource: how many sandboxes the node may run at once
 MARKER = "forkd_node:"  # + NAME: the node's name (a node without one is named by its id)
+# A node's name, as a host name: it is in every error of its sandboxes and in `on=`.
+NODE_NAME_RE = whole(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ def forkd_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[ForkdNode]:
                 f"give its `ray start --resources` one {MARKER}NAME"
             )
         found.append(ForkdNode(node_id, names[0] if names else node_id, int(resources[SLOTS])))
+    ids = {node.node_id for node in found}
+    for node in found:
+        check_name(node, ids)
     taken: dict[str, str] = {}
     for node in found:
         if taken.setdefault(node.name, node.node_id) != node.node_id:
@@ -52,6 +58,25 @@ def forkd_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[ForkdNode]:
                 f"{node.node_id}): give each `ray start` its own {MARKER}NAME"
             )
     return sorted(found, key=lambda node: node.name)
+
+
+def check_name(node: ForkdNode, ids: set[str]) -> None:
+    """A node's own name is 1-63 of letters, digits, '.', '_' and '-' (it is in messages
+    and terminals) and no other node's id (``on=[id]`` would pick it instead)."""
+    if node.name == node.node_id:
+        return
+    if not matches(NODE_NAME_RE, node.name):
+        raise InvalidInput(
+            f"Ray node {node.node_id} is named {shown(node.name)}: a forkd node's name is "
+            f"1-63 of A-Z, a-z, 0-9, '.', '_' and '-'; give its `ray start --resources` "
+            f"another {MARKER}NAME"
+        )
+    if node.name in ids:
+        raise InvalidInput(
+            f"Ray node {node.node_id} is named after Ray node {node.name}: a name that is "
+            f"another node's id would take that node's sandboxes; give its `ray start "
+            f"--resources` another {MARKER}NAME"
+        )
 
 
 def pick(nodes: list[ForkdNode], wanted: Iterable[str] | None) -> list[ForkdNode]:

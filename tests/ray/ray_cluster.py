@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 # 127.0.0.1 nor localhost: Ray replaces those by the host's own outside address.
 NODE_IP = "127.0.0.2"
 START_S = 120.0  # a `ray start` or `forkd serve` is up within this (2 shared cores)
+# The nodes run the code under test: `forkd` from this interpreter's environment and Ray
+# (its workers, so the node agents) on this interpreter, not whatever `forkd` and `ray`
+# come first on PATH (another checkout's, whose agents would be what the tests exercised).
+BIN = Path(sys.executable).parent
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def free_port() -> int:
@@ -87,6 +93,7 @@ class LocalNode:
             "FORKD_RUN": str(self.dir / "run"),
             "FORKD_CREDENTIALS": str(self.dir / "client" / "credentials.json"),
             "RAY_USAGE_STATS_ENABLED": "0",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         }
 
     @property
@@ -134,7 +141,7 @@ class LocalNode:
         """``ray start`` of this node: the head listens on ``port``, a worker joins ``head``."""
         resources = {"forkd_slots": self.slots, f"forkd_node:{self.name}": 1}
         argv = [
-            "ray", "start", "--block", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
+            *RAY, "start", "--block", f"--node-ip-address={NODE_IP}", "--num-cpus=1",
             f"--temp-dir={self.dir / 'ray'}", f"--resources={json.dumps(resources)}",
             "--object-store-memory=100000000", "--disable-usage-stats",
         ]
