@@ -154,12 +154,14 @@ try {
 """
 
 
-def node_send(options: dict[str, Any]) -> dict[str, Any]:
+def node_send(options: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the TypeScript Controller made of ``options`` (``env`` added to this process's
+    environment): ``{"sent": true}`` or the error it raised."""
     from test_typescript_sdk import node
 
     script = SEND % (SDK.as_uri(), json.dumps(options))
-    done = subprocess.run([node(), "--input-type=module", "-e", script],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([node(), "--input-type=module", "-e", script], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
     assert done.returncode == 0, f"the Node process ended: {done.stderr[-2000:]}"
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -211,21 +213,10 @@ def planted(tmp_path: Path) -> Iterator[tuple[Path, Seen]]:
         yield run, seen
 
 
-def node_send_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    from test_typescript_sdk import node
-
-    script = SEND % (SDK.as_uri(), json.dumps(options))
-    done = subprocess.run([node(), "--input-type=module", "-e", script], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env})
-    assert done.returncode == 0, f"the Node process ended: {done.stderr[-2000:]}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def test_node_a_socket_another_user_planted_is_not_the_daemon(
         planted: tuple[Path, Seen]) -> None:
     run, seen = planted
-    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    got = node_send({}, {"FORKD_RUN": str(run)})
     assert got.get("type") == "InvalidInput" and "owned by uid 65534" in got["message"], got
     assert seen.authorizations == []
 
@@ -236,7 +227,7 @@ def test_node_a_socket_in_a_directory_others_may_write_is_not_the_daemon(
     os.chown(run, os.geteuid(), os.getegid())
     os.chown(run / "controller.sock", os.geteuid(), os.getegid())
     run.chmod(0o777)  # anyone could have swapped the socket
-    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    got = node_send({}, {"FORKD_RUN": str(run)})
     assert got.get("type") == "InvalidInput" and "writable by group" in got["message"], got
     assert seen.authorizations == []
 
@@ -255,6 +246,6 @@ def test_node_the_default_socket_of_ones_own_is_the_daemon(planted: tuple[Path, 
     os.chown(run, os.geteuid(), os.getegid())
     os.chown(run / "controller.sock", os.geteuid(), os.getegid())
     run.chmod(0o700)
-    got = node_send_env({}, {"FORKD_RUN": str(run)})
+    got = node_send({}, {"FORKD_RUN": str(run)})
     assert got.get("type") == "NotFound", got
     assert seen.authorizations == [b""]

@@ -504,17 +504,26 @@ ODD = 'sk-a/b"c\\d+e=f%g-0123456789'  # every character JSON or a URL would esca
 def test_the_escaped_spellings_of_a_value_are_scrubbed(
     test_ca: EgressCA, proxy_ca: EgressCA, store: SecretStore, audit_path: Path
 ) -> None:
-    spellings = [
+    assert_spellings_scrubbed(test_ca, proxy_ca, store, audit_path, ODD, [
         ODD,
         'sk-a/b\\"c\\\\d+e=f%g-0123456789',  # JSON
         'sk-a\\/b\\"c\\\\d+e=f%g-0123456789',  # JSON with \/
         "sk-a%2Fb%22c%5Cd%2Be%3Df%25g-0123456789",  # percent-encoded
         "sk-a%2fb%22c%5cd%2be%3df%25g-0123456789",  # the same, lower-case hex
-    ]
+    ], status=400, in_reason=3, in_header=1)
+
+
+def assert_spellings_scrubbed(test_ca: EgressCA, proxy_ca: EgressCA, store: SecretStore,
+                              audit_path: Path, value: str, spellings: list[str], *,
+                              status: int, in_reason: int, in_header: int) -> None:
+    """An upstream answers ``status`` with ``spellings[in_reason]`` in its reason phrase,
+    ``spellings[in_header]`` in a header and every spelling in its body: the guest gets
+    the placeholder of the secret ``value`` wherever one stood, and no spelling of it."""
     body = " | ".join(spellings).encode()
-    head = f"HTTP/1.1 400 Bad {spellings[3]}\r\nX-Echo: {spellings[1]}\r\n".encode()
+    head = (f"HTTP/1.1 {status} Bad {spellings[in_reason]}\r\n"
+            f"X-Echo: {spellings[in_header]}\r\n").encode()
     upstream = ScriptedUpstream(test_ca, [head + b"Content-Length: %d\r\n\r\n" % len(body), body])
-    secret = store.set("OPENAI_API_KEY", ODD, [f"model.test:{upstream.port}"])
+    secret = store.set("OPENAI_API_KEY", value, [f"model.test:{upstream.port}"])
     proxy = make_proxy([f"model.test:{upstream.port}"], audit_path, [secret], proxy_ca, test_ca)
     try:
         reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
@@ -523,11 +532,11 @@ def test_the_escaped_spellings_of_a_value_are_scrubbed(
         upstream.join()
     p = secret.placeholder
     for spelling in spellings:
-        assert spelling.encode() not in reply
+        assert spelling.encode() not in reply, spelling
     head_out, _, chunked = reply.partition(b"\r\n\r\n")
-    assert head_out.startswith(f"HTTP/1.1 400 Bad {p}\r\n".encode())
+    assert head_out.startswith(f"HTTP/1.1 {status} Bad {p}\r\n".encode())
     assert f"X-Echo: {p}".encode() in head_out
-    assert dechunk(chunked) == " | ".join([p] * 5).encode()
+    assert dechunk(chunked) == " | ".join([p] * len(spellings)).encode()
 
 
 def test_a_compressed_reply_from_a_bound_host_is_refused(

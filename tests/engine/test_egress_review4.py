@@ -43,9 +43,8 @@ from typing import Any
 import httpx
 import pytest
 from litestar.testing import TestClient
-from test_egress import audit_path, make_proxy, proxy_ca, store, test_ca
-from test_egress_http1 import ScriptedUpstream, dechunk, terminated_exchange
-from test_egress_review import GET_CLOSE
+from test_egress import audit_path, proxy_ca, store, test_ca
+from test_egress_review import assert_spellings_scrubbed
 from test_egress_serve import CHAT
 
 from forkd.audit import AuditLog
@@ -230,26 +229,9 @@ def test_the_go_form_and_html_spellings_of_a_value_are_scrubbed(
     writes ``<`` ``>`` ``&`` as ``\\u003c`` ``\\u003e`` ``\\u0026``, a form writes a
     space as ``+``, an HTML error page writes ``&lt;`` ``&amp;`` ``&#x27;``: each reached
     the guest as the value, which a branch of the sandbox then carried to a hub."""
-    spellings = [
+    assert_spellings_scrubbed(test_ca, proxy_ca, store, audit_path, MARKUP, [
         'sk-a\\u003cb\\u003ec\\u0026d e\'f\\"g-0123456789',  # Go's encoding/json
         "sk-a%3Cb%3Ec%26d+e%27f%22g-0123456789",  # a form (application/x-www-form-urlencoded)
         "sk-a%3cb%3ec%26d+e%27f%22g-0123456789",  # the same, lower-case hex
         "sk-a&lt;b&gt;c&amp;d e&#x27;f&quot;g-0123456789",  # HTML
-    ]
-    body = " | ".join(spellings).encode()
-    head = f"HTTP/1.1 401 Bad {spellings[1]}\r\nX-Echo: {spellings[0]}\r\n".encode()
-    upstream = ScriptedUpstream(test_ca, [head + b"Content-Length: %d\r\n\r\n" % len(body), body])
-    secret = store.set("OPENAI_API_KEY", MARKUP, [f"model.test:{upstream.port}"])
-    proxy = make_proxy([f"model.test:{upstream.port}"], audit_path, [secret], proxy_ca, test_ca)
-    try:
-        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
-    finally:
-        proxy.stop()
-        upstream.join()
-    p = secret.placeholder
-    for spelling in spellings:
-        assert spelling.encode() not in reply, spelling
-    head_out, _, chunked = reply.partition(b"\r\n\r\n")
-    assert head_out.startswith(f"HTTP/1.1 401 Bad {p}\r\n".encode())
-    assert f"X-Echo: {p}".encode() in head_out
-    assert dechunk(chunked) == " | ".join([p] * len(spellings)).encode()
+    ], status=401, in_reason=1, in_header=0)
