@@ -1,16 +1,30 @@
-"""The controller against the twelfth hostile review. No VM: the real MCP tools on the
-real in-process backend, and a fake guest agent (daemon_support.FakeGuest)."""
+"""The controller against the twelfth hostile review: what a guest's answer makes a tool
+result hold, and what a branch may write to the host's disk. No VM: the real MCP tools on
+the real in-process backend and a fake guest agent (daemon_support.FakeGuest); a child
+record whose "QEMU" is a process this test starts, and a store on a small tmpfs (root)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from daemon_support import FakeGuest
 
 from forkd.controller import mcp
+from forkd.controller.api import BranchRequest
+from forkd.controller.backend import LocalBackend
 from forkd.controller.sdk import Controller
+from forkd.engine.lifecycle import ChildInfo
+from forkd.engine.paths import children_dir
+from forkd.store.fetch import ROOM_RESERVE, NoRoom
+from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 MIB = 1 << 20
 
@@ -85,3 +99,53 @@ def test_a_value_too_deep_to_send_is_left_out(place: Path, guest: FakeGuest) -> 
     assert cell["value"] is None and cell["results"][0]["json"] is None
     assert cell["stdout"] == "out" and cell["repr"] == "deep"
     assert cell["other_cut_chars"] == 2 * len(json.dumps(value))
+
+
+# -- what a branch may write to the host's disk -------------------------------------------
+@pytest.fixture
+def small_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """A store on a tmpfs with 8 MiB past the reserve (fetch.ROOM_RESERVE), holding
+    ``tiny:latest`` (one small layer), unmounted after the test."""
+    where = tmp_path / "small"
+    where.mkdir()
+    size = (ROOM_RESERVE + (8 << 20)) >> 10
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs",
+                              str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        monkeypatch.setenv("FORKD_HOME", str(where / "home"))
+        store = Store.open()
+        image = tmp_path / "tiny.img"
+        write_base(image, 1 << 20, seed=5, random_share=1.0)
+        store.import_layer("tiny:latest", memory=image)
+        yield store
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_branch_that_cannot_fit_is_refused_before_anything_is_copied(
+        place: Path, small_store: Store) -> None:
+    """A branch (and a pause, which is one) wrote the child's changed memory and disk into
+    the store until the filesystem was full: a sandbox that dirtied its memory and filled
+    its disk, branched again and again under new tags (REST, or branch_sandbox from an MCP
+    client), filled the disk every sandbox, pause and pull of the host shares. It is
+    refused first now (NoRoom, naming what it needs and how to make room), as a pull
+    that cannot fit is; the child is not touched (its QMP is never reached)."""
+    d = children_dir() / "sb-1"
+    d.mkdir()
+    qemu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                             str(d / "qmp.sock")], start_new_session=True)
+    try:
+        ChildInfo(id="sb-1", ref="tiny:latest", digest=small_store.resolve("tiny:latest"),
+                  pid=qemu.pid, dir=str(d), memory=str(d / "mem"), disk_backing="-",
+                  memory_mib=128, created=time.time()).save()
+        with pytest.raises(NoRoom) as refused:
+            LocalBackend(small_store).branch("sb-1", BranchRequest(tag="mine:b1"))
+        said = str(refused.value)
+        assert "branching child sb-1" in said and "128 MiB of memory" in said, said
+        assert "forkd gc" in said, said
+        assert "mine:b1" not in small_store.tags.read()
+    finally:
+        qemu.kill()
+        qemu.wait()
