@@ -60,8 +60,8 @@ from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
-from forkd.errors import ForkdError, InvalidInput
-from forkd.names import inert
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
+from forkd.names import inert, parse_ref, shown
 from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
@@ -241,6 +241,37 @@ class SandboxShares:
                 self._starting[client] -= n
                 if self._starting[client] <= 0:
                     del self._starting[client]
+
+
+class BranchTags:
+    """The tags each MCP client made with branch_sandbox on this server: the only existing
+    tags its ``force`` may replace. A model told to by what it read (a prompt injection)
+    passed ``force`` with the tag everyone forks from (``python:latest``): every sandbox
+    forked from it after, by any client of the daemon, started in the state of a sandbox
+    the injection's author controlled. A snapshot built, pulled, or branched by another
+    client (or by this server before it restarted) is not this tool's to replace."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, str | None] = {}  # tag: the client (REQUEST_CLIENT) that made it
+        self._lock = threading.Lock()
+
+    def may_replace(self, ref: str, controller: Controller) -> None:
+        """Conflict when ``ref`` exists and the calling client did not make it here."""
+        with self._lock:
+            if self._made.get(ref, "") == REQUEST_CLIENT.get():
+                return
+        try:
+            controller.backend.snapshot(ref)
+        except NotFound:
+            return  # nothing to replace
+        raise Conflict(
+            f"{shown(ref)} exists and is not a branch this client made with branch_sandbox "
+            "on this server: force replaces only those (a snapshot others fork from is not "
+            "this tool's to replace); branch to a new tag")
+
+    def made(self, ref: str) -> None:
+        with self._lock:
+            self._made[ref] = REQUEST_CLIENT.get()
 
 
 def _owned_by_nobody(ids: list[str]) -> None:
@@ -425,6 +456,7 @@ class Tools:
         self.controller = controller
         self.token = token
         self.sandboxes = sandboxes
+        self.branches = BranchTags()
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
@@ -627,8 +659,14 @@ class Tools:
     ) -> dict[str, Any]:
         """Save a running sandbox's whole state (memory, processes, disk) as a new snapshot
         tag, a diff layer of what changed; the sandbox goes on running. fork_from_branch
-        then starts sandboxes from it. force: replace the tag if it exists."""
-        return {"branch": plain(self.sandbox(sandbox_id).branch(tag, force=force))}
+        then starts sandboxes from it. force: replace the tag if it is one you made with
+        branch_sandbox on this server (any other existing tag is refused: pick a new one)."""
+        ref = str(parse_ref(tag))
+        if force:
+            self.branches.may_replace(ref, self.controller)
+        result = self.sandbox(sandbox_id).branch(ref, force=force)
+        self.branches.made(ref)
+        return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""

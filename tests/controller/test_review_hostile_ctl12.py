@@ -22,6 +22,7 @@ from forkd.controller.backend import LocalBackend
 from forkd.controller.sdk import Controller
 from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.paths import children_dir
+from forkd.errors import Conflict, NotFound
 from forkd.store.fetch import ROOM_RESERVE, NoRoom
 from forkd.store.store import Store
 from forkd.synthetic import write_base
@@ -149,3 +150,65 @@ def test_a_branch_that_cannot_fit_is_refused_before_anything_is_copied(
     finally:
         qemu.kill()
         qemu.wait()
+
+
+# -- which tags an MCP client may replace -------------------------------------------------
+@pytest.fixture
+def based(place: Path, tmp_path: Path) -> Store:
+    """The store of this test's FORKD_HOME, holding ``base:latest`` and ``other:latest``."""
+    store = Store.open()
+    for i, tag in enumerate(("base:latest", "other:latest")):
+        image = tmp_path / f"{i}.img"
+        write_base(image, 1 << 20, seed=10 + i, random_share=1.0)
+        store.import_layer(tag, memory=image)
+    return store
+
+
+def test_an_mcp_client_cannot_replace_a_snapshot_it_did_not_branch(based: Store) -> None:
+    """branch_sandbox's ``force`` replaced any tag: a model that a prompt injection told to
+    branch its sandbox as ``base:latest`` with force made every sandbox forked from it
+    after, by any client of the daemon, start in a state the injection's author chose.
+    Now force replaces only a tag this client made with branch_sandbox here; any other
+    existing tag is a tool error before the sandbox is touched, and stays as it was."""
+    before = based.resolve("base:latest")
+    tools = mcp.Tools(Controller(local=True))
+    with pytest.raises(Conflict) as refused:
+        tools.branch_sandbox("sb-1", "base", force=True)
+    assert "not a branch this client made with branch_sandbox" in str(refused.value)
+    assert based.resolve("base:latest") == before
+    # a tag that does not exist needs no force: the branch is tried (no such sandbox here)
+    with pytest.raises(NotFound, match="sb-1"):
+        tools.branch_sandbox("sb-1", "new", force=True)
+
+
+def test_an_mcp_client_replaces_its_own_branches(
+        based: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tags a client made with branch_sandbox stay its to replace (force), through
+    the same server; another client of it cannot (REQUEST_CLIENT: an HTTP client's
+    address). The engine's branch here tags an existing layer (no VM)."""
+    from forkd.controller import backend as backend_mod
+    from forkd.engine.agent_client import REQUEST_CLIENT
+    from forkd.engine.branch import BranchResult
+
+    def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
+        digest = store.resolve("other:latest")
+        store.tag(tag, "other:latest", force=force)
+        return BranchResult(ref=tag, digest=digest, parent="other:latest", mode="live",
+                            pause_ms=0, pause_pages=0, copy_ms=0, rounds=1, forced=False,
+                            scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0, diff_bytes=0,
+                            stored_bytes=0, store_ms=0, depth=1, compacted=False)
+
+    monkeypatch.setattr(backend_mod, "branch_child", branch)
+    tools = mcp.Tools(Controller(local=True))
+    mine = REQUEST_CLIENT.set("10.0.0.1")
+    try:
+        tools.branch_sandbox("sb-1", "exp:1")
+        tools.branch_sandbox("sb-1", "exp:1", force=True)  # its own: replaced
+    finally:
+        REQUEST_CLIENT.reset(mine)
+    theirs = REQUEST_CLIENT.set("10.0.0.2")
+    try:
+        with pytest.raises(Conflict):
+            tools.branch_sandbox("sb-1", "exp:1", force=True)
+    finally:
+        REQUEST_CLIENT.reset(theirs)
