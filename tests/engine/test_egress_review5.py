@@ -2,10 +2,11 @@
 reply. No VM.
 
 A reply from a bound host that the proxy refuses (a Content-Encoding it cannot scrub) was
-answered with a 502 quoting the upstream's Content-Encoding as it came: an upstream that
-put the request's key there (an echo of the request's headers, which the guest chooses)
-handed the guest the value the proxy had swapped in, unscrubbed, and wrote it into the
-audit log. The refusal's words are scrubbed as the reply's own would have been.
+answered with a 502 quoting the upstream's Content-Encoding, lower-cased and unscrubbed:
+an upstream that put the request's key there (an echo of the request's headers, which the
+guest chooses) handed the guest the value the proxy had swapped in (in lower case: most of
+a key), and wrote it into the audit log. The quote is the header as it came, scrubbed,
+then cut; the refusal's words are scrubbed as the reply's own would have been.
 """
 
 from __future__ import annotations
