@@ -60,14 +60,16 @@ from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import TooManyRequests
 from forkd.engine.paths import hidden_host_paths
-from forkd.errors import ForkdError, InvalidInput
-from forkd.names import inert
+from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
+from forkd.names import inert, parse_ref, shown
 from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
 MAX_SANDBOXES_PER_CALL = 64  # create_sandboxes / fork_from_branch: n is 1..this
 MAX_FILE_BYTES = 16 << 20  # read_file / write_file: a file's bytes, either way
 MAX_OUTPUT_CHARS = 1 << 20  # run_command / run_code: each of stdout, stderr in the result
+MAX_CELL_CHARS = 4 << 20  # run_code: the rest of a result (error, repr, value, results) in all
+MAX_CELL_DEPTH = 128  # run_code: a JSON value nested deeper is left out (pydantic sends 253)
 MAX_PROGRESS_CHARS = 16 << 10  # one progress notification carries at most this much output
 MAX_CODE_CHARS = 1 << 20  # run_code: the code; run_command: the command line, stdin
 
@@ -241,6 +243,37 @@ class SandboxShares:
                     del self._starting[client]
 
 
+class BranchTags:
+    """The tags each MCP client made with branch_sandbox on this server: the only existing
+    tags its ``force`` may replace. A model told to by what it read (a prompt injection)
+    passed ``force`` with the tag everyone forks from (``python:latest``): every sandbox
+    forked from it after, by any client of the daemon, started in the state of a sandbox
+    the injection's author controlled. A snapshot built, pulled, or branched by another
+    client (or by this server before it restarted) is not this tool's to replace."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, str | None] = {}  # tag: the client (REQUEST_CLIENT) that made it
+        self._lock = threading.Lock()
+
+    def may_replace(self, ref: str, controller: Controller) -> None:
+        """Conflict when ``ref`` exists and the calling client did not make it here."""
+        with self._lock:
+            if self._made.get(ref, "") == REQUEST_CLIENT.get():
+                return
+        try:
+            controller.backend.snapshot(ref)
+        except NotFound:
+            return  # nothing to replace
+        raise Conflict(
+            f"{shown(ref)} exists and is not a branch this client made with branch_sandbox "
+            "on this server: force replaces only those (a snapshot others fork from is not "
+            "this tool's to replace); branch to a new tag")
+
+    def made(self, ref: str) -> None:
+        with self._lock:
+            self._made[ref] = REQUEST_CLIENT.get()
+
+
 def _owned_by_nobody(ids: list[str]) -> None:
     """Sandboxes counted against no client's share here (stdio, in process)."""
 
@@ -317,6 +350,71 @@ class Tail:
         return kept, self._cut + cut
 
 
+class CellBudget:
+    """What of a cell's result beyond stdout and stderr a run_code result carries: the
+    guest makes every part of it (a hostile one, or a cell whose value is a huge object),
+    up to the agent protocol's 64 MiB line, and a result carries it twice (JSON text and
+    structured content), so one cell put ~130 MB into the model's context. The parts, most
+    useful first (the error, repr, value, then each result's forms), share ``chars``: a
+    text past what is left keeps its first characters, a JSON value or an image that does
+    not fit whole is left out (null), as is a JSON value nested past MAX_CELL_DEPTH (the
+    MCP SDK cannot send one past 253: the whole result was a JSON-RPC error);
+    ``other_cut_chars`` counts what was left out."""
+
+    TEXTS = ("type", "message", "traceback", "text", "html", "markdown", "svg", "latex")
+
+    def __init__(self, chars: int) -> None:
+        self.left = chars
+        self.cut = 0
+
+    def bounded(self, r: dict[str, Any]) -> dict[str, Any]:
+        out = dict(r)
+        if isinstance(r.get("error"), dict):
+            out["error"] = self._parts(r["error"])
+        out["repr"] = self._text(r.get("repr"))
+        out["value"] = self._whole(r.get("value"))
+        out["results"] = [self._parts(x) for x in r.get("results") or [] if isinstance(x, dict)]
+        out["other_cut_chars"] = self.cut
+        return out
+
+    def _parts(self, parts: dict[str, Any]) -> dict[str, Any]:
+        return {k: self._text(v) if k in self.TEXTS else self._whole(v) for k, v in parts.items()}
+
+    def _text(self, text: Any) -> Any:
+        if not isinstance(text, str):
+            return self._whole(text)
+        kept = text[: self.left]
+        self.left -= len(kept)
+        self.cut += len(text) - len(kept)
+        return kept
+
+    def _whole(self, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        if not isinstance(value, str) and _depth(value) > MAX_CELL_DEPTH:
+            self.cut += len(json.dumps(value, default=str))
+            return None
+        size = len(value) if isinstance(value, str) else len(json.dumps(value, default=str))
+        if size > self.left:
+            self.cut += size
+            return None
+        self.left -= size
+        return value
+
+
+def _depth(value: Any) -> int:
+    """How deep a JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
 class Progress:
     """Output of a running command sent as MCP progress notifications, from the worker
     thread the tool runs in: ``progress`` is the characters so far, ``message`` the piece.
@@ -358,6 +456,7 @@ class Tools:
         self.controller = controller
         self.token = token
         self.sandboxes = sandboxes
+        self.branches = BranchTags()
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
@@ -504,6 +603,7 @@ class Tools:
             revocation.check()  # a run given up at a revocation says so
         r["stdout"], r["stdout_cut_chars"] = clipped(r.get("stdout", ""))
         r["stderr"], r["stderr_cut_chars"] = clipped(r.get("stderr", ""))
+        r = CellBudget(MAX_CELL_CHARS).bounded(r)
         images: list[ImageContent] = []
         shown = dict(r, results=[])
         for result in r.get("results", []):
@@ -514,7 +614,8 @@ class Tools:
                                                mime_type=f"image/{kind}"))
                     brief[kind] = f"(image {len(images)}, {len(result[kind])} base64 chars)"
             shown["results"].append(brief)
-        text = TextContent(type="text", text=json.dumps(shown, indent=1, default=str))
+        # compact: indented, each level of nesting adds a space to every line inside it
+        text = TextContent(type="text", text=json.dumps(shown, default=str))
         return CallToolResult(content=[text, *images], structured_content=r)
 
     def read_file(
@@ -558,8 +659,14 @@ class Tools:
     ) -> dict[str, Any]:
         """Save a running sandbox's whole state (memory, processes, disk) as a new snapshot
         tag, a diff layer of what changed; the sandbox goes on running. fork_from_branch
-        then starts sandboxes from it. force: replace the tag if it exists."""
-        return {"branch": plain(self.sandbox(sandbox_id).branch(tag, force=force))}
+        then starts sandboxes from it. force: replace the tag if it is one you made with
+        branch_sandbox on this server (any other existing tag is refused: pick a new one)."""
+        ref = str(parse_ref(tag))
+        if force:
+            self.branches.may_replace(ref, self.controller)
+        result = self.sandbox(sandbox_id).branch(ref, force=force)
+        self.branches.made(ref)
+        return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""

@@ -39,6 +39,8 @@ from forkd.engine.qemu import QEMU_IMG, pid_alive
 from forkd.engine.qmp import QMP
 from forkd.errors import Conflict, ForkdError
 from forkd.names import parse_ref
+from forkd.store.blobs import free_space
+from forkd.store.fetch import check_free, check_room
 from forkd.store.store import Store
 
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
@@ -238,6 +240,24 @@ def _ends_within(pid: int, seconds: float) -> bool:
     return True
 
 
+def _check_room(store: Store, info: ch.ChildInfo, work: Path) -> None:
+    """NoRoom before anything is copied when what a branch of ``info`` may write does not
+    fit, keeping the reserve (fetch.check_room): at most its whole memory and its overlay's
+    allocated bytes into the store, the overlay copied and converted to raw in ``work``.
+    A branch (a pause too) wrote until the disk was full: a guest that dirtied its memory
+    and filled its disk, branched again and again under new tags (branch_sandbox, an MCP
+    client's to call), filled the filesystem every sandbox, pause and pull of the host
+    shares, as a pull that cannot fit no longer may."""
+    try:
+        disk = (Path(info.dir) / "disk.qcow2").stat().st_blocks * 512
+    except OSError:
+        disk = 0  # no overlay to copy: the copy fails, saying so
+    check_free(free_space(work), 2 * disk, f"branching child {info.id} (its disk, copied "
+               "and converted)", work)
+    check_room(store, (info.memory_mib << 20) + disk, f"branching child {info.id} (its "
+               f"{info.memory_mib} MiB of memory and its disk's changes, at most)")
+
+
 def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: bool = True,
            settings: precopy.PrecopySettings | None = None) -> BranchResult:
     """A diff layer `tag` from the running child: live (copy while it runs, pause for the
@@ -252,6 +272,7 @@ def branch(store: Store, child_id: str, tag: str, *, force: bool = False, live: 
     work = scratch_dir("forkd-branch")
     live_copy: precopy.LiveCopy | None = None
     try:
+        _check_room(store, info, work)
         devstate = work / "vmstate"
         overlay_copy = work / "disk.qcow2"
         try:

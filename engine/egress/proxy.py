@@ -593,6 +593,9 @@ class EgressProxy:
                 if not await self._relay_response(upstream, inner, event, secrets):
                     return
             except Refused as refused:  # nothing of this response reached the guest
+                # what it says of the reply is scrubbed as the reply would have been
+                said = _scrub(str(refused).encode(), _spellings(secrets))
+                refused = Refused(refused.status, said.decode(errors="replace"), refused.result)
                 await self._refuse(inner, ip, "egress.request", str(dest), refused)
                 return
 
@@ -665,11 +668,17 @@ class EgressProxy:
         scrub = _spellings(secrets)
         head = await self._response_head(upstream, guest, scrub)
         body = head.has_body and request.method != b"HEAD"
-        if secrets and body and (coding := _content_coding(head)) is not None:
+        if secrets and body and _content_coding(head) is not None:
+            # quoted as it came, scrubbed, then cut: the upstream chose it after the value
+            # was sent (an echo of the guest's headers), and lower-cased or cut first a
+            # spelling of the value would no longer be found in it
+            coding = _scrub(b", ".join(v for k, v in head.headers
+                                       if k.lower() == b"content-encoding"), scrub)
             raise Refused(
                 502,
-                f"the upstream answered with Content-Encoding {coding[:40]!r}, which the "
-                "proxy cannot scrub of the secret (it asks for identity)",
+                f"the upstream answered with Content-Encoding "
+                f"{coding[:40].decode('ascii', 'replace')!r}, which the proxy cannot scrub "
+                "of the secret (it asks for identity)",
                 "failed",
             )
         headers = _forwarded(head.headers, {b"content-length", b"transfer-encoding", b"connection"})
