@@ -20,7 +20,7 @@ import contextvars
 import functools
 import json
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -58,7 +58,7 @@ from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
 from forkd.controller.server import peer_address as server_peer
 from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
-from forkd.engine.errors import TooManyRequests
+from forkd.engine.errors import ChildNotFound, TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.names import inert, parse_ref, shown
@@ -274,6 +274,41 @@ class BranchTags:
             self._made[ref] = REQUEST_CLIENT.get()
 
 
+class SandboxScope:
+    """The sandboxes each MCP client may act on: the ones it created on this server
+    (create_sandboxes, fork_from_branch) and the ones the operator named (``forkd mcp
+    --sandbox ID``); every sandbox of the controller with ``everything`` (``forkd mcp
+    --all-sandboxes``). A tool call is the model's, and the model does what the text it
+    read tells it to: with every sandbox of the daemon in reach, a prompt injection had it
+    read another client's files, run commands in a sandbox whose egress carries the host's
+    keys (one MCP's own create_sandboxes never binds), or kill what other jobs run."""
+
+    def __init__(self, named: Iterable[str] = (), everything: bool = False) -> None:
+        self.named = frozenset(named)
+        self.everything = everything
+        self._made: dict[str, str | None] = {}  # sandbox id: the client that created it
+        self._lock = threading.Lock()
+
+    def made(self, ids: list[str]) -> None:
+        client = REQUEST_CLIENT.get()
+        with self._lock:
+            self._made.update((i, client) for i in ids)
+
+    def allows(self, sandbox_id: str) -> bool:
+        if self.everything or sandbox_id in self.named:
+            return True
+        with self._lock:
+            return sandbox_id in self._made and self._made[sandbox_id] == REQUEST_CLIENT.get()
+
+    def check(self, sandbox_id: str) -> None:
+        """ChildNotFound unless the calling client may act on ``sandbox_id``."""
+        if not self.allows(sandbox_id):
+            raise ChildNotFound(
+                f"no child {sandbox_id} among the sandboxes this MCP client may use: the "
+                "ones it created with create_sandboxes or fork_from_branch, and the ones "
+                "the operator named (forkd mcp --sandbox ID); list_sandboxes shows them")
+
+
 def _owned_by_nobody(ids: list[str]) -> None:
     """Sandboxes counted against no client's share here (stdio, in process)."""
 
@@ -452,13 +487,17 @@ class Tools:
     stopped (Revocation)."""
 
     def __init__(self, controller: Controller, token: Token | None = None,
-                 sandboxes: SandboxShares | None = None) -> None:
+                 sandboxes: SandboxShares | None = None,
+                 scope: SandboxScope | None = None) -> None:
         self.controller = controller
         self.token = token
         self.sandboxes = sandboxes
+        self.scope = scope if scope is not None else SandboxScope()
         self.branches = BranchTags()
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
+        """The sandbox, when the calling client may act on it (SandboxScope)."""
+        self.scope.check(sandbox_id)
         return Sandbox(controller=self.controller, sandbox_id=sandbox_id)
 
     def list_snapshots(self) -> dict[str, Any]:
@@ -470,6 +509,8 @@ class Tools:
         seconds left before its deadline (null: none)."""
         out = []
         for sb in self.controller.sandboxes():
+            if not self.scope.allows(sb.id):
+                continue  # another client's, or made elsewhere and not named to this server
             info = plain(sb.info)
             out.append({k: info.get(k) for k in ("id", "ref", "origin", "status", "time_left_s")})
         return {"sandboxes": out}
@@ -528,6 +569,7 @@ class Tools:
                         sb.kill()
                 revocation.check()
             own([sb.id for sb in started])
+            self.scope.made([sb.id for sb in started])
         return {"tag": tag, "sandboxes": [sb.id for sb in started]}
 
     def run_command(
@@ -551,6 +593,7 @@ class Tools:
         progress = Progress(ctx)
         req = ExecRequest(argv=command_argv(command), env=env, cwd=cwd,
                           stdin=stdin_bytes(stdin), timeout=timeout_s)
+        self.scope.check(sandbox_id)
         frames = self.controller.backend.exec_stream(sandbox_id, req)
         with Revocation(self.token, frames) as revocation:
             r = None
@@ -791,12 +834,14 @@ TOOL_NAMES = (
 
 def build_server(controller: Controller, token: Token | None = None,
                  calls: ToolCalls | None = None,
-                 sandboxes: SandboxShares | None = None) -> MCPServer[Any]:
+                 sandboxes: SandboxShares | None = None,
+                 scope: SandboxScope | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
     callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
     callers' tool calls in flight, in all and per client (None: not counted, stdio's one
     caller); ``sandboxes``: the sandboxes each HTTP caller runs through a daemon (None:
-    not counted here)."""
+    not counted here); ``scope``: the sandboxes beyond its own each client may act on
+    (SandboxScope; default: none)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -809,7 +854,7 @@ def build_server(controller: Controller, token: Token | None = None,
             "each one you created when done."
         ),
     )
-    tools = Tools(controller, token, sandboxes)
+    tools = Tools(controller, token, sandboxes, scope)
     for name in TOOL_NAMES:
         tool = getattr(tools, name)
         if calls is not None:
@@ -823,8 +868,8 @@ def choose_controller(mode: Literal["auto", "daemon", "local"]) -> Controller:
     return Controller(local={"auto": None, "daemon": False, "local": True}[mode])
 
 
-def serve_stdio(controller: Controller) -> None:
-    build_server(controller).run("stdio")
+def serve_stdio(controller: Controller, scope: SandboxScope | None = None) -> None:
+    build_server(controller, scope=scope).run("stdio")
 
 
 MAX_SESSIONS = 256  # open MCP sessions of one `forkd mcp --transport http`; more: 503
@@ -843,6 +888,7 @@ def http_server(
     session_idle_s: float = SESSION_IDLE_S,
     max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT,
     sandboxes: SandboxShares | None = None,
+    scope: SandboxScope | None = None,
 ) -> uvicorn.Server:
     """The streamable-HTTP server, not started: the daemon's listener bounds (server.
     bounded_config: head deadline, connection cap, no WebSocket), and at most
@@ -851,9 +897,10 @@ def http_server(
     SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
     calls in flight bounded in all and per client (ToolCalls), and through a daemon the
     sandboxes each client runs (``sandboxes``, SandboxShares.of the controller by
-    default)."""
+    default); ``scope``: the sandboxes beyond its own each client may act on."""
     mcp = build_server(controller, token, ToolCalls.of(controller),
-                       sandboxes if sandboxes is not None else SandboxShares.of(controller))
+                       sandboxes if sandboxes is not None else SandboxShares.of(controller),
+                       scope)
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
@@ -868,10 +915,11 @@ def http_server(
     return uvicorn.Server(config)
 
 
-def serve_http(controller: Controller, host: str, port: int, path: str, token: Token) -> None:
+def serve_http(controller: Controller, host: str, port: int, path: str, token: Token,
+               scope: SandboxScope | None = None) -> None:
     """Streamable HTTP at ``http://host:port/path``; every request needs
     ``Authorization: Bearer <token>``."""
-    http_server(controller, host, port, path, token).run()
+    http_server(controller, host, port, path, token, scope=scope).run()
 
 
 MAX_BODY_BYTES = 32 << 20  # one MCP message over HTTP (write_file's 16 MiB as base64 fits)

@@ -156,7 +156,7 @@ def test_sdk_and_mcp_reads_through_the_daemon(endless: tuple[EndlessFile, Path])
     from forkd import Controller
 
     backend, sock = endless
-    tools = mcp.Tools(Controller(socket=sock))
+    tools = mcp.Tools(Controller(socket=sock), scope=mcp.SandboxScope(["f-1"]))
     with pytest.raises(InvalidInput, match=f"over the {mcp.MAX_FILE_BYTES} bytes"):
         tools.read_file("f-1", "/dev/zero")
     assert backend.stopped.wait(30), "the MCP read went on past its bound"

@@ -5,7 +5,9 @@ record whose "QEMU" is a process this test starts, and a store on a small tmpfs 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import subprocess
 import sys
@@ -15,11 +17,14 @@ from pathlib import Path
 
 import pytest
 from daemon_support import FakeGuest
+from mcp.server.mcpserver.exceptions import ToolError
 
 from forkd.controller import mcp
 from forkd.controller.api import BranchRequest
 from forkd.controller.backend import LocalBackend
 from forkd.controller.sdk import Controller
+from forkd.engine.agent_client import REQUEST_CLIENT
+from forkd.engine.errors import ChildNotFound
 from forkd.engine.lifecycle import ChildInfo
 from forkd.engine.paths import children_dir
 from forkd.errors import Conflict, NotFound
@@ -28,6 +33,8 @@ from forkd.store.store import Store
 from forkd.synthetic import write_base
 
 MIB = 1 << 20
+# the fake guest's sandboxes were made by no MCP client: these tests use any sandbox
+ANY_SANDBOX = mcp.SandboxScope(everything=True)
 
 
 def _result_chars(result: object) -> int:
@@ -50,7 +57,7 @@ def test_a_run_code_result_is_bounded_whatever_the_guest_answers(
                     "error": {"type": "E", "message": big, "traceback": big},
                     "results": [{"text": big, "html": big, "markdown": big, "svg": big,
                                  "latex": big, "json": [big], "png": png}] * 2}
-    result = mcp.Tools(Controller(local=True)).run_code("sb-1", "1")
+    result = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX).run_code("sb-1", "1")
     assert _result_chars(result) < 12 * MIB  # 80 MB before
     cell = result.structured_content
     assert cell is not None
@@ -76,7 +83,7 @@ def test_a_deeply_nested_value_is_not_indented_into_gigabytes(
         value = [value]
     guest.answer = {"stdout": "", "stderr": "", "value": value, "repr": "v", "error": None,
                     "results": []}
-    result = mcp.Tools(Controller(local=True)).run_code("sb-1", "v")
+    result = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX).run_code("sb-1", "v")
     assert result.structured_content is not None
     assert result.structured_content["value"] == value  # it fits: given whole
     assert _result_chars(result) < 3 * len(json.dumps(value))
@@ -93,7 +100,7 @@ def test_a_value_too_deep_to_send_is_left_out(place: Path, guest: FakeGuest) -> 
         value = [value]
     guest.answer = {"stdout": "out", "stderr": "", "value": value, "repr": "deep",
                     "error": None, "results": [{"text": "t", "json": value}]}
-    result = mcp.Tools(Controller(local=True)).run_code("sb-1", "v")
+    result = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX).run_code("sb-1", "v")
     result.model_dump_json(by_alias=True)  # what the transport does with it
     cell = result.structured_content
     assert cell is not None
@@ -171,7 +178,7 @@ def test_an_mcp_client_cannot_replace_a_snapshot_it_did_not_branch(based: Store)
     Now force replaces only a tag this client made with branch_sandbox here; any other
     existing tag is a tool error before the sandbox is touched, and stays as it was."""
     before = based.resolve("base:latest")
-    tools = mcp.Tools(Controller(local=True))
+    tools = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
     with pytest.raises(Conflict) as refused:
         tools.branch_sandbox("sb-1", "base", force=True)
     assert "not a branch this client made with branch_sandbox" in str(refused.value)
@@ -199,7 +206,7 @@ def test_an_mcp_client_replaces_its_own_branches(
                             stored_bytes=0, store_ms=0, depth=1, compacted=False)
 
     monkeypatch.setattr(backend_mod, "branch_child", branch)
-    tools = mcp.Tools(Controller(local=True))
+    tools = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
     mine = REQUEST_CLIENT.set("10.0.0.1")
     try:
         tools.branch_sandbox("sb-1", "exp:1")
@@ -212,3 +219,59 @@ def test_an_mcp_client_replaces_its_own_branches(
             tools.branch_sandbox("sb-1", "exp:1", force=True)
     finally:
         REQUEST_CLIENT.reset(theirs)
+
+
+# -- which sandboxes a client's tools reach ----------------------------------------------
+def test_the_tools_reach_only_the_sandboxes_their_client_may_use(
+        place: Path, guest: FakeGuest) -> None:
+    """Every tool acted on any sandbox of the daemon: a model under a prompt injection read
+    the files of sandboxes other clients and jobs run, ran commands in one whose egress
+    carries the host's keys (which MCP's own create_sandboxes never binds) or killed them.
+    Now a client's tools reach the sandboxes it created on this server and the ones the
+    operator named (``forkd mcp --sandbox ID``; ``--all-sandboxes`` for every one): any
+    other is ChildNotFound, and its guest hears nothing."""
+    served = mcp.build_server(Controller(local=True))
+    calls = [("run_command", {"command": "cat /root/.netrc"}), ("run_code", {"code": "1"}),
+             ("read_file", {"path": "/root/notes"}),
+             ("write_file", {"path": "/root/x", "content": "y"}),
+             ("branch_sandbox", {"tag": "stolen:one"}), ("kill_sandbox", {})]
+    for tool, args in calls:
+        with pytest.raises(ToolError, match="no child sb-1 among the sandboxes this MCP"):
+            asyncio.run(asyncio.wait_for(
+                served.call_tool(tool, {"sandbox_id": "sb-1", **args}), 10))
+    assert guest.requests == []
+    scope = mcp.SandboxScope(["sb-2"])
+    scope.made(["sb-3"])
+    assert [scope.allows(i) for i in ("sb-1", "sb-2", "sb-3")] == [False, True, True]
+    assert mcp.SandboxScope(everything=True).allows("sb-1")
+
+
+def test_a_sandbox_one_http_client_made_is_not_anothers() -> None:
+    """Through `forkd mcp --transport http` every client shares the server: what one
+    created is not another's to use (REQUEST_CLIENT tells them apart, as for their
+    shares)."""
+    scope = mcp.SandboxScope()
+    with _as_client("10.0.0.1"):
+        scope.made(["sb-1"])
+        assert scope.allows("sb-1")
+    with _as_client("10.0.0.2"):
+        assert not scope.allows("sb-1")
+        with pytest.raises(ChildNotFound, match="no child sb-1"):
+            scope.check("sb-1")
+
+
+@contextlib.contextmanager
+def _as_client(address: str) -> Iterator[None]:
+    mark = REQUEST_CLIENT.set(address)
+    try:
+        yield
+    finally:
+        REQUEST_CLIENT.reset(mark)
+
+
+def test_forkd_mcp_refuses_a_malformed_sandbox_to_name() -> None:
+    done = subprocess.run([sys.executable, "-c", "from forkd.cli.main import main; main()",
+                           "mcp", "--sandbox", "../snapshots/x"], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL, cwd="/")
+    assert done.returncode != 0
+    assert "--sandbox" in done.stderr and "sandbox ids are 1-64" in done.stderr, done.stderr

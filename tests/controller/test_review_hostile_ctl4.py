@@ -512,13 +512,14 @@ def test_a_revoked_token_stops_the_mcp_command_it_started(
     the sandbox for a caller whose token no longer held."""
     from test_daemon_security import _private_token_file, _replace_private_file
 
-    from forkd.controller.mcp import http_server
+    from forkd.controller.mcp import SandboxScope, http_server
     from forkd.controller.sdk import Controller
 
     old, new = "o" * 43, "n" * 43
     token = server.load_token(_private_token_file(place / "token", old))
     port = free_port()
-    web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", token, limits=QUICK)
+    web = http_server(Controller(local=True), "127.0.0.1", port, "/mcp", token, limits=QUICK,
+                      scope=SandboxScope(["sb-1"]))
     auth = {"Authorization": f"Bearer {old}", "Accept": "application/json, text/event-stream"}
     hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {},

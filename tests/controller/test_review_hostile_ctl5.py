@@ -245,7 +245,7 @@ def test_a_revoked_token_stops_an_mcp_cell_run_through_the_daemon(
     from daemon_support import MCP_HELLO, mcp_auth
     from test_daemon_security import _private_token_file, _replace_private_file
 
-    from forkd.controller.mcp import http_server
+    from forkd.controller.mcp import SandboxScope, http_server
     from forkd.controller.sdk import Controller
 
     sock = place / "ctl.sock"
@@ -256,7 +256,7 @@ def test_a_revoked_token_stops_an_mcp_cell_run_through_the_daemon(
     port = free_port()
     with running(uvicorn.Server(daemon)):
         web = http_server(Controller(socket=sock, local=False), "127.0.0.1", port, "/mcp",
-                          token)
+                          token, scope=SandboxScope(["sb-1"]))
         call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
             "name": "run_code", "arguments": {"sandbox_id": "sb-1", "code": "import time",
                                               "timeout_s": 1000}}}

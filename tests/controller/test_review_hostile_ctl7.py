@@ -34,7 +34,7 @@ def _daemon_app(tmp_path: Path) -> Any:
 def _mcp_on_daemon(place: Path, tmp_path: Path, **options: Any) -> Iterator[str]:
     """`forkd mcp --transport http` (its URL, ``options`` of mcp.http_server) whose tools
     go to a daemon on its socket."""
-    from forkd.controller.mcp import http_server
+    from forkd.controller.mcp import SandboxScope, http_server
     from forkd.controller.sdk import Controller
 
     sock = place / "ctl.sock"
@@ -43,7 +43,7 @@ def _mcp_on_daemon(place: Path, tmp_path: Path, **options: Any) -> Iterator[str]
     port = free_port()
     with running(uvicorn.Server(daemon)):
         web = http_server(Controller(socket=sock, local=False), "127.0.0.1", port, "/mcp",
-                          app.Token(TOKEN), **options)
+                          app.Token(TOKEN), scope=SandboxScope(everything=True), **options)
         with running(web):
             yield f"http://127.0.0.1:{port}"
 
@@ -116,12 +116,12 @@ def test_one_mcp_client_cannot_take_every_guest_request_of_the_mcp_server(
 @pytest.fixture
 def mcp_in_process(place: Path) -> Iterator[str]:
     """`forkd mcp --transport http` with the engine in its own process (its URL)."""
-    from forkd.controller.mcp import http_server
+    from forkd.controller.mcp import SandboxScope, http_server
     from forkd.controller.sdk import Controller
 
     port = free_port()
     with running(http_server(Controller(local=True), "127.0.0.1", port, "/mcp",
-                             app.Token(TOKEN))):
+                             app.Token(TOKEN), scope=SandboxScope(everything=True))):
         yield f"http://127.0.0.1:{port}"
 
 
