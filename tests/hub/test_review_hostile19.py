@@ -81,3 +81,28 @@ def test_public_answers_to_anonymous_clients_stay_cacheable(
             f"{hub.url}{path}", headers={"Authorization": f"Bearer {token['token']}"}
         )
         assert with_token.headers["cache-control"] == "private, no-cache"  # a credential
+
+
+def test_a_registry_token_lists_what_it_may_pull(hub: HubServer, user: tuple[str, str]) -> None:
+    """A registry bearer token granted pull on a private repository pulled it, and every
+    listing and catalog route answered as if it could not see it (``_catalog`` without
+    it, the repository's detail and lineage 404): the listing filter asked the bearer's
+    role on the namespace, which is none (a token manages nothing), not its subject's.
+    Now the token lists exactly what it may pull: its subject's view, narrowed to its
+    grant."""
+    repo, other = f"{user[0]}/granted", f"{user[0]}/not-granted"
+    with hub.client(user) as c:
+        artifact(c, repo, b"granted", tag="v1")
+        artifact(c, other, b"other", tag="v1")
+    bearer = http.get(
+        f"{hub.url}/token", params={"scope": f"repository:{repo}:pull"}, auth=user
+    ).json()["token"]
+    auth = {"Authorization": f"Bearer {bearer}"}
+    assert http.get(f"{hub.url}/v2/{repo}/manifests/v1", headers=auth).status_code == 200
+    assert http.get(f"{hub.url}/v2/_catalog", headers=auth).json()["repositories"] == [repo]
+    listed = http.get(f"{hub.url}/api/v1/repositories", headers=auth).json()["items"]
+    assert [item["name"] for item in listed] == [repo]
+    for path in (f"/api/v1/repositories/{repo}", f"/api/v1/lineage/{repo}?tag=v1"):
+        assert http.get(f"{hub.url}{path}", headers=auth).status_code == 200, path
+    for path in (f"/api/v1/repositories/{other}", f"/v2/{other}/manifests/v1"):
+        assert http.get(f"{hub.url}{path}", headers=auth).status_code in (401, 403, 404), path
