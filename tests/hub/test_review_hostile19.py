@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from hub_support import HubServer, artifact, browser, http
+from hub_support import HubServer, api_token, artifact, browser, http
 
 
 def test_answers_for_a_caller_are_private_to_caches(hub: HubServer, user: tuple[str, str]) -> None:
@@ -106,3 +106,22 @@ def test_a_registry_token_lists_what_it_may_pull(hub: HubServer, user: tuple[str
         assert http.get(f"{hub.url}{path}", headers=auth).status_code == 200, path
     for path in (f"/api/v1/repositories/{other}", f"/v2/{other}/manifests/v1"):
         assert http.get(f"{hub.url}{path}", headers=auth).status_code in (401, 403, 404), path
+
+
+def test_a_token_s_sign_ins_do_not_end_the_password_s_sessions(
+    hub: HubServer, user: tuple[str, str]
+) -> None:
+    """The sessions one account keeps (``SESSIONS_PER_USER``) were counted for the
+    account: whoever held any of its API tokens, a pull-only CI token, signed in with it
+    ``SESSIONS_PER_USER`` times and ended every browser session its owner had opened with
+    the password. Now each credential (the password, one token) has its own count."""
+    from forkd.hub.ui.account import SESSIONS_PER_USER
+
+    secret, _ = api_token(hub, user, f"{user[0]}:pull")
+    with browser(hub, *user) as owner:
+        assert owner.get("/-/settings/tokens").status_code == 200
+        for _ in range(SESSIONS_PER_USER + 1):
+            with browser(hub, user[0], secret) as holder:
+                assert holder.get("/-/settings/tokens").status_code == 200
+        page = owner.get("/-/settings/tokens", follow_redirects=False)
+        assert page.status_code == 200, page.headers  # still signed in with the password
