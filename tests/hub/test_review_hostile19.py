@@ -17,8 +17,18 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 
-from hub_support import HubServer, api_token, artifact, browser, http
+from hub_support import (
+    OCI_MANIFEST,
+    HubServer,
+    api_token,
+    artifact,
+    browser,
+    csrf_of,
+    error_code,
+    http,
+)
 
 
 def test_answers_for_a_caller_are_private_to_caches(hub: HubServer, user: tuple[str, str]) -> None:
@@ -125,3 +135,85 @@ def test_a_token_s_sign_ins_do_not_end_the_password_s_sessions(
                 assert holder.get("/-/settings/tokens").status_code == 200
         page = owner.get("/-/settings/tokens", follow_redirects=False)
         assert page.status_code == 200, page.headers  # still signed in with the password
+
+
+ESCAPES = (
+    "ci\n42\tdeploy\t*:admin",
+    "ci\x1b]52;c;cm0gLXJmIH4K\x07",
+    "ci\x1b[2J",
+    "ci\u202eevil",
+    "ci\x9b31m",
+)
+
+
+def test_text_others_read_as_a_line_holds_no_escape_or_line_break(
+    hub: HubServer, user: tuple[str, str]
+) -> None:
+    """An API token's name (listed to its owner, a robot's managers and the operator by
+    ``forkd hub token list``) and a pack's description were stored as sent: a name with a
+    newline and tabs printed a forged ``42 deploy *:admin`` line in the operator's
+    listing, and one with ``ESC ] 52`` wrote the operator's clipboard (OSC 52), ``ESC [``
+    drove their terminal, U+202E reordered the page. Now both are refused (400) on every
+    surface that stores them, and the operator's listing shows a name stored before with
+    its escapes visible."""
+    repo = f"{user[0]}/lines"
+    with hub.client(user) as c:
+        artifact(c, repo, b"lines", tag="v1")
+        for text in ESCAPES:
+            r = c.post("/api/v1/tokens", json={"name": text, "scopes": [f"{user[0]}:pull"]})
+            assert r.status_code == 400, (text, r.status_code, r.text)
+            r = c.put(f"/api/v1/readme/{repo}", json={"description": text})
+            assert r.status_code == 400, (text, r.status_code, r.text)
+        assert c.get("/api/v1/tokens").json() == []
+        assert c.get(f"/api/v1/readme/{repo}").json()["description"] == ""
+        ok = c.post("/api/v1/tokens", json={"name": "ci · 日本", "scopes": [f"{user[0]}:pull"]})
+        assert ok.status_code == 201, ok.text  # printable text of any script
+    with browser(hub, *user) as b:
+        csrf = csrf_of(b.get("/-/settings/tokens").text)
+        for text in ESCAPES:
+            r = b.post("/-/settings/tokens", data={"csrf": csrf, "name": text, "scopes": ""})
+            assert r.status_code == 400, (text, r.status_code)
+            r = b.post(f"/-/edit/{repo}", data={"csrf": csrf, "description": text.strip()})
+            assert r.status_code == 400, (text, r.status_code)
+    # A name stored before the check (by hand here): the operator sees its escapes.
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        db.execute("UPDATE api_tokens SET name = ? WHERE name = ?", (ESCAPES[1], "ci · 日本"))
+    listed = hub.cli("token", "list", "--user", user[0])
+    assert "\x1b" not in listed and "\\x1b]52" in listed, listed
+
+
+def test_media_types_of_a_manifest_are_media_types(hub: HubServer, user: tuple[str, str]) -> None:
+    """A manifest's ``artifactType`` and its descriptors' ``mediaType`` were any string of
+    up to 255 characters: stored, listed by the referrers API and the catalog API, and
+    printed by registry clients (``oras discover``) with the pusher's escape sequences
+    and line breaks. Now each must be a media type (RFC 6838; parameters in printable
+    ASCII): 400 ``MANIFEST_INVALID``."""
+    repo = f"{user[0]}/types"
+    with hub.client(user) as c:
+        _, body = artifact(c, repo, b"types", tag="v1")
+        doc = json.loads(body)
+        wrong = [
+            ("artifactType", "application/x\x1b[2Jevil"),
+            ("artifactType", "application/x\nforged: line"),
+            ("artifactType", "not a media type"),
+            ("config", "application/x\u202e"),
+        ]
+        for field, value in wrong:
+            bad = json.loads(body)
+            if field == "config":
+                bad["config"]["mediaType"] = value
+            else:
+                bad[field] = value
+            r = c.put(
+                f"/v2/{repo}/manifests/bad",
+                content=json.dumps(bad).encode(),
+                headers={"Content-Type": OCI_MANIFEST},
+            )
+            assert r.status_code == 400 and error_code(r) == "MANIFEST_INVALID", (value, r.text)
+        fine = dict(doc, artifactType="application/vnd.dev.sigstore.bundle+json;version=0.3")
+        r = c.put(
+            f"/v2/{repo}/manifests/fine",
+            content=json.dumps(fine).encode(),
+            headers={"Content-Type": OCI_MANIFEST},
+        )
+        assert r.status_code == 201, r.text
