@@ -1,4 +1,5 @@
-"""Hostile review 19: what a cache in front of the hub may keep, and for whom.
+"""Hostile review 19: what a cache in front of the hub may keep, what one credential does
+to its account's others, and what text others read.
 
 - Answers for one caller were cacheable by anyone's cache. A private repository's
   manifests, blobs, tag list and referrers, ``_catalog``, and every ``/api/v1`` answer
@@ -12,6 +13,16 @@
   (public repositories only) stays cacheable. And ``X-Content-Type-Options: nosniff``,
   set by the blob and manifest routes only, is on every answer (the referrers index and
   the JSON routes carry text a pusher wrote).
+- A registry bearer token listed none of the private repositories it was granted
+  (``_catalog``, ``/api/v1/repositories``, a repository's detail and lineage: 404) while
+  it pulled them: the listing filter asked the bearer's own namespace roles (none).
+- The browser sessions an account keeps were counted per account: whoever held one of
+  its API tokens (a pull-only CI token) signed in with it 20 times and ended every
+  session its owner had opened with the password. Now counted per credential.
+- An API token's name and a pack's description were stored as sent: a newline and tabs
+  forged lines in ``forkd hub token list``, ``ESC ] 52`` wrote the operator's clipboard,
+  U+202E reordered the page. Now refused (``forkd.names.validate_line``). A manifest's
+  ``artifactType`` and descriptors' ``mediaType`` must be media types (RFC 6838).
 """
 
 from __future__ import annotations
