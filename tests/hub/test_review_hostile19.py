@@ -22,14 +22,17 @@ to its account's others, and what text others read.
 - An API token's name and a pack's description were stored as sent: a newline and tabs
   forged lines in ``forkd hub token list``, ``ESC ] 52`` wrote the operator's clipboard,
   U+202E reordered the page. Now refused (``forkd.names.validate_line``). A manifest's
-  ``artifactType`` and descriptors' ``mediaType`` must be media types (RFC 6838).
+  ``artifactType`` and descriptors' ``mediaType`` must be media types (RFC 6838), and a
+  pack config's one-line texts (compat values ``forkd pull`` prints) hold none either.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
+import pytest
 from hub_support import (
     OCI_MANIFEST,
     HubServer,
@@ -39,7 +42,15 @@ from hub_support import (
     csrf_of,
     error_code,
     http,
+    push_blob,
 )
+
+from forkd.errors import IntegrityError
+from forkd.pack.config import Compat
+from forkd.registry.reference import parse_remote
+from forkd.registry.transfer import pull
+from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 
 def test_answers_for_a_caller_are_private_to_caches(hub: HubServer, user: tuple[str, str]) -> None:
@@ -228,3 +239,40 @@ def test_media_types_of_a_manifest_are_media_types(hub: HubServer, user: tuple[s
             headers={"Content-Type": OCI_MANIFEST},
         )
         assert r.status_code == 201, r.text
+
+
+def test_a_pulled_pack_s_config_holds_no_escape(
+    hub: HubServer, user: tuple[str, str], tmp_path: Path
+) -> None:
+    """A pack is anyone's: its config's compat values are printed by ``forkd pull`` (the
+    warning that this host cannot fork it: ``it needs machine M/cpu C``) and by ``forkd
+    inspect``, its description on the hub's pages. They were read as sent, so a pusher's
+    ``cpu_model`` with ``ESC ] 52`` wrote the clipboard of whoever pulled the pack. Now
+    a config whose one-line texts hold an escape, a control character or a line break is
+    not a valid config (``SnapshotConfig.validate``): the pulled pack does not load."""
+    repo = f"{user[0]}/escapes"
+    store = Store.open(tmp_path / "store")
+    image = tmp_path / "base.mem"
+    write_base(image, 1 << 20, seed=5)
+    qemu = Compat("qemu", "8.2.2", "pc-q35-8.2", "max", ["kvm"], 1, 1, None, 1)
+    store.import_layer("good", memory=image, compat=qemu)
+    hub.push(store, "good", f"{repo}:v1", user)
+    with hub.client(user) as c:
+        doc = c.get(f"/v2/{repo}/manifests/v1", headers={"Accept": OCI_MANIFEST}).json()
+        config = c.get(f"/v2/{repo}/blobs/{doc['config']['digest']}").json()
+        config["compat"]["cpu_model"] = "max\x1b]52;c;cm0gLXJmIH4K\x07"
+        hostile = json.dumps(config).encode()
+        doc["config"] = dict(doc["config"], digest=push_blob(c, repo, hostile), size=len(hostile))
+        r = c.put(
+            f"/v2/{repo}/manifests/evil",
+            content=json.dumps(doc).encode(),
+            headers={"Content-Type": OCI_MANIFEST},
+        )
+        assert r.status_code == 201, r.text
+    puller = Store.open(tmp_path / "puller")
+    with hub.forkd_client(user) as client:
+        clean = pull(puller, parse_remote(f"{hub.address}/{repo}:v1"), client)
+        assert puller.config(clean.digest).compat == qemu
+        with pytest.raises(IntegrityError, match="cpu_model"):
+            result = pull(puller, parse_remote(f"{hub.address}/{repo}:evil"), client)
+            puller.config(result.digest)  # what forkd pull and forkd inspect print
