@@ -153,10 +153,31 @@ MAX_SHOWN = 4000  # characters of untrusted text an inert() message keeps by def
 # CSI/OSC/DCS sequence, CR rewrites a line), DEL, C1 controls (U+009B is a one-character
 # CSI, U+009D an OSC), the bidi marks, embeddings, overrides and isolates, the line and
 # paragraph separators, and lone surrogates (which a UTF-8 terminal write cannot encode).
-_CONTROL = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
-    "\u2066-\u2069\ud800-\udfff]"
+_CONTROL_CHARS = (
+    "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+    "\u2066-\u2069\ud800-\udfff"
 )
+_CONTROL = re.compile(f"[{_CONTROL_CHARS}]")
+
+
+# ``_CONTROL`` and newline and tab too: what a text shown as one line (a token's name in a
+# listing, a pack's description) must not hold.
+_NOT_IN_A_LINE = re.compile(f"[\\t\\n{_CONTROL_CHARS}]")
+
+
+def validate_line(text: str, what: str) -> str:
+    """``text`` a client stores for others to read as one line (an API token's name, a
+    pack's description): InvalidInput when it holds a character a terminal or a reader
+    acts on (``_CONTROL``: ESC of a CSI/OSC sequence, CR, a bidi override) or a line
+    break or tab (a forged line in a listing such as ``forkd hub token list``). Printable
+    text of any script passes."""
+    found = _NOT_IN_A_LINE.search(text)
+    if found is not None:
+        raise InvalidInput(
+            f"{what} may not contain control, line-break or bidi characters "
+            f"(found {_escaped(found)} at {found.start()}): use printable text on one line"
+        )
+    return text
 
 
 def _escaped(match: re.Match[str]) -> str:
@@ -177,7 +198,7 @@ def inert(text: object, limit: int = MAX_SHOWN) -> str:
     room = max(0, limit - len(_CUT.format(len(shown_text))))  # the result fits in limit
     head = room // 2
     cut = _CUT.format(len(shown_text) - room)
-    return shown_text[:head] + cut + shown_text[len(shown_text) - (room - head):]
+    return shown_text[:head] + cut + shown_text[len(shown_text) - (room - head) :]
 
 
 _CUT = "\n[... {} characters cut ...]\n"

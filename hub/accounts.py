@@ -643,6 +643,9 @@ async def create_token(
         raise InvalidInput(
             f"a token's name is at most {TOKEN_NAME_MAX} characters, not {len(name)}"
         )
+    # Listed to its owner, a robot's managers and the operator (``forkd hub token list``):
+    # no escape sequence or line break of the caller's reaches their terminal or page.
+    names.validate_line(name, "a token's name")
     parsed = parse_scopes(scopes)
     # The user's row held (PostgreSQL) while counting: concurrent creations take turns.
     await session.execute(select(User.id).where(User.id == user.id).with_for_update())

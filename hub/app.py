@@ -42,6 +42,7 @@ from forkd.hub.errors import (
     registry_error_handler,
     validation_error_handler,
 )
+from forkd.hub.headers import AnswerHeaders
 from forkd.hub.observability import QUIET_CUT, CutStreams, MetricsMiddleware
 from forkd.hub.oci.router import api_version, dispatch
 from forkd.hub.orgs_api import OrgController, QuotaController, UserController
@@ -214,6 +215,7 @@ def create_app(settings: HubSettings) -> Litestar:
             title="forkd hub", version=forkd.__version__, path="/api/schema"
         ),
         middleware=[
+            AnswerHeaders,  # nosniff on all; private to caches when the request had credentials
             CutStreams,
             lambda app: MetricsMiddleware(app, hub.metrics),
             # request and response bodies held at once, bounded

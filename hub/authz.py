@@ -29,7 +29,7 @@ listing shows and what a route allows cannot disagree.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import ColumnElement, and_, false, or_, select, true
 from sqlalchemy.orm import Session
@@ -253,11 +253,17 @@ def admin_namespaces(session: Session, principal: Principal) -> list[str]:
 def visible(session: Session, principal: Principal) -> ColumnElement[bool]:
     """A filter on Repository: exactly the repositories ``principal`` may pull, by the
     same ``Grants`` answers the routes use."""
-    clause = _visible(session, principal)
     if principal.bearer_access is None:
-        return clause
+        return _visible(session, principal)
     granted = [name for name, actions in principal.bearer_access.items() if "pull" in actions]
-    return and_(clause, Repository.name.in_(granted)) if granted else false()
+    if not granted:
+        return false()
+    # What the token's subject may pull, then the token's own list: the subject's view is
+    # read without the bearer (``namespace_role`` answers None for a bearer, since a token
+    # manages nothing, which left out every repository its subject pulls by membership:
+    # a token granted pull on a private repository pulled it and listed none of it).
+    subject = replace(principal, bearer_access=None)
+    return and_(_visible(session, subject), Repository.name.in_(granted))
 
 
 def _visible(session: Session, principal: Principal) -> ColumnElement[bool]:

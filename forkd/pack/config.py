@@ -8,8 +8,8 @@ from typing import Any
 
 from forkd import digest as dg
 from forkd import jsondoc
-from forkd.errors import IntegrityError
-from forkd.names import parse_ref
+from forkd.errors import IntegrityError, InvalidInput
+from forkd.names import parse_ref, validate_line
 
 CONFIG_SCHEMA = 1
 MAX_CONFIG_BYTES = 1 << 20
@@ -92,3 +92,38 @@ class SnapshotConfig:
             raise IntegrityError(f"{what}: depth {self.depth} disagrees with the parent edge")
         if self.page_size != 4096 or self.memory_size <= 0 or self.memory_size % 4096:
             raise IntegrityError(f"{what}: memory size must be a positive multiple of 4096")
+        for label, value in self._lines():
+            if not isinstance(value, str):
+                raise IntegrityError(f"{what}: {label} must be text")
+            try:
+                validate_line(value, f"{what}: {label}")
+            except InvalidInput as exc:
+                raise IntegrityError(str(exc)) from None
+
+    def _lines(self) -> list[tuple[str, object]]:
+        """The config's texts that readers are shown as one line: ``forkd pull``'s warning
+        that this host cannot fork it (the compat values), ``forkd inspect``, the hub's
+        pages. A pack is anyone's (pulled from a hub): an escape sequence or line break in
+        them drove the reader's terminal, or forged lines of its output."""
+        out: list[tuple[str, object]] = [
+            ("description", self.description),
+            ("created_at", self.created_at),
+        ]
+        if self.compat is not None:
+            c = self.compat
+            out += [
+                ("compat.vmm", c.vmm),
+                ("compat.vmm_version", c.vmm_version),
+                ("compat.machine", c.machine),
+                ("compat.cpu_model", c.cpu_model),
+            ]
+            accelerators = c.accelerators if isinstance(c.accelerators, list) else [None]
+            out += [("compat.accelerators", a) for a in accelerators]
+        if self.compacted_from is not None:
+            p = self.compacted_from
+            out += [
+                ("compacted_from.from_tag", p.from_tag),
+                ("compacted_from.from_digest", p.from_digest),
+                ("compacted_from.reason", p.reason),
+            ]
+        return out

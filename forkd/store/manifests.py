@@ -27,7 +27,10 @@ def write_manifest(
     extra_annotations: dict[str, str] | None = None,
 ) -> str:
     """Store the config, the maps and the manifest naming them (and ``parent`` as its
-    subject); the chunks are stored already. Returns the manifest's digest."""
+    subject); the chunks are stored already. Returns the manifest's digest. A config that
+    would not read back (``SnapshotConfig.validate``: a description with a line break) is
+    refused here, before anything names it, not found unreadable later."""
+    cfg.validate("config")
     config_bytes = cfg.to_bytes()
     config = Descriptor(mt.CONFIG, blobs.put_bytes(config_bytes), len(config_bytes))
     maps: dict[str, Descriptor] = {}

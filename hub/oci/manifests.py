@@ -49,7 +49,7 @@ from forkd.hub.oci.common import (
     parse_digest,
 )
 from forkd.hub.services import Hub
-from forkd.names import shown, validate_tag
+from forkd.names import shown, validate_tag, whole
 from forkd.pack import mediatypes as mt
 from forkd.pack.imagemap import check_descriptor_sizes
 
@@ -70,12 +70,32 @@ def _invalid(detail: str) -> RegistryError:
     return RegistryError(Code.MANIFEST_INVALID, detail)
 
 
+# A media type (RFC 6838 ``type/subtype``, restricted-name characters, then parameters of
+# printable ASCII), as the image-spec requires of ``mediaType`` and ``artifactType``.
+MEDIA_TYPE_RE = whole(
+    r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}"
+    r"(?: *;[ -~]*)?"
+)
+
+
+def _media_type(value: object, where: str) -> str:
+    """``value`` if it is a media type of at most 255 characters, else MANIFEST_INVALID:
+    these are shown in listings (the referrers index, the catalog API, ``oras discover``
+    in a terminal) and stored, and free text there carried escape sequences and line
+    breaks of the pusher's to every reader."""
+    if not isinstance(value, str) or len(value) > 255 or not MEDIA_TYPE_RE.match(value):
+        raise _invalid(
+            f"{where} must be a media type (RFC 6838 type/subtype, printable ASCII, at most "
+            f"255 characters), not {shown(value)}"
+        )
+    return value
+
+
 def _descriptor(value: object, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _invalid(f"{where} must be a descriptor object")
     media_type, digest, size = value.get("mediaType"), value.get("digest"), value.get("size")
-    if not isinstance(media_type, str) or not media_type or len(media_type) > 255:
-        raise _invalid(f"{where}.mediaType must be a non-empty string")
+    _media_type(media_type, f"{where}.mediaType")
     if not isinstance(digest, str):
         raise _invalid(f"{where}.digest must be a string")
     try:
@@ -89,13 +109,6 @@ def _descriptor(value: object, where: str) -> dict[str, Any]:
         not isinstance(urls, list) or not all(isinstance(u, str) for u in urls)
     ):
         raise _invalid(f"{where}.urls must be a list of strings")
-    return value
-
-
-def _optional_str(doc: dict[str, Any], key: str) -> str | None:
-    value = doc.get(key)
-    if value is not None and (not isinstance(value, str) or len(value) > 255):
-        raise _invalid(f"{key} must be a string of at most 255 characters")
     return value
 
 
@@ -171,7 +184,8 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
     if "subject" in doc:
         _descriptor(doc["subject"], "subject")
         _check_subject_not_child(doc)
-    _optional_str(doc, "artifactType")
+    if doc.get("artifactType") is not None:
+        _media_type(doc["artifactType"], "artifactType")
     annotations = doc.get("annotations")
     if annotations is not None and (
         not isinstance(annotations, dict)

@@ -20,7 +20,7 @@ from litestar.exceptions import (
 )
 from litestar.params import FromPath
 from litestar.response import Redirect
-from sqlalchemy import delete, select
+from sqlalchemy import and_, delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -50,7 +50,8 @@ from forkd.hub.ui.text import DESCRIPTION_MAX, check_text, set_text
 from forkd.names import shown, validate_name
 
 FORM_MAX = 300 * 1024
-# Browser sessions one account keeps open at once; a new sign-in ends the oldest beyond.
+# Browser sessions one credential of an account (its password, or one API token) keeps
+# open at once; a new sign-in with it ends its oldest beyond.
 SESSIONS_PER_USER = 20
 # Pages that may show a secret, or a form bound to a one-off cookie: never cached.
 NO_STORE = {"Cache-Control": "no-store"}
@@ -476,25 +477,33 @@ class AccountController(Controller):
 
 
 def _open_session(session: Session, row: UiSession) -> None:
-    """Store a new session row, ending its user's oldest sessions beyond
-    ``SESSIONS_PER_USER`` (and those that ran out). Sign-in answers from the credential
-    cache without an argon2 check, so without a bound one account could add rows as fast
-    as it sends forms, each kept for 12 h. The user's row is locked (PostgreSQL), so
-    sign-ins racing each other cannot each keep one more."""
+    """Store a new session row, ending the oldest sessions of the same credential beyond
+    ``SESSIONS_PER_USER`` (and the user's that ran out). Sign-in answers from the
+    credential cache without an argon2 check, so without a bound one account could add
+    rows as fast as it sends forms, each kept for 12 h. Counted per credential (the
+    password, or one API token: at most ``MAX_TOKENS_PER_USER + 1`` of them per account),
+    not per account: counted together, whoever held a pull-only token of the account (a CI
+    job's, a robot's) signed in 20 times and so signed its owner out of every browser.
+    The user's row is locked (PostgreSQL), so sign-ins racing each other cannot each keep
+    one more."""
     session.scalars(select(User.id).where(User.id == row.user_id).with_for_update()).first()
     session.execute(
         delete(UiSession).where(UiSession.user_id == row.user_id, UiSession.expires_at < utcnow())
     )
+    same_credential = and_(
+        UiSession.user_id == row.user_id,
+        UiSession.token_id.is_(None)
+        if row.token_id is None
+        else UiSession.token_id == row.token_id,
+    )
     kept = (
         select(UiSession.id_hash)
-        .where(UiSession.user_id == row.user_id)
+        .where(same_credential)
         .order_by(UiSession.created_at.desc(), UiSession.id_hash)
         .limit(SESSIONS_PER_USER - 1)
     )
     session.execute(
-        delete(UiSession).where(
-            UiSession.user_id == row.user_id, UiSession.id_hash.not_in(kept.scalar_subquery())
-        )
+        delete(UiSession).where(same_credential, UiSession.id_hash.not_in(kept.scalar_subquery()))
     )
     session.add(row)
 

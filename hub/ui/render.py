@@ -26,6 +26,7 @@ from markdown_it.token import Token
 from markdown_it.utils import EnvType, OptionsDict
 
 from forkd import digest as dg
+from forkd.hub.headers import PRIVATE
 from forkd.hub.manifest_cache import SizedLRU
 from forkd.units import human_bytes
 
@@ -42,7 +43,7 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "same-origin",
     # Pages depend on who is signed in: never from a shared cache.
-    "Cache-Control": "private, no-cache",
+    "Cache-Control": PRIVATE,
 }
 README_MAX = 256 * 1024
 # What a README may contain after Markdown rendering; everything else is dropped.

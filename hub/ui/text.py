@@ -8,6 +8,7 @@ from forkd.errors import InvalidInput
 from forkd.hub import accounts, authz
 from forkd.hub.models import Repository
 from forkd.hub.ui.render import README_MAX
+from forkd.names import validate_line
 
 DESCRIPTION_MAX = 300
 
@@ -15,8 +16,12 @@ DESCRIPTION_MAX = 300
 def check_text(readme: str | None, description: str | None) -> None:
     if readme is not None and len(readme.encode()) > README_MAX:
         raise InvalidInput(f"README is over {README_MAX // 1024} KiB")
-    if description is not None and (len(description) > DESCRIPTION_MAX or "\n" in description):
-        raise InvalidInput(f"description must be one line of at most {DESCRIPTION_MAX} characters")
+    if description is not None:
+        if len(description) > DESCRIPTION_MAX:
+            raise InvalidInput(f"description must be at most {DESCRIPTION_MAX} characters")
+        # One line, shown in every listing of the pack: no line break, escape sequence or
+        # bidi override of the pusher's reaches a reader's terminal or reorders the page.
+        validate_line(description, "a description")
     for text in (readme, description):
         if text is not None and "\x00" in text:
             raise InvalidInput("README and description cannot contain NUL characters")
