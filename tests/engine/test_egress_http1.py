@@ -96,6 +96,18 @@ def hostile_upstream(
     return upstream, proxy, secret
 
 
+def hostile_exchange(pieces: list[bytes], test_ca: EgressCA, proxy_ca: EgressCA,
+                     store: SecretStore, audit: Path, request: bytes) -> tuple[bytes, Secret]:
+    """The guest's ``request`` through the terminating proxy to an upstream that answers
+    ``pieces``: what the guest got, and the secret bound to that upstream."""
+    upstream, proxy, secret = hostile_upstream(pieces, test_ca, proxy_ca, store, audit)
+    try:
+        return terminated_exchange(proxy, upstream.port, proxy_ca, request), secret
+    finally:
+        proxy.stop()
+        upstream.join()
+
+
 GET = b"GET /v1/models HTTP/1.1\r\nHost: AUTHORITY\r\n\r\n"
 
 

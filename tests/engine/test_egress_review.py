@@ -35,7 +35,13 @@ from test_egress import (  # the shared fixtures and helpers of the proxy's test
     tools,
     trust,
 )
-from test_egress_http1 import ScriptedUpstream, dechunk, hostile_upstream, terminated_exchange
+from test_egress_http1 import (
+    ScriptedUpstream,
+    dechunk,
+    hostile_exchange,
+    hostile_upstream,
+    terminated_exchange,
+)
 
 from forkd.engine.egress import EgressCA, SecretStore, parse_destination
 from forkd.engine.egress import clienthello as ch
@@ -485,12 +491,8 @@ def test_the_reason_phrase_of_a_reply_is_scrubbed(
         f"HTTP/1.1 103 Early {REAL}\r\nLink: <{REAL}>\r\n\r\n".encode(),
         f"HTTP/1.1 401 Incorrect API key provided: {REAL}\r\nContent-Length: 0\r\n\r\n".encode(),
     ]
-    upstream, proxy, secret = hostile_upstream(pieces, test_ca, proxy_ca, store, audit_path)
-    try:
-        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
-    finally:
-        proxy.stop()
-        upstream.join()
+    reply, secret = hostile_exchange(pieces, test_ca, proxy_ca, store, audit_path,
+                                       GET_CLOSE)
     assert REAL.encode() not in reply
     p = secret.placeholder.encode()
     assert reply.startswith(b"HTTP/1.1 103 Early " + p + b"\r\n")
@@ -545,12 +547,8 @@ def test_a_compressed_reply_from_a_bound_host_is_refused(
     body = gzip.compress(f'{{"error": "bad key {REAL}"}}'.encode())
     pieces = [b"HTTP/1.1 401 Unauthorized\r\nContent-Encoding: gzip\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body]
-    upstream, proxy, _ = hostile_upstream(pieces, test_ca, proxy_ca, store, audit_path)
-    try:
-        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
-    finally:
-        proxy.stop()
-        upstream.join()
+    reply, _ = hostile_exchange(pieces, test_ca, proxy_ca, store, audit_path,
+                                       GET_CLOSE)
     assert reply.startswith(b"HTTP/1.1 502 ")
     assert b"Content-Encoding 'gzip'" in reply and body not in reply
     entry = audit_lines(audit_path)[-1]
@@ -563,10 +561,6 @@ def test_an_identity_reply_from_a_bound_host_is_relayed(
 ) -> None:
     pieces = [b"HTTP/1.1 200 OK\r\nContent-Encoding: " + coding + b"\r\n"
               b"Content-Length: 2\r\n\r\nok"]
-    upstream, proxy, _ = hostile_upstream(pieces, test_ca, proxy_ca, store, audit_path)
-    try:
-        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
-    finally:
-        proxy.stop()
-        upstream.join()
+    reply, _ = hostile_exchange(pieces, test_ca, proxy_ca, store, audit_path,
+                                       GET_CLOSE)
     assert reply.startswith(b"HTTP/1.1 200 ") and dechunk(reply.partition(b"\r\n\r\n")[2]) == b"ok"

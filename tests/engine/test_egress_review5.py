@@ -21,26 +21,20 @@ from test_egress import (  # the shared fixtures and helpers of the proxy's test
     store,
     test_ca,
 )
-from test_egress_http1 import hostile_upstream, terminated_exchange
+from test_egress_http1 import hostile_exchange
+from test_egress_review import GET_CLOSE
 
 from forkd.engine.egress import EgressCA, SecretStore
 
 __all__ = ["audit_path", "proxy_ca", "store", "test_ca"]  # fixtures, used by name
-
-GET_CLOSE = b"GET /v1/models HTTP/1.1\r\nHost: AUTHORITY\r\nConnection: close\r\n\r\n"
-
 
 def test_a_refused_reply_quotes_no_secret(
     test_ca: EgressCA, proxy_ca: EgressCA, store: SecretStore, audit_path: Path
 ) -> None:
     pieces = [f"HTTP/1.1 401 Unauthorized\r\nContent-Encoding: x{REAL}\r\n"
               "Content-Length: 2\r\n\r\nno".encode()]
-    upstream, proxy, secret = hostile_upstream(pieces, test_ca, proxy_ca, store, audit_path)
-    try:
-        reply = terminated_exchange(proxy, upstream.port, proxy_ca, GET_CLOSE)
-    finally:
-        proxy.stop()
-        upstream.join()
+    reply, secret = hostile_exchange(pieces, test_ca, proxy_ca, store, audit_path,
+                                       GET_CLOSE)
     assert reply.startswith(b"HTTP/1.1 502 ")
     assert REAL[:8].encode() not in reply  # not even its start (the quote is cut at 40)
     assert b"Content-Encoding 'x" + secret.placeholder[:30].encode() in reply
