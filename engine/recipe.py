@@ -11,6 +11,7 @@ from typing import Any
 
 from forkd import digest
 from forkd.errors import InvalidInput
+from forkd.names import validate_line
 
 _PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.\-]*(=[A-Za-z0-9.+~:\-]+)?$")
 _PIP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],<>=!~ ]*$")
@@ -170,6 +171,12 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
         raise _bad(src, f"[guest] network must be true or false, got {network!r}")
     egress = _egress(guest, network, src)
     desc = meta.get("description", "")
+    if not isinstance(desc, str):
+        raise _bad(src, "[recipe] description must be a string")
+    try:  # the snapshot's config holds it, shown as one line (SnapshotConfig.validate)
+        validate_line(desc, "[recipe] description")
+    except InvalidInput as e:
+        raise _bad(src, str(e)) from None
     return Recipe(
         name=name,
         description=str(desc),

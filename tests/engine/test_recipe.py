@@ -52,6 +52,10 @@ def test_files_inline_and_source(tmp_path: Path) -> None:
     ('[recipe]\nname = "a"\n[warmup]\npython = "def ("\n', "compile"),
     ('[recipe]\nname = "a"\n[bogus]\n', "unknown table"),
     ('[recipe]\nname = "a"\n[guest]\nmirror = "ftp://x"\n', "mirror"),
+    # the snapshot's config holds it as one line: refused here, not at the end of a build
+    ('[recipe]\nname = "a"\ndescription = """two\nlines"""\n', "description may not"),
+    ('[recipe]\nname = "a"\ndescription = "\\u001b]52;c;eA==\\u0007"\n', "description may not"),
+    ('[recipe]\nname = "a"\ndescription = 3\n', "description must be a string"),
 ])
 def test_bad_recipes_are_refused(text: str, needle: str) -> None:
     with pytest.raises(InvalidInput, match=needle):
