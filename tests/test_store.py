@@ -308,3 +308,17 @@ def test_gc_keeps_cached_images_a_process_maps(store: Store, chain: list[str]):
         assert asm.memory.exists()  # a running VM's image survives its tag
     store.gc()
     assert not asm.memory.exists()
+
+
+def test_a_description_that_is_not_one_line_is_refused_before_any_write(
+        store: Store, tmp_path: Path) -> None:
+    """The layer's config holds its description as one line (SnapshotConfig.validate):
+    ``forkd import --description`` with a line break or an escape wrote every chunk, then
+    failed at the config (IntegrityError); now it is InvalidInput before anything is
+    written."""
+    image = tmp_path / "m.mem"
+    image.write_bytes(b"m" * PAGE_SIZE)
+    for bad in ("two\nlines", "\x1b]52;c;eA==\x07"):
+        with pytest.raises(InvalidInput, match="description may not contain"):
+            store.import_layer("bad", memory=image, description=bad)
+    assert "bad:latest" not in store.tags.read()

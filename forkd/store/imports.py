@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkd.errors import ChainError, Conflict, InvalidInput
-from forkd.names import Ref, parse_ref
+from forkd.names import Ref, parse_ref, validate_line
 from forkd.pack import mediatypes as mt
 from forkd.pack.chain import MAX_CHAIN_DEPTH, Link
 from forkd.pack.chunking import (
@@ -81,6 +81,8 @@ def import_layer(
     for role in layer.files:
         if role not in FILE_ROLES:
             raise InvalidInput(f"unknown file role {role!r}: use kernel or initrd")
+    # the config holds it as one line (SnapshotConfig.validate): refused before any write
+    validate_line(layer.description, "the layer's description")
     if not force and str(target) in store.tags.read():
         raise Conflict(f"tag {target} exists; pick another tag or pass --force to replace it")
     with store.writing():
