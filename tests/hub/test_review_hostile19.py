@@ -45,7 +45,7 @@ from hub_support import (
     push_blob,
 )
 
-from forkd.errors import IntegrityError, NotFound
+from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.pack.config import Compat
 from forkd.registry.reference import parse_remote
 from forkd.registry.transfer import pull
@@ -256,7 +256,7 @@ def test_a_pulled_pack_s_config_holds_no_escape(
     write_base(image, 1 << 20, seed=5)
     qemu = Compat("qemu", "8.2.2", "pc-q35-8.2", "max", ["kvm"], 1, 1, None, 1)
     store.import_layer("good", memory=image, compat=qemu)
-    with pytest.raises(IntegrityError, match="description"):  # refused when made, too
+    with pytest.raises(InvalidInput, match="description"):  # refused when made, too
         store.import_layer("bad", memory=image, compat=qemu, description="one\ntwo")
     with pytest.raises(NotFound):
         store.resolve("bad")
