@@ -309,6 +309,8 @@ async def authenticate_password(
         ).first()
         if token is None or user is None:
             return None
+        if not await session.run_sync(_minter_stands, token):
+            return None
         return _principal(user, token)
     # argon2 takes tens of milliseconds of CPU by design: keep it off the event loop.
     stored = user.password_hash if user else None
@@ -333,7 +335,17 @@ def token_principal(
     principal = _principal(user, token)
     if principal is None or not hmac.compare_digest(principal.stamp, stamp):
         return None
+    if token is not None and not _minter_stands(session, token):
+        return None
     return principal
+
+
+def _minter_stands(session: Session, token: ApiToken) -> bool:
+    """Whether a robot's token minted by someone else still holds (``authz.minter_stands``):
+    checked wherever a token is taken, as the stamp is."""
+    from forkd.hub import authz  # authz builds on this module's Principal
+
+    return authz.minter_stands(session, token)
 
 
 class PrincipalChanged(NotAuthorizedException, ForkdError):
@@ -629,9 +641,12 @@ async def create_token(
     scopes: str,
     *,
     expires_in: timedelta | None = None,
+    minted_by: int | None = None,
 ) -> str:
     """A new API token for ``username`` (a name, or a user row this transaction read:
-    ``acting_user`` for the caller's own); returns the secret (shown once, stored hashed)."""
+    ``acting_user`` for the caller's own); returns the secret (shown once, stored hashed).
+    ``minted_by``: the user id of who mints a robot's token for it; the token then stands
+    only while they may still manage the robot (``authz.minter_stands``)."""
     if isinstance(username, str):
         found = await get_user(session, username)
         if found is None:
@@ -665,6 +680,7 @@ async def create_token(
             token_hash=hash_token(secret),
             scopes=" ".join(f"{ns}:{role}" for ns, role in sorted(parsed.items())),
             expires_at=utcnow() + expires_in if expires_in else None,
+            minted_by=minted_by if minted_by != user.id else None,
         )
     )
     await session.flush()

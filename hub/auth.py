@@ -172,7 +172,9 @@ async def login(
     # someone else out (docs/hub.md, "Security model").
     keys = [f"ip:{limited_address(host)}"]
     # Counted as a failure until it is not: concurrent guesses cannot all pass the check.
-    wait, attempt = await hub.limiter.attempt(keys, cache_key)
+    # The limiter tags the credential with an HMAC under the hub's shared key (one tag on
+    # every replica); the cache's key is salted per process and would differ.
+    wait, attempt = await hub.limiter.attempt(keys, f"{user}\x00{password}")
     if wait:
         hub.provoked.record(logged_name(user), host, "login", "-", "rate-limited")
         raise RegistryError(

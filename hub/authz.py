@@ -45,6 +45,7 @@ from forkd.hub.accounts import (
 from forkd.hub.db import like_literal
 from forkd.hub.models import (
     ROLES,
+    ApiToken,
     Membership,
     Namespace,
     Repository,
@@ -334,6 +335,22 @@ def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> b
         return False
     namespaces = robot_namespaces(session, robot_id)
     return Grants.load(session, principal, namespaces).may_manage_robot(namespaces)
+
+
+def minter_stands(session: Session, token: ApiToken) -> bool:
+    """Whether ``token`` holds as far as its minter goes: a robot's token minted by another
+    user (``ApiToken.minted_by``: an organisation admin, in the UI's robot form) stands
+    only while that user still exists and may still manage the robot now
+    (``may_manage_robot``). An admin removed from the organisation, or deleted, keeps no
+    working secret that acts as its robot; the organisation's other admins mint new ones.
+    Tokens without a minter (the operator's, an account's own) are not affected."""
+    if token.minted_by is None or token.minted_by == token.user_id:
+        return True
+    minter = session.get(User, token.minted_by)
+    if minter is None:
+        return False
+    as_minter = Principal(minter.id, minter.name, minter.is_admin)
+    return may_manage_robot(session, as_minter, token.user_id)
 
 
 def manageable_robots(session: Session, principal: Principal) -> list[User]:

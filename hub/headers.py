@@ -15,6 +15,10 @@ than by each route.
   organisation, without the hub ever being asked. An answer to an anonymous request
   holds nothing private (public repositories only) and stays cacheable: a CDN in front
   of public packs still works.
+- ``Vary: Authorization, Cookie`` on every answer (added to a route's own ``Vary``): what
+  the hub answers at one URL depends on who asks, so a cache that keeps the anonymous
+  answer (a public repository's listing) must not hand it to a logged-in client, nor
+  the other way round; caches that ignore ``Cache-Control: private`` still key on it.
 """
 
 from __future__ import annotations
@@ -26,10 +30,21 @@ from typing import Any
 PRIVATE = "private, no-cache"
 NOSNIFF = "nosniff"
 _CREDENTIALS = (b"authorization", b"cookie")
+VARY = ("Authorization", "Cookie")
+
+
+def with_vary(value: str) -> str:
+    """``value`` (a route's own ``Vary``, maybe empty) with ``VARY`` added, each once."""
+    tokens = [t.strip() for t in value.split(",") if t.strip()]
+    if "*" in tokens:
+        return "*"
+    held = {t.lower() for t in tokens}
+    return ", ".join(tokens + [t for t in VARY if t.lower() not in held])
 
 
 class AnswerHeaders:
-    """ASGI middleware: adds ``X-Content-Type-Options: nosniff`` to every answer, and
+    """ASGI middleware: adds ``X-Content-Type-Options: nosniff`` and ``Vary`` to every
+    answer, and
     ``Cache-Control: private, no-cache`` to an answer to a request with credentials,
     where the route set neither (a route's own value, such as ``no-store`` on a
     secret, is kept)."""
@@ -45,7 +60,18 @@ class AnswerHeaders:
 
         async def send_with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
+                headers = []
+                vary = ""
+                for name, value in message.get("headers", ()):
+                    if name.lower() == b"vary":
+                        vary = (
+                            f"{vary}, {value.decode('latin-1')}"
+                            if vary
+                            else value.decode("latin-1")
+                        )
+                    else:
+                        headers.append((name, value))
+                headers.append((b"vary", with_vary(vary).encode("latin-1")))
                 present = {name.lower() for name, _ in headers}
                 if b"x-content-type-options" not in present:
                     headers.append((b"x-content-type-options", NOSNIFF.encode()))

@@ -61,7 +61,8 @@ class LoginLimiter:
         return hmac.new(self._key, credential.encode(), hashlib.sha256).hexdigest()
 
     async def attempt(self, keys: list[str], credential: str) -> tuple[int, list[int]]:
-        """Start a login attempt with ``credential`` (a hash of what is tried): (seconds
+        """Start a login attempt with ``credential`` (user name and password tried, held
+        only as an HMAC tag under the hub's key, ``tag``): (seconds
         until one may be tried again, 0 when it may go ahead; the ids of the rows that
         count it as a failure until ``succeeded``)."""
         keys = sorted({_key(k) for k in keys})

@@ -138,6 +138,9 @@ class ApiToken(Base):
     scopes: Mapped[str] = mapped_column(Text)  # space-separated NAMESPACE:ROLE, '*' = any
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The user who minted a robot's token for it (None: the operator, or the account's
+    # own): the token stands only while they may still manage the robot (migration 0013).
+    minted_by: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class Repository(Base):
@@ -294,9 +297,7 @@ class UiSession(Base):
     __tablename__ = "ui_sessions"
 
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
-    user_id: Mapped[int] = mapped_column(
-        ForeignKey("users.id", ondelete="CASCADE"), index=True
-    )
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
     token_id: Mapped[int | None] = mapped_column(
         ForeignKey("api_tokens.id", ondelete="CASCADE"), nullable=True, index=True
     )

@@ -17,7 +17,8 @@
   and site admins); ``PUT`` ``{"quota_bytes": N | null}``: site admins only.
 - ``GET``/``POST /api/v1/users`` ``{"name", "password"?, "admin"?, "robot"?}``,
   ``DELETE /api/v1/users/<name>``: site admins only, with the password (not an API token);
-  never the last site admin, nor an organisation's last direct admin.
+  never the last site admin. An organisation whose last direct admin is removed stays,
+  managed by the site's admins (the audit record lists it), until they make another.
 
 Anonymous callers get 401; callers without the needed role 403; an API token narrows as
 everywhere (its scope on the organisation must reach the role).
@@ -184,6 +185,30 @@ async def _below_org_limit(session: AsyncSession, creator: User) -> None:
             f"you have created {created} organisations, the limit is "
             f"{accounts.MAX_ORGS_PER_USER}: ask a site admin to create another for you"
         )
+
+
+async def _orgs_left_without_admin(session: AsyncSession, name: str) -> list[str]:
+    """The organisations whose only direct admin is user ``name``, by name (rows locked,
+    so no concurrent demotion slips between the count and the removal)."""
+    user = await accounts.get_user(session, name)
+    if user is None:
+        return []
+    administered = await session.scalars(
+        select(Membership.namespace_id)
+        .where(Membership.user_id == user.id, Membership.role == "admin")
+        .with_for_update()
+    )
+    left: list[str] = []
+    for ns_id in administered.all():
+        admins = await session.scalars(
+            select(Membership.user_id)
+            .where(Membership.namespace_id == ns_id, Membership.role == "admin")
+            .with_for_update()
+        )
+        ns = await session.get(Namespace, ns_id)
+        if set(admins.all()) == {user.id} and ns is not None and ns.kind == "org":
+            left.append(ns.name)
+    return sorted(left)
 
 
 def _is_robot(session: Session, user_id: int | None) -> bool:
@@ -514,15 +539,11 @@ class UserController(Controller):
             )
             if set(admins.all()) == {name}:
                 raise Conflict(f"{shown(name)} is the last site admin")
-            administered = await session.scalars(
-                select(Namespace)
-                .join(Membership, Membership.namespace_id == Namespace.id)
-                .join(User, User.id == Membership.user_id)
-                .where(User.name == name, Membership.role == "admin", Namespace.kind == "org")
-            )
-            user = await accounts.get_user(session, name)
-            for org in administered.all():  # no organisation loses its last admin
-                if user is not None:
-                    await members.keep_an_admin(session, org, user)
+            # Organisations the user is the last direct admin of are left to the site's
+            # admins (who manage every namespace): refusing here let any organisation
+            # admin make anyone undeletable, by making them an admin and then leaving.
+            orphaned = await _orgs_left_without_admin(session, name)
             await accounts.remove_user(session, name)
-        hub.audit.record(actor, client_ip(request), "user.remove", name, "ok")
+        hub.audit.record(
+            actor, client_ip(request), "user.remove", name, "ok", orphaned_orgs=orphaned
+        )

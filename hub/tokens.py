@@ -7,6 +7,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -95,7 +96,9 @@ class TokenSigner:
 # -- failed-login rate limit ---------------------------------------------------
 class CredentialCache:
     """Recently verified Basic credentials, so clients that send Basic on every request
-    do not pay an argon2 verification each time. Keys are sha256 of user and secret; the
+    do not pay an argon2 verification each time. Keys are an HMAC-SHA256 of user and
+    secret under a random key of this process (not a bare sha256: a memory dump of the
+    hub then holds nothing a dictionary of common passwords can be run against); the
     subject is re-read from the database on every hit and must still carry the stamp it
     had (``accounts.token_principal``), so removals, revocations and password changes
     apply at once, even where a user or token id was handed out again."""
@@ -104,10 +107,11 @@ class CredentialCache:
         self.ttl = ttl
         self.max_entries = max_entries
         self._entries: dict[str, tuple[int, int | None, str, float]] = {}
+        self._salt = secrets.token_bytes(32)
 
-    @staticmethod
-    def key(user: str, secret: str) -> str:
-        return hashlib.sha256(f"{user}\x00{secret}".encode()).hexdigest()
+    def key(self, user: str, secret: str) -> str:
+        message = f"{user}\x00{secret}".encode()
+        return hmac.new(self._salt, message, hashlib.sha256).hexdigest()
 
     def get(self, key: str) -> tuple[int, int | None, str] | None:
         """(user id, token id, stamp) of a credential verified recently."""

@@ -408,6 +408,7 @@ class AccountController(Controller):
                     user,
                     f"{ns_name}-{role}"[-accounts.TOKEN_NAME_MAX :],
                     f"{ns_name}:{role}",
+                    minted_by=principal.user_id,
                 )
         except (InvalidInput, Conflict) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)

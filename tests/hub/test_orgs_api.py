@@ -225,11 +225,13 @@ def test_users_api(hub: HubServer) -> None:
         r = c.post("/api/v1/users", json={"name": boss[0], "password": boss[1], "admin": True})
         assert r.status_code == 201 and r.json()["admin"] is True
     with hub.client(boss) as c:
-        # The last admin of an organisation stays until it has another.
-        assert c.delete(f"/api/v1/users/{name}").status_code == 409
+        # The last admin of an organisation goes too (hub review 13: otherwise anyone
+        # made an organisation's admin by others was undeletable); the organisation
+        # stays, and a site admin gives it another admin.
+        assert c.delete(f"/api/v1/users/{name}").status_code == 204
+        assert c.get(f"/api/v1/orgs/{neworg}/members").json() == []
         member = f"/api/v1/orgs/{neworg}/members/{ADMIN[0]}"
         assert c.put(member, json={"role": "admin"}).status_code == 204
-        assert c.delete(f"/api/v1/users/{name}").status_code == 204
         assert c.delete(f"/api/v1/users/{name}").status_code == 400
         assert c.delete(f"/api/v1/users/{robot}").status_code == 204
     with hub.client(newbie) as c:
@@ -239,6 +241,8 @@ def test_users_api(hub: HubServer) -> None:
 
     assert _logged(hub, ADMIN[0], "user.create", name)
     assert _logged(hub, boss[0], "user.remove", name)
+    removal = [e for e in _audit(hub) if (e["action"], e["target"]) == ("user.remove", name)]
+    assert removal[-1]["orphaned_orgs"] == [neworg]
     assert _logged(hub, alice[0], "user.create", name, "denied")
 
 
@@ -267,10 +271,11 @@ def test_org_and_user_api_on_both_backends(backend_hub: HubServer) -> None:
         assert c.delete(f"/api/v1/orgs/both/members/{ADMIN[0]}").status_code == 204
         assert c.delete("/api/v1/orgs/both/members/dana").status_code == 409
         assert c.delete(f"/api/v1/users/{ADMIN[0]}").status_code == 409
-        assert c.delete("/api/v1/users/dana").status_code == 409  # last admin of "both"
+        # The last admin of "both" goes too; the organisation stays for site admins.
+        assert c.delete("/api/v1/users/dana").status_code == 204
+        assert c.get("/api/v1/orgs/both/members").json() == []
         assert (
             c.put(f"/api/v1/orgs/both/members/{ADMIN[0]}", json={"role": "admin"}).status_code
             == 204
         )
-        assert c.delete("/api/v1/users/dana").status_code == 204
         assert [m["user"] for m in c.get("/api/v1/orgs/both/members").json()] == [ADMIN[0]]
