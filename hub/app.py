@@ -24,6 +24,7 @@ from litestar.logging import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 import forkd
 from forkd import jsondoc
@@ -34,10 +35,11 @@ from forkd.hub.auth import authenticate, check_host, client_ip, token_endpoint
 from forkd.hub.body_budget import BodyBudget, body_size, counted
 from forkd.hub.catalog import CatalogController, LineageController
 from forkd.hub.compaction import CompactionController, Retention
-from forkd.hub.db import MIGRATE_LOCK
+from forkd.hub.db import MIGRATE_LOCK, sqlstate, transient
 from forkd.hub.errors import (
     RegistryError,
     conflict_handler,
+    database_error_handler,
     invalid_input_handler,
     registry_error_handler,
     validation_error_handler,
@@ -91,6 +93,12 @@ async def bootstrap_admin(hub: Hub) -> None:
 
 async def log_unexpected(exc: Exception, scope: Scope) -> None:
     """Registry errors are answers; anything else is a bug worth a traceback."""
+    if isinstance(exc, DBAPIError) and transient(exc):
+        log.warning(
+            "%s %s: the database ended its transaction (%s); answered 503, retry",
+            scope.get("method"), scope.get("path"), sqlstate(exc) or "busy",
+        )
+        return
     if not isinstance(exc, RegistryError | HTTPException | InvalidInput | Conflict):
         log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
 
@@ -230,6 +238,7 @@ def create_app(settings: HubSettings) -> Litestar:
             InvalidInput: invalid_input_handler,
             Conflict: conflict_handler,
             ValidationException: validation_error_handler,
+            DBAPIError: database_error_handler,
         },
         lifespan=[lifespan],
         # Log through the "litestar" logger only; the root logger belongs to the process.

@@ -13,7 +13,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -42,6 +42,11 @@ MIN_STORABLE, MAX_STORABLE = -(1 << 63), (1 << 63) - 1
 # to gone (PostgreSQL); SQLite's messages for the same.
 RACED_SQLSTATES = ("23505", "23503")
 RACED_SQLITE = ("UNIQUE constraint failed", "FOREIGN KEY constraint failed")
+# SQLSTATEs of a transaction PostgreSQL ended so that another could go on: a deadlock it
+# broke (two requests locking the same rows in opposite orders), a serialization failure,
+# a lock it would not wait for. Nothing of the transaction was written; the same request
+# sent again goes through.
+TRANSIENT_SQLSTATES = ("40P01", "40001", "55P03")
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -52,9 +57,25 @@ class ConcurrentChange(Conflict):
     refers to was removed. The client's answer is 409, never a 500."""
 
 
+def sqlstate(exc: DBAPIError) -> str | None:
+    """The SQLSTATE of a database error (PostgreSQL's drivers; None from SQLite)."""
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
+def transient(exc: DBAPIError) -> bool:
+    """Whether the database ended ``exc``'s transaction only because of another one (a
+    deadlock broken, a serialization failure, SQLite still locked after its busy wait):
+    nothing was written and the request may be sent again."""
+    code = sqlstate(exc)
+    if code is not None:
+        return code in TRANSIENT_SQLSTATES
+    return isinstance(exc, OperationalError) and _busy(exc)
+
+
 def raced(exc: IntegrityError) -> bool:
     """Whether ``exc`` is a unique key or a foreign key another transaction won."""
-    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    code = sqlstate(exc)
     if code is not None:
         return code in RACED_SQLSTATES
     return str(exc.orig).startswith(RACED_SQLITE)

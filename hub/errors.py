@@ -12,9 +12,11 @@ from enum import Enum
 from litestar import Request, Response
 from litestar.datastructures import State
 from litestar.exceptions import ValidationException
+from sqlalchemy.exc import DBAPIError
 
 from forkd.bodies import explained
 from forkd.errors import Conflict, InvalidInput
+from forkd.hub.db import transient
 
 
 class Code(Enum):
@@ -34,6 +36,10 @@ class Code(Enum):
     DENIED = (403, "requested access to the resource is denied")
     UNSUPPORTED = (415, "the operation is unsupported")
     TOOMANYREQUESTS = (429, "too many requests")
+    # Not in the spec's table: the answer Docker's registry gives when it cannot serve
+    # now; clients retry a 503.
+    UNAVAILABLE = (503, "service unavailable")
+    UNKNOWN = (500, "unknown error")  # Docker's registry's, for its own faults
 
     @property
     def status(self) -> int:
@@ -64,6 +70,13 @@ class RegistryError(Exception):
         self.message = message or code.message  # the body's "message" (default: the code's)
 
 
+def _registry(request: Request[object, object, State]) -> bool:
+    """Whether ``request`` is the registry's (``/v2`` and under): its errors take the
+    spec's body."""
+    path = request.url.path
+    return path == "/v2" or path.startswith("/v2/")
+
+
 def registry_error_handler(_: Request[object, object, State], exc: Exception) -> Response[object]:
     assert isinstance(exc, RegistryError)
     body = {"errors": [{"code": exc.code.name, "message": exc.message, "detail": exc.detail}]}
@@ -77,7 +90,7 @@ def invalid_input_handler(
     refused, hub/db.py ``check_storable``) is the client's error, 400, never a 500: in the
     registry's error body on ``/v2/``, Litestar's elsewhere."""
     assert isinstance(exc, InvalidInput)
-    if request.url.path.startswith("/v2/"):
+    if _registry(request):
         return registry_error_handler(
             request, RegistryError(Code.UNSUPPORTED, str(exc), status=400)
         )
@@ -98,6 +111,38 @@ def conflict_handler(request: Request[object, object, State], exc: Exception) ->
     created the same name first, hub/db.py ``ConcurrentChange``): 409, never a 500; in the
     registry's error body on ``/v2/``, Litestar's elsewhere."""
     assert isinstance(exc, Conflict)
-    if request.url.path.startswith("/v2/"):
+    if _registry(request):
         return registry_error_handler(request, RegistryError(Code.DENIED, str(exc), status=409))
     return Response({"status_code": 409, "detail": str(exc)}, status_code=409)
+
+
+RETRY_AFTER_S = 1  # Retry-After of a request whose transaction the database ended
+
+
+def database_error_handler(
+    request: Request[object, object, State], exc: Exception
+) -> Response[object]:
+    """A database error no route turned into its own answer. One the database raised only
+    because of another request (``db.transient``: a deadlock PostgreSQL broke between
+    two requests, a serialization failure, SQLite still locked after its wait) is 503
+    with ``Retry-After``: nothing was written and the same request may be sent again;
+    before, it was a 500 that told the client nothing. Any other is the hub's fault: 500,
+    naming nothing of the statement or its values (logged with its traceback)."""
+    assert isinstance(exc, DBAPIError)
+    if not transient(exc):
+        detail = "internal error of the hub's database; its operator has the log"
+        if _registry(request):
+            return registry_error_handler(
+                request, RegistryError(Code.UNKNOWN, detail, message=detail)
+            )
+        return Response({"status_code": 500, "detail": detail}, status_code=500)
+    detail = (
+        "the database ended this request's transaction to let a concurrent one go on "
+        "(nothing was changed): send the request again"
+    )
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    if _registry(request):
+        return registry_error_handler(
+            request, RegistryError(Code.UNAVAILABLE, detail, headers=headers, message=detail)
+        )
+    return Response({"status_code": 503, "detail": detail}, status_code=503, headers=headers)
