@@ -48,24 +48,28 @@ def _pulls(hub: HubServer, robot: str, secret: str, org: str) -> int:
         return c.get(f"/v2/{org}/app/tags/list").status_code
 
 
+Minted = tuple[str, tuple[str, str], tuple[str, str], str, str, str]
+
+
 @pytest.fixture
-def org_with_second_admin(hub: HubServer) -> Iterator[tuple[str, tuple[str, str], tuple[str, str]]]:
-    """An organisation with two direct admins: alice and carol."""
+def minted(hub: HubServer) -> Iterator[Minted]:
+    """An organisation with two direct admins, alice and carol, and a robot with a token
+    each of them minted: (org, alice, carol, robot, carol's token, alice's token)."""
     org, alice, _bob = org_with_pusher(hub)
     carol = hub.add_user(unique_name("carol"))
     with hub.client(alice) as c:
         r = c.put(f"/api/v1/orgs/{org}/members/{carol[0]}", json={"role": "admin"})
         assert r.status_code == 204, r.text
-    yield org, alice, carol
-
-
-def test_a_robot_token_ends_when_its_minter_leaves_the_organisation(
-    hub: HubServer, org_with_second_admin: tuple[str, tuple[str, str], tuple[str, str]]
-) -> None:
-    org, alice, carol = org_with_second_admin
     robot = unique_name("bot")
     by_carol = _mint_robot_token(hub, carol, org, robot)
     by_alice = _mint_robot_token(hub, alice, org, robot)
+    yield org, alice, carol, robot, by_carol, by_alice
+
+
+def test_a_robot_token_ends_when_its_minter_leaves_the_organisation(
+    hub: HubServer, minted: Minted
+) -> None:
+    org, alice, carol, robot, by_carol, by_alice = minted
     by_operator = hub.token(robot, f"{org}:pull")
     for secret in (by_carol, by_alice, by_operator):
         assert _pulls(hub, robot, secret, org) == 200
@@ -95,13 +99,8 @@ def test_a_robot_token_ends_when_its_minter_leaves_the_organisation(
     assert _pulls(hub, robot, by_carol, org) == 401
 
 
-def test_a_robot_token_ends_when_its_minter_is_deleted(
-    hub: HubServer, org_with_second_admin: tuple[str, tuple[str, str], tuple[str, str]]
-) -> None:
-    org, alice, carol = org_with_second_admin
-    robot = unique_name("bot")
-    by_carol = _mint_robot_token(hub, carol, org, robot)
-    by_alice = _mint_robot_token(hub, alice, org, robot)
+def test_a_robot_token_ends_when_its_minter_is_deleted(hub: HubServer, minted: Minted) -> None:
+    org, _alice, carol, robot, by_carol, by_alice = minted
     assert _pulls(hub, robot, by_carol, org) == 200
     hub.cli("user", "remove", carol[0])
     assert _pulls(hub, robot, by_carol, org) == 401
