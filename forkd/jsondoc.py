@@ -21,6 +21,11 @@ from forkd.names import shown
 
 # forkd's own documents nest 4 deep; OCI manifests and indexes a few more. 64 leaves room.
 MAX_DEPTH = 64
+# A server parses a document bigger than this in a worker thread, not on its event loop:
+# checking and parsing runs at Python speed on documents of small objects (about 0.3 s a
+# MiB of ``{},``), and on the loop a 4 MiB manifest stalled every other request of the
+# process for a second or more.
+INLINE_MAX = 64 * 1024
 # possessive: a long string is one C-speed run, not one regex step per byte (40 MiB of
 # base64 took 15 s that way, 0.1 s this way); a string never ends inside a run anyway
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)

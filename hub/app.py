@@ -69,7 +69,11 @@ class HubHttpRequest(Request[object, object, State]):
     last, other readers the first). Either is a 400, as for manifests."""
 
     async def json(self) -> Any:
-        jsondoc.check_body(await self.body())
+        body = await self.body()
+        if len(body) <= jsondoc.INLINE_MAX:
+            jsondoc.check_body(body)
+        else:  # a README of up to 512 KiB: off the event loop (jsondoc.INLINE_MAX)
+            await anyio.to_thread.run_sync(jsondoc.check_body, body)
         return await super().json()
 
 

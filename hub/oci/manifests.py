@@ -195,6 +195,13 @@ def parse_manifest(body: bytes, content_type: str) -> dict[str, Any]:
     return doc
 
 
+def checked_manifest(body: bytes, content_type: str, algorithm: str) -> PushedManifest:
+    """``body`` parsed and checked (``parse_manifest``) and hashed with ``algorithm``."""
+    return PushedManifest(
+        body, content_type, parse_manifest(body, content_type), dg.of_bytes(body, algorithm)
+    )
+
+
 @dataclass(frozen=True)
 class PushedManifest:
     """A manifest as pushed: its bytes, media type (the Content-Type), the document as
@@ -286,9 +293,10 @@ async def put(ctx: Ctx, reference: str) -> Response[object]:
     # Pushed by digest: verified, stored and known by that digest's algorithm (sha256 or
     # sha512), so Docker-Content-Digest matches the client's; pushed by tag: sha256.
     algorithm = dg.algorithm_of(reference) if _is_digest(reference) else dg.ALGORITHM
-    pushed = PushedManifest(
-        body, content_type, parse_manifest(body, content_type), dg.of_bytes(body, algorithm)
-    )
+    if len(body) <= jsondoc.INLINE_MAX:
+        pushed = checked_manifest(body, content_type, algorithm)
+    else:  # seconds of pure-Python work for 4 MiB of small objects: off the event loop
+        pushed = await anyio.to_thread.run_sync(checked_manifest, body, content_type, algorithm)
     digest = pushed.digest
     if _is_digest(reference) and reference != digest:
         raise RegistryError(Code.DIGEST_INVALID, f"body digest is {digest}, not {reference}")
