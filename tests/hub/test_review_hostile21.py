@@ -32,13 +32,14 @@ import re
 import sqlite3
 
 import httpx
-from hub_server import HubServer
+from hub_server import ADMIN, HubServer
 from hub_support import (
     OCI_MANIFEST,
     api_token,
     artifact,
     browser,
-        org_with_pusher,
+    error_code,
+    org_with_pusher,
     push_blob,
     unique_name,
 )
@@ -204,3 +205,37 @@ def test_annotations_in_the_lineage_api_are_shown_escaped(
     assert head["parent"] == base
     assert head["parent_tag"] == "v1\\n\\x1b]52;c;cm0gLXJmIH4K\\x07\\u202e", head
     assert head["compacted_from"] == "v0\\x1b[2J@sha256:" + "0" * 64, head
+
+
+def test_a_site_admins_narrowed_token_creates_no_namespace(hub: HubServer) -> None:
+    pushes_anywhere = hub.token(ADMIN[0], "*:push")
+    namespace = unique_name("ns")
+    with hub.client((ADMIN[0], pushes_anywhere)) as c:
+        r = c.post(f"/v2/{namespace}/app/blobs/uploads/")
+        assert r.status_code == 404 and error_code(r) == "NAME_UNKNOWN", r.text
+        assert "namespace" in r.json()["errors"][0]["detail"], r.text
+    # Nothing was made: the name stays free for a user or an organisation.
+    user = hub.add_user(namespace)
+    with hub.client(user) as c:
+        artifact(c, f"{namespace}/mine", b"mine", tag="v1")
+    # Through a registry bearer token from the narrowed token: the same.
+    namespace = unique_name("ns")
+    with httpx.Client(base_url=hub.url, auth=(ADMIN[0], pushes_anywhere)) as c:
+        r = c.get("/token", params={"scope": f"repository:{namespace}/app:pull,push"})
+        bearer = r.json()["token"]
+    with httpx.Client(base_url=hub.url, headers={"Authorization": f"Bearer {bearer}"}) as c:
+        r = c.post(f"/v2/{namespace}/app/blobs/uploads/")
+        assert r.status_code == 404 and error_code(r) == "NAME_UNKNOWN", r.text
+    # A site admin acting as one still creates namespaces by pushing: with the password,
+    # with a token of scope *:admin, and through a bearer token of either.
+    acting = hub.token(ADMIN[0], "*:admin")
+    for credential in (ADMIN, (ADMIN[0], acting)):
+        namespace = unique_name("ns")
+        with hub.client(credential) as c:
+            artifact(c, f"{namespace}/app", b"by the site admin", tag="v1")
+        namespace = unique_name("ns")
+        with httpx.Client(base_url=hub.url, auth=credential) as c:
+            r = c.get("/token", params={"scope": f"repository:{namespace}/app:pull,push"})
+            bearer = r.json()["token"]
+        with httpx.Client(base_url=hub.url, headers={"Authorization": f"Bearer {bearer}"}) as c:
+            artifact(c, f"{namespace}/app", b"by the site admin's bearer", tag="v1")
