@@ -15,7 +15,7 @@ from click.core import ParameterSource
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.cli.errors import ForkdGroup
-from forkd.names import inert
+from forkd.hub.display import one_line
 
 T = TypeVar("T")
 
@@ -420,8 +420,9 @@ def token_list(data_dir: Path, database_url: str, username: str) -> None:
 
     async def op(session: AsyncSession) -> list[str]:
         return [
-            # A name stored before names were checked is shown with its escapes visible.
-            f"{t.id}\t{inert(t.name)}\t{t.scopes}\t"
+            # A name stored before names were checked is shown with its escapes visible,
+            # its line breaks and tabs too: one token, one line of four columns.
+            f"{t.id}\t{one_line(t.name)}\t{one_line(t.scopes)}\t"
             f"{f'expires {t.expires_at:%Y-%m-%d}' if t.expires_at else 'no expiry'}"
             for t in await accounts.list_tokens(session, username)
         ]
@@ -583,7 +584,7 @@ def team_list(data_dir: Path, database_url: str, org: str) -> None:
         return [(t.name, t.role, t.repositories, m) for t, m in rows]
 
     for name, role, repositories, members in _admin(data_dir, database_url, op):
-        line = f"{name}\t{role}\t{repositories or '*'}\t{','.join(members)}"
+        line = f"{name}\t{role}\t{one_line(repositories) or '*'}\t{','.join(members)}"
         problem = repositories and accounts.team_glob_problem(org, repositories)
         if problem:  # stored before the checks, or by hand: it grants nothing
             line += f"\t(grants nothing: {problem}; remove the team and make it again)"

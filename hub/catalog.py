@@ -26,6 +26,7 @@ from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import accounts, authz, chains
 from forkd.hub.auth import authenticate
 from forkd.hub.db import like_literal
+from forkd.hub.display import one_line, optional_line
 from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.oci.common import in_chunks
 from forkd.hub.params import QueryNumber, Sort, SortText, page_of, parse_sort
@@ -216,8 +217,9 @@ class CatalogController(Controller):
             TagInfo(
                 name=row.name,
                 digest=row.digest,
-                media_type=row.media_type,
-                artifact_type=row.artifact_type,
+                # Checked at push since hostile review 19; a row from before, as a line.
+                media_type=one_line(row.media_type),
+                artifact_type=optional_line(row.artifact_type),
                 size=sizes.get(row.digest) or row.size,
                 chain_depth=depths[row.digest],
                 parent=row.subject_digest,
@@ -309,8 +311,9 @@ class LineageController(Controller):
                 digest=digest,
                 tags=fam.tags_of.get(digest, []),
                 parent=m.subject_digest if m is not None else None,
-                parent_tag=notes.get(mt.ANNOTATION_PARENT_TAG),
-                compacted_from=notes.get(mt.ANNOTATION_COMPACTED_FROM),
+                # A pusher's annotations are any strings (the OCI spec): shown as lines.
+                parent_tag=_note(notes, mt.ANNOTATION_PARENT_TAG),
+                compacted_from=_note(notes, mt.ANNOTATION_COMPACTED_FROM),
                 depth=depth,
             )
 
@@ -341,6 +344,13 @@ def small_annotations(
         )
         found.update({digest: text for digest, text in rows if text})
     return found
+
+
+def _note(notes: dict[str, Any], key: str) -> str | None:
+    """The annotation ``key`` as one line with its escapes visible (``display.one_line``);
+    None when it is absent or not a string."""
+    value = notes.get(key)
+    return one_line(value) if isinstance(value, str) else None
 
 
 def annotations_of(stored: str | None) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from forkd.bodies import Body
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, authz, members, quotas
 from forkd.hub.auth import authenticate, client_ip
+from forkd.hub.display import one_line
 from forkd.hub.models import ROLES, Membership, Namespace, Team, User
 from forkd.hub.oci.common import MAX_COUNT
 from forkd.hub.services import Hub
@@ -322,7 +323,9 @@ class OrgController(Controller):
         async with _reading(hub) as session:
             rows = await accounts.list_teams(session, org)
         return [
-            TeamInfo(t.name, t.role, t.repositories, m, t.created_at, _glob_problem(org, t))
+            TeamInfo(
+                t.name, t.role, one_line(t.repositories), m, t.created_at, _glob_problem(org, t)
+            )
             for t, m in rows
         ]
 

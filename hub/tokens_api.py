@@ -30,6 +30,7 @@ from forkd.bodies import Body
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts
 from forkd.hub.auth import SECRET_HEADERS, authenticate, client_ip
+from forkd.hub.display import one_line
 from forkd.hub.models import ApiToken
 from forkd.hub.params import path_id
 from forkd.hub.services import Hub
@@ -77,7 +78,15 @@ async def _owner(hub: Hub, request: Request[object, object, State]) -> accounts.
 
 
 def _info(token: ApiToken) -> TokenInfo:
-    return TokenInfo(token.id, token.name, token.scopes.split(), token.created_at, token.expires_at)
+    """What a listing says of ``token``: its name and scopes as one line each, escapes
+    visible (a row stored before the checks: ``display.one_line``)."""
+    return TokenInfo(
+        token.id,
+        one_line(token.name),
+        [one_line(scope) for scope in token.scopes.split()],
+        token.created_at,
+        token.expires_at,
+    )
 
 
 class TokenController(Controller):

@@ -6,7 +6,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import anyio
@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from forkd import digest as dg
 from forkd.errors import InvalidInput
 from forkd.hub import accounts, quotas
+from forkd.hub.accounts import Principal
 from forkd.hub.auth import (
     Caller,
     authorize,
@@ -107,7 +108,7 @@ class Ctx:
                     session,
                     self.name,
                     public=self.hub.settings.default_visibility == "public",
-                    admin_may_create_namespace=self.caller.principal.is_admin,
+                    admin_may_create_namespace=creates_namespaces(self.caller.principal),
                     most=self.hub.settings.repositories_max,
                 )
         except InvalidInput as exc:
@@ -134,6 +135,15 @@ class Ctx:
 
     def url(self, suffix: str) -> str:
         return f"/v2/{self.name}/{suffix}"
+
+
+def creates_namespaces(principal: Principal) -> bool:
+    """Whether a push by ``principal`` into a namespace that does not exist creates it: a
+    site admin acting as one (``Principal.site_admin``: the password, or an API token of
+    scope ``*:admin``), also through a registry bearer token of theirs, which narrows to
+    its repositories but is how registry clients push. A site admin's token of a lower
+    scope (``*:push``: a CI job's) pushes where namespaces exist and creates none."""
+    return replace(principal, bearer_access=None).site_admin
 
 
 class RightsCheck:

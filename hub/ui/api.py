@@ -20,6 +20,7 @@ from litestar.params import FromPath, JSONBody
 from forkd.bodies import Body
 from forkd.errors import InvalidInput
 from forkd.hub.auth import authenticate, authorize, client_ip
+from forkd.hub.display import one_line
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.services import Hub
 from forkd.hub.ui.common import HubRequest
@@ -68,7 +69,9 @@ class ReadmeController(Controller):
             raise
         if repo is None:  # an admin may pull anything, but this does not exist
             raise not_found
-        return RepositoryText(repo.name, repo.description, repo.readme)
+        # The description is one line by contract: one stored before the check is shown
+        # with its escapes visible (the README is Markdown prose, read as written).
+        return RepositoryText(repo.name, one_line(repo.description), repo.readme)
 
     @put("/{name:path}", request_max_body_size=BODY_MAX)
     async def put_text(

@@ -24,8 +24,11 @@ from markdown_it import MarkdownIt
 from markdown_it.renderer import RendererHTML
 from markdown_it.token import Token
 from markdown_it.utils import EnvType, OptionsDict
+from markupsafe import Markup
+from markupsafe import escape as escape_markup
 
 from forkd import digest as dg
+from forkd.hub.display import page_value
 from forkd.hub.headers import PRIVATE
 from forkd.hub.manifest_cache import SizedLRU
 from forkd.units import human_bytes
@@ -180,6 +183,13 @@ def ratio(logical: int | None, stored: int | None) -> str:
     return f"{logical / stored:.1f}×"
 
 
+def verbatim(text: str) -> Markup:
+    """``text`` HTML-escaped but otherwise as stored: a README's Markdown source in its
+    edit form, prose in which bidi marks are the author's (an RTL language's), which
+    ``page_value`` would write as escapes, and a save would then store."""
+    return escape_markup(text)
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATES),
@@ -187,8 +197,19 @@ def _environment() -> Environment:
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
+        # Every text a page shows, with its controls and bidi overrides escaped: rows
+        # stored before the write checks (a token's name, a description, a team's glob)
+        # and annotations no check covers are read back as stored (hub/display.py).
+        finalize=page_value,
     )
-    env.filters.update(bytes=human_size, when=when, iso=iso, short=dg.short, ratio=ratio)
+    env.filters.update(
+        bytes=human_size,
+        when=when,
+        iso=iso,
+        short=dg.short,
+        ratio=ratio,
+        verbatim=verbatim,
+    )
     return env
 
 
