@@ -401,6 +401,11 @@ class AccountController(Controller):
                         f"robot {shown(robot)} belongs to a namespace you do not administer: "
                         "choose another name"
                     )
+                ns = await accounts.get_namespace(session, ns_name)
+                if ns is not None and role != "admin":
+                    # As every member change does (members.change_member): a robot that
+                    # is the namespace's last direct admin keeps that role.
+                    await members.keep_an_admin(session, ns, user)
                 await accounts.set_member(session, ns_name, user, role)
                 secret = await accounts.create_token(
                     # A label the hub makes (a namespace name has up to 255 characters).

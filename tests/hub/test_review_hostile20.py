@@ -14,6 +14,9 @@
    HMAC under a random key of the process.
 4. Answers carried no ``Vary``: a cache keyed on the URL alone could give one caller's
    answer to another. Every answer now says ``Vary: Authorization, Cookie``.
+5. The UI's robot form set a robot's role without the last-admin check every other
+   member change makes: an organisation admin through a team demoted the robot that was
+   the organisation's last direct admin. It is refused (400) as the API refuses it (409).
 """
 
 from __future__ import annotations
@@ -167,3 +170,29 @@ def test_a_routes_own_vary_is_kept() -> None:
     assert with_vary("Accept-Encoding") == "Accept-Encoding, Authorization, Cookie"
     assert with_vary("accept, authorization") == "accept, authorization, Cookie"
     assert with_vary("*") == "*"
+
+
+def test_the_robot_form_keeps_an_organisations_last_direct_admin(hub: HubServer) -> None:
+    org, alice, _bob = org_with_pusher(hub)
+    robot = unique_name("bot")
+    _mint_robot_token(hub, alice, org, robot)  # a pull member
+    with browser(hub, *alice) as b:  # the robot made a direct admin through the form
+        csrf = csrf_of(b.get("/-/settings/tokens").text)
+        data = {"csrf": csrf, "namespace": org, "robot": robot, "role": "admin"}
+        assert b.post("/-/settings/robots", data=data).status_code == 303
+    with hub.client(alice) as c:  # alice: admin through a team, no longer a direct one
+        team = {"name": "owners", "role": "admin", "members": [alice[0]]}
+        assert c.post(f"/api/v1/orgs/{org}/teams", json=team).status_code == 201
+        assert c.delete(f"/api/v1/orgs/{org}/members/{alice[0]}").status_code == 204
+        # The API refuses to demote the last direct admin...
+        r = c.put(f"/api/v1/orgs/{org}/members/{robot}", json={"role": "pull"})
+        assert r.status_code == 409, r.text
+    with browser(hub, *alice) as b:  # ...and so does the robot form
+        csrf = csrf_of(b.get("/-/settings/tokens").text)
+        data = {"csrf": csrf, "namespace": org, "robot": robot, "role": "pull"}
+        r = b.post("/-/settings/robots", data=data)
+        assert r.status_code == 400, r.text
+        assert "last admin" in r.text
+    with hub.client(ADMIN) as c:
+        roles = {m["user"]: m["role"] for m in c.get(f"/api/v1/orgs/{org}/members").json()}
+    assert roles[robot] == "admin"
