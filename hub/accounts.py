@@ -543,6 +543,20 @@ async def list_members(session: AsyncSession, namespace: str) -> list[tuple[str,
 
 
 # -- administration ------------------------------------------------------------
+# Top-level paths of the hub's own routes: a namespace of such a name would have its UI
+# page (``/NAME``) hidden behind them (found by hub review 13).
+RESERVED_NAMESPACES = frozenset({"v2", "api", "token", "metrics", "healthz"})
+
+
+def check_new_namespace(name: str) -> None:
+    """InvalidInput for a name no new namespace may take (``RESERVED_NAMESPACES``)."""
+    if name in RESERVED_NAMESPACES:
+        raise InvalidInput(
+            f"{shown(name)} is reserved: the hub serves /{name} itself, so a namespace of "
+            "that name would have no page; choose another name"
+        )
+
+
 async def create_user(
     session: AsyncSession,
     name: str,
@@ -553,6 +567,8 @@ async def create_user(
 ) -> User:
     """A user with a personal namespace of the same name (admin role in it)."""
     validate_username(name)
+    if not robot:
+        check_new_namespace(name)
     if await get_user(session, name) is not None:
         raise Conflict(f"user {shown(name)} already exists")
     if robot and password:
@@ -607,6 +623,7 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
     """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``)."""
     validate_namespace(name)
+    check_new_namespace(name)
     if await get_namespace(session, name) is not None:
         raise Conflict(f"namespace {shown(name)} already exists")
     ns = Namespace(name=name, kind="org", created_by=creator.id if creator else None)
@@ -708,6 +725,7 @@ async def create_repository(
     if ns is None:
         if not admin_may_create_namespace:
             raise InvalidInput(f"namespace {shown(ns_name)} does not exist")
+        check_new_namespace(ns_name)
         ns = Namespace(name=ns_name, kind="org")
         session.add(ns)
         await session.flush()

@@ -196,3 +196,19 @@ def test_the_robot_form_keeps_an_organisations_last_direct_admin(hub: HubServer)
     with hub.client(ADMIN) as c:
         roles = {m["user"]: m["role"] for m in c.get(f"/api/v1/orgs/{org}/members").json()}
     assert roles[robot] == "admin"
+
+
+def test_no_new_namespace_takes_a_name_the_hub_serves_itself(hub: HubServer) -> None:
+    """A user or organisation named ``api``, ``v2``, ``token``, ``metrics`` or
+    ``healthz`` had its page (``/NAME``) hidden behind the hub's own route: refused (400)
+    when made, on each way a namespace is made."""
+    with hub.client(ADMIN) as c:
+        for name in ("api", "v2", "token", "metrics", "healthz"):
+            r = c.post("/api/v1/orgs", json={"name": name})
+            assert r.status_code == 400 and "reserved" in r.text, r.text
+            r = c.post("/api/v1/users", json={"name": name, "password": "long-enough-1"})
+            assert r.status_code == 400 and "reserved" in r.text, r.text
+            r = c.post(f"/v2/{name}/app/blobs/uploads/")  # a site admin's push makes one
+            assert r.status_code == 404 and "reserved" in r.text, r.text  # NAME_UNKNOWN
+        r = c.post("/api/v1/users", json={"name": "api", "robot": True})  # no namespace
+        assert r.status_code == 201, r.text
