@@ -17,6 +17,9 @@
 5. The UI's robot form set a robot's role without the last-admin check every other
    member change makes: an organisation admin through a team demoted the robot that was
    the organisation's last direct admin. It is refused (400) as the API refuses it (409).
+6. A user or organisation could be named after a path the hub serves itself (``api``,
+   ``v2``, ...), and its page ``/NAME`` was never reachable. Such names are refused when a
+   namespace is made.
 """
 
 from __future__ import annotations
