@@ -15,7 +15,7 @@ from click.core import ParameterSource
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from forkd.cli.errors import ForkdGroup
-from forkd.names import inert
+from forkd.names import one_line
 
 T = TypeVar("T")
 
@@ -421,7 +421,7 @@ def token_list(data_dir: Path, database_url: str, username: str) -> None:
     async def op(session: AsyncSession) -> list[str]:
         return [
             # A name stored before names were checked is shown with its escapes visible.
-            f"{t.id}\t{inert(t.name)}\t{t.scopes}\t"
+            f"{t.id}\t{one_line(t.name)}\t{t.scopes}\t"
             f"{f'expires {t.expires_at:%Y-%m-%d}' if t.expires_at else 'no expiry'}"
             for t in await accounts.list_tokens(session, username)
         ]

@@ -61,7 +61,7 @@ from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import ChildNotFound, TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
-from forkd.names import inert, parse_ref, shown
+from forkd.names import InertStream, inert, parse_ref, shown
 from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
@@ -461,6 +461,10 @@ class Progress:
         self._lock = threading.Lock()
         self.stdout = Tail()
         self.stderr = Tail()
+        # a progress message is for a person to see as it comes (a client's status line,
+        # its log, a terminal): the guest's control characters in it are shown as escapes
+        # (names.InertStream), as the CLI shows them; the result carries the exact text
+        self._inert = {"": InertStream(), "stderr: ": InertStream()}
 
     def on_stdout(self, text: str) -> None:
         self.stdout.add(text)
@@ -475,9 +479,10 @@ class Progress:
             for start in range(0, len(text), MAX_PROGRESS_CHARS):
                 piece = text[start : start + MAX_PROGRESS_CHARS]
                 self._sent += len(piece)
+                shown = self._inert[prefix].feed(piece)
                 with contextlib.suppress(Exception):  # a gone client must not end the command
                     anyio.from_thread.run(
-                        self._ctx.report_progress, self._sent, None, prefix + piece
+                        self._ctx.report_progress, self._sent, None, prefix + shown
                     )
 
 

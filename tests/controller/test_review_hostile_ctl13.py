@@ -1,0 +1,246 @@
+"""The controller, the CLI and the egress proxy against the thirteenth hostile review. No VM.
+
+1. A guest's output reached the operator's terminal raw in lines the CLI writes itself:
+   ``forkd eval``'s value (its repr) and ``forkd run-code``'s rich results were echoed as
+   the guest made them, so a cell could send ESC sequences (an OSC 52 clipboard write, a
+   screen clear, a title), a BEL or a CR that rewrote forkd's own line; ``forkd ls``
+   printed a sandbox's snapshot (``origin``, and every text cell of the daemon's answer)
+   as it came, line breaks included, so a value could forge rows of the listing. Now
+   every line forkd composes shows such characters as escapes (names.inert; a listing's
+   cell with names.one_line, which escapes line breaks and tabs too).
+2. A guest program's stdout and stderr (``forkd exec``, ``eval``, ``run-code``) were
+   written to the terminal byte for byte. Now, to a terminal, they are written inert
+   (names.InertStream: a CRLF split between two streamed frames is still a line end, a
+   lone CR is ``\\x0d``); to a pipe or a file, or with ``--raw``, exactly as they came
+   (cli/output.GuestOutput; docs/api.md, "What the CLI prints").
+3. A guest that stopped mid-line made forkd's own words the end of its line
+   (``partial forkd: command timed out``, a result glued to a cell's last output): a
+   line forkd writes now starts on a line of its own.
+4. ``forkd exec`` whose stream ended without a result (a daemon that went away) ended in
+   a KeyError's traceback; it is a ForkdError saying what happened and what to check.
+5. The MCP server's progress notifications of run_command (what an MCP client shows a
+   person while the command runs) carried the guest's control characters; they are
+   inert now (the tool's result still has the exact output, for the model).
+6. The egress proxy scrubbed a bound secret from the values of an upstream's reply
+   headers, never from their names (an upstream echoing the request's headers as names
+   handed the guest the key, in a 1xx head as well), and only in the exact case (an echo
+   lower- or upper-cased gave it back, less its case). A reply's head (status line,
+   names, values, a 1xx's) is now scrubbed whole, in any case; see
+   tests/engine/test_egress_review6.py.
+7. Nothing bounded the disk all the children's copy-on-write overlays may take together:
+   each can grow to its disk's size, so N children could fill the host's disk (and the
+   store, and the daemon's database, on it). ``FORKD_DISK_BUDGET`` now bounds it: a child
+   is admitted only when every overlay of the run directory could grow to its full size
+   within the budget, checked and claimed under one lock (engine/disk_budget.py); one
+   that would exceed it fails before its QEMU starts, with an error naming the setting,
+   and the others of its fork start as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from click.testing import CliRunner
+
+from forkd.cli import engine_cmds, output
+from forkd.cli.main import cli
+from forkd.controller import mcp
+from forkd.controller.api import (
+    CodeResult,
+    EvalError,
+    EvalResult,
+    ExecFrame,
+    ExecResult,
+    RunCodeResult,
+    SandboxInfo,
+)
+from forkd.names import InertStream, inert, one_line
+
+OSC52 = "\x1b]52;c;ZXZpbA==\x07"  # writes "evil" to the operator's clipboard
+CLEAR = "\x1b[2J\x1b[H"
+BAD = [OSC52, CLEAR, "\x07", "\x9b31m", "\u202e", "\r"]  # ESC, BEL, C1 CSI, bidi, CR
+
+
+def _no_control(text: str) -> None:
+    for c in ("\x1b", "\x07", "\x9b", "\u202e", "\r"):
+        assert c not in text, (c, text)
+
+
+class FakeBackend:
+    """What the CLI's commands call (controller.backend.Backend), answering what a test
+    sets: a hostile guest's output, through a daemon that passes it on."""
+
+    def __init__(self) -> None:
+        self.frames: list[ExecFrame] = []
+        self.cell: Any = None
+        self.listing: list[SandboxInfo] = []
+
+    def exec_stream(self, sandbox_id: str, req: Any) -> Iterator[ExecFrame]:
+        yield from self.frames
+
+    def eval(self, sandbox_id: str, req: Any) -> Any:
+        return self.cell
+
+    def run_code(self, sandbox_id: str, req: Any) -> Any:
+        return self.cell
+
+    def sandboxes(self) -> list[SandboxInfo]:
+        return self.listing
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
+    fake = FakeBackend()
+    monkeypatch.setattr(engine_cmds, "_backend", lambda: fake)
+    return fake
+
+
+def _terminal(monkeypatch: pytest.MonkeyPatch, stdout: bool, stderr: bool) -> None:
+    """The CLI's stdout and stderr are (or are not) terminals, as GuestOutput sees them."""
+    import sys
+
+    def is_terminal(stream: Any) -> bool:
+        return (stdout and stream is sys.stdout) or (stderr and stream is sys.stderr)
+
+    monkeypatch.setattr(output, "is_terminal", is_terminal)
+
+
+def _exited(code: int = 0, status: str = "exited") -> ExecFrame:
+    return ExecFrame(result=ExecResult(status=status, exit_code=code,  # type: ignore[arg-type]
+                                       timed_out=status == "timed_out"))
+
+
+# -- 1, 2, 3: what the CLI writes to a terminal --------------------------------------------
+def test_exec_output_to_a_terminal_is_inert(backend: FakeBackend,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _terminal(monkeypatch, stdout=True, stderr=True)
+    backend.frames = [ExecFrame(stdout=f"{OSC52}one\r"), ExecFrame(stdout="\ntwo\rX\n"),
+                      ExecFrame(stderr=f"{CLEAR}err\u202e\n"), _exited()]
+    result = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    assert result.exit_code == 0, result.output
+    _no_control(result.stdout + result.stderr)
+    # the CRLF split between two frames is a line's end; a lone CR shows as its escape
+    assert result.stdout == "\\x1b]52;c;ZXZpbA==\\x07one\ntwo\\x0dX\n"
+    assert result.stderr == "\\x1b[2J\\x1b[Herr\\u202e\n"
+
+
+def test_exec_output_to_a_pipe_or_with_raw_is_exact(backend: FakeBackend,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "".join(BAD) + "\tdone\r\n"
+    backend.frames = [ExecFrame(stdout=text), ExecFrame(stderr=text), _exited(3)]
+    _terminal(monkeypatch, stdout=False, stderr=False)
+    piped = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    exact = text.encode()  # (Result.stdout reads CRLF as LF: the bytes are what was written)
+    assert (piped.exit_code, piped.stdout_bytes, piped.stderr_bytes) == (3, exact, exact)
+    _terminal(monkeypatch, stdout=True, stderr=True)
+    raw = CliRunner().invoke(cli, ["exec", "--raw", "sb-1", "sh"])
+    assert (raw.exit_code, raw.stdout_bytes, raw.stderr_bytes) == (3, exact, exact)
+    guests = CliRunner().invoke(cli, ["exec", "sb-1", "sh", "--raw"])  # the guest's option
+    _no_control(guests.stdout)
+
+
+def test_forkd_s_own_line_starts_a_line(backend: FakeBackend,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest that stops mid-line (or on a held CR) does not get forkd's words appended."""
+    _terminal(monkeypatch, stdout=True, stderr=True)
+    backend.frames = [ExecFrame(stdout="out-partial"), ExecFrame(stderr="err-partial\r"),
+                      _exited(-9, "timed_out")]
+    result = CliRunner().invoke(cli, ["exec", "--timeout", "1", "sb-1", "sh"])
+    assert result.stdout == "out-partial\n"
+    assert result.stderr.startswith("err-partial\\x0d\nforkd: command timed out after 1.0 s")
+    _terminal(monkeypatch, stdout=False, stderr=False)  # to files: the output stays as it was
+    result = CliRunner().invoke(cli, ["exec", "--timeout", "1", "sb-1", "sh"])
+    assert result.stdout == "out-partial"
+    assert result.stderr_bytes.startswith(b"err-partial\r\nforkd: command timed out")
+
+
+def test_a_stream_without_a_result_is_an_error_not_a_traceback(
+        backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    _terminal(monkeypatch, stdout=False, stderr=False)
+    backend.frames = [ExecFrame(stdout="half")]
+    result = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    assert result.exit_code == 1, result.output
+    assert "ended without its result" in result.stderr
+    assert not isinstance(result.exception, KeyError)
+
+
+def test_a_cell_s_value_results_and_error_are_inert_whatever_the_stream(
+        backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval's repr and run-code's results and error are lines forkd writes: inert even to
+    a pipe (--json has them exactly); the cell's own stdout is exact to a pipe."""
+    _terminal(monkeypatch, stdout=False, stderr=False)
+    evil = "".join(BAD)
+    error = EvalError(type="E", message=evil, traceback=f"Traceback\n{evil}")
+    backend.cell = EvalResult(repr=f"{evil}value", stdout=f"{evil}no-newline", stderr="",
+                              error=error)
+    result = CliRunner().invoke(cli, ["eval", "sb-1", "x"])
+    assert result.exit_code == 1
+    out = result.stdout_bytes.decode()
+    assert out.startswith(evil + "no-newline\n")  # exact, then forkd's own line
+    shown = out[len(evil) + len("no-newline\n"):]
+    _no_control(shown + result.stderr)
+    assert shown == inert(f"{evil}value") + "\n"
+    backend.cell = RunCodeResult(stdout="cell", results=[CodeResult(text=f"{evil}\nrow 2")])
+    result = CliRunner().invoke(cli, ["run-code", "sb-1", "x"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"cell\n{inert(evil + chr(10) + 'row 2')}\n"
+    raw = CliRunner().invoke(cli, ["run-code", "--json", "sb-1", "x"])
+    assert "\\u001b]52" in raw.stdout  # the exact text, JSON-escaped
+
+
+def test_a_listing_shows_each_cell_on_its_line(backend: FakeBackend) -> None:
+    info = dict(ref="r:latest", digest="sha256:" + "0" * 64, pid=1, dir="/d", memory="/m",
+                disk_backing="/b", memory_mib=64, created=0.0)
+    backend.listing = [SandboxInfo(id="sb-1", origin=f"{CLEAR}a\nsb-9  running  1  0s  -  x",
+                                   status=f"run\tning{OSC52}", **info)]
+    result = CliRunner().invoke(cli, ["ls"])
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.splitlines()
+    assert len(rows) == 2  # the header and one sandbox: no forged row
+    _no_control(result.stdout)
+    assert "\\x1b[2J" in rows[1] and "\\x0a" in rows[1] and "\\x09" in rows[1]
+
+
+def test_one_line_and_the_stream_escape_what_a_terminal_obeys() -> None:
+    assert one_line("a\nb\tc\x1bd\re") == "a\\x0ab\\x09c\\x1bd\\x0de"
+    long = one_line("x" * 1000 + "\n", 100)
+    assert len(long) <= 100 and "\n" not in long and "characters cut" in long
+    stream = InertStream()
+    pieces = [stream.feed(p) for p in ("a\r", "\nb\r", "c\x9b", "\r")]
+    assert "".join(pieces) + stream.end() == "a\nb\\x0dc\\x9b\\x0d"
+    assert inert("".join(BAD)) == inert(inert("".join(BAD)))
+
+
+# -- 5: what an MCP client shows of a running command ------------------------------------
+def test_run_command_progress_is_inert() -> None:
+    sent: list[str | None] = []
+
+    class Ctx:
+        async def report_progress(self, progress: float, total: float | None,
+                                  message: str | None) -> None:
+            sent.append(message)
+
+    async def main() -> None:
+        progress = mcp.Progress(Ctx())  # type: ignore[arg-type]
+
+        def run() -> None:
+            progress.on_stdout(f"{OSC52}out\r")
+            progress.on_stdout("\nnext")
+            progress.on_stderr(f"{CLEAR}e")
+
+        await anyio.to_thread.run_sync(run)
+        assert progress.stdout.text()[0] == f"{OSC52}out\r\nnext"  # the result: exact
+
+    anyio.run(main)
+    assert sent == ["\\x1b]52;c;ZXZpbA==\\x07out", "\nnext", "stderr: \\x1b[2J\\x1b[He"]
+    for message in sent:
+        _no_control(message or "")
+
+
+_unused = (contextlib, threading, Path)  # kept for the disk budget tests below
