@@ -38,7 +38,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,4 +242,122 @@ def test_run_command_progress_is_inert() -> None:
         _no_control(message or "")
 
 
-_unused = (contextlib, threading, Path)  # kept for the disk budget tests below
+
+# -- 7: the disk the children's overlays may take together -------------------------------
+VIRTUAL = 64 << 20  # each test overlay's disk size (its file is a few clusters)
+
+
+def _template(where: Path) -> Path:
+    from forkd.engine import qcow2
+
+    backing = where / "base.raw"
+    backing.write_bytes(b"")
+    template = where / "empty.qcow2"
+    qcow2.write_empty(template, str(backing), "raw", VIRTUAL)
+    return template
+
+
+def _child_dir(name: str) -> Path:
+    from forkd.engine.paths import children_dir
+
+    d = children_dir() / name
+    d.mkdir()
+    return d
+
+
+def test_overlays_are_placed_only_within_the_budget(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from forkd.engine import disk_budget
+    from forkd.errors import Conflict
+
+    template = _template(tmp_path)
+    most = disk_budget.most(template)
+    assert VIRTUAL < most <= VIRTUAL + VIRTUAL // 4096 + (1 << 20)  # the disk and its tables
+    monkeypatch.setenv("FORKD_DISK_BUDGET", str(2 * most + most // 2))
+    first = _child_dir("c-1") / "disk.qcow2"
+    disk_budget.place_overlay(template, first)
+    disk_budget.place_overlay(template, _child_dir("c-2") / "disk.qcow2")
+    third = _child_dir("c-3") / "disk.qcow2"
+    with pytest.raises(disk_budget.DiskBudgetExceeded, match="FORKD_DISK_BUDGET") as refused:
+        disk_budget.place_overlay(template, third)
+    assert "kill or pause children, or raise FORKD_DISK_BUDGET" in str(refused.value)
+    assert isinstance(refused.value, Conflict)  # HTTP 409 through the daemon
+    assert not third.exists()
+    # an overlay that grew past its disk's size (it holds its tables too) counts as it is
+    with open(first, "r+b") as grown:
+        grown.truncate(2 * most)
+    monkeypatch.setenv("FORKD_DISK_BUDGET", str(4 * most - 1))  # 3 * most, were it not
+    with pytest.raises(disk_budget.DiskBudgetExceeded):
+        disk_budget.place_overlay(template, third)
+    monkeypatch.delenv("FORKD_DISK_BUDGET")  # unset: no bound, as before
+    disk_budget.place_overlay(template, third)
+    assert third.exists()
+
+
+def test_forks_at_once_cannot_both_take_the_last_room(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from forkd.engine import disk_budget
+
+    template = _template(tmp_path)
+    monkeypatch.setenv("FORKD_DISK_BUDGET", str(3 * disk_budget.most(template)))
+    placed: list[str] = []
+    refused: list[str] = []
+    start = threading.Barrier(12)
+
+    def one(i: int) -> None:
+        disk = _child_dir(f"c-{i}") / "disk.qcow2"
+        start.wait()
+        try:
+            disk_budget.place_overlay(template, disk)
+            placed.append(disk.parent.name)
+        except disk_budget.DiskBudgetExceeded:
+            refused.append(disk.parent.name)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert (len(placed), len(refused)) == (3, 9)
+
+
+@pytest.mark.parametrize("text", ["lots", "10X", "-5", "1.5G", "9" * 20])
+def test_a_budget_that_is_not_a_size_is_refused_naming_the_setting(
+        text: str, place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from forkd.engine import disk_budget
+    from forkd.errors import InvalidInput
+
+    monkeypatch.setenv("FORKD_DISK_BUDGET", text)
+    with pytest.raises(InvalidInput, match=r"FORKD_DISK_BUDGET=.* is not a size"):
+        disk_budget.place_overlay(_template(tmp_path), _child_dir("c-1") / "disk.qcow2")
+    monkeypatch.setenv("FORKD_DISK_BUDGET", "2G")
+    assert disk_budget.configured() == 2 << 30
+
+
+def test_a_child_over_the_budget_fails_before_its_qemu_and_leaves_nothing(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine's launch (every fork, pool process, lazy fork and resume): the
+    refused child's directory and records are gone, and the error names the child and the
+    setting; no QEMU was started."""
+    from types import SimpleNamespace
+
+    from forkd.engine import disk_budget, lifecycle, qemu
+    from forkd.engine.disk_budget import DiskBudgetExceeded
+    from forkd.engine.lifecycle import ChildVM, Limits
+    from forkd.engine.paths import children_dir
+
+    started: list[object] = []
+    monkeypatch.setattr(qemu.QemuVM, "launch", lambda self, **_: started.append(self))
+    template = _template(tmp_path)
+    monkeypatch.setenv("FORKD_DISK_BUDGET", "1M")
+    compat = SimpleNamespace(memory_mib=64, vcpus=1, accelerators=["tcg"])
+    asm = SimpleNamespace(vmstate=tmp_path / "vmstate", disk=tmp_path / "base.raw",
+                          memory=tmp_path / "memory", digest="sha256:" + "0" * 64,
+                          config=SimpleNamespace(compat=compat))
+    with pytest.raises(DiskBudgetExceeded, match=r"child c-9: .*FORKD_DISK_BUDGET=1.0 MiB"):
+        ChildVM.launch(asm, "r:latest", "c-9", template,  # type: ignore[arg-type]
+                       Limits(), sandbox=False, with_netns=False)
+    assert started == []
+    assert not (children_dir() / "c-9").exists()
+    assert lifecycle.disk_budget is disk_budget  # the one placement every launch uses
+
