@@ -7,7 +7,10 @@
    printed a sandbox's snapshot (``origin``, and every text cell of the daemon's answer)
    as it came, line breaks included, so a value could forge rows of the listing. Now
    every line forkd composes shows such characters as escapes (names.inert; a listing's
-   cell with names.one_line, which escapes line breaks and tabs too).
+   cell with names.one_line, which escapes line breaks and tabs too). The demos
+   (``forkd demo coding-agent``, ``langgraph``, ``quickstart``'s progress) printed a
+   guest's test output and a model's answers raw in their progress, table and problem
+   lines: inert too.
 2. A guest program's stdout and stderr (``forkd exec``, ``eval``, ``run-code``) were
    written to the terminal byte for byte. Now, to a terminal, they are written inert
    (names.InertStream: a CRLF split between two streamed frames is still a line end, a
@@ -34,6 +37,9 @@
    within the budget, checked and claimed under one lock (engine/disk_budget.py); one
    that would exceed it fails before its QEMU starts, with an error naming the setting,
    and the others of its fork start as usual.
+8. MCP write_file took a ``content`` string of any length and encoded it whole before
+   saying it was too big; its schema now refuses one past mcp.MAX_CONTENT_CHARS (16 MiB
+   as base64) first.
 """
 
 from __future__ import annotations
@@ -361,3 +367,51 @@ def test_a_child_over_the_budget_fails_before_its_qemu_and_leaves_nothing(
     assert not (children_dir() / "c-9").exists()
     assert lifecycle.disk_budget is disk_budget  # the one placement every launch uses
 
+
+
+def test_the_demos_show_guest_and_model_text_inert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forkd demo coding-agent` printed a guest's test output (its last stderr line) and
+    `forkd demo langgraph` a model's answers as they came, in forkd's progress, table and
+    problem lines."""
+    from types import SimpleNamespace
+
+    from forkd.controller import coding_demo, langgraph_demo
+
+    def run(store: Any, tag: str, say: Any) -> Any:
+        say(f"source: tests {OSC52}")
+        return SimpleNamespace(branch_pause_ms=1.0, branch_ms=1.0, seconds=1.0,
+                               problems=[f"lane 2 {CLEAR}"])
+
+    monkeypatch.setattr(coding_demo, "run", run)
+    monkeypatch.setattr(coding_demo, "table", lambda report: [f"row {OSC52}\rforged"])
+    monkeypatch.setattr("forkd.store.store.Store.open", lambda: None)
+    result = CliRunner().invoke(cli, ["demo", "coding-agent"])
+    assert "\\x1b]52" in result.stdout and "\\x1b]52" in result.stderr
+    _no_control(result.stdout + result.stderr)
+    monkeypatch.setattr(langgraph_demo, "run_standin", run)
+    monkeypatch.setattr(langgraph_demo, "summary", lambda report: [f"answer {OSC52}"])
+    monkeypatch.setattr(langgraph_demo, "side_by_side", lambda report: [CLEAR])
+    result = CliRunner().invoke(cli, ["demo", "langgraph"])
+    assert result.exit_code == 1
+    assert "\\x1b[2J" in result.stderr and "\\x1b]52" in result.stdout
+    _no_control(result.stdout + result.stderr)
+
+
+def test_write_file_s_content_is_bounded_by_the_tool_s_schema(
+        place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_file took a content string of any length and encoded it whole (a copy of
+    every character, up to 4 bytes each) before it said it was too big; the schema now
+    refuses it first, with the bound in the message."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from forkd import Controller
+    from forkd.controller.mcp import MAX_CONTENT_CHARS
+
+    encoded: list[int] = []
+    monkeypatch.setattr(mcp, "_decode", lambda content, encoding: encoded.append(1) or b"")
+    server = mcp.build_server(Controller(local=True))
+    args = {"sandbox_id": "ghost-1", "path": "/tmp/f",
+            "content": "\u00e9" * (MAX_CONTENT_CHARS + 1)}
+    with pytest.raises(ToolError, match=str(MAX_CONTENT_CHARS)):
+        anyio.run(server.call_tool, "write_file", args)
+    assert encoded == []
