@@ -36,7 +36,8 @@
    is admitted only when every overlay of the run directory could grow to its full size
    within the budget, checked and claimed under one lock (engine/disk_budget.py); one
    that would exceed it fails before its QEMU starts, with an error naming the setting,
-   and the others of its fork start as usual.
+   and the others of its fork start as usual; a fork none of whose children the budget
+   admitted is that Conflict (409), not a VMMError (500).
 8. MCP write_file took a ``content`` string of any length and encoded it whole before
    saying it was too big; its schema now refuses one past mcp.MAX_CONTENT_CHARS (16 MiB
    as base64) first.
@@ -415,3 +416,39 @@ def test_write_file_s_content_is_bounded_by_the_tool_s_schema(
     with pytest.raises(ToolError, match=str(MAX_CONTENT_CHARS)):
         anyio.run(server.call_tool, "write_file", args)
     assert encoded == []
+
+
+def test_a_fork_whose_children_are_all_over_the_budget_is_a_conflict(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every child refused by the budget: the fork's error is DiskBudgetExceeded (the
+    caller's 409 through the daemon, naming the setting), not a VMMError (a 500, as if
+    the host had failed); one child of several refused is a line of the fork's errors."""
+    from types import SimpleNamespace
+
+    from forkd.controller.app import error_answer
+    from forkd.engine import children as ch
+    from forkd.engine.disk_budget import DiskBudgetExceeded
+    from forkd.engine.errors import VMMError
+
+    (tmp_path / "base.raw").write_bytes(b"\0" * 4096)
+    asm = SimpleNamespace(disk=tmp_path / "base.raw")
+    monkeypatch.setattr(ch, "prepare", lambda store, ref, **_: (asm, False))
+    monkeypatch.setattr(ch, "recipe_egress", lambda asm: None)
+    outcome = {"ch-1": DiskBudgetExceeded("over FORKD_DISK_BUDGET=1.0 MiB"),
+               "ch-2": DiskBudgetExceeded("over FORKD_DISK_BUDGET=1.0 MiB")}
+
+    def spawn_one(asm: Any, ref: str, child_id: str, *_: Any) -> Any:
+        raise outcome[child_id]
+
+    ids = iter(["ch-1", "ch-2"])
+    monkeypatch.setattr(ch, "new_id", lambda ref: next(ids))
+    monkeypatch.setattr(ch, "_spawn_one", spawn_one)
+    said = "no child started:\nch-1: .*FORKD_DISK_BUDGET"
+    with pytest.raises(DiskBudgetExceeded, match=said) as refused:
+        ch.fork(None, "r:latest", 2)  # type: ignore[arg-type]
+    assert error_answer(refused.value)[0] == 409
+    outcome["ch-2"] = VMMError("QEMU died")  # a failure of another kind among them
+    ids = iter(["ch-1", "ch-2"])
+    with pytest.raises(VMMError) as failed:
+        ch.fork(None, "r:latest", 2)  # type: ignore[arg-type]
+    assert not isinstance(failed.value, DiskBudgetExceeded)
