@@ -89,7 +89,12 @@ class GuestOutput:
 
     def write(self, which: str, text: str) -> None:
         """Write the guest's ``text`` to ``which`` ("stdout" or "stderr")."""
-        shown = text if self._raw[which] else self._inert[which].feed(text)
+        if self._raw[which]:
+            # exact, but what UTF-8 can hold: a lone surrogate (a guest's JSON may carry
+            # one) would end the command in an UnicodeEncodeError; it is written as "?"
+            shown = text if text.isascii() else text.encode("utf-8", "replace").decode()
+        else:
+            shown = self._inert[which].feed(text)
         if shown:
             stream = self._streams[which]
             stream.write(shown)

@@ -21,6 +21,8 @@
    line forkd writes now starts on a line of its own.
 4. ``forkd exec`` whose stream ended without a result (a daemon that went away) ended in
    a KeyError's traceback; it is a ForkdError saying what happened and what to check.
+   A lone surrogate in a guest's output (its JSON may carry one) ended it in a
+   UnicodeEncodeError's, the command's exit code lost: it is written as "?" to a pipe.
 5. The MCP server's progress notifications of run_command (what an MCP client shows a
    person while the command runs) carried the guest's control characters; they are
    inert now (the tool's result still has the exact output, for the model).
@@ -149,6 +151,20 @@ def test_exec_output_to_a_pipe_or_with_raw_is_exact(backend: FakeBackend,
     assert (raw.exit_code, raw.stdout_bytes, raw.stderr_bytes) == (3, exact, exact)
     guests = CliRunner().invoke(cli, ["exec", "sb-1", "sh", "--raw"])  # the guest's option
     _no_control(guests.stdout)
+
+
+def test_a_lone_surrogate_ends_no_command(backend: FakeBackend,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest's JSON may carry a lone surrogate (``"\\ud800"``), which UTF-8 cannot
+    encode: written raw it ended ``forkd exec`` in a UnicodeEncodeError's traceback, the
+    command's exit code lost. To a pipe it is a "?", to a terminal its escape."""
+    backend.frames = [ExecFrame(stdout="a\ud800b\u00e9\n"), _exited(4)]
+    _terminal(monkeypatch, stdout=False, stderr=False)
+    piped = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    assert (piped.exit_code, piped.stdout_bytes) == (4, "a?b\u00e9\n".encode())
+    _terminal(monkeypatch, stdout=True, stderr=True)
+    shown = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    assert (shown.exit_code, shown.stdout) == (4, "a\\ud800b\u00e9\n")
 
 
 def test_forkd_s_own_line_starts_a_line(backend: FakeBackend,
