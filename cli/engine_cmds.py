@@ -323,21 +323,28 @@ def exec_cmd(
         return
     r: dict[str, Any] = {}
     out = GuestOutput(raw)
-    for frame in _backend().exec_stream(child_id, req):  # output printed as it comes
-        if frame.stdout:
-            out.write("stdout", frame.stdout)
-        if frame.stderr:
-            out.write("stderr", frame.stderr)
-        if frame.result is not None:
-            r = _plain(frame.result)
-    out.own_line(err=True)
+    try:
+        for frame in _backend().exec_stream(child_id, req):  # output printed as it comes
+            if frame.stdout:
+                out.write("stdout", frame.stdout)
+            if frame.stderr:
+                out.write("stderr", frame.stderr)
+            if frame.result is not None:
+                r = _plain(frame.result)
+    except ForkdError:  # an error frame: forkd.cli.errors prints it, on a line of its own
+        out.finish()
+        out.own_line(err=True)
+        raise
+    out.finish()
     why = {"timed_out": f"command timed out after {timeout} s (its process group was killed)",
            "oom_killed": "the guest's OOM killer ended the command (give the sandbox more "
                          "memory, or make the command use less)",
            "killed": "the command was killed by a request"}.get(str(r.get("status")))
     if why:
+        out.own_line(err=True)
         click.echo(f"forkd: {why}", err=True)
     if "exit_code" not in r:
+        out.own_line(err=True)  # the error line forkd.cli.errors prints
         raise ForkdError(f"sandbox {one_line(child_id)}: the command's output ended without "
                          "its result (the daemon or the sandbox went away); `forkd ls` shows "
                          "whether it still runs")
@@ -374,6 +381,7 @@ def _cell_output(r: dict[str, Any], raw: bool) -> GuestOutput:
     out = GuestOutput(raw)
     out.write("stdout", r["stdout"])
     out.write("stderr", r["stderr"])
+    out.finish()
     return out
 
 

@@ -101,6 +101,16 @@ class GuestOutput:
             stream.flush()
             self._open[which] = not shown.endswith("\n")
 
+    def finish(self) -> None:
+        """The guest's output has ended: what a terminal's stream still held (a CR at its
+        very end, which no LF followed) is written, as its escape."""
+        for which, stream in self._streams.items():
+            held = "" if self._raw[which] else self._inert[which].end()
+            if held:
+                stream.write(held)
+                stream.flush()
+                self._open[which] = True
+
     def own_line(self, err: bool) -> None:
         """Before forkd writes a line of its own to stderr (err) or stdout."""
         which = "stderr" if err else "stdout"

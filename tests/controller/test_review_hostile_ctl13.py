@@ -180,6 +180,27 @@ def test_forkd_s_own_line_starts_a_line(backend: FakeBackend,
     result = CliRunner().invoke(cli, ["exec", "--timeout", "1", "sb-1", "sh"])
     assert result.stdout == "out-partial"
     assert result.stderr_bytes.startswith(b"err-partial\r\nforkd: command timed out")
+    backend.frames[-1] = _exited(0)  # no line of forkd's: not a byte added, to a terminal too
+    for terminal in (False, True):
+        _terminal(monkeypatch, stdout=terminal, stderr=terminal)
+        result = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+        assert result.stdout == "out-partial"
+        assert result.stderr_bytes == (b"err-partial\\x0d" if terminal else b"err-partial\r")
+
+
+def test_an_error_frame_after_output_is_on_a_line_of_its_own(
+        backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from forkd.errors import NotFound
+
+    def broken(sandbox_id: str, req: Any) -> Iterator[ExecFrame]:
+        yield ExecFrame(stderr="half a line")
+        raise NotFound(f"sandbox sb-1 is gone {OSC52}")
+
+    _terminal(monkeypatch, stdout=True, stderr=True)
+    monkeypatch.setattr(backend, "exec_stream", broken)
+    result = CliRunner().invoke(cli, ["exec", "sb-1", "sh"])
+    assert result.exit_code == 3
+    assert result.stderr.startswith("half a line\nforkd: error: sandbox sb-1 is gone \\x1b]52")
 
 
 def test_a_stream_without_a_result_is_an_error_not_a_traceback(
