@@ -13,6 +13,7 @@ import click
 from forkd import digest as dg
 from forkd.cli.output import human
 from forkd.errors import IntegrityError
+from forkd.names import inert
 from forkd.store.store import Store
 from forkd.synthetic import write_base, write_diff
 
@@ -101,7 +102,7 @@ def langgraph(tag: str, model_url: str | None, model_name: str) -> None:
     store = Store.open()
 
     def say(message: str) -> None:
-        click.echo(message, err=True)
+        click.echo(inert(message), err=True)
 
     if model_url is None:
         report = lg.run_standin(store, tag, say=say)
@@ -109,10 +110,10 @@ def langgraph(tag: str, model_url: str | None, model_name: str) -> None:
         report = lg.run(store, lg.real_endpoint(model_url, model_name), tag, say=say)
     click.echo("")
     for line in [*lg.summary(report), "", *lg.side_by_side(report)]:
-        click.echo(line)
+        click.echo(inert(line))  # a model's answers and a guest's output: shown, not obeyed
     if report.problems:
         raise click.ClickException("the demo did not show what it should:\n  "
-                                   + "\n  ".join(report.problems))
+                                   + "\n  ".join(inert(p) for p in report.problems))
 
 
 def register(cli: click.Group) -> None:

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import click
 
 from forkd.cli.output import emit_json
+from forkd.names import inert
 
 
 @click.command("coding-agent")
@@ -22,18 +23,18 @@ def coding_agent(tag: str, as_json: bool) -> None:
     from forkd.controller import coding_demo
     from forkd.store.store import Store
 
-    report = coding_demo.run(Store.open(), tag, say=lambda m: click.echo(m, err=True))
+    report = coding_demo.run(Store.open(), tag, say=lambda m: click.echo(inert(m), err=True))
     if as_json:
         emit_json(asdict(report))
     else:
         click.echo("")
-        for line in coding_demo.table(report):
-            click.echo(line)
+        for line in coding_demo.table(report):  # guest output in it: shown, not obeyed
+            click.echo(inert(line))
         click.echo(
             f"\nbranch pause {report.branch_pause_ms:.1f} ms, branch {report.branch_ms:.0f} ms, "
             f"whole demo {report.seconds:.1f} s"
         )
         for problem in report.problems:
-            click.echo(f"PROBLEM: {problem}", err=True)
+            click.echo(f"PROBLEM: {inert(problem)}", err=True)
     if report.problems:
         raise click.ClickException(f"{len(report.problems)} isolation check(s) failed (above)")

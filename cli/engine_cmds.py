@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from forkd.cli.errors import MAX_ERROR_CHARS
-from forkd.cli.output import emit_json, human
-from forkd.errors import InvalidInput
-from forkd.names import inert
+from forkd.cli.output import RAW_HELP, GuestOutput, emit_json, human
+from forkd.errors import ForkdError, InvalidInput
+from forkd.names import inert, one_line
 from forkd.store.store import Store
 
 if TYPE_CHECKING:
     from forkd.controller.backend import Backend
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+raw_option = click.option("--raw", is_flag=True, help=RAW_HELP)
 
 
 def _store() -> Store:
@@ -202,12 +203,12 @@ def fork(
         for c in res["sandboxes"]:
             t = c["timings_ms"]
             click.echo(
-                f"{c['id']}  pid {c['pid']}  running {t.get('running', 0):.0f} ms  "
+                f"{one_line(c['id'])}  pid {c['pid']}  running {t.get('running', 0):.0f} ms  "
                 f"ready {t.get('ready', 0):.0f} ms"
             )
         click.echo(
-            f"{len(res['sandboxes'])} children of {tag} ready in {res['total_ms']:.0f} ms "
-            f"(assemble {res['assemble_ms']:.0f} ms)"
+            f"{len(res['sandboxes'])} children of {one_line(tag)} ready in "
+            f"{res['total_ms']:.0f} ms (assemble {res['assemble_ms']:.0f} ms)"
         )
         for e in res["errors"]:
             click.echo(f"failed: {inert(e, MAX_ERROR_CHARS)}", err=True)
@@ -228,10 +229,10 @@ def ls_cmd(as_json: bool) -> None:
         return
     click.echo(f"{'ID':22} {'STATUS':8} {'PID':>8} {'AGE':>7} {'LEFT':>8}  SNAPSHOT")
     for c in kids:
-        click.echo(
-            f"{c['id']:22} {c['status']:8} {c['pid']:>8} "
+        click.echo(  # every text cell one line, inert: a daemon's answer, not forkd's words
+            f"{one_line(c['id']):22} {one_line(c['status']):8} {c['pid']:>8} "
             f"{time.time() - c['created']:6.0f}s {_left(c.get('time_left_s')):>8}  "
-            f"{c.get('origin') or c['ref']}"
+            f"{one_line(c.get('origin') or c['ref'])}"
         )
 
 
@@ -290,6 +291,7 @@ class GuestCommand(click.Command):
 @click.option("--cwd", default=None, help="Working directory in the guest.")
 @click.option("--env", "-e", multiple=True, help="KEY=VALUE for the command's environment.")
 @click.option("--stdin", "use_stdin", is_flag=True, help="Pass this command's stdin along.")
+@raw_option
 @json_option
 def exec_cmd(
     child_id: str,
@@ -298,11 +300,14 @@ def exec_cmd(
     cwd: str | None,
     env: tuple[str, ...],
     use_stdin: bool,
+    raw: bool,
     as_json: bool,
 ) -> None:
     """Run a command in child CHILD_ID: forkd exec [OPTIONS] ID [OPTIONS] [--] CMD ARGS...
 
-    Everything from CMD on goes to the guest as it is, options included."""
+    Everything from CMD on goes to the guest as it is, options included. Its output is
+    written as it comes; to a terminal, control characters (ESC, CR, ...) appear as
+    escapes unless --raw (docs/api.md, "What the CLI prints")."""
     envd = {}
     for kv in env:
         k, sep, v = kv.partition("=")
@@ -317,19 +322,32 @@ def exec_cmd(
         emit_json(_plain(_backend().exec(child_id, req)))
         return
     r: dict[str, Any] = {}
-    for frame in _backend().exec_stream(child_id, req):  # output printed as it comes
-        for text, out in ((frame.stdout, sys.stdout), (frame.stderr, sys.stderr)):
-            if text:
-                out.write(text)
-                out.flush()
-        if frame.result is not None:
-            r = _plain(frame.result)
+    out = GuestOutput(raw)
+    try:
+        for frame in _backend().exec_stream(child_id, req):  # output printed as it comes
+            if frame.stdout:
+                out.write("stdout", frame.stdout)
+            if frame.stderr:
+                out.write("stderr", frame.stderr)
+            if frame.result is not None:
+                r = _plain(frame.result)
+    except ForkdError:  # an error frame: forkd.cli.errors prints it, on a line of its own
+        out.finish()
+        out.own_line(err=True)
+        raise
+    out.finish()
     why = {"timed_out": f"command timed out after {timeout} s (its process group was killed)",
            "oom_killed": "the guest's OOM killer ended the command (give the sandbox more "
                          "memory, or make the command use less)",
            "killed": "the command was killed by a request"}.get(str(r.get("status")))
     if why:
+        out.own_line(err=True)
         click.echo(f"forkd: {why}", err=True)
+    if "exit_code" not in r:
+        out.own_line(err=True)  # the error line forkd.cli.errors prints
+        raise ForkdError(f"sandbox {one_line(child_id)}: the command's output ended without "
+                         "its result (the daemon or the sandbox went away); `forkd ls` shows "
+                         "whether it still runs")
     code = int(r["exit_code"])
     sys.exit(code & 0xFF if code >= 0 else 128 + (-code & 0x7F))  # killed by signal N → 128+N
 
@@ -337,24 +355,42 @@ def exec_cmd(
 @click.command("eval")
 @click.argument("child_id")
 @click.argument("code")
+@raw_option
 @json_option
-def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
-    """Evaluate Python CODE in child CHILD_ID's warm interpreter."""
+def eval_cmd(child_id: str, code: str, raw: bool, as_json: bool) -> None:
+    """Evaluate Python CODE in child CHILD_ID's warm interpreter. Its stdout and stderr
+    are written as for exec (--raw); the value's repr and the error are forkd's lines,
+    shown inert (--json has every part exactly)."""
     from forkd.controller.api import EvalRequest
 
     r = _plain(_backend().eval(child_id, EvalRequest(code=code)))
     if as_json:
         emit_json(r)
     else:
-        sys.stdout.write(r["stdout"])
-        sys.stderr.write(r["stderr"])
+        out = _cell_output(r, raw)
         if r.get("repr") is not None:
-            click.echo(r["repr"])
+            out.own_line(err=False)
+            click.echo(inert(r["repr"], MAX_ERROR_CHARS))
+        _cell_error(r, out)
     if r.get("error"):
-        if not as_json:
-            click.echo(inert(r["error"].get("traceback") or r["error"]["message"],
-                             MAX_ERROR_CHARS), err=True)
         sys.exit(1)
+
+
+def _cell_output(r: dict[str, Any], raw: bool) -> GuestOutput:
+    """A cell's stdout and stderr written (GuestOutput: inert to a terminal unless raw)."""
+    out = GuestOutput(raw)
+    out.write("stdout", r["stdout"])
+    out.write("stderr", r["stderr"])
+    out.finish()
+    return out
+
+
+def _cell_error(r: dict[str, Any], out: GuestOutput) -> None:
+    """A cell's error (its traceback), inert, on a line of its own on stderr."""
+    if r.get("error"):
+        out.own_line(err=True)
+        click.echo(inert(r["error"].get("traceback") or r["error"]["message"],
+                         MAX_ERROR_CHARS), err=True)
 
 
 @click.command("run-code")
@@ -364,11 +400,14 @@ def eval_cmd(child_id: str, code: str, as_json: bool) -> None:
               help="Stop the cell after SECONDS (default 300).")
 @click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write image results there (result-N.png / .jpeg).")
+@raw_option
 @json_option
 def run_code_cmd(child_id: str, code: str, timeout: float | None, save_dir: Path | None,
-                 as_json: bool) -> None:
+                 raw: bool, as_json: bool) -> None:
     """Run a code-interpreter cell (Python CODE, or - for stdin) in child CHILD_ID's warm
-    namespace: stdout, stderr, rich results (figures, DataFrames) and the last value."""
+    namespace: stdout, stderr, rich results (figures, DataFrames) and the last value.
+    stdout and stderr are written as for exec (--raw); the results and the error are
+    forkd's lines, shown inert (--json has every part exactly)."""
     from forkd.controller.api import RunCodeRequest
 
     if code == "-":
@@ -379,14 +418,12 @@ def run_code_cmd(child_id: str, code: str, timeout: float | None, save_dir: Path
     if as_json:
         emit_json(r)
     else:
-        sys.stdout.write(r["stdout"])
-        sys.stderr.write(r["stderr"])
+        out = _cell_output(r, raw)
         for i, res in enumerate(r["results"]):
+            out.own_line(err=False)
             click.echo(_describe_result(i, res, save_dir))
+        _cell_error(r, out)
     if r.get("error"):
-        if not as_json:
-            click.echo(inert(r["error"].get("traceback") or r["error"]["message"],
-                             MAX_ERROR_CHARS), err=True)
         sys.exit(1)
 
 
@@ -394,7 +431,7 @@ def _describe_result(i: int, res: dict[str, Any], save_dir: Path | None) -> str:
     """A result as text: its text form, and where its image went (or that it has one)."""
     import base64
 
-    lines = [res["text"]]
+    lines = [inert(res["text"], MAX_ERROR_CHARS)]
     for kind in ("png", "jpeg"):
         if res.get(kind):
             data = base64.b64decode(res[kind])
@@ -428,7 +465,7 @@ def kill(child_ids: tuple[str, ...], kill_all: bool, as_json: bool) -> None:
     else:
         for c in done:
             state = "killed" if c["status"] == "killed" else "cleaned up (crashed)"
-            click.echo(f"{c['id']} {state}")
+            click.echo(f"{one_line(c['id'])} {state}")
 
 
 def _children_of_this_store() -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from forkd.cli.output import emit_json
+from forkd.names import inert
 
 
 def bundled_recipe(name: str) -> Path:
@@ -88,7 +89,7 @@ def quickstart(
         yes=yes,
         keep=keep,
         confirm=lambda q: click.confirm(q, default=True),
-        say=lambda m: click.echo(m, err=True),
+        say=lambda m: click.echo(inert(m), err=True),
         bundled=list(bundles) or None,
         wait_bundles=wait_bundles,
     )

@@ -61,7 +61,7 @@ from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import ChildNotFound, TooManyRequests
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
-from forkd.names import inert, parse_ref, shown
+from forkd.names import InertStream, inert, parse_ref, shown
 from forkd.shares import Shares
 
 # -- limits (docs/mcp.md, "Limits") ----------------------------------------------------
@@ -72,6 +72,9 @@ MAX_CELL_CHARS = 4 << 20  # run_code: the rest of a result (error, repr, value, 
 MAX_CELL_DEPTH = 128  # run_code: a JSON value nested deeper is left out (pydantic sends 253)
 MAX_PROGRESS_CHARS = 16 << 10  # one progress notification carries at most this much output
 MAX_CODE_CHARS = 1 << 20  # run_code: the code; run_command: the command line, stdin
+# write_file: its content's characters (MAX_FILE_BYTES of base64), refused as it arrives,
+# before it is encoded or decoded (each a copy); the bytes are then held to MAX_FILE_BYTES
+MAX_CONTENT_CHARS = (MAX_FILE_BYTES * 4) // 3 + 4
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -461,6 +464,10 @@ class Progress:
         self._lock = threading.Lock()
         self.stdout = Tail()
         self.stderr = Tail()
+        # a progress message is for a person to see as it comes (a client's status line,
+        # its log, a terminal): the guest's control characters in it are shown as escapes
+        # (names.InertStream), as the CLI shows them; the result carries the exact text
+        self._inert = {"": InertStream(), "stderr: ": InertStream()}
 
     def on_stdout(self, text: str) -> None:
         self.stdout.add(text)
@@ -475,9 +482,10 @@ class Progress:
             for start in range(0, len(text), MAX_PROGRESS_CHARS):
                 piece = text[start : start + MAX_PROGRESS_CHARS]
                 self._sent += len(piece)
+                shown = self._inert[prefix].feed(piece)
                 with contextlib.suppress(Exception):  # a gone client must not end the command
                     anyio.from_thread.run(
-                        self._ctx.report_progress, self._sent, None, prefix + piece
+                        self._ctx.report_progress, self._sent, None, prefix + shown
                     )
 
 
@@ -680,7 +688,7 @@ class Tools:
         self,
         sandbox_id: SandboxId,
         path: GuestPath,
-        content: str,
+        content: Annotated[str, Field(max_length=MAX_CONTENT_CHARS)],
         encoding: Encoding = "utf-8",
         mode: Annotated[
             int, Field(ge=0, le=0o7777, description="Permission bits, e.g. 420 (0644).")
@@ -810,7 +818,7 @@ def _check_command(command: str | list[str]) -> None:
 def _decode(content: str, encoding: str) -> bytes:
     if encoding == "utf-8":
         return content.encode()
-    if len(content) > (MAX_FILE_BYTES * 4) // 3 + 4:
+    if len(content) > MAX_CONTENT_CHARS:
         raise InvalidInput(f"the content is over the {MAX_FILE_BYTES} bytes write_file takes")
     try:
         return base64.b64decode(content, validate=True)

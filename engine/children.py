@@ -43,6 +43,7 @@ from forkd.engine.commands import (
     check_signal,
     check_timeout,
 )
+from forkd.engine.disk_budget import DiskBudgetExceeded
 from forkd.engine.egress.child import EgressSettings, configure_guest
 from forkd.engine.errors import (
     AgentError,
@@ -445,6 +446,7 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
     ids = [w.id for w in taken] + [new_id(ref) for _ in range(n - len(taken))]
     results: list[ChildInfo | None] = [None] * n
     errors: list[str] = []
+    over_budget: list[str] = []  # the children refused by FORKD_DISK_BUDGET
     tpl_dir: Path | None = None
     try:
         overlay = overlay_template or Path()
@@ -467,6 +469,8 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
                     progress(f"{info.id} ready in {info.timings_ms['ready']:.0f} ms")
                 except Exception as e:
                     errors.append(f"{ids[i]}: {e}")
+                    if isinstance(e, DiskBudgetExceeded):
+                        over_budget.append(ids[i])
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in threads:
@@ -483,7 +487,9 @@ def fork(store: Store, ref: str, n: int, *, memory_limit_mib: int | None = None,
             pool.refill(ref)
     ok = [r for r in results if r is not None]
     if errors and not ok:
-        raise VMMError("no child started:\n" + "\n".join(errors[:5]))
+        # every child refused by the budget: the caller's Conflict (409), not a VM failure
+        failed = DiskBudgetExceeded if len(over_budget) == len(errors) else VMMError
+        raise failed("no child started:\n" + "\n".join(errors[:5]))
     return ForkResult(ok, asm_ms, (time.monotonic() - t0) * 1000, errors)
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forkd.engine import netns
+from forkd.engine import disk_budget, netns
 from forkd.engine.cgroup import CgroupLimits, ChildCgroup
 from forkd.engine.commands import MAX_WAIT_S
 from forkd.engine.egress import child as egress
@@ -311,7 +311,7 @@ class ChildVM:
         child = cls(info, vm, record_name=WAITING_FILE if pooled else CHILD_FILE,
                     owner=os.getpid() if pooled else None)
         try:
-            shutil.copyfile(overlay_tpl, disk)
+            disk_budget.place_overlay(overlay_tpl, disk)  # FORKD_DISK_BUDGET, if set
             if ns_name is not None:
                 info.netns = ns_name
                 info.mac, info.ip = netns.child_identity(child_id)

@@ -192,7 +192,41 @@ def inert(text: object, limit: int = MAX_SHOWN) -> str:
     a bidi override is visible text, not an instruction; newlines and tabs stay. Over
     ``limit`` characters its middle is cut (the start and the end are what explain a
     failure). Applying it again changes nothing."""
-    shown_text = _CONTROL.sub(_escaped, str(text).replace("\r\n", "\n"))
+    return _cut(_CONTROL.sub(_escaped, str(text).replace("\r\n", "\n")), limit)
+
+
+def one_line(text: object, limit: int = SHOWN_CHARS * 2) -> str:
+    """Untrusted text shown as one line or one cell of a listing (a sandbox's snapshot in
+    ``forkd ls``, a token's name): ``inert``, and a line break or tab shown as its escape
+    too, so it cannot start a forged line or shift the columns. Cut in its middle past
+    ``limit`` characters, saying so."""
+    # every line break is an escape by now: the only ones left are the cut's own note's
+    return _cut(_NOT_IN_A_LINE.sub(_escaped, str(text)), limit).replace("\n", " ")
+
+
+class InertStream:
+    """``inert`` for a text that arrives in pieces (a command's output, streamed), with no
+    cut: a CR that ends a piece is held until the next piece says whether an LF follows
+    (CRLF is a line's end; a lone CR, which would send the cursor back over a line, is
+    shown as its escape). ``end`` gives what is still held once the stream ended."""
+
+    def __init__(self) -> None:
+        self._cr = False
+
+    def feed(self, text: str) -> str:
+        if self._cr:
+            text, self._cr = "\r" + text, False
+        if text.endswith("\r"):
+            text, self._cr = text[:-1], True
+        return _CONTROL.sub(_escaped, text.replace("\r\n", "\n"))
+
+    def end(self) -> str:
+        held, self._cr = self._cr, False
+        return "\\x0d" if held else ""
+
+
+def _cut(shown_text: str, limit: int) -> str:
+    """``shown_text`` with its middle cut past ``limit`` characters, saying how much."""
     if len(shown_text) <= limit:
         return shown_text
     room = max(0, limit - len(_CUT.format(len(shown_text))))  # the result fits in limit

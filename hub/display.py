@@ -16,6 +16,7 @@ import sys
 
 from markupsafe import Markup
 
+from forkd import names
 from forkd.names import inert
 
 
@@ -27,10 +28,11 @@ def shown_text(text: str) -> str:
 
 
 def one_line(text: str) -> str:
-    """``text`` shown as one line: ``shown_text``, and newlines and tabs written as
-    ``\\n`` and ``\\t`` too, so a stored value cannot forge a line or a column of a
-    tab-separated listing (``forkd hub token list``)."""
-    return shown_text(text).replace("\n", "\\n").replace("\t", "\\t")
+    """``text`` shown as one line, never cut: ``forkd.names.one_line`` (``shown_text``,
+    and newlines and tabs written as ``\\x0a`` and ``\\x09`` too), so a stored value
+    cannot forge a line or a column of a tab-separated listing (``forkd hub token
+    list``)."""
+    return names.one_line(text, sys.maxsize)
 
 
 def optional_line(text: str | None) -> str | None:

@@ -11,8 +11,9 @@ A guest reaches the outside only through this proxy (``HTTPS_PROXY``/``HTTP_PROX
   the egress CA (ca.py), speaks HTTP/1.1 to the guest, swaps each bound secret's
   placeholder for its value in the authentication headers (AUTH_HEADERS), forwards over
   a new TLS connection that verifies the upstream's certificate (system store, or the
-  trust given) and swaps the value back to the placeholder in the response's reason
-  phrase, headers and body (a body with a Content-Encoding is refused: 502).
+  trust given) and swaps the value back to the placeholder in the response's head (its
+  reason phrase, header names and values, a 1xx's too, in any case) and body (in its
+  exact case; a body with a Content-Encoding is refused: 502).
 - ``GET http://host[:port]/…`` (absolute URI, plain HTTP): allowed destinations get one
   request per connection (``Connection: close``); no secret is ever put into plain HTTP.
 - Anything else is refused: a tunnel whose first record is not a ClientHello naming the
@@ -644,9 +645,8 @@ class EgressProxy:
             if isinstance(event, Head) and event.status >= 200:
                 return event
             if isinstance(event, Head):
-                headers = [(k, _scrub(v, scrub)) for k, v in event.headers]
-                reason = _scrub(event.reason, scrub)
-                await guest.send(http1.response_head(event.status, reason, headers))
+                await guest.send(_scrub(
+                    http1.response_head(event.status, event.reason, event.headers), scrub))
             elif event is not END:  # END: the end of a 1xx
                 raise EOFError("the upstream closed the connection before answering")
 
@@ -682,7 +682,6 @@ class EgressProxy:
                 "failed",
             )
         headers = _forwarded(head.headers, {b"content-length", b"transfer-encoding", b"connection"})
-        headers = [(k, _scrub(v, scrub)) for k, v in headers]
         keep = not close and head.keep_alive and _guest_keeps(request)
         chunked = body and request.version == "1.1"
         if chunked:
@@ -691,7 +690,8 @@ class EgressProxy:
             keep = False  # an HTTP/1.0 guest: the body ends when the proxy closes
         if not keep:
             headers.append((b"connection", b"close"))
-        await guest.queue(http1.response_head(head.status, _scrub(head.reason, scrub), headers))
+        await guest.queue(_scrub(http1.response_head(head.status, head.reason, headers),
+                                      scrub))
         replacers = [StreamReplacer(old, new) for old, new in scrub]
         # a small body of known length (not a stream): head and body go out as one write
         hold = head.length is not None and head.length <= CHUNK
@@ -810,9 +810,18 @@ def _spellings_of(value: str) -> set[str]:
 
 
 def _scrub(value: bytes, spellings: list[tuple[bytes, bytes]]) -> bytes:
-    for spelling, placeholder in spellings:
-        value = value.replace(spelling, placeholder)
-    return value
+    """``value`` (a whole response head, or the proxy's words about one) with every
+    spelling of a secret's value replaced by its placeholder, in any case and wherever it
+    is: the reason phrase, a header's NAME as well as its value (an upstream that echoes
+    the request's headers may echo them as names, and HTTP/1.1 servers lower-case names
+    and often values). A placeholder is a token (``[A-Za-z0-9_-]``): a scrubbed name is
+    still a name, and no CR or LF is made. (A body is scrubbed in its exact case only,
+    by StreamReplacer.)"""
+    if not spellings:
+        return value
+    placeholders = {spelling.lower(): placeholder for spelling, placeholder in spellings}
+    found = re.compile(b"|".join(re.escape(spelling) for spelling, _ in spellings), re.I)
+    return found.sub(lambda m: placeholders[m.group(0).lower()], value)
 
 
 def _content_coding(head: Head) -> str | None:

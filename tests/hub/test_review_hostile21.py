@@ -12,7 +12,7 @@
    annotations are never checked (the OCI spec lets them be any string), and the lineage
    API answered a pusher's ``dev.forkd.parent.tag`` as sent. Now every path that shows
    such text writes what a terminal or page acts on as its escape (``\\x1b``, ``\\u202e``;
-   in one-line fields ``\\n`` and ``\\t`` too): ``hub/display.py``, the UI templates'
+   in one-line fields ``\\x0a`` and ``\\x09`` too): ``hub/display.py``, the UI templates'
    ``finalize`` (every plain text a page shows), the CLI's listings and those API fields.
    A README's Markdown stays as written (prose; its rendered HTML is sanitised).
 2. A site admin's API token narrowed to ``*:push`` (a CI job's, meant to push anywhere)
@@ -81,13 +81,13 @@ def test_token_names_stored_before_the_checks_are_shown_escaped(
     listed = hub.cli("token", "list", "--user", user[0]).splitlines()
     assert len(listed) == 2, listed
     assert all(len(line.split("\t")) == 4 for line in listed), listed
-    assert "ci\\n42\\tdeploy\\t*:admin" in listed[0], listed
+    assert "ci\\x0a42\\x09deploy\\x09*:admin" in listed[0], listed
     assert not _raw_in("\n".join(listed)), listed
     # The owner's API listing: each name one line, escapes visible.
     with hub.client(user) as c:
         names = [t["name"] for t in c.get("/api/v1/tokens").json()]
     assert names == [
-        "ci\\n42\\tdeploy\\t*:admin",
+        "ci\\x0a42\\x09deploy\\x09*:admin",
         "x\\x1b]52;c;cm0gLXJmIH4K\\x07\\x1b[2J\\u202eevil\\x9b31m",
     ]
     # The UI's token page.
@@ -203,7 +203,7 @@ def test_annotations_in_the_lineage_api_are_shown_escaped(
         lineage = c.get(f"/api/v1/lineage/{repo}", params={"tag": "v2"}).json()
     head = lineage["head"]
     assert head["parent"] == base
-    assert head["parent_tag"] == "v1\\n\\x1b]52;c;cm0gLXJmIH4K\\x07\\u202e", head
+    assert head["parent_tag"] == "v1\\x0a\\x1b]52;c;cm0gLXJmIH4K\\x07\\u202e", head
     assert head["compacted_from"] == "v0\\x1b[2J@sha256:" + "0" * 64, head
 
 
