@@ -639,9 +639,18 @@ class EgressProxy:
     async def _response_head(
         self, upstream: _Peer, guest: _Peer, scrub: list[tuple[bytes, bytes]]
     ) -> Head:
-        """The upstream's response head; 1xx responses before it go to the guest."""
+        """The upstream's response head; 1xx responses before it go to the guest. Refused
+        (502, audited ``failed``) when the upstream's head breaks HTTP/1.1: nothing of it
+        reaches the guest, which is told so rather than finding its connection dropped."""
         while True:
-            event = await upstream.next_event(self.limits.read_seconds)
+            try:
+                event = await upstream.next_event(self.limits.read_seconds)
+            except ProtocolError as exc:
+                raise Refused(
+                    502,
+                    f"the upstream's answer broke HTTP/1.1 ({exc}); nothing of it was passed on",
+                    "failed",
+                ) from exc
             if isinstance(event, Head) and event.status >= 200:
                 return event
             if isinstance(event, Head):
@@ -729,7 +738,10 @@ class EgressProxy:
                 broken = Refused(exc.status, str(exc))
                 await self._refuse(guest, ip, "egress.http", str(dest), broken)
                 return
-            await self._relay_response(upstream, guest, request, [], close=True)
+            try:
+                await self._relay_response(upstream, guest, request, [], close=True)
+            except Refused as refused:  # nothing of this response reached the guest
+                await self._refuse(guest, ip, "egress.http", str(dest), refused)
         finally:
             self._writers.discard(up_writer)
             up_writer.close()

@@ -269,7 +269,40 @@ def test_a_malformed_response_never_reaches_the_guest(
     finally:
         proxy.stop()
         upstream.join()
-    assert reply == b""  # the connection is dropped: no head, no body of it
+    # The guest is told, in the proxy's own 502 (audited as failed); no byte of the
+    # upstream's head or body reaches it.
+    head, _, said = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502 "), reply
+    assert said.startswith(b"forkd egress: the upstream's answer broke HTTP/1.1"), reply
+    assert b"hello" not in reply and b"200 OK" not in reply
+    records = [json.loads(line) for line in audit_path.read_text().splitlines()]
+    failed = [r for r in records if r["result"] == "failed"]
+    assert failed and failed[-1]["status"] == 502, records
+
+
+def test_a_malformed_plain_http_answer_is_a_502_too(audit_path: Path) -> None:
+    """The same for plain HTTP (no secret, no TLS): an upstream whose head folds a line."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(HOSTILE_RESPONSES["obs-fold"])
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        proxy = make_proxy([f"plain.test:{port}"], audit_path)
+        try:
+            request = f"GET http://plain.test:{port}/ HTTP/1.1\r\nHost: plain.test:{port}\r\n\r\n"
+            reply = raw_request(proxy.port, request.encode())
+        finally:
+            proxy.stop()
+            thread.join(10)
+    assert reply.startswith(b"HTTP/1.1 502 "), reply
+    assert b"hello" not in reply
+    assert "failed" in audit_lines_results(audit_path)
 
 
 @pytest.mark.parametrize("size", [b"zz", b"fffffffffffffffff1", b"-1"])
