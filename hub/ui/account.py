@@ -515,14 +515,22 @@ def _open_session(session: Session, row: UiSession) -> None:
 
 
 @dataclass
+class RobotToken:
+    token: ApiToken
+    minted_by: str  # who minted it for the robot ("": not recorded: the operator's, or older)
+    stands: bool  # False: its minter may no longer manage the robot (authz.minter_stands)
+
+
+@dataclass
 class RobotRow:
     user_id: int
     name: str
-    tokens: list[ApiToken]
+    tokens: list[RobotToken]
 
 
 async def _robots(session: AsyncSession, principal: accounts.Principal) -> list[RobotRow]:
-    """The robots ``principal`` manages (``authz.manageable_robots``), with their tokens."""
+    """The robots ``principal`` manages (``authz.manageable_robots``), with their tokens,
+    who minted each and whether it still works."""
     out: list[RobotRow] = []
     for user in await session.run_sync(authz.manageable_robots, principal):
         tokens = (
@@ -530,5 +538,11 @@ async def _robots(session: AsyncSession, principal: accounts.Principal) -> list[
                 select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)
             )
         ).all()
-        out.append(RobotRow(user.id, user.name, list(tokens)))
+        rows = []
+        for token in tokens:
+            minter = await session.get(User, token.minted_by) if token.minted_by else None
+            named = minter.name if minter else ("a removed account" if token.minted_by else "")
+            stands = await session.run_sync(authz.minter_stands, token)
+            rows.append(RobotToken(token, named, stands))
+        out.append(RobotRow(user.id, user.name, rows))
     return out

@@ -92,6 +92,17 @@ def test_a_robot_token_ends_when_its_minter_leaves_the_organisation(
         assert r.status_code == 401, r.text
     assert _pulls(hub, robot, by_alice, org) == 200
     assert _pulls(hub, robot, by_operator, org) == 200
+    # Alice's token page says which token stopped, and who minted each.
+    with browser(hub, *alice) as b:
+        page = b.get("/-/settings/tokens").text
+    table = page[page.index(f'data-testid="robot-tokens-{robot}"') :]
+    table = table[: table.index("</table>")]
+    rows = table.split("<tr>")[2:]  # the head's row, then one per token
+    assert len(rows) == 3, table
+    carols = [r for r in rows if carol[0] in r]
+    assert len(carols) == 1 and "stopped working" in carols[0], rows
+    assert [r for r in rows if "stopped working" in r] == carols
+    assert sum(alice[0] in r for r in rows) == 1  # hers; the operator's names no one
     # Made an admin again, carol's old token stands again: it was never revoked, only
     # held to what its minter may do now.
     with hub.client(alice) as c:
