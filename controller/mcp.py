@@ -246,6 +246,42 @@ class SandboxShares:
                     del self._starting[client]
 
 
+# The MCP session a tool call belongs to (``forkd mcp --transport http``): the session's
+# id, which the MCP SDK made (a random UUID) and gave to that client alone, and which
+# every request of the session carries (``mcp-session-id``; the SDK answers an unknown
+# one 404 before any tool runs). Tool calls run in the context of the request that
+# carried them. Another session, even from the same address (every local client is
+# 127.0.0.1), has another id. Over stdio: None, one client.
+MCP_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "forkd_mcp_session", default=None)
+
+
+def calling_client() -> tuple[str | None, str | None]:
+    """Who makes a tool call, for what it may reach: its address (REQUEST_CLIENT) and its
+    MCP session (MCP_SESSION)."""
+    return REQUEST_CLIENT.get(), MCP_SESSION.get()
+
+
+class SessionMark:
+    """ASGI middleware of the MCP HTTP app: a request runs with MCP_SESSION set to the
+    session id it carries (``mcp-session-id``; None for the request that opens one)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        ids = [value for key, value in scope.get("headers", ())
+               if key.lower() == b"mcp-session-id"]
+        if scope.get("type") != "http" or len(ids) != 1:
+            await self.app(scope, receive, send)  # none, or two: the SDK refuses it
+            return
+        mark = MCP_SESSION.set(ids[0].decode("latin-1"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            MCP_SESSION.reset(mark)
+
+
 class BranchTags:
     """The tags each MCP client made with branch_sandbox on this server: the only existing
     tags its ``force`` may replace. A model told to by what it read (a prompt injection)
@@ -255,13 +291,14 @@ class BranchTags:
     client (or by this server before it restarted) is not this tool's to replace."""
 
     def __init__(self) -> None:
-        self._made: dict[str, str | None] = {}  # tag: the client (REQUEST_CLIENT) that made it
+        # tag: the client (calling_client) that made it
+        self._made: dict[str, tuple[str | None, str | None]] = {}
         self._lock = threading.Lock()
 
     def may_replace(self, ref: str, controller: Controller) -> None:
         """Conflict when ``ref`` exists and the calling client did not make it here."""
         with self._lock:
-            if self._made.get(ref, "") == REQUEST_CLIENT.get():
+            if self._made.get(ref) == calling_client():
                 return
         try:
             controller.backend.snapshot(ref)
@@ -274,7 +311,7 @@ class BranchTags:
 
     def made(self, ref: str) -> None:
         with self._lock:
-            self._made[ref] = REQUEST_CLIENT.get()
+            self._made[ref] = calling_client()
 
 
 class SandboxScope:
@@ -284,16 +321,21 @@ class SandboxScope:
     --all-sandboxes``). A tool call is the model's, and the model does what the text it
     read tells it to: with every sandbox of the daemon in reach, a prompt injection had it
     read another client's files, run commands in a sandbox whose egress carries the host's
-    keys (one MCP's own create_sandboxes never binds), or kill what other jobs run."""
+    keys (one MCP's own create_sandboxes never binds), or kill what other jobs run. A
+    client is its address and its MCP session (``calling_client``): two agents on one host
+    (both 127.0.0.1) reach only their own sandboxes, and a session that ends (closed, or
+    idle past ``SESSION_IDLE_S``) leaves its sandboxes to their timeouts (the operator
+    names them with ``--sandbox`` to reach them from a new one)."""
 
     def __init__(self, named: Iterable[str] = (), everything: bool = False) -> None:
         self.named = frozenset(named)
         self.everything = everything
-        self._made: dict[str, str | None] = {}  # sandbox id: the client that created it
+        # sandbox id: the client (calling_client: address and MCP session) that created it
+        self._made: dict[str, tuple[str | None, str | None]] = {}
         self._lock = threading.Lock()
 
     def made(self, ids: list[str]) -> None:
-        client = REQUEST_CLIENT.get()
+        client = calling_client()
         with self._lock:
             self._made.update((i, client) for i in ids)
 
@@ -301,7 +343,7 @@ class SandboxScope:
         if self.everything or sandbox_id in self.named:
             return True
         with self._lock:
-            return sandbox_id in self._made and self._made[sandbox_id] == REQUEST_CLIENT.get()
+            return self._made.get(sandbox_id) == calling_client()
 
     def check(self, sandbox_id: str) -> None:
         """ChildNotFound unless the calling client may act on ``sandbox_id``."""
@@ -917,7 +959,7 @@ def http_server(
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
-    bounded = BodyBound(told, MAX_BODY_BYTES, BodyBudget(BODY_BYTES))
+    bounded = BodyBound(SessionMark(told), MAX_BODY_BYTES, BodyBudget(BODY_BYTES))
     guarded = TokenWatch(BearerAuth(bounded, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
