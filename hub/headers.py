@@ -44,10 +44,9 @@ def with_vary(value: str) -> str:
 
 class AnswerHeaders:
     """ASGI middleware: adds ``X-Content-Type-Options: nosniff`` and ``Vary`` to every
-    answer, and
-    ``Cache-Control: private, no-cache`` to an answer to a request with credentials,
-    where the route set neither (a route's own value, such as ``no-store`` on a
-    secret, is kept)."""
+    answer, and ``Cache-Control: private, no-cache`` to an answer to a request with
+    credentials, where the route set neither (a route's own value, such as ``no-store``
+    on a secret, is kept)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -60,19 +59,11 @@ class AnswerHeaders:
 
         async def send_with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
-                headers = []
-                vary = ""
-                for name, value in message.get("headers", ()):
-                    if name.lower() == b"vary":
-                        vary = (
-                            f"{vary}, {value.decode('latin-1')}"
-                            if vary
-                            else value.decode("latin-1")
-                        )
-                    else:
-                        headers.append((name, value))
-                headers.append((b"vary", with_vary(vary).encode("latin-1")))
+                given = list(message.get("headers", ()))
+                varies = [v.decode("latin-1") for n, v in given if n.lower() == b"vary"]
+                headers = [(n, v) for n, v in given if n.lower() != b"vary"]
                 present = {name.lower() for name, _ in headers}
+                headers.append((b"vary", with_vary(", ".join(varies)).encode("latin-1")))
                 if b"x-content-type-options" not in present:
                     headers.append((b"x-content-type-options", NOSNIFF.encode()))
                 if private and b"cache-control" not in present:
