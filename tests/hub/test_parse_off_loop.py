@@ -6,8 +6,7 @@ objects (``{},`` repeated: about 0.3 s a MiB here). A manifest PUT of 4 MiB (the
 process, pulls and ``/healthz`` included, for a second or more, and anyone with an
 account may push to their own namespace. A manifest, or a JSON request body (a README
 of up to 512 KiB), bigger than ``jsondoc.INLINE_MAX`` is now parsed in a worker thread
-(measured with the hub of these tests: ``/healthz`` waited up to 1.12 s during such a
-push before, 0.06 s after).
+(bench/hub_manifest_stall.py measures what other requests wait).
 """
 
 from __future__ import annotations
