@@ -8,7 +8,8 @@ so both apply the same rules:
   organisation cannot take another's robot away by adding it to their own;
 - a namespace never loses its last direct admin (demotion or removal);
 - only organisations have members: a user's personal namespace is its owner's alone
-  (``NoMembers``, 400 on every surface).
+  (``NoMembers``, 400 on every surface; ``accounts.set_member`` refuses it for the
+  operator's shell too). A member stored there before this rule can still be removed.
 
 The UI's robot form (``place_robot``) is the same change, for a robot it may make first.
 
@@ -36,8 +37,7 @@ class NotPermitted(ForkdError):
     """The caller may not make this change (the API answers 403)."""
 
 
-class NoMembers(InvalidInput):
-    """The namespace is a user's personal one: it has no members but its owner (400)."""
+NoMembers = accounts.NoMembers
 
 
 async def change_member(
@@ -87,11 +87,10 @@ async def _administered_org(
     principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
         raise NotPermitted(f"only admins of {shown(namespace)} change its members")
-    if ns.kind != "org":
-        raise NoMembers(
-            f"{shown(namespace)} is a user's personal namespace: it has no members but its "
-            "owner; make an organisation (POST /api/v1/orgs) and give others roles there"
-        )
+    if ns.kind != "org" and role is not None:
+        # Removal goes on, to accounts.remove_member: a member stored before this rule
+        # can be removed, the owner never.
+        raise accounts.no_members(namespace)
     return ns, principal
 
 
@@ -114,6 +113,8 @@ async def _place(
             f"robot {shown(user.name)} belongs to a namespace you do not administer; its "
             "owners (or a site admin) decide where it is a member: choose another name"
         )
+    if ns.kind != "org" and user.name == ns.name:  # a personal namespace keeps its owner
+        raise accounts.no_members(ns.name)
     if role != "admin":
         await keep_an_admin(session, ns, user)
     if role is None:

@@ -11,15 +11,20 @@
    ``members.change_member``: two copies of a rule. Now both the API's member routes and
    the UI's member and robot forms write a member through ``members._place`` (its robot
    rule, its last-admin rule), which the tests below see each entry point go through.
+   ``accounts.set_member`` refuses a personal namespace too, so the operator's shell
+   (``forkd hub org member``) agrees; a member an older hub stored there can still be
+   removed (API and UI), its owner never.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import httpx
 import pytest
-from hub_server import ADMIN, HubServer
+from click.testing import CliRunner
+from hub_server import ADMIN, HubServer, hub_group
 from hub_support import browser, csrf_of, org_with_pusher, push_blob, unique_name
 
 from forkd.hub import members
@@ -142,3 +147,40 @@ def test_the_last_direct_admin_is_kept_by_the_api_and_both_forms(hub: HubServer)
         r = _robot_form(b, org, robot, "pull")
         assert r.status_code == 400 and "last admin" in r.text, r.text
     assert _members(hub, org)[robot] == "admin"
+
+
+def test_the_operators_shell_gives_no_member_to_a_personal_namespace(hub: HubServer) -> None:
+    alice, bob = hub.add_user(unique_name("alice")), hub.add_user(unique_name("bob"))
+    argv = ["org", "member", "--data", str(hub.data_dir), alice[0], bob[0], "push"]
+    result = CliRunner().invoke(hub_group, argv)
+    assert result.exit_code != 0
+    assert PERSONAL in result.output, result.output
+    assert _members(hub, alice[0]) == {alice[0]: "admin"}
+
+
+def test_a_member_stored_before_the_rule_can_be_removed_and_the_owner_cannot(
+    hub: HubServer,
+) -> None:
+    """Older hubs' UI added members to personal namespaces: their owner removes them
+    (API and UI), gives them no other role, and never removes themselves."""
+    alice = hub.add_user(unique_name("alice"))
+    bob, carol = hub.add_user(unique_name("bob")), hub.add_user(unique_name("carol"))
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        for who in (bob[0], carol[0]):
+            db.execute(
+                "INSERT INTO memberships (namespace_id, user_id, role) SELECT n.id, u.id, "
+                "'push' FROM namespaces n, users u WHERE n.name = ? AND u.name = ?",
+                (alice[0], who),
+            )
+    with browser(hub, *alice) as b:
+        page = b.get(f"/{alice[0]}").text
+        assert f'aria-label="Role of {bob[0]}"' in page  # a leftover: a form to remove it
+        assert f'aria-label="Role of {alice[0]}"' not in page  # the owner: none
+        r = _member_form(b, alice[0], bob[0], "admin")
+        assert r.status_code == 400 and PERSONAL in r.text, r.text
+        assert _member_form(b, alice[0], bob[0], "remove").status_code == 303
+    with hub.client(alice) as c:
+        assert c.delete(f"/api/v1/orgs/{alice[0]}/members/{carol[0]}").status_code == 204
+        r = c.delete(f"/api/v1/orgs/{alice[0]}/members/{alice[0]}")
+        assert r.status_code == 400 and PERSONAL in r.text, r.text
+    assert _members(hub, alice[0]) == {alice[0]: "admin"}
