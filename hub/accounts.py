@@ -632,11 +632,23 @@ async def create_org(session: AsyncSession, name: str, creator: User | None = No
     return ns
 
 
+class NoMembers(InvalidInput):
+    """The namespace is a user's personal one: it takes no members but its owner (400)."""
+
+
+def no_members(namespace: str) -> NoMembers:
+    return NoMembers(
+        f"{shown(namespace)} is a user's personal namespace: it has no members but its "
+        "owner; make an organisation (POST /api/v1/orgs) and give others roles there"
+    )
+
+
 async def set_member(
     session: AsyncSession, namespace: str, username: str | User, role: str
 ) -> None:
     """Give ``username`` (a name, or a user row this transaction read) ``role`` on the
-    namespace."""
+    namespace, an organisation (NoMembers for a user's personal namespace: on every
+    surface, the operator's shell included)."""
     if role not in ROLES:
         raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await get_namespace(session, namespace)
@@ -644,6 +656,8 @@ async def set_member(
     if ns is None or user is None:
         named = username if isinstance(username, str) else username.name
         raise InvalidInput(f"no such namespace {shown(namespace)} or user {shown(named)}")
+    if ns.kind != "org":
+        raise no_members(namespace)
     member = await session.get(Membership, (ns.id, user.id))
     if member is None:
         session.add(Membership(namespace_id=ns.id, user_id=user.id, role=role))
@@ -804,8 +818,13 @@ async def revoke_token(session: AsyncSession, token_id: int) -> None:
 
 
 async def remove_member(session: AsyncSession, namespace: str, username: str) -> None:
+    """Remove ``username``'s direct membership. In a user's personal namespace only a
+    member stored before personal namespaces refused members can go, never its owner
+    (NoMembers)."""
     ns = await get_namespace(session, namespace)
     user = await get_user(session, username)
+    if ns is not None and ns.kind != "org" and username == ns.name:
+        raise no_members(namespace)
     member = await session.get(Membership, (ns.id, user.id)) if ns and user else None
     if member is None:
         raise InvalidInput(f"{shown(username)} is not a member of {shown(namespace)}")

@@ -239,15 +239,20 @@ def namespace_role(session: Session, principal: Principal, namespace: str) -> st
     return Grants.load(session, principal, [namespace]).namespace_role(namespace)
 
 
-def admin_namespaces(session: Session, principal: Principal) -> list[str]:
-    """The namespaces ``principal`` administers, by name."""
+def admin_namespaces(
+    session: Session, principal: Principal, kind: str | None = None
+) -> list[str]:
+    """The namespaces ``principal`` administers, by name; ``kind``: only those of that
+    kind (``org``, ``user``)."""
     if principal.anonymous:
         return []
     g = Grants.load(session, principal)
-    if principal.is_admin:
-        names = list(session.scalars(select(Namespace.name).order_by(Namespace.name)))
-    else:
-        names = sorted(g.namespace_roles)
+    query = select(Namespace.name).order_by(Namespace.name)
+    if kind is not None:
+        query = query.where(Namespace.kind == kind)
+    if not principal.is_admin:
+        query = query.where(Namespace.name.in_(sorted(g.namespace_roles)))
+    names = list(session.scalars(query))
     return [ns for ns in names if g.namespace_role(ns) == "admin"]
 
 

@@ -6,7 +6,12 @@ so both apply the same rules:
 - a robot joins, or changes role in, a namespace only through someone who may manage it
   (who administers every namespace it is already a member of): an admin of one
   organisation cannot take another's robot away by adding it to their own;
-- a namespace never loses its last direct admin (demotion or removal).
+- a namespace never loses its last direct admin (demotion or removal);
+- only organisations have members: a user's personal namespace is its owner's alone
+  (``NoMembers``, 400 on every surface; ``accounts.set_member`` refuses it for the
+  operator's shell too). A member stored there before this rule can still be removed.
+
+The UI's robot form (``place_robot``) is the same change, for a robot it may make first.
 
 A team's member holds the team's role in its organisation, so team changes
 (``change_team``, ``team_member_allowed``) follow the same rules: only an organisation
@@ -32,12 +37,48 @@ class NotPermitted(ForkdError):
     """The caller may not make this change (the API answers 403)."""
 
 
+NoMembers = accounts.NoMembers
+
+
 async def change_member(
     session: AsyncSession, principal: Principal, namespace: str, username: str, role: str | None
 ) -> None:
     """Give ``username`` the direct ``role`` in ``namespace`` (None: remove them), as
-    ``principal``. InvalidInput for unknown names or roles, NotPermitted when the caller
-    may not, Conflict when the namespace would be left without a direct admin."""
+    ``principal``. InvalidInput for unknown names or roles, NoMembers for a personal
+    namespace, NotPermitted when the caller may not, Conflict when the namespace would be
+    left without a direct admin."""
+    ns, principal = await _administered_org(session, principal, namespace, role)
+    user = await accounts.get_user(session, username)
+    if user is None:
+        raise InvalidInput(f"no such user {shown(username)}")
+    await _place(session, principal, ns, user, role)
+
+
+async def place_robot(
+    session: AsyncSession, principal: Principal, namespace: str, robot: str, role: str
+) -> User:
+    """The UI robot form's member change: ``robot`` holds ``role`` in ``namespace`` after
+    it, made now as a robot of ``namespace`` when no account has the name. The rules and
+    refusals of ``change_member``, the API's, plus: Conflict when ``robot`` names a
+    person, or ``namespace`` already made its ``MAX_ROBOTS_PER_NAMESPACE`` robots. The
+    robot returned is the one to mint a token for."""
+    ns, principal = await _administered_org(session, principal, namespace, role)
+    user = await accounts.get_user(session, robot)
+    made_here = user is None
+    if user is None:
+        user = await accounts.create_robot_in(session, ns.name, robot)
+    elif not user.is_robot:
+        raise Conflict(f"{shown(robot)} is a person's account, not a robot")
+    await _place(session, principal, ns, user, role, made_here=made_here)
+    return user
+
+
+async def _administered_org(
+    session: AsyncSession, principal: Principal, namespace: str, role: str | None
+) -> tuple[Namespace, Principal]:
+    """The organisation ``namespace`` and ``principal`` as it is now, when ``principal``
+    administers it now (read in the write transaction of the change: an admin removed or
+    demoted while the request ran changes nothing, nor does a revoked token)."""
     if role is not None and role not in ROLES:
         raise InvalidInput(f"invalid role {shown(role)}: use pull, push or admin")
     ns = await accounts.get_namespace(session, namespace)
@@ -46,21 +87,40 @@ async def change_member(
     principal = await accounts.current(session, principal)  # PrincipalChanged: 401
     if await session.run_sync(authz.namespace_role, principal, namespace) != "admin":
         raise NotPermitted(f"only admins of {shown(namespace)} change its members")
-    user = await accounts.get_user(session, username)
-    if user is None:
-        raise InvalidInput(f"no such user {shown(username)}")
-    robot_joins = user.is_robot and role is not None
+    if ns.kind != "org" and role is not None:
+        # Removal goes on, to accounts.remove_member: a member stored before this rule
+        # can be removed, the owner never.
+        raise accounts.no_members(namespace)
+    return ns, principal
+
+
+async def _place(
+    session: AsyncSession,
+    principal: Principal,
+    ns: Namespace,
+    user: User,
+    role: str | None,
+    *,
+    made_here: bool = False,
+) -> None:
+    """Write ``user``'s direct ``role`` in ``ns`` (None: remove them). A robot joins or
+    changes role only through someone who may manage it (``made_here``: a robot this
+    change just made for ``ns``, which holds no place yet); the namespace keeps a direct
+    admin."""
+    robot_joins = user.is_robot and role is not None and not made_here
     if robot_joins and not await session.run_sync(authz.may_manage_robot, principal, user.id):
         raise NotPermitted(
-            f"robot {shown(username)} belongs to a namespace you do not administer; its "
-            "owners (or a site admin) decide where it is a member"
+            f"robot {shown(user.name)} belongs to a namespace you do not administer; its "
+            "owners (or a site admin) decide where it is a member: choose another name"
         )
+    if ns.kind != "org" and user.name == ns.name:  # a personal namespace keeps its owner
+        raise accounts.no_members(ns.name)
     if role != "admin":
         await keep_an_admin(session, ns, user)
     if role is None:
-        await accounts.remove_member(session, namespace, username)
+        await accounts.remove_member(session, ns.name, user.name)
     else:
-        await accounts.set_member(session, namespace, username, role)
+        await accounts.set_member(session, ns.name, user, role)
 
 
 async def keep_an_admin(session: AsyncSession, ns: Namespace, user: User) -> None:

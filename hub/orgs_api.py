@@ -295,7 +295,6 @@ class OrgController(Controller):
     ) -> None:
         actor, principal = await _require_principal(hub, request, org, "admin")
         async with _writing(hub) as session, _permitted(hub, request, actor, org):
-            await accounts.get_org(session, org)
             await members.change_member(session, principal, org, username, data.role)
         hub.audit.record(
             actor, client_ip(request), "member.set", org, "ok", user=username, role=data.role
@@ -311,7 +310,6 @@ class OrgController(Controller):
     ) -> None:
         actor, principal = await _require_principal(hub, request, org, "admin")
         async with _writing(hub) as session, _permitted(hub, request, actor, org):
-            await accounts.get_org(session, org)
             await members.change_member(session, principal, org, username, None)
         hub.audit.record(actor, client_ip(request), "member.remove", org, "ok", user=username)
 

@@ -47,7 +47,7 @@ from forkd.hub.ui.session import (
     Viewer,
 )
 from forkd.hub.ui.text import DESCRIPTION_MAX, check_text, set_text
-from forkd.names import shown, validate_name
+from forkd.names import validate_name
 
 FORM_MAX = 300 * 1024
 # Browser sessions one credential of an account (its password, or one API token) keeps
@@ -286,7 +286,8 @@ class AccountController(Controller):
                 if who.principal.with_password
                 else []
             )
-            namespaces = await queries.admin_namespaces(session, who.principal)
+            # Robots hold places in organisations only (members.place_robot).
+            namespaces = await queries.admin_namespaces(session, who.principal, kind="org")
             robots = await _robots(session, who.principal) if who.principal.with_password else []
         return ui.renderer.page(
             "tokens.html",
@@ -385,37 +386,19 @@ class AccountController(Controller):
             if role not in ROLES:
                 raise InvalidInput("role must be pull, push or admin")
             async with hub.db.transaction() as session:
-                # Who the viewer is now (a site admin removed meanwhile kept the flag in
-                # the principal read at the start): PrincipalChanged, 401.
-                principal = await accounts.current(session, who.principal)
-                if ns_name not in await queries.admin_namespaces(session, principal):
-                    raise InvalidInput(f"you do not administer a namespace named {shown(ns_name)}")
-                user = await accounts.get_user(session, robot)
-                if user is None:
-                    user = await accounts.create_robot_in(session, ns_name, robot)
-                elif not user.is_robot:
-                    raise Conflict(f"{shown(robot)} is a person's account, not a robot")
-                elif not await session.run_sync(authz.may_manage_robot, principal, user.id):
-                    # Another namespace's robot: adopting it would hand over its tokens.
-                    raise Conflict(
-                        f"robot {shown(robot)} belongs to a namespace you do not administer: "
-                        "choose another name"
-                    )
-                ns = await accounts.get_namespace(session, ns_name)
-                if ns is not None and role != "admin":
-                    # As every member change does (members.change_member): a robot that
-                    # is the namespace's last direct admin keeps that role.
-                    await members.keep_an_admin(session, ns, user)
-                await accounts.set_member(session, ns_name, user, role)
+                # The API's member change (hub/members.py), for a robot it may make first:
+                # who the viewer is now (PrincipalChanged, 401), their admin right, only
+                # organisations, another namespace's robot refused, the last admin kept.
+                user = await members.place_robot(session, who.principal, ns_name, robot, role)
                 secret = await accounts.create_token(
                     # A label the hub makes (a namespace name has up to 255 characters).
                     session,
                     user,
                     f"{ns_name}-{role}"[-accounts.TOKEN_NAME_MAX :],
                     f"{ns_name}:{role}",
-                    minted_by=principal.user_id,
+                    minted_by=who.principal.user_id,
                 )
-        except (InvalidInput, Conflict) as exc:
+        except (InvalidInput, Conflict, members.NotPermitted) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
         hub.audit.record(who.principal, client_ip(request), "robot.token", robot, "ok")
         return _show_once(request, ui, secret, robot)
@@ -445,6 +428,8 @@ class AccountController(Controller):
                 )
         except members.NotPermitted as exc:
             raise PermissionDeniedException(str(exc)) from exc
+        except members.NoMembers as exc:
+            raise ValidationException(str(exc)) from exc
         except InvalidInput as exc:
             raise NotFoundException(str(exc)) from exc
         except Conflict as exc:

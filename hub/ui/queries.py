@@ -700,6 +700,9 @@ async def role_in(session: AsyncSession, principal: accounts.Principal, ns: Name
     return await session.run_sync(authz.namespace_role, principal, ns.name) or ""
 
 
-async def admin_namespaces(session: AsyncSession, principal: accounts.Principal) -> list[str]:
-    """Namespaces whose robots and members ``principal`` may manage."""
-    return await session.run_sync(authz.admin_namespaces, principal)
+async def admin_namespaces(
+    session: AsyncSession, principal: accounts.Principal, kind: str | None = None
+) -> list[str]:
+    """Namespaces whose robots and members ``principal`` may manage (``kind``: only those
+    of that kind)."""
+    return await session.run_sync(authz.admin_namespaces, principal, kind)
