@@ -931,10 +931,15 @@ class Relay:
         return True
 
     def _drop(self, c: _Client) -> None:
-        """A client went away: its running commands are cancelled in the guest."""
+        """A client went away: its running commands are cancelled in the guest, and the
+        rest of an event payload the agent is sending it is skipped (its socket is closed:
+        the relay died on queueing bytes for it, and every other client of the child with
+        it)."""
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(c.sock)
         self.clients.pop(c.sock.fileno(), None)
+        if self.raw_to is c:
+            self.raw_to = None
         c.sock.close()
         for rid in c.ids:
             self.routes.pop(rid, None)

@@ -1,0 +1,137 @@
+"""The guest agent channel against the fourteenth hostile review: what one client leaving
+in the middle of a guest's frame does to the child's relay and its other clients. No VM:
+the real relay (agent_client.Relay) serves a unix socket that stands in for QEMU's agent
+chardev, written to by the test as a guest would."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from forkd.engine.agent_client import Relay, connect_child
+from forkd.engine.errors import AgentError
+
+MIB = 1 << 20
+
+
+@dataclass
+class Guest:
+    """The guest's end of the agent channel (what QEMU's chardev would give the relay),
+    and the relay serving it on a thread of this process."""
+
+    conn: socket.socket
+    relay: Relay
+    died: list[BaseException]
+    path: Path
+    pending: bytes = b""
+
+    def request(self) -> dict[str, object]:
+        """The next request the relay passed to the guest (the relay's own cancels, of a
+        client that left, are left out)."""
+        self.conn.settimeout(10)
+        while True:
+            while b"\n" not in self.pending:
+                data = self.conn.recv(1 << 16)
+                assert data, "the relay closed the agent channel"
+                self.pending += data
+            line, self.pending = self.pending.split(b"\n", 1)
+            request: dict[str, object] = json.loads(line)
+            if request.get("op") != "cancel":
+                return request
+
+    def send(self, data: bytes) -> None:
+        self.conn.settimeout(10)
+        self.conn.sendall(data)
+
+
+@pytest.fixture
+def guest(tmp_path: Path) -> Iterator[Guest]:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "agent.sock"))
+    listener.listen(1)
+    made: list[Relay] = []
+    died: list[BaseException] = []
+    ready = threading.Event()
+
+    def run() -> None:
+        try:
+            relay = Relay(tmp_path)
+            made.append(relay)
+            ready.set()
+            relay.run()
+        except BaseException as exc:  # what the guest sent killed the relay
+            died.append(exc)
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    listener.settimeout(10)
+    conn, _ = listener.accept()
+    assert ready.wait(10) and made, f"the relay did not start: {died}"
+    try:
+        yield Guest(conn, made[0], died, tmp_path)
+    finally:
+        conn.close()  # as QEMU's end going away: the relay ends
+        listener.close()
+        thread.join(10)
+        assert not thread.is_alive(), "the relay outlived its agent socket"
+
+
+def _until(what: str, check: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_client_leaving_in_the_middle_of_its_event_leaves_the_relay_serving_the_others(
+    guest: Guest,
+) -> None:
+    """A client that goes away while the guest is sending it an event's payload (a
+    streamed command whose reader left or timed out in the middle of 1 MiB of output):
+    the rest of that payload was queued for the closed socket, the relay died of it
+    (ValueError: Invalid file descriptor: -1), and every other client of the child lost
+    its connection and its request, a command left running in the guest with nobody to
+    cancel it. A guest can do it at will (announce 2 MiB, send part, wait for the
+    reader's deadline). Now the rest is skipped and the others are served."""
+    leaving = connect_child(guest.path)
+    staying = connect_child(guest.path)
+    failed: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            leaving.request("exec", {"argv": ["yes"], "stream": True}, timeout=1.0,
+                            on_event=lambda ev, data: None)
+        except AgentError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=leave)
+    thread.start()
+    rid = guest.request()["id"]
+    guest.send(json.dumps({"id": rid, "ev": "stdout", "size": 2 * MIB}).encode() + b"\n"
+               + b"y" * 1000)
+    thread.join(20)
+    assert failed, "the leaving client's request did not end at its deadline"
+    _until("the relay did not notice the client leaving",
+           lambda: len(guest.relay.clients) == 1)
+
+    answer: list[dict[str, object]] = []
+    waiter = threading.Thread(target=lambda: answer.append(staying.request("ping")))
+    waiter.start()
+    other = guest.request()["id"]
+    guest.send(b"y" * (2 * MIB - 1000))  # the rest of the payload nobody reads now
+    guest.send(json.dumps({"id": other, "ok": True, "result": {"pong": True}}).encode()
+               + b"\n")
+    waiter.join(20)
+    assert not guest.died, f"the relay died: {guest.died[0]!r}"
+    assert answer == [{"pong": True}]
+    staying.close()
+    leaving.close()
