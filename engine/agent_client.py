@@ -57,6 +57,12 @@ SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this
 # relay: request bytes queued for the agent before no client is read (a guest that stops
 # reading its port made the relay hold every request sent to it, 43 MiB per ``put``)
 AGENT_QUEUE = 16 << 20
+# relay: a line from the agent longer than this is passed on as it arrives (to the client
+# its head names, or to nobody), not held whole: a guest that wrote a line without end made
+# its relay hold 128 MiB, and a 64 MiB reply three copies of it, per child and outside the
+# child's memory limit. Its client's own bound on a line (MAX_LINE, SMALL_REPLY_LINE) and
+# CLIENT_BUFFER's backpressure bound the rest.
+LONG_LINE = 64 << 10
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
 # hostile one sending more must not make each queued frame of a stream 16 times larger
@@ -697,6 +703,8 @@ class Relay:
         self.agent_out = bytearray()
         self.raw_left = 0  # bytes of an event's binary payload still to come from the agent
         self.raw_to: _Client | None = None  # whose they are (None: nobody's, skipped)
+        self.long_line = False  # the rest of a line past LONG_LINE is still to come
+        self.line_to: _Client | None = None  # whose it is (None: nobody's, skipped)
         self.clients: dict[int, _Client] = {}
         self.routes: dict[str, _Client] = {}
         self.next_id = _new_ids()
@@ -826,16 +834,46 @@ class Relay:
                 if self.raw_left:
                     break
                 continue
+            if self.long_line:
+                i = buf.find(b"\n", start)
+                end = len(buf) if i < 0 else i + 1
+                if self.line_to is not None:
+                    self.line_to.outbuf += buf[start:end]
+                    self._want_write(self.line_to)
+                start = end
+                if i < 0:
+                    break
+                self.long_line, self.line_to = False, None
+                continue
             i = buf.find(b"\n", max(scan, start))
             if i < 0:
+                if len(buf) - start > LONG_LINE:
+                    self._start_long_line(bytes(buf[start:start + LONG_LINE]))
+                    continue  # what arrived of it goes on now
                 break
             self._route(bytes(buf[start:i + 1]))
             start = i + 1
         if start:
             del buf[:start]
-        if len(buf) > 2 * (64 << 20):  # no frame is this long: the stream is broken
-            buf.clear()
         return True
+
+    def _start_long_line(self, head: bytes) -> None:
+        """A line past LONG_LINE: its head decides whose it is, as _route does for a whole
+        one (a reply ends its request's route; an event's header this long announces no
+        payload the relay skips, as _event_size says)."""
+        self.long_line, self.line_to = True, None
+        m = _FRAME_HEAD.match(head)
+        if m is None:
+            return  # the hello, or not a frame: skipped
+        try:
+            rid = json.loads(m.group(1))
+        except ValueError:
+            return
+        c = self.routes.get(rid) if isinstance(rid, str) else None
+        if c is not None and m.group(2) == b"ok":
+            del self.routes[rid]
+            c.ids.discard(rid)
+        self.line_to = c
 
     def _route(self, frame: bytes) -> None:
         m = _FRAME_HEAD.match(frame)
@@ -932,14 +970,16 @@ class Relay:
 
     def _drop(self, c: _Client) -> None:
         """A client went away: its running commands are cancelled in the guest, and the
-        rest of an event payload the agent is sending it is skipped (its socket is closed:
-        the relay died on queueing bytes for it, and every other client of the child with
-        it)."""
+        rest of an event payload or a long line the agent is sending it is skipped (its
+        socket is closed: the relay died on queueing bytes for it, and every other client
+        of the child with it)."""
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(c.sock)
         self.clients.pop(c.sock.fileno(), None)
         if self.raw_to is c:
             self.raw_to = None
+        if self.line_to is c:
+            self.line_to = None
         c.sock.close()
         for rid in c.ids:
             self.routes.pop(rid, None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.engine.agent_client import Relay, connect_child
+from forkd.engine.agent_client import CLIENT_BUFFER, LONG_LINE, Relay, connect_child
 from forkd.engine.errors import AgentError
 
 MIB = 1 << 20
@@ -135,3 +135,58 @@ def test_a_client_leaving_in_the_middle_of_its_event_leaves_the_relay_serving_th
     assert answer == [{"pong": True}]
     staying.close()
     leaving.close()
+
+
+def _held(relay: Relay) -> int:
+    """Bytes of the guest's the relay holds: its input buffer and its clients' queues."""
+    return len(relay.agent_in) + sum(len(c.outbuf) for c in list(relay.clients.values()))
+
+
+def test_a_line_without_end_costs_the_relay_little(guest: Guest) -> None:
+    """A guest that writes a line and never ends it: the relay held all of it, up to 128
+    MiB (then dropped it and went on), per child and outside the child's memory limit; a
+    reply of 64 MiB it held three times. Now a line past agent_client.LONG_LINE is passed
+    on as it arrives (here to nobody: its head names no request), and the relay holds
+    what one read brings; the lines after it are served."""
+    client = connect_child(guest.path)
+    most = 0
+    piece = b"x" * MIB
+    guest.send(b'{"id": "nobody", "ok": true, "result": {"v": "')
+    for _ in range(96):
+        guest.send(piece)
+        most = max(most, _held(guest.relay))
+    _until("the relay did not read what the guest sent",
+           lambda: _held(guest.relay) <= LONG_LINE + MIB)
+    assert most <= 2 * MIB + LONG_LINE, f"the relay held {most / MIB:.0f} MiB"  # 95 before
+    answer: list[dict[str, object]] = []
+    waiter = threading.Thread(target=lambda: answer.append(client.request("ping")))
+    waiter.start()
+    rid = guest.request()["id"]
+    guest.send(b'"}}\n' + json.dumps({"id": rid, "ok": True, "result": {"pong": 1}}).encode()
+               + b"\n")
+    waiter.join(20)
+    assert answer == [{"pong": 1}]
+    client.close()
+
+
+def test_a_long_reply_reaches_its_client_whole(guest: Guest) -> None:
+    """What the relay passes on as it arrives is the line whole, to the client whose
+    request it answers (its route ends with it), and the relay's own share stays small
+    while the client reads it."""
+    client = connect_child(guest.path)
+    answer: list[dict[str, object]] = []
+    waiter = threading.Thread(
+        target=lambda: answer.append(client.request("eval", {"code": "v"}, timeout=60)))
+    waiter.start()
+    rid = guest.request()["id"]
+    value = "".join(chr(ord("a") + i % 26) for i in range(24 * MIB))
+    reply = json.dumps({"id": rid, "ok": True, "result": {"value": value}}).encode() + b"\n"
+    most = 0
+    for at in range(0, len(reply), MIB):
+        guest.send(reply[at:at + MIB])
+        most = max(most, _held(guest.relay))
+    waiter.join(60)
+    assert answer and answer[0]["value"] == value
+    assert not guest.relay.routes
+    assert most <= CLIENT_BUFFER + 2 * MIB + LONG_LINE, f"the relay held {most / MIB:.0f} MiB"
+    client.close()
