@@ -87,6 +87,16 @@ SMALL_REPLY_OPS = frozenset({"ping", "fixup", "sync", "cancel", "put", "proc_sta
 # of the largest size fit; a reply that would pass it fails (AgentError) and is not read.
 REPLY_FREE = SMALL_REPLY_LINE
 REPLY_BUDGET = 256 << 20
+# What parsing a reply makes is counted too, not only its bytes: each JSON value becomes a
+# Python object of its own and a slot (8 bytes) in its container, so a 60 MiB line of short
+# strings, under MAX_STRUCTURE and counted as 52 MiB, parsed into 331 MiB (889 at the
+# parse's peak), and an 8 MiB line of ``{},``, counted as nothing, into 193 MiB. A line
+# over CHECKED_LINE is counted, before it is parsed, as its bytes plus, per value, what
+# parsing makes of it past its text (parsed_size); a shorter one cannot pass REPLY_FREE.
+PER_CONTAINER = 72  # an empty list 56, a dict 64; and its slot
+PER_STRING = 57  # a str 49 past its text; and its slot
+PER_SCALAR = 32  # an int 28, a float 24; and its slot
+CHECKED_LINE = 96 << 10  # at most 2 values in 3 bytes: under 7 MiB of objects
 MIB = 1 << 20
 
 
@@ -105,19 +115,21 @@ class ReplyBudget(Shares):
         refused = self.take_or_refuse(n, client)
         if refused is None:
             return
+        others = (refused.held - own) / MIB
         if refused.bound == "client":
             raise AgentError(
-                f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
-                f"({client}) other replies held {(refused.held - own) / MIB:.1f} MiB past "
-                f"theirs (at most {self.share / MIB:g} MiB, half of the "
+                f"{what}: its reply (as read and as parsed) passed {REPLY_FREE / MIB:g} MiB "
+                f"while this client's ({client}) other replies held "
+                f"{others:.1f} MiB past theirs (at most {self.share / MIB:g} MiB, half of the "
                 f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
                 "connection closed. Read your answers as they come, ask for less at "
                 "once (stream a command's output, read a file in parts), or retry when "
                 "fewer of your large replies are in flight")
         raise AgentError(
-            f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while the other "
-            f"replies being read in this process held {(refused.held - own) / MIB:.1f} MiB "
-            f"past theirs (at most {self.limit / MIB:g} MiB in all); it was dropped and "
+            f"{what}: its reply (as read and as parsed) passed {REPLY_FREE / MIB:g} MiB "
+            f"while the other replies being read in this process held "
+            f"{others:.1f} MiB past theirs (at most {self.limit / MIB:g} MiB in all); it was "
+            "dropped and "
             "the connection closed. Ask for less at once (stream a command's output, read "
             "a file in parts) or retry when fewer large replies are in flight")
 
@@ -215,7 +227,21 @@ class ProtocolViolation(ValueError):
     """A frame from the guest agent that the host must not take (parse_frame)."""
 
 
-def parse_frame(line: bytes) -> dict[str, Any] | None:
+def parsed_size(line: bytes, structure: bytes, strings: int) -> int:
+    """At most about the bytes parsing ``line`` makes, ``structure`` being what is outside
+    its ``strings`` strings (jsondoc.skeleton_and_strings): its text, and per value (the
+    frame's, the first in each container that is not ``[]`` or ``{}``, then one after each
+    ``,`` and ``:``) its object and slot. Over-counted, never under (``[ ]`` is not seen
+    as empty)."""
+    containers = structure.count(b"[") + structure.count(b"{")
+    empty = structure.count(b"[]") + structure.count(b"{}")
+    values = 1 + containers - empty + structure.count(b",") + structure.count(b":")
+    scalars = max(0, values - containers - strings)
+    return (len(line) + PER_CONTAINER * containers + PER_STRING * strings
+            + PER_SCALAR * scalars)
+
+
+def parse_frame(line: bytes, structure: bytes | None = None) -> dict[str, Any] | None:
     """A line the guest agent sent, as a frame. The guest is the untrusted side (root in it
     can replace the agent): None for a line that is not a JSON object at all, which a reader
     skips (the tail of a frame a previous host connection took part of); ProtocolViolation
@@ -227,7 +253,8 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
     text = line  # not stripped: a copy of up to 64 MiB (json takes the whitespace)
     if _OBJECT_START.match(text) is None:
         return None
-    if len(text) > MAX_STRUCTURE and len(jsondoc.skeleton(text)) > MAX_STRUCTURE:
+    if len(text) > MAX_STRUCTURE and len(
+            jsondoc.skeleton(text) if structure is None else structure) > MAX_STRUCTURE:
         raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
                                 "outside its strings")
     twice: list[str | None] = []  # per object as it closes: the outermost closes last
@@ -366,7 +393,7 @@ class AgentClient:
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
-                reply = self._read_frame(op, deadline, stop)
+                reply = self._read_frame(op, deadline, stop, hold)
                 if reply.get("id") != rid:
                     if "ev" in reply:
                         self._payload(reply, op, deadline)  # skipped whole
@@ -411,7 +438,8 @@ class AgentClient:
         return self._ls.read_exact(size, limit, f"guest agent ({op})")
 
     def _read_frame(self, op: str, deadline: float | None,
-                    stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+                    stop: Callable[[], bool] | None = None,
+                    hold: _ReplyHold | None = None) -> dict[str, Any]:
         while True:
             if stop is not None and stop():
                 raise Abandoned(f"the caller of {op!r} stopped waiting for it")
@@ -425,7 +453,13 @@ class AgentClient:
                 if self.alive is not None and not self.alive():
                     raise EOFError("the VM exited") from None
                 continue
-            frame = parse_frame(line)
+            structure = None
+            if len(line) > CHECKED_LINE:
+                structure, strings = jsondoc.skeleton_and_strings(line)
+                # before it is parsed; a frame of too much structure is refused as such
+                if hold is not None and len(structure) <= MAX_STRUCTURE:
+                    hold.grow(parsed_size(line, structure, strings))
+            frame = parse_frame(line, structure)
             if frame is None:
                 continue  # an incomplete frame the agent dropped (its host went away)
             return frame

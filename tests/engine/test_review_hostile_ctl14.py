@@ -5,16 +5,19 @@ chardev, written to by the test as a guest would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from forkd.engine import agent_client as ac
 from forkd.engine.agent_client import CLIENT_BUFFER, LONG_LINE, Relay, connect_child
 from forkd.engine.errors import AgentError
 
@@ -190,3 +193,73 @@ def test_a_long_reply_reaches_its_client_whole(guest: Guest) -> None:
     assert not guest.relay.routes
     assert most <= CLIENT_BUFFER + 2 * MIB + LONG_LINE, f"the relay held {most / MIB:.0f} MiB"
     client.close()
+
+
+class Answering:
+    """A guest on a socket pair that answers each request with ``result``'s text (the JSON
+    of the reply's ``result``, given as bytes so that it may be any shape)."""
+
+    def __init__(self, result: bytes) -> None:
+        self.host, self.guest = socket.socketpair()
+        self.result = result
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # the host closed it while the reply went out
+            f = self.guest.makefile("rb")
+            while line := f.readline():
+                rid = json.loads(line)["id"]
+                self.guest.sendall(b'{"id": %s, "ok": true, "result": %s}\n'
+                                   % (json.dumps(rid).encode(), self.result))
+
+    def client(self) -> ac.AgentClient:
+        return ac.AgentClient(Path("stand-in"), sock=self.host)
+
+    def close(self) -> None:
+        for s in (self.host, self.guest):
+            s.close()
+
+
+def _answered(result: bytes) -> tuple[dict[str, object] | AgentError, int]:
+    """What a client makes of a reply carrying ``result``, and the most memory the reading
+    and parsing took (tracemalloc)."""
+    guest = Answering(result)
+    tracemalloc.start()
+    try:
+        try:
+            out: dict[str, object] | AgentError = guest.client().request(
+                "eval", {"code": "v"}, timeout=60)
+        except AgentError as exc:
+            out = exc
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        guest.close()
+
+
+def test_a_reply_is_counted_as_what_parsing_it_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reply budget counted a reply's bytes past 8 MiB: a guest answering with just
+    under 8 MiB of ``{},`` (counted as nothing) made 193 MiB of Python objects, and 60 MiB
+    of short strings (under the 8 MiB of structure a frame may have, counted as 52 MiB)
+    331 MiB, 889 at the parse's peak; 16 requests to one guest, 32 in the process, at
+    once. Now a long line is counted as its bytes and 80 per value before it is parsed:
+    with 64 MiB of the budget left, the first is refused unparsed, a reply as long made
+    of one string (the common shape: output, a file) is taken as before, and the first
+    is taken when the budget has room for it."""
+    budget = ac.ReplyBudget(ac.REPLY_BUDGET)
+    monkeypatch.setattr(ac, "BUDGET", budget)
+    values = b'{"v": [' + b"{}," * ((8 * MIB - 64) // 3 - 1) + b"{}]}"
+    text = b'{"v": "' + b"x" * (8 * MIB - 64) + b'"}'
+    budget.held = budget.limit - 64 * MIB  # the other replies of the process hold the rest
+    refused, most = _answered(values)
+    assert isinstance(refused, AgentError), "a reply of 2.8 million values was parsed"
+    assert "as read and as parsed" in str(refused)
+    assert most < 48 * MIB, f"reading it took {most / MIB:.0f} MiB"
+    taken, _ = _answered(text)
+    assert isinstance(taken, dict) and len(str(taken["v"])) == 8 * MIB - 64
+    assert budget.held == budget.limit - 64 * MIB  # each gave back what it took
+    budget.held = 0
+    parsed, _ = _answered(values)
+    assert isinstance(parsed, dict) and len(parsed["v"]) == (8 * MIB - 64) // 3  # type: ignore[arg-type]
+    assert budget.held == 0
