@@ -1,7 +1,9 @@
 """The guest agent channel against the fourteenth hostile review: what one client leaving
-in the middle of a guest's frame does to the child's relay and its other clients. No VM:
-the real relay (agent_client.Relay) serves a unix socket that stands in for QEMU's agent
-chardev, written to by the test as a guest would."""
+in the middle of a guest's frame does to the child's relay and its other clients, what a
+line without end costs the relay, and what a reply costs the host once parsed. No VM: the
+real relay (agent_client.Relay) serves a unix socket that stands in for QEMU's agent
+chardev, or the real client reads a socket pair, written to by the test as a guest
+would."""
 
 from __future__ import annotations
 
@@ -243,7 +245,8 @@ def test_a_reply_is_counted_as_what_parsing_it_makes(monkeypatch: pytest.MonkeyP
     under 8 MiB of ``{},`` (counted as nothing) made 193 MiB of Python objects, and 60 MiB
     of short strings (under the 8 MiB of structure a frame may have, counted as 52 MiB)
     331 MiB, 889 at the parse's peak; 16 requests to one guest, 32 in the process, at
-    once. Now a long line is counted as its bytes and 80 per value before it is parsed:
+    once. Now a long line is counted, before it is parsed, as its bytes and what parsing
+    makes of each of its values (agent_client.parsed_size):
     with 64 MiB of the budget left, the first is refused unparsed, a reply as long made
     of one string (the common shape: output, a file) is taken as before, and the first
     is taken when the budget has room for it."""
