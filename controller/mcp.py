@@ -616,9 +616,10 @@ class Tools:
         n: Count = 1,
         timeout_s: Seconds = None,
     ) -> dict[str, Any]:
-        """Fork n sandboxes from a branch: a tag made by branch_sandbox. Each starts in the
-        state the branched sandbox was in (its files, its processes, its interpreter's
-        variables), independently of the others."""
+        """Fork n sandboxes from a branch: a tag you made with branch_sandbox (another
+        client's branches are not yours to fork). Each starts in the state the branched
+        sandbox was in (its files, its processes, its interpreter's variables),
+        independently of the others."""
         return self._spawn(tag, n, timeout_s, None)
 
     def _spawn(
