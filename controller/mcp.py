@@ -288,12 +288,40 @@ class BranchTags:
     passed ``force`` with the tag everyone forks from (``python:latest``): every sandbox
     forked from it after, by any client of the daemon, started in the state of a sandbox
     the injection's author controlled. A snapshot built, pulled, or branched by another
-    client (or by this server before it restarted) is not this tool's to replace."""
+    client (or by this server before it restarted) is not this tool's to replace.
 
-    def __init__(self) -> None:
+    A branch another client made here is not this client's to fork or list either: it is
+    that client's sandbox as it was (its files, its interpreter's variables, the keys it
+    was given), and forking it reached all of that as SandboxScope keeps the sandbox
+    itself from reach (unless ``everything``: ``forkd mcp --all-sandboxes``). Snapshots
+    made elsewhere (built, pulled, branched through the CLI or REST) are everyone's."""
+
+    def __init__(self, everything: bool = False) -> None:
         # tag: the client (calling_client) that made it
         self._made: dict[str, tuple[str | None, str | None]] = {}
         self._lock = threading.Lock()
+        self.everything = everything
+
+    def anothers(self, tag: str) -> bool:
+        """Whether ``tag`` (NAME[:TAG]) is a branch another client made here."""
+        if self.everything:
+            return False
+        try:
+            ref = str(parse_ref(tag))
+        except InvalidInput:
+            return False  # no local tag (a hub reference of a lazy fork): none made here
+        client = calling_client()
+        with self._lock:
+            return self._made.get(ref, client) != client
+
+    def may_fork(self, tag: str) -> None:
+        """NotFound when ``tag`` is a branch another client made here."""
+        if self.anothers(tag):
+            raise NotFound(
+                f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
+                "list_snapshots lists, which leave out the branches other clients of this "
+                "server made (their sandboxes' state); branch your own sandbox, or fork "
+                "from a snapshot that was built or pulled")
 
     def may_replace(self, ref: str, controller: Controller) -> None:
         """Conflict when ``ref`` exists and the calling client did not make it here."""
@@ -543,7 +571,7 @@ class Tools:
         self.token = token
         self.sandboxes = sandboxes
         self.scope = scope if scope is not None else SandboxScope()
-        self.branches = BranchTags()
+        self.branches = BranchTags(everything=self.scope.everything)
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox, when the calling client may act on it (SandboxScope)."""
@@ -552,7 +580,8 @@ class Tools:
 
     def list_snapshots(self) -> dict[str, Any]:
         """The snapshot tags sandboxes can be created from (ref, digest, depth, sizes)."""
-        return {"snapshots": plain(self.controller.snapshots())}
+        mine = [s for s in self.controller.snapshots() if not self.branches.anothers(s.ref)]
+        return {"snapshots": plain(mine)}
 
     def list_sandboxes(self) -> dict[str, Any]:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
@@ -587,9 +616,10 @@ class Tools:
         n: Count = 1,
         timeout_s: Seconds = None,
     ) -> dict[str, Any]:
-        """Fork n sandboxes from a branch: a tag made by branch_sandbox. Each starts in the
-        state the branched sandbox was in (its files, its processes, its interpreter's
-        variables), independently of the others."""
+        """Fork n sandboxes from a branch: a tag you made with branch_sandbox (another
+        client's branches are not yours to fork). Each starts in the state the branched
+        sandbox was in (its files, its processes, its interpreter's variables),
+        independently of the others."""
         return self._spawn(tag, n, timeout_s, None)
 
     def _spawn(
@@ -600,6 +630,7 @@ class Tools:
         memory_limit_mib: int | None,
         lazy: bool = False,
     ) -> dict[str, Any]:
+        self.branches.may_fork(tag)
         options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s

@@ -57,6 +57,12 @@ SLOW_CLIENT_S = 60.0  # relay: a client that takes none of its queued bytes this
 # relay: request bytes queued for the agent before no client is read (a guest that stops
 # reading its port made the relay hold every request sent to it, 43 MiB per ``put``)
 AGENT_QUEUE = 16 << 20
+# relay: a line from the agent longer than this is passed on as it arrives (to the client
+# its head names, or to nobody), not held whole: a guest that wrote a line without end made
+# its relay hold 128 MiB, and a 64 MiB reply three copies of it, per child and outside the
+# child's memory limit. Its client's own bound on a line (MAX_LINE, SMALL_REPLY_LINE) and
+# CLIENT_BUFFER's backpressure bound the rest.
+LONG_LINE = 64 << 10
 REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
 # hostile one sending more must not make each queued frame of a stream 16 times larger
@@ -81,6 +87,16 @@ SMALL_REPLY_OPS = frozenset({"ping", "fixup", "sync", "cancel", "put", "proc_sta
 # of the largest size fit; a reply that would pass it fails (AgentError) and is not read.
 REPLY_FREE = SMALL_REPLY_LINE
 REPLY_BUDGET = 256 << 20
+# What parsing a reply makes is counted too, not only its bytes: each JSON value becomes a
+# Python object of its own and a slot (8 bytes) in its container, so a 60 MiB line of short
+# strings, under MAX_STRUCTURE and counted as 52 MiB, parsed into 331 MiB (889 at the
+# parse's peak), and an 8 MiB line of ``{},``, counted as nothing, into 193 MiB. A line
+# over CHECKED_LINE is counted, before it is parsed, as its bytes plus, per value, what
+# parsing makes of it past its text (parsed_size); a shorter one cannot pass REPLY_FREE.
+PER_CONTAINER = 72  # an empty list 56, a dict 64; and its slot
+PER_STRING = 57  # a str 49 past its text; and its slot
+PER_SCALAR = 32  # an int 28, a float 24; and its slot
+CHECKED_LINE = 96 << 10  # at most 2 values in 3 bytes: under 7 MiB of objects
 MIB = 1 << 20
 
 
@@ -99,19 +115,21 @@ class ReplyBudget(Shares):
         refused = self.take_or_refuse(n, client)
         if refused is None:
             return
+        others = (refused.held - own) / MIB
         if refused.bound == "client":
             raise AgentError(
-                f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while this client's "
-                f"({client}) other replies held {(refused.held - own) / MIB:.1f} MiB past "
-                f"theirs (at most {self.share / MIB:g} MiB, half of the "
+                f"{what}: its reply (as read and as parsed) passed {REPLY_FREE / MIB:g} MiB "
+                f"while this client's ({client}) other replies held "
+                f"{others:.1f} MiB past theirs (at most {self.share / MIB:g} MiB, half of the "
                 f"{self.limit / MIB:g} MiB of this process); it was dropped and the "
                 "connection closed. Read your answers as they come, ask for less at "
                 "once (stream a command's output, read a file in parts), or retry when "
                 "fewer of your large replies are in flight")
         raise AgentError(
-            f"{what}: its reply passed {REPLY_FREE / MIB:g} MiB while the other "
-            f"replies being read in this process held {(refused.held - own) / MIB:.1f} MiB "
-            f"past theirs (at most {self.limit / MIB:g} MiB in all); it was dropped and "
+            f"{what}: its reply (as read and as parsed) passed {REPLY_FREE / MIB:g} MiB "
+            f"while the other replies being read in this process held "
+            f"{others:.1f} MiB past theirs (at most {self.limit / MIB:g} MiB in all); it was "
+            "dropped and "
             "the connection closed. Ask for less at once (stream a command's output, read "
             "a file in parts) or retry when fewer large replies are in flight")
 
@@ -209,7 +227,21 @@ class ProtocolViolation(ValueError):
     """A frame from the guest agent that the host must not take (parse_frame)."""
 
 
-def parse_frame(line: bytes) -> dict[str, Any] | None:
+def parsed_size(line: bytes, structure: bytes, strings: int) -> int:
+    """At most about the bytes parsing ``line`` makes, ``structure`` being what is outside
+    its ``strings`` strings (jsondoc.skeleton_and_strings): its text, and per value (the
+    frame's, the first in each container that is not ``[]`` or ``{}``, then one after each
+    ``,`` and ``:``) its object and slot. Over-counted, never under (``[ ]`` is not seen
+    as empty)."""
+    containers = structure.count(b"[") + structure.count(b"{")
+    empty = structure.count(b"[]") + structure.count(b"{}")
+    values = 1 + containers - empty + structure.count(b",") + structure.count(b":")
+    scalars = max(0, values - containers - strings)
+    return (len(line) + PER_CONTAINER * containers + PER_STRING * strings
+            + PER_SCALAR * scalars)
+
+
+def parse_frame(line: bytes, structure: bytes | None = None) -> dict[str, Any] | None:
     """A line the guest agent sent, as a frame. The guest is the untrusted side (root in it
     can replace the agent): None for a line that is not a JSON object at all, which a reader
     skips (the tail of a frame a previous host connection took part of); ProtocolViolation
@@ -221,7 +253,8 @@ def parse_frame(line: bytes) -> dict[str, Any] | None:
     text = line  # not stripped: a copy of up to 64 MiB (json takes the whitespace)
     if _OBJECT_START.match(text) is None:
         return None
-    if len(text) > MAX_STRUCTURE and len(jsondoc.skeleton(text)) > MAX_STRUCTURE:
+    if len(text) > MAX_STRUCTURE and len(
+            jsondoc.skeleton(text) if structure is None else structure) > MAX_STRUCTURE:
         raise ProtocolViolation(f"a frame with more than {MAX_STRUCTURE} bytes of structure "
                                 "outside its strings")
     twice: list[str | None] = []  # per object as it closes: the outermost closes last
@@ -360,7 +393,7 @@ class AgentClient:
         try:
             self._ls.send(json.dumps(msg).encode() + b"\n")
             while True:
-                reply = self._read_frame(op, deadline, stop)
+                reply = self._read_frame(op, deadline, stop, hold)
                 if reply.get("id") != rid:
                     if "ev" in reply:
                         self._payload(reply, op, deadline)  # skipped whole
@@ -405,7 +438,8 @@ class AgentClient:
         return self._ls.read_exact(size, limit, f"guest agent ({op})")
 
     def _read_frame(self, op: str, deadline: float | None,
-                    stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+                    stop: Callable[[], bool] | None = None,
+                    hold: _ReplyHold | None = None) -> dict[str, Any]:
         while True:
             if stop is not None and stop():
                 raise Abandoned(f"the caller of {op!r} stopped waiting for it")
@@ -419,7 +453,13 @@ class AgentClient:
                 if self.alive is not None and not self.alive():
                     raise EOFError("the VM exited") from None
                 continue
-            frame = parse_frame(line)
+            structure = None
+            if len(line) > CHECKED_LINE:
+                structure, strings = jsondoc.skeleton_and_strings(line)
+                # before it is parsed; a frame of too much structure is refused as such
+                if hold is not None and len(structure) <= MAX_STRUCTURE:
+                    hold.grow(parsed_size(line, structure, strings))
+            frame = parse_frame(line, structure)
             if frame is None:
                 continue  # an incomplete frame the agent dropped (its host went away)
             return frame
@@ -697,6 +737,8 @@ class Relay:
         self.agent_out = bytearray()
         self.raw_left = 0  # bytes of an event's binary payload still to come from the agent
         self.raw_to: _Client | None = None  # whose they are (None: nobody's, skipped)
+        self.long_line = False  # the rest of a line past LONG_LINE is still to come
+        self.line_to: _Client | None = None  # whose it is (None: nobody's, skipped)
         self.clients: dict[int, _Client] = {}
         self.routes: dict[str, _Client] = {}
         self.next_id = _new_ids()
@@ -826,16 +868,46 @@ class Relay:
                 if self.raw_left:
                     break
                 continue
+            if self.long_line:
+                i = buf.find(b"\n", start)
+                end = len(buf) if i < 0 else i + 1
+                if self.line_to is not None:
+                    self.line_to.outbuf += buf[start:end]
+                    self._want_write(self.line_to)
+                start = end
+                if i < 0:
+                    break
+                self.long_line, self.line_to = False, None
+                continue
             i = buf.find(b"\n", max(scan, start))
             if i < 0:
+                if len(buf) - start > LONG_LINE:
+                    self._start_long_line(bytes(buf[start:start + LONG_LINE]))
+                    continue  # what arrived of it goes on now
                 break
             self._route(bytes(buf[start:i + 1]))
             start = i + 1
         if start:
             del buf[:start]
-        if len(buf) > 2 * (64 << 20):  # no frame is this long: the stream is broken
-            buf.clear()
         return True
+
+    def _start_long_line(self, head: bytes) -> None:
+        """A line past LONG_LINE: its head decides whose it is, as _route does for a whole
+        one (a reply ends its request's route; an event's header this long announces no
+        payload the relay skips, as _event_size says)."""
+        self.long_line, self.line_to = True, None
+        m = _FRAME_HEAD.match(head)
+        if m is None:
+            return  # the hello, or not a frame: skipped
+        try:
+            rid = json.loads(m.group(1))
+        except ValueError:
+            return
+        c = self.routes.get(rid) if isinstance(rid, str) else None
+        if c is not None and m.group(2) == b"ok":
+            del self.routes[rid]
+            c.ids.discard(rid)
+        self.line_to = c
 
     def _route(self, frame: bytes) -> None:
         m = _FRAME_HEAD.match(frame)
@@ -931,10 +1003,17 @@ class Relay:
         return True
 
     def _drop(self, c: _Client) -> None:
-        """A client went away: its running commands are cancelled in the guest."""
+        """A client went away: its running commands are cancelled in the guest, and the
+        rest of an event payload or a long line the agent is sending it is skipped (its
+        socket is closed: the relay died on queueing bytes for it, and every other client
+        of the child with it)."""
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(c.sock)
         self.clients.pop(c.sock.fileno(), None)
+        if self.raw_to is c:
+            self.raw_to = None
+        if self.line_to is c:
+            self.line_to = None
         c.sock.close()
         for rid in c.ids:
             self.routes.pop(rid, None)

@@ -1,0 +1,124 @@
+"""The MCP server against the fourteenth hostile review: what one client's tools reach of
+another's through the store. No VM: the engine's branch and spawn stand in (they tag an
+existing layer, and record what would start)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd.controller import backend as backend_mod
+from forkd.controller import mcp
+from forkd.controller.api import SpawnRequest, SpawnResult
+from forkd.controller.sdk import Controller
+from forkd.engine.agent_client import REQUEST_CLIENT
+from forkd.engine.branch import BranchResult
+from forkd.errors import ForkdError, NotFound
+from forkd.store.store import Store
+from forkd.synthetic import write_base
+
+ANY_SANDBOX = mcp.SandboxScope(everything=True)
+
+
+class Asked(ForkdError):
+    """The stand-in spawn was asked to fork (the tag got past the tool's checks)."""
+
+
+@pytest.fixture
+def based(place: Path, tmp_path: Path) -> Store:
+    """The store of this test's FORKD_HOME, holding ``base:latest``."""
+    store = Store.open()
+    image = tmp_path / "base.img"
+    write_base(image, 1 << 20, seed=14, random_share=1.0)
+    store.import_layer("base:latest", memory=image)
+    return store
+
+
+@contextlib.contextmanager
+def _as_client(address: str, session: str | None = None) -> Iterator[None]:
+    client = REQUEST_CLIENT.set(address)
+    mcp_session = mcp.MCP_SESSION.set(session)
+    try:
+        yield
+    finally:
+        mcp.MCP_SESSION.reset(mcp_session)
+        REQUEST_CLIENT.reset(client)
+
+
+@pytest.fixture
+def engine(based: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A branch tags ``base:latest`` anew (the sandbox's state, as far as the store sees);
+    a spawn records the tag it was asked for, starts nothing and raises Asked."""
+    spawned: list[str] = []
+
+    def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
+        store.tag(tag, "base:latest", force=force)
+        return BranchResult(ref=tag, digest=store.resolve(tag), parent="base:latest",
+                            mode="live", pause_ms=0, pause_pages=0, copy_ms=0, rounds=1,
+                            forced=False, scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0,
+                            diff_bytes=0, stored_bytes=0, store_ms=0, depth=1,
+                            compacted=False)
+
+    def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
+        spawned.append(req.tag)
+        raise Asked(req.tag)
+
+    monkeypatch.setattr(backend_mod, "branch_child", branch)
+    monkeypatch.setattr(backend_mod.LocalBackend, "spawn", spawn)
+    return spawned
+
+
+def _listed(tools: mcp.Tools) -> list[str]:
+    return [s["ref"] for s in tools.list_snapshots()["snapshots"]]
+
+
+def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
+        engine: list[str]) -> None:
+    """A client's sandboxes are out of other clients' reach (SandboxScope), but a branch of
+    one was not: list_snapshots showed it to every client of the server, and
+    fork_from_branch (or create_sandboxes) of it gave a prompt-injected model a sandbox in
+    the other client's state, its files, its interpreter's variables and whatever keys it
+    had been handed, to read at will. Now a branch made here by another client (another
+    address, or another MCP session of the same one) is left out of list_snapshots and is
+    NotFound to fork, before anything starts; its maker and snapshots made elsewhere are
+    served as before."""
+    # every client may use sb-1 (the operator named it): its branch is its maker's
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
+    with _as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "secret-work:1")
+        assert "secret-work:1" in _listed(tools)
+    for other in (("127.0.0.1", "session-b"), ("10.0.0.2", "session-a")):
+        with _as_client(*other):
+            assert _listed(tools) == ["base:latest"]
+            with pytest.raises(NotFound, match="among those this MCP client may fork"):
+                tools.fork_from_branch("secret-work:1")
+            with pytest.raises(NotFound, match="among those this MCP client may fork"):
+                tools.create_sandboxes("secret-work:1", 2)
+            with pytest.raises(Asked):
+                tools.create_sandboxes("base")  # what was built or pulled stays everyone's
+    assert engine == ["base", "base"]
+    with _as_client("127.0.0.1", "session-a"):
+        with pytest.raises(Asked):
+            tools.fork_from_branch("secret-work:1")  # its maker forks it
+        tools.branch_sandbox("sb-1", "secret-work")  # :latest, by any spelling
+    with _as_client("127.0.0.1", "session-b"):
+        assert _listed(tools) == ["base:latest"]
+        with pytest.raises(NotFound):
+            tools.create_sandboxes("secret-work:latest")
+    assert engine == ["base", "base", "secret-work:1"]
+
+
+def test_every_client_forks_every_branch_with_all_sandboxes(engine: list[str]) -> None:
+    """``forkd mcp --all-sandboxes`` gives every client every sandbox; the branches too."""
+    tools = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
+    with _as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "shared:1")
+    with _as_client("127.0.0.1", "session-b"):
+        assert "shared:1" in _listed(tools)
+        with pytest.raises(Asked):
+            tools.fork_from_branch("shared:1")
+    assert engine == ["shared:1"]
