@@ -33,6 +33,7 @@ from forkd.engine.cgroup import CgroupLimits, ChildCgroup
 from forkd.engine.commands import MAX_WAIT_S
 from forkd.engine.egress import child as egress
 from forkd.engine.errors import Busy, ChildDead, ChildNotFound, EngineError, HostError, VMMError
+from forkd.engine.lazy.paths import server_dir_of
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
@@ -296,12 +297,15 @@ class ChildVM:
         d = children_dir() / child_id
         d.mkdir(mode=0o700, exist_ok=resuming)  # a resume starts again in its paused dir
         disk = d / "disk.qcow2"
+        # a lazy server's memory file is produced on first access: QEMU's huge-page advice
+        # would have each first touch read 4 MiB of it (hugepages.py)
         cfg = VMConfig(memory_mib=c.memory_mib, vcpus=c.vcpus, accel=c.accelerators[0],
                        mem_path=asm.memory, share=False, disk=disk, disk_cache="writeback",
                        incoming=True, sandbox=sandbox,
                        runas=unprivileged_user() if sandbox else None,
                        tap="tap0" if with_netns else None, mac=netns.TEMPLATE_MAC,
-                       disk_bps=limits.disk_bps, disk_iops=limits.disk_iops)
+                       disk_bps=limits.disk_bps, disk_iops=limits.disk_iops,
+                       huge_page_advice=server_dir_of(asm.memory) is None)
         info = ChildInfo(id=child_id, ref=ref, digest=asm.digest, pid=0, dir=str(d),
                          memory=str(asm.memory), disk_backing=str(asm.disk),
                          memory_mib=c.memory_mib, created=time.time(), limits=limits.shown(),

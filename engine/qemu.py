@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkd.engine import qcow2
+from forkd.engine import hugepages, qcow2
 from forkd.engine.errors import HostError, VMMError
 from forkd.engine.qmp import QMP
 from forkd.names import inert
@@ -84,6 +84,9 @@ class VMConfig:
     mac: str | None = None
     disk_bps: int | None = None  # QEMU's I/O throttling of the drive: bytes/s, read + write
     disk_iops: int | None = None  # and operations/s, read + write
+    # False: QEMU's MADV_HUGEPAGE on guest RAM is made a no-op (hugepages.py): a memory
+    # file produced on first access (a lazy child's) is then read a page at a time, not 4 MiB
+    huge_page_advice: bool = True
     extra: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -345,7 +348,9 @@ class QemuVM:
             if passed:
                 self.argv = build_argv(self.cfg, self.dir, disk_fds, tap_fd)
             with self.log_path.open("ab") as log, enter:
-                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                argv = (self.argv if self.cfg.huge_page_advice
+                        else hugepages.without_advice(self.argv))
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, close_fds=True,
                                              pass_fds=passed, env=qemu_environment(),
                                              start_new_session=self.detach)
