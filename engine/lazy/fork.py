@@ -308,17 +308,25 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
                  tag: str | None, prefetch: bool = True,
                  spawn: Starter | None = None,
                  working_set: Descriptor | None = None,
-                 spooler: Spooler | None = None) -> LazySnapshot:
+                 spooler: Spooler | None = None,
+                 record_pages: bool = False) -> LazySnapshot:
     """The lazy server of ``source``'s head: the running one, else a new one (detached,
     in its own session: it outlives this command), ``spawn``'s process when given (it
     is ended when a server runs). prefetch False: a new server fetches only what readers
     ask for; ``working_set``: the blob a new server fetches the recorded chunks in
     (``spooler``: from the file this command streams it into; removed when a server runs
-    already)."""
+    already); record_pages: a new server that records the pages read (record.py), never
+    a running one."""
     from forkd.engine.lazy.serve import ServerSpec  # the server's own modules need pyfuse3
 
     d = server_dir(store.home, source.head)
     found = _ready(d)
+    if found is not None and record_pages:
+        if spawn is not None:
+            spawn.cancel()
+        raise HostError(f"a lazy server of {source.name} runs (pid {found.pid}), so the "
+                        "pages a new child touches cannot be recorded; kill its children "
+                        "(forkd kill) and record again")
     if found is not None:
         if spawn is not None:
             spawn.cancel()
@@ -329,7 +337,8 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
     ServerSpec(str(store.home), source.head, source.name, tag,
                remote.hub.address if remote else None, remote.name if remote else None,
                prefetch, working_set.to_json() if working_set else None,
-               str(spooler.path) if spooler is not None and working_set else None).save(d)
+               str(spooler.path) if spooler is not None and working_set else None,
+               record_pages).save(d)
     proc: ServerProcess
     if spawn is not None:
         proc = spawn.go(d)
@@ -365,12 +374,14 @@ def start_server(store: Store, source: ChunkSource, remote: RemoteRef | None,
 def holding(store: Store, source: ChunkSource, remote: RemoteRef | None, tag: str | None,
             prefetch: bool = True, spawn: Starter | None = None,
             working_set: Descriptor | None = None,
-            spooler: Spooler | None = None) -> Iterator[LazySnapshot]:
+            spooler: Spooler | None = None,
+            record_pages: bool = False) -> Iterator[LazySnapshot]:
     """A serving lazy server whose memory file is held open meanwhile (the server serves
-    on while a file is open); ``spawn``: the process a new server runs in. A server found
-    just as it exits is waited for, and a new one started."""
+    on while a file is open); ``spawn``: the process a new server runs in; the rest as
+    start_server's. A server found just as it exits is waited for, and a new one started."""
     for _ in range(3):
-        snap = start_server(store, source, remote, tag, prefetch, spawn, working_set, spooler)
+        snap = start_server(store, source, remote, tag, prefetch, spawn, working_set, spooler,
+                            record_pages)
         spawn = spooler = None  # used or ended
         try:
             fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)

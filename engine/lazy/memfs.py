@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import subprocess
 import threading
@@ -35,6 +36,7 @@ from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.paths import FILE_NAME
 from forkd.errors import ForkdError
 from forkd.pack.accessorder import WINDOW_BYTES
+from forkd.pack.imagemap import PAGE_SIZE
 
 FILE_INODE = pyfuse3.ROOT_INODE + 1
 ATTR_TIMEOUT = 3600.0  # the file never changes
@@ -55,13 +57,18 @@ class MemoryFile(pyfuse3.Operations):
     def __init__(self, layout: ImageLayout,
                  on_chunks: Callable[[list[str]], None] | None = None,
                  on_error: Callable[[], None] | None = None,
-                 on_window: Callable[[int], None] | None = None) -> None:
+                 on_window: Callable[[int], None] | None = None,
+                 record_pages: bool = False) -> None:
         """on_chunks: hears of the chunks each read needs; on_window: of each window
         whose holes a read fills (its first read, unless push_zeros was first);
         on_error: called once a failed read is recorded in ``errors``, before the reader
-        gets its EIO (so whoever sees the child die finds the reason)."""
+        gets its EIO (so whoever sees the child die finds the reason); record_pages: a
+        recording (engine/lazy/record.py): each read's pages are kept in ``pages_read``
+        and nothing else goes into the page cache (no window, no holes), so with the
+        mount's read-ahead off (``no_read_ahead``) the reads are the pages readers touch."""
         super().__init__()
         self.layout = layout
+        self.pages_read: set[int] | None = set() if record_pages else None
         self.on_chunks = on_chunks
         self.on_window = on_window
         self.on_error = on_error
@@ -265,6 +272,11 @@ class MemoryFile(pyfuse3.Operations):
         try:
             if self.on_chunks is not None:
                 self.on_chunks(self.layout.chunks_at(off, size))
+            if self.pages_read is not None:  # recording: the read's own pages, nothing more
+                self.pages_read.update(range(off // PAGE_SIZE, -(-(off + size) // PAGE_SIZE)))
+                data = await trio.to_thread.run_sync(self._read, off, size, False,
+                                                     limiter=self._limit)
+                return cast(bytes, data)
             window = off // STORE_WINDOW
             with self._lock:
                 first = window not in self.filled_windows
@@ -289,6 +301,35 @@ def mount(ops: MemoryFile, mountpoint: str) -> None:
     options = set(pyfuse3.default_options) - {"default_permissions"}
     options |= {"fsname=forkd-lazy", "subtype=forkd", "allow_other"}
     pyfuse3.init(ops, mountpoint, options)
+
+
+def no_read_ahead(mountpoint: str) -> None:
+    """The kernel reads no more of the file mounted at ``mountpoint`` than a reader
+    touches: the mount's read-ahead set to 0 (``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``,
+    the numbers from /proc/self/mountinfo: a stat of the mount point would wait for this
+    server, which does not serve yet). A mapping QEMU advises MADV_HUGEPAGE is read 4 MiB
+    at a time all the same: its children start without the advice (engine/hugepages.py)."""
+    point = str(Path(mountpoint).parent.resolve() / Path(mountpoint).name)
+    device = None
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and _unescape(fields[4]) == point:
+                device = fields[2]
+    if device is None:
+        raise ForkdError(f"{point} is not mounted: no read-ahead to turn off")
+    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
+    try:
+        setting.write_text("0")
+    except OSError as exc:
+        raise ForkdError(f"could not turn off read-ahead on the lazy mount {point} "
+                         f"({setting}: {exc.strerror}); recording the pages a child touches "
+                         "needs root and a writable /sys") from exc
+
+
+def _unescape(field: str) -> str:
+    """A path of /proc/self/mountinfo (space, tab, newline and backslash as octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def clear_dead_mount(mountpoint: Path) -> None:

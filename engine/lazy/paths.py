@@ -16,6 +16,7 @@ from forkd import digest as dg
 LAZY_DIR = "lazy"
 MOUNT_DIR = "mnt"
 FILE_NAME = "memory.img"
+PAGES_FILE = "pages.json"  # a recording server's pages (serve.py, record.py)
 
 
 def server_dir(home: Path, head: str) -> Path:

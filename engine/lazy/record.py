@@ -4,10 +4,11 @@ agent's answer (and ``probe`` evaluated, when given), killed; the chunks its laz
 saw it need, in order. Published as the pack's access-order artifact (orders.publish),
 it lets even the first lazy fork on a new host prefetch its working set from the start.
 
-Before that, ``split_working_set`` records the pages a local child of the snapshot touches
-up to its first answer (the guest-RAM mapping's pagemap) and splits the layer's memory
-chunks by them (forkd.store.worksplit): the working set published with the order is then
-the chunks of those pages alone, not the 2 MiB regions around them.
+Before that, ``split_working_set`` records the pages a child of the snapshot touches up to
+its first answer (``record_touched``: a lazy child whose server records each page it
+reads, one at a time) and splits the layer's memory chunks by them
+(forkd.store.worksplit): the working set published with the order is then the chunks of
+those pages alone, not the 2 MiB regions around them.
 """
 
 from __future__ import annotations
@@ -20,17 +21,15 @@ from typing import Any
 
 from forkd.engine import build
 from forkd.engine import children as ch
-from forkd.engine.branch import touched_pages
 from forkd.engine.errors import HostError
 from forkd.engine.lazy import orders
 from forkd.engine.lazy.chunks import ChunkSource
 from forkd.engine.lazy.fork import READY_TIMEOUT, assembled, holding
-from forkd.engine.lazy.paths import server_dir
+from forkd.engine.lazy.paths import PAGES_FILE, server_dir
 from forkd.engine.lazy.prefetch import load_order
-from forkd.engine.precopy import ram_mapping
 from forkd.engine.qemu import pid_alive
 from forkd.pack import accessorder
-from forkd.pack.imagemap import PAGE_SIZE, runs
+from forkd.pack.imagemap import runs
 from forkd.registry.client import RegistryClient
 from forkd.store.store import Store
 from forkd.store.worksplit import pages_of, split_memory
@@ -48,22 +47,7 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> accessorde
     found = load_order(order_file, head)
     if found is not None and found.chunks:
         return found
-    source = ChunkSource(store, store.chain(head, tag), tag)
-    with holding(store, source, None, None, prefetch=False) as snap:
-        result = ch.fork(store, tag, 1, assembled=assembled(store, source, snap),
-                         overlay_template=snap.overlay)
-        try:
-            if not result.children:
-                raise HostError(f"recording the access order of {tag}: the child did not "
-                                f"start: {'; '.join(result.errors)}")
-            if probe is not None:
-                ch.eval_in(result.children[0].id, probe)
-        finally:
-            for child in result.children:
-                ch.kill(child.id, store)
-    deadline = time.monotonic() + READY_TIMEOUT
-    while pid_alive(snap.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)  # it writes order.json as it exits, a second after the kill
+    _one_child(store, tag, probe, record_pages=False)
     found = load_order(order_file, head)
     if found is None or not found.chunks:
         raise HostError(f"the lazy server of {tag} recorded no access order; see "
@@ -72,22 +56,50 @@ def record_order(store: Store, tag: str, probe: str | None = None) -> accessorde
 
 
 def record_touched(store: Store, tag: str, probe: str | None = None) -> list[int]:
-    """The memory pages one local child of ``tag`` has touched (read or written) when it
-    first answers (and has evaluated ``probe``, when given), in page order: what its
-    guest-RAM mapping holds then (engine.branch.touched_pages)."""
-    result = ch.fork(store, tag, 1)
-    if not result.children:
-        raise HostError(f"recording the pages {tag} touches: the child did not start: "
-                        f"{'; '.join(result.errors)}")
-    child = result.children[0]
+    """The memory pages one child of ``tag`` has touched (read or written) when it first
+    answers (and has evaluated ``probe``, when given), in page order. The child is a lazy
+    one of the local chain whose server records the pages it reads with the mount's
+    read-ahead off and nothing pushed around them, its QEMU without the huge-page advice
+    (hugepages.py): each page the guest touches is read once, alone. (The pages a local
+    child's mapping holds count the kernel's fault-around too, 64 KiB around each touch
+    whose neighbours are cached: 73 MiB where the guest touched 40, for langgraph-react.)"""
+    head = store.resolve(tag)
+    d = _one_child(store, tag, probe, record_pages=True)
+    doc = _load(d / PAGES_FILE, head)
     try:
-        if probe is not None:
-            ch.eval_in(child.id, probe)
-        start, end, offset = ram_mapping(child.pid, Path(child.memory))
-        first = offset // PAGE_SIZE
-        return [first + i for i in touched_pages(child.pid, start, end)]
-    finally:
-        ch.kill(child.id, store)
+        pages = [] if doc is None else [first + i for first, n in doc["pages"]
+                                        for i in range(n)]
+    except (KeyError, TypeError, ValueError):
+        pages = []
+    if not pages:
+        raise HostError(f"the lazy server of {tag} recorded no page its child touched; see "
+                        f"{d / 'server.log'}")
+    return pages
+
+
+def _one_child(store: Store, tag: str, probe: str | None, record_pages: bool) -> Path:
+    """One lazy child of local ``tag`` (every chunk is here: nothing is fetched) up to
+    its first answer and ``probe``, killed; its server waited for, for what it keeps as
+    it exits (order.json; pages.json with record_pages); the server's directory."""
+    head = store.resolve(tag)
+    source = ChunkSource(store, store.chain(head, tag), tag)
+    with holding(store, source, None, None, prefetch=False,
+                 record_pages=record_pages) as snap:
+        result = ch.fork(store, tag, 1, assembled=assembled(store, source, snap),
+                         overlay_template=snap.overlay)
+        try:
+            if not result.children:
+                raise HostError(f"recording what a child of {tag} touches: the child did "
+                                f"not start: {'; '.join(result.errors)}")
+            if probe is not None:
+                ch.eval_in(result.children[0].id, probe)
+        finally:
+            for child in result.children:
+                ch.kill(child.id, store)
+    deadline = time.monotonic() + READY_TIMEOUT
+    while pid_alive(snap.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # it writes its files as it exits, a second after the kill
+    return snap.dir
 
 
 def split_working_set(store: Store, tag: str, probe: str | None = None) -> str:

@@ -22,6 +22,7 @@ is open any more (every child gone) for ``LINGER`` seconds, unmounting first. It
     errors.json   {"<pid>": message} reads that failed, by the QEMU that read (the one
                   that opened the memory file, the peer of the NBD connection)
     prefetch.json prefetch progress (prefetch.Progress)
+    pages.json    a recording's pages (record_pages: engine/lazy/record.py)
     server.log    its log
 While it runs it holds the store's gc lock shared: no `forkd gc` removes the chunks it
 fetched before the chain is tagged.
@@ -49,10 +50,11 @@ from forkd.engine.lazy import memfs, orders, prefetch
 from forkd.engine.lazy.chunks import ChunkSource, Hub
 from forkd.engine.lazy.layout import ImageLayout
 from forkd.engine.lazy.nbd import DiskExport, start_disk_export
-from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR, socket_dir
+from forkd.engine.lazy.paths import FILE_NAME, MOUNT_DIR, PAGES_FILE, socket_dir
 from forkd.errors import ForkdError
 from forkd.pack import accessorder
 from forkd.pack.accessorder import Order
+from forkd.pack.imagemap import runs
 from forkd.pack.manifest import Descriptor
 from forkd.registry import client as registry_client
 from forkd.registry import credentials
@@ -81,6 +83,7 @@ class ServerSpec:
     prefetch: bool = True  # False: fetch on demand only (no prefetch.go, no timer)
     working_set: dict[str, Any] | None = None  # the recorded chunks' blob (a descriptor)
     working_set_spool: str | None = None  # the file the fork command streams it into
+    record_pages: bool = False  # a recording: the pages read kept in pages.json (record.py)
 
     def save(self, d: Path) -> None:
         tmp = d / "server.json.tmp"
@@ -109,7 +112,7 @@ class Server:
         self.order = prefetch.AccessOrder()
         self.memory = ImageLayout(self.source, "memory")
         self.ops = memfs.MemoryFile(self.memory, self.order.note, self.save_errors,
-                                    self.order.note_window)
+                                    self.order.note_window, spec.record_pages)
         self.export: DiskExport | None = None
         self.progress = prefetch.Progress()
         self.stopping = False
@@ -204,7 +207,7 @@ class Server:
         """Keep the order this run recorded when none was known (the first run's is the
         true demand order), and publish it next to the pack (orders.publish: best effort,
         it needs a push right on the repository)."""
-        if self.recorded is not None or not self.order.digests:
+        if self.recorded is not None or not self.order.digests or self.spec.record_pages:
             return
         order = self.order.recorded()
         prefetch.save_order(self.dir / "order.json", self.spec.head, order)
@@ -218,6 +221,15 @@ class Server:
                          len(order.chunks), len(order.windows), hub)
             except ForkdError as exc:
                 log.info("the access order stays local: %s", exc)
+
+    def save_pages(self) -> None:
+        """A recording's pages (pages.json: ``{"manifest", "pages": runs}``)."""
+        if self.ops.pages_read is None:
+            return
+        tmp = self.dir / (PAGES_FILE + ".tmp")
+        tmp.write_text(json.dumps({"manifest": self.spec.head,
+                                   "pages": runs(sorted(self.ops.pages_read))}))
+        tmp.replace(self.dir / PAGES_FILE)
 
     def save_errors(self) -> None:
         """errors.json current: polled, and at once when a memory read fails (before its
@@ -264,7 +276,7 @@ def serve(d: Path) -> int:
                 log.info("another server serves %s", d)
                 return 0
             time.sleep(0.05)
-    for name in ("ready.json", "prefetch.go", "errors.json", "prefetch.json"):
+    for name in ("ready.json", "prefetch.go", "errors.json", "prefetch.json", PAGES_FILE):
         (d / name).unlink(missing_ok=True)
     server = Server(d, ServerSpec.load(d))
     mnt = d / MOUNT_DIR
@@ -277,6 +289,8 @@ def serve(d: Path) -> int:
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))
         try:
+            if server.spec.record_pages:
+                memfs.no_read_ahead(str(mnt))
             server.write_ready(overlay)
             log.info("serving %s at %s", server.spec.name, mnt)
             signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))
@@ -292,6 +306,7 @@ def serve(d: Path) -> int:
         finally:
             (d / "ready.json").unlink(missing_ok=True)
             server.save_order()
+            server.save_pages()
             server.save_errors()
             pyfuse3.close(unmount=True)
             with contextlib.suppress(ForkdError):

@@ -6,6 +6,7 @@ prefetch completes and children keep running. docs/engine.md, "Lazy fork"."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from hub_server import HubServer
 
 from forkd.engine import children as ch
 from forkd.engine.errors import ChildDead, VMMError
+from forkd.engine.lazy.paths import PAGES_FILE, server_dir
 from forkd.errors import ForkdError
 from forkd.store.store import Store
 
@@ -58,6 +60,21 @@ def published(store: Store, tiny: str, tmp_path: Path,
     assert lazy_mounts(fresh.home) == []  # the server unmounted after its last child
 
 
+def _vm_flags(pid: int, memory: Path) -> list[str]:
+    """The VmFlags (/proc/PID/smaps) of a process's mapping of ``memory``."""
+    from forkd.engine.precopy import ram_mapping
+
+    start = ram_mapping(pid, memory)[0]
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = int(line.split("-")[0], 16) == start
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no VmFlags for the mapping of {memory} in process {pid}")
+
+
 def _server_dir(fresh: Store) -> Path:
     return next((fresh.home / "lazy").iterdir())
 
@@ -86,6 +103,8 @@ def test_lazy_children_behave_like_eager(published: Published, cleanup_children:
     for c in res.children:  # mapped private from the lazy server's FUSE file
         cmd = b" ".join(Path(f"/proc/{c.pid}/cmdline").read_bytes().split(b"\0"))
         assert b"share=off" in cmd and b"/mnt/memory.img" in cmd
+        # started without QEMU's huge-page advice: a first touch reads its page, not 4 MiB
+        assert "hg" not in _vm_flags(c.pid, Path(c.memory)), "the advice took effect"
     assert not list(fresh.cache_dir.glob("*/memory.img"))  # no assembly on this path
     for i in ids:
         assert _val(ch.eval_in(i, "WARM['ready']")) is True
@@ -236,6 +255,9 @@ def test_push_access_order_on_the_command_line(published: Published, store: Stor
     head = store.resolve(tiny)
     assert head != published.pushed_head and "by its working set" in pushed.stderr
     touched = record.load_touched(store, head)
+    # recorded by a lazy child whose server kept each page it read (record.record_touched)
+    kept = json.loads((server_dir(store.home, published.pushed_head) / PAGES_FILE).read_text())
+    assert touched == {first + i for first, n in kept["pages"] for i in range(n)}
     memory = store.image_map(store.manifest(head), "memory", head)
     assert touched and memory is not None
     for chunk in memory.chunks:  # each wholly touched or wholly not

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ import pytest
 
 from forkd.engine.lazy.chunks import open_local
 from forkd.engine.lazy.layout import ImageLayout
+from forkd.errors import ForkdError
 from forkd.pack.imagemap import CHUNK_SIZE, PAGE_SIZE
 from forkd.store.store import Store
 from forkd.synthetic import write_base
@@ -210,3 +213,47 @@ def test_recorded_windows_pushed_are_bounded(tmp_path: Path,
             assert os.pread(fd, PAGE_SIZE, 100 * PAGE_SIZE) == bytes(PAGE_SIZE)
         finally:
             os.close(fd)
+
+
+# Maps the file as QEMU maps guest RAM (private, MADV_HUGEPAGE) and reads the pages named.
+TOUCH = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+m.madvise(mmap.MADV_HUGEPAGE)
+sys.stdout.buffer.write(b"".join(m[p * 4096 : p * 4096 + 4096] for p in map(int, sys.argv[2:])))
+"""
+
+
+def test_a_recording_reads_the_pages_touched_and_nothing_more(tmp_path: Path) -> None:
+    """record_pages (record.record_touched): with the mount's read-ahead off and the
+    reader's huge-page advice a no-op (as for the recording child's QEMU), a reader that
+    maps the file as QEMU does and touches three pages far apart is read exactly those
+    pages, one at a time; nothing else goes into the page cache (no window, no holes)."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount with allow_other needs root and /dev/fuse")
+    from forkd.engine import hugepages
+
+    store = Store(tmp_path / "home")
+    image = tmp_path / "base.img"
+    write_base(image, SIZE, seed=11, random_share=0.5)
+    store.import_layer("app:v1", memory=image)
+    ops = CountingFile(ImageLayout(open_local(store, "app:v1"), "memory"), record_pages=True)
+    ops.reads = []
+    pages = [3, 700, SIZE // PAGE_SIZE - 2]
+    want = image.read_bytes()
+    with _serving(ops, tmp_path / "mnt") as path:
+        memfs.no_read_ahead(str(tmp_path / "mnt"))
+        touch = [sys.executable, "-c", TOUCH, str(path), *map(str, pages)]
+        done = subprocess.run(hugepages.without_advice(touch), capture_output=True,
+                              timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"".join(want[p * PAGE_SIZE : (p + 1) * PAGE_SIZE] for p in pages)
+    assert ops.pages_read == set(pages)
+    assert sorted(ops.reads) == [(p * PAGE_SIZE, PAGE_SIZE) for p in pages]
+    assert ops.pushed == 0 and ops.filled_windows == set()
+
+
+def test_read_ahead_off_needs_a_mount() -> None:
+    with pytest.raises(ForkdError, match="is not mounted"):
+        memfs.no_read_ahead("/nonexistent/forkd-mnt")
