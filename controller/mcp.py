@@ -59,6 +59,7 @@ from forkd.controller.server import peer_address as server_peer
 from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import ChildNotFound, TooManyRequests
+from forkd.engine.lifecycle import private_owner
 from forkd.engine.paths import hidden_host_paths
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.names import InertStream, inert, parse_ref, shown
@@ -580,8 +581,14 @@ class Tools:
 
     def list_snapshots(self) -> dict[str, Any]:
         """The snapshot tags sandboxes can be created from (ref, digest, depth, sizes)."""
-        mine = [s for s in self.controller.snapshots() if not self.branches.anothers(s.ref)]
+        mine = [s for s in self.controller.snapshots() if self._listable(s.ref)]
         return {"snapshots": plain(mine)}
+
+    def _listable(self, ref: str) -> bool:
+        """Not another client's branch, nor the saved state of a paused sandbox this
+        client may not reach (its tag, ``forkd-paused/ID:a|b``, names that sandbox)."""
+        owner = private_owner(ref)
+        return not self.branches.anothers(ref) and (owner is None or self.scope.allows(owner))
 
     def list_sandboxes(self) -> dict[str, Any]:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and

@@ -122,3 +122,17 @@ def test_every_client_forks_every_branch_with_all_sandboxes(engine: list[str]) -
         with pytest.raises(Asked):
             tools.fork_from_branch("shared:1")
     assert engine == ["shared:1"]
+
+
+def test_another_clients_paused_sandbox_is_not_listed(based: Store) -> None:
+    """A paused sandbox's saved state is a tag (``forkd-paused/ID:a``) that names the
+    sandbox: list_snapshots showed every paused sandbox's id to every client. Now a client
+    sees only those of sandboxes it may reach; no spawn takes either."""
+    based.tag("forkd-paused/sb-1:a", "base:latest")
+    based.tag("forkd-paused/sb-2:a", "base:latest")
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
+    with _as_client("127.0.0.1", "session-a"):
+        assert _listed(tools) == ["base:latest", "forkd-paused/sb-1:a"]
+    everyone = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
+    with _as_client("127.0.0.1", "session-a"):
+        assert "forkd-paused/sb-2:a" in _listed(everyone)
