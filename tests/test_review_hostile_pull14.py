@@ -8,11 +8,21 @@
   pusher's choosing) and any size into the engine unbounded; a non-text tag made the
   store raise a bare TypeError. A config is now refused unless each field has its type
   and its bounds (SnapshotConfig.validate), before anything is tagged.
+* Credentials were stored by host alone: a user who logged in to ``hub.example`` over
+  TLS, then pulled ``http://hub.example/ns/name`` (a README's command, ``$FORKD_HUB``), sent
+  their password in the clear to whoever answered on port 80 (a MITM asks for it with a
+  401 Basic challenge, or a Bearer one with a realm on that origin). A credential now
+  records the scheme it was checked over and one checked over https (an older entry: the
+  host's default scheme) is never sent over plain http.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +36,10 @@ from forkd.pack.chunking import compress
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, ImageMap
 from forkd.pack.manifest import Descriptor, Manifest
-from forkd.registry.client import RegistryClient
-from forkd.registry.reference import parse_remote
+from forkd.registry import credentials
+from forkd.registry.client import AuthError, RegistryClient
+from forkd.registry.credentials import Credential
+from forkd.registry.reference import Hub, parse_remote
 from forkd.registry.transfer import pull
 from forkd.store.store import Store
 
@@ -114,4 +126,115 @@ def test_an_honest_config_still_pulls(tmp_path: Path) -> None:
         pull(store, parse_remote(f"{hub.hub.host}/evil/cfg:v1"), client)
     assert store.config(head).compat is not None
     assert SnapshotConfig.from_bytes(json.dumps(good_config()).encode()).depth == 0
+
+
+class ChallengingHub:
+    """A real HTTP server that answers a request without Authorization with a 401 of
+    ``challenge`` (``/token``: a token), and records every Authorization it receives."""
+
+    def __init__(self, challenge: str, address: str = "127.0.0.1") -> None:
+        self.challenge = challenge
+        self.authorizations: list[tuple[str, str]] = []  # (path, header)
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                said = self.headers.get("Authorization")
+                if said:
+                    hub.authorizations.append((self.path, said))
+                if self.path.startswith("/token"):
+                    body = b'{"token": "t0k"}'
+                    self.send_response(200)
+                elif said:
+                    body = b"{}"
+                    self.send_response(200)
+                else:
+                    body = b'{"errors": [{"code": "UNAUTHORIZED"}]}'
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", hub.challenge)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((address, 0), Handler)
+        self.server.daemon_threads = True
+        self.hub = Hub(f"{address}:{self.server.server_address[1]}", "http")
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ChallengingHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+CHALLENGES = ['Basic realm="hub"', 'Bearer realm="/token",service="hub"']
+SECRET = Credential("alice", "alice-secret", "https")
+
+
+@pytest.fixture(params=CHALLENGES)
+def challenging(request: pytest.FixtureRequest) -> Iterator[ChallengingHub]:
+    with ChallengingHub(request.param) as hub:
+        yield hub
+
+
+def test_a_credential_checked_over_https_is_not_sent_over_plain_http(
+        challenging: ChallengingHub) -> None:
+    with RegistryClient(challenging.hub, SECRET) as client, \
+            pytest.raises(AuthError, match="refusing to send them over plain http") as refused:
+        client.ping()
+    assert challenging.authorizations == []
+    assert f"https://{challenging.hub.host}" in str(refused.value)
+
+
+def test_a_credential_checked_over_http_still_goes_there(challenging: ChallengingHub) -> None:
+    with RegistryClient(challenging.hub, Credential("alice", "alice-secret", "http")) as c:
+        c.ping()
+    assert challenging.authorizations  # the login the user made over http works on
+
+
+def _outward_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
+            address: str = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_an_entry_without_a_scheme_is_taken_as_its_hosts_default(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry stored before the scheme was recorded: for a host that is not loopback it
+    was checked over https (the default) unless the user wrote http://, which is not known:
+    it is not sent over http; for a loopback hub (http by default) it is."""
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(home / "creds" / "credentials.json"))
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this host has no address besides loopback")
+    for where, refused in ((address, True), ("127.0.0.1", False)):
+        with ChallengingHub(CHALLENGES[0], where) as hub:
+            path = credentials.save(hub.hub.host, Credential("alice", "alice-secret"))
+            assert "scheme" not in json.loads(path.read_text())[hub.hub.host]
+            with RegistryClient(hub.hub, credentials.load(hub.hub.host)) as client:
+                if refused:
+                    with pytest.raises(AuthError, match="plain http"):
+                        client.ping()
+                else:
+                    client.ping()
+            assert bool(hub.authorizations) is not refused
+
+
+def test_the_scheme_a_credential_was_checked_over_is_stored(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(home / "creds" / "credentials.json"))
+    credentials.save("hub.example", SECRET)
+    assert credentials.load("hub.example") == SECRET
 

@@ -21,7 +21,11 @@ Credentials go only to the registry's own origin (same scheme, host and port) or
 token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS``
 (comma-separated origins such as ``https://auth.example.com``). A challenge naming any
 other realm (another host or port, or https → http) is refused with AuthError before
-anything is sent; without credentials an anonymous token may come from any realm.
+anything is sent; without credentials an anonymous token may come from any realm. A
+credential ``forkd login`` checked over https (``Credential.scheme``; an entry stored
+without one: the host's default scheme) is never sent to a hub addressed over plain http
+(``http://HOST`` in a reference or ``$FORKD_HUB``), where anyone on the path reads it:
+AuthError instead, before anything is sent.
 
 Bounds (a hostile hub, or a MITM on plain http, picks every byte and every pause): an
 answer that is not a blob (errors, 401s, tokens, manifests, referrers, upload answers) is
@@ -60,7 +64,7 @@ from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.pack import mediatypes as mt
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.registry.credentials import Credential
-from forkd.registry.reference import Hub
+from forkd.registry.reference import Hub, default_scheme
 
 MANIFEST_ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX])
 UPLOAD_CHUNK = 16 << 20
@@ -352,11 +356,26 @@ class RegistryClient:
             return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
         return {}
 
+    def _check_credential_scheme(self) -> None:
+        """AuthError when the credential was checked over https and this hub is addressed
+        over plain http: sending it would show it to anyone on the path (a reference or
+        $FORKD_HUB naming ``http://`` the host the user logged in to over TLS)."""
+        if self.credential is None or self.hub.scheme != "http":
+            return
+        checked_over = self.credential.scheme or default_scheme(self.hub.host)
+        if checked_over == "https":
+            raise AuthError(
+                f"{self.hub}: the credentials stored for it were checked over https; refusing "
+                f"to send them over plain http ({self.hub.url}). Address the hub as "
+                f"https://{self.hub.host}, or, if it only serves plain http, log in to it "
+                f"that way: `forkd login http://{self.hub.host}`")
+
     def _authenticate(self, challenge: str, scope: str) -> None:
         kind = challenge.split(" ", 1)[0].lower()
         if kind == "basic":
             if not self.credential:
                 raise AuthError(f"{self.hub} needs a login: run `forkd login {self.hub}`")
+            self._check_credential_scheme()
             self._basic = True
             return
         if kind != "bearer":
@@ -372,6 +391,7 @@ class RegistryClient:
         query["scope"] = params.get("scope") or scope
         auth = None
         if self.credential:
+            self._check_credential_scheme()
             if origin(realm_url) not in self.realm_origins:
                 raise AuthError(
                     f"{self.hub}: the registry asks for credentials at {realm[:200]}, another "
