@@ -14,12 +14,18 @@
   401 Basic challenge, or a Bearer one with a realm on that origin). A credential now
   records the scheme it was checked over and one checked over https (an older entry: the
   host's default scheme) is never sent over plain http.
+* ``forkd compact --remote`` printed the hub's answer as it came: its digest's first 12
+  characters, its counts and ``from_depth`` (an escape sequence drove the terminal; a
+  text count or a missing field was a traceback). The answer is checked first
+  (forkd.registry.compaction) and a malformed one is a RegistryError, quoted by no word.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -238,3 +244,84 @@ def test_the_scheme_a_credential_was_checked_over_is_stored(
     credentials.save("hub.example", SECRET)
     assert credentials.load("hub.example") == SECRET
 
+
+class AnsweringHub:
+    """A real HTTP server that answers any POST 201 with the JSON ``answer``."""
+
+    def __init__(self, answer: object) -> None:
+        body = json.dumps(answer).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                self.send_response(201)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> AnsweringHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def compaction_answer() -> dict[str, Any]:
+    return {"repository": "evil/app", "tag": "flat", "digest": "sha256:" + "a" * 64,
+            "depth": 0, "memory_size": 4096, "stored_bytes": 10, "new_blobs": 1,
+            "new_bytes": 10, "compacted_from": {"from_tag": "evil/app:v1", "from_digest":
+                                                "sha256:" + "b" * 64, "from_depth": 3,
+                                                "reason": "manual"}}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("digest", "x:\x1b[2J\x1b[H"),  # its first 12 characters were shown: a screen cleared
+    ("new_blobs", ESC),
+    ("stored_bytes", "10"),  # a traceback (human() of a text)
+    ("compacted_from.from_depth", ESC),
+    ("compacted_from", None),  # a traceback (a KeyError)
+])
+def test_forkd_compact_remote_prints_no_word_of_a_malformed_answer(
+        home: Path, field: str, value: Any) -> None:
+    answer = compaction_answer()
+    *outer, last = field.split(".")
+    where = answer
+    for key in outer:
+        where = where[key]
+    where[last] = value
+    env = {**os.environ, "FORKD_HOME": str(home),
+           "FORKD_CREDENTIALS": str(home / "creds" / "credentials.json")}
+    with AnsweringHub(answer) as hub:
+        proc = subprocess.run(
+            ["forkd", "compact", "--remote", f"{hub.address}/evil/app:v1", "--to", "flat"],
+            env=env, capture_output=True, text=True, cwd="/", stdin=subprocess.DEVNULL,
+            timeout=120)
+    assert proc.returncode == 7, (proc.returncode, proc.stdout, proc.stderr)
+    assert "compaction answer is malformed" in proc.stderr
+    assert "\x1b" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_forkd_compact_remote_prints_a_well_formed_answer(home: Path) -> None:
+    env = {**os.environ, "FORKD_HOME": str(home),
+           "FORKD_CREDENTIALS": str(home / "creds" / "credentials.json")}
+    with AnsweringHub(compaction_answer()) as hub:
+        proc = subprocess.run(
+            ["forkd", "compact", "--remote", f"{hub.address}/evil/app:v1", "--to", "flat"],
+            env=env, capture_output=True, text=True, cwd="/", stdin=subprocess.DEVNULL,
+            timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "aaaaaaaaaaaa on the hub" in proc.stdout and "(depth 3)" in proc.stdout
