@@ -14,6 +14,15 @@
   401 Basic challenge, or a Bearer one with a realm on that origin). A credential now
   records the scheme it was checked over and one checked over https (an older entry: the
   host's default scheme) is never sent over plain http.
+* A token endpoint's token went into the Authorization header as it came: one with a
+  character outside ASCII was a bare UnicodeEncodeError (a traceback from ``forkd
+  pull``), one with a line break was sent five times over ~8 s as a "network" failure
+  before an error that blamed the connection. A token must now be visible ASCII (RFC 6750
+  b64token and its kin), at most ``MAX_TOKEN_CHARS``: else an AuthError naming the endpoint.
+* A realm that is not a URL (``http://[::1/token``) was a bare httpx.InvalidURL, and the
+  realm, a challenge's scope and an upload session's Location (the hub's words: a C1
+  control such as CSI 0x9b passes HTTP's header rules) were put raw into messages that
+  the SDK and the controller's logs show; each is now shown with its controls replaced.
 * ``forkd compact --remote`` printed the hub's answer as it came: its digest's first 12
   characters, its counts and ``from_depth`` (an escape sequence drove the terminal; a
   text count or a missing field was a traceback). The answer is checked first
@@ -42,8 +51,9 @@ from forkd.pack.chunking import compress
 from forkd.pack.config import SnapshotConfig
 from forkd.pack.imagemap import PAGE_SIZE, ChunkRef, ImageMap
 from forkd.pack.manifest import Descriptor, Manifest
+from forkd.registry import client as registry_client
 from forkd.registry import credentials
-from forkd.registry.client import AuthError, RegistryClient
+from forkd.registry.client import AuthError, RegistryClient, RegistryError
 from forkd.registry.credentials import Credential
 from forkd.registry.reference import Hub, parse_remote
 from forkd.registry.transfer import pull
@@ -138,8 +148,10 @@ class ChallengingHub:
     """A real HTTP server that answers a request without Authorization with a 401 of
     ``challenge`` (``/token``: a token), and records every Authorization it receives."""
 
-    def __init__(self, challenge: str, address: str = "127.0.0.1") -> None:
+    def __init__(self, challenge: str, address: str = "127.0.0.1",
+                 token: object = "t0k") -> None:
         self.challenge = challenge
+        self.token = token
         self.authorizations: list[tuple[str, str]] = []  # (path, header)
         hub = self
 
@@ -151,7 +163,7 @@ class ChallengingHub:
                 if said:
                     hub.authorizations.append((self.path, said))
                 if self.path.startswith("/token"):
-                    body = b'{"token": "t0k"}'
+                    body = json.dumps({"token": hub.token}).encode()
                     self.send_response(200)
                 elif said:
                     body = b"{}"
@@ -325,3 +337,73 @@ def test_forkd_compact_remote_prints_a_well_formed_answer(home: Path) -> None:
             timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "aaaaaaaaaaaa on the hub" in proc.stdout and "(depth 3)" in proc.stdout
+
+
+@pytest.mark.parametrize("token", ["t\u2603k", "t\xe9k", "a\r\nX-Injected: 1", "a b", "\x1b[2J",
+                                   pytest.param("x" * (64 << 10), id="64KiB")])
+def test_an_unusable_token_is_an_auth_error_naming_the_endpoint(token: str) -> None:
+    with ChallengingHub(CHALLENGES[1], token=token) as hub, RegistryClient(hub.hub) as client, \
+            pytest.raises(AuthError, match=r"token endpoint .* unusable token"):
+        client.ping()
+    assert all("X-Injected" not in said for _, said in hub.authorizations)
+    assert not [path for path, _ in hub.authorizations if not path.startswith("/token")]
+
+
+def test_a_realm_that_is_not_a_url_is_an_auth_error() -> None:
+    with ChallengingHub('Bearer realm="http://[::1/token"') as hub, \
+            RegistryClient(hub.hub) as client, pytest.raises(AuthError, match="not a URL"):
+        client.ping()
+
+
+class UploadHub:
+    """A real HTTP server: an upload POST opens a session at ``location``, whose PUT fails."""
+
+    def __init__(self, location: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self, status: int, headers: dict[str, str]) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                self._answer(202, {"Location": location})
+
+            def do_PUT(self) -> None:
+                self._answer(500, {})
+
+            def do_PATCH(self) -> None:
+                self._answer(500, {})
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.hub = Hub(f"127.0.0.1:{self.server.server_address[1]}", "http")
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> UploadHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_upload_location_is_not_put_raw_into_a_message(
+        chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    blob = b"pack bytes"
+    if chunked:  # the session's Location is PATCHed as the hub wrote it
+        monkeypatch.setattr(registry_client, "UPLOAD_CHUNK", 4)
+    with UploadHub("/v2/evil/app/blobs/uploads/\x9b2J\x9bH") as hub, \
+            RegistryClient(hub.hub) as client, pytest.raises(RegistryError) as failed:
+        client.put_blob("evil/app", dg.of_bytes(blob), len(blob), lambda at, n: blob[at:at + n])
+    assert "500" in str(failed.value) and "uploads" in str(failed.value)
+    assert "\x9b" not in str(failed.value)
