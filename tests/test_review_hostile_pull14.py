@@ -149,9 +149,10 @@ class ChallengingHub:
     ``challenge`` (``/token``: a token), and records every Authorization it receives."""
 
     def __init__(self, challenge: str, address: str = "127.0.0.1",
-                 token: object = "t0k") -> None:
+                 token: object = "t0k", token_redirect: str = "") -> None:
         self.challenge = challenge
         self.token = token
+        self.token_redirect = token_redirect  # else /token answers 302 to it
         self.authorizations: list[tuple[str, str]] = []  # (path, header)
         hub = self
 
@@ -162,7 +163,11 @@ class ChallengingHub:
                 said = self.headers.get("Authorization")
                 if said:
                     hub.authorizations.append((self.path, said))
-                if self.path.startswith("/token"):
+                if self.path.startswith("/token") and hub.token_redirect:
+                    body = b""
+                    self.send_response(302)
+                    self.send_header("Location", hub.token_redirect)
+                elif self.path.startswith("/token"):
                     body = json.dumps({"token": hub.token}).encode()
                     self.send_response(200)
                 elif said:
@@ -407,3 +412,16 @@ def test_an_upload_location_is_not_put_raw_into_a_message(
         client.put_blob("evil/app", dg.of_bytes(blob), len(blob), lambda at, n: blob[at:at + n])
     assert "500" in str(failed.value) and "uploads" in str(failed.value)
     assert "\x9b" not in str(failed.value)
+
+
+def test_a_token_realm_redirecting_elsewhere_gets_no_credentials_there() -> None:
+    """The hub's own realm (it gets the Basic credentials) answers 302 to a token service
+    on another origin: that one is asked without them (an anonymous token at most), as
+    docs/push-pull.md says of any Location to another origin. A guard: httpx's redirects
+    drop Authorization across origins, and this client relies on it."""
+    with ChallengingHub(CHALLENGES[1]) as elsewhere, ChallengingHub(
+            CHALLENGES[1], token_redirect=f"{elsewhere.hub.url}/token?x=1") as hub, \
+            RegistryClient(hub.hub, Credential("alice", "alice-secret", "http")) as client:
+        client.ping()  # the other service answers a token, asked anonymously
+    assert [path for path, _ in hub.authorizations if path.startswith("/token")]
+    assert elsewhere.authorizations == []
