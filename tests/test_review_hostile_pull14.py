@@ -100,6 +100,7 @@ HOSTILE_FIELDS: list[tuple[str, Any]] = [
     ("compat.vcpus", True),
     ("compat.memory_mib", ESC),
     ("compat.memory_mib", 1 << 60),
+    ("compat.memory_mib", 65537),  # past what a recipe may ask for: a 1 TiB -m, say
     ("compat.memory_mib", 2.5),
     ("compat.accelerators", []),
     ("compat.kernel_digest", ESC),

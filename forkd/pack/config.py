@@ -17,6 +17,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # A config's numbers are its pusher's words, read by the engine (QEMU's -smp and -m) and
 # shown to users: each must be an integer (not a bool, a float or a text) in these bounds.
 MAX_VCPUS = 64  # what a recipe may ask for ([guest] vcpus)
+MAX_MEMORY_MIB = 65536  # and [guest] memory_mib: QEMU's -m for every fork of the snapshot
 MAX_DEPTH = 64  # forkd.pack.chain.MAX_CHAIN_DEPTH (chain imports this module, so not from it)
 MAX_PROTOCOL = 1 << 16  # a guest agent protocol number
 
@@ -112,7 +113,7 @@ class SnapshotConfig:
         if self.compat is not None:
             c = self.compat
             _integer(c.vcpus, "compat.vcpus", what, 1, MAX_VCPUS)
-            _integer(c.memory_mib, "compat.memory_mib", what, 1, MAX_IMAGE_SIZE >> 20)
+            _integer(c.memory_mib, "compat.memory_mib", what, 1, MAX_MEMORY_MIB)
             _integer(c.agent_protocol, "compat.agent_protocol", what, 0, MAX_PROTOCOL)
             if not isinstance(c.accelerators, list) or not c.accelerators:
                 raise IntegrityError(f"{what}: compat.accelerators must be a non-empty list")
