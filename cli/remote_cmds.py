@@ -65,7 +65,7 @@ def login(hub: str, username: str, password_stdin: bool, make_default: bool) -> 
         secret = click.prompt("Password", hide_input=True)
     if not secret:
         raise InvalidInput("empty password; pass it on stdin with --password-stdin")
-    cred = credentials.Credential(username, secret)
+    cred = credentials.Credential(username, secret, target.scheme)
     with RegistryClient(target, cred) as client:
         client.ping()
     path = credentials.save(target.host, cred)

@@ -483,7 +483,8 @@ def run(
     if hub is None:
         embedded = embedded_hub(root / "hub", say)
         hub = embedded.hub
-        credentials.save(hub.host, credentials.Credential(HUB_USER, embedded.password))
+        credentials.save(hub.host, credentials.Credential(HUB_USER, embedded.password,
+                                                           hub.scheme))
         make_default_hub(hub, say)
     else:
         say(f"hub: using FORKD_HUB={hub.host}")

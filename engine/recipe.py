@@ -12,6 +12,7 @@ from typing import Any
 from forkd import digest
 from forkd.errors import InvalidInput
 from forkd.names import validate_line
+from forkd.pack.config import MAX_MEMORY_MIB, MAX_VCPUS
 
 _PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.\-]*(=[A-Za-z0-9.+~:\-]+)?$")
 _PIP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],<>=!~ ]*$")
@@ -182,8 +183,8 @@ def parse(text: str, *, base_dir: Path | None = None, src: str = "<string>") -> 
         description=str(desc),
         suite=suite,
         mirror=mirror,
-        memory_mib=_int(guest, "memory_mib", 256, 96, 65536, src),
-        vcpus=_int(guest, "vcpus", 1, 1, 64, src),
+        memory_mib=_int(guest, "memory_mib", 256, 96, MAX_MEMORY_MIB, src),
+        vcpus=_int(guest, "vcpus", 1, 1, MAX_VCPUS, src),
         disk_free_mib=_int(guest, "disk_free_mib", 64, 8, 65536, src),
         tmp_mib=_int(guest, "tmp_mib", 64, 1, 65536, src),
         network=network,

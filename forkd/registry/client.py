@@ -21,7 +21,11 @@ Credentials go only to the registry's own origin (same scheme, host and port) or
 token realm origin the user trusts: ``trusted_realms`` or ``FORKD_TRUSTED_REALMS``
 (comma-separated origins such as ``https://auth.example.com``). A challenge naming any
 other realm (another host or port, or https → http) is refused with AuthError before
-anything is sent; without credentials an anonymous token may come from any realm.
+anything is sent; without credentials an anonymous token may come from any realm. A
+credential ``forkd login`` checked over https (``Credential.scheme``; an entry stored
+without one: the host's default scheme) is never sent to a hub addressed over plain http
+(``http://HOST`` in a reference or ``$FORKD_HUB``), where anyone on the path reads it:
+AuthError instead, before anything is sent.
 
 Bounds (a hostile hub, or a MITM on plain http, picks every byte and every pause): an
 answer that is not a blob (errors, 401s, tokens, manifests, referrers, upload answers) is
@@ -60,7 +64,7 @@ from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
 from forkd.pack import mediatypes as mt
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.registry.credentials import Credential
-from forkd.registry.reference import Hub
+from forkd.registry.reference import Hub, default_scheme
 
 MANIFEST_ACCEPT = ", ".join([mt.OCI_MANIFEST, mt.OCI_INDEX])
 UPLOAD_CHUNK = 16 << 20
@@ -72,6 +76,11 @@ MAX_ANSWER_BYTES = MAX_MANIFEST_BYTES  # an answer that is not a blob: manifest,
 BLOB_GRACE = 30.0  # seconds a blob may take whatever its size (connecting, a slow start)
 MIN_BLOB_RATE = 64 << 10  # bytes a second a blob's body must average past BLOB_GRACE
 _CHALLENGE_RE = re.compile(r'(\w+)="([^"]*)"')
+MAX_TOKEN_CHARS = 16 << 10  # a JWT with many scopes is a few KiB
+# what a token endpoint's token may hold: it goes into every request's Authorization
+# header, where a line break or a character outside ASCII cannot (RFC 6750's b64token and
+# the visible ASCII some registries' opaque tokens use)
+_TOKEN_RE = re.compile(rf"[\x21-\x7e]{{1,{MAX_TOKEN_CHARS}}}")
 TRUSTED_REALMS_ENV = "FORKD_TRUSTED_REALMS"
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -206,11 +215,11 @@ class RegistryClient:
         for attempt in (1, 2):
             resp = self._send(method, url, scope, stream, headers, kwargs, deadline)
             if resp.status_code == 401 and attempt == 1:
-                self.read_answer(resp, f"{method} {url} answer")
+                self.read_answer(resp, f"{method} {_shown(url)} answer")
                 self._authenticate(resp.headers.get("www-authenticate", ""), scope)
                 continue
             if resp.status_code not in ok:
-                self.read_answer(resp, f"{method} {url} answer")
+                self.read_answer(resp, f"{method} {_shown(url)} answer")
                 raise self._error(method, url, resp)
             return resp
         raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
@@ -272,7 +281,7 @@ class RegistryClient:
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RegistryError(f"{self.hub}: {method} {url}: no answer in time; "
+                    raise RegistryError(f"{self.hub}: {method} {_shown(url)}: no answer in time; "
                                         "is the hub running and reachable?")
                 kwargs = {**kwargs, "timeout": min(kwargs.get("timeout", self.timeout), left)}
             try:
@@ -284,11 +293,11 @@ class RegistryClient:
                 resp = self.http.send(req, stream=True,
                                       follow_redirects=method in ("GET", "HEAD"))
                 if not stream and resp.status_code not in RETRY_STATUSES:
-                    self._read_body(resp, f"{method} {url} answer", deadline=deadline)
+                    self._read_body(resp, f"{method} {_shown(url)} answer", deadline=deadline)
             except httpx.TransportError as exc:
                 if delay is None or (deadline is not None and time.monotonic() > deadline):
                     raise RegistryError(
-                        f"{self.hub}: {method} {url} failed: {exc}; is the hub running and "
+                        f"{self.hub}: {method} {_shown(url)} failed: {exc}; is the hub running and "
                         "reachable?"
                     ) from exc
             except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a redirect loop, a bad
@@ -352,29 +361,52 @@ class RegistryClient:
             return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
         return {}
 
+    def _check_credential_scheme(self) -> None:
+        """AuthError when the credential was checked over https and this hub is addressed
+        over plain http: sending it would show it to anyone on the path (a reference or
+        $FORKD_HUB naming ``http://`` the host the user logged in to over TLS)."""
+        if self.credential is None or self.hub.scheme != "http":
+            return
+        checked_over = self.credential.scheme or default_scheme(self.hub.host)
+        if checked_over == "https":
+            raise AuthError(
+                f"{self.hub}: the credentials stored for it were checked over https; refusing "
+                f"to send them over plain http ({self.hub.url}). Address the hub as "
+                f"https://{self.hub.host}, or, if it only serves plain http, log in to it "
+                f"that way: `forkd login http://{self.hub.host}`")
+
     def _authenticate(self, challenge: str, scope: str) -> None:
         kind = challenge.split(" ", 1)[0].lower()
         if kind == "basic":
             if not self.credential:
                 raise AuthError(f"{self.hub} needs a login: run `forkd login {self.hub}`")
+            self._check_credential_scheme()
             self._basic = True
             return
         if kind != "bearer":
-            raise AuthError(f"{self.hub}: unsupported authentication challenge {challenge!r}")
+            raise AuthError(f"{self.hub}: unsupported authentication challenge "
+                            f"{_printable(challenge)[:200]!r}")
         params = dict(_CHALLENGE_RE.findall(challenge))
         realm = params.get("realm")
         if not realm:
             raise AuthError(f"{self.hub}: bearer challenge without a realm")
-        realm_url = self.http.base_url.join(realm)  # a relative realm is the registry's
+        shown = _printable(realm)[:200]  # the hub's words, in messages
+        try:
+            realm_url = self.http.base_url.join(realm)  # a relative realm is the registry's
+            origin(realm_url)
+        except httpx.InvalidURL as exc:
+            raise AuthError(f"{self.hub}: token realm {shown!r} is not a URL ({exc}); is the "
+                            "hub what it should be?") from exc
         if realm_url.scheme not in DEFAULT_PORTS:
-            raise AuthError(f"{self.hub}: token realm {realm[:100]!r} is not an http(s) URL")
+            raise AuthError(f"{self.hub}: token realm {shown[:100]!r} is not an http(s) URL")
         query = {"service": params.get("service", "")}
         query["scope"] = params.get("scope") or scope
         auth = None
         if self.credential:
+            self._check_credential_scheme()
             if origin(realm_url) not in self.realm_origins:
                 raise AuthError(
-                    f"{self.hub}: the registry asks for credentials at {realm[:200]}, another "
+                    f"{self.hub}: the registry asks for credentials at {shown}, another "
                     f"origin than {self.hub.url}; refusing to send them there. If that token "
                     f"service is the registry's, trust it: {TRUSTED_REALMS_ENV}="
                     f"{realm_url.scheme}://{realm_url.netloc.decode()}"
@@ -383,22 +415,26 @@ class RegistryClient:
         try:
             resp = self.http.send(self.http.build_request("GET", realm_url, params=query),
                                   auth=auth or httpx.USE_CLIENT_DEFAULT, stream=True)
-            self.read_answer(resp, f"token endpoint {realm[:200]} answer")
+            self.read_answer(resp, f"token endpoint {shown} answer")
         except httpx.HTTPError as exc:
-            raise AuthError(f"{self.hub}: token endpoint {realm} unreachable: {exc}") from exc
+            raise AuthError(f"{self.hub}: token endpoint {shown} unreachable: {exc}") from exc
         if resp.status_code in (401, 403):
             hint = (
                 "check the username and password (forkd login)"
                 if self.credential
                 else f"run `forkd login {self.hub}`"
             )
-            raise AuthError(f"{self.hub}: token request for {query['scope']} refused; {hint}")
+            raise AuthError(f"{self.hub}: token request for "
+                            f"{_printable(query['scope'])[:200]} refused; {hint}")
         if resp.status_code != 200:
-            raise self._error("GET", realm, resp)
-        body = json_answer(resp, f"{self.hub}: token endpoint {realm} answer")
+            raise self._error("GET", shown, resp)
+        body = json_answer(resp, f"{self.hub}: token endpoint {shown} answer")
         token = body.get("token") or body.get("access_token")
-        if not isinstance(token, str):
-            raise AuthError(f"{self.hub}: token endpoint answered without a token")
+        if not isinstance(token, str) or not _TOKEN_RE.fullmatch(token):
+            raise AuthError(
+                f"{self.hub}: token endpoint {shown} answered "
+                f"{'an unusable token' if token else 'without a token'} (a token is at most "
+                f"{MAX_TOKEN_CHARS} visible ASCII characters); is the hub what it should be?")
         with self._lock:
             self._tokens[scope] = token
 
@@ -416,7 +452,7 @@ class RegistryClient:
                 details = tuple(str(e.get("detail") or "") for e in errors)
             except (InvalidInput, AttributeError, TypeError):
                 detail = resp.text[:200]
-        msg = f"{self.hub}: {method} {url} → {resp.status_code} {_printable(detail)[:1000]}"
+        msg = f"{self.hub}: {method} {_shown(url)} → {resp.status_code} {_printable(detail)[:1000]}"
         msg = msg.rstrip()
         status = resp.status_code
         if status in (401, 403):
@@ -629,8 +665,8 @@ class RegistryClient:
         offset = end + 1 if end else 0
         if offset > sent:
             raise RegistryError(
-                f"{self.hub}: upload {location} claims {offset} bytes, but only {sent} were "
-                "sent to it; the registry's upload session is corrupt: try the push again"
+                f"{self.hub}: upload {_shown(location)} claims {offset} bytes, but only {sent} "
+                "were sent to it; the registry's upload session is corrupt: try the push again"
             )
         return offset, resp.headers.get("location", location)
 
@@ -732,6 +768,11 @@ def _location(hub: Hub, resp: httpx.Response) -> str:
 def _printable(text: str) -> str:
     """``text`` with control characters (a terminal's escapes) shown as ``?``."""
     return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _shown(url: str) -> str:
+    """A URL for a message: a hub may have named it (an upload session's Location)."""
+    return _printable(url)[:200]
 
 
 def _with_digest(location: str, digest: str) -> str:

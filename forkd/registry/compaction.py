@@ -6,7 +6,9 @@ answers its token challenge with the ``repository:NS/NAME:pull,push`` scope. Oth
 registries have no such API; they answer 404 and ``compact_remote`` raises
 ``RegistryNotFound``. A hub running its limit of compactions answers 429 with Retry-After:
 the call waits that long (at most ``RETRY_AFTER_MAX`` seconds) and asks again, up to
-``BUSY_TRIES`` times.
+``BUSY_TRIES`` times. The hub's answer is checked before anyone reads it
+(``_checked_answer``): ``forkd compact --remote`` prints its numbers and digest, so a
+hub's text in them (an escape sequence) or a field missing is a RegistryError.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from forkd.errors import Conflict
-from forkd.names import validate_name, validate_tag
+from forkd import digest as dg
+from forkd.errors import Conflict, InvalidInput
+from forkd.names import validate_line, validate_name, validate_tag
 from forkd.registry.client import RegistryClient, RegistryError, json_answer
 
 BUSY_TRIES = 6  # asks while the hub runs its limit of compactions (429)
@@ -73,4 +76,36 @@ def compact_remote(
         raise Conflict(
             f"{client.hub}: tag {repo}:{to} exists; pick another tag or pass --force to replace it"
         )
-    return json_answer(resp, f"{client.hub}: compaction answer")
+    return _checked_answer(json_answer(resp, f"{client.hub}: compaction answer"),
+                           f"{client.hub}: compaction answer")
+
+
+_COUNTS = ("depth", "memory_size", "stored_bytes", "new_blobs", "new_bytes")
+_TEXTS = ("repository", "tag")
+
+
+def _checked_answer(answer: dict[str, Any], what: str) -> dict[str, Any]:
+    """``answer`` when its fields are what docs/hub.md says (counts: non-negative
+    integers; digests: digests; texts: one printable line), else RegistryError: the
+    caller prints them on the user's terminal."""
+    source = answer.get("compacted_from")
+    try:
+        if not isinstance(source, dict):
+            raise InvalidInput("compacted_from is not an object")
+        for key, doc in [*((k, answer) for k in _COUNTS), ("from_depth", source)]:
+            value = doc.get(key)
+            if type(value) is not int or value < 0:
+                raise InvalidInput(f"{key} is not a non-negative integer")
+        for key, doc in [("digest", answer), ("from_digest", source)]:
+            value = doc.get(key)
+            dg.validate_oci(value if isinstance(value, str) else "")
+        for key, doc in [*((k, answer) for k in _TEXTS), ("from_tag", source),
+                         ("reason", source)]:
+            value = doc.get(key)
+            if not isinstance(value, str):
+                raise InvalidInput(f"{key} is not text")
+            validate_line(value, key)
+    except InvalidInput as exc:
+        raise RegistryError(f"{what} is malformed ({exc}); is the address a forkd hub?"
+                            ) from None
+    return answer

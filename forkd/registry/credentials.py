@@ -25,6 +25,10 @@ SET_BY = ("user", "quickstart")  # who stored the default hub
 class Credential:
     username: str
     secret: str  # a password or a token
+    # the scheme ``forkd login`` checked it over: a credential checked over https is never
+    # sent over plain http (RegistryClient), where anyone on the path reads it. None: an
+    # entry stored before the scheme was recorded, taken as the host's default scheme.
+    scheme: str | None = None
 
 
 def credentials_path() -> Path:
@@ -75,7 +79,9 @@ def load(hub: str) -> Credential | None:
     entry = _read(credentials_path()).get(hub)
     if not entry:
         return None
-    return Credential(str(entry["username"]), str(entry["secret"]))
+    scheme = entry.get("scheme")
+    return Credential(str(entry["username"]), str(entry["secret"]),
+                      scheme if scheme in ("http", "https") else None)
 
 
 def save(hub: str, credential: Credential) -> Path:
@@ -83,6 +89,8 @@ def save(hub: str, credential: Credential) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     data = _read(path)
     data[hub] = {"username": credential.username, "secret": credential.secret}
+    if credential.scheme is not None:
+        data[hub]["scheme"] = credential.scheme
     _write(path, data)
     return path
 

@@ -45,7 +45,7 @@ class Hub:
     def address(self) -> str:
         """What to write to name this hub again: ``HOST[:PORT]``, with the scheme only
         when it is not the one the host gets by default (``parse_hub(h.address) == h``)."""
-        return self.host if self.scheme == _default_scheme(self.host) else self.url
+        return self.host if self.scheme == default_scheme(self.host) else self.url
 
     def __str__(self) -> str:
         return self.host
@@ -80,7 +80,8 @@ def _is_loopback(host: str) -> bool:
         return False  # a DNS name such as 127.example.com is not loopback
 
 
-def _default_scheme(host: str) -> str:
+def default_scheme(host: str) -> str:
+    """The scheme a hub address without one gets: http on loopback, else https."""
     return "http" if _is_loopback(host) else "https"
 
 
@@ -98,7 +99,7 @@ def parse_hub(text: str) -> Hub:
             f"invalid hub address {shown(text)}: expected HOST[:PORT] (a DNS name, an IPv4 "
             "address or [IPv6], port 1-65535), optionally after http:// or https://"
         )
-    return Hub(text, scheme or _default_scheme(text))
+    return Hub(text, scheme or default_scheme(text))
 
 
 def _valid_parts(match: re.Match[str]) -> bool:

@@ -130,7 +130,8 @@ def test_login_default_flag_sets_it(hub: HubServer, user: tuple[str, str], clien
     assert f"default hub: {hub.address}" in out
     chosen = resolve_default_hub()
     assert chosen is not None and chosen.hub == hub.target and chosen.set_by == "user"
-    assert credentials.load(hub.address) == Credential(*user)
+    # with the scheme it was checked over (never sent over a weaker one)
+    assert credentials.load(hub.address) == Credential(*user, hub.target.scheme)
 
 
 def test_login_without_a_terminal_never_asks(
