@@ -237,8 +237,10 @@ class _Room:
     cannot give them). A reservation (``Upload.reserved_bytes``: the size the file may
     reach) is taken under the namespace's write lock before the bytes are written, out of
     the quota left after stored usage and every other live session's bytes or
-    reservation, and given back when the request ends however it ends. No quota limit
-    when ``digest`` is known and the namespace holds it already."""
+    reservation, and given back when the request ends however it ends. When ``digest``
+    names a blob the namespace holds already, the room is the blob's size more
+    (``quotas.uploads_of``): the bytes cost nothing once stored, but until they are
+    hashed they are any bytes, so they are bounded like every upload's."""
 
     def __init__(
         self,
@@ -353,7 +355,7 @@ def _reserve(
     assert held.quota_bytes is not None  # a quota_left comes from a quota
     reason = (
         f"storage quota of namespace {shown(held.namespace)} exceeded: "
-        f"{held.quota_bytes - held.quota_left} of {held.quota_bytes} bytes used, "
+        f"{held.used_bytes} of {held.quota_bytes} bytes used, "
         f"{in_flight + offset} more held by open upload sessions (written or reserved by "
         "uploads in flight), this upload needs more; finish or cancel unfinished uploads, "
         "or ask for a larger quota"
