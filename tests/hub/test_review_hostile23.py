@@ -13,10 +13,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import pytest
 from hub_support import ADMIN, HubServer, error_code, push_blob
+from sqlalchemy import create_engine, event
+from sqlalchemy.orm import Session
+
+from forkd.hub import chains
+from forkd.hub.db import Database
+from forkd.hub.models import Manifest
+from forkd.hub.oci import manifests
+from forkd.hub.oci.referrers import referrers_query
+from forkd.hub.settings import HubSettings
+from forkd.pack import mediatypes as mt
 
 
 def _used(hub: HubServer, ns: str) -> int:
@@ -71,3 +85,152 @@ def test_an_upload_naming_a_held_blob_is_still_bounded_by_the_quota(
         assert c.head(f"/v2/{ns}/four/blobs/{digest}").status_code == 200
     assert _used(hub, ns) == 600
 
+
+
+ATTACKER_ROWS = 300
+
+
+def _plans(tmp_path: Path, analyze: bool) -> dict[str, str]:
+    """The SQLite query plans of every read of "the repository's manifests that reference
+    or name D", run for a victim repository of a hub where another namespace pushed many
+    manifests referencing and naming D: statement → its plan."""
+    url = HubSettings(tmp_path).validated().database_url
+    db = Database(url)
+    try:
+        asyncio.run(db.migrate())
+    finally:
+        asyncio.run(db.close())
+    engine = create_engine("sqlite:///" + url.split(":///", 1)[1])
+    d = "sha256:" + "d" * 64
+    stamp = "2026-01-01 00:00:00"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO namespaces (id, name, kind, created_at) VALUES "
+            f"(1, 'victim', 'org', '{stamp}'), (2, 'attacker', 'org', '{stamp}')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO repositories (id, name, namespace_id, is_public, created_at, "
+            f"updated_at, pull_count) VALUES (1, 'victim/app', 1, 1, '{stamp}', '{stamp}', 0), "
+            f"(2, 'attacker/app', 2, 0, '{stamp}', '{stamp}', 0)"
+        )
+        blobs = [(d, 2)] + [(f"sha256:{i:064x}", 2) for i in range(ATTACKER_ROWS + 1)]
+        conn.exec_driver_sql(
+            "INSERT INTO blobs (digest, size, created_at) VALUES (?, ?, ?)",
+            [(digest, size, stamp) for digest, size in blobs],
+        )
+        rows = [(1, 1, d, None)] + [
+            (i + 2, 2, f"sha256:{i:064x}", d) for i in range(ATTACKER_ROWS)
+        ]
+        conn.exec_driver_sql(
+            "INSERT INTO manifests (id, repository_id, digest, media_type, artifact_type, "
+            "subject_digest, size, created_at) VALUES (?, ?, ?, ?, ?, ?, 2, ?)",
+            [(i, r, g, mt.OCI_MANIFEST, mt.ARTIFACT_TYPE, s, stamp) for i, r, g, s in rows],
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO manifest_references (manifest_id, repository_id, digest) VALUES "
+            "(?, ?, ?)",
+            [(i, r, s) for i, r, _, s in rows if s is not None],
+        )
+        if analyze:
+            conn.exec_driver_sql("ANALYZE")
+    statements: list[tuple[str, Any]] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append((statement, params))
+
+    event.listen(engine, "before_cursor_execute", seen)
+    with Session(engine) as session:
+        victim = session.get(Manifest, 1)
+        assert victim is not None
+        assert manifests.referencing(session, 1, d) == ([], 0)
+        assert manifests.referencing(session, 1, d, children_of=victim) == ([], 0)
+        assert chains.descendants(session, 1, d, set()) == []
+        manifests._refuse_snapshot_base(session, victim, "victim/app")  # no dependents
+        assert session.execute(referrers_query(1, d, None, None)).all() == []
+        assert session.execute(referrers_query(1, d, mt.ARTIFACT_TYPE, d)).all() == []
+        # The attacker's own reads still find its rows.
+        assert manifests.referencing(session, 2, d)[1] == ATTACKER_ROWS
+        assert len(session.execute(referrers_query(2, d, None, None)).all()) == ATTACKER_ROWS
+    event.remove(engine, "before_cursor_execute", seen)
+    plans = {}
+    with engine.connect() as conn:
+        for statement, params in statements:
+            if "manifest_references" not in statement and "subject_digest =" not in statement:
+                continue
+            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params).all()
+            plans[statement] = " | ".join(str(row[-1]) for row in rows)
+    engine.dispose()
+    return plans
+
+
+@pytest.mark.parametrize("analyze", [False, True])
+def test_reads_of_a_repositorys_referrers_never_scan_other_namespaces(
+    tmp_path: Path, analyze: bool
+) -> None:
+    """A ``subject`` may name any digest and common digests (the empty config) are
+    referenced everywhere: "which manifests of R reference or name D" used to be read
+    through an index of every repository's references to D (``ix_manifest_references_
+    digest``; ``ix_manifests_subject_digest``), so another namespace's many manifests
+    made each such read of R (a blob's or manifest's deletion, referrers, the pack and
+    lineage pages' descendants, a snapshot's dependents) scan all of them. Each is now
+    read through an index that begins with the repository."""
+    plans = _plans(tmp_path, analyze)
+    assert len(plans) >= 5, plans
+    for statement, plan in plans.items():
+        assert "ix_manifest_references_digest" not in plan, (statement, plan)
+        assert "ix_manifests_subject_digest" not in plan, (statement, plan)
+        # The first table is read by the repository (what the planner prefers among
+        # indexes that begin with it is its business: each holds the repository's rows).
+        reads = [step for step in plan.split(" | ") if step.startswith(("SEARCH m", "SCAN m"))]
+        assert reads and "(repository_id=?" in reads[0], (statement, plan)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0014_fills_each_references_repository(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
+    """Upgrading to 0014 gives every reference its manifest's repository, on both
+    backends, and the deletion checks read them: a blob of a manifest pushed before the
+    upgrade is still refused deletion while that manifest references it."""
+    given = request.getfixturevalue("postgres_url") if backend == "postgresql" else ""
+    url = HubSettings(tmp_path, database_url=given).validated().database_url
+    d, m1, m2 = ("sha256:" + c * 64 for c in "dab")
+    stamp = "2026-01-01 00:00:00"
+
+    async def go() -> list[tuple[int, int, str]]:
+        db = Database(url)
+        try:
+            await db.migrate("0013")
+            async with db.engine.begin() as conn:
+                for sql in (
+                    "INSERT INTO namespaces (id, name, kind, created_at) VALUES "
+                    f"(1, 'a', 'org', '{stamp}'), (2, 'b', 'org', '{stamp}')",
+                    "INSERT INTO repositories (id, name, namespace_id, is_public, created_at, "
+                    f"updated_at, pull_count) VALUES (1, 'a/x', 1, false, '{stamp}', "
+                    f"'{stamp}', 0), (2, 'b/y', 2, false, '{stamp}', '{stamp}', 0)",
+                    "INSERT INTO blobs (digest, size, created_at) VALUES "
+                    f"('{d}', 2, '{stamp}'), ('{m1}', 2, '{stamp}'), ('{m2}', 2, '{stamp}')",
+                    "INSERT INTO manifests (id, repository_id, digest, media_type, size, "
+                    f"created_at) VALUES (1, 1, '{m1}', 'm', 2, '{stamp}'), "
+                    f"(2, 2, '{m2}', 'm', 2, '{stamp}')",
+                    "INSERT INTO manifest_references (manifest_id, digest) VALUES "
+                    f"(1, '{d}'), (2, '{d}')",
+                ):
+                    await conn.exec_driver_sql(sql)
+            await db.migrate()
+            async with db.engine.connect() as conn:
+                rows = await conn.exec_driver_sql(
+                    "SELECT manifest_id, repository_id, digest FROM manifest_references "
+                    "ORDER BY manifest_id"
+                )
+                found = [(a, b, c) for a, b, c in rows.all()]
+                named = await conn.run_sync(
+                    lambda c: manifests.referencing(Session(bind=c), 1, d)
+                )
+                assert named == ([m1], 1)
+            return found
+        finally:
+            await db.close()
+
+    assert asyncio.run(go()) == [(1, 1, d), (2, 2, d)]
