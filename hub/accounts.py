@@ -621,12 +621,30 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
 
 
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
-    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``)."""
+    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``).
+
+    An organisation a user (not a site admin) creates starts with the storage quota of
+    that user's own namespace, when it has one: any signed-in user creates organisations
+    and pushes into them, so a quota on the user's namespace alone bounded nothing (the
+    same bytes went into an organisation without one). A site admin may change it."""
     validate_namespace(name)
     check_new_namespace(name)
     if await get_namespace(session, name) is not None:
         raise Conflict(f"namespace {shown(name)} already exists")
-    ns = Namespace(name=name, kind="org", created_by=creator.id if creator else None)
+    quota = None
+    if creator is not None and not creator.is_admin:
+        quota = await session.scalar(
+            select(Namespace.quota_bytes).where(
+                Namespace.name == creator.name, Namespace.kind == "user"
+            )
+        )
+    ns = Namespace(
+        name=name,
+        kind="org",
+        created_by=creator.id if creator else None,
+        quota_bytes=quota,
+        used_bytes=None if quota is None else 0,  # nothing stored yet: the running total
+    )
     session.add(ns)
     await session.flush()
     return ns

@@ -9,6 +9,15 @@
    DIGEST_INVALID only at the end. Now such an upload may hold the held blob's size more
    than the quota leaves (a copy of a blob the namespace has is free once stored), and no
    more: past it, 403 DENIED as for any upload, before the bytes are written.
+2. "Which manifests of repository R reference (or name as subject) D" was read through
+   an index of every repository's rows for D, and a ``subject`` may name any digest:
+   another namespace pushing many manifests naming your digests (or the empty config
+   ``{}`` everyone references) made your deletions, referrers, lineage and pack pages
+   scan all of them. Migration 0014 gives references their repository and indexes both
+   reads by repository first.
+3. A quota on a user's namespace bounded nothing: any signed-in user creates up to 20
+   organisations, without a quota, and pushes into them. An organisation a user creates
+   now starts with the quota of the user's own namespace.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_support import ADMIN, HubServer, error_code, push_blob
+from hub_support import ADMIN, HubServer, error_code, push_blob, sha
+from s3_hub_support import S3Hub
 from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
@@ -54,7 +64,15 @@ def _uploads_dir_bytes(hub: HubServer) -> int:
 def test_an_upload_naming_a_held_blob_is_still_bounded_by_the_quota(
     backend_hub: HubServer,
 ) -> None:
-    hub = backend_hub
+    _held_blob_upload_is_bounded(backend_hub)
+
+
+def test_an_upload_naming_a_held_blob_is_bounded_with_shared_sessions(s3_hub: S3Hub) -> None:
+    """The same with the S3 backend, whose sessions are rows and chunks in the bucket."""
+    _held_blob_upload_is_bounded(s3_hub)
+
+
+def _held_blob_upload_is_bounded(hub: HubServer) -> None:
     who = hub.add_user("heldblob")
     ns = who[0]
     hub.cli("quota", "set", ns, "1000")
@@ -234,3 +252,31 @@ def test_0014_fills_each_references_repository(
             await db.close()
 
     assert asyncio.run(go()) == [(1, 1, d), (2, 2, d)]
+
+
+def test_an_organisation_a_user_creates_has_the_users_quota(backend_hub: HubServer) -> None:
+    """Any signed-in user creates organisations and pushes into them: with a quota on the
+    user's own namespace only, the same bytes went into an organisation of theirs without
+    one. Now an organisation a user creates starts with the quota of the user's own
+    namespace (a site admin's have none, and the operator may change either)."""
+    hub = backend_hub
+    who = hub.add_user("orgmaker")
+    hub.cli("quota", "set", who[0], "1000")
+    big = os.urandom(1500)
+    with hub.client(who) as c:
+        r = c.post(f"/v2/{who[0]}/app/blobs/uploads/", params={"digest": sha(big)}, content=big)
+        assert r.status_code == 403 and error_code(r) == "DENIED", r.text
+        assert c.post("/api/v1/orgs", json={"name": "orgmaker-co"}).status_code == 201
+        r = c.post("/v2/orgmaker-co/app/blobs/uploads/", params={"digest": sha(big)}, content=big)
+        assert r.status_code == 403 and error_code(r) == "DENIED", r.text
+        push_blob(c, "orgmaker-co/app", os.urandom(1000))  # exactly up to it
+    with hub.client(ADMIN) as c:
+        r = c.get("/api/v1/namespaces/orgmaker-co/quota")
+        assert r.json() == {"namespace": "orgmaker-co", "quota_bytes": 1000, "used_bytes": 1000}
+        assert c.post("/api/v1/orgs", json={"name": "admin-co"}).status_code == 201
+        r = c.get("/api/v1/namespaces/admin-co/quota")
+        assert r.json()["quota_bytes"] is None
+    free = hub.add_user("freemaker")  # no quota of its own: its organisations have none
+    with hub.client(free) as c:
+        assert c.post("/api/v1/orgs", json={"name": "freemaker-co"}).status_code == 201
+        push_blob(c, "freemaker-co/app", big)
