@@ -620,6 +620,26 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
     return robot
 
 
+def answerable_user(session: Session, user_id: int) -> int:
+    """The user who answers for ``user_id``'s use of shared places (the hub's compaction
+    places): a user answers for itself; a robot made for a user's own namespace, for that
+    user; one made for an organisation, for the organisation's creator (any signed-in
+    user creates organisations and up to ``MAX_ROBOTS_PER_NAMESPACE`` robots in each, so
+    counting each robot apart gave one person as many places as it made robots). A robot
+    of an organisation a site admin made (no creator), or made before robots recorded
+    their namespace, answers for itself. Sync ORM code."""
+    user = session.get(User, user_id)
+    if user is None or not user.is_robot or user.robot_for is None:
+        return user_id
+    ns = session.get(Namespace, user.robot_for)
+    if ns is None:
+        return user_id
+    if ns.kind == "user":
+        owner = find_user(session, ns.name)
+        return owner.id if owner is not None else user_id
+    return ns.created_by if ns.created_by is not None else user_id
+
+
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
     """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``).
 

@@ -18,29 +18,54 @@
 3. A quota on a user's namespace bounded nothing: any signed-in user creates up to 20
    organisations, without a quota, and pushes into them. An organisation a user creates
    now starts with the quota of the user's own namespace.
+4. One compaction per account at a time, so one account cannot take every place: but
+   robots are accounts, and any signed-in user makes an organisation and robots in it.
+   A robot now counts as the user who answers for it (``accounts.answerable_user``).
+5. GC listed the whole blob store while it held the GC lock, which every push and link
+   waits for: what accounts store (many small blobs, on S3 one LIST per 1,000) stalled
+   every push of the hub for as long as the listing took. It lists first now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+import httpx
 import pytest
-from hub_support import ADMIN, HubServer, error_code, push_blob, sha
+from hub_support import (
+    ADMIN,
+    TIMEOUT,
+    HubServer,
+    browser,
+    csrf_of,
+    error_code,
+    push_blob,
+    sha,
+)
 from s3_hub_support import S3Hub
 from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
 from forkd.hub import chains
-from forkd.hub.db import Database
+from forkd.hub.db import GC_LOCK, Database
+from forkd.hub.gc import GcReport, collect
 from forkd.hub.models import Manifest
 from forkd.hub.oci import manifests
 from forkd.hub.oci.referrers import referrers_query
+from forkd.hub.services import Hub
 from forkd.hub.settings import HubSettings
 from forkd.pack import mediatypes as mt
+from forkd.store.blobs import FsBlobStore
 
 
 def _used(hub: HubServer, ns: str) -> int:
@@ -280,3 +305,129 @@ def test_an_organisation_a_user_creates_has_the_users_quota(backend_hub: HubServ
     with hub.client(free) as c:
         assert c.post("/api/v1/orgs", json={"name": "freemaker-co"}).status_code == 201
         push_blob(c, "freemaker-co/app", big)
+
+
+def test_an_accounts_robots_share_its_one_compaction_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One compaction per account at a time keeps one account from taking every place
+    (``compactions_max``, 2). But any signed-in user creates an organisation and robots
+    in it, each an account of its own: alice's two robots took both places and every
+    other account got 429. Now a robot counts as the user who answers for it (the
+    creator of the organisation it was made for): alice's second robot is the 429 "one
+    per account", and the other place stays bob's. The work is held
+    (``_compactions_held``): the admission is what is tested."""
+    from test_review_hostile6 import _compactions_held
+
+    release, running = _compactions_held(monkeypatch)
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        alice, bob = server.add_user("alice"), server.add_user("bob")
+        org = "alice-bots"
+        with server.client(alice) as c:
+            assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        robots = []
+        with browser(server, *alice) as b:
+            for name in ("bot-one", "bot-two"):
+                csrf = csrf_of(b.get("/-/settings/tokens").text)
+                data = {"csrf": csrf, "namespace": org, "robot": name, "role": "push"}
+                assert b.post("/-/settings/robots", data=data).status_code == 303
+                robots.append((name, server.token(name, f"{org}:push")))
+
+        def post(who: tuple[str, str], repo: str, tag: str) -> httpx.Response:
+            with httpx.Client(base_url=server.url, auth=who, timeout=TIMEOUT) as c:
+                return c.post(f"/api/v1/compact/{repo}", json={"tag": tag, "to": "flat"})
+
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(post, robots[0], f"{org}/app", "first")
+            deadline = time.monotonic() + TIMEOUT
+            while "first" not in running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert running == ["first"]
+            again = post(robots[1], f"{org}/app", "second")
+            assert again.status_code == 429 and "one per account" in again.text, again.text
+            mine = post(alice, f"{alice[0]}/app", "alices")  # alice herself: the same place
+            assert mine.status_code == 429 and "one per account" in mine.text, mine.text
+            other = pool.submit(post, bob, f"{bob[0]}/app", "bobs")
+            while "bobs" not in running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert running == ["first", "bobs"]  # the second place went to bob
+            release.set()
+            assert held.result(TIMEOUT).status_code == 404  # the held work's answer
+            assert other.result(TIMEOUT).status_code == 404
+        assert post(robots[1], f"{org}/app", "later").status_code == 404  # given back
+    finally:
+        release.set()
+        server.stop()
+
+
+def _gc_lock_free(settings: HubSettings) -> bool:
+    """Whether a blob writer could take its side of the GC lock now (another connection:
+    SQLite's write lock, PostgreSQL's shared advisory lock), without waiting."""
+    if settings.database_url.startswith("sqlite"):
+        conn = sqlite3.connect(settings.data_dir / "hub.db", timeout=0.2)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.rollback()
+            return True
+        except sqlite3.OperationalError:
+            return False
+        finally:
+            conn.close()
+    url = settings.database_url.replace("postgresql+asyncpg://", "postgresql://")
+    got: list[bool] = []
+
+    async def probe() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            free = await conn.fetchval("SELECT pg_try_advisory_lock_shared($1)", GC_LOCK)
+            if free:
+                await conn.execute("SELECT pg_advisory_unlock_shared($1)", GC_LOCK)
+            got.append(bool(free))
+        finally:
+            await conn.close()
+
+    worker = threading.Thread(target=lambda: asyncio.run(probe()))
+    worker.start()
+    worker.join(TIMEOUT)
+    assert got, "the probe did not answer"
+    return got[0]
+
+
+def test_gc_lists_the_blob_store_without_holding_every_push(backend_hub: HubServer) -> None:
+    """GC listed every object of the blob store (on S3 one request per 1,000 objects, as
+    many as accounts store) while holding the GC lock, which every push and link of the
+    hub waits for. It lists first now, and judges under the lock only: an orphan file
+    (no row, older than the grace) is still removed, a blob with its row kept."""
+    hub = backend_hub
+    who = hub.add_user("listing")
+    with hub.client(who) as c:
+        kept = push_blob(c, f"{who[0]}/app", os.urandom(100))
+    settings = HubSettings(hub.data_dir, **hub.overrides).validated()
+    orphan = FsBlobStore(hub.data_dir / "blobs").put_bytes(os.urandom(100))  # no row
+    past = time.time() - 120
+    os.utime(FsBlobStore(hub.data_dir / "blobs").path(orphan), (past, past))
+    probes: list[bool] = []
+
+    async def go() -> GcReport:
+        built = Hub.build(settings)
+        listing = built.blobs.digests
+
+        def probed() -> Iterator[str]:
+            probes.append(_gc_lock_free(settings))
+            yield from listing()
+
+        built.blobs.digests = probed  # type: ignore[method-assign]
+        try:
+            return await collect(
+                built.db, built.blobs, built.uploads, grace=timedelta(minutes=1),
+                upload_ttl=timedelta(hours=1),
+            )  # fmt: skip
+        finally:
+            await built.close()
+
+    report = asyncio.run(go())
+    assert probes == [True]
+    assert report.orphan_files == [orphan]
+    store = FsBlobStore(hub.data_dir / "blobs")
+    assert not store.has(orphan) and store.has(kept)
