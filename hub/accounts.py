@@ -640,6 +640,27 @@ def answerable_user(session: Session, user_id: int) -> int:
     return ns.created_by if ns.created_by is not None else user_id
 
 
+def answered_for(session: Session, user_id: int) -> tuple[int, set[int]]:
+    """``answerable_user(user_id)`` and every account it answers for: itself and the
+    robots made for its own namespace or for organisations it created. What bounds one
+    user's share of a place (``upload_sessions_per_user``) counts them together. Sync
+    ORM code."""
+    head = answerable_user(session, user_id)
+    user = session.get(User, head)
+    if user is None or user.is_robot:
+        return head, {head, user_id}
+    made = select(Namespace.id).where(
+        or_(
+            Namespace.created_by == head,
+            (Namespace.kind == "user") & (Namespace.name == user.name),
+        )
+    )
+    robots = session.scalars(
+        select(User.id).where(User.is_robot.is_(True), User.robot_for.in_(made))
+    ).all()
+    return head, {head, user_id, *robots}
+
+
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
     """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``).
 

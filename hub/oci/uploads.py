@@ -815,13 +815,17 @@ class _UserSessions:
     @classmethod
     def locked(cls, session: Session, hub: Hub, user_id: int | None) -> _UserSessions:
         """Read under the user's lock (PostgreSQL; SQLite writers are serial), so two
-        requests of one user in different namespaces cannot both take the last place."""
+        requests of one user in different namespaces cannot both take the last place.
+        A user's sessions are those of every account it answers for
+        (``accounts.answered_for``: itself and the robots it made, directly or through
+        the organisations it created), so robots add no places to their maker's."""
         if user_id is None:
             return cls([], {}, {}, {})
+        head, accounts_of = accounts.answered_for(session, user_id)
         if session.get_bind().dialect.name == "postgresql":
             session.execute(
                 text("SELECT pg_advisory_xact_lock(:cls, :user)"),
-                {"cls": UPLOAD_USER_LOCK_CLASS, "user": user_id},
+                {"cls": UPLOAD_USER_LOCK_CLASS, "user": head},
             )
         rows = session.execute(
             select(
@@ -829,7 +833,7 @@ class _UserSessions:
                 Upload.reserved_bytes,
                 Upload.size,
                 func.coalesce(Upload.touched_at, Upload.created_at),
-            ).where(Upload.user_id == user_id)
+            ).where(Upload.user_id.in_(sorted(accounts_of)))
         ).all()
         sessions = [upload_id for upload_id, *_ in rows]
         recorded = {upload_id: (size, at) for upload_id, _, size, at in rows}

@@ -20,7 +20,8 @@
    now starts with the quota of the user's own namespace.
 4. One compaction per account at a time, so one account cannot take every place: but
    robots are accounts, and any signed-in user makes an organisation and robots in it.
-   A robot now counts as the user who answers for it (``accounts.answerable_user``).
+   A robot now counts as the user who answers for it (``accounts.answerable_user``),
+   and so it does for ``upload_sessions_per_user`` (each robot had 20 places more).
 5. GC listed the whole blob store while it held the GC lock, which every push and link
    waits for: what accounts store (many small blobs, on S3 one LIST per 1,000) stalled
    every push of the hub for as long as the listing took. It lists first now.
@@ -431,3 +432,37 @@ def test_gc_lists_the_blob_store_without_holding_every_push(backend_hub: HubServ
     assert report.orphan_files == [orphan]
     store = FsBlobStore(hub.data_dir / "blobs")
     assert not store.has(orphan) and store.has(kept)
+
+
+def test_a_users_robots_share_its_upload_sessions(tmp_path: Path) -> None:
+    """``upload_sessions_per_user`` bounds what one user holds in unfinished uploads in
+    every namespace together; but robots are accounts of their own, and any signed-in
+    user makes an organisation and robots in it: each robot had as many places again.
+    Now a user's count takes in the robots it answers for, and another user's is its own."""
+    server = HubServer(tmp_path / "hub", {"upload_sessions_per_user": 2}).start()
+    try:
+        alice, bob = server.add_user("alice"), server.add_user("bob")
+        org = "alice-uploads"
+        with server.client(alice) as c:
+            assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
+        robots = []
+        with browser(server, *alice) as b:
+            for name in ("up-one", "up-two"):
+                csrf = csrf_of(b.get("/-/settings/tokens").text)
+                data = {"csrf": csrf, "namespace": org, "robot": name, "role": "push"}
+                assert b.post("/-/settings/robots", data=data).status_code == 303
+                robots.append((name, server.token(name, f"{org}:push")))
+        with server.client(alice) as c:
+            assert c.post(f"/v2/{alice[0]}/app/blobs/uploads/").status_code == 202
+        with server.client(robots[0]) as c:
+            assert c.post(f"/v2/{org}/app/blobs/uploads/").status_code == 202
+        with server.client(robots[1]) as c:
+            r = c.post(f"/v2/{org}/app/blobs/uploads/")
+            assert r.status_code == 429 and "upload_sessions_per_user" in r.text, r.text
+        with server.client(alice) as c:
+            r = c.post(f"/v2/{alice[0]}/app/blobs/uploads/")
+            assert r.status_code == 429 and "you have 2 open upload sessions" in r.text, r.text
+        with server.client(bob) as c:  # another user's places are its own
+            assert c.post(f"/v2/{bob[0]}/app/blobs/uploads/").status_code == 202
+    finally:
+        server.stop()
