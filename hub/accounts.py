@@ -620,13 +620,72 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
     return robot
 
 
+def answerable_user(session: Session, user_id: int) -> int:
+    """The user who answers for ``user_id``'s use of shared places (the hub's compaction
+    places): a user answers for itself; a robot made for a user's own namespace, for that
+    user; one made for an organisation, for the organisation's creator (any signed-in
+    user creates organisations and up to ``MAX_ROBOTS_PER_NAMESPACE`` robots in each, so
+    counting each robot apart gave one person as many places as it made robots). A robot
+    of an organisation a site admin made (no creator), or made before robots recorded
+    their namespace, answers for itself. Sync ORM code."""
+    user = session.get(User, user_id)
+    if user is None or not user.is_robot or user.robot_for is None:
+        return user_id
+    ns = session.get(Namespace, user.robot_for)
+    if ns is None:
+        return user_id
+    if ns.kind == "user":
+        owner = find_user(session, ns.name)
+        return owner.id if owner is not None else user_id
+    return ns.created_by if ns.created_by is not None else user_id
+
+
+def answered_for(session: Session, user_id: int) -> tuple[int, set[int]]:
+    """``answerable_user(user_id)`` and every account it answers for: itself and the
+    robots made for its own namespace or for organisations it created. What bounds one
+    user's share of a place (``upload_sessions_per_user``) counts them together. Sync
+    ORM code."""
+    head = answerable_user(session, user_id)
+    user = session.get(User, head)
+    if user is None or user.is_robot:
+        return head, {head, user_id}
+    made = select(Namespace.id).where(
+        or_(
+            Namespace.created_by == head,
+            (Namespace.kind == "user") & (Namespace.name == user.name),
+        )
+    )
+    robots = session.scalars(
+        select(User.id).where(User.is_robot.is_(True), User.robot_for.in_(made))
+    ).all()
+    return head, {head, user_id, *robots}
+
+
 async def create_org(session: AsyncSession, name: str, creator: User | None = None) -> Namespace:
-    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``)."""
+    """A new organisation; ``creator``: the user it counts against (``MAX_ORGS_PER_USER``).
+
+    An organisation a user (not a site admin) creates starts with the storage quota of
+    that user's own namespace, when it has one: any signed-in user creates organisations
+    and pushes into them, so a quota on the user's namespace alone bounded nothing (the
+    same bytes went into an organisation without one). A site admin may change it."""
     validate_namespace(name)
     check_new_namespace(name)
     if await get_namespace(session, name) is not None:
         raise Conflict(f"namespace {shown(name)} already exists")
-    ns = Namespace(name=name, kind="org", created_by=creator.id if creator else None)
+    quota = None
+    if creator is not None and not creator.is_admin:
+        quota = await session.scalar(
+            select(Namespace.quota_bytes).where(
+                Namespace.name == creator.name, Namespace.kind == "user"
+            )
+        )
+    ns = Namespace(
+        name=name,
+        kind="org",
+        created_by=creator.id if creator else None,
+        quota_bytes=quota,
+        used_bytes=None if quota is None else 0,  # nothing stored yet: the running total
+    )
     session.add(ns)
     await session.flush()
     return ns

@@ -6,8 +6,10 @@ A view about a few heads (the pack page, a tag page, the catalog and lineage API
 those heads' chains, a capped breadth-first set of descendants and a capped number of tag
 names per manifest: never every manifest or tag of the repository, so a signed-out view of
 a public pack with a hundred thousand manifests or tags costs what one with ten does.
-Every read is by index (``manifests (repository_id, digest)``, ``manifests.subject_digest``,
-``tags (repository_id, manifest_digest, name)``). Sync ORM code (``session.run_sync``).
+Every read is by an index of the repository's own rows (``manifests (repository_id,
+digest)``, ``manifests (repository_id, subject_digest, digest)``, ``tags (repository_id,
+manifest_digest, name)``): never through rows of other repositories, which a ``subject``
+naming this repository's digests could add without limit. Sync ORM code (``session.run_sync``).
 """
 
 from __future__ import annotations

@@ -489,8 +489,12 @@ class CompactionController(Controller):
         caller = await authenticate(hub, request)
         await authorize(hub, request, caller, name, "push")
         # One compaction per account at a time: each may write 16 GiB and hold a core for
-        # minutes, and without this one account's requests took every place.
+        # minutes, and without this one account's requests took every place. An account's
+        # robots count as the account (``accounts.answerable_user``): one person makes
+        # as many robots as it likes places.
         account = caller.principal.user_id
+        if account is not None:
+            account = await hub.db.read(accounts.answerable_user, account)
         if account is not None and account in hub.compacting:
             raise _busy_account()
         slots = hub.compactions.limiter()

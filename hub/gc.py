@@ -110,6 +110,12 @@ async def collect(
     report = GcReport(dry_run=dry_run)
     cutoff = utcnow() - grace
     cutoff_ts = time.time() - grace.total_seconds()
+    # Every stored digest, listed before the GC lock is taken: the listing grows with what
+    # accounts store (on S3, one request per 1,000 objects), and under the lock every push
+    # and link on the hub waited for it. Only the decision needs the lock: under it, a
+    # listed digest is an orphan if the database has no row for it and its file is older
+    # than the grace (read again then); a file written after the listing is not judged.
+    stored = await anyio.to_thread.run_sync(lambda: list(blobs.digests()))
     async with db.transaction() as session:
         await db.lock_for_gc(session)
         roots = union(select(Manifest.digest), held_references())
@@ -129,7 +135,7 @@ async def collect(
         known = set((await session.scalars(select(Blob.digest))).all()) - doomed
         report.orphan_files = [
             d
-            for d in blobs.digests()
+            for d in stored
             if d not in known and d not in doomed and _older_than(blobs, d, cutoff_ts)
         ]
         if not dry_run:

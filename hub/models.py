@@ -185,16 +185,23 @@ class RepositoryBlob(Base):
 
 class Manifest(Base):
     __tablename__ = "manifests"
-    __table_args__ = (UniqueConstraint("repository_id", "digest"), NO_REUSE)
+    # "The repository's manifests whose subject is D" (referrers, a chain's descendants,
+    # a snapshot's dependents) by one index of the repository's own rows (migration
+    # 0014): an index on ``subject_digest`` alone held every repository's manifests
+    # naming D, and a ``subject`` may name any digest, so another namespace pushing many
+    # manifests naming yours made each of those reads of yours scan all of them.
+    __table_args__ = (
+        UniqueConstraint("repository_id", "digest"),
+        Index("ix_manifests_repository_subject", "repository_id", "subject_digest", "digest"),
+        NO_REUSE,
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     repository_id: Mapped[int] = mapped_column(ForeignKey("repositories.id", ondelete="CASCADE"))
     digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"))
     media_type: Mapped[str] = mapped_column(String(255))
     artifact_type: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    subject_digest: Mapped[str | None] = mapped_column(
-        String(DIGEST_LEN), nullable=True, index=True
-    )
+    subject_digest: Mapped[str | None] = mapped_column(String(DIGEST_LEN), nullable=True)
     annotations: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -204,11 +211,17 @@ class ManifestReference(Base):
     """A digest a manifest keeps alive: its config, layers, child manifests and subject."""
 
     __tablename__ = "manifest_references"
+    # "Which manifests of this repository reference D" (a blob's or a child manifest's
+    # deletion) by the repository's own rows (migration 0014), never by every reference
+    # to D on the hub: a digest such as the empty config ``{}`` is referenced by any
+    # number of other namespaces' manifests.
+    __table_args__ = (Index("ix_manifest_references_repository", "repository_id", "digest"),)
 
     manifest_id: Mapped[int] = mapped_column(
         ForeignKey("manifests.id", ondelete="CASCADE"), primary_key=True
     )
     digest: Mapped[str] = mapped_column(String(DIGEST_LEN), primary_key=True, index=True)
+    repository_id: Mapped[int] = mapped_column(Integer)  # the manifest's
 
 
 class Tag(Base):

@@ -201,7 +201,10 @@ class NamespaceUploads:
     namespace_id: int
     namespace: str
     quota_bytes: int | None
-    quota_left: int | None  # quota minus stored usage; None: no quota (or not charged)
+    # The room an upload may fill: quota minus stored usage, plus the size of the digest
+    # it names when the namespace holds that blob already; None: no quota.
+    quota_left: int | None
+    used_bytes: int  # stored usage (0 without a quota: not computed)
     sessions: list[str]  # ids of its upload session rows (expired ones included)
     reserved: dict[str, int]  # reserved_bytes of the sessions a request is writing
     # id → (bytes recorded, last activity): what shared sessions (hub/shared_uploads.py)
@@ -220,8 +223,11 @@ class NamespaceUploads:
 
 def uploads_of(session: Session, repository_id: int, digest: str | None = None) -> NamespaceUploads:
     """The repository's namespace's upload sessions and quota headroom (sync ORM code).
-    Uploading ``digest``, a blob the namespace holds already, adds nothing to its usage:
-    no headroom limit then."""
+    Uploading ``digest``, a blob the namespace holds already, adds nothing to its usage
+    once stored, so its upload may use the blob's size on top of what the quota leaves:
+    room for one copy in flight, and no more. Its bytes are whatever the client sends
+    until they are hashed, so they are never unbounded: the namespace's stored plus
+    in-flight bytes stay within its quota plus the size of the held blob being sent."""
     row = _namespace_of(session, repository_id)
     sessions = session.execute(
         select(
@@ -233,16 +239,18 @@ def uploads_of(session: Session, repository_id: int, digest: str | None = None) 
         .join(Repository, Repository.id == Upload.repository_id)
         .where(Repository.namespace_id == row.id)
     ).all()
-    left = None
-    known = digest is not None and _linked_in_namespace(session, row.id, digest)
-    if row.quota_bytes is not None and not known:
+    left, used = None, 0
+    if row.quota_bytes is not None:
         used = row.used_bytes if row.used_bytes is not None else usage(session, row.id)
         left = row.quota_bytes - used
+        if digest is not None and _linked_in_namespace(session, row.id, digest):
+            left += session.scalar(select(Blob.size).where(Blob.digest == digest)) or 0
     return NamespaceUploads(
         row.id,
         row.name,
         row.quota_bytes,
         left,
+        used,
         [upload_id for upload_id, *_ in sessions],
         {upload_id: reserved for upload_id, reserved, *_ in sessions if reserved},
         {upload_id: (size, at) for upload_id, _, size, at in sessions},

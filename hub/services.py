@@ -148,7 +148,8 @@ class Hub:
     sizes: ManifestSizes = field(default_factory=ManifestSizes)
     # Server-side compactions running at once (hub/compaction.py); more are refused (429).
     compactions: LazyLimiter = field(default_factory=lambda: LazyLimiter(1))
-    # Accounts (user ids) with a compaction request running in this process: one each.
+    # Accounts (user ids; a robot counts as the user who answers for it:
+    # ``accounts.answerable_user``) with a compaction request running in this process.
     compacting: set[int] = field(default_factory=set)
     # The HMAC key of bearer tokens and UI sessions: a placeholder until ``load_key``
     # (the app's start) puts the shared one in place (hub/secrets.py); its users follow.

@@ -433,7 +433,10 @@ def record_manifest(
             Manifest.repository_id == repo_id, Manifest.digest == pushed.digest
         )
     )
-    references = [{"manifest_id": manifest_id, "digest": d} for d in sorted(pushed.references())]
+    references = [
+        {"manifest_id": manifest_id, "repository_id": repo_id, "digest": d}
+        for d in sorted(pushed.references())
+    ]
     if references:  # one executemany, not a statement per reference
         session.execute(db.insert_ignore(ManifestReference.__table__), references)
     if tag is not None:
@@ -634,7 +637,11 @@ def referencing(
     query = (
         select(Manifest.digest)
         .join(ManifestReference, ManifestReference.manifest_id == Manifest.id)
-        .where(Manifest.repository_id == repo_id, ManifestReference.digest == digest)
+        .where(
+            ManifestReference.repository_id == repo_id,  # by the repository's own rows
+            ManifestReference.digest == digest,
+            Manifest.repository_id == repo_id,
+        )
     )
     if children_of is not None:
         query = query.where(

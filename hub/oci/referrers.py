@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from litestar import Response
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 
 from forkd.hub.models import Manifest
 from forkd.hub.oci.common import Ctx, in_chunks, parse_digest
@@ -28,6 +28,31 @@ from forkd.pack import mediatypes as mt
 
 PAGE = 1000  # descriptors per page
 PAGE_BYTES = 4 << 20  # annotations text per page (a page holds at least one descriptor)
+
+
+def referrers_query(
+    repository_id: int, subject: str, artifact_type: str | None, last: str | None
+) -> Select[str, str, int, str | None, Any]:
+    """One page's rows (one more than ``PAGE``): the repository's manifests whose subject
+    is ``subject``, by digest after ``last``; read through the repository's own index
+    ``(repository_id, subject_digest, digest)`` (migration 0014)."""
+    query = (
+        select(
+            Manifest.digest,
+            Manifest.media_type,
+            Manifest.size,
+            Manifest.artifact_type,
+            func.coalesce(func.length(Manifest.annotations), 0),
+        )
+        .where(Manifest.repository_id == repository_id, Manifest.subject_digest == subject)
+        .order_by(Manifest.digest)
+        .limit(PAGE + 1)
+    )
+    if artifact_type:
+        query = query.where(Manifest.artifact_type == artifact_type)
+    if last:
+        query = query.where(Manifest.digest > last)
+    return query
 
 
 async def list_referrers(ctx: Ctx, digest: str) -> Response[object]:
@@ -42,22 +67,7 @@ async def list_referrers(ctx: Ctx, digest: str) -> Response[object]:
     descriptors: list[dict[str, Any]] = []
     more = False
     if repo is not None:
-        query = (
-            select(
-                Manifest.digest,
-                Manifest.media_type,
-                Manifest.size,
-                Manifest.artifact_type,
-                func.coalesce(func.length(Manifest.annotations), 0),
-            )
-            .where(Manifest.repository_id == repo.id, Manifest.subject_digest == digest)
-            .order_by(Manifest.digest)
-            .limit(PAGE + 1)
-        )
-        if artifact_type:
-            query = query.where(Manifest.artifact_type == artifact_type)
-        if last:
-            query = query.where(Manifest.digest > last)
+        query = referrers_query(repo.id, digest, artifact_type, last)
         async with ctx.hub.db.reading() as session:
             rows = (await session.execute(query)).all()
             taken: list[Any] = []

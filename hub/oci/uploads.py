@@ -237,8 +237,10 @@ class _Room:
     cannot give them). A reservation (``Upload.reserved_bytes``: the size the file may
     reach) is taken under the namespace's write lock before the bytes are written, out of
     the quota left after stored usage and every other live session's bytes or
-    reservation, and given back when the request ends however it ends. No quota limit
-    when ``digest`` is known and the namespace holds it already."""
+    reservation, and given back when the request ends however it ends. When ``digest``
+    names a blob the namespace holds already, the room is the blob's size more
+    (``quotas.uploads_of``): the bytes cost nothing once stored, but until they are
+    hashed they are any bytes, so they are bounded like every upload's."""
 
     def __init__(
         self,
@@ -353,7 +355,7 @@ def _reserve(
     assert held.quota_bytes is not None  # a quota_left comes from a quota
     reason = (
         f"storage quota of namespace {shown(held.namespace)} exceeded: "
-        f"{held.quota_bytes - held.quota_left} of {held.quota_bytes} bytes used, "
+        f"{held.used_bytes} of {held.quota_bytes} bytes used, "
         f"{in_flight + offset} more held by open upload sessions (written or reserved by "
         "uploads in flight), this upload needs more; finish or cancel unfinished uploads, "
         "or ask for a larger quota"
@@ -813,13 +815,17 @@ class _UserSessions:
     @classmethod
     def locked(cls, session: Session, hub: Hub, user_id: int | None) -> _UserSessions:
         """Read under the user's lock (PostgreSQL; SQLite writers are serial), so two
-        requests of one user in different namespaces cannot both take the last place."""
+        requests of one user in different namespaces cannot both take the last place.
+        A user's sessions are those of every account it answers for
+        (``accounts.answered_for``: itself and the robots it made, directly or through
+        the organisations it created), so robots add no places to their maker's."""
         if user_id is None:
             return cls([], {}, {}, {})
+        head, accounts_of = accounts.answered_for(session, user_id)
         if session.get_bind().dialect.name == "postgresql":
             session.execute(
                 text("SELECT pg_advisory_xact_lock(:cls, :user)"),
-                {"cls": UPLOAD_USER_LOCK_CLASS, "user": user_id},
+                {"cls": UPLOAD_USER_LOCK_CLASS, "user": head},
             )
         rows = session.execute(
             select(
@@ -827,7 +833,7 @@ class _UserSessions:
                 Upload.reserved_bytes,
                 Upload.size,
                 func.coalesce(Upload.touched_at, Upload.created_at),
-            ).where(Upload.user_id == user_id)
+            ).where(Upload.user_id.in_(sorted(accounts_of)))
         ).all()
         sessions = [upload_id for upload_id, *_ in rows]
         recorded = {upload_id: (size, at) for upload_id, _, size, at in rows}
