@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -173,3 +174,14 @@ class HostileHub:
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         self._write(h, body)
+
+
+def outward_address() -> str | None:
+    """An address of this host that is not loopback (a hub "elsewhere"), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
+            address: str = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from hostile_hub import HostileHub
+from hostile_hub import HostileHub, outward_address
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError
@@ -200,23 +200,12 @@ def test_a_redirect_to_a_link_local_or_reserved_address_is_refused(
         client.request("GET", "/redirect", "registry:catalog:*", params={"to": target})
 
 
-def _outward_address() -> str | None:
-    """An address of this host that is not loopback (a hub "elsewhere"), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
-            address: str = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
-
-
 def test_a_redirect_from_a_hub_elsewhere_to_this_hosts_loopback_is_refused(
         tmp_path: Path) -> None:
     """A hub that is not on this host's loopback sending a read to 127.0.0.1 (a service
     of this host, past the sandboxes' egress rules: the daemon fetches for callers):
     refused. A loopback hub's redirects to loopback go on (test setups, a local mirror)."""
-    address = _outward_address()
+    address = outward_address()
     if address is None:
         pytest.skip("this host has no address besides loopback")
     store = Store(tmp_path / "home")
@@ -308,7 +297,7 @@ def test_a_name_is_resolved_once_and_the_checked_address_is_the_one_reached(
 
 def test_a_redirect_from_a_hub_elsewhere_to_a_name_of_this_hosts_loopback_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    address = _outward_address()
+    address = outward_address()
     if address is None:
         pytest.skip("this host has no address besides loopback")
     _resolving(monkeypatch, {"service.test": [["127.0.0.1"]]})

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile_hub import HostileHub
+from hostile_hub import HostileHub, outward_address
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError
@@ -224,23 +223,13 @@ def test_a_credential_checked_over_http_still_goes_there(challenging: Challengin
     assert challenging.authorizations  # the login the user made over http works on
 
 
-def _outward_address() -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
-            address: str = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
-
-
 def test_an_entry_without_a_scheme_is_taken_as_its_hosts_default(
         home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry stored before the scheme was recorded: for a host that is not loopback it
     was checked over https (the default) unless the user wrote http://, which is not known:
     it is not sent over http; for a loopback hub (http by default) it is."""
     monkeypatch.setenv("FORKD_CREDENTIALS", str(home / "creds" / "credentials.json"))
-    address = _outward_address()
+    address = outward_address()
     if address is None:
         pytest.skip("this host has no address besides loopback")
     for where, refused in ((address, True), ("127.0.0.1", False)):
