@@ -63,10 +63,14 @@ os.execv(sys.argv[1], sys.argv[1:])
 
 def without_advice(argv: list[str]) -> list[str]:
     """``argv`` (an absolute or PATH-found program first) run with ``madvise(...,
-    MADV_HUGEPAGE)`` made a no-op for it and everything it starts."""
+    MADV_HUGEPAGE)`` made a no-op for it and everything it starts; FileNotFoundError
+    when the program is not on PATH."""
     program = argv[0]
-    if "/" not in program:
-        program = shutil.which(program) or program
+    if "/" not in program:  # the wrapper's execv searches no PATH
+        found = shutil.which(program)
+        if found is None:  # as starting it directly would (the caller says what to install)
+            raise FileNotFoundError(f"{program} is not on PATH")
+        program = found
     return [sys.executable, "-I", "-S", "-c", WRAPPER, program, *argv[1:]]
 
 

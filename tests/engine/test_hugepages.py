@@ -73,3 +73,5 @@ def test_a_program_named_without_a_path_is_found_on_path() -> None:
     argv = hugepages.without_advice(["true"])
     assert os.path.isabs(argv[argv.index(hugepages.WRAPPER) + 1])
     assert subprocess.run(argv, check=False).returncode == 0
+    with pytest.raises(FileNotFoundError, match="not on PATH"):
+        hugepages.without_advice(["forkd-no-such-program"])
