@@ -44,7 +44,7 @@ import pytest
 from hostile_hub import HostileHub, outward_address
 
 from forkd import digest as dg
-from forkd.errors import IntegrityError
+from forkd.errors import IntegrityError, InvalidInput
 from forkd.pack import mediatypes as mt
 from forkd.pack.chunking import compress
 from forkd.pack.config import SnapshotConfig
@@ -415,3 +415,15 @@ def test_a_token_realm_redirecting_elsewhere_gets_no_credentials_there() -> None
         client.ping()  # the other service answers a token, asked anonymously
     assert [path for path, _ in hub.authorizations if path.startswith("/token")]
     assert elsewhere.authorizations == []
+
+
+@pytest.mark.parametrize("entry", ["not a credential", {"username": "alice"}, ["alice", "pw"]])
+def test_a_malformed_credential_entry_says_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: object) -> None:
+    """An entry of the credentials file that is not a login (hand-edited, another tool's)
+    was an AttributeError or KeyError traceback wherever forkd read it."""
+    path = tmp_path / "credentials.json"
+    path.write_text(json.dumps({"hub.example": entry}))
+    monkeypatch.setenv("FORKD_CREDENTIALS", str(path))
+    with pytest.raises(InvalidInput, match=r"'hub.example' is malformed; run `forkd login"):
+        credentials.load("hub.example")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import InvalidInput
+from forkd.names import shown
 
 CONFIG_FILE = "config.json"
 MAX_CLIENT_FILE = 1 << 20  # credentials and config are small; a bigger file is not ours
@@ -76,9 +77,13 @@ def _read(path: Path, fix: str = "delete it and log in again") -> dict[str, Any]
 
 
 def load(hub: str) -> Credential | None:
-    entry = _read(credentials_path()).get(hub)
+    path = credentials_path()
+    entry = _read(path).get(hub)
     if not entry:
         return None
+    if not isinstance(entry, dict) or "username" not in entry or "secret" not in entry:
+        raise InvalidInput(f"{path}: the entry for {shown(hub)} is malformed; run "
+                           f"`forkd login {shown(hub)}` again (or `forkd logout` it)")
     scheme = entry.get("scheme")
     return Credential(str(entry["username"]), str(entry["secret"]),
                       scheme if scheme in ("http", "https") else None)

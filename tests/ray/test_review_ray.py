@@ -122,20 +122,23 @@ def test_a_node_with_a_hostile_name_is_refused_and_shown_inert(
 def test_a_node_failing_oddly_leaves_no_sandbox_on_the_others(
     cluster: LocalCluster, base_ref: str
 ) -> None:
-    """Before: a failure of one node's agent that was not a forkd error (here its malformed
-    credentials file: a TypeError) left ``spawn`` at once with the node's traceback, without
-    waiting for the other nodes' calls or killing what they started: those sandboxes ran
-    with no handle, for ever without a timeout, counted against their host's slots."""
+    """Before: a failure of one node's agent that was not a forkd error (here its
+    credentials file made a directory: an IsADirectoryError) left ``spawn`` at once with the
+    node's traceback, without waiting for the other nodes' calls or killing what they
+    started: those sandboxes ran with no handle, for ever without a timeout, counted
+    against their host's slots."""
     creds = cluster.nodes[1].dir / "client" / "credentials.json"
     saved = creds.read_bytes()
-    creds.write_text(json.dumps({hub: "not a credential" for hub in json.loads(saved)}))
+    creds.unlink()
+    creds.mkdir()
     try:
         with pytest.raises(ClusterSpawnError) as refused:
             forkd.ray.spawn(base_ref, 2, pull=True)  # one on a, one on b
     finally:
+        creds.rmdir()
         creds.write_bytes(saved)
     (line,) = refused.value.errors
-    assert line.startswith("node b: its forkd agent failed with TypeError: ")
+    assert line.startswith("node b: its forkd agent failed with IsADirectoryError: ")
     assert "Traceback" not in line and len(line) < 1000
     assert json.loads(cluster.head.forkd("ls", "--json")) == [], "a's sandbox was left running"
     assert forkd.ray.fork_on("b", base_ref, pull=True).kill() is None  # b is fine again
