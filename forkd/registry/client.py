@@ -61,6 +61,7 @@ import httpx
 from forkd import addresses, jsondoc
 from forkd import digest as dg
 from forkd.errors import ForkdError, IntegrityError, InvalidInput, NotFound
+from forkd.names import one_line
 from forkd.pack import mediatypes as mt
 from forkd.pack.manifest import MAX_MANIFEST_BYTES
 from forkd.registry.credentials import Credential
@@ -215,11 +216,11 @@ class RegistryClient:
         for attempt in (1, 2):
             resp = self._send(method, url, scope, stream, headers, kwargs, deadline)
             if resp.status_code == 401 and attempt == 1:
-                self.read_answer(resp, f"{method} {_shown(url)} answer")
+                self.read_answer(resp, f"{method} {one_line(url)} answer")
                 self._authenticate(resp.headers.get("www-authenticate", ""), scope)
                 continue
             if resp.status_code not in ok:
-                self.read_answer(resp, f"{method} {_shown(url)} answer")
+                self.read_answer(resp, f"{method} {one_line(url)} answer")
                 raise self._error(method, url, resp)
             return resp
         raise AuthError(f"{self.hub}: still unauthorized after logging in for {scope}")
@@ -281,7 +282,7 @@ class RegistryClient:
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RegistryError(f"{self.hub}: {method} {_shown(url)}: no answer in time; "
+                    raise RegistryError(f"{self.hub}: {method} {one_line(url)}: no answer in time; "
                                         "is the hub running and reachable?")
                 kwargs = {**kwargs, "timeout": min(kwargs.get("timeout", self.timeout), left)}
             try:
@@ -293,16 +294,16 @@ class RegistryClient:
                 resp = self.http.send(req, stream=True,
                                       follow_redirects=method in ("GET", "HEAD"))
                 if not stream and resp.status_code not in RETRY_STATUSES:
-                    self._read_body(resp, f"{method} {_shown(url)} answer", deadline=deadline)
+                    self._read_body(resp, f"{method} {one_line(url)} answer", deadline=deadline)
             except httpx.TransportError as exc:
                 if delay is None or (deadline is not None and time.monotonic() > deadline):
                     raise RegistryError(
-                        f"{self.hub}: {method} {_shown(url)} failed: {exc}; is the hub running and "
-                        "reachable?"
+                        f"{self.hub}: {method} {one_line(url)} failed: {exc}; is the hub "
+                        "running and reachable?"
                     ) from exc
             except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a redirect loop, a bad
                 # encoding, an unusable Location: the hub's answer, not the network
-                raise RegistryError(f"{self.hub}: {method} {_printable(url)[:200]}: the hub's "
+                raise RegistryError(f"{self.hub}: {method} {one_line(url, 200)}: the hub's "
                                     f"answer is unusable ({exc})") from exc
             else:
                 if resp.status_code not in RETRY_STATUSES or delay is None:
@@ -328,7 +329,7 @@ class RegistryClient:
         for address in addresses:
             kind = _address_kind(address)
             if kind == "special" or (kind == "loopback" and not hub_on_loopback):
-                shown = _printable(host)[:100] + ("" if address == host else f" ({address})")
+                shown = one_line(host, 100) + ("" if address == host else f" ({address})")
                 raise RegistryError(
                     f"{self.hub}: refusing to follow it to {shown} "
                     f"({'a loopback' if kind == 'loopback' else 'a link-local or reserved'} "
@@ -343,12 +344,12 @@ class RegistryClient:
             found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
             raise RegistryError(f"{self.hub}: it sends this client to "
-                                f"{_printable(host)[:100]}, which does not resolve ({exc}); "
+                                f"{one_line(host, 100)}, which does not resolve ({exc}); "
                                 "is the hub what it should be?") from exc
         addresses = [str(info[4][0]) for info in found]
         if not addresses:
             raise RegistryError(f"{self.hub}: it sends this client to "
-                                f"{_printable(host)[:100]}, which resolves to no address")
+                                f"{one_line(host, 100)}, which resolves to no address")
         return addresses
 
     def _auth_header(self, scope: str) -> dict[str, str]:
@@ -385,12 +386,12 @@ class RegistryClient:
             return
         if kind != "bearer":
             raise AuthError(f"{self.hub}: unsupported authentication challenge "
-                            f"{_printable(challenge)[:200]!r}")
+                            f"{one_line(challenge, 200)!r}")
         params = dict(_CHALLENGE_RE.findall(challenge))
         realm = params.get("realm")
         if not realm:
             raise AuthError(f"{self.hub}: bearer challenge without a realm")
-        shown = _printable(realm)[:200]  # the hub's words, in messages
+        shown = one_line(realm, 200)  # the hub's words, in messages
         try:
             realm_url = self.http.base_url.join(realm)  # a relative realm is the registry's
             origin(realm_url)
@@ -425,7 +426,7 @@ class RegistryClient:
                 else f"run `forkd login {self.hub}`"
             )
             raise AuthError(f"{self.hub}: token request for "
-                            f"{_printable(query['scope'])[:200]} refused; {hint}")
+                            f"{one_line(query['scope'], 200)} refused; {hint}")
         if resp.status_code != 200:
             raise self._error("GET", shown, resp)
         body = json_answer(resp, f"{self.hub}: token endpoint {shown} answer")
@@ -443,7 +444,7 @@ class RegistryClient:
         codes: tuple[str, ...] = ()
         details: tuple[str, ...] = ()
         if origin(resp.url) not in self.realm_origins:  # redirected: not the hub's words
-            detail = f"(from {_printable(str(resp.url.copy_with(query=None)))[:200]})"
+            detail = f"(from {one_line(str(resp.url.copy_with(query=None)), 200)})"
         else:
             try:
                 errors = jsondoc.loads(resp.content, "error answer").get("errors") or []
@@ -452,7 +453,7 @@ class RegistryClient:
                 details = tuple(str(e.get("detail") or "") for e in errors)
             except (InvalidInput, AttributeError, TypeError):
                 detail = resp.text[:200]
-        msg = f"{self.hub}: {method} {_shown(url)} → {resp.status_code} {_printable(detail)[:1000]}"
+        msg = f"{self.hub}: {method} {one_line(url)} → {resp.status_code} {one_line(detail, 1000)}"
         msg = msg.rstrip()
         status = resp.status_code
         if status in (401, 403):
@@ -665,7 +666,7 @@ class RegistryClient:
         offset = end + 1 if end else 0
         if offset > sent:
             raise RegistryError(
-                f"{self.hub}: upload {_shown(location)} claims {offset} bytes, but only {sent} "
+                f"{self.hub}: upload {one_line(location)} claims {offset} bytes, but only {sent} "
                 "were sent to it; the registry's upload session is corrupt: try the push again"
             )
         return offset, resp.headers.get("location", location)
@@ -709,8 +710,8 @@ class RegistryClient:
         digest = dg.of_bytes(data, algorithm)
         if said and said != digest:
             raise RegistryError(
-                f"{self.hub}: PUT manifest {repo}:{_printable(reference)[:100]} answered "
-                f"digest {_printable(said)[:100]!r}, but the manifest sent is {digest}; the "
+                f"{self.hub}: PUT manifest {repo}:{one_line(reference, 100)} answered "
+                f"digest {one_line(said, 100)!r}, but the manifest sent is {digest}; the "
                 "hub did not store what was pushed: check the hub, then push again")
         return digest
 
@@ -765,22 +766,12 @@ def _location(hub: Hub, resp: httpx.Response) -> str:
     return location
 
 
-def _printable(text: str) -> str:
-    """``text`` with control characters (a terminal's escapes) shown as ``?``."""
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
-def _shown(url: str) -> str:
-    """A URL for a message: a hub may have named it (an upload session's Location)."""
-    return _printable(url)[:200]
-
-
 def _with_digest(location: str, digest: str) -> str:
     """An upload location with ``digest=`` added to whatever query it already carries."""
     try:
         url = httpx.URL(location)
     except httpx.InvalidURL as exc:
-        raise RegistryError(f"the registry's upload location {_printable(location)[:200]!r} "
+        raise RegistryError(f"the registry's upload location {one_line(location, 200)!r} "
                             f"is not a URL ({exc})") from exc
     return str(url.copy_merge_params({"digest": digest}))
 
