@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pty
-import select
+import selectors
 import subprocess
 import time
 from collections.abc import Iterator
@@ -162,8 +162,10 @@ def _login_on_a_terminal(hub: HubServer, user: tuple[str, str], env: dict[str, s
     seen = b""
     deadline = time.monotonic() + 120
     answered = False
+    selector = selectors.DefaultSelector()  # not select(): fd numbers may pass 1024
+    selector.register(main, selectors.EVENT_READ)
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([main], [], [], 1)
+        ready = selector.select(1)
         if ready:
             try:
                 chunk = os.read(main, 4096)
@@ -177,6 +179,7 @@ def _login_on_a_terminal(hub: HubServer, user: tuple[str, str], env: dict[str, s
             answered = True
         if proc.poll() is not None and not ready:
             break
+    selector.close()
     proc.wait(timeout=60)
     os.close(main)
     assert proc.returncode == 0, seen.decode(errors="replace")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import select
+import selectors
 import socket
 import time
 from collections.abc import Iterator
@@ -103,11 +103,17 @@ def _answered(socks: list[socket.socket], at_least: int) -> dict[socket.socket, 
     come or ``DEADLINE_S`` has passed."""
     answers: dict[socket.socket, bytes] = {}
     deadline = time.monotonic() + DEADLINE_S
-    while len(answers) < at_least and time.monotonic() < deadline:
-        waiting = [s for s in socks if s not in answers]
-        readable, _, _ = select.select(waiting, [], [], 0.2)
-        for sock in readable:
-            answers[sock] = sock.recv(4096)
+    # A selector (epoll), not select(): the test process's descriptors may number past
+    # select()'s 1024 by the time this runs in the whole suite.
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        while len(answers) < at_least and time.monotonic() < deadline:
+            for key, _ in selector.select(0.2):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                answers[sock] = sock.recv(4096)
+                selector.unregister(sock)
     return answers
 
 
