@@ -71,6 +71,7 @@ from forkd.engine.pause import pause as pause_child
 from forkd.engine.pause import resume as resume_child
 from forkd.engine.pool import MAX_POOL, Pool
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
+from forkd.jsondoc import is_integer
 from forkd.names import inert, parse_ref, shown
 from forkd.registry import credentials
 from forkd.registry.reference import Hub, default_hub
@@ -551,10 +552,7 @@ class LocalBackend:
         .REQUEST_CLIENT: a uid on the Unix socket, an address on TCP) may have started and
         still run (`--max-sandboxes-per-client`); by default half of max_sandboxes. An
         in-process caller (no client) has no share to keep."""
-        if max_sandboxes is not None and (
-            isinstance(max_sandboxes, bool) or not isinstance(max_sandboxes, int)
-            or max_sandboxes < 1
-        ):
+        if max_sandboxes is not None and not is_integer(max_sandboxes, 1):
             raise InvalidInput(f"the sandbox limit must be a positive integer, got "
                                f"{max_sandboxes!r}")
         if max_per_client is not None and (
@@ -779,7 +777,7 @@ class LocalBackend:
         return [sandbox_view(c) for c in ch.list_children()]
 
     def _check_prewarm(self, k: int) -> Pool:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_POOL:
+        if not is_integer(k, 0, MAX_POOL):
             raise InvalidInput(f"prewarm must be between 0 and {MAX_POOL}, got {k!r}")
         if self.pool is None:
             raise InvalidInput(

@@ -431,7 +431,7 @@ class AgentClient:
         size = frame.get("size")
         if size is None:
             return b""
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
+        if not jsondoc.is_integer(size, 0, MAX_EVENT):
             raise ValueError(f"guest agent ({op}) sent an event of {size!r} bytes; at most "
                              f"{MAX_EVENT} are allowed")
         limit = time.monotonic() + 60.0 if deadline is None else deadline
@@ -708,7 +708,7 @@ def _event_size(head: bytes) -> int:
     except ValueError:  # ProtocolViolation: its reader refuses it
         return 0
     size = 0 if frame is None else frame.get("size", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_EVENT:
+    if not jsondoc.is_integer(size, 0, MAX_EVENT):
         return 0
     return size
 

@@ -80,6 +80,7 @@ from forkd.engine.paths import children_dir
 from forkd.engine.qemu import CPU_MODEL, MACHINE, QemuVM, create_overlay, pid_alive, qemu_version
 from forkd.engine.qmp import QMP
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
+from forkd.jsondoc import is_integer
 from forkd.pack.config import Compat
 from forkd.store.store import Assembled, Store
 
@@ -405,7 +406,7 @@ def recipe_egress(asm: Assembled) -> EgressSettings | None:
 
 def check_count(n: object) -> int:
     """A number of children for one fork: 1 to MAX_CHILDREN."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n > MAX_CHILDREN:
+    if not is_integer(n, 1, MAX_CHILDREN):
         raise InvalidInput(f"number of children must be between 1 and {MAX_CHILDREN}, got {n}")
     return n
 

@@ -17,6 +17,7 @@ import signal
 from collections.abc import Mapping, Sequence
 
 from forkd.errors import InvalidInput
+from forkd.jsondoc import is_integer
 from forkd.names import shown
 
 MAX_WAIT_S = 30 * 86400.0  # a command's, a cell's or a wait's timeout: at most 30 days
@@ -96,7 +97,7 @@ def check_payload(what: str, data: bytes | None) -> None:
 
 def check_mode(mode: object) -> int:
     """A file's permission bits: an integer from 0 to 0o7777."""
-    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= MAX_MODE:
+    if not is_integer(mode, 0, MAX_MODE):
         raise InvalidInput(f"mode must be permission bits from 0 to {MAX_MODE} (0o7777), e.g. "
                            f"420 for 0o644; got {shown(mode)}")
     return mode
@@ -112,7 +113,7 @@ def check_signal(sig: object) -> int | str:
             return sig
         raise InvalidInput(f"unknown signal {shown(sig)}: give a name such as SIGTERM or "
                            "SIGKILL, or a number from 1 to 64")
-    if isinstance(sig, bool) or not isinstance(sig, int) or not 0 < sig < 65:
+    if not is_integer(sig, 1, 64):
         raise InvalidInput(f"signal must be a number from 1 to 64 or a name such as SIGTERM; "
                            f"got {shown(sig)}")
     return sig

@@ -37,6 +37,7 @@ from forkd.engine.lazy.paths import server_dir_of
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import QemuVM, VMConfig, pid_alive, pid_matches, unprivileged_user
 from forkd.errors import InvalidInput
+from forkd.jsondoc import is_integer
 from forkd.names import parse_ref, shown
 from forkd.store.store import Assembled
 
@@ -90,7 +91,7 @@ class Limits:
 def _check_int(what: str, value: object, lo: int, hi: int) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_integer(value, lo, hi):
         raise InvalidInput(f"{what} must be an integer from {lo} to {hi}, got {value!r}")
 
 

@@ -35,6 +35,7 @@ from forkd.engine.lifecycle import CHILD_FILE, WAITING_FILE, ChildVM, Limits, ne
 from forkd.engine.paths import children_dir
 from forkd.engine.qemu import create_overlay, pid_alive
 from forkd.errors import InvalidInput
+from forkd.jsondoc import is_integer
 from forkd.names import parse_ref
 from forkd.store.store import Assembled, Store
 
@@ -94,7 +95,7 @@ class Pool:
              wait: bool = True, timeout: float = 300.0) -> dict[str, Any]:
         """Keep k processes waiting for tag (k = 0 empties it). wait: block until they are
         started (else fill in the background). Refuses k out of range and unknown tags."""
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_POOL:
+        if not is_integer(k, 0, MAX_POOL):
             raise InvalidInput(f"prewarm must be between 0 and {MAX_POOL}, got {k!r}")
         ref = str(parse_ref(tag))
         if k == 0:

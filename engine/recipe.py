@@ -11,6 +11,7 @@ from typing import Any
 
 from forkd import digest
 from forkd.errors import InvalidInput
+from forkd.jsondoc import is_integer
 from forkd.names import validate_line
 from forkd.pack.config import MAX_MEMORY_MIB, MAX_VCPUS
 
@@ -76,7 +77,7 @@ def _bad(src: str, msg: str) -> InvalidInput:
 
 def _int(tbl: dict[str, Any], key: str, default: int, lo: int, hi: int, src: str) -> int:
     v = tbl.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+    if not is_integer(v, lo, hi):
         raise _bad(src, f"{key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from forkd.errors import InvalidInput
 from forkd.names import shown
@@ -50,6 +50,21 @@ def nesting(data: bytes) -> int:
     """The deepest nesting of arrays and objects in ``data`` (0 for a scalar)."""
     brackets = skeleton(data).translate(None, _NOT_BRACKETS)
     return max(itertools.accumulate(_STEP[c] for c in brackets), default=0)
+
+
+def is_integer(value: object, low: int | None = None, high: int | None = None
+               ) -> TypeGuard[int]:
+    """Whether a peer's ``value`` is an integer in [``low``, ``high``] (an open end when
+    None). A bool is not one (``true`` is not 1 in JSON, though Python's bool is an int),
+    nor is a float such as ``4.0``: the one check of every count, size and limit taken
+    from a document, a request or a config. An int subclass is one (``signal.SIGTERM``
+    from an in-process caller)."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+    )
 
 
 def check_nesting(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> None:

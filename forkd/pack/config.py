@@ -171,7 +171,7 @@ def _text(value: object, label: str, what: str) -> str:
 def _integer(value: object, label: str, what: str, low: int, high: int) -> int:
     """``value`` when it is an int (a bool is not) in [low, high], else IntegrityError
     (the value itself is not quoted: it may be a text meant for a terminal)."""
-    if type(value) is not int:
+    if not jsondoc.is_integer(value):
         raise IntegrityError(f"{what}: {label} must be an integer, not "
                              f"{type(value).__name__}; the pack is malformed")
     if not low <= value <= high:

@@ -231,7 +231,7 @@ def _check_extent_count(count: int, what: str) -> None:
 
 
 def _int(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not jsondoc.is_integer(value, 0):
         raise IntegrityError(f"expected a non-negative integer, got {value!r}")
     return value
 

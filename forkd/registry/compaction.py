@@ -20,6 +20,7 @@ from typing import Any
 
 from forkd import digest as dg
 from forkd.errors import Conflict, InvalidInput
+from forkd.jsondoc import is_integer
 from forkd.names import validate_line, validate_name, validate_tag
 from forkd.registry.client import RegistryClient, RegistryError, json_answer
 
@@ -94,7 +95,7 @@ def _checked_answer(answer: dict[str, Any], what: str) -> dict[str, Any]:
             raise InvalidInput("compacted_from is not an object")
         for key, doc in [*((k, answer) for k in _COUNTS), ("from_depth", source)]:
             value = doc.get(key)
-            if type(value) is not int or value < 0:
+            if not is_integer(value, 0):
                 raise InvalidInput(f"{key} is not a non-negative integer")
         for key, doc in [("digest", answer), ("from_digest", source)]:
             value = doc.get(key)

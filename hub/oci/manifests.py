@@ -102,7 +102,7 @@ def _descriptor(value: object, where: str) -> dict[str, Any]:
         dg.validate_oci(digest)  # sha256 or sha512 (image-spec descriptor.md, "Digests")
     except InvalidInput as exc:
         raise _invalid(f"{where}.digest: {exc}") from exc
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    if not jsondoc.is_integer(size, 0):
         raise _invalid(f"{where}.size must be a non-negative integer")
     urls = value.get("urls")
     if urls is not None and (
