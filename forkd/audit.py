@@ -34,13 +34,21 @@ class AuditLog:
     ``actor_id`` (when the actor is an account: its id, which no later account gets, so a
     removed user and a new one given the same name are told apart), ``ip``, ``action``,
     ``target``, ``result`` (``ok`` / ``denied`` / ``failed``) and any extra detail.
+
+    The file is opened for each record, not held: a log rotator that renames it (logrotate
+    without ``copytruncate``) has the next record start a new file at ``path``, with no
+    signal to send, and an AuditLog that is never closed holds no descriptor.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.close(self._open())  # a path that cannot be written fails here, at start
         self._lock = threading.Lock()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                       0o600)
 
     def record(
         self, actor: Actor, ip: str, action: str, target: str, result: str, **detail: Any
@@ -58,13 +66,15 @@ class AuditLog:
         }
         line = (json.dumps(entry, separators=(",", ":"), sort_keys=False) + "\n").encode()
         with self._lock:
-            os.write(self._fd, line)  # one write per line: O_APPEND keeps lines whole
+            fd = self._open()
+            try:
+                os.write(fd, line)  # one write per line: O_APPEND keeps lines whole
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+        """Nothing to release (each record opens and closes the file); kept so owners
+        can end an AuditLog as they end their other resources."""
 
 
 MAX_TARGET = 300  # characters of a caller-given target kept in a record

@@ -1,9 +1,11 @@
-"""The audit log's bounded records (forkd/audit.py BoundedAudit): what a caller can
-provoke at will is written at most N times a minute, the rest counted in one record."""
+"""The audit log (forkd/audit.py): its bounded records (BoundedAudit: what a caller can
+provoke at will is written at most N times a minute, the rest counted in one record), and
+the file opened per record (a rotator's rename starts a new file; no descriptor held)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,39 @@ def test_a_shortened_text_keeps_its_bound_and_says_what_was_cut() -> None:
         kept = text.index("…")
         assert text == "z" * kept + "… " + cut_note(kept, size)
         assert text.endswith(f"(its first {kept} of {size} characters)")
+
+
+def _open_descriptors_of(path: Path) -> int:
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd) == str(path)
+        except OSError:
+            continue
+    return count
+
+
+def test_a_renamed_log_is_followed_by_a_new_file_and_nothing_is_held(tmp_path: Path) -> None:
+    """Before: an AuditLog held its file open from its creation, so a log rotator's rename
+    left the daemon writing into the rotated file (until a restart), and every AuditLog
+    not closed kept a descriptor. Now each record opens the path: after a rename the next
+    record starts a new file there, and no descriptor of the log stays open."""
+    path = tmp_path / "audit.log"
+    log = AuditLog(path)
+    assert path.exists() and _open_descriptors_of(path) == 0
+    log.record("alice", "1.2.3.4", "manifest.push", "ns/app:v1", "ok")
+    path.rename(tmp_path / "audit.log.1")
+    log.record("bob", "1.2.3.5", "manifest.delete", "ns/app:v1", "ok")
+    assert [e["actor"] for e in _lines(tmp_path / "audit.log.1")] == ["alice"]
+    assert [e["actor"] for e in _lines(path)] == ["bob"]
+    assert _open_descriptors_of(path) == 0
+    assert (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_an_unwritable_log_fails_at_start(tmp_path: Path) -> None:
+    """The path is opened once when the log is made, so a daemon whose audit log cannot
+    be written fails at start, not at its first write."""
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        AuditLog(tmp_path / "dir")
