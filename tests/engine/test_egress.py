@@ -78,6 +78,8 @@ class ProxyThread:
         self._run(close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()  # its epoll and wake-up pipe: the suite's descriptors add up
 
 
 @pytest.fixture
