@@ -9,6 +9,15 @@
    do not pass together); past it a new one is 403 DENIED saying what to do, while
    pushing one the repository holds (to tag it) and pushing after a deletion still work.
    A server-side compaction registers its manifest through the same check.
+2. With the S3 backend every ``PATCH`` of an upload session becomes one object in the
+   bucket and one ``upload_chunks`` row, and nothing bounded how many a session had: a
+   push member sent a 16 GiB session one byte a ``PATCH`` (billions of objects and rows
+   within ``upload_max_bytes``), and the closing ``PUT`` then read every row into
+   memory at once and fetched every object one by one while it held the session's lock.
+   Now a session holds at most ``shared_uploads.CHUNKS_MAX`` (10,000: S3's own bound on
+   the parts of one multipart upload) recorded chunks; a ``PATCH`` past them is 416
+   BLOB_UPLOAD_INVALID before its body is read, saying to send the rest in the closing
+   ``PUT``, which still stores the blob.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from hub_support import (
     push_blob,
     sha,
 )
+from s3_hub_support import S3Hub
 
 
 def _manifest(config: str, note: str) -> bytes:
@@ -91,3 +101,45 @@ def test_untagged_manifests_per_repository_are_bounded(
             assert r.status_code == 201, r.text
     finally:
         server.stop()
+
+
+def test_chunks_of_a_shared_upload_session_are_bounded(
+    s3_hub: S3Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a fourth (and a millionth) one-byte ``PATCH`` of a session was 202 and one
+    more object in the bucket. Now, with the bound at 3 (the hub runs in this process),
+    the fourth is 416 naming the bound and what to do, nothing of it reaches the bucket,
+    and the closing ``PUT`` with the rest stores the blob."""
+    from forkd.hub import shared_uploads
+
+    monkeypatch.setattr(shared_uploads, "CHUNKS_MAX", 3)
+    data = b"abcdefgh"
+    digest = sha(data)
+    repo = f"{ADMIN[0]}/drip"
+    with s3_hub.client(ADMIN) as c:
+        r = c.post(f"/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        location = r.headers["Location"]
+        for i in range(3):
+            r = c.patch(
+                location,
+                content=data[i : i + 1],
+                headers={"Content-Range": f"{i}-{i}", "Content-Type": "application/octet-stream"},
+            )
+            assert r.status_code == 202, r.text
+            location = r.headers["Location"]
+        before = {k for k in s3_hub.objects() if "/uploads/" in k}
+        assert len(before) == 3
+        r = c.patch(
+            location,
+            content=data[3:4],
+            headers={"Content-Range": "3-3", "Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 416 and error_code(r) == "BLOB_UPLOAD_INVALID", r.text
+        message = r.json()["errors"][0]["detail"]
+        assert "3 chunks" in message and "PUT" in message, message
+        assert r.headers["Range"] == "0-2"
+        assert {k for k in s3_hub.objects() if "/uploads/" in k} == before
+        r = c.put(location, params={"digest": digest}, content=data[3:])
+        assert r.status_code == 201, r.text
+        assert c.get(f"/v2/{repo}/blobs/{digest}").content == data
