@@ -18,21 +18,36 @@
    the parts of one multipart upload) recorded chunks; a ``PATCH`` past them is 416
    BLOB_UPLOAD_INVALID before its body is read, saying to send the rest in the closing
    ``PUT``, which still stores the blob.
+3. Behind HTTPS the UI's cookies were ``forkd_session``, ``forkd_login`` and
+   ``forkd_new_token``: names any host of the same site may set for the hub's host too
+   (``Domain=example.com`` from ``other.example.com``, a sandbox's app or any neighbour).
+   Such a host read a ``forkd_login`` nonce and its form field off the hub's sign-in page
+   as anyone can, set that nonce in a visitor's browser and posted the sign-in form with
+   its own credentials from its page (same-site: SameSite does not stop it): the visitor
+   was signed in to the attacker's account ("login CSRF" by cookie injection), and what
+   they then wrote (a README, a token) went to it. A session cookie set the same way was
+   read as well. Now, over HTTPS (the request's scheme or an https ``public_url``), every
+   cookie is ``__Host-`` prefixed (``Secure``, ``Path=/``, no ``Domain``: browsers take it
+   from the hub's host only) and only the prefixed names are read; over plain HTTP they
+   keep their names.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from hub_support import (
     ADMIN,
     EMPTY_CONFIG,
     EMPTY_MEDIA,
     OCI_MANIFEST,
+    TIMEOUT,
     HubServer,
     artifact,
     error_code,
@@ -143,3 +158,66 @@ def test_chunks_of_a_shared_upload_session_are_bounded(
         r = c.put(location, params={"digest": digest}, content=data[3:])
         assert r.status_code == 201, r.text
         assert c.get(f"/v2/{repo}/blobs/{digest}").content == data
+
+
+def _set_cookies(response: httpx.Response) -> dict[str, str]:
+    """The cookies a response sets: name → the whole Set-Cookie value."""
+    return {v.split("=", 1)[0]: v for v in response.headers.get_list("set-cookie")}
+
+
+def _value(header: str) -> str:
+    return header.split("=", 1)[1].split(";", 1)[0]
+
+
+def test_cookies_behind_https_cannot_be_set_by_a_neighbouring_host(tmp_path: Path) -> None:
+    """Before: the sign-in form posted with a plain ``forkd_login`` cookie (as a
+    neighbouring host sets it) and that nonce's field signed the visitor in as the
+    attacker (303 and a session cookie), and a plain ``forkd_session`` cookie opened the
+    attacker's session. Now both are ignored over HTTPS: 403, and signed out."""
+    attacker = ("mallory", "mallory-password-1")
+    server = HubServer(tmp_path / "hub", {"public_url": "https://hub.example"}).start()
+    try:
+        server.add_user(*attacker)
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+            page = c.get("/-/signin")
+            cookies = _set_cookies(page)
+            nonce = next(_value(v) for k, v in cookies.items() if k.endswith("forkd_login"))
+            field = re.search(r'name="login_csrf" value="([^"]*)"', page.text)
+            assert field
+            form = {"login_csrf": field.group(1), "username": attacker[0], "password": attacker[1]}
+
+            # The attacker's neighbouring host sets the plain name in the visitor's browser.
+            r = c.post("/-/signin", data=form, headers={"Cookie": f"forkd_login={nonce}"})
+            assert r.status_code == 403, r.text
+            assert not any("forkd_session" in k for k in _set_cookies(r))
+
+            login = cookies.get("__Host-forkd_login")
+            assert login is not None, cookies  # the prefixed name, and only it
+            assert "forkd_login" not in cookies
+            flags = {f.strip().lower() for f in login.split(";")[1:]}
+            assert {"secure", "httponly", "path=/"} <= flags, flags
+            assert not any(f.startswith("domain") for f in flags)
+
+            # The hub's own (prefixed) cookie still signs in, with a prefixed session.
+            r = c.post("/-/signin", data=form, headers={"Cookie": f"__Host-forkd_login={nonce}"})
+            assert r.status_code == 303, r.text
+            session = _set_cookies(r).get("__Host-forkd_session")
+            assert session is not None
+            flags = {f.strip().lower() for f in session.split(";")[1:]}
+            assert {"secure", "httponly", "path=/", "samesite=lax"} <= flags, flags
+            value = _value(session)
+            mine = {"Cookie": f"__Host-forkd_session={value}"}
+            signed_in = c.get("/-/settings/tokens", headers=mine)
+            assert signed_in.status_code == 200 and attacker[0] in signed_in.text
+            # The same session under the plain name (set by a neighbour) opens nothing.
+            tossed = c.get("/-/settings/tokens", headers={"Cookie": f"forkd_session={value}"})
+            assert tossed.status_code == 303 and "/-/signin" in tossed.headers["location"]
+    finally:
+        server.stop()
+
+
+def test_cookies_over_plain_http_keep_their_names(hub: HubServer) -> None:
+    """Without HTTPS a ``__Host-`` cookie is refused by browsers: the names stay."""
+    with httpx.Client(base_url=hub.url, timeout=TIMEOUT) as c:
+        cookies = _set_cookies(c.get("/-/signin"))
+        assert "forkd_login" in cookies and not any(k.startswith("__Host-") for k in cookies)
