@@ -118,8 +118,18 @@ def _set_cookie(
 
 
 def _delete_cookie(response: Response[Any], request: HubRequest, name: str, path: str) -> None:
-    """Clear the cookie ``_set_cookie`` set as ``name`` at ``path``."""
-    response.delete_cookie(cookie_name(request, name), path=cookie_path(request, path))
+    """Clear the cookie ``_set_cookie`` set as ``name`` at ``path``: with the attributes it
+    was set with (a browser ignores a ``__Host-`` cookie's deletion that is not Secure,
+    and Litestar's ``delete_cookie`` sets none)."""
+    response.set_cookie(
+        cookie_name(request, name),
+        "",
+        max_age=0,
+        expires=0,
+        path=cookie_path(request, path),
+        httponly=True,
+        secure=over_https(request),
+    )
 
 
 def _show_once(request: HubRequest, ui: UI, secret: str, owner: str) -> Response[Any]:

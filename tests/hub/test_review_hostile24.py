@@ -28,8 +28,10 @@
    they then wrote (a README, a token) went to it. A session cookie set the same way was
    read as well. Now, over HTTPS (the request's scheme or an https ``public_url``), every
    cookie is ``__Host-`` prefixed (``Secure``, ``Path=/``, no ``Domain``: browsers take it
-   from the hub's host only) and only the prefixed names are read; over plain HTTP they
-   keep their names.
+   from the hub's host only) and only the prefixed names are read, and a cookie is
+   cleared with the attributes it was set with (Litestar's ``delete_cookie`` sets no
+   ``Secure``, and a browser ignores such a deletion of a ``__Host-`` cookie); over plain
+   HTTP they keep their names.
 """
 
 from __future__ import annotations
@@ -203,6 +205,10 @@ def test_cookies_behind_https_cannot_be_set_by_a_neighbouring_host(tmp_path: Pat
             assert r.status_code == 303, r.text
             session = _set_cookies(r).get("__Host-forkd_session")
             assert session is not None
+            # The nonce is cleared with the attributes a __Host- cookie needs (a browser
+            # ignores the deletion otherwise).
+            cleared = _set_cookies(r)["__Host-forkd_login"].lower()
+            assert "max-age=0" in cleared and "secure" in cleared and "path=/;" in cleared
             flags = {f.strip().lower() for f in session.split(";")[1:]}
             assert {"secure", "httponly", "path=/", "samesite=lax"} <= flags, flags
             value = _value(session)
