@@ -144,6 +144,10 @@ class HubSettings:
     # Tags per repository: a tag costs no quota (many can name one manifest), so without
     # a bound one push member could add rows without end; past it a new tag is 403.
     tags_max: int = 100_000
+    # Manifests per repository, tagged or not: a manifest pushed by digest needs no tag, and
+    # without a quota it costs nothing, so one push member added rows without end; past it
+    # a new manifest is 403 (re-pushing one the repository holds always works).
+    manifests_max: int = 100_000
     # Audit records that callers provoke at will (refusals, anonymous registry tokens),
     # per minute, for refused logins, other anonymous records and accounts' each
     # (hub/services.py ``Provoked``); past it they are counted in ``audit.suppressed``.
@@ -214,8 +218,8 @@ class HubSettings:
             raise InvalidInput(
                 "upload_sessions_max, upload_sessions_per_user and upload_max_bytes must be > 0"
             )
-        if self.repositories_max <= 0 or self.tags_max <= 0:
-            raise InvalidInput("repositories_max and tags_max must be > 0")
+        if min(self.repositories_max, self.tags_max, self.manifests_max) <= 0:
+            raise InvalidInput("repositories_max, tags_max and manifests_max must be > 0")
         if self.audit_provoked_per_minute <= 0:
             raise InvalidInput("audit_provoked_per_minute must be > 0")
         if self.request_bodies_max < CLIENT_PARTS * self.manifest_max_bytes:
@@ -290,6 +294,7 @@ class HubSettings:
             compactions_max=self.compactions_max,
             repositories_max=self.repositories_max,
             tags_max=self.tags_max,
+            manifests_max=self.manifests_max,
         )
 
     def _check_blob_backend(self) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from forkd.hub.models import Upload, UploadChunk, utcnow
@@ -51,6 +51,11 @@ CHUNK_MAX = 5 << 30
 # whose POST's answer was lost retries with a new session, and the lost ones must not
 # lock the namespace's uploads out until ``upload_idle_timeout``.
 EMPTY_SESSION_GRACE = 60.0
+# The most chunks (``PATCH``es, each an object and a row) one session may hold: S3's own
+# bound on the parts of one multipart upload. Without it a session sent a byte a PATCH
+# held billions of objects and rows within ``upload_max_bytes``, and its closing PUT read
+# every row at once and fetched every object one by one.
+CHUNKS_MAX = 10_000
 DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 KEY_RE = re.compile(r"\A[0-9]{20}-[0-9a-f]{16}\Z")
 
@@ -151,6 +156,14 @@ def touch_every(idle: float) -> float:
     """Seconds between a streaming request's ``touch``es: well inside ``idle``, and
     inside ``EMPTY_SESSION_GRACE`` (an empty session being written is not reclaimed)."""
     return min(EMPTY_SESSION_GRACE / 3, idle / 4)
+
+
+def chunk_count(session: Session, upload_id: str) -> int:
+    """How many chunks the session has recorded."""
+    held = session.scalar(
+        select(func.count()).select_from(UploadChunk).where(UploadChunk.upload_id == upload_id)
+    )
+    return int(held or 0)
 
 
 def chunk_keys(session: Session, upload_id: str) -> tuple[list[str], int]:

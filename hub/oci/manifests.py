@@ -408,6 +408,28 @@ def check_tag_room(session: Session, repo_id: int, name: str, tag: str, most: in
         raise RegistryError(Code.DENIED, reason, message=reason)
 
 
+def check_manifest_room(session: Session, repo_id: int, name: str, digest: str, most: int) -> None:
+    """403 DENIED when ``digest`` is a new manifest of the repository and it holds ``most``
+    manifests already (the ``manifests_max`` setting): a manifest pushed by digest needs no
+    tag, and without a quota it costs nothing, so manifests are bounded by count as tags
+    are. Pushing a manifest the repository holds (to tag it, or again) is always allowed."""
+    held_already = session.scalar(
+        select(Manifest.id).where(Manifest.repository_id == repo_id, Manifest.digest == digest)
+    )
+    if held_already is not None:
+        return
+    held = session.scalar(
+        select(func.count()).select_from(Manifest).where(Manifest.repository_id == repo_id)
+    )
+    if (held or 0) >= most:
+        reason = (
+            f"repository {shown(name)} has {held} manifests, the limit is {most} "
+            "(manifests_max): delete manifests you no longer need (DELETE "
+            f"/v2/{name}/manifests/DIGEST; untagged ones first), or ask the hub's operator"
+        )
+        raise RegistryError(Code.DENIED, reason, message=reason)
+
+
 def record_manifest(
     session: Session, db: Database, repo_id: int, pushed: PushedManifest, tag: str | None
 ) -> None:
@@ -484,7 +506,11 @@ async def _register(
     # One writer of the repository's references at a time: a blob or child manifest
     # deletion checked before this push commits cannot take what it references.
     await hub.db.lock_repository(session, repo.id)
-    if tag is not None:  # under the lock: new tags racing for the last place take turns
+    # Under the lock: new manifests or tags racing for the last place take turns.
+    await session.run_sync(
+        check_manifest_room, repo.id, repo.name, pushed.digest, hub.settings.manifests_max
+    )
+    if tag is not None:
         await session.run_sync(check_tag_room, repo.id, repo.name, tag, hub.settings.tags_max)
     if not prechecked or not await session.run_sync(_references_present, repo.id, pushed):
         await session.run_sync(check_references, repo.id, repo.name, pushed)

@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session
 
 from forkd import digest as dg
 from forkd.errors import IntegrityError, InvalidInput, NotFound
-from forkd.hub import accounts, authz, quotas
+from forkd.hub import accounts, authz, quotas, shared_uploads
 from forkd.hub.auth import still_permitted
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import Blob, Repository, Upload, User
@@ -510,8 +510,11 @@ async def _append_locked(
                 headers=_session_headers(ctx, upload_id, offset),
             )
         expected_len = end - start + 1
-    # A shared session's PATCH becomes one object in the bucket: at most CHUNK_MAX.
+    # A shared session's PATCH becomes one object in the bucket: at most CHUNK_MAX, and
+    # at most shared_uploads.CHUNKS_MAX of them, refused before a byte is read.
     chunk_max = CHUNK_MAX if commit and ctx.hub.shared is not None else None
+    if chunk_max is not None:
+        await _check_chunk_count(ctx, upload_id, offset)
     room = _Room(ctx, repo_id, upload_id, offset, digest, quota, chunk_max)
     await room.open()
     target = digest or upload_id
@@ -540,6 +543,23 @@ async def _append_locked(
     if commit:
         await _commit(ctx.hub, upload_id, offset, written, f)
     return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
+
+
+async def _check_chunk_count(ctx: Ctx, upload_id: str, offset: int) -> None:
+    """416 when the shared session holds ``shared_uploads.CHUNKS_MAX`` chunks already: a
+    ``PATCH`` would add one more object and row. The session stays; its closing ``PUT``
+    stores the rest (its body is not a chunk)."""
+    held = await ctx.hub.db.read(shared_uploads.chunk_count, upload_id)
+    most = shared_uploads.CHUNKS_MAX
+    if held >= most:
+        raise RegistryError(
+            Code.BLOB_UPLOAD_INVALID,
+            f"upload {upload_id} has {held} chunks, the most one upload may have on this "
+            f"hub ({most}, its S3 storage's bound): send the rest of the blob as the body of "
+            "the closing PUT ?digest=DIGEST, or upload it again in larger chunks",
+            status=416,
+            headers=_session_headers(ctx, upload_id, offset),
+        )
 
 
 async def _stream_into(

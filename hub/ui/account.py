@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
@@ -45,6 +44,10 @@ from forkd.hub.ui.session import (
     NEW_TOKEN_PATH,
     SESSION_TTL,
     Viewer,
+    cookie_name,
+    cookie_path,
+    over_https,
+    read_cookie,
 )
 from forkd.hub.ui.text import DESCRIPTION_MAX, check_text, set_text
 from forkd.names import validate_name
@@ -99,18 +102,33 @@ def _set_cookie(
 ) -> None:
     """An HttpOnly cookie, Secure when the request came over HTTPS or the hub's
     ``public_url`` is https (a TLS-terminating proxy forwards plain HTTP, and the browser
-    must not send the session on a plain-HTTP visit); ``max_age`` None: a
+    must not send the session on a plain-HTTP visit), and then named ``__Host-NAME`` with
+    ``Path=/`` (``session.cookie_name``: no other host can set it); ``max_age`` None: a
     browser-session cookie, kept in memory, not on disk."""
-    public_url: str = request.app.state.hub.settings.public_url
-    secure = request.url.scheme == "https" or urlsplit(public_url).scheme == "https"
+    secure = over_https(request)
     response.set_cookie(
-        name,
+        cookie_name(request, name),
         value,
         max_age=max_age,
-        path=path,
+        path=cookie_path(request, path),
         httponly=True,
         samesite=samesite,
         secure=secure,
+    )
+
+
+def _delete_cookie(response: Response[Any], request: HubRequest, name: str, path: str) -> None:
+    """Clear the cookie ``_set_cookie`` set as ``name`` at ``path``: with the attributes it
+    was set with (a browser ignores a ``__Host-`` cookie's deletion that is not Secure,
+    and Litestar's ``delete_cookie`` sets none)."""
+    response.set_cookie(
+        cookie_name(request, name),
+        "",
+        max_age=0,
+        expires=0,
+        path=cookie_path(request, path),
+        httponly=True,
+        secure=over_https(request),
     )
 
 
@@ -118,7 +136,7 @@ def _show_once(request: HubRequest, ui: UI, secret: str, owner: str) -> Response
     """Post/Redirect/Get: the secret rides in a short cookie to the GET that shows it, so
     reloading that page neither shows it again nor posts the form again."""
     response: Response[Any] = Redirect(NEW_TOKEN_PATH, status_code=303)
-    sealed = ui.sessions.seal_new_token(request.cookies.get(COOKIE, ""), secret, owner)
+    sealed = ui.sessions.seal_new_token(read_cookie(request, COOKIE), secret, owner)
     _set_cookie(
         response,
         request,
@@ -136,7 +154,7 @@ async def _signed_in(ui: UI, hub: Hub, request: HubRequest, form: FormMultiDict 
     if not who.signed_in:
         raise PermissionDeniedException("sign in first")
     if form is not None and not ui.sessions.check_csrf(
-        request.cookies.get(COOKIE, ""), _field(form, "csrf", 64)
+        read_cookie(request, COOKIE), _field(form, "csrf", 64)
     ):
         raise PermissionDeniedException("the form expired; reload the page and try again")
     return who
@@ -200,7 +218,7 @@ class AccountController(Controller):
         # before the password, so a forged post neither signs anyone in nor counts as a
         # failed login.
         if not ui.sessions.check_login_csrf(
-            request.cookies.get(LOGIN_COOKIE, ""), _field(form, "login_csrf", 64)
+            read_cookie(request, LOGIN_COOKIE), _field(form, "login_csrf", 64)
         ):
             raise PermissionDeniedException(
                 "The sign-in form expired or did not come from this site: "
@@ -236,7 +254,7 @@ class AccountController(Controller):
             path="/",
             samesite="lax",
         )
-        response.delete_cookie(LOGIN_COOKIE, path=LOGIN_PATH)
+        _delete_cookie(response, request, LOGIN_COOKIE, LOGIN_PATH)
         return response
 
     @post("/-/signout", request_max_body_size=FORM_MAX)
@@ -245,7 +263,7 @@ class AccountController(Controller):
     ) -> Response[Any]:
         # A live session needs the form's CSRF token (another site cannot sign you out);
         # a dead or missing cookie is simply cleared.
-        cookie = request.cookies.get(COOKIE, "")
+        cookie = read_cookie(request, COOKIE)
         who = await ui.sessions.viewer(hub, request)
         claims = ui.sessions.parse(cookie)
         if who.signed_in and claims is not None:
@@ -257,7 +275,7 @@ class AccountController(Controller):
                 await session.execute(delete(UiSession).where(UiSession.id_hash == claims.id_hash))
             hub.provoked.record(who.principal, client_ip(request), "ui.signout", "-", "ok")
         response: Response[Any] = Redirect("/", status_code=303)
-        response.delete_cookie(COOKIE, path="/")
+        _delete_cookie(response, request, COOKIE, "/")
         return response
 
     # -- tokens --------------------------------------------------------------
@@ -308,19 +326,19 @@ class AccountController(Controller):
         self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
     ) -> Response[Any]:
         who = await viewer(ui, hub, request)
-        sealed = request.cookies.get(NEW_TOKEN_COOKIE, "")
+        sealed = read_cookie(request, NEW_TOKEN_COOKIE)
         response: Response[Any]
         if not who.signed_in:
             response = Redirect(f"{LOGIN_PATH}?next={NEW_TOKEN_PATH}", status_code=303)
         else:
             # A token created by the POST just before: shown on this page, this once.
-            new = ui.sessions.open_new_token(request.cookies.get(COOKIE, ""), sealed)
+            new = ui.sessions.open_new_token(read_cookie(request, COOKIE), sealed)
             created, created_for = new if new is not None else ("", "")
             response = await self._tokens_page(
                 request, hub, ui, who, created=created, created_for=created_for
             )
         if sealed:
-            response.delete_cookie(NEW_TOKEN_COOKIE, path=NEW_TOKEN_PATH)
+            _delete_cookie(response, request, NEW_TOKEN_COOKIE, NEW_TOKEN_PATH)
         return response
 
     @post(NEW_TOKEN_PATH, request_max_body_size=FORM_MAX)

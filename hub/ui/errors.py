@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from forkd.bodies import explained
 from forkd.errors import Conflict, InvalidInput
 from forkd.hub.ui.render import Renderer
+from forkd.hub.ui.session import COOKIE, read_cookie
 
 log = logging.getLogger("forkd.hub.ui")
 _renderer: Renderer | None = None
@@ -29,7 +30,7 @@ def _page(request: Request[Any, Any, State], status: int, title: str, detail: st
     global _renderer
     if _renderer is None:
         _renderer = Renderer()
-    signed_in = bool(request.cookies.get("forkd_session"))
+    signed_in = bool(read_cookie(request, COOKIE))
     return _renderer.page(
         "error.html",
         status=status,

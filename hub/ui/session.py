@@ -11,6 +11,15 @@ changing the password, ends every session of theirs even where an id came back.
 Forms that change state carry a CSRF token derived from the cookie (HMAC), so another
 site cannot post them.
 
+Over HTTPS (the request's scheme, or an https ``public_url``) every cookie's name has the
+``__Host-`` prefix (and so ``Secure``, ``Path=/`` and no ``Domain``), and the hub reads
+only the prefixed names there: a browser takes a ``__Host-`` cookie from this host alone,
+so a neighbouring host of the same site (``other.example.com`` next to
+``hub.example.com``) cannot set one (a ``Domain=example.com`` cookie of the plain name
+is never read). Without it such a host tossed in its own ``forkd_login`` nonce, whose
+form field it had read from the sign-in page, and signed a visitor into its account
+("login CSRF" by cookie injection), or its own session cookie.
+
 Before there is a session, the sign-in form is guarded the same way: its GET sets a
 short-lived random cookie ``forkd_login = EXPIRY.RANDOM`` (path ``/-/signin``) and the
 form carries its HMAC; a POST without the matching pair is refused. So another site
@@ -36,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -56,6 +66,33 @@ LOGIN_TTL = 30 * 60
 NEW_TOKEN_COOKIE = "forkd_new_token"
 NEW_TOKEN_PATH = "/-/settings/tokens"
 NEW_TOKEN_TTL = 5 * 60
+
+
+HOST_PREFIX = "__Host-"
+
+
+def over_https(request: Request[object, object, State]) -> bool:
+    """Whether the browser reaches the hub over HTTPS: the request's scheme, or an https
+    ``public_url`` (a TLS-terminating proxy forwards plain HTTP)."""
+    public_url: str = request.app.state.hub.settings.public_url
+    return request.url.scheme == "https" or urlsplit(public_url).scheme == "https"
+
+
+def cookie_name(request: Request[object, object, State], base: str) -> str:
+    """The name the cookie ``base`` has for this request: ``__Host-`` + ``base`` over
+    HTTPS (only this host can set it), else ``base``."""
+    return HOST_PREFIX + base if over_https(request) else base
+
+
+def cookie_path(request: Request[object, object, State], path: str) -> str:
+    """The path a cookie is set with: ``/`` over HTTPS (``__Host-`` requires it)."""
+    return "/" if over_https(request) else path
+
+
+def read_cookie(request: Request[object, object, State], base: str) -> str:
+    """The value of the cookie ``base`` under its name for this request ("" if absent):
+    over HTTPS the ``__Host-`` one only, never a plain one another host may have set."""
+    return request.cookies.get(cookie_name(request, base), "")
 
 
 def _b64(data: bytes) -> str:
@@ -248,7 +285,7 @@ class Sessions:
         return secret, owner
 
     async def viewer(self, hub: Hub, request: Request[object, object, State]) -> Viewer:
-        cookie = request.cookies.get(COOKIE, "")
+        cookie = read_cookie(request, COOKIE)
         claims = self.parse(cookie)
         if claims is None:
             return Viewer(ANONYMOUS)

@@ -246,16 +246,19 @@ def test_cookies_are_secure_when_the_public_url_is_https(proxied_hub: HubServer)
         assert page.status_code == 200, page.text
         found = re.search(r'name="login_csrf" value="([^"]*)"', page.text)
         assert found
-        nonce = re.search(r"forkd_login=([^;]+)", page.headers["set-cookie"])
+        # Named __Host-… over HTTPS since hostile review 24 (test_review_hostile24.py).
+        nonce = re.search(r"__Host-forkd_login=([^;]+)", page.headers["set-cookie"])
         assert nonce
         assert "secure" in page.headers["set-cookie"].lower()
         r = c.post(
             "/-/signin",
             data={"login_csrf": found.group(1), "username": ADMIN[0], "password": ADMIN[1]},
-            headers={"Cookie": f"forkd_login={nonce.group(1)}"},
+            headers={"Cookie": f"__Host-forkd_login={nonce.group(1)}"},
         )
         assert r.status_code == 303, r.text
-        session = [v for v in r.headers.get_list("set-cookie") if v.startswith("forkd_session=")]
+        session = [
+            v for v in r.headers.get_list("set-cookie") if v.startswith("__Host-forkd_session=")
+        ]
         assert len(session) == 1
         flags = {f.strip().lower() for f in session[0].split(";")[1:]}
         assert {"secure", "httponly", "samesite=lax"} <= flags
