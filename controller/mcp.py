@@ -352,9 +352,13 @@ class SandboxScope:
     read another client's files, run commands in a sandbox whose egress carries the host's
     keys (one MCP's own create_sandboxes never binds), or kill what other jobs run. A
     client is its address and its MCP session (``calling_client``): two agents on one host
-    (both 127.0.0.1) reach only their own sandboxes, and a session that ends (closed, or
-    idle past ``SESSION_IDLE_S``) leaves its sandboxes to their timeouts (the operator
-    names them with ``--sandbox`` to reach them from a new one)."""
+    (both 127.0.0.1) reach only their own sandboxes. A session that ends (its client's
+    DELETE, or idle past ``SESSION_IDLE_S``) has its sandboxes killed (``ended``, through
+    http_server): no session could reach them again, and they ran on, unreachable, until
+    their timeouts (none by default), counted against their client's share of sandboxes
+    (SandboxShares) and the host's VMs; a client that opened sessions, created sandboxes
+    and went away, again and again, filled both for good. Not with ``everything``, where
+    the next session reaches them, nor the ones the operator named."""
 
     def __init__(self, named: Iterable[str] = (), everything: bool = False) -> None:
         self.named = frozenset(named)
@@ -362,11 +366,34 @@ class SandboxScope:
         # sandbox id: the client (calling_client: address and MCP session) that created it
         self._made: dict[str, tuple[str | None, str | None]] = {}
         self._lock = threading.Lock()
+        # whether an MCP session is still open (http_server sets it; None: stdio, one
+        # client whose sandboxes outlive it, as docs/mcp.md says)
+        self.session_open: Callable[[str], bool] | None = None
 
-    def made(self, ids: list[str]) -> None:
+    def made(self, ids: list[str]) -> list[str]:
+        """Note ``ids`` as the calling client's; those of a session that has already ended
+        (a create that finished after its session did) are returned instead, to be
+        killed: nobody will ever reach them."""
         client = calling_client()
+        session = client[1]
+        if (session is not None and self.session_open is not None and not self.everything
+                and not self.session_open(session)):
+            return [i for i in ids if i not in self.named]
         with self._lock:
             self._made.update((i, client) for i in ids)
+        return []
+
+    def ended(self, session: str) -> list[str]:
+        """The sandboxes the ended MCP session ``session`` created, forgotten here: the
+        caller kills them. None with ``everything`` (the next session reaches them)."""
+        if self.everything:
+            return []
+        with self._lock:
+            ids = [i for i, (_, s) in self._made.items()
+                   if s == session and i not in self.named]
+            for i in ids:
+                del self._made[i]
+        return ids
 
     def allows(self, sandbox_id: str) -> bool:
         if self.everything or sandbox_id in self.named:
@@ -381,6 +408,14 @@ class SandboxScope:
                 f"no child {sandbox_id} among the sandboxes this MCP client may use: the "
                 "ones it created with create_sandboxes or fork_from_branch, and the ones "
                 "the operator named (forkd mcp --sandbox ID); list_sandboxes shows them")
+
+
+def kill_all(controller: Controller, ids: list[str]) -> None:
+    """Kill the sandboxes ``ids`` (of an MCP session that ended), each as far as it goes:
+    one that already ended, or a failure, leaves the rest to be killed."""
+    for sandbox_id in ids:
+        with contextlib.suppress(ForkdError):
+            controller.backend.kill(sandbox_id)
 
 
 def _owned_by_nobody(ids: list[str]) -> None:
@@ -657,7 +692,13 @@ class Tools:
                         sb.kill()
                 revocation.check()
             own([sb.id for sb in started])
-            self.scope.made([sb.id for sb in started])
+            orphans = self.scope.made([sb.id for sb in started])
+        if orphans:
+            kill_all(self.controller, orphans)
+            raise ForkdError(
+                f"this MCP session ended while its {len(orphans)} sandboxes started, so they "
+                "were killed (a session's sandboxes end with it); open a new session and "
+                "create them again")
         return {"tag": tag, "sandboxes": [sb.id for sb in started]}
 
     def run_command(
@@ -985,7 +1026,9 @@ def http_server(
     SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
     calls in flight bounded in all and per client (ToolCalls), and through a daemon the
     sandboxes each client runs (``sandboxes``, SandboxShares.of the controller by
-    default); ``scope``: the sandboxes beyond its own each client may act on."""
+    default); ``scope``: the sandboxes beyond its own each client may act on. The
+    sandboxes a session created are killed when it ends (kill_when_ended)."""
+    scope = scope if scope is not None else SandboxScope()
     mcp = build_server(controller, token, ToolCalls.of(controller),
                        sandboxes if sandboxes is not None else SandboxShares.of(controller),
                        scope)
@@ -994,6 +1037,7 @@ def http_server(
         session_idle_timeout=session_idle_s,
     )
     sessions = mcp.session_manager
+    kill_when_ended(sessions, scope, controller)
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
@@ -1001,6 +1045,28 @@ def http_server(
     guarded = TokenWatch(BearerAuth(bounded, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
+
+
+def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller) -> None:
+    """Kill the sandboxes of each MCP session of ``sessions`` (the SDK's session manager)
+    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), in
+    a thread of their own (a kill waits on the engine; the event loop does not). A session
+    ended because the server stops leaves them (its restart forgets who made what; the
+    operator names them with --sandbox). The SDK discards every ended session through
+    ``_discard_session``, which this wraps."""
+    scope.session_open = lambda sid: sid in sessions._server_instances
+    discard = sessions._discard_session
+
+    async def discarded(session_id: str, transport: Any) -> None:
+        await discard(session_id, transport)
+        if sessions._task_group is None:
+            return  # the server stops: not a session's end
+        ids = scope.ended(session_id)
+        if ids:
+            threading.Thread(target=kill_all, args=(controller, ids), daemon=True,
+                             name="forkd-mcp-session-ended").start()
+
+    sessions._discard_session = discarded
 
 
 def serve_http(controller: Controller, host: str, port: int, path: str, token: Token,
