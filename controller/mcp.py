@@ -295,25 +295,63 @@ class BranchTags:
     that client's sandbox as it was (its files, its interpreter's variables, the keys it
     was given), and forking it reached all of that as SandboxScope keeps the sandbox
     itself from reach (unless ``everything``: ``forkd mcp --all-sandboxes``). Snapshots
-    made elsewhere (built, pulled, branched through the CLI or REST) are everyone's."""
+    made elsewhere (built, pulled, branched through the CLI or REST) are everyone's.
 
-    def __init__(self, everything: bool = False) -> None:
-        # tag: the client (calling_client) that made it
-        self._made: dict[str, tuple[str | None, str | None]] = {}
+    A tag is a client's branch while it names what that client branched (the digest its
+    branch made): removed, or replaced by one built, pulled or branched elsewhere (or by
+    another client once it was removed), it is no longer that client's. The maker was
+    kept by name for ever: a client that branched to a name the operator later used (a
+    tag removed, then pulled again) kept it hidden from every other client, and its
+    ``force`` replaced what the operator had put there.
+
+    A branch of one tag is made one at a time on this server, and ``force`` reaches the
+    engine only when the tag is one the caller made: a tag that did not exist when it was
+    checked is branched without it, so one another client made meanwhile is a Conflict,
+    never replaced."""
+
+    def __init__(self, controller: Controller | None = None, everything: bool = False) -> None:
+        # tag: the client (calling_client) that made it, and the digest its branch made
+        self._made: dict[str, tuple[tuple[str | None, str | None], str]] = {}
         self._lock = threading.Lock()
+        self._branching: dict[str, tuple[threading.Lock, int]] = {}  # tag: lock, users
+        self.controller = controller
         self.everything = everything
 
-    def anothers(self, tag: str) -> bool:
-        """Whether ``tag`` (NAME[:TAG]) is a branch another client made here."""
+    def _digest(self, ref: str) -> str | None:
+        """What ``ref`` names now; None when there is no such tag."""
+        if self.controller is None:
+            return None
+        try:
+            return str(self.controller.backend.snapshot(ref)["digest"])
+        except NotFound:
+            return None
+
+    def maker(self, ref: str, digest: str | None = None) -> tuple[str | None, str | None] | None:
+        """The client that made ``ref`` with branch_sandbox here, while the tag still names
+        that branch (``digest``: what it names, when the caller knows); None otherwise."""
+        with self._lock:
+            entry = self._made.get(ref)
+        if entry is None:
+            return None
+        now = digest if digest is not None else self._digest(ref)
+        if now != entry[1]:  # removed or replaced since: no longer that client's branch
+            with self._lock:
+                if self._made.get(ref) == entry:
+                    del self._made[ref]
+            return None
+        return entry[0]
+
+    def anothers(self, tag: str, digest: str | None = None) -> bool:
+        """Whether ``tag`` (NAME[:TAG]) is a branch another client made here (``digest``:
+        what the tag names, when the caller knows)."""
         if self.everything:
             return False
         try:
             ref = str(parse_ref(tag))
         except InvalidInput:
             return False  # no local tag (a hub reference of a lazy fork): none made here
-        client = calling_client()
-        with self._lock:
-            return self._made.get(ref, client) != client
+        maker = self.maker(ref, digest)
+        return maker is not None and maker != calling_client()
 
     def may_fork(self, tag: str) -> None:
         """NotFound when ``tag`` is a branch another client made here."""
@@ -324,23 +362,40 @@ class BranchTags:
                 "server made (their sandboxes' state); branch your own sandbox, or fork "
                 "from a snapshot that was built or pulled")
 
-    def may_replace(self, ref: str, controller: Controller) -> None:
-        """Conflict when ``ref`` exists and the calling client did not make it here."""
-        with self._lock:
-            if self._made.get(ref) == calling_client():
-                return
-        try:
-            controller.backend.snapshot(ref)
-        except NotFound:
-            return  # nothing to replace
+    def may_replace(self, ref: str) -> bool:
+        """The ``force`` a branch to ``ref`` asked to replace it may pass to the engine:
+        True when ``ref`` is the calling client's branch, False when there is no such tag
+        (so one made meanwhile is a Conflict, not replaced); Conflict when it exists and
+        the calling client did not make it here."""
+        if self.maker(ref) == calling_client():
+            return True
+        if self._digest(ref) is None:
+            return False
         raise Conflict(
             f"{shown(ref)} exists and is not a branch this client made with branch_sandbox "
             "on this server: force replaces only those (a snapshot others fork from is not "
             "this tool's to replace); branch to a new tag")
 
-    def made(self, ref: str) -> None:
+    @contextlib.contextmanager
+    def branching(self, ref: str) -> Iterator[None]:
+        """One branch of ``ref`` at a time on this server, from its check to its record."""
         with self._lock:
-            self._made[ref] = calling_client()
+            lock, users = self._branching.get(ref, (threading.Lock(), 0))
+            self._branching[ref] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._branching[ref]
+                if users > 1:
+                    self._branching[ref] = (lock, users - 1)
+                else:
+                    del self._branching[ref]
+
+    def made(self, ref: str, digest: str) -> None:
+        with self._lock:
+            self._made[ref] = (calling_client(), digest)
 
 
 class SandboxScope:
@@ -607,7 +662,7 @@ class Tools:
         self.token = token
         self.sandboxes = sandboxes
         self.scope = scope if scope is not None else SandboxScope()
-        self.branches = BranchTags(everything=self.scope.everything)
+        self.branches = BranchTags(controller, everything=self.scope.everything)
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox, when the calling client may act on it (SandboxScope)."""
@@ -616,14 +671,15 @@ class Tools:
 
     def list_snapshots(self) -> dict[str, Any]:
         """The snapshot tags sandboxes can be created from (ref, digest, depth, sizes)."""
-        mine = [s for s in self.controller.snapshots() if self._listable(s.ref)]
+        mine = [s for s in self.controller.snapshots() if self._listable(s.ref, s.digest)]
         return {"snapshots": plain(mine)}
 
-    def _listable(self, ref: str) -> bool:
+    def _listable(self, ref: str, digest: str) -> bool:
         """Not another client's branch, nor the saved state of a paused sandbox this
         client may not reach (its tag, ``forkd-paused/ID:a|b``, names that sandbox)."""
         owner = private_owner(ref)
-        return not self.branches.anothers(ref) and (owner is None or self.scope.allows(owner))
+        return (not self.branches.anothers(ref, digest)
+                and (owner is None or self.scope.allows(owner)))
 
     def list_sandboxes(self) -> dict[str, Any]:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
@@ -834,10 +890,12 @@ class Tools:
         then starts sandboxes from it. force: replace the tag if it is one you made with
         branch_sandbox on this server (any other existing tag is refused: pick a new one)."""
         ref = str(parse_ref(tag))
-        if force:
-            self.branches.may_replace(ref, self.controller)
-        result = self.sandbox(sandbox_id).branch(ref, force=force)
-        self.branches.made(ref)
+        sb = self.sandbox(sandbox_id)
+        with self.branches.branching(ref):
+            if force:
+                force = self.branches.may_replace(ref)
+            result = sb.branch(ref, force=force)
+            self.branches.made(ref, result.digest)
         return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:

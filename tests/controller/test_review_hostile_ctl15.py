@@ -15,6 +15,17 @@ branch is made (it tags an existing layer).
    with ``--all-sandboxes``, where any new session reaches them); the operator's
    ``--sandbox`` ones are never a session's. A create that ends after its session did
    kills what it started too.
+2. A branch_sandbox tag stayed its maker's by name for ever: removed (``forkd rmi``, REST)
+   and then used again by the operator (a pull, a build, a branch through the CLI), it
+   was still hidden from every other MCP client (list_snapshots left it out, a fork was
+   NotFound) and its first maker's ``force`` replaced what the operator had put there,
+   the very replacement round 14 forbade. Now a tag is a client's branch while it names
+   the digest that client's branch made (mcp.BranchTags.maker).
+3. ``force`` was checked, then the branch made: a tag that did not exist when checked
+   but that another client branched meanwhile was replaced by the force that was let
+   through for "nothing to replace". Now a branch of one tag is made one at a time on
+   the server, and ``force`` reaches the engine only for a tag the caller made; else a
+   tag made meanwhile is the engine's Conflict.
 """
 
 from __future__ import annotations
@@ -33,11 +44,17 @@ from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, mcp, server
+from forkd.controller import backend as backend_mod
+from forkd.controller.api import SpawnRequest, SpawnResult
 from forkd.controller.backend import LocalBackend
 from forkd.controller.sdk import Controller
 from forkd.engine import children as ch
+from forkd.engine.agent_client import REQUEST_CLIENT
+from forkd.engine.branch import BranchResult
 from forkd.engine.lifecycle import ChildInfo
+from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 TOKEN = b"t" * 43
 
@@ -177,9 +194,6 @@ def test_a_create_that_ends_after_its_session_kills_what_it_started(
     """A create_sandboxes whose session ended while the sandboxes started (the daemon
     answered after the session's end was seen) would have noted them for a session that
     no longer is: they are killed, and the call says so."""
-    from forkd.engine.agent_client import REQUEST_CLIENT
-    from forkd.errors import ForkdError
-
     with _mcp_on_daemon(place, tmp_path):
         scope = mcp.SandboxScope()
         scope.session_open = lambda session: False  # ended while it ran
@@ -192,3 +206,140 @@ def test_a_create_that_ends_after_its_session_kills_what_it_started(
             mcp.MCP_SESSION.reset(session)
             REQUEST_CLIENT.reset(client)
     assert engine.forks == 2 and not engine.running()
+
+
+# -- branches (2, 3): the engine's branch tags an existing layer, its spawn records the tag
+class Asked(ForkdError):
+    """The stand-in spawn was asked to fork (the tag got past the tool's checks)."""
+
+
+def _layer(store: Store, ref: str, seed: int, tmp_path: Path) -> None:
+    image = tmp_path / f"{seed}.img"
+    write_base(image, 1 << 20, seed=seed, random_share=1.0)
+    store.import_layer(ref, memory=image)
+
+
+@pytest.fixture
+def store(place: Path, tmp_path: Path) -> Store:
+    """The store of this test's FORKD_HOME, holding ``base:latest``."""
+    opened = Store.open()
+    _layer(opened, "base:latest", 15, tmp_path)
+    return opened
+
+
+@contextlib.contextmanager
+def _as_client(address: str, session: str | None = None) -> Iterator[None]:
+    client = REQUEST_CLIENT.set(address)
+    mcp_session = mcp.MCP_SESSION.set(session)
+    try:
+        yield
+    finally:
+        mcp.MCP_SESSION.reset(mcp_session)
+        REQUEST_CLIENT.reset(client)
+
+
+@pytest.fixture
+def branched(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """A branch tags ``base:latest`` anew (after running what the list holds, which stands
+    for what another client did meanwhile); a spawn raises Asked."""
+    meanwhile: list[Any] = []
+
+    def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
+        while meanwhile:
+            meanwhile.pop(0)()
+        store.tag(tag, "base:latest", force=force)
+        return BranchResult(ref=tag, digest=store.resolve(tag), parent="base:latest",
+                            mode="live", pause_ms=0, pause_pages=0, copy_ms=0, rounds=1,
+                            forced=False, scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0,
+                            diff_bytes=0, stored_bytes=0, store_ms=0, depth=1,
+                            compacted=False)
+
+    def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
+        raise Asked(req.tag)
+
+    monkeypatch.setattr(backend_mod, "branch_child", branch)
+    monkeypatch.setattr(backend_mod.LocalBackend, "spawn", spawn)
+    return meanwhile
+
+
+def _listed(tools: mcp.Tools) -> list[str]:
+    return [s["ref"] for s in tools.list_snapshots()["snapshots"]]
+
+
+def test_a_branch_tag_removed_and_used_again_is_no_longer_its_makers(
+        store: Store, branched: list[Any], tmp_path: Path) -> None:
+    """Before: client A's branch ``work:1``, removed by the operator and pulled again (another
+    layer under that name), stayed A's: hidden from B, NotFound to fork, and A's force
+    replaced the operator's snapshot. Now it is everyone's, and A's force is a Conflict."""
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
+    with _as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "work:1")
+    with _as_client("127.0.0.1", "session-b"):
+        assert "work:1" not in _listed(tools)  # A's branch, as round 14 has it
+    store.remove("work:1")
+    _layer(store, "work:1", 16, tmp_path)  # the operator's, built or pulled
+    with _as_client("127.0.0.1", "session-b"):
+        assert "work:1" in _listed(tools)
+        with pytest.raises(Asked):
+            tools.create_sandboxes("work:1")
+    operators = store.resolve("work:1")
+    with (_as_client("127.0.0.1", "session-a"),
+          pytest.raises(Conflict, match="not a branch this client made")):
+        tools.branch_sandbox("sb-1", "work:1", force=True)
+    assert store.resolve("work:1") == operators
+
+
+def test_a_tag_branched_by_another_client_meanwhile_is_not_replaced_by_force(
+        store: Store, branched: list[Any], tmp_path: Path) -> None:
+    """Before: A's branch_sandbox(force=True) to a tag that did not exist when checked
+    replaced the branch B made of it meanwhile (the force was let through for "nothing to
+    replace"). Now it is a Conflict from the engine, and B's branch stays B's."""
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1", "sb-2"]))
+
+    def b_branches() -> None:
+        _layer(store, "race:1", 17, tmp_path)  # B's branch, between A's check and act
+
+    branched.append(b_branches)
+    with _as_client("127.0.0.1", "session-a"), pytest.raises(Conflict):
+        tools.branch_sandbox("sb-1", "race:1", force=True)
+    assert store.resolve("race:1") != store.resolve("base:latest")  # B's, still
+    with _as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "mine:1")
+        tools.branch_sandbox("sb-1", "mine:1", force=True)  # its own: replaced as before
+
+
+def test_one_branch_of_a_tag_at_a_time(store: Store, branched: list[Any]) -> None:
+    """Two branches of one tag on the server do not interleave their check and act."""
+    import threading
+
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1", "sb-2"]))
+    inside = threading.Event()
+    release = threading.Event()
+    results: list[str] = []
+
+    def slow() -> None:
+        inside.set()
+        release.wait(10)
+
+    def branch_as(session: str) -> None:
+        with _as_client("127.0.0.1", session):
+            try:
+                tools.branch_sandbox("sb-1", "both:1", force=True)
+                results.append(session)
+            except Conflict:
+                results.append("conflict")
+
+    branched.append(slow)
+    first = threading.Thread(target=branch_as, args=("session-a",))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=branch_as, args=("session-b",))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waits for the first branch of the tag to be recorded
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert results == ["session-a", "conflict"]
+    with _as_client("127.0.0.1", "session-b"), pytest.raises(NotFound):
+        tools.fork_from_branch("both:1")
