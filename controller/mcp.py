@@ -420,6 +420,8 @@ class SandboxScope:
         self.everything = everything
         # sandbox id: the client (calling_client: address and MCP session) that created it
         self._made: dict[str, tuple[str | None, str | None]] = {}
+        self._when: dict[str, int] = {}  # sandbox id: when it was noted (self._noted then)
+        self._noted = 0
         self._lock = threading.Lock()
         # whether an MCP session is still open (http_server sets it; None: stdio, one
         # client whose sandboxes outlive it, as docs/mcp.md says)
@@ -435,8 +437,33 @@ class SandboxScope:
                 and not self.session_open(session)):
             return [i for i in ids if i not in self.named]
         with self._lock:
-            self._made.update((i, client) for i in ids)
+            for i in ids:
+                self._noted += 1
+                self._made[i] = client
+                self._when[i] = self._noted
         return []
+
+    def noted(self) -> int:
+        """How many sandboxes were noted so far (a mark to take before a listing)."""
+        with self._lock:
+            return self._noted
+
+    def forget(self, ids: Iterable[str], before: int | None = None) -> None:
+        """Forget ``ids``, sandboxes that ended (killed, or not in a listing begun at
+        ``before``, a ``noted()`` mark: one noted since is kept). An id noted for ever was
+        the client's for ever: a sandbox that got it again later (another client's) was
+        this client's to use and kill."""
+        with self._lock:
+            for i in ids:
+                if i in self._made and (before is None or self._when[i] <= before):
+                    del self._made[i]
+                    del self._when[i]
+
+    def gone_from(self, listed: Iterable[str]) -> list[str]:
+        """The ids noted here that ``listed`` (a listing of every sandbox) lacks."""
+        running = set(listed)
+        with self._lock:
+            return [i for i in self._made if i not in running]
 
     def ended(self, session: str) -> list[str]:
         """The sandboxes the ended MCP session ``session`` created, forgotten here: the
@@ -448,6 +475,7 @@ class SandboxScope:
                    if s == session and i not in self.named]
             for i in ids:
                 del self._made[i]
+                del self._when[i]
         return ids
 
     def allows(self, sandbox_id: str) -> bool:
@@ -684,11 +712,16 @@ class Tools:
     def list_sandboxes(self) -> dict[str, Any]:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
         seconds left before its deadline (null: none)."""
+        # one listing (asking each sandbox for its info again failed the whole call when
+        # one ended meanwhile), which also forgets the ones that ended (SandboxScope.forget)
+        mark = self.scope.noted()
+        listed = self.controller.backend.sandboxes()
+        self.scope.forget(self.scope.gone_from(sb.id for sb in listed), before=mark)
         out = []
-        for sb in self.controller.sandboxes():
+        for sb in listed:
             if not self.scope.allows(sb.id):
                 continue  # another client's, or made elsewhere and not named to this server
-            info = plain(sb.info)
+            info = plain(sb)
             out.append({k: info.get(k) for k in ("id", "ref", "origin", "status", "time_left_s")})
         return {"sandboxes": out}
 
@@ -901,6 +934,7 @@ class Tools:
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""
         self.sandbox(sandbox_id).kill()
+        self.scope.forget([sandbox_id])  # its id may come round again: not this client's
         return {"killed": sandbox_id}
 
 

@@ -26,6 +26,14 @@ branch is made (it tags an existing layer).
    through for "nothing to replace". Now a branch of one tag is made one at a time on
    the server, and ``force`` reaches the engine only for a tag the caller made; else a
    tag made meanwhile is the engine's Conflict.
+4. Ids came round again: a sandbox's id had 24 random bits, and an MCP client's scope kept
+   every id it had created for ever (killed, ended by its timeout), so a new sandbox of
+   another client that got an old id (one in 16 M per fork, per id remembered) was the
+   old client's to read, run in and kill. Now an id has 52 random bits
+   (lifecycle.new_id, no longer than before), and the scope forgets an id once its
+   sandbox is killed (kill_sandbox) or is missing from a listing (list_sandboxes, which
+   also asks the daemon once, not once per sandbox: one that ended meanwhile failed the
+   whole call).
 """
 
 from __future__ import annotations
@@ -343,3 +351,61 @@ def test_one_branch_of_a_tag_at_a_time(store: Store, branched: list[Any]) -> Non
     assert results == ["session-a", "conflict"]
     with _as_client("127.0.0.1", "session-b"), pytest.raises(NotFound):
         tools.fork_from_branch("both:1")
+
+
+# -- ids that come round again (4)
+def test_a_sandbox_id_has_52_random_bits_and_no_more_characters_than_before() -> None:
+    from forkd.engine.lifecycle import ID_RE, new_id
+
+    for ref in ("python:3.13", "a-very-long-snapshot-name-of-forty-characters:1", "---", "x"):
+        made = {new_id(ref) for _ in range(200)}
+        assert len(made) == 200
+        for sandbox_id in made:
+            assert ID_RE.fullmatch(sandbox_id) and len(sandbox_id) <= 26, sandbox_id
+            assert len(sandbox_id.rsplit("-", 1)[1]) * 4 >= 52, sandbox_id
+
+
+class ReusingEngine(KillableEngine):
+    """KillableEngine whose forks take the ids of ``ids`` in turn (an id come round)."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__()
+        self.ids = ids
+
+    def fork(self, store: Store, ref: str, n: int, **options: Any) -> ch.ForkResult:
+        result = super().fork(store, ref, n, **options)
+        for child in result.children:
+            child.id = self.ids.pop(0)
+        return result
+
+
+@pytest.mark.parametrize("ended", ["killed by its client", "ended otherwise, then listed"])
+def test_an_id_that_comes_round_again_is_not_its_old_clients(
+        place: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ended: str) -> None:
+    """Before: client A's sandbox ``sb-x`` ended; B's next sandbox got the id ``sb-x`` again,
+    and A's kill_sandbox of it killed B's sandbox (its scope had kept the id). Now A's scope
+    forgot it when it ended: ChildNotFound, and B's runs on."""
+    from forkd.engine.errors import ChildNotFound
+
+    engine = ReusingEngine(["sb-x", "sb-x"])
+    monkeypatch.setattr(ch, "fork", engine.fork)
+    monkeypatch.setattr(ch, "list_children", engine.list_children)
+    monkeypatch.setattr(ch, "kill", engine.kill)
+    with _mcp_on_daemon(place, tmp_path):
+        tools = mcp.Tools(Controller(socket=place / "ctl.sock", local=False))
+        with _as_client("127.0.0.1", "session-a"):
+            assert tools.create_sandboxes("tiny")["sandboxes"] == ["sb-x"]
+            if ended == "killed by its client":
+                tools.kill_sandbox("sb-x")
+            else:
+                engine.end("sb-x")  # its timeout, a kill through REST
+                assert tools.list_sandboxes()["sandboxes"] == []
+        with _as_client("127.0.0.1", "session-b"):
+            assert tools.create_sandboxes("tiny")["sandboxes"] == ["sb-x"]
+        with _as_client("127.0.0.1", "session-a"):
+            with pytest.raises(ChildNotFound, match="may use"):
+                tools.kill_sandbox("sb-x")
+            assert tools.list_sandboxes()["sandboxes"] == []
+        with _as_client("127.0.0.1", "session-b"):
+            assert [s["id"] for s in tools.list_sandboxes()["sandboxes"]] == ["sb-x"]
+    assert engine.running() == {"sb-x"}
