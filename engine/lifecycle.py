@@ -175,19 +175,10 @@ def _bad_record(path: Path, why: str) -> HostError:
                      f"and remove {path.parent} by hand")
 
 
-ID_RANDOM_HEX = 13  # 52 random bits in every child id
-
-
 def new_id(ref: str) -> str:
-    """A fresh child id from the snapshot's name: ``<name, 12 at most>-<13 hex>`` (at most
-    26 characters, as the 20 + 6 before). With 24 random bits (6 hex) an id came round
-    again among the ids a long-running host had handed out (one in 16 M per fork, for
-    every id still remembered), and whatever still held the old sandbox's id (an MCP
-    client's scope, a share's owner, a client's variable, an audit reader) then reached
-    another client's new sandbox; 52 bits make that as good as never."""
+    """A fresh child id from the snapshot's name: ``<name>-<6 hex>``."""
     base = re.sub(r"[^a-z0-9]+", "-", ref.split("/")[-1].split(":")[0].lower()).strip("-")
-    base = base[:12].strip("-")
-    return f"{base or 'vm'}-{secrets.token_hex(7)[:ID_RANDOM_HEX]}"
+    return f"{base[:20] or 'vm'}-{secrets.token_hex(3)}"
 
 
 def child_dir(child_id: str) -> Path:
