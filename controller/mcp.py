@@ -713,10 +713,16 @@ class Tools:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
         seconds left before its deadline (null: none)."""
         # one listing (asking each sandbox for its info again failed the whole call when
-        # one ended meanwhile), which also forgets the ones that ended (SandboxScope.forget)
+        # one ended meanwhile), which also forgets the ones that ended (SandboxScope.forget):
+        # each one missing from it that the daemon no longer knows (a listing skips a record
+        # it cannot read at that moment; its sandbox is not lost to its client for that)
         mark = self.scope.noted()
         listed = self.controller.backend.sandboxes()
-        self.scope.forget(self.scope.gone_from(sb.id for sb in listed), before=mark)
+        for missing in self.scope.gone_from(sb.id for sb in listed):
+            try:
+                self.controller.backend.sandbox(missing)
+            except NotFound:
+                self.scope.forget([missing], before=mark)
         out = []
         for sb in listed:
             if not self.scope.allows(sb.id):
