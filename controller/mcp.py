@@ -1269,6 +1269,10 @@ class SessionShare:
         self.per_client = per_client
         self.max_sessions = max_sessions
         self.opened: dict[str, set[str]] = {}
+        # requests opening a session, per client, counted from their start: a session
+        # counted only once its answer started let a client's initializes sent together
+        # each find its share unfilled, and take every session of the server
+        self.opening: dict[str, int] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers", [])) if scope.get("type") == "http" else {}
@@ -1280,8 +1284,10 @@ class SessionShare:
         peer = server_peer(str(client[0])) if client else "-"
         mine = {sid for sid in self.opened.get(peer, set()) if self.live(sid)}
         self.opened[peer] = mine
-        if len(mine) >= self.per_client:
-            message = (f"this client ({peer}) holds {len(mine)} MCP sessions, the most one "
+        held = len(mine) + self.opening.get(peer, 0)
+        if held >= self.per_client:
+            message = (f"this client ({peer}) holds {held} MCP sessions (open, or being "
+                       f"opened), the most one "
                        f"client may ({self.per_client} of {self.max_sessions}); end sessions "
                        "you no longer use (HTTP DELETE with their mcp-session-id) or reuse one")
             body = json.dumps({"jsonrpc": "2.0", "id": None,
@@ -1298,7 +1304,13 @@ class SessionShare:
                         mine.add(value.decode("latin-1"))
             await send(message)
 
-        await self.app(scope, receive, noted)
+        self.opening[peer] = self.opening.get(peer, 0) + 1
+        try:
+            await self.app(scope, receive, noted)
+        finally:
+            self.opening[peer] -= 1
+            if not self.opening[peer]:
+                del self.opening[peer]
         if not mine:
             self.opened.pop(peer, None)
         if sum(len(ids) for ids in self.opened.values()) > 2 * self.max_sessions:

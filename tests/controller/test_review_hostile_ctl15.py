@@ -33,6 +33,12 @@ branch is made (it tags an existing layer).
    sandbox is killed (kill_sandbox) or is missing from a listing (list_sandboxes, which
    also asks the daemon once, not once per sandbox: one that ended meanwhile failed the
    whole call).
+5. One client's share of MCP sessions (mcp.SessionShare, half of them) was checked against
+   the sessions it had opened, and a session counted once its answer started: requests
+   that opened sessions at once each found the share unfilled, so one client sending its
+   initializes together held every session of the server (256, kept 10 minutes while
+   idle, again and again), and every other client got 503. Now a session being opened
+   counts from its request's start.
 """
 
 from __future__ import annotations
@@ -397,3 +403,44 @@ def test_an_id_that_comes_round_again_is_not_its_old_clients(
         with _as_client("127.0.0.1", "session-b"):
             assert [s["id"] for s in tools.list_sandboxes()["sandboxes"]] == ["sb-x"]
     assert engine.running() == {"sb-x"}
+
+
+# -- sessions opened at once (5)
+def test_sessions_opened_at_once_stay_within_the_clients_share(place: Path) -> None:
+    """Before: 12 initializes sent together from one address all passed its share of 3
+    (each found the share unfilled: a session counted once its answer had started), and
+    took every session of the server. Now 3 are opened, the rest are 503 naming the share,
+    and another client still opens one."""
+    import threading
+
+    from net_support import free_port as port_of
+
+    port = port_of()
+    web = mcp.http_server(Controller(local=True), "127.0.0.1", port, "/mcp",
+                          app.Token(TOKEN), max_sessions=8, session_idle_s=30.0,
+                          max_sessions_per_client=3)
+    url = f"http://127.0.0.1:{port}"
+    statuses: list[int] = []
+    said: list[str] = []
+    go = threading.Barrier(12)
+
+    def initialize() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            go.wait(10)
+            r = http.post("/mcp", json=MCP_HELLO, headers=mcp_auth(TOKEN))
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                said.append(r.text)
+
+    with running(web):
+        threads = [threading.Thread(target=initialize) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(statuses) == [200] * 3 + [503] * 9, statuses
+        assert all("this client (127.0.0.1)" in text and "3 of 8" in text for text in said)
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=url, timeout=10, transport=other) as elsewhere:
+            r = elsewhere.post("/mcp", json=MCP_HELLO, headers=mcp_auth(TOKEN))
+            assert r.status_code == 200, r.text
