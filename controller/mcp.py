@@ -1282,8 +1282,10 @@ class SessionShare:
             return
         client = scope.get("client")
         peer = server_peer(str(client[0])) if client else "-"
-        mine = {sid for sid in self.opened.get(peer, set()) if self.live(sid)}
-        self.opened[peer] = mine
+        # one set per client, changed in place: a request that replaced it with a copy
+        # dropped the sessions other requests of the client noted in the old one meanwhile
+        mine = self.opened.setdefault(peer, set())
+        mine.difference_update([sid for sid in mine if not self.live(sid)])
         held = len(mine) + self.opening.get(peer, 0)
         if held >= self.per_client:
             message = (f"this client ({peer}) holds {held} MCP sessions (open, or being "
@@ -1297,21 +1299,30 @@ class SessionShare:
             await send({"type": "http.response.body", "body": body})
             return
 
+        counted = True  # as being opened: until its session is noted, or the request ends
+
+        def opened() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.opening[peer] -= 1
+                if not self.opening[peer]:
+                    del self.opening[peer]
+
         async def noted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 for key, value in message.get("headers", []):
                     if key.lower() == b"mcp-session-id":
-                        mine.add(value.decode("latin-1"))
+                        self.opened.setdefault(peer, set()).add(value.decode("latin-1"))
+                opened()  # counted as open from now on (or not a session)
             await send(message)
 
         self.opening[peer] = self.opening.get(peer, 0) + 1
         try:
             await self.app(scope, receive, noted)
         finally:
-            self.opening[peer] -= 1
-            if not self.opening[peer]:
-                del self.opening[peer]
-        if not mine:
+            opened()
+        if not self.opened.get(peer) and not self.opening.get(peer):
             self.opened.pop(peer, None)
         if sum(len(ids) for ids in self.opened.values()) > 2 * self.max_sessions:
             self._forget_ended()

@@ -37,8 +37,10 @@ branch is made (it tags an existing layer).
    the sessions it had opened, and a session counted once its answer started: requests
    that opened sessions at once each found the share unfilled, so one client sending its
    initializes together held every session of the server (256, kept 10 minutes while
-   idle, again and again), and every other client got 503. Now a session being opened
-   counts from its request's start.
+   idle, again and again), and every other client got 503. Its sessions were also lost
+   from the count: each request replaced the client's set with a copy, so a session
+   another request noted in the old set meanwhile was never counted. Now a session being
+   opened counts from its request's start until it is noted (once), in one set per client.
 """
 
 from __future__ import annotations
@@ -438,7 +440,7 @@ def test_sessions_opened_at_once_stay_within_the_clients_share(place: Path) -> N
             t.start()
         for t in threads:
             t.join(30)
-        assert sorted(statuses) == [200] * 3 + [503] * 9, statuses
+        assert sorted(statuses) == [200] * 3 + [503] * 9, (statuses, said)
         assert all("this client (127.0.0.1)" in text and "3 of 8" in text for text in said)
         other = httpx.HTTPTransport(local_address="127.0.0.2")
         with httpx.Client(base_url=url, timeout=10, transport=other) as elsewhere:
