@@ -295,25 +295,63 @@ class BranchTags:
     that client's sandbox as it was (its files, its interpreter's variables, the keys it
     was given), and forking it reached all of that as SandboxScope keeps the sandbox
     itself from reach (unless ``everything``: ``forkd mcp --all-sandboxes``). Snapshots
-    made elsewhere (built, pulled, branched through the CLI or REST) are everyone's."""
+    made elsewhere (built, pulled, branched through the CLI or REST) are everyone's.
 
-    def __init__(self, everything: bool = False) -> None:
-        # tag: the client (calling_client) that made it
-        self._made: dict[str, tuple[str | None, str | None]] = {}
+    A tag is a client's branch while it names what that client branched (the digest its
+    branch made): removed, or replaced by one built, pulled or branched elsewhere (or by
+    another client once it was removed), it is no longer that client's. The maker was
+    kept by name for ever: a client that branched to a name the operator later used (a
+    tag removed, then pulled again) kept it hidden from every other client, and its
+    ``force`` replaced what the operator had put there.
+
+    A branch of one tag is made one at a time on this server, and ``force`` reaches the
+    engine only when the tag is one the caller made: a tag that did not exist when it was
+    checked is branched without it, so one another client made meanwhile is a Conflict,
+    never replaced."""
+
+    def __init__(self, controller: Controller | None = None, everything: bool = False) -> None:
+        # tag: the client (calling_client) that made it, and the digest its branch made
+        self._made: dict[str, tuple[tuple[str | None, str | None], str]] = {}
         self._lock = threading.Lock()
+        self._branching: dict[str, tuple[threading.Lock, int]] = {}  # tag: lock, users
+        self.controller = controller
         self.everything = everything
 
-    def anothers(self, tag: str) -> bool:
-        """Whether ``tag`` (NAME[:TAG]) is a branch another client made here."""
+    def _digest(self, ref: str) -> str | None:
+        """What ``ref`` names now; None when there is no such tag."""
+        if self.controller is None:
+            return None
+        try:
+            return str(self.controller.backend.snapshot(ref)["digest"])
+        except NotFound:
+            return None
+
+    def maker(self, ref: str, digest: str | None = None) -> tuple[str | None, str | None] | None:
+        """The client that made ``ref`` with branch_sandbox here, while the tag still names
+        that branch (``digest``: what it names, when the caller knows); None otherwise."""
+        with self._lock:
+            entry = self._made.get(ref)
+        if entry is None:
+            return None
+        now = digest if digest is not None else self._digest(ref)
+        if now != entry[1]:  # removed or replaced since: no longer that client's branch
+            with self._lock:
+                if self._made.get(ref) == entry:
+                    del self._made[ref]
+            return None
+        return entry[0]
+
+    def anothers(self, tag: str, digest: str | None = None) -> bool:
+        """Whether ``tag`` (NAME[:TAG]) is a branch another client made here (``digest``:
+        what the tag names, when the caller knows)."""
         if self.everything:
             return False
         try:
             ref = str(parse_ref(tag))
         except InvalidInput:
             return False  # no local tag (a hub reference of a lazy fork): none made here
-        client = calling_client()
-        with self._lock:
-            return self._made.get(ref, client) != client
+        maker = self.maker(ref, digest)
+        return maker is not None and maker != calling_client()
 
     def may_fork(self, tag: str) -> None:
         """NotFound when ``tag`` is a branch another client made here."""
@@ -324,23 +362,40 @@ class BranchTags:
                 "server made (their sandboxes' state); branch your own sandbox, or fork "
                 "from a snapshot that was built or pulled")
 
-    def may_replace(self, ref: str, controller: Controller) -> None:
-        """Conflict when ``ref`` exists and the calling client did not make it here."""
-        with self._lock:
-            if self._made.get(ref) == calling_client():
-                return
-        try:
-            controller.backend.snapshot(ref)
-        except NotFound:
-            return  # nothing to replace
+    def may_replace(self, ref: str) -> bool:
+        """The ``force`` a branch to ``ref`` asked to replace it may pass to the engine:
+        True when ``ref`` is the calling client's branch, False when there is no such tag
+        (so one made meanwhile is a Conflict, not replaced); Conflict when it exists and
+        the calling client did not make it here."""
+        if self.maker(ref) == calling_client():
+            return True
+        if self._digest(ref) is None:
+            return False
         raise Conflict(
             f"{shown(ref)} exists and is not a branch this client made with branch_sandbox "
             "on this server: force replaces only those (a snapshot others fork from is not "
             "this tool's to replace); branch to a new tag")
 
-    def made(self, ref: str) -> None:
+    @contextlib.contextmanager
+    def branching(self, ref: str) -> Iterator[None]:
+        """One branch of ``ref`` at a time on this server, from its check to its record."""
         with self._lock:
-            self._made[ref] = calling_client()
+            lock, users = self._branching.get(ref, (threading.Lock(), 0))
+            self._branching[ref] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._branching[ref]
+                if users > 1:
+                    self._branching[ref] = (lock, users - 1)
+                else:
+                    del self._branching[ref]
+
+    def made(self, ref: str, digest: str) -> None:
+        with self._lock:
+            self._made[ref] = (calling_client(), digest)
 
 
 class SandboxScope:
@@ -352,21 +407,76 @@ class SandboxScope:
     read another client's files, run commands in a sandbox whose egress carries the host's
     keys (one MCP's own create_sandboxes never binds), or kill what other jobs run. A
     client is its address and its MCP session (``calling_client``): two agents on one host
-    (both 127.0.0.1) reach only their own sandboxes, and a session that ends (closed, or
-    idle past ``SESSION_IDLE_S``) leaves its sandboxes to their timeouts (the operator
-    names them with ``--sandbox`` to reach them from a new one)."""
+    (both 127.0.0.1) reach only their own sandboxes. A session that ends (its client's
+    DELETE, or idle past ``SESSION_IDLE_S``) has its sandboxes killed (``ended``, through
+    http_server): no session could reach them again, and they ran on, unreachable, until
+    their timeouts (none by default), counted against their client's share of sandboxes
+    (SandboxShares) and the host's VMs; a client that opened sessions, created sandboxes
+    and went away, again and again, filled both for good. Not with ``everything``, where
+    the next session reaches them, nor the ones the operator named."""
 
     def __init__(self, named: Iterable[str] = (), everything: bool = False) -> None:
         self.named = frozenset(named)
         self.everything = everything
         # sandbox id: the client (calling_client: address and MCP session) that created it
         self._made: dict[str, tuple[str | None, str | None]] = {}
+        self._when: dict[str, int] = {}  # sandbox id: when it was noted (self._noted then)
+        self._noted = 0
         self._lock = threading.Lock()
+        # whether an MCP session is still open (http_server sets it; None: stdio, one
+        # client whose sandboxes outlive it, as docs/mcp.md says)
+        self.session_open: Callable[[str], bool] | None = None
 
-    def made(self, ids: list[str]) -> None:
+    def made(self, ids: list[str]) -> list[str]:
+        """Note ``ids`` as the calling client's; those of a session that has already ended
+        (a create that finished after its session did) are returned instead, to be
+        killed: nobody will ever reach them."""
         client = calling_client()
+        session = client[1]
+        if (session is not None and self.session_open is not None and not self.everything
+                and not self.session_open(session)):
+            return [i for i in ids if i not in self.named]
         with self._lock:
-            self._made.update((i, client) for i in ids)
+            for i in ids:
+                self._noted += 1
+                self._made[i] = client
+                self._when[i] = self._noted
+        return []
+
+    def noted(self) -> int:
+        """How many sandboxes were noted so far (a mark to take before a listing)."""
+        with self._lock:
+            return self._noted
+
+    def forget(self, ids: Iterable[str], before: int | None = None) -> None:
+        """Forget ``ids``, sandboxes that ended (killed, or not in a listing begun at
+        ``before``, a ``noted()`` mark: one noted since is kept). An id noted for ever was
+        the client's for ever: a sandbox that got it again later (another client's) was
+        this client's to use and kill."""
+        with self._lock:
+            for i in ids:
+                if i in self._made and (before is None or self._when[i] <= before):
+                    del self._made[i]
+                    del self._when[i]
+
+    def gone_from(self, listed: Iterable[str]) -> list[str]:
+        """The ids noted here that ``listed`` (a listing of every sandbox) lacks."""
+        running = set(listed)
+        with self._lock:
+            return [i for i in self._made if i not in running]
+
+    def ended(self, session: str) -> list[str]:
+        """The sandboxes the ended MCP session ``session`` created, forgotten here: the
+        caller kills them. None with ``everything`` (the next session reaches them)."""
+        if self.everything:
+            return []
+        with self._lock:
+            ids = [i for i, (_, s) in self._made.items()
+                   if s == session and i not in self.named]
+            for i in ids:
+                del self._made[i]
+                del self._when[i]
+        return ids
 
     def allows(self, sandbox_id: str) -> bool:
         if self.everything or sandbox_id in self.named:
@@ -381,6 +491,14 @@ class SandboxScope:
                 f"no child {sandbox_id} among the sandboxes this MCP client may use: the "
                 "ones it created with create_sandboxes or fork_from_branch, and the ones "
                 "the operator named (forkd mcp --sandbox ID); list_sandboxes shows them")
+
+
+def kill_all(controller: Controller, ids: list[str]) -> None:
+    """Kill the sandboxes ``ids`` (of an MCP session that ended), each as far as it goes:
+    one that already ended, or a failure, leaves the rest to be killed."""
+    for sandbox_id in ids:
+        with contextlib.suppress(ForkdError):
+            controller.backend.kill(sandbox_id)
 
 
 def _owned_by_nobody(ids: list[str]) -> None:
@@ -572,7 +690,7 @@ class Tools:
         self.token = token
         self.sandboxes = sandboxes
         self.scope = scope if scope is not None else SandboxScope()
-        self.branches = BranchTags(everything=self.scope.everything)
+        self.branches = BranchTags(controller, everything=self.scope.everything)
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox, when the calling client may act on it (SandboxScope)."""
@@ -581,23 +699,35 @@ class Tools:
 
     def list_snapshots(self) -> dict[str, Any]:
         """The snapshot tags sandboxes can be created from (ref, digest, depth, sizes)."""
-        mine = [s for s in self.controller.snapshots() if self._listable(s.ref)]
+        mine = [s for s in self.controller.snapshots() if self._listable(s.ref, s.digest)]
         return {"snapshots": plain(mine)}
 
-    def _listable(self, ref: str) -> bool:
+    def _listable(self, ref: str, digest: str) -> bool:
         """Not another client's branch, nor the saved state of a paused sandbox this
         client may not reach (its tag, ``forkd-paused/ID:a|b``, names that sandbox)."""
         owner = private_owner(ref)
-        return not self.branches.anothers(ref) and (owner is None or self.scope.allows(owner))
+        return (not self.branches.anothers(ref, digest)
+                and (owner is None or self.scope.allows(owner)))
 
     def list_sandboxes(self) -> dict[str, Any]:
         """The sandboxes: id, the tag each came from, status (running, paused, crashed) and
         seconds left before its deadline (null: none)."""
+        # one listing (asking each sandbox for its info again failed the whole call when
+        # one ended meanwhile), which also forgets the ones that ended (SandboxScope.forget):
+        # each one missing from it that the daemon no longer knows (a listing skips a record
+        # it cannot read at that moment; its sandbox is not lost to its client for that)
+        mark = self.scope.noted()
+        listed = self.controller.backend.sandboxes()
+        for missing in self.scope.gone_from(sb.id for sb in listed):
+            try:
+                self.controller.backend.sandbox(missing)
+            except NotFound:
+                self.scope.forget([missing], before=mark)
         out = []
-        for sb in self.controller.sandboxes():
+        for sb in listed:
             if not self.scope.allows(sb.id):
                 continue  # another client's, or made elsewhere and not named to this server
-            info = plain(sb.info)
+            info = plain(sb)
             out.append({k: info.get(k) for k in ("id", "ref", "origin", "status", "time_left_s")})
         return {"sandboxes": out}
 
@@ -657,7 +787,13 @@ class Tools:
                         sb.kill()
                 revocation.check()
             own([sb.id for sb in started])
-            self.scope.made([sb.id for sb in started])
+            orphans = self.scope.made([sb.id for sb in started])
+        if orphans:
+            kill_all(self.controller, orphans)
+            raise ForkdError(
+                f"this MCP session ended while its {len(orphans)} sandboxes started, so they "
+                "were killed (a session's sandboxes end with it); open a new session and "
+                "create them again")
         return {"tag": tag, "sandboxes": [sb.id for sb in started]}
 
     def run_command(
@@ -793,15 +929,18 @@ class Tools:
         then starts sandboxes from it. force: replace the tag if it is one you made with
         branch_sandbox on this server (any other existing tag is refused: pick a new one)."""
         ref = str(parse_ref(tag))
-        if force:
-            self.branches.may_replace(ref, self.controller)
-        result = self.sandbox(sandbox_id).branch(ref, force=force)
-        self.branches.made(ref)
+        sb = self.sandbox(sandbox_id)
+        with self.branches.branching(ref):
+            if force:
+                force = self.branches.may_replace(ref)
+            result = sb.branch(ref, force=force)
+            self.branches.made(ref, result.digest)
         return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """Stop a sandbox and remove everything it had (its disk, its saved state)."""
         self.sandbox(sandbox_id).kill()
+        self.scope.forget([sandbox_id])  # its id may come round again: not this client's
         return {"killed": sandbox_id}
 
 
@@ -985,7 +1124,9 @@ def http_server(
     SDK's: a new session past the limit gets 503 "Too many open sessions"), and the tool
     calls in flight bounded in all and per client (ToolCalls), and through a daemon the
     sandboxes each client runs (``sandboxes``, SandboxShares.of the controller by
-    default); ``scope``: the sandboxes beyond its own each client may act on."""
+    default); ``scope``: the sandboxes beyond its own each client may act on. The
+    sandboxes a session created are killed when it ends (kill_when_ended)."""
+    scope = scope if scope is not None else SandboxScope()
     mcp = build_server(controller, token, ToolCalls.of(controller),
                        sandboxes if sandboxes is not None else SandboxShares.of(controller),
                        scope)
@@ -994,6 +1135,7 @@ def http_server(
         session_idle_timeout=session_idle_s,
     )
     sessions = mcp.session_manager
+    kill_when_ended(sessions, scope, controller)
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
@@ -1001,6 +1143,28 @@ def http_server(
     guarded = TokenWatch(BearerAuth(bounded, token), token)  # a revoked token ends its streams
     config = bounded_config(guarded, limits=limits, host=host, port=port)
     return uvicorn.Server(config)
+
+
+def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller) -> None:
+    """Kill the sandboxes of each MCP session of ``sessions`` (the SDK's session manager)
+    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), in
+    a thread of their own (a kill waits on the engine; the event loop does not). A session
+    ended because the server stops leaves them (its restart forgets who made what; the
+    operator names them with --sandbox). The SDK discards every ended session through
+    ``_discard_session``, which this wraps."""
+    scope.session_open = lambda sid: sid in sessions._server_instances
+    discard = sessions._discard_session
+
+    async def discarded(session_id: str, transport: Any) -> None:
+        await discard(session_id, transport)
+        if sessions._task_group is None:
+            return  # the server stops: not a session's end
+        ids = scope.ended(session_id)
+        if ids:
+            threading.Thread(target=kill_all, args=(controller, ids), daemon=True,
+                             name="forkd-mcp-session-ended").start()
+
+    sessions._discard_session = discarded
 
 
 def serve_http(controller: Controller, host: str, port: int, path: str, token: Token,
@@ -1105,6 +1269,10 @@ class SessionShare:
         self.per_client = per_client
         self.max_sessions = max_sessions
         self.opened: dict[str, set[str]] = {}
+        # requests opening a session, per client, counted from their start: a session
+        # counted only once its answer started let a client's initializes sent together
+        # each find its share unfilled, and take every session of the server
+        self.opening: dict[str, int] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers", [])) if scope.get("type") == "http" else {}
@@ -1114,10 +1282,14 @@ class SessionShare:
             return
         client = scope.get("client")
         peer = server_peer(str(client[0])) if client else "-"
-        mine = {sid for sid in self.opened.get(peer, set()) if self.live(sid)}
-        self.opened[peer] = mine
-        if len(mine) >= self.per_client:
-            message = (f"this client ({peer}) holds {len(mine)} MCP sessions, the most one "
+        # one set per client, changed in place: a request that replaced it with a copy
+        # dropped the sessions other requests of the client noted in the old one meanwhile
+        mine = self.opened.setdefault(peer, set())
+        mine.difference_update([sid for sid in mine if not self.live(sid)])
+        held = len(mine) + self.opening.get(peer, 0)
+        if held >= self.per_client:
+            message = (f"this client ({peer}) holds {held} MCP sessions (open, or being "
+                       f"opened), the most one "
                        f"client may ({self.per_client} of {self.max_sessions}); end sessions "
                        "you no longer use (HTTP DELETE with their mcp-session-id) or reuse one")
             body = json.dumps({"jsonrpc": "2.0", "id": None,
@@ -1127,15 +1299,30 @@ class SessionShare:
             await send({"type": "http.response.body", "body": body})
             return
 
+        counted = True  # as being opened: until its session is noted, or the request ends
+
+        def opened() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.opening[peer] -= 1
+                if not self.opening[peer]:
+                    del self.opening[peer]
+
         async def noted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 for key, value in message.get("headers", []):
                     if key.lower() == b"mcp-session-id":
-                        mine.add(value.decode("latin-1"))
+                        self.opened.setdefault(peer, set()).add(value.decode("latin-1"))
+                opened()  # counted as open from now on (or not a session)
             await send(message)
 
-        await self.app(scope, receive, noted)
-        if not mine:
+        self.opening[peer] = self.opening.get(peer, 0) + 1
+        try:
+            await self.app(scope, receive, noted)
+        finally:
+            opened()
+        if not self.opened.get(peer) and not self.opening.get(peer):
             self.opened.pop(peer, None)
         if sum(len(ids) for ids in self.opened.values()) > 2 * self.max_sessions:
             self._forget_ended()
