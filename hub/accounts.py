@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
 from functools import lru_cache
+from typing import Literal
 
 import anyio
 from argon2 import PasswordHasher
@@ -559,7 +560,11 @@ def check_new_namespace(name: str) -> None:
 
 
 async def claim_name(
-    session: AsyncSession, name: str, kind: str, *, robot_of: str | None = None
+    session: AsyncSession,
+    name: str,
+    kind: Literal["user", "robot", "namespace"],
+    *,
+    robot_of: str | None = None,
 ) -> None:
     """The one rule for a new name, on every path that makes a principal or a namespace
     (the API, the UI's forms, the operator's ``forkd hub`` commands, a site admin's push):

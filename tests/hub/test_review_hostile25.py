@@ -116,6 +116,11 @@ def test_a_robot_made_in_the_ui_takes_no_name_a_person_could_have(hub: HubServer
         data = {"csrf": csrf_of(page.text), "username": robot, "role": "pull"}
         r = b.post(f"/-/members/{org}", data=data)
         assert r.status_code == 303, r.text
+    with hub.client(alice) as c:  # and in the API's member routes (a "+" in the path)
+        r = c.put(f"/api/v1/orgs/{org}/members/{robot}", json={"role": "push"})
+        assert r.status_code == 204, r.text
+        team = {"name": "bots", "role": "pull", "members": [robot]}
+        assert c.post(f"/api/v1/orgs/{org}/teams", json=team).status_code == 201
 
 
 def test_a_robot_named_after_another_namespace_is_refused(hub: HubServer) -> None:
