@@ -22,7 +22,9 @@
    creates a namespace) claims its name through ``accounts.claim_name``: a name is free
    only when no account and no namespace has it, and a robot an organisation's admin
    makes is named ``ORG+NAME`` (typing ``ci`` in ``acme`` makes ``acme+ci``): ``+`` is in
-   no person's or namespace's name, so such robots take no name from the pool.
+   no person's or namespace's name, so such robots take no name from the pool. A test
+   reads the hub's source: only functions that call ``claim_name`` construct a ``User``
+   or a ``Namespace`` row.
 """
 
 from __future__ import annotations
@@ -183,3 +185,38 @@ def test_every_path_claims_a_name_by_one_rule(
         hub.cli("user", "add", "ci-bot", "--robot")  # the operator's plain names still work
     finally:
         hub.stop()
+
+
+def test_every_account_and_namespace_row_is_made_after_claim_name() -> None:
+    """The class, not the cases: the only places that construct a ``User`` or a
+    ``Namespace`` row are the functions of hub/accounts.py that claim the name first
+    (``claim_name``). A new path that makes one without it fails here."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    makers: set[tuple[str, str]] = set()
+    for path in [*(root / "hub").rglob("*.py"), *(root / "cli").rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+            made = {
+                c.func.id
+                for c in calls
+                if isinstance(c.func, ast.Name) and c.func.id in ("User", "Namespace")
+            }
+            if not made:
+                continue
+            makers.add((path.relative_to(root).as_posix(), fn.name))
+            claims = any(
+                isinstance(c.func, ast.Name | ast.Attribute)
+                and (c.func.id if isinstance(c.func, ast.Name) else c.func.attr) == "claim_name"
+                for c in calls
+            )
+            assert claims, f"{path.name}:{fn.name} makes a {made} row without claim_name"
+    assert makers == {
+        ("hub/accounts.py", "create_user"),
+        ("hub/accounts.py", "create_org"),
+        ("hub/accounts.py", "create_repository"),
+    }, makers
