@@ -37,6 +37,14 @@ NAMESPACE_RE = whole(NAME_COMPONENT)
 TAG_RE = whole(r"[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}")
 USER_RE = whole(_ACCOUNT)
 TEAM_RE = whole(_ACCOUNT)
+# A robot made for a namespace is named ``NAMESPACE+NAME``: ``+`` is in no user, namespace
+# or team name, so robots an organisation's admins make never take a name a person or a
+# namespace could have (the hub's shared pool of names: hub/accounts.py ``claim_name``).
+ROBOT_SEPARATOR = "+"
+ROBOT_RE = whole(rf"({NAME_COMPONENT})\+({_ACCOUNT})")
+# Any account's name as stored: a person's (or an operator's robot's), or such a robot's.
+ACCOUNT_RE = whole(rf"(?:{NAME_COMPONENT}\+)?{_ACCOUNT}")
+ACCOUNT_MAX = 64  # users.name
 MAX_NAME = 255
 DEFAULT_TAG = "latest"
 
@@ -114,6 +122,47 @@ def validate_username(name: str) -> str:
         raise InvalidInput(
             f"invalid user name {shown(name)}: use 1-64 lowercase letters, digits, '-' or "
             "'_' (not '__'), starting and ending with a letter or digit"
+        )
+    return name
+
+
+def is_account_name(name: object) -> bool:
+    """Whether ``name`` is a name an account (a person or a robot) may have: for lookups of
+    names a client sends (a sign-in, a member to add), before any database read."""
+    return (
+        matches(ACCOUNT_RE, name)
+        and isinstance(name, str)
+        and len(name) <= ACCOUNT_MAX
+        and "__" not in name.rpartition(ROBOT_SEPARATOR)[2]
+    )
+
+
+def validate_account(name: str) -> str:
+    """InvalidInput unless ``name`` is a name an account may have (``is_account_name``)."""
+    if not is_account_name(name):
+        raise InvalidInput(
+            f"invalid account name {shown(name)}: a user's name (1-64 lowercase letters, "
+            "digits, '-' or '_') or a robot's (NAMESPACE+NAME, at most 64 characters)"
+        )
+    return name
+
+
+def validate_robot(name: str, namespace: str) -> str:
+    """InvalidInput unless ``name`` is ``namespace+NAME``, a name a robot made for
+    ``namespace`` may take (NAME as a user's name; at most 64 characters in all)."""
+    m = ROBOT_RE.match(name)
+    if m is None or m.group(1) != namespace or len(name) > ACCOUNT_MAX or "__" in m.group(2):
+        room = ACCOUNT_MAX - len(namespace) - 1
+        if room < 1:
+            raise InvalidInput(
+                f"{shown(namespace)} is too long a namespace name to name robots after "
+                f"(a robot's name is {shown(namespace)}+NAME, at most {ACCOUNT_MAX} "
+                "characters): ask a site admin to make the robot"
+            )
+        raise InvalidInput(
+            f"invalid robot name {shown(name)}: a robot made for {shown(namespace)} is "
+            f"named {namespace}+NAME, NAME being 1-{room} lowercase letters, digits, '-' "
+            "or '_' (not '__'), starting and ending with a letter or digit"
         )
     return name
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
 from functools import lru_cache
+from typing import Literal
 
 import anyio
 from argon2 import PasswordHasher
@@ -49,6 +50,7 @@ from forkd.names import shown
 # Names are validated by the one set of full-match validators in forkd.names.
 USER_RE = names.USER_RE
 validate_username = names.validate_username
+validate_account = names.validate_account
 validate_namespace = names.validate_namespace
 validate_team = names.validate_team
 TOKEN_PREFIX = "fkd_"
@@ -300,7 +302,7 @@ async def authenticate_password(
     session: AsyncSession, username: str, password: str
 ) -> Principal | None:
     """Check a user's password, or an API token given as the password. None when wrong."""
-    user = await get_user(session, username) if USER_RE.match(username or "") else None
+    user = await get_user(session, username) if names.is_account_name(username) else None
     if password.startswith(TOKEN_PREFIX):
         token = (
             await session.scalars(
@@ -557,6 +559,63 @@ def check_new_namespace(name: str) -> None:
         )
 
 
+async def claim_name(
+    session: AsyncSession,
+    name: str,
+    kind: Literal["user", "robot", "namespace"],
+    *,
+    robot_of: str | None = None,
+) -> None:
+    """The one rule for a new name, on every path that makes a principal or a namespace
+    (the API, the UI's forms, the operator's ``forkd hub`` commands, a site admin's push):
+    InvalidInput for a name of the wrong form or reserved, Conflict for one taken.
+
+    Users, robots and namespaces share one pool of names: a user's name is its personal
+    namespace's, so a namespace of that name, or an account of that name (a robot has no
+    namespace), keeps the user from being made, and the other way round. ``kind``:
+
+    - ``"user"``: a person (the operator's); a user name, free as an account and as a
+      namespace, not reserved;
+    - ``"robot"`` with ``robot_of``: a robot an admin of that namespace makes (the UI's
+      robot form): named ``NAMESPACE+NAME`` (``names.validate_robot``), which no person or
+      namespace can be named, so the robots any user makes in the organisations it creates
+      take no name from the pool (they took names of people the operator had yet to
+      create, up to 2,000 per user);
+    - ``"robot"`` without ``robot_of``: the operator's robot: either form (a plain name is
+      claimed as a person's is);
+    - ``"namespace"``: an organisation, or a namespace a site admin's push creates."""
+    if kind == "robot" and (robot_of is not None or names.ROBOT_SEPARATOR in name):
+        names.validate_robot(name, robot_of or name.partition(names.ROBOT_SEPARATOR)[0])
+        if robot_of is None and await get_namespace(session, namespace_of_robot(name)) is None:
+            raise InvalidInput(
+                f"no namespace {shown(namespace_of_robot(name))} to name the robot "
+                f"{shown(name)} after: create it first, or give the robot a user's name"
+            )
+        if await get_user(session, name) is not None:
+            raise Conflict(f"robot {shown(name)} already exists: choose another name")
+        return
+    if kind == "namespace":
+        validate_namespace(name)
+    else:
+        validate_username(name)
+    check_new_namespace(name)
+    taken = await get_user(session, name)
+    if taken is not None:
+        what = "robot" if taken.is_robot else "user"
+        raise Conflict(f"{what} {shown(name)} already exists: choose another name")
+    if await get_namespace(session, name) is not None:
+        raise Conflict(
+            f"namespace {shown(name)} already exists (an organisation's, or a removed "
+            "user's, which stays): choose another name"
+        )
+
+
+def namespace_of_robot(name: str) -> str:
+    """``acme`` for the robot ``acme+ci``; "" for a name without ``+``."""
+    head, sep, _ = name.partition(names.ROBOT_SEPARATOR)
+    return head if sep else ""
+
+
 async def create_user(
     session: AsyncSession,
     name: str,
@@ -564,15 +623,13 @@ async def create_user(
     *,
     admin: bool = False,
     robot: bool = False,
+    robot_of: str | None = None,
 ) -> User:
-    """A user with a personal namespace of the same name (admin role in it)."""
-    validate_username(name)
-    if not robot:
-        check_new_namespace(name)
-    if await get_user(session, name) is not None:
-        raise Conflict(f"user {shown(name)} already exists")
+    """A user with a personal namespace of the same name (admin role in it); a robot
+    (``robot``) has none. The name is claimed by ``claim_name``."""
     if robot and password:
         raise InvalidInput("robot accounts log in with tokens only, not passwords")
+    await claim_name(session, name, "robot" if robot else "user", robot_of=robot_of)
     user = User(
         name=name,
         password_hash=hash_password(password) if password else None,
@@ -582,9 +639,6 @@ async def create_user(
     session.add(user)
     await session.flush()
     if not robot:
-        ns = await get_namespace(session, name)
-        if ns is not None:
-            raise Conflict(f"namespace {shown(name)} already exists (an organisation?)")
         ns = Namespace(name=name, kind="user")
         session.add(ns)
         await session.flush()
@@ -615,7 +669,7 @@ async def create_robot_in(session: AsyncSession, namespace: str, name: str) -> U
             f"{shown(namespace)} has {held} robots, the limit is {MAX_ROBOTS_PER_NAMESPACE}: "
             "mint another token for one of them, or ask a site admin to remove some"
         )
-    robot = await create_user(session, name, None, robot=True)
+    robot = await create_user(session, name, None, robot=True, robot_of=ns.name)
     robot.robot_for = ns.id
     return robot
 
@@ -668,10 +722,7 @@ async def create_org(session: AsyncSession, name: str, creator: User | None = No
     that user's own namespace, when it has one: any signed-in user creates organisations
     and pushes into them, so a quota on the user's namespace alone bounded nothing (the
     same bytes went into an organisation without one). A site admin may change it."""
-    validate_namespace(name)
-    check_new_namespace(name)
-    if await get_namespace(session, name) is not None:
-        raise Conflict(f"namespace {shown(name)} already exists")
+    await claim_name(session, name, "namespace")
     quota = None
     if creator is not None and not creator.is_admin:
         quota = await session.scalar(
@@ -798,7 +849,7 @@ async def create_repository(
     if ns is None:
         if not admin_may_create_namespace:
             raise InvalidInput(f"namespace {shown(ns_name)} does not exist")
-        check_new_namespace(ns_name)
+        await claim_name(session, ns_name, "namespace")
         ns = Namespace(name=ns_name, kind="org")
         session.add(ns)
         await session.flush()

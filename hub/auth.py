@@ -31,7 +31,7 @@ from forkd.hub.models import Repository, User
 from forkd.hub.services import Hub, limited_address
 from forkd.hub.settings import Network, host_names, parse_host, proxy_networks
 from forkd.hub.tokens import Grant
-from forkd.names import shown, validate_name
+from forkd.names import is_account_name, shown, validate_name
 
 SCOPE_RE = re.compile(r"\Arepository:([^:]+):([a-z*,]+)\Z")  # whole text, even with .match
 REQUESTABLE = frozenset({"pull", "push", "delete", "*"})
@@ -147,7 +147,7 @@ def logged_name(user: str) -> str:
     an account could have, else ``(not a user name)``. The field is the client's: a token
     pasted as the user name (``fkd_…``, 47 characters), or a password typed there, would
     otherwise be kept in clear in the append-only log that operators ship and share."""
-    if accounts.USER_RE.fullmatch(user) and not user.startswith(accounts.TOKEN_PREFIX):
+    if is_account_name(user) and not user.startswith(accounts.TOKEN_PREFIX):
         return user
     return "(not a user name)"
 

@@ -25,7 +25,7 @@ from forkd import jsondoc
 from forkd.errors import IntegrityError, InvalidInput, NotFound
 from forkd.hub import accounts, authz, chains
 from forkd.hub.auth import authenticate
-from forkd.hub.db import like_literal
+from forkd.hub.db import contains_folded, like_literal
 from forkd.hub.display import one_line, optional_line
 from forkd.hub.models import Manifest, Repository, Tag
 from forkd.hub.oci.common import in_chunks
@@ -116,7 +116,7 @@ class CatalogController(Controller):
         async with hub.db.reading() as session:
             where = [await session.run_sync(authz.visible, principal)]
             if q:
-                where.append(Repository.name.like(f"%{like_literal(q)}%", escape="\\"))
+                where.append(contains_folded(Repository.name, q))  # A-Z as a-z, both backends
             if namespace:
                 where.append(Repository.name.like(f"{like_literal(namespace)}/%", escape="\\"))
             total = await session.scalar(select(func.count()).select_from(Repository).where(*where))

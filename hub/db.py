@@ -11,7 +11,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import anyio
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy import Connection, Engine, String, create_engine, event, make_url, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -20,8 +20,11 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.orm import QueryableAttribute, Session
 from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
 
 import forkd.migrations
 from forkd.errors import Conflict, InvalidInput
@@ -100,6 +103,41 @@ def concurrent_changes_conflict() -> Iterator[None]:
 def like_literal(text: str) -> str:
     """``text`` for a SQL LIKE pattern with ``\\`` as escape: wildcards match literally."""
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+# LIKE is one behaviour on both backends: case-sensitive, as PostgreSQL's is (SQLite's
+# connections set ``case_sensitive_like``, below). A search that means to ignore case says
+# so with ``contains_folded``, which folds A-Z only, on both: SQLite's lower() knows no
+# other letters, and PostgreSQL's knows all of them (by its collation), so folding more on
+# one backend would give two answers again.
+_UPPER, _LOWER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz"
+_ASCII_FOLD = str.maketrans(_UPPER, _LOWER)
+
+
+class ascii_lower(FunctionElement[str]):
+    """SQL: ``text`` with A-Z made a-z and every other character as it is."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(ascii_lower)
+def _ascii_lower_sqlite(element: ascii_lower, compiler: Any, **kw: Any) -> str:
+    return f"lower({compiler.process(element.clauses, **kw)})"  # ASCII only in SQLite
+
+
+@compiles(ascii_lower, "postgresql")
+def _ascii_lower_postgresql(element: ascii_lower, compiler: Any, **kw: Any) -> str:
+    return f"translate({compiler.process(element.clauses, **kw)}, '{_UPPER}', '{_LOWER}')"
+
+
+def contains_folded(
+    column: ColumnElement[Any] | QueryableAttribute[Any], text: str
+) -> ColumnElement[bool]:
+    """``column`` holds ``text`` ignoring the case of A-Z (only), the same on SQLite and
+    PostgreSQL."""
+    pattern = f"%{like_literal(text.translate(_ASCII_FOLD))}%"
+    return ascii_lower(column).like(pattern, escape="\\")
 
 
 def migrations_dir() -> Path:
@@ -419,6 +457,10 @@ def _sqlite_setup(
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_s * 1000)}")
+        # LIKE as PostgreSQL's: case-sensitive (SQLite's ignores the case of A-Z), so a
+        # pattern matches the same rows on both (a name filter ``ACME`` matched ``acme``'s
+        # rows on SQLite only). Searches that ignore case say so: ``contains_folded``.
+        cursor.execute("PRAGMA case_sensitive_like=ON")
         cursor.close()
 
     @event.listens_for(sync_engine, "begin")

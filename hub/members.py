@@ -26,6 +26,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from forkd import names
 from forkd.errors import Conflict, ForkdError, InvalidInput
 from forkd.hub import accounts, authz
 from forkd.hub.accounts import Principal
@@ -58,12 +59,21 @@ async def place_robot(
     session: AsyncSession, principal: Principal, namespace: str, robot: str, role: str
 ) -> User:
     """The UI robot form's member change: ``robot`` holds ``role`` in ``namespace`` after
-    it, made now as a robot of ``namespace`` when no account has the name. The rules and
+    it, made now as a robot of ``namespace`` when no account has the name (a short name
+    ``ci`` names ``NAMESPACE+ci``, the only names a robot made here may have, or a robot
+    named ``ci`` before that rule when the namespace has no ``NAMESPACE+ci``). The rules and
     refusals of ``change_member``, the API's, plus: Conflict when ``robot`` names a
     person, or ``namespace`` already made its ``MAX_ROBOTS_PER_NAMESPACE`` robots. The
     robot returned is the one to mint a token for."""
     ns, principal = await _administered_org(session, principal, namespace, role)
     user = await accounts.get_user(session, robot)
+    if names.ROBOT_SEPARATOR not in robot:
+        # A short name is the namespace's robot of that name: ``ci`` in acme is acme+ci
+        # (accounts.claim_name: robots made here take no name a person could have), or a
+        # robot of the plain name made before this rule, when acme has no acme+ci.
+        own = await accounts.get_user(session, f"{ns.name}{names.ROBOT_SEPARATOR}{robot}")
+        if own is not None or user is None or not user.is_robot:
+            robot, user = f"{ns.name}{names.ROBOT_SEPARATOR}{robot}", own
     made_here = user is None
     if user is None:
         user = await accounts.create_robot_in(session, ns.name, robot)

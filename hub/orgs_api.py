@@ -496,7 +496,7 @@ class UserController(Controller):
         admin = await _site_admin(hub, request, "user.create", data.name[:64])
         actor: Actor = admin
         try:
-            accounts.validate_username(data.name)
+            accounts.validate_account(data.name)  # the rest: accounts.claim_name
             if data.password is not None:
                 if data.robot:
                     raise InvalidInput("robot accounts log in with tokens only, not passwords")

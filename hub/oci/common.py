@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd import digest as dg
-from forkd.errors import InvalidInput
+from forkd.errors import Conflict, InvalidInput
 from forkd.hub import accounts, quotas
 from forkd.hub.accounts import Principal
 from forkd.hub.auth import (
@@ -113,6 +113,8 @@ class Ctx:
                 )
         except InvalidInput as exc:
             raise RegistryError(Code.NAME_UNKNOWN, str(exc)) from exc
+        except Conflict as exc:  # the namespace's name is an account's (accounts.claim_name)
+            raise RegistryError(Code.DENIED, str(exc), message=str(exc)) from exc
         except sa_exc.IntegrityError:
             repo = await accounts.get_repository(session, self.name)
             if repo is None:

@@ -400,7 +400,7 @@ class AccountController(Controller):
             _field(form, "role", 8),
         )
         try:
-            accounts.validate_username(robot)
+            accounts.validate_account(robot)  # ci, or acme+ci (members.place_robot)
             if role not in ROLES:
                 raise InvalidInput("role must be pull, push or admin")
             async with hub.db.transaction() as session:
@@ -418,8 +418,8 @@ class AccountController(Controller):
                 )
         except (InvalidInput, Conflict, members.NotPermitted) as exc:
             return await self._tokens_page(request, hub, ui, who, error=str(exc), status=400)
-        hub.audit.record(who.principal, client_ip(request), "robot.token", robot, "ok")
-        return _show_once(request, ui, secret, robot)
+        hub.audit.record(who.principal, client_ip(request), "robot.token", user.name, "ok")
+        return _show_once(request, ui, secret, user.name)
 
     # -- team membership -----------------------------------------------------
     @post("/-/members/{namespace:str}", request_max_body_size=FORM_MAX)
@@ -435,7 +435,7 @@ class AccountController(Controller):
         username, role = _field(form, "username", 64), _field(form, "role", 8)
         try:
             accounts.validate_namespace(namespace)
-            accounts.validate_username(username)
+            accounts.validate_account(username)
         except InvalidInput as exc:
             raise NotFoundException(str(exc)) from exc
         try:

@@ -26,7 +26,7 @@ from forkd.hub.catalog import (
     NOTES_MAX,
     annotations_of,
 )
-from forkd.hub.db import like_literal
+from forkd.hub.db import contains_folded, like_literal
 from forkd.hub.models import Manifest as ManifestRow
 from forkd.hub.models import Membership, Namespace, Repository, Tag, User
 from forkd.hub.services import FACTS_READERS, Hub, LazyLimiter
@@ -280,11 +280,12 @@ async def search(
     async with hub.db.reading() as session:
         where = [await session.run_sync(authz.visible, principal)]
         if filters.q:
-            pattern = f"%{like_literal(filters.q)}%"
+            # Ignoring the case of A-Z, on both backends (LIKE alone ignored it on SQLite
+            # only: "Debian" found "debian base" there and nothing on PostgreSQL).
             where.append(
                 or_(
-                    Repository.name.like(pattern, escape="\\"),
-                    Repository.description.like(pattern, escape="\\"),
+                    contains_folded(Repository.name, filters.q),
+                    contains_folded(Repository.description, filters.q),
                 )
             )
         if filters.namespace:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import httpx
 from hub_server import HubServer
 from hub_support import (
-    api_token,
     audit_log,
     browser,
     csrf_of,
@@ -22,12 +21,16 @@ from hub_support import (
 
 
 def test_a_removed_user_and_a_robot_given_its_name_are_two_actors(hub: HubServer) -> None:
-    """A user acts, is removed; an organisation's admin makes a robot of the same name
-    (the name is free again), which acts too: two actors of one name, two ids."""
+    """An account acts, is removed; an organisation's admin makes a robot of the same name
+    (the name is free again), which acts too: two actors of one name, two ids. (Since
+    review 25 a person's name stays its namespace's after its removal, and a robot made
+    in the UI is named ``ORG+NAME``: the account removed here is a robot of that name.)"""
     org, alice, _bob = org_with_pusher(hub)
-    name = unique_name("reborn")
-    person = hub.add_user(name)
-    api_token(hub, person, f"{name}:push")
+    name = f"{org}+{unique_name('reborn')}"
+    hub.cli("user", "add", name, "--robot")
+    hub.cli("org", "member", org, name, "pull")
+    with hub.client((name, hub.token(name, f"{org}:pull"))) as c:  # refused, and audited
+        assert c.post(f"/v2/{org}/app/blobs/uploads/").status_code in (401, 403)
     hub.cli("user", "remove", name)
     with browser(hub, *alice) as b:
         csrf = csrf_of(b.get("/-/settings/tokens").text)

@@ -147,7 +147,7 @@ def test_robots_an_organisation_makes_stay_bounded_when_removed(
     organisation count whether or not they are still members (2 here)."""
     monkeypatch.setattr(accounts, "MAX_ROBOTS_PER_NAMESPACE", 2)
     org, alice, _bob = org_with_pusher(hub)
-    robots = [unique_name("gone") for _ in range(4)]
+    robots = [f"{org}+{unique_name('gone')}" for _ in range(4)]  # ORG+NAME: review 25
     answers = []
     with browser(hub, *alice) as b:
         for robot in robots:

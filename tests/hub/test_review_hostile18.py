@@ -136,22 +136,24 @@ def test_members_added_at_once_by_several_admins_are_never_a_500(pg_hub: HubServ
 def test_robots_of_one_name_made_at_once_in_the_ui_are_one_and_refusals(
     pg_hub: HubServer,
 ) -> None:
-    """Each admin makes the robot for their own organisation: the organisations' rows
-    they hold differ, so only the robot's name is contested."""
-    admins = [_org_with_admins(pg_hub, f"yard{i}", 1)[0] for i in range(RACERS)]
+    """Admins of one organisation make its robot of one name at once (since review 25 a
+    robot made in the UI is named ``ORG+NAME``, so two organisations never contest one):
+    one makes it, the others place it or are refused, none is a 500."""
+    admins = _org_with_admins(pg_hub, "yard", RACERS)
     with ExitStack() as stack:
         signed_in = [stack.enter_context(browser(pg_hub, *who)) for who in admins]
         forms = [csrf_of(b.get("/-/settings/tokens").text) for b in signed_in]
         for round_ in range(ROUNDS):
             robot = f"shared-bot{round_}"
             calls: list[Call] = [
-                lambda _c, b=b, i=i, csrf=csrf, robot=robot: b.post(
+                lambda _c, b=b, csrf=csrf, robot=robot: b.post(
                     "/-/settings/robots",
-                    data={"csrf": csrf, "namespace": f"yard{i}", "robot": robot, "role": "pull"},
+                    data={"csrf": csrf, "namespace": "yard", "robot": robot, "role": "pull"},
                 )
-                for i, (b, csrf) in enumerate(zip(signed_in, forms, strict=True))
+                for b, csrf in zip(signed_in, forms, strict=True)
             ]
-            assert _at_once(pg_hub, calls) == Counter({303: 1, 400: RACERS - 1})
+            statuses = _at_once(pg_hub, calls)
+            assert statuses[303] >= 1 and set(statuses) <= {303, 400}, statuses
 
 
 def test_a_robot_placed_in_a_team_is_not_managed_by_another_namespaces_admins_alone(

@@ -66,7 +66,7 @@ def minted(hub: HubServer) -> Iterator[Minted]:
     with hub.client(alice) as c:
         r = c.put(f"/api/v1/orgs/{org}/members/{carol[0]}", json={"role": "admin"})
         assert r.status_code == 204, r.text
-    robot = unique_name("bot")
+    robot = f"{org}+{unique_name('bot')}"  # a robot made in the UI: ORG+NAME (review 25)
     by_carol = _mint_robot_token(hub, carol, org, robot)
     by_alice = _mint_robot_token(hub, alice, org, robot)
     yield org, alice, carol, robot, by_carol, by_alice
@@ -122,12 +122,10 @@ def test_a_robot_token_ends_when_its_minter_is_deleted(hub: HubServer, minted: M
     hub.cli("user", "remove", carol[0])
     assert _pulls(hub, robot, by_carol, org) == 401
     assert _pulls(hub, robot, by_alice, org) == 200
-    # A new account given carol's name (a robot: her namespace stays) is not her, even
-    # made an admin of the organisation: her token stays dead (ids are never reused).
-    hub.cli("user", "add", carol[0], "--robot")
-    with hub.client(ADMIN) as c:
-        r = c.put(f"/api/v1/orgs/{org}/members/{carol[0]}", json={"role": "admin"})
-        assert r.status_code == 204
+    # No new account is given carol's name: her namespace stays and keeps it (review 25,
+    # one pool of names; a robot of her name was made here before). Her token stays dead.
+    with pytest.raises(AssertionError, match="already exists"):
+        hub.cli("user", "add", carol[0], "--robot")
     assert _pulls(hub, robot, by_carol, org) == 401
 
 
@@ -188,7 +186,7 @@ def test_a_routes_own_vary_is_kept() -> None:
 
 def test_the_robot_form_keeps_an_organisations_last_direct_admin(hub: HubServer) -> None:
     org, alice, _bob = org_with_pusher(hub)
-    robot = unique_name("bot")
+    robot = f"{org}+{unique_name('bot')}"  # a robot made in the UI: ORG+NAME (review 25)
     _mint_robot_token(hub, alice, org, robot)  # a pull member
     with browser(hub, *alice) as b:  # the robot made a direct admin through the form
         csrf = csrf_of(b.get("/-/settings/tokens").text)
@@ -224,5 +222,6 @@ def test_no_new_namespace_takes_a_name_the_hub_serves_itself(hub: HubServer) -> 
             assert r.status_code == 400 and "reserved" in r.text, r.text
             r = c.post(f"/v2/{name}/app/blobs/uploads/")  # a site admin's push makes one
             assert r.status_code == 404 and "reserved" in r.text, r.text  # NAME_UNKNOWN
-        r = c.post("/api/v1/users", json={"name": "api", "robot": True})  # no namespace
-        assert r.status_code == 201, r.text
+        # A robot has no namespace, but claims its name from the same pool (review 25).
+        r = c.post("/api/v1/users", json={"name": "api", "robot": True})
+        assert r.status_code == 400 and "reserved" in r.text, r.text

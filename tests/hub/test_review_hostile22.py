@@ -98,7 +98,7 @@ def test_the_api_and_both_ui_forms_write_members_through_one_path(
     hub: HubServer, placed: list[tuple[str, str | None]]
 ) -> None:
     org, alice, bob = org_with_pusher(hub)
-    robot = unique_name("bot")
+    robot = f"{org}+{unique_name('bot')}"  # made in the UI: ORG+NAME
     assert placed == [(bob[0], "push")]  # org_with_pusher's own PUT
     placed.clear()
     with hub.client(alice) as c:
@@ -132,7 +132,7 @@ def test_a_robot_holding_no_place_is_refused_by_the_api_and_both_forms(hub: HubS
 
 def test_the_last_direct_admin_is_kept_by_the_api_and_both_forms(hub: HubServer) -> None:
     org, alice, _bob = org_with_pusher(hub)
-    robot = unique_name("bot")
+    robot = f"{org}+{unique_name('bot')}"  # made in the UI: ORG+NAME
     with browser(hub, *alice) as b:
         assert _robot_form(b, org, robot, "admin").status_code == 303
     with hub.client(alice) as c:  # alice an admin through a team only: the robot is the last

@@ -329,7 +329,7 @@ def test_an_accounts_robots_share_its_one_compaction_place(
             assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
         robots = []
         with browser(server, *alice) as b:
-            for name in ("bot-one", "bot-two"):
+            for name in (f"{org}+bot-one", f"{org}+bot-two"):  # ORG+NAME: review 25
                 csrf = csrf_of(b.get("/-/settings/tokens").text)
                 data = {"csrf": csrf, "namespace": org, "robot": name, "role": "push"}
                 assert b.post("/-/settings/robots", data=data).status_code == 303
@@ -447,7 +447,7 @@ def test_a_users_robots_share_its_upload_sessions(tmp_path: Path) -> None:
             assert c.post("/api/v1/orgs", json={"name": org}).status_code == 201
         robots = []
         with browser(server, *alice) as b:
-            for name in ("up-one", "up-two"):
+            for name in (f"{org}+up-one", f"{org}+up-two"):  # ORG+NAME: review 25
                 csrf = csrf_of(b.get("/-/settings/tokens").text)
                 data = {"csrf": csrf, "namespace": org, "robot": name, "role": "push"}
                 assert b.post("/-/settings/robots", data=data).status_code == 303

@@ -333,9 +333,25 @@ def test_compactions_beyond_the_limit_are_refused_not_queued(
 
 # -- 4. writes go to the caller's row ---------------------------------------------------------
 def _swap_for_robot(hub: HubServer, name: str) -> None:
-    """Remove user ``name`` and create a robot of the same name (another admin's doing)."""
+    """Remove user ``name`` and create a robot of the same name (another admin's doing).
+    Since review 25 no path of the hub gives a removed user's name to a new account (its
+    namespace stays and keeps it: ``accounts.claim_name``); a row an older hub wrote, or
+    one written by hand, still may, so the robot is written to the database directly."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from forkd.hub.models import User
+    from forkd.hub.settings import HubSettings
+
     hub.cli("user", "remove", name)
-    hub.cli("user", "add", name, "--robot")
+    url = HubSettings(hub.data_dir).validated().database_url
+    engine = create_engine(url.replace("+aiosqlite", ""))
+    try:
+        with Session(engine) as session:
+            session.add(User(name=name, is_robot=True))
+            session.commit()
+    finally:
+        engine.dispose()
 
 
 def _tokens_of(hub: HubServer, name: str) -> str:

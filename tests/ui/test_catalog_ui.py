@@ -269,15 +269,15 @@ def test_tokens_robots_and_team(seeded: Seeded, page: Any) -> None:
 
     robots = page.locator("form[aria-label='New robot token']")
     robots.locator("select[name=namespace]").select_option("acme")
-    robots.locator("input[name=robot]").fill("acme-ci")
+    robots.locator("input[name=robot]").fill("ci")  # the robot acme+ci (hub review 25)
     robots.locator("select[name=role]").select_option("push")
     with page.expect_navigation() as nav:
         robots.locator("button").click()
     assert_post_redirect_get(page, nav.value, f"{base}/-/settings/tokens")
     robot_secret = page.get_by_test_id("token-secret").inner_text()
-    assert "acme-ci" in page.get_by_test_id("new-token").inner_text()
-    assert httpx.get(v2, auth=("acme-ci", robot_secret)).status_code == 200
-    robot_tokens = page.locator("[data-testid=robot-tokens-acme-ci] tbody tr")
+    assert "acme+ci" in page.get_by_test_id("new-token").inner_text()
+    assert httpx.get(v2, auth=("acme+ci", robot_secret)).status_code == 200
+    robot_tokens = page.locator("[data-testid='robot-tokens-acme+ci'] tbody tr")
     assert robot_tokens.count() == 1
     assert_reload_is_get(page)
     assert page.get_by_test_id("new-token").count() == 0 and robot_secret not in page.content()
@@ -285,7 +285,7 @@ def test_tokens_robots_and_team(seeded: Seeded, page: Any) -> None:
 
     page.goto(f"{base}/acme")
     team = page.get_by_test_id("team")
-    assert "acme-ci" in team.inner_text() and "bob" in team.inner_text()
+    assert "acme+ci" in team.inner_text() and "bob" in team.inner_text()
     row = team.locator("tr:has-text('bob')")
     row.locator("select").select_option("push")
     row.locator("button").click()
