@@ -93,6 +93,42 @@ def slow_app(delay: float, path: str | None = None) -> Callable[..., Awaitable[N
     return app
 
 
+class McpClient:
+    """One MCP client over streamable HTTP (its own source address) with a session open."""
+
+    def __init__(self, url: str, token: bytes, source: str = "127.0.0.1") -> None:
+        self.http = httpx.Client(base_url=url, timeout=30,
+                                 transport=httpx.HTTPTransport(local_address=source))
+        auth = mcp_auth(token)
+        r = self.http.post("/mcp", json=MCP_HELLO, headers=auth)
+        assert r.status_code == 200, r.text
+        self.session = {**auth, "mcp-session-id": r.headers["mcp-session-id"],
+                        "mcp-protocol-version": "2025-06-18"}
+        self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                       headers=self.session)
+
+    def tool_text(self, tool: str, **arguments: Any) -> str:
+        """The SSE text of a tools/call of ``tool``."""
+        body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                "params": {"name": tool, "arguments": arguments}}
+        return self.http.post("/mcp", json=body, headers=self.session).text
+
+
+@contextlib.contextmanager
+def as_client(address: str, session: str | None = None) -> Iterator[None]:
+    """In-process calls made as the client at ``address`` in MCP session ``session``."""
+    from forkd.controller import mcp
+    from forkd.engine.agent_client import REQUEST_CLIENT
+
+    client = REQUEST_CLIENT.set(address)
+    mcp_session = mcp.MCP_SESSION.set(session)
+    try:
+        yield
+    finally:
+        mcp.MCP_SESSION.reset(mcp_session)
+        REQUEST_CLIENT.reset(client)
+
+
 def mcp_sessions(http: httpx.Client, n: int, token: bytes) -> list[str]:
     """``n`` new MCP sessions opened through ``http`` (each an initialize): their ids."""
     ids = []

@@ -4,18 +4,16 @@ existing layer, and record what would start)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_support import as_client
 
 from forkd.controller import backend as backend_mod
 from forkd.controller import mcp
 from forkd.controller.api import SpawnRequest, SpawnResult
 from forkd.controller.sdk import Controller
-from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.branch import BranchResult
 from forkd.errors import ForkdError, NotFound
 from forkd.store.store import Store
@@ -36,17 +34,6 @@ def based(place: Path, tmp_path: Path) -> Store:
     write_base(image, 1 << 20, seed=14, random_share=1.0)
     store.import_layer("base:latest", memory=image)
     return store
-
-
-@contextlib.contextmanager
-def _as_client(address: str, session: str | None = None) -> Iterator[None]:
-    client = REQUEST_CLIENT.set(address)
-    mcp_session = mcp.MCP_SESSION.set(session)
-    try:
-        yield
-    finally:
-        mcp.MCP_SESSION.reset(mcp_session)
-        REQUEST_CLIENT.reset(client)
 
 
 @pytest.fixture
@@ -88,11 +75,11 @@ def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
     served as before."""
     # every client may use sb-1 (the operator named it): its branch is its maker's
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "secret-work:1")
         assert "secret-work:1" in _listed(tools)
     for other in (("127.0.0.1", "session-b"), ("10.0.0.2", "session-a")):
-        with _as_client(*other):
+        with as_client(*other):
             assert _listed(tools) == ["base:latest"]
             with pytest.raises(NotFound, match="among those this MCP client may fork"):
                 tools.fork_from_branch("secret-work:1")
@@ -101,11 +88,11 @@ def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
             with pytest.raises(Asked):
                 tools.create_sandboxes("base")  # what was built or pulled stays everyone's
     assert engine == ["base", "base"]
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         with pytest.raises(Asked):
             tools.fork_from_branch("secret-work:1")  # its maker forks it
         tools.branch_sandbox("sb-1", "secret-work")  # :latest, by any spelling
-    with _as_client("127.0.0.1", "session-b"):
+    with as_client("127.0.0.1", "session-b"):
         assert _listed(tools) == ["base:latest"]
         with pytest.raises(NotFound):
             tools.create_sandboxes("secret-work:latest")
@@ -115,9 +102,9 @@ def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
 def test_every_client_forks_every_branch_with_all_sandboxes(engine: list[str]) -> None:
     """``forkd mcp --all-sandboxes`` gives every client every sandbox; the branches too."""
     tools = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "shared:1")
-    with _as_client("127.0.0.1", "session-b"):
+    with as_client("127.0.0.1", "session-b"):
         assert "shared:1" in _listed(tools)
         with pytest.raises(Asked):
             tools.fork_from_branch("shared:1")
@@ -131,8 +118,8 @@ def test_another_clients_paused_sandbox_is_not_listed(based: Store) -> None:
     based.tag("forkd-paused/sb-1:a", "base:latest")
     based.tag("forkd-paused/sb-2:a", "base:latest")
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         assert _listed(tools) == ["base:latest", "forkd-paused/sb-1:a"]
     everyone = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         assert "forkd-paused/sb-2:a" in _listed(everyone)

@@ -51,10 +51,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import daemon_support
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeEngine, mcp_auth, running
+from daemon_support import MCP_HELLO, FakeEngine, as_client, mcp_auth, running
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -121,25 +122,15 @@ def answer(result: dict[str, Any]) -> Any:
     return json.loads(result["content"][0]["text"])
 
 
-class McpClient:
+class McpClient(daemon_support.McpClient):
     """One MCP client (its own source address) with a session, calling tools."""
 
     def __init__(self, url: str, source: str = "127.0.0.1") -> None:
-        self.http = httpx.Client(base_url=url, timeout=30,
-                                 transport=httpx.HTTPTransport(local_address=source))
-        auth = mcp_auth(TOKEN)
-        r = self.http.post("/mcp", json=MCP_HELLO, headers=auth)
-        assert r.status_code == 200, r.text
-        self.session = {**auth, "mcp-session-id": r.headers["mcp-session-id"],
-                        "mcp-protocol-version": "2025-06-18"}
-        self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                       headers=self.session)
+        super().__init__(url, TOKEN, source)
 
     def call(self, tool: str, **arguments: Any) -> dict[str, Any]:
         """The tool's result (its JSON-RPC ``result``) from the SSE answer."""
-        body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                "params": {"name": tool, "arguments": arguments}}
-        text = self.http.post("/mcp", json=body, headers=self.session).text
+        text = self.tool_text(tool, **arguments)
         data = next(line[5:] for line in text.splitlines() if line.startswith("data:"))
         result: dict[str, Any] = json.loads(data)["result"]
         return result
@@ -242,17 +233,6 @@ def store(place: Path, tmp_path: Path) -> Store:
     return opened
 
 
-@contextlib.contextmanager
-def _as_client(address: str, session: str | None = None) -> Iterator[None]:
-    client = REQUEST_CLIENT.set(address)
-    mcp_session = mcp.MCP_SESSION.set(session)
-    try:
-        yield
-    finally:
-        mcp.MCP_SESSION.reset(mcp_session)
-        REQUEST_CLIENT.reset(client)
-
-
 @pytest.fixture
 def branched(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """A branch tags ``base:latest`` anew (after running what the list holds, which stands
@@ -287,18 +267,18 @@ def test_a_branch_tag_removed_and_used_again_is_no_longer_its_makers(
     layer under that name), stayed A's: hidden from B, NotFound to fork, and A's force
     replaced the operator's snapshot. Now it is everyone's, and A's force is a Conflict."""
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "work:1")
-    with _as_client("127.0.0.1", "session-b"):
+    with as_client("127.0.0.1", "session-b"):
         assert "work:1" not in _listed(tools)  # A's branch, as round 14 has it
     store.remove("work:1")
     _layer(store, "work:1", 16, tmp_path)  # the operator's, built or pulled
-    with _as_client("127.0.0.1", "session-b"):
+    with as_client("127.0.0.1", "session-b"):
         assert "work:1" in _listed(tools)
         with pytest.raises(Asked):
             tools.create_sandboxes("work:1")
     operators = store.resolve("work:1")
-    with (_as_client("127.0.0.1", "session-a"),
+    with (as_client("127.0.0.1", "session-a"),
           pytest.raises(Conflict, match="not a branch this client made")):
         tools.branch_sandbox("sb-1", "work:1", force=True)
     assert store.resolve("work:1") == operators
@@ -315,10 +295,10 @@ def test_a_tag_branched_by_another_client_meanwhile_is_not_replaced_by_force(
         _layer(store, "race:1", 17, tmp_path)  # B's branch, between A's check and act
 
     branched.append(b_branches)
-    with _as_client("127.0.0.1", "session-a"), pytest.raises(Conflict):
+    with as_client("127.0.0.1", "session-a"), pytest.raises(Conflict):
         tools.branch_sandbox("sb-1", "race:1", force=True)
     assert store.resolve("race:1") != store.resolve("base:latest")  # B's, still
-    with _as_client("127.0.0.1", "session-a"):
+    with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "mine:1")
         tools.branch_sandbox("sb-1", "mine:1", force=True)  # its own: replaced as before
 
@@ -337,7 +317,7 @@ def test_one_branch_of_a_tag_at_a_time(store: Store, branched: list[Any]) -> Non
         release.wait(10)
 
     def branch_as(session: str) -> None:
-        with _as_client("127.0.0.1", session):
+        with as_client("127.0.0.1", session):
             try:
                 tools.branch_sandbox("sb-1", "both:1", force=True)
                 results.append(session)
@@ -356,7 +336,7 @@ def test_one_branch_of_a_tag_at_a_time(store: Store, branched: list[Any]) -> Non
     first.join(10)
     second.join(10)
     assert results == ["session-a", "conflict"]
-    with _as_client("127.0.0.1", "session-b"), pytest.raises(NotFound):
+    with as_client("127.0.0.1", "session-b"), pytest.raises(NotFound):
         tools.fork_from_branch("both:1")
 
 
@@ -389,20 +369,20 @@ def test_an_id_that_comes_round_again_is_not_its_old_clients(
     monkeypatch.setattr(ch, "kill", engine.kill)
     with _mcp_on_daemon(place, tmp_path):
         tools = mcp.Tools(Controller(socket=place / "ctl.sock", local=False))
-        with _as_client("127.0.0.1", "session-a"):
+        with as_client("127.0.0.1", "session-a"):
             assert tools.create_sandboxes("tiny")["sandboxes"] == ["sb-x"]
             if ended == "killed by its client":
                 tools.kill_sandbox("sb-x")
             else:
                 engine.end("sb-x")  # its timeout, a kill through REST
                 assert tools.list_sandboxes()["sandboxes"] == []
-        with _as_client("127.0.0.1", "session-b"):
+        with as_client("127.0.0.1", "session-b"):
             assert tools.create_sandboxes("tiny")["sandboxes"] == ["sb-x"]
-        with _as_client("127.0.0.1", "session-a"):
+        with as_client("127.0.0.1", "session-a"):
             with pytest.raises(ChildNotFound, match="may use"):
                 tools.kill_sandbox("sb-x")
             assert tools.list_sandboxes()["sandboxes"] == []
-        with _as_client("127.0.0.1", "session-b"):
+        with as_client("127.0.0.1", "session-b"):
             assert [s["id"] for s in tools.list_sandboxes()["sandboxes"]] == ["sb-x"]
     assert engine.running() == {"sb-x"}
 

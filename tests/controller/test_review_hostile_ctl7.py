@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import daemon_support
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, SlowEngine, mcp_auth, running
+from daemon_support import FakeEngine, FakeGuest, SlowEngine, running
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -54,25 +55,15 @@ def mcp_on_daemon(place: Path, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-class McpClient:
+class McpClient(daemon_support.McpClient):
     """One MCP client (its own source address) with a session, calling tools."""
 
     def __init__(self, url: str, source: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=30,
-                                 transport=httpx.HTTPTransport(local_address=source))
-        auth = mcp_auth(TOKEN)
-        r = self.http.post("/mcp", json=MCP_HELLO, headers=auth)
-        assert r.status_code == 200, r.text
-        self.session = {**auth, "mcp-session-id": r.headers["mcp-session-id"],
-                        "mcp-protocol-version": "2025-06-18"}
-        self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                       headers=self.session)
+        super().__init__(url, TOKEN, source)
 
     def call(self, tool: str, **arguments: Any) -> str:
         """The tool's answer (the SSE text of its result)."""
-        body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                "params": {"name": tool, "arguments": arguments}}
-        return self.http.post("/mcp", json=body, headers=self.session).text
+        return self.tool_text(tool, **arguments)
 
     def call_in_background(self, tool: str, **arguments: Any) -> None:
         def run() -> None:
