@@ -129,6 +129,23 @@ def as_client(address: str, session: str | None = None) -> Iterator[None]:
         REQUEST_CLIENT.reset(client)
 
 
+def branch_as_tag(store: Store, tag: str, force: bool = False) -> Any:
+    """A stand-in for the engine's branch of a sandbox: ``tag`` names ``base:latest`` anew
+    (the sandbox's state, as far as the store sees), and the BranchResult says so."""
+    from forkd.engine.branch import BranchResult
+
+    store.tag(tag, "base:latest", force=force)
+    return BranchResult(ref=tag, digest=store.resolve(tag), parent="base:latest",
+                        mode="live", pause_ms=0, pause_pages=0, copy_ms=0, rounds=1,
+                        forced=False, scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0,
+                        diff_bytes=0, stored_bytes=0, store_ms=0, depth=1, compacted=False)
+
+
+def listed_refs(tools: Any) -> list[str]:
+    """The snapshot refs an MCP ``Tools``' list_snapshots shows its calling client."""
+    return [s["ref"] for s in tools.list_snapshots()["snapshots"]]
+
+
 def mcp_sessions(http: httpx.Client, n: int, token: bytes) -> list[str]:
     """``n`` new MCP sessions opened through ``http`` (each an initialize): their ids."""
     ids = []

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_support import as_client
+from daemon_support import as_client, branch_as_tag, listed_refs
 
 from forkd.controller import backend as backend_mod
 from forkd.controller import mcp
@@ -43,12 +43,8 @@ def engine(based: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     spawned: list[str] = []
 
     def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
-        store.tag(tag, "base:latest", force=force)
-        return BranchResult(ref=tag, digest=store.resolve(tag), parent="base:latest",
-                            mode="live", pause_ms=0, pause_pages=0, copy_ms=0, rounds=1,
-                            forced=False, scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0,
-                            diff_bytes=0, stored_bytes=0, store_ms=0, depth=1,
-                            compacted=False)
+        result: BranchResult = branch_as_tag(store, tag, force)
+        return result
 
     def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
         spawned.append(req.tag)
@@ -57,10 +53,6 @@ def engine(based: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(backend_mod, "branch_child", branch)
     monkeypatch.setattr(backend_mod.LocalBackend, "spawn", spawn)
     return spawned
-
-
-def _listed(tools: mcp.Tools) -> list[str]:
-    return [s["ref"] for s in tools.list_snapshots()["snapshots"]]
 
 
 def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
@@ -77,10 +69,10 @@ def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
     with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "secret-work:1")
-        assert "secret-work:1" in _listed(tools)
+        assert "secret-work:1" in listed_refs(tools)
     for other in (("127.0.0.1", "session-b"), ("10.0.0.2", "session-a")):
         with as_client(*other):
-            assert _listed(tools) == ["base:latest"]
+            assert listed_refs(tools) == ["base:latest"]
             with pytest.raises(NotFound, match="among those this MCP client may fork"):
                 tools.fork_from_branch("secret-work:1")
             with pytest.raises(NotFound, match="among those this MCP client may fork"):
@@ -93,7 +85,7 @@ def test_a_branch_one_mcp_client_made_is_not_anothers_to_fork_or_list(
             tools.fork_from_branch("secret-work:1")  # its maker forks it
         tools.branch_sandbox("sb-1", "secret-work")  # :latest, by any spelling
     with as_client("127.0.0.1", "session-b"):
-        assert _listed(tools) == ["base:latest"]
+        assert listed_refs(tools) == ["base:latest"]
         with pytest.raises(NotFound):
             tools.create_sandboxes("secret-work:latest")
     assert engine == ["base", "base", "secret-work:1"]
@@ -105,13 +97,13 @@ def test_every_client_forks_every_branch_with_all_sandboxes(engine: list[str]) -
     with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "shared:1")
     with as_client("127.0.0.1", "session-b"):
-        assert "shared:1" in _listed(tools)
+        assert "shared:1" in listed_refs(tools)
         with pytest.raises(Asked):
             tools.fork_from_branch("shared:1")
     assert engine == ["shared:1"]
 
 
-def test_another_clients_paused_sandbox_is_not_listed(based: Store) -> None:
+def test_another_clients_paused_sandbox_is_notlisted_refs(based: Store) -> None:
     """A paused sandbox's saved state is a tag (``forkd-paused/ID:a``) that names the
     sandbox: list_snapshots showed every paused sandbox's id to every client. Now a client
     sees only those of sandboxes it may reach; no spawn takes either."""
@@ -119,7 +111,7 @@ def test_another_clients_paused_sandbox_is_not_listed(based: Store) -> None:
     based.tag("forkd-paused/sb-2:a", "base:latest")
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
     with as_client("127.0.0.1", "session-a"):
-        assert _listed(tools) == ["base:latest", "forkd-paused/sb-1:a"]
+        assert listed_refs(tools) == ["base:latest", "forkd-paused/sb-1:a"]
     everyone = mcp.Tools(Controller(local=True), scope=ANY_SANDBOX)
     with as_client("127.0.0.1", "session-a"):
-        assert "forkd-paused/sb-2:a" in _listed(everyone)
+        assert "forkd-paused/sb-2:a" in listed_refs(everyone)

@@ -55,7 +55,15 @@ import daemon_support
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeEngine, as_client, mcp_auth, running
+from daemon_support import (
+    MCP_HELLO,
+    FakeEngine,
+    as_client,
+    branch_as_tag,
+    listed_refs,
+    mcp_auth,
+    running,
+)
 from net_support import free_port, wait_until
 
 from forkd.audit import AuditLog
@@ -242,12 +250,8 @@ def branched(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
         while meanwhile:
             meanwhile.pop(0)()
-        store.tag(tag, "base:latest", force=force)
-        return BranchResult(ref=tag, digest=store.resolve(tag), parent="base:latest",
-                            mode="live", pause_ms=0, pause_pages=0, copy_ms=0, rounds=1,
-                            forced=False, scan_ms=0, read_ms=0, devstate_ms=0, diff_pages=0,
-                            diff_bytes=0, stored_bytes=0, store_ms=0, depth=1,
-                            compacted=False)
+        result: BranchResult = branch_as_tag(store, tag, force)
+        return result
 
     def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
         raise Asked(req.tag)
@@ -255,10 +259,6 @@ def branched(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(backend_mod, "branch_child", branch)
     monkeypatch.setattr(backend_mod.LocalBackend, "spawn", spawn)
     return meanwhile
-
-
-def _listed(tools: mcp.Tools) -> list[str]:
-    return [s["ref"] for s in tools.list_snapshots()["snapshots"]]
 
 
 def test_a_branch_tag_removed_and_used_again_is_no_longer_its_makers(
@@ -270,11 +270,11 @@ def test_a_branch_tag_removed_and_used_again_is_no_longer_its_makers(
     with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "work:1")
     with as_client("127.0.0.1", "session-b"):
-        assert "work:1" not in _listed(tools)  # A's branch, as round 14 has it
+        assert "work:1" not in listed_refs(tools)  # A's branch, as round 14 has it
     store.remove("work:1")
     _layer(store, "work:1", 16, tmp_path)  # the operator's, built or pulled
     with as_client("127.0.0.1", "session-b"):
-        assert "work:1" in _listed(tools)
+        assert "work:1" in listed_refs(tools)
         with pytest.raises(Asked):
             tools.create_sandboxes("work:1")
     operators = store.resolve("work:1")
