@@ -152,18 +152,27 @@ def load_touched(store: Store, head: str) -> set[int] | None:
 
 
 def working_set(store: Store, head: str, order: accessorder.Order) -> list[str]:
-    """The chunks of ``order`` its working-set blob holds, first: with the pages a child
-    touched (split_working_set), the memory chunks holding any of them and the order's
-    other chunks (disk, device state), the memory chunks only the kernel's read-ahead
-    around those pages needed left for the prefetch; without, every recorded chunk."""
+    """The chunks a working-set blob holds, first: with the pages a child touched
+    (split_working_set), the order's chunks but the memory chunks holding none of them
+    (only the kernel's read-ahead around those pages needed those: left for the
+    prefetch), then every other memory chunk holding a touched page; without, every
+    recorded chunk.
+
+    A touched page's chunk can be missing from the order: the recording child's server
+    put it into the page cache with the window around an earlier read (memfs ``_push``),
+    so the child never read it. A child on another host, whose server has no such chunk
+    to push, reads it from the hub: 10 to 20 ms each, before its first answer."""
     touched = load_touched(store, head)
     if touched is None:
         return order.chunks
     memory = store.image_map(store.manifest(head), "memory", head)
     if memory is None:
         return order.chunks
-    cold = {c.digest for c in memory.chunks if not any(p in touched for p in pages_of(c))}
-    return [d for d in order.chunks if d not in cold]
+    warm = [c.digest for c in memory.chunks if any(p in touched for p in pages_of(c))]
+    cold = {c.digest for c in memory.chunks}.difference(warm)
+    listed = [d for d in order.chunks if d not in cold]
+    held = set(listed)
+    return listed + [d for d in dict.fromkeys(warm) if d not in held]
 
 
 def publish_order(store: Store, tag: str, client: RegistryClient, repo: str,

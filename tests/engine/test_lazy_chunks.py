@@ -791,3 +791,33 @@ def test_a_working_set_over_its_bound_is_not_used(
         found = orders.fetch(client, "lazy/app", store.resolve("app:v2"), named.append)
     assert found is not None and found.chunks == chunks
     assert found.working_set is None and named == []
+
+
+def test_every_chunk_of_a_touched_page_is_in_the_working_set(
+        chain_store: tuple[Store, Path]) -> None:
+    """record.working_set with the pages a child touched: the order's chunks less the
+    memory chunks holding none of them, then the touched pages' chunks the order missed.
+    Before, those were left out: the recording child's server had pushed them into the
+    page cache with the window around an earlier read, so its order never listed them,
+    and a child on another host fetched each from the hub before its first answer."""
+    import json
+
+    from forkd.engine.lazy import record
+    from forkd.engine.lazy.paths import server_dir
+    from forkd.store.worksplit import pages_of
+
+    store, _ = chain_store
+    head = store.resolve("app:v1")  # the flat base: many memory chunks
+    memory = store.image_map(store.manifest(head), "memory", head)
+    assert memory is not None and len(memory.chunks) >= 3
+    listed, missed, cold = memory.chunks[0], memory.chunks[2], memory.chunks[1]
+    touched = [pages_of(listed)[0], pages_of(missed)[-1]]
+    path = server_dir(store.home, head) / record.TOUCHED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"manifest": head, "from": head,
+                                "pages": [[p, 1] for p in touched]}))
+    order = Order([cold.digest, listed.digest])  # missed: pushed whole, never read
+    got = record.working_set(store, head, order)
+    assert got == [listed.digest, missed.digest]
+    assert record.working_set(store, head, Order([missed.digest])) == [missed.digest,
+                                                                      listed.digest]

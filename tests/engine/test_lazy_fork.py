@@ -274,6 +274,7 @@ def test_push_access_order_on_the_command_line(published: Published, store: Stor
     held = working_set_chunks(order.chunks, stored, order.working_set.size, "working set")
     cold = {c.digest for c in memory.chunks if not touched & set(pages_of(c))}
     assert held and not cold & set(held)
+    assert {c.digest for c in memory.chunks} - cold <= set(held)  # every touched page's
     chunks = order.chunks
     res = lazy.fork(published.fresh, f"{hub}/lazy/ordered:v1", 1)
     assert len(res.children) == 1 and not res.errors
