@@ -10,16 +10,43 @@
    which robots a viewer manages is one query (``authz.manageable_robots``, by the rule
    of ``may_manage_robot``), the page's tokens and minters are one query each, and each
    minter is checked once per robot.
+2. A tag page drew every compaction link of its lineage: the repository's manifests
+   annotated ``dev.forkd.compacted.from`` (up to 10,000 read), each a node with its own
+   chain and a read of its tag names. Any pusher of the repository annotates manifests
+   so, and every view of the page, signed out on a public pack, was then thousands of
+   reads and a graph of as many nodes. Now a tag page reads the newest
+   ``COMPACTION_NOTES_MAX`` (256) links, and the chains they bring in add at most
+   ``MAX_CHAIN`` (256) manifests in all.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import httpx
-from hub_support import ADMIN, HubServer, browser, csrf_of, org_with_pusher, statements
+from hub_support import (
+    ADMIN,
+    EMPTY_CONFIG,
+    EMPTY_MEDIA,
+    OCI_MANIFEST,
+    HubServer,
+    artifact,
+    browser,
+    csrf_of,
+    org_with_pusher,
+    push_blob,
+    sha,
+    statements,
+)
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
+from forkd.hub import chains
+from forkd.hub.models import Base, Manifest, Repository
 from forkd.hub.ui.account import ROBOTS_PER_PAGE
+from forkd.pack import mediatypes as mt
 
 
 def _robots_listed(page: httpx.Response) -> list[str]:
@@ -58,3 +85,77 @@ def test_the_tokens_page_lists_one_page_of_robots_in_bounded_reads(hub: HubServe
         page = b.get("/-/settings/tokens")
     assert len(_robots_listed(page)) == ROBOTS_PER_PAGE  # the hub has more: in pages
     assert len([s for s in seen if "from api_tokens" in s]) <= 2
+
+
+def test_a_tag_page_draws_a_bounded_number_of_compaction_links(hub: HubServer) -> None:
+    """Before: 300 manifests a pusher annotated as compacted from ``v1`` were 300 nodes of
+    ``v1``'s tag page, and a read of tag names each, on every view (up to 10,000). Now
+    the page draws the newest 256 of them (``queries.COMPACTION_NOTES_MAX``) and reads no more."""
+    org, alice, _ = org_with_pusher(hub)
+    repo = f"{org}/app"
+    links = 300  # more than a page draws (256)
+    with hub.client(alice) as c:
+        head, _ = artifact(c, repo, b"head layer", tag="v1")
+        layer = push_blob(c, repo, b"flat layer")
+        for i in range(links):
+            manifest = {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "artifactType": "application/vnd.example.flat",
+                "config": {"mediaType": EMPTY_MEDIA, "digest": sha(EMPTY_CONFIG), "size": 2},
+                "layers": [{"mediaType": "application/vnd.example", "digest": layer, "size": 10}],
+                "annotations": {mt.ANNOTATION_COMPACTED_FROM: f"{repo}:v1@{head}", "n": str(i)},
+            }
+            body = json.dumps(manifest).encode()
+            r = c.put(
+                f"/v2/{repo}/manifests/{sha(body)}",
+                content=body,
+                headers={"Content-Type": OCI_MANIFEST},
+            )
+            assert r.status_code == 201, r.text
+    with browser(hub, *alice) as b, statements() as seen:
+        page = b.get(f"/{repo}/-/tags/v1")
+    assert page.status_code == 200, page.text
+    drawn = len(re.findall(r'class="node[^"]*compacted', page.text))
+    assert drawn == 256, drawn
+    assert "Compaction links: 256<" in page.text
+    tag_reads = [s for s in seen if "from tags" in s]
+    assert len(tag_reads) <= 256 + 8, len(tag_reads)
+
+
+def test_the_chains_compaction_links_bring_in_are_bounded_in_all(tmp_path: Path) -> None:
+    """Before: each compaction end a tag page drew came with its whole chain (256
+    ancestors each), so 256 ends of distinct deep chains were 65,000 manifests read and
+    drawn per view. Now the ends and their chains add at most ``MAX_CHAIN`` manifests in
+    all, the nearest levels first."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'chains.db'}")
+    Base.metadata.create_all(engine)
+    with Session(engine) as session:
+        repo = Repository(name="acme/app", namespace_id=1)
+        session.add(repo)
+        session.flush()
+
+        def manifest(digest: str, subject: str | None) -> Manifest:
+            return Manifest(
+                repository_id=repo.id,
+                digest=digest,
+                media_type=OCI_MANIFEST,
+                subject_digest=subject,
+                size=1,
+            )
+
+        session.add(manifest("sha256:head", None))
+        ends = []
+        for chain in range(10):
+            parent = None
+            for level in range(100):  # the end is the last one, 99 ancestors under it
+                digest = f"sha256:c{chain:02d}-{level:03d}"
+                session.add(manifest(digest, parent))
+                parent = digest
+            ends.append(parent)
+        session.flush()
+        fam = chains.family(session, repo.id, "sha256:head")
+        assert fam is not None and len(fam.found) == 1
+        chains.with_chains(session, repo.id, fam, [e for e in ends if e])
+    assert len(fam.found) == 1 + chains.MAX_CHAIN, len(fam.found)
+    assert all(e in fam.found for e in ends)  # the ends first, then their nearest parents
