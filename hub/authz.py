@@ -240,10 +240,11 @@ def namespace_role(session: Session, principal: Principal, namespace: str) -> st
 
 
 def admin_namespaces(
-    session: Session, principal: Principal, kind: str | None = None
+    session: Session, principal: Principal, kind: str | None = None, *, limit: int | None = None
 ) -> list[str]:
     """The namespaces ``principal`` administers, by name; ``kind``: only those of that
-    kind (``org``, ``user``)."""
+    kind (``org``, ``user``); ``limit``: the first that many (a site admin administers
+    every namespace of the hub, which every user adds to)."""
     if principal.anonymous:
         return []
     g = Grants.load(session, principal)
@@ -252,8 +253,10 @@ def admin_namespaces(
         query = query.where(Namespace.kind == kind)
     if not principal.is_admin:
         query = query.where(Namespace.name.in_(sorted(g.namespace_roles)))
-    names = list(session.scalars(query))
-    return [ns for ns in names if g.namespace_role(ns) == "admin"]
+    elif g.narrow("admin", "*") == "admin" and limit is not None:
+        query = query.limit(limit)  # each is one it administers: read no more
+    names = [ns for ns in session.scalars(query) if g.namespace_role(ns) == "admin"]
+    return names if limit is None else names[:limit]
 
 
 def visible(session: Session, principal: Principal) -> ColumnElement[bool]:

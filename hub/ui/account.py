@@ -306,7 +306,9 @@ class AccountController(Controller):
                 else []
             )
             # Robots hold places in organisations only (members.place_robot).
-            namespaces = await queries.admin_namespaces(session, who.principal, kind="org")
+            namespaces = await queries.admin_namespaces(
+                session, who.principal, kind="org", limit=NAMESPACES_LISTED + 1
+            )
             robots, more = (
                 await session.run_sync(_robots, who.principal, robots_page)
                 if who.principal.with_password
@@ -320,7 +322,10 @@ class AccountController(Controller):
             headers=NO_STORE,
             **base_context(ui, hub, request, who),
             tokens=mine,
-            namespaces=namespaces,
+            namespaces=namespaces[:NAMESPACES_LISTED],
+            # More than the form lists (a site admin administers every organisation):
+            # the form takes a typed name, the list only suggests.
+            namespaces_more=len(namespaces) > NAMESPACES_LISTED,
             robots=robots,
             robots_prev=_robots_link(robots_page - 1) if robots_page > 1 else "",
             robots_next=_robots_link(robots_page + 1) if more else "",
@@ -552,6 +557,9 @@ class RobotRow:
     tokens: list[RobotToken]
 
 
+# Organisations the robot form offers by name (a site admin's are every organisation of
+# the hub, 20 per user); past them the form takes a typed name.
+NAMESPACES_LISTED = 100
 # Robots one view of the tokens page lists (with all their tokens, at most
 # ``MAX_TOKENS_PER_USER`` each); ``robots_page`` picks the others.
 ROBOTS_PER_PAGE = 20

@@ -8,6 +8,7 @@ a digest names immutable bytes, so the cache never goes stale.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -706,8 +707,14 @@ async def role_in(session: AsyncSession, principal: accounts.Principal, ns: Name
 
 
 async def admin_namespaces(
-    session: AsyncSession, principal: accounts.Principal, kind: str | None = None
+    session: AsyncSession,
+    principal: accounts.Principal,
+    kind: str | None = None,
+    *,
+    limit: int | None = None,
 ) -> list[str]:
     """Namespaces whose robots and members ``principal`` may manage (``kind``: only those
-    of that kind)."""
-    return await session.run_sync(authz.admin_namespaces, principal, kind)
+    of that kind; ``limit``: the first that many, by name)."""
+    return await session.run_sync(
+        functools.partial(authz.admin_namespaces, kind=kind, limit=limit), principal
+    )

@@ -9,7 +9,9 @@
    admins' page. Now the page lists ``ROBOTS_PER_PAGE`` robots at a time (``robots_page``),
    which robots a viewer manages is one query (``authz.manageable_robots``, by the rule
    of ``may_manage_robot``), the page's tokens and minters are one query each, and each
-   minter is checked once per robot.
+   minter is checked once per robot. The robot form offered every organisation a
+   site admin administers, i.e. every organisation of the hub (20 per user), as options
+   of a list on every view: now the first 100 are suggestions and any name may be typed.
 2. A tag page drew every compaction link of its lineage: the repository's manifests
    annotated ``dev.forkd.compacted.from`` (up to 10,000 read), each a node with its own
    chain and a read of its tag names. Any pusher of the repository annotates manifests
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from pathlib import Path
 
 import httpx
@@ -39,6 +42,7 @@ from hub_support import (
     push_blob,
     sha,
     statements,
+    unique_name,
 )
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
@@ -86,6 +90,32 @@ def test_the_tokens_page_lists_one_page_of_robots_in_bounded_reads(hub: HubServe
     assert len(_robots_listed(page)) == ROBOTS_PER_PAGE  # the hub has more: in pages
     assert len([s for s in seen if "from api_tokens" in s]) <= 2
 
+
+def test_the_robot_form_of_a_site_admin_lists_a_bounded_number_of_organisations(
+    hub: HubServer,
+) -> None:
+    """Before: a site admin's tokens page offered every organisation of the hub in the
+    robot form's list, each view. Now it suggests the first 100 (``NAMESPACES_LISTED``)
+    and takes any typed name: one past them still gets its robot."""
+    prefix = unique_name("many")
+    names = [f"{prefix}-{i:03d}" for i in range(101)]
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:  # through the API: minutes
+        db.executemany(
+            "INSERT INTO namespaces (name, kind, created_at) VALUES (?, 'org', ?)",
+            [(name, "2026-12-07 00:00:00.000000") for name in names],
+        )
+    with browser(hub, *ADMIN) as b:
+        page = b.get("/-/settings/tokens")
+        assert page.status_code == 200, page.text
+        offered = re.findall(r"<option>([^<]+)</option>", page.text)
+        assert len([n for n in offered if n not in ("pull", "push", "admin")]) <= 100
+        assert 'list="robot-namespaces"' in page.text
+        data = {"csrf": csrf_of(page.text), "namespace": names[-1], "robot": "ci", "role": "pull"}
+        r = b.post("/-/settings/robots", data=data)
+        assert r.status_code == 303, r.text
+    with hub.client(ADMIN) as c:
+        members = c.get(f"/api/v1/orgs/{names[-1]}/members").json()
+    assert {"user": f"{names[-1]}+ci", "role": "pull", "robot": True} in members
 
 def test_a_tag_page_draws_a_bounded_number_of_compaction_links(hub: HubServer) -> None:
     """Before: 300 manifests a pusher annotated as compacted from ``v1`` were 300 nodes of
