@@ -19,7 +19,7 @@ Rules:
   was granted, on every surface (listings too), and manages no namespace or robot.
 - Robots are managed (tokens minted, listed, revoked) by whoever administers every
   namespace the robot is a member of (site admins: any robot); a robot that is a member
-  of nothing is the site admins' alone.
+  of nothing, or is a site admin itself, is the site admins' alone.
 
 ``Grants`` reads once what decides for one principal (memberships, teams) and answers
 from it; ``visible`` turns the same answers into a SQL filter for listings, so what a
@@ -337,10 +337,15 @@ def robot_namespaces(session: Session, robot_id: int) -> list[str]:
 def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> bool:
     """Whether ``principal`` may mint, see and revoke the tokens of robot ``robot_id``
     (and add it to a namespace or a team): they administer every namespace it holds a
-    place in, as a member or through a team (``robot_namespaces``)."""
+    place in, as a member or through a team (``robot_namespaces``). A robot that is a
+    site admin holds rights on every namespace, not only on those it holds a place in:
+    only site admins manage it (an organisation's admins managed the operator's admin
+    robot it had been made a member of: listed and revoked its ``*:admin`` tokens)."""
     robot = session.get(User, robot_id)
     if robot is None or not robot.is_robot or principal.anonymous:
         return False
+    if robot.is_admin:
+        return manages_every_robot(session, principal)
     namespaces = robot_namespaces(session, robot_id)
     return Grants.load(session, principal, namespaces).may_manage_robot(namespaces)
 
@@ -397,6 +402,7 @@ def manageable_robots(
             return []
         ids = select(Namespace.id).where(Namespace.name.in_(administered))
         query = query.where(
+            User.is_admin.is_(False),  # a site admin robot: site admins' (may_manage_robot)
             or_(
                 direct.where(Membership.namespace_id.in_(ids)).exists(),
                 teams.where(Team.namespace_id.in_(ids)).exists(),

@@ -12,7 +12,12 @@
    minter is checked once per robot. The robot form offered every organisation a
    site admin administers, i.e. every organisation of the hub (20 per user), as options
    of a list on every view: now the first 100 are suggestions and any name may be typed.
-2. A tag page drew every compaction link of its lineage: the repository's manifests
+2. A robot that is a site admin (``POST /api/v1/users {"robot": true, "admin": true}``)
+   was managed like any robot, by whoever administers every namespace it holds a place
+   in: an organisation the operator made it a member of had its admins list its tokens
+   (the operator's ``*:admin`` ones), revoke them and mint more. Its rights are on every
+   namespace: now only site admins manage it, on every surface (``may_manage_robot``).
+3. A tag page drew every compaction link of its lineage: the repository's manifests
    annotated ``dev.forkd.compacted.from`` (up to 10,000 read), each a node with its own
    chain and a read of its tag names. Any pusher of the repository annotates manifests
    so, and every view of the page, signed out on a public pack, was then thousands of
@@ -189,3 +194,51 @@ def test_the_chains_compaction_links_bring_in_are_bounded_in_all(tmp_path: Path)
         chains.with_chains(session, repo.id, fam, [e for e in ends if e])
     assert len(fam.found) == 1 + chains.MAX_CHAIN, len(fam.found)
     assert all(e in fam.found for e in ends)  # the ends first, then their nearest parents
+
+
+def _token_ids(hub: HubServer, user: str) -> list[int]:
+    with sqlite3.connect(hub.data_dir / "hub.db") as db:
+        rows = db.execute(
+            "SELECT api_tokens.id FROM api_tokens JOIN users ON users.id = api_tokens.user_id "
+            "WHERE users.name = ? ORDER BY api_tokens.id",
+            (user,),
+        )
+        return [row[0] for row in rows]
+
+
+def test_a_robot_that_is_a_site_admin_is_managed_by_site_admins_only(hub: HubServer) -> None:
+    """Before: the operator's admin robot, made a member of alice's organisation, was on
+    alice's tokens page with its ``*:admin`` token, which she could revoke (303), and she
+    could mint it more tokens. Now its tokens are not listed to her, her revocation is
+    404 and the token works on, her robot form and member form refuse it; a site admin
+    still manages it."""
+    org, alice, _ = org_with_pusher(hub)
+    bot = unique_name("opsbot")
+    with hub.client(ADMIN) as c:
+        r = c.post("/api/v1/users", json={"name": bot, "robot": True, "admin": True})
+        assert r.status_code == 201, r.text
+        r = c.put(f"/api/v1/orgs/{org}/members/{bot}", json={"role": "pull"})
+        assert r.status_code == 204, r.text
+    secret = hub.token(bot, "*:admin")
+    (token_id,) = _token_ids(hub, bot)
+    with browser(hub, *alice) as b:
+        page = b.get("/-/settings/tokens")
+        assert page.status_code == 200 and bot not in page.text
+        csrf = csrf_of(page.text)
+        r = b.post(f"/-/settings/tokens/{token_id}/revoke", data={"csrf": csrf})
+        assert r.status_code == 404, r.text
+        data = {"csrf": csrf, "namespace": org, "robot": bot, "role": "pull"}
+        assert b.post("/-/settings/robots", data=data).status_code == 400
+        data = {"csrf": csrf, "username": bot, "role": "push"}
+        assert b.post(f"/-/members/{org}", data=data).status_code == 403
+    with hub.client(alice) as c:
+        r = c.put(f"/api/v1/orgs/{org}/members/{bot}", json={"role": "push"})
+        assert r.status_code == 403, r.text
+    assert _token_ids(hub, bot) == [token_id]
+    with hub.client((bot, secret)) as c:
+        assert c.get("/v2/").status_code == 200
+        assert c.get("/api/v1/users").status_code == 403  # tokens manage no users
+    with browser(hub, *ADMIN) as b:  # the site admins' to manage
+        csrf = csrf_of(b.get("/-/settings/tokens").text)
+        data = {"csrf": csrf, "namespace": org, "robot": bot, "role": "pull"}
+        assert b.post("/-/settings/robots", data=data).status_code == 303
