@@ -17,6 +17,9 @@
    in: an organisation the operator made it a member of had its admins list its tokens
    (the operator's ``*:admin`` ones), revoke them and mint more. Its rights are on every
    namespace: now only site admins manage it, on every surface (``may_manage_robot``).
+   And such a robot counted as a site admin for "never remove the last site admin", so
+   the last person who could manage users through the API could be removed, leaving a
+   robot that cannot (tokens only): now the guard counts site admins with a password.
 3. A tag page drew every compaction link of its lineage: the repository's manifests
    annotated ``dev.forkd.compacted.from`` (up to 10,000 read), each a node with its own
    chain and a read of its tag names. Any pusher of the repository annotates manifests
@@ -242,3 +245,20 @@ def test_a_robot_that_is_a_site_admin_is_managed_by_site_admins_only(hub: HubSer
         csrf = csrf_of(b.get("/-/settings/tokens").text)
         data = {"csrf": csrf, "namespace": org, "robot": bot, "role": "pull"}
         assert b.post("/-/settings/robots", data=data).status_code == 303
+
+
+def test_an_admin_robot_does_not_stand_in_for_the_last_site_admin(fresh_hub: HubServer) -> None:
+    """Before: with a robot that is a site admin, ``DELETE /api/v1/users/<the last
+    person who is a site admin>`` was 204, and no one was left to manage users through
+    the API (a robot signs in with tokens only, and managing users needs the password).
+    Now it is 409; with another such person it is 204."""
+    hub = fresh_hub
+    with hub.client(ADMIN) as c:
+        r = c.post("/api/v1/users", json={"name": "opsbot", "robot": True, "admin": True})
+        assert r.status_code == 201, r.text
+        r = c.delete(f"/api/v1/users/{ADMIN[0]}")
+        assert r.status_code == 409 and "last site admin" in r.text, r.text
+        other = {"name": "root2", "password": "root2-password", "admin": True}
+        assert c.post("/api/v1/users", json=other).status_code == 201
+    with hub.client(("root2", "root2-password")) as c:
+        assert c.delete(f"/api/v1/users/{ADMIN[0]}").status_code == 204
