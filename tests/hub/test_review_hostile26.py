@@ -55,8 +55,18 @@ from hub_support import (
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from forkd.hub import chains
-from forkd.hub.models import Base, Manifest, Repository
+from forkd.hub import authz, chains
+from forkd.hub.accounts import Principal
+from forkd.hub.models import (
+    Base,
+    Manifest,
+    Membership,
+    Namespace,
+    Repository,
+    Team,
+    TeamMember,
+    User,
+)
 from forkd.hub.ui.account import ROBOTS_PER_PAGE
 from forkd.pack import mediatypes as mt
 
@@ -262,3 +272,49 @@ def test_an_admin_robot_does_not_stand_in_for_the_last_site_admin(fresh_hub: Hub
         assert c.post("/api/v1/users", json=other).status_code == 201
     with hub.client(("root2", "root2-password")) as c:
         assert c.delete(f"/api/v1/users/{ADMIN[0]}").status_code == 204
+
+
+def test_the_one_query_of_manageable_robots_agrees_with_may_manage_robot(tmp_path: Path) -> None:
+    """Before: the tokens page asked ``may_manage_robot`` robot by robot. Now which robots
+    a viewer manages is one query (``authz.manageable_robots``): it lists exactly the
+    robots with a place that ``may_manage_robot`` allows, for an organisation admin and a
+    site admin (a robot with a place elsewhere, through a membership or a team, or that
+    is a site admin, is not an organisation admin's)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'robots.db'}")
+    Base.metadata.create_all(engine)
+    with Session(engine) as session:
+        a, b = Namespace(name="a", kind="org"), Namespace(name="b", kind="org")
+        alice = User(name="alice")
+        root = User(name="root", is_admin=True)
+        robots = {
+            name: User(name=name, is_robot=True, is_admin=name == "r-admin")
+            for name in ("r-a", "r-a-team-b", "r-b", "r-admin", "r-team-a", "r-nowhere")
+        }
+        session.add_all([a, b, alice, root, *robots.values()])
+        session.flush()
+        team_a = Team(namespace_id=a.id, name="ta", role="pull")
+        team_b = Team(namespace_id=b.id, name="tb", role="pull")
+        session.add_all([team_a, team_b])
+        session.flush()
+        session.add_all(
+            [
+                Membership(namespace_id=a.id, user_id=alice.id, role="admin"),
+                Membership(namespace_id=a.id, user_id=robots["r-a"].id, role="push"),
+                Membership(namespace_id=a.id, user_id=robots["r-a-team-b"].id, role="push"),
+                TeamMember(team_id=team_b.id, user_id=robots["r-a-team-b"].id),
+                Membership(namespace_id=b.id, user_id=robots["r-b"].id, role="push"),
+                Membership(namespace_id=a.id, user_id=robots["r-admin"].id, role="pull"),
+                TeamMember(team_id=team_a.id, user_id=robots["r-team-a"].id),
+            ]
+        )
+        session.flush()
+        for user in (alice, root):
+            who = Principal(user.id, user.name, user.is_admin)
+            listed = [r.name for r in authz.manageable_robots(session, who)]
+            placed = [r for r in robots.values() if authz.robot_namespaces(session, r.id)]
+            allowed = sorted(r.name for r in placed if authz.may_manage_robot(session, who, r.id))
+            assert listed == allowed, (user.name, listed, allowed)
+        assert [r.name for r in authz.manageable_robots(session, Principal(alice.id, "alice"))] == [
+            "r-a",
+            "r-team-a",
+        ]
