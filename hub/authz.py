@@ -19,7 +19,7 @@ Rules:
   was granted, on every surface (listings too), and manages no namespace or robot.
 - Robots are managed (tokens minted, listed, revoked) by whoever administers every
   namespace the robot is a member of (site admins: any robot); a robot that is a member
-  of nothing is the site admins' alone.
+  of nothing, or is a site admin itself, is the site admins' alone.
 
 ``Grants`` reads once what decides for one principal (memberships, teams) and answers
 from it; ``visible`` turns the same answers into a SQL filter for listings, so what a
@@ -240,10 +240,11 @@ def namespace_role(session: Session, principal: Principal, namespace: str) -> st
 
 
 def admin_namespaces(
-    session: Session, principal: Principal, kind: str | None = None
+    session: Session, principal: Principal, kind: str | None = None, *, limit: int | None = None
 ) -> list[str]:
     """The namespaces ``principal`` administers, by name; ``kind``: only those of that
-    kind (``org``, ``user``)."""
+    kind (``org``, ``user``); ``limit``: the first that many (a site admin administers
+    every namespace of the hub, which every user adds to)."""
     if principal.anonymous:
         return []
     g = Grants.load(session, principal)
@@ -252,8 +253,10 @@ def admin_namespaces(
         query = query.where(Namespace.kind == kind)
     if not principal.is_admin:
         query = query.where(Namespace.name.in_(sorted(g.namespace_roles)))
-    names = list(session.scalars(query))
-    return [ns for ns in names if g.namespace_role(ns) == "admin"]
+    elif g.narrow("admin", "*") == "admin" and limit is not None:
+        query = query.limit(limit)  # each is one it administers: read no more
+    names = [ns for ns in session.scalars(query) if g.namespace_role(ns) == "admin"]
+    return names if limit is None else names[:limit]
 
 
 def visible(session: Session, principal: Principal) -> ColumnElement[bool]:
@@ -334,10 +337,15 @@ def robot_namespaces(session: Session, robot_id: int) -> list[str]:
 def may_manage_robot(session: Session, principal: Principal, robot_id: int) -> bool:
     """Whether ``principal`` may mint, see and revoke the tokens of robot ``robot_id``
     (and add it to a namespace or a team): they administer every namespace it holds a
-    place in, as a member or through a team (``robot_namespaces``)."""
+    place in, as a member or through a team (``robot_namespaces``). A robot that is a
+    site admin holds rights on every namespace, not only on those it holds a place in:
+    only site admins manage it (an organisation's admins managed the operator's admin
+    robot it had been made a member of: listed and revoked its ``*:admin`` tokens)."""
     robot = session.get(User, robot_id)
     if robot is None or not robot.is_robot or principal.anonymous:
         return False
+    if robot.is_admin:
+        return manages_every_robot(session, principal)
     namespaces = robot_namespaces(session, robot_id)
     return Grants.load(session, principal, namespaces).may_manage_robot(namespaces)
 
@@ -358,22 +366,49 @@ def minter_stands(session: Session, token: ApiToken) -> bool:
     return may_manage_robot(session, as_minter, token.user_id)
 
 
-def manageable_robots(session: Session, principal: Principal) -> list[User]:
+def manages_every_robot(session: Session, principal: Principal) -> bool:
+    """Whether ``principal`` may manage any robot (``Grants.may_manage_robot`` for a site
+    admin acting as one: no registry bearer token, no token narrower than ``*:admin``)."""
+    if principal.anonymous or not principal.is_admin:
+        return False
+    return Grants.load(session, principal, []).may_manage_robot(())
+
+
+def manageable_robots(
+    session: Session, principal: Principal, *, offset: int = 0, limit: int | None = None
+) -> list[User]:
     """The robots ``principal`` may manage that hold a place (a membership or a team's) in
-    a namespace they administer, by name."""
-    administered = admin_namespaces(session, principal)
-    if not administered:
+    a namespace they administer, by name: from ``offset``, at most ``limit`` of them.
+
+    Decided by the database in one query, by ``may_manage_robot``'s rule (every namespace
+    the robot holds a place in, ``robot_namespaces``, is one ``principal`` administers,
+    ``admin_namespaces``): asking ``may_manage_robot`` robot by robot cost three reads per
+    robot, and one page listed them all, so the tokens page of a site admin read every
+    robot of the hub (any signed-in user makes up to 20 organisations of 100 robots)."""
+    if principal.anonymous or principal.bearer_access is not None:
         return []
-    places = select(Namespace.id).where(Namespace.name.in_(administered))
-    members = select(Membership.user_id).where(Membership.namespace_id.in_(places))
-    in_teams = (
-        select(TeamMember.user_id)
-        .join(Team, Team.id == TeamMember.team_id)
-        .where(Team.namespace_id.in_(places))
+    direct = select(Membership.namespace_id).where(Membership.user_id == User.id)
+    teams = (
+        select(Team.namespace_id)
+        .join(TeamMember, TeamMember.team_id == Team.id)
+        .where(TeamMember.user_id == User.id)
     )
-    candidates = session.scalars(
-        select(User)
-        .where(User.is_robot.is_(True), or_(User.id.in_(members), User.id.in_(in_teams)))
-        .order_by(User.name)
-    )
-    return [robot for robot in candidates if may_manage_robot(session, principal, robot.id)]
+    query = select(User).where(User.is_robot.is_(True))
+    if manages_every_robot(session, principal):
+        query = query.where(or_(direct.exists(), teams.exists()))
+    else:
+        administered = admin_namespaces(session, principal)
+        if not administered:
+            return []
+        ids = select(Namespace.id).where(Namespace.name.in_(administered))
+        query = query.where(
+            User.is_admin.is_(False),  # a site admin robot: site admins' (may_manage_robot)
+            or_(
+                direct.where(Membership.namespace_id.in_(ids)).exists(),
+                teams.where(Team.namespace_id.in_(ids)).exists(),
+            ),
+            ~direct.where(Membership.namespace_id.not_in(ids)).exists(),
+            ~teams.where(Team.namespace_id.not_in(ids)).exists(),
+        )
+    query = query.order_by(User.name, User.id).offset(offset)
+    return list(session.scalars(query if limit is None else query.limit(limit)))

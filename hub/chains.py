@@ -42,13 +42,23 @@ def manifests(session: Session, repo_id: int, digests: Iterable[str]) -> dict[st
 
 
 def load_chains(
-    session: Session, repo_id: int, heads: Iterable[str], into: dict[str, Manifest]
+    session: Session,
+    repo_id: int,
+    heads: Iterable[str],
+    into: dict[str, Manifest],
+    *,
+    most: int | None = None,
 ) -> None:
     """Add ``heads`` and up to ``MAX_CHAIN`` ancestors of each to ``into`` (what it holds
-    already is not read again): one query per level of the chains, whatever their number."""
+    already is not read again): one query per level of the chains, whatever their number.
+    ``most``: ``into`` holds at most that many manifests after (then the nearest levels
+    are read first, each level's digests in order)."""
     level = set(heads)
     for _ in range(MAX_CHAIN + 1):
-        into.update(manifests(session, repo_id, (d for d in level if d not in into)))
+        wanted = sorted(d for d in level if d not in into)
+        if most is not None:
+            wanted = wanted[: max(0, most - len(into))]
+        into.update(manifests(session, repo_id, wanted))
         level = {
             subject for d in level if d in into and (subject := into[d].subject_digest) is not None
         }
@@ -149,7 +159,8 @@ def family(session: Session, repo_id: int, head: str) -> Family | None:
 
 def with_chains(session: Session, repo_id: int, fam: Family, more: Iterable[str]) -> None:
     """Add ``more`` manifests and their chains to ``fam`` (a lineage page draws the chain a
-    compaction replaced), with their tag names."""
+    compaction replaced), with their tag names: ``MAX_CHAIN`` manifests at most in all,
+    however many ``more`` names (each of them could head a chain of ``MAX_CHAIN``)."""
     before = set(fam.found)
-    load_chains(session, repo_id, more, fam.found)
+    load_chains(session, repo_id, more, fam.found, most=len(before) + MAX_CHAIN)
     fam.tags_of.update(tag_names(session, repo_id, set(fam.found) - before))

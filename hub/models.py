@@ -93,8 +93,10 @@ class Membership(Base):
     namespace_id: Mapped[int] = mapped_column(
         ForeignKey("namespaces.id", ondelete="CASCADE"), primary_key=True
     )
+    # Indexed: "a user's memberships" (every listing's grants, the robots one manages, a
+    # user's removal) is asked by user; the primary key serves only by namespace (0015).
     user_id: Mapped[int] = mapped_column(
-        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True, index=True
     )
     role: Mapped[str] = mapped_column(String(8))
 

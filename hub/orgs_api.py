@@ -17,7 +17,8 @@
   and site admins); ``PUT`` ``{"quota_bytes": N | null}``: site admins only.
 - ``GET``/``POST /api/v1/users`` ``{"name", "password"?, "admin"?, "robot"?}``,
   ``DELETE /api/v1/users/<name>``: site admins only, with the password (not an API token);
-  never the last site admin. An organisation whose last direct admin is removed stays,
+  never the last site admin who signs in with a password (an admin robot does not
+  count). An organisation whose last direct admin is removed stays,
   managed by the site's admins (the audit record lists it), until they make another.
 
 Anonymous callers get 401; callers without the needed role 403; an API token narrows as
@@ -535,11 +536,18 @@ class UserController(Controller):
         actor = admin
         async with _writing(hub) as session:
             await _still_site_admin(session, admin)
+            # Site admins who sign in with a password: a robot that is a site admin cannot
+            # manage users (tokens only), so it keeps no one in charge of the hub's API.
             admins = await session.scalars(
-                select(User.name).where(User.is_admin.is_(True)).with_for_update()
+                select(User.name)
+                .where(User.is_admin.is_(True), User.is_robot.is_(False))
+                .with_for_update()
             )
             if set(admins.all()) == {name}:
-                raise Conflict(f"{shown(name)} is the last site admin")
+                raise Conflict(
+                    f"{shown(name)} is the last site admin who signs in with a password "
+                    "(robots that are site admins cannot manage users): make another first"
+                )
             # Organisations the user is the last direct admin of are left to the site's
             # admins (who manage every namespace): refusing here let any organisation
             # admin make anyone undeletable, by making them an admin and then leaving.

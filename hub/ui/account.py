@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
@@ -20,7 +21,6 @@ from litestar.exceptions import (
 from litestar.params import FromPath
 from litestar.response import Redirect
 from sqlalchemy import and_, delete, select
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from forkd.errors import Conflict, InvalidInput
@@ -29,7 +29,7 @@ from forkd.hub.auth import client_ip, login
 from forkd.hub.errors import Code, RegistryError
 from forkd.hub.models import ROLES, ApiToken, UiSession, User, utcnow
 from forkd.hub.oci.common import parse_count
-from forkd.hub.params import path_id
+from forkd.hub.params import PAGES_MAX, QueryNumber, path_id, query_number
 from forkd.hub.services import Hub
 from forkd.hub.ui import queries
 from forkd.hub.ui.common import UI, HubRequest, base_context, local_path, viewer
@@ -289,6 +289,7 @@ class AccountController(Controller):
         created_for: str = "",
         error: str = "",
         status: int = 200,
+        robots_page: int = 1,
     ) -> Response[str]:
         if not who.principal.with_password:  # a token's session lists no tokens
             error = error or "signed in with a token: sign in with your password to manage tokens"
@@ -305,16 +306,30 @@ class AccountController(Controller):
                 else []
             )
             # Robots hold places in organisations only (members.place_robot).
-            namespaces = await queries.admin_namespaces(session, who.principal, kind="org")
-            robots = await _robots(session, who.principal) if who.principal.with_password else []
+            namespaces = await queries.admin_namespaces(
+                session, who.principal, kind="org", limit=NAMESPACES_LISTED + 1
+            )
+            robots, more = (
+                await session.run_sync(_robots, who.principal, robots_page)
+                if who.principal.with_password
+                else ([], False)
+            )
+        if robots_page > 1 and not robots:
+            raise NotFoundException(f"no page {robots_page} of robots you manage")
         return ui.renderer.page(
             "tokens.html",
             status=status,
             headers=NO_STORE,
             **base_context(ui, hub, request, who),
             tokens=mine,
-            namespaces=namespaces,
+            namespaces=namespaces[:NAMESPACES_LISTED],
+            # More than the form lists (a site admin administers every organisation):
+            # the form takes a typed name, the list only suggests.
+            namespaces_more=len(namespaces) > NAMESPACES_LISTED,
             robots=robots,
+            robots_prev=_robots_link(robots_page - 1) if robots_page > 1 else "",
+            robots_next=_robots_link(robots_page + 1) if more else "",
+            robots_page=robots_page,
             created=created,
             created_for=created_for,
             error=error,
@@ -323,8 +338,15 @@ class AccountController(Controller):
 
     @get("/-/settings/tokens")
     async def tokens(
-        self, request: HubRequest, hub: NamedDependency[Hub], ui: NamedDependency[UI]
+        self,
+        request: HubRequest,
+        hub: NamedDependency[Hub],
+        ui: NamedDependency[UI],
+        robots_page: QueryNumber = None,
     ) -> Response[Any]:
+        """The viewer's tokens, and one page of the robots they manage (``robots_page``,
+        1-100000 in ASCII digits; ``ROBOTS_PER_PAGE`` robots each)."""
+        page = query_number(robots_page, "robots_page", 1, PAGES_MAX)
         who = await viewer(ui, hub, request)
         sealed = read_cookie(request, NEW_TOKEN_COOKIE)
         response: Response[Any]
@@ -335,7 +357,7 @@ class AccountController(Controller):
             new = ui.sessions.open_new_token(read_cookie(request, COOKIE), sealed)
             created, created_for = new if new is not None else ("", "")
             response = await self._tokens_page(
-                request, hub, ui, who, created=created, created_for=created_for
+                request, hub, ui, who, created=created, created_for=created_for, robots_page=page
             )
         if sealed:
             _delete_cookie(response, request, NEW_TOKEN_COOKIE, NEW_TOKEN_PATH)
@@ -485,6 +507,10 @@ class AccountController(Controller):
         return Redirect(f"/{name}", status_code=303)
 
 
+def _robots_link(page: int) -> str:
+    return NEW_TOKEN_PATH + (f"?{urlencode({'robots_page': page})}" if page > 1 else "")
+
+
 def _open_session(session: Session, row: UiSession) -> None:
     """Store a new session row, ending the oldest sessions of the same credential beyond
     ``SESSIONS_PER_USER`` (and the user's that ran out). Sign-in answers from the
@@ -531,21 +557,46 @@ class RobotRow:
     tokens: list[RobotToken]
 
 
-async def _robots(session: AsyncSession, principal: accounts.Principal) -> list[RobotRow]:
-    """The robots ``principal`` manages (``authz.manageable_robots``), with their tokens,
-    who minted each and whether it still works."""
-    out: list[RobotRow] = []
-    for user in await session.run_sync(authz.manageable_robots, principal):
-        tokens = (
-            await session.scalars(
-                select(ApiToken).where(ApiToken.user_id == user.id).order_by(ApiToken.id)
-            )
-        ).all()
-        rows = []
-        for token in tokens:
-            minter = await session.get(User, token.minted_by) if token.minted_by else None
-            named = minter.name if minter else ("a removed account" if token.minted_by else "")
-            stands = await session.run_sync(authz.minter_stands, token)
-            rows.append(RobotToken(token, named, stands))
-        out.append(RobotRow(user.id, user.name, rows))
-    return out
+# Organisations the robot form offers by name (a site admin's are every organisation of
+# the hub, 20 per user); past them the form takes a typed name.
+NAMESPACES_LISTED = 100
+# Robots one view of the tokens page lists (with all their tokens, at most
+# ``MAX_TOKENS_PER_USER`` each); ``robots_page`` picks the others.
+ROBOTS_PER_PAGE = 20
+
+
+def _robots(
+    session: Session, principal: accounts.Principal, page: int
+) -> tuple[list[RobotRow], bool]:
+    """One page of the robots ``principal`` manages (``authz.manageable_robots``, by name)
+    with their tokens, who minted each and whether it still works; and whether more
+    follow. A bounded number of reads whatever the number of robots: the page's tokens
+    and their minters in one query each, each minter's right checked once per robot
+    (``authz.minter_stands``: every token was a check of three reads, and the page
+    listed every robot). Sync ORM code."""
+    found = authz.manageable_robots(
+        session, principal, offset=(page - 1) * ROBOTS_PER_PAGE, limit=ROBOTS_PER_PAGE + 1
+    )
+    more = len(found) > ROBOTS_PER_PAGE
+    shown = found[:ROBOTS_PER_PAGE]
+    tokens = session.scalars(
+        select(ApiToken)
+        .where(ApiToken.user_id.in_([robot.id for robot in shown]))
+        .order_by(ApiToken.id)
+    ).all()
+    minter_ids = {t.minted_by for t in tokens if t.minted_by is not None}
+    minters = {
+        user_id: name
+        for user_id, name in session.execute(
+            select(User.id, User.name).where(User.id.in_(minter_ids))
+        )
+    }
+    stands: dict[tuple[int | None, int], bool] = {}
+    by_robot: dict[int, list[RobotToken]] = {robot.id: [] for robot in shown}
+    for token in tokens:
+        key = (token.minted_by, token.user_id)  # one check per minter and robot
+        if key not in stands:
+            stands[key] = authz.minter_stands(session, token)
+        named = minters.get(token.minted_by, "a removed account") if token.minted_by else ""
+        by_robot[token.user_id].append(RobotToken(token, named, stands[key]))
+    return [RobotRow(r.id, r.name, by_robot[r.id]) for r in shown], more

@@ -8,6 +8,7 @@ a digest names immutable bytes, so the cache never goes stale.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -526,13 +527,17 @@ async def tag(
     return TagDetail(repo, accounts.namespace_of(name), fam.head, tagged, fam, compacted)
 
 
-COMPACTION_NOTES_MAX = 10_000  # compaction links a tag page reads
+# Compaction links a tag page reads (the newest), and so draws at most: each is a node of
+# its lineage graph with its own chain and tag names, and any pusher of the repository
+# adds them (a manifest annotated ``dev.forkd.compacted.from``). 10,000 of them were a
+# read per node and a graph of 10,000 nodes on every view of the page.
+COMPACTION_NOTES_MAX = chains.MAX_CHAIN
 
 
 def _compaction_sources(session: Session, repository_id: int) -> dict[str, str]:
-    """flat layer → the digest it was compacted from, for the repository's manifests whose
-    annotations name one (``dev.forkd.compacted.from``) in at most ``NOTES_MAX``
-    characters; at most ``COMPACTION_NOTES_MAX`` of them. Sync ORM code."""
+    """flat layer → the digest it was compacted from, for the repository's newest
+    ``COMPACTION_NOTES_MAX`` manifests whose annotations name one
+    (``dev.forkd.compacted.from``) in at most ``NOTES_MAX`` characters. Sync ORM code."""
     key = like_literal(mt.ANNOTATION_COMPACTED_FROM)
     rows = session.execute(
         select(ManifestRow.digest, ManifestRow.annotations)
@@ -541,7 +546,7 @@ def _compaction_sources(session: Session, repository_id: int) -> dict[str, str]:
             ManifestRow.annotations.like(f"%{key}%", escape="\\"),
             func.length(ManifestRow.annotations) <= NOTES_MAX,
         )
-        .order_by(ManifestRow.digest)
+        .order_by(ManifestRow.created_at.desc(), ManifestRow.digest)
         .limit(COMPACTION_NOTES_MAX)
     )
     out: dict[str, str] = {}
@@ -702,8 +707,14 @@ async def role_in(session: AsyncSession, principal: accounts.Principal, ns: Name
 
 
 async def admin_namespaces(
-    session: AsyncSession, principal: accounts.Principal, kind: str | None = None
+    session: AsyncSession,
+    principal: accounts.Principal,
+    kind: str | None = None,
+    *,
+    limit: int | None = None,
 ) -> list[str]:
     """Namespaces whose robots and members ``principal`` may manage (``kind``: only those
-    of that kind)."""
-    return await session.run_sync(authz.admin_namespaces, principal, kind)
+    of that kind; ``limit``: the first that many, by name)."""
+    return await session.run_sync(
+        functools.partial(authz.admin_namespaces, kind=kind, limit=limit), principal
+    )
