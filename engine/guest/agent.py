@@ -551,7 +551,10 @@ class Proc:
 
     def _pump_reads(self, fd: int, sink: Sink) -> None:
         """A PTY (no splice from it): read until EOF, gathering what is already there
-        into frames of up to CHUNK."""
+        into frames of up to CHUNK. poll, not select: with many processes running the
+        PTY's descriptor can be past select's 1024."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while True:
             try:
                 data = os.read(fd, CHUNK)
@@ -561,7 +564,7 @@ class Proc:
                 return
             if len(data) < CHUNK:
                 more = bytearray(data)
-                while len(more) < CHUNK and select.select([fd], [], [], 0)[0]:
+                while len(more) < CHUNK and poller.poll(0):
                     try:
                         piece = os.read(fd, CHUNK - len(more))
                     except OSError:
