@@ -177,7 +177,7 @@ def test_wait_with_a_timeout_returns_while_running(child_dir: Path) -> None:
     c = _client(child_dir)
     h = c.request("proc_start", {"argv": ["sh", "-c", "echo early; sleep 300"]})
     out: list[bytes] = []
-    w = c.request("proc_wait", {"handle": h["handle"], "timeout": 1},
+    w = c.request("proc_wait", {"handle": h["handle"], "timeout": 5},
                   on_event=lambda ev, b: out.append(b))
     assert w["running"] is True and b"".join(out) == b"early\n"
     c.request("proc_kill", {"handle": h["handle"], "signal": "TERM"})

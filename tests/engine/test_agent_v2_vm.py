@@ -102,7 +102,7 @@ def test_background_processes_and_bad_input(child: str) -> None:
     with pytest.raises(Conflict):
         ch.process_stdin(child, p["handle"], b"more\n")
     out: list[bytes] = []
-    w = ch.process_wait(child, p["handle"], timeout=3, on_stdout=out.append)
+    w = ch.process_wait(child, p["handle"], timeout=10, on_stdout=out.append)
     assert w["running"] is True and b"".join(out) == b"got hello\n"
     ch.process_kill(child, p["handle"])
     end = ch.process_wait(child, p["handle"])
