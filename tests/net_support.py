@@ -15,6 +15,11 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+# How long a test waits for what should come within a second or so (a slot freed, a
+# request stopped, a thread ended): generous for a loaded 2-CPU machine, and free when
+# it comes at once (the waits poll).
+PATIENCE_S = 30.0
+
 
 def _ephemeral_ports() -> tuple[int, int]:
     try:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 from daemon_support import MCP_HELLO, mcp_auth, mcp_sessions, running, slow_app
-from net_support import free_port
+from net_support import PATIENCE_S, free_port
 
 from forkd.audit import AuditLog
 from forkd.controller import app, server
@@ -34,8 +34,6 @@ QUICK = server.Limits(head_timeout_s=0.5, max_connections=3, stall_timeout_s=1.0
 # (server.HEAD_TIMEOUT_S) with room for a loaded machine (it was 3 s).
 CUT_BY_S = 8.0
 assert CUT_BY_S < server.HEAD_TIMEOUT_S
-# How long a test waits for what should come within a second or so (a freed slot).
-PATIENCE_S = 30.0
 
 
 @pytest.fixture

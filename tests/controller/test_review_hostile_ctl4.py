@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, mcp_sessions, running
-from net_support import free_port, wait_until
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import api, app, server
@@ -32,10 +32,8 @@ from forkd.store.store import Store
 TOKEN = b"t" * 43
 QUICK = server.Limits(head_timeout_s=0.5, max_connections=6, stall_timeout_s=1.0,
                       max_per_peer=3)
-# How long a test waits for what should come within a second or so (a freed slot, a
-# guest's request stopped), and the bound on a revoked token's cut (its recheck is 0.1 s
-# here; room for a loaded machine).
-PATIENCE_S = 30.0
+# The bound on a revoked token's cut (its recheck is 0.1 s here; room for a loaded
+# machine).
 CUT_BY_S = 10.0
 
 
@@ -545,10 +543,10 @@ def test_an_sdk_stream_abandoned_from_another_thread_ends_now(
         ended.set()
 
     threading.Thread(target=read, daemon=True).start()
-    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 5)
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, PATIENCE_S)
     frames.abandon()  # type: ignore[attr-defined]  # a RemoteFrames
-    assert ended.wait(2), "the reading thread still waits"
-    assert guest.closed.wait(3), "the daemon's command outlived its abandoned stream"
+    assert ended.wait(PATIENCE_S), "the reading thread still waits"
+    assert guest.closed.wait(PATIENCE_S), "the daemon's command outlived its abandoned stream"
 
 
 def test_a_revoked_token_stops_the_mcp_command_it_started(
@@ -583,10 +581,10 @@ def test_a_revoked_token_stops_the_mcp_command_it_started(
                 http.post("/mcp", json=call, headers=session)
 
         threading.Thread(target=run, daemon=True).start()
-        wait_until("the guest has the command", lambda: len(guest.requests) == 1, 10)
+        wait_until("the guest has the command", lambda: len(guest.requests) == 1, PATIENCE_S)
         _replace_private_file(place / "token", new)
-        assert guest.closed.wait(5), "the tool's command outlived the revoked token"
-        wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+        assert guest.closed.wait(PATIENCE_S), "the tool's command outlived the revoked token"
+        wait_until("the guest request freed", _no_guest_request_in_flight, PATIENCE_S)
 
 
 # -- a lazy spawn connects only to hubs this host was told to use --------------------------
