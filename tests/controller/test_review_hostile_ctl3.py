@@ -218,8 +218,8 @@ def test_an_answer_the_client_does_not_read_ends_the_connection(place: Path) -> 
         conn = _connect(sock)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.sendall(HEALTH)
-        assert sent.wait(5)
-        assert ended.wait(6), "the answer nobody reads still runs"
+        assert sent.wait(PATIENCE_S)
+        assert ended.wait(PATIENCE_S), "the answer nobody reads still runs"
         conn.close()
 
 

@@ -42,7 +42,7 @@ def child(store: Store, tiny: str, cleanup_children: None) -> Iterator[str]:
     info = ch.fork(store, tiny, 1).children[0]
     yield info.id
     ch.kill(info.id)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while _relay_pids(info.path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _relay_pids(info.path), "the child's agent relay outlived it"
