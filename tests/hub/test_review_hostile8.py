@@ -70,22 +70,37 @@ def _while_sending(
     hub: HubServer, send: Any, body: _SlowBody, withdraw: Any, *, session_row: bool
 ) -> httpx.Response:
     """Send a request with ``body`` in a thread, run ``withdraw`` once the hub is reading
-    its body (it has opened its upload session row, or had a second to), then let the
-    rest of the body go."""
-    with ThreadPoolExecutor(1) as pool:
-        before = _open_sessions(hub)
-        pending = pool.submit(send)
-        assert body.sent_first.wait(TIMEOUT)
-        deadline = time.monotonic() + TIMEOUT
-        if session_row:
-            while _open_sessions(hub) <= before:
-                assert time.monotonic() < deadline, "the upload never began"
-                time.sleep(0.02)
-        else:
-            time.sleep(1.0)
-        withdraw()
-        body.go_on.set()
-        return pending.result(TIMEOUT)
+    its body (it has opened its upload session row, or authorized the request: was "or
+    had a second to", and a loaded machine's hub could authorize after the withdrawal,
+    refusing the request as it began instead of while it ran), then let the rest of the
+    body go."""
+    from forkd.hub.oci import common
+
+    allowed = threading.Event()
+    real_allow = common.Ctx.allow
+
+    async def allow(ctx: common.Ctx, action: str) -> None:
+        await real_allow(ctx, action)
+        allowed.set()
+
+    common.Ctx.allow = allow  # type: ignore[method-assign]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            before = _open_sessions(hub)
+            pending = pool.submit(send)
+            assert body.sent_first.wait(TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            if session_row:
+                while _open_sessions(hub) <= before:
+                    assert time.monotonic() < deadline, "the upload never began"
+                    time.sleep(0.02)
+            else:
+                assert allowed.wait(TIMEOUT), "the hub never authorized the request"
+            withdraw()
+            body.go_on.set()
+            return pending.result(TIMEOUT)
+    finally:
+        common.Ctx.allow = real_allow  # type: ignore[method-assign]
 
 
 def _remove_member(hub: HubServer, admin: tuple[str, str], org: str, user: str) -> None:
