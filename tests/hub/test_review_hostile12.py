@@ -54,6 +54,7 @@ from hub_support import (
     SlowBody,
     api_token,
     audited,
+    authorized,
     browser,
     csrf_of,
     free_port,
@@ -111,9 +112,12 @@ def test_an_upload_that_stops_sending_is_refused_once_push_is_gone(
             def send() -> httpx.Response:
                 return c.patch(where, content=body)
 
-        with ThreadPoolExecutor(1) as pool:
+        with authorized() as allowed, ThreadPoolExecutor(1) as pool:
             pending = pool.submit(send)
             assert body.sent_first.wait(TIMEOUT)
+            # Withdrawn once the hub has authorized the request (a fixed sleep after the
+            # first bytes could come first on a loaded machine: refused as it began).
+            assert allowed.wait(TIMEOUT), "the hub never authorized the request"
             time.sleep(2 * RECHECK_S)  # the first part is in
             _remove_member(hub, org, alice, bob[0])
             deadline = time.monotonic() + TIMEOUT

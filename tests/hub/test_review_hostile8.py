@@ -37,6 +37,7 @@ from hub_support import (
     OCI_MANIFEST,
     HubServer,
     artifact,
+    authorized,
     error_code,
     org_with_pusher,
     sha,
@@ -74,33 +75,20 @@ def _while_sending(
     had a second to", and a loaded machine's hub could authorize after the withdrawal,
     refusing the request as it began instead of while it ran), then let the rest of the
     body go."""
-    from forkd.hub.oci import common
-
-    allowed = threading.Event()
-    real_allow = common.Ctx.allow
-
-    async def allow(ctx: common.Ctx, action: str) -> None:
-        await real_allow(ctx, action)
-        allowed.set()
-
-    common.Ctx.allow = allow  # type: ignore[method-assign]
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            before = _open_sessions(hub)
-            pending = pool.submit(send)
-            assert body.sent_first.wait(TIMEOUT)
-            deadline = time.monotonic() + TIMEOUT
-            if session_row:
-                while _open_sessions(hub) <= before:
-                    assert time.monotonic() < deadline, "the upload never began"
-                    time.sleep(0.02)
-            else:
-                assert allowed.wait(TIMEOUT), "the hub never authorized the request"
-            withdraw()
-            body.go_on.set()
-            return pending.result(TIMEOUT)
-    finally:
-        common.Ctx.allow = real_allow  # type: ignore[method-assign]
+    with authorized() as allowed, ThreadPoolExecutor(1) as pool:
+        before = _open_sessions(hub)
+        pending = pool.submit(send)
+        assert body.sent_first.wait(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        if session_row:
+            while _open_sessions(hub) <= before:
+                assert time.monotonic() < deadline, "the upload never began"
+                time.sleep(0.02)
+        else:
+            assert allowed.wait(TIMEOUT), "the hub never authorized the request"
+        withdraw()
+        body.go_on.set()
+        return pending.result(TIMEOUT)
 
 
 def _remove_member(hub: HubServer, admin: tuple[str, str], org: str, user: str) -> None:
