@@ -1325,6 +1325,8 @@ def serve(port: str) -> None:
     global CHANNEL
     fd = os.open(port, os.O_RDWR)
     events = _port_events(fd)
+    idle = select.poll()  # not select(): no descriptor number is too high for it
+    idle.register(events, select.POLLIN)
     CHANNEL = Channel(fd)
     CHANNEL.send({"hello": {"protocol": PROTOCOL, "agent": "forkd-agent",
                             "versions": list(ACCEPTED_VERSIONS), **op_ping({})}})
@@ -1342,7 +1344,7 @@ def serve(port: str) -> None:
             # pipe before reading again. No periodic wake-ups while idle.
             buf.clear()
             scanned = 0
-            select.select([events], [], [], IDLE_WAIT_S)
+            idle.poll(IDLE_WAIT_S * 1000)
             with contextlib.suppress(OSError):
                 os.read(events, 4096)
             continue
