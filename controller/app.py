@@ -140,6 +140,9 @@ class ControllerMetrics:
         )
 
 
+GONE = (0, 0, 0, 0, 0, 0)  # a token file's stamp while it is gone (st_ino is never 0)
+
+
 class Token:
     """The TCP bearer token: a fixed one ($FORKD_CONTROLLER_TOKEN), or a token file's, read
     again whenever the file changes, so replacing the file revokes the old token at once
@@ -158,14 +161,17 @@ class Token:
         self._seen = self._stamp()
         self._lock = threading.Lock()
 
-    def _stamp(self) -> tuple[int, int, int, int] | None:
+    def _stamp(self) -> tuple[int, ...] | None:
+        """What tells a changed file. Its mode and owner too: a chmod or chown changes only
+        the ctime, whose clock ticks coarsely (a jiffy), so a file made readable by others
+        within the tick of its last change kept its stamp and its token went on working."""
         if self._path is None:
             return None
         try:
             st = os.lstat(self._path)
         except OSError:
-            return (0, 0, 0, 0)  # gone: never a file's stamp (st_ino is never 0)
-        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            return GONE
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
 
     def current(self) -> bytes:
         """The token a request must carry now; b"" (which nothing matches) while the file
@@ -177,7 +183,7 @@ class Token:
             if stamp != self._seen:
                 self._seen = stamp
                 try:
-                    self._value = self._read(self._path) if stamp != (0, 0, 0, 0) else b""
+                    self._value = self._read(self._path) if stamp != GONE else b""
                 except (InvalidInput, OSError):
                     self._value = b""
             return self._value

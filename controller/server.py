@@ -113,6 +113,10 @@ def _unix_listener(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
+    # Listening from the moment the path exists: a client that sees the socket while the
+    # daemon still starts (its backend, its pools) waits in the backlog until it serves,
+    # instead of being refused (uvicorn's create_server listens again, which is harmless).
+    sock.listen(MAX_CONNECTIONS)
     return sock
 
 

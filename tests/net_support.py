@@ -4,21 +4,55 @@ to answer."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
 
+# How long a test waits for what should come within a second or so (a slot freed, a
+# request stopped, a thread ended): generous for a loaded 2-CPU machine, and free when
+# it comes at once (the waits poll).
+PATIENCE_S = 30.0
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at this moment."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on at this moment, for a server a test starts next.
+
+    Not one the kernel picks for bind(0): once that socket is closed the kernel may hand
+    the same port out at once, as the source port of any outgoing connection on this
+    machine (the test's own clients) or to another bind(0), before the server binds it
+    (EADDRINUSE, a red test). A random port below the kernel's ephemeral range is never
+    a connection's source port; one that is taken fails the bind here and another is
+    tried."""
+    low, _high = _ephemeral_ports()
+    first = 20_000  # above the ports services and Ray's workers (10002-19999) take
+    if low - first < 1_000:  # an unusual range: fall back to the kernel's choice
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    for _ in range(200):
+        port = first + secrets.randbelow(low - first)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port below {low} on {host}")
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.1) -> None:

@@ -403,7 +403,7 @@ def test_filter_check_sees_a_refused_syscall() -> None:
 
 
 def _only_child(pid: int) -> int:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         if children:

@@ -222,7 +222,11 @@ def _wait_for_taker(d: Path) -> socket.socket | None:
         listener.bind(str(path))
         os.chmod(path, 0o600)
         listener.listen(8)
-        (d / PID).write_text(str(os.getpid()))
+        # Whole or not there (a new file renamed in): a reader that sees the file reads
+        # the number, never an empty file being written (end_spare, the tests' waits).
+        tmp = d / f".{PID}.{os.getpid()}"
+        tmp.write_text(str(os.getpid()))
+        tmp.replace(d / PID)
         listener.settimeout(SPARE_IDLE)
         try:
             conn, _ = listener.accept()

@@ -221,14 +221,13 @@ def test_a_cell_whose_client_left_is_interrupted_in_the_guest(
     """A run_code cell whose client went away ran on in the guest to its own timeout,
     holding the interpreter: the next cell of the sandbox waited behind it. Now the relay's
     cancel interrupts it, and the next cell answers at once."""
-    import time
-
     http, sid, _ = sandbox
     sb = f"/v1/sandboxes/{sid}"
     with pytest.raises(httpx.ReadTimeout):  # the client leaves after 2 s
         http.post(sb + "/run_code", json={"code": "while True:\n    pass", "timeout": 600},
                   timeout=2)
-    start = time.monotonic()
-    after = http.post(sb + "/run_code", json={"code": "6 * 7", "timeout": 60}, timeout=60)
+    # Behind the abandoned cell (600 s) this would wait past its own 60 s (ReadTimeout);
+    # answered in time, the abandoned cell was interrupted. (It also had to answer within
+    # 20 s, a timing a loaded machine's slow guest can miss.)
+    after = http.post(sb + "/run_code", json={"code": "6 * 7", "timeout": 60}, timeout=120)
     assert after.status_code == 200 and after.json()["value"] == 42, after.text
-    assert time.monotonic() - start < 20, "the next cell waited behind the abandoned one"

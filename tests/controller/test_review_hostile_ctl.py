@@ -175,6 +175,13 @@ def test_a_slow_reader_makes_the_daemon_hold_a_few_mib_per_stream_and_a_bound_in
     try:
         for s in streams:  # each gets its first item, however many wait elsewhere
             assert next(s) is CHUNK
+        # First until each stream has its next item ready (80 producer threads on a loaded
+        # machine: one not run for the half second the stillness check waits made the
+        # count short), then until nothing moves.
+        deadline = time.monotonic() + 60
+        while sum(c[0] for c in counters) - len(streams) + (one[0] - 1) < len(streams):
+            assert time.monotonic() < deadline, [c[0] for c in counters]
+            time.sleep(0.05)
         total = [0]
         while True:
             before = sum(c[0] for c in counters)

@@ -64,7 +64,7 @@ from daemon_support import (
     mcp_auth,
     running,
 )
-from net_support import free_port, wait_until
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, mcp, server
@@ -169,7 +169,7 @@ def test_a_session_that_ends_kills_the_sandboxes_it_created(
         assert engine.running() == {*mine, *theirs}
         gone.end()
         wait_until("the ended session's sandboxes killed",
-                   lambda: engine.running() == set(theirs), 10)
+                   lambda: engine.running() == set(theirs), PATIENCE_S)
         assert sorted(engine.killed) == sorted(mine)
         killed = stays.call("kill_sandbox", sandbox_id=theirs[0])  # still theirs to use
         assert not killed["isError"], killed
@@ -183,7 +183,7 @@ def test_a_session_closed_idle_kills_the_sandboxes_it_created(
         client = McpClient(url)
         made = client.made("tiny", 3)
         client.http.close()  # gone without a word
-        wait_until("the idle session's sandboxes killed", lambda: not engine.running(), 15)
+        wait_until("the idle session's sandboxes killed", lambda: not engine.running(), PATIENCE_S)
         assert sorted(engine.killed) == sorted(made)
 
 

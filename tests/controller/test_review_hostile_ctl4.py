@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, mcp_sessions, running, slow_app
-from net_support import free_port, wait_until
+from daemon_support import MCP_HELLO, FakeGuest, mcp_auth, mcp_sessions, running
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import api, app, server
@@ -32,6 +32,19 @@ from forkd.store.store import Store
 TOKEN = b"t" * 43
 QUICK = server.Limits(head_timeout_s=0.5, max_connections=6, stall_timeout_s=1.0,
                       max_per_peer=3)
+# The bound on a revoked token's cut (its recheck is 0.1 s here; room for a loaded
+# machine).
+CUT_BY_S = 10.0
+
+
+def _until_served(where: Path | tuple[str, int]) -> None:
+    """A new connection is served (200), once the server has given back a slot: asked
+    until it is, up to PATIENCE_S (it was asked once, after a fixed sleep)."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not (got := _answer(_connect(where), HEALTH)).startswith(b"HTTP/1.1 200"):
+        assert got.startswith(b"HTTP/1.1 503"), got
+        assert time.monotonic() < deadline, f"no slot was given back: {got!r}"
+        time.sleep(0.05)
 
 
 def _daemon_app(tmp_path: Path, token: app.Token | bytes | None) -> Any:
@@ -267,8 +280,7 @@ def test_one_uid_holds_at_most_its_share_of_the_unix_socket(unix: Path) -> None:
     time.sleep(0.1)
     _refused_as_one_client(_connect(unix), f"uid={os.getuid()}")
     held.pop().close()
-    time.sleep(0.2)
-    assert _answer(_connect(unix), HEALTH).startswith(b"HTTP/1.1 200")
+    _until_served(unix)
     for conn in held:
         conn.close()
 
@@ -287,19 +299,39 @@ def test_a_request_left_running_still_counts_for_its_client(place: Path) -> None
     """A client that closes its connection while its request runs (a handler that waits on
     a guest) holds that slot until the request ends: closing connections does not let one
     client run more than its share."""
-    slow = slow_app(2.0, "/slow")  # the connection is gone meanwhile
+    # The request runs until the test ends it, and says when it began and when it saw
+    # its client go (was: a 2 s handler, with 0.2 s, 0.1 s and 2.2 s sleeps between the
+    # steps: on a loaded machine the request could end before the 503 was asked for, or
+    # the close come before the request began).
+    began, gone, end = threading.Event(), threading.Event(), threading.Event()
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":
+            began.set()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            while not end.is_set():
+                await asyncio.sleep(0.02)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
     sock = place / "slow.sock"
     config = server.bounded_config(slow, server.UnixPeerProtocol, QUICK, uds=str(sock))
     with running(uvicorn.Server(config)):
-        left = _connect(sock)
-        left.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(0.2)
-        left.close()
-        held = [_connect(sock) for _ in range(QUICK.max_per_peer - 1)]
-        time.sleep(0.1)
-        assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 503")
-        time.sleep(2.2)  # the request ended: its slot is free
-        assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 200")
+        try:
+            left = _connect(sock)
+            left.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert began.wait(PATIENCE_S), "the slow request never began"
+            left.close()
+            assert gone.wait(PATIENCE_S), "the server never saw the client go"
+            held = [_connect(sock) for _ in range(QUICK.max_per_peer - 1)]
+            assert _answer(_connect(sock), HEALTH).startswith(b"HTTP/1.1 503")
+        finally:
+            end.set()  # the request ends: its slot is free
+        _until_served(sock)
         for conn in held:
             conn.close()
 
@@ -334,17 +366,29 @@ def test_a_revoked_token_stops_a_waiting_guest_request(
     watched = app.TokenWatch(_daemon_app(tmp_path, token), token, every=0.1)
     config = server.bounded_config(watched, limits=QUICK, host="127.0.0.1", port=port)
     path, body, op = WAITING[route]
-    with running(uvicorn.Server(config)), httpx.Client(timeout=20) as http:
-        threading.Timer(0.5, _replace_private_file, (place / "token", new)).start()
-        start = time.monotonic()
+    revoked_at: list[float] = []
+
+    def revoke() -> None:
+        """Once the guest has the request (was: 0.5 s after it was sent, which a loaded
+        machine could reach before the request did: a 401 before it began)."""
+        deadline = time.monotonic() + PATIENCE_S
+        while not guest.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _replace_private_file(place / "token", new)
+        revoked_at.append(time.monotonic())
+
+    revoker = threading.Thread(target=revoke)
+    with running(uvicorn.Server(config)), httpx.Client(timeout=PATIENCE_S) as http:
+        revoker.start()
         r = http.post(f"http://127.0.0.1:{port}{path}", json=body,
                       headers={"Authorization": f"Bearer {old}"})
+        revoker.join(PATIENCE_S)
         assert r.status_code == 401, r.text
         assert "revoked while this request ran" in r.json()["error"]["message"]
-        assert time.monotonic() - start < 4
+        assert revoked_at and time.monotonic() - revoked_at[0] < CUT_BY_S
         assert [q["op"] for q in guest.requests] == [op]
-        assert guest.closed.wait(2), "the guest's request was not stopped"
-        wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+        assert guest.closed.wait(PATIENCE_S), "the guest's request was not stopped"
+        wait_until("the guest request freed", _no_guest_request_in_flight, PATIENCE_S)
 
 
 @pytest.mark.parametrize("route", sorted(WAITING))
@@ -357,11 +401,11 @@ def test_a_client_that_leaves_stops_its_waiting_guest_request(
     data = json.dumps(body).encode()
     conn.sendall(b"POST %s HTTP/1.1\r\nHost: forkd\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
-    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 5)
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, PATIENCE_S)
     assert guest.requests[0]["op"] == op
     conn.close()
-    assert guest.closed.wait(3), "the guest's request outlived its client"
-    wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+    assert guest.closed.wait(PATIENCE_S), "the guest's request outlived its client"
+    wait_until("the guest request freed", _no_guest_request_in_flight, PATIENCE_S)
 
 
 # -- the MCP SDK's own errors ------------------------------------------------------------
@@ -499,10 +543,10 @@ def test_an_sdk_stream_abandoned_from_another_thread_ends_now(
         ended.set()
 
     threading.Thread(target=read, daemon=True).start()
-    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 5)
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, PATIENCE_S)
     frames.abandon()  # type: ignore[attr-defined]  # a RemoteFrames
-    assert ended.wait(2), "the reading thread still waits"
-    assert guest.closed.wait(3), "the daemon's command outlived its abandoned stream"
+    assert ended.wait(PATIENCE_S), "the reading thread still waits"
+    assert guest.closed.wait(PATIENCE_S), "the daemon's command outlived its abandoned stream"
 
 
 def test_a_revoked_token_stops_the_mcp_command_it_started(
@@ -537,10 +581,10 @@ def test_a_revoked_token_stops_the_mcp_command_it_started(
                 http.post("/mcp", json=call, headers=session)
 
         threading.Thread(target=run, daemon=True).start()
-        wait_until("the guest has the command", lambda: len(guest.requests) == 1, 10)
+        wait_until("the guest has the command", lambda: len(guest.requests) == 1, PATIENCE_S)
         _replace_private_file(place / "token", new)
-        assert guest.closed.wait(5), "the tool's command outlived the revoked token"
-        wait_until("the guest request freed", _no_guest_request_in_flight, 3)
+        assert guest.closed.wait(PATIENCE_S), "the tool's command outlived the revoked token"
+        wait_until("the guest request freed", _no_guest_request_in_flight, PATIENCE_S)
 
 
 # -- a lazy spawn connects only to hubs this host was told to use --------------------------

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 from daemon_support import FakeGuest, running
-from net_support import free_port, wait_until
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, server
@@ -94,7 +94,7 @@ def test_one_client_holds_at_most_its_share_of_guest_requests(
     monkeypatch.setattr(ch, "MAX_REQUESTS_PER_CLIENT", 2)
     monkeypatch.setattr(ch, "MAX_CHILD_REQUESTS_PER_CLIENT", 2)
     mine = [_post(tcp, *EXEC, token=TOKEN) for _ in range(2)]
-    wait_until("both commands run", lambda: len(guest.requests) == 2, 10)
+    wait_until("both commands run", lambda: len(guest.requests) == 2, PATIENCE_S)
     refused = _post(tcp, *EXEC, token=TOKEN)
     head, body = _head_and_body(refused)
     assert head.startswith(b"HTTP/1.1 429"), head
@@ -104,10 +104,11 @@ def test_one_client_holds_at_most_its_share_of_guest_requests(
     assert "this client (127.0.0.1) has 2 requests to sandboxes in flight" in error["message"]
     assert "wait for one of yours to end" in error["message"]
     theirs = [_post(tcp, *EXEC, source="127.0.0.2", token=TOKEN) for _ in range(2)]
-    wait_until("the other client's commands run", lambda: len(guest.requests) == 4, 10)
+    wait_until("the other client's commands run", lambda: len(guest.requests) == 4, PATIENCE_S)
     for conn in mine + theirs:
         conn.close()
-    wait_until("every guest request freed", lambda: not ch._in_flight and not ch._per_client, 5)
+    wait_until("every guest request freed", lambda: not ch._in_flight and not ch._per_client,
+               PATIENCE_S)
     assert guest.open == 0
 
 
@@ -119,13 +120,13 @@ def test_one_client_holds_at_most_half_of_one_sandboxs_requests(
     monkeypatch.setattr(ch, "MAX_REQUESTS_PER_CHILD", 4)
     monkeypatch.setattr(ch, "MAX_CHILD_REQUESTS_PER_CLIENT", 2)
     mine = [_post(tcp, *EXEC, token=TOKEN) for _ in range(2)]
-    wait_until("both commands run", lambda: len(guest.requests) == 2, 10)
+    wait_until("both commands run", lambda: len(guest.requests) == 2, PATIENCE_S)
     head, body = _head_and_body(_post(tcp, *EXEC, token=TOKEN))
     assert head.startswith(b"HTTP/1.1 429"), head
     assert "has 2 requests to sb-1 in flight" in json.loads(body)["error"]["message"]
     elsewhere = _post(tcp, "/v1/sandboxes/sb-2/exec", EXEC[1], token=TOKEN)
     theirs = _post(tcp, *EXEC, source="127.0.0.2", token=TOKEN)
-    wait_until("the other commands run", lambda: len(guest.requests) == 4, 10)
+    wait_until("the other commands run", lambda: len(guest.requests) == 4, PATIENCE_S)
     for conn in [*mine, elsewhere, theirs]:
         conn.close()
     wait_until("every guest request freed", lambda: not ch._in_flight and not ch._per_client
@@ -142,11 +143,11 @@ def test_a_streamed_request_counts_for_its_client_too(
                                    uds=str(sock))
     with running(uvicorn.Server(config)):
         streamed = _post(sock, "/v1/sandboxes/sb-1/exec/stream", EXEC[1])
-        wait_until("the streamed command runs", lambda: len(guest.requests) == 1, 10)
+        wait_until("the streamed command runs", lambda: len(guest.requests) == 1, PATIENCE_S)
         head, _ = _head_and_body(_post(sock, *EXEC))
         assert head.startswith(b"HTTP/1.1 429"), head
         streamed.close()
-        wait_until("the guest request freed", lambda: not ch._per_client, 5)
+        wait_until("the guest request freed", lambda: not ch._per_client, PATIENCE_S)
 
 
 def test_in_process_callers_have_no_share_to_keep() -> None:
@@ -182,12 +183,12 @@ def test_a_reply_stays_counted_until_its_answer_is_read(
     with running(uvicorn.Server(config)):
         slow = _post(sock, "/v1/sandboxes/sb-1/eval", {"code": "1", "timeout": 10})
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        wait_until("the guest answered", lambda: budget.held >= 2 * MIB - 64, 10)
+        wait_until("the guest answered", lambda: budget.held >= 2 * MIB - 64, PATIENCE_S)
         time.sleep(1.0)  # the daemon is writing the answer, which nobody reads
         assert budget.held >= 2 * MIB - 64, budget.held
         head, body = _head_and_body(slow)
         assert head.startswith(b"HTTP/1.1 200") and len(json.loads(body)["stdout"]) == 3 * MIB
-        wait_until("the budget given back", lambda: budget.held == 0, 5)
+        wait_until("the budget given back", lambda: budget.held == 0, PATIENCE_S)
         slow.close()
 
 
@@ -274,11 +275,11 @@ def test_a_revoked_token_stops_an_mcp_cell_run_through_the_daemon(
                     http.post("/mcp", json=call, headers=session)
 
             threading.Thread(target=run, daemon=True).start()
-            wait_until("the guest has the cell", lambda: len(guest.requests) == 1, 10)
+            wait_until("the guest has the cell", lambda: len(guest.requests) == 1, PATIENCE_S)
             assert guest.requests[0]["op"] == "run_code"
             _replace_private_file(place / "token", new)
-            assert guest.closed.wait(5), "the cell outlived the revoked token"
-            wait_until("the guest request freed", lambda: not ch._in_flight, 5)
+            assert guest.closed.wait(PATIENCE_S), "the cell outlived the revoked token"
+            wait_until("the guest request freed", lambda: not ch._in_flight, PATIENCE_S)
 
 
 # -- a snapshot removal racing a pause ----------------------------------------------------
@@ -354,7 +355,7 @@ def test_a_cancelled_cell_is_interrupted_in_the_guest() -> None:
     wait_until("the cell runs", lambda: "cell-1" in agent.CELLS
                and agent.CELLS["cell-1"].deadline is not None, 5)
     assert agent.op_cancel({"target": "cell-1"}) == {"cancelled": True}
-    thread.join(5)
+    thread.join(PATIENCE_S)
     assert not thread.is_alive(), "the cell outlived its cancel"
     assert out["error"]["cancelled"] is True and "client went away" in out["error"]["message"]
     assert "cell-1" not in agent.CELLS
@@ -366,9 +367,9 @@ def test_a_cell_cancelled_before_its_turn_never_runs() -> None:
 
     with agent.NS_LOCK:  # another cell runs
         thread, out = _cell_in_thread({"id": "cell-3", "code": "ran_after_cancel = True"})
-        wait_until("the cell waits", lambda: "cell-3" in agent.CELLS, 5)
+        wait_until("the cell waits", lambda: "cell-3" in agent.CELLS, PATIENCE_S)
         assert agent.op_cancel({"target": "cell-3"}) == {"cancelled": True}
-    thread.join(5)
+    thread.join(PATIENCE_S)
     assert out["error"]["cancelled"] is True
     assert "ran_after_cancel" not in agent.NS
     assert agent.op_cancel({"target": ["not", "an", "id"]}) == {"cancelled": False}

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from click.testing import CliRunner
 from daemon_support import MCP_HELLO, FakeEngine, FakeGuest, mcp_auth, running
-from net_support import free_port, wait_until
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd import audit as audit_module
 from forkd.audit import AuditLog
@@ -322,7 +322,7 @@ def test_one_client_holds_at_most_its_share_of_request_bodies(
     with running(uvicorn.Server(config)), _client(where, "127.0.0.1") as mine, \
             _client(where, "127.0.0.2") as theirs:
         held = [_started_put(where, "127.0.0.1", MIB, 1000) for _ in range(2)]
-        wait_until("both bodies count", lambda: app.BODY_BUDGET.held == 2 * MIB, 10)
+        wait_until("both bodies count", lambda: app.BODY_BUDGET.held == 2 * MIB, PATIENCE_S)
         r = mine.put("/v1/sandboxes/sb-1/files", params={"path": "/tmp/g"}, content=b"y" * 100)
         assert r.status_code == 429, r.text
         assert r.headers["retry-after"] == "1"
@@ -333,7 +333,7 @@ def test_one_client_holds_at_most_its_share_of_request_bodies(
         assert r.status_code == 204, r.text  # another client's upload is served
         for conn in held:
             conn.close()
-        wait_until("the held bodies are given back", lambda: app.BODY_BUDGET.held == 0, 10)
+        wait_until("the held bodies are given back", lambda: app.BODY_BUDGET.held == 0, PATIENCE_S)
         r = mine.put("/v1/sandboxes/sb-1/files", params={"path": "/tmp/g"}, content=b"y" * 100)
         assert r.status_code == 204, r.text
     assert app.BODY_BUDGET.held == 0 and app.BODY_BUDGET.by_client == {}
@@ -420,9 +420,9 @@ def test_a_streamed_exec_is_audited_as_it_ended_not_ok_before_it_ran(
         assert "does not match the protocol" in failed[1][1], failed
         guest.answer = None  # a command that never ends, and a client that leaves
         with http.stream("POST", url, json={"argv": ["sleep", "1000"]}):
-            wait_until("the command runs", lambda: len(guest.requests) == 3, 10)
+            wait_until("the command runs", lambda: len(guest.requests) == 3, PATIENCE_S)
         wait_until("the cut stream is recorded",
-                   lambda: _stream_records(log)[-1] == ("cut", None), 10)
+                   lambda: _stream_records(log)[-1] == ("cut", None), PATIENCE_S)
 
 
 # -- one client's share of the daemon's workers ------------------------------------------
@@ -448,7 +448,7 @@ def test_one_client_holds_at_most_half_of_the_daemons_workers(
             _client(where, "127.0.0.2") as theirs:
         held = [_started_exec(where, "127.0.0.1") for _ in range(4)]
         try:
-            wait_until("four execs wait on the guest", lambda: len(guest.requests) == 4, 10)
+            wait_until("four execs wait on the guest", lambda: len(guest.requests) == 4, PATIENCE_S)
             r = mine.get("/v1/sandboxes")
             message = _error(r, 429)
             assert r.headers["retry-after"] == "1"
@@ -458,7 +458,7 @@ def test_one_client_holds_at_most_half_of_the_daemons_workers(
         finally:
             for conn in held:
                 conn.close()
-        wait_until("the execs ended", lambda: app.REQUESTS.held == 0, 10)
+        wait_until("the execs ended", lambda: app.REQUESTS.held == 0, PATIENCE_S)
         assert app.REQUESTS.by_client == {}
         assert mine.get("/v1/sandboxes").status_code == 200
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 from daemon_support import FakeEngine, FakeGuest, SlowEngine, running
-from net_support import free_port, wait_until
+from net_support import PATIENCE_S, free_port, wait_until
 
 from forkd.audit import AuditLog
 from forkd.controller import app, server
@@ -90,7 +90,7 @@ def test_one_mcp_client_cannot_take_every_guest_request_of_the_mcp_server(
     request.addfinalizer(mine.http.close)  # its calls' connections: their commands end
     for i in range(share):
         mine.call_in_background("run_command", sandbox_id=f"sb-{i}", command=["sleep", "1000"])
-    wait_until("the guest has my commands", lambda: len(guest.requests) == share, 10)
+    wait_until("the guest has my commands", lambda: len(guest.requests) == share, PATIENCE_S)
     refused = mine.call("run_command", sandbox_id="sb-x", command=["sleep", "1000"])
     assert '"isError":true' in refused, refused
     assert "TooManyRequests" in refused and "127.0.0.1" in refused, refused
@@ -146,7 +146,7 @@ def test_a_cancelled_tool_call_stops_what_it_runs(
             client.http.post("/mcp", json=body, headers=client.session)
 
     threading.Thread(target=call, daemon=True).start()
-    wait_until("the guest has the request", lambda: len(guest.requests) == 1, 10)
+    wait_until("the guest has the request", lambda: len(guest.requests) == 1, PATIENCE_S)
     if how == "cancelled":
         cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                   "params": {"requestId": 7, "reason": "the user pressed stop"}}
@@ -157,7 +157,7 @@ def test_a_cancelled_tool_call_stops_what_it_runs(
     # within a second; a file read through the daemon within its first chunk's wait too
     # (the daemon learns its client left once the answer starts: app.FIRST_CHUNK_WAIT_S)
     assert guest.closed.wait(10), f"the cancelled {tool} still runs in the sandbox"
-    wait_until("the guest request given back", lambda: not ch._in_flight, 5)
+    wait_until("the guest request given back", lambda: not ch._in_flight, PATIENCE_S)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def _relay_pids(d: Path) -> list[int]:
 def child_dir(tmp_path: Path) -> Iterator[Path]:
     with host_agent(tmp_path):
         yield tmp_path
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while _relay_pids(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)  # the relay exits when its agent socket closes
     assert not _relay_pids(tmp_path), "the agent relay outlived its agent"
@@ -57,32 +57,54 @@ def _client(d: Path) -> ac.AgentClient:
 
 
 def test_many_requests_in_flight_on_one_channel(child_dir: Path) -> None:
-    """A second request to a busy sandbox is answered at once (v1: waited, then "busy")."""
+    """A second request to a busy sandbox is answered at once (v1: waited, then "busy").
+    The slow command runs until the test lets it end, so "answered while the slow one is
+    still running" is a fact, not a timing (it was `sleep 3` and quick ones in < 2.5 s)."""
+    started, go = child_dir / "slow-started", child_dir / "slow-go"
     slow: dict[str, object] = {}
-    t = threading.Thread(target=lambda: slow.update(
-        r=_client(child_dir).exec(["sleep", "3"])))
-    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: slow.update(r=_client(child_dir).exec(
+        ["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done"])))
     t.start()
-    time.sleep(0.3)
-    quick = [_client(child_dir).exec(["echo", str(i)]) for i in range(3)]
-    quick_s = time.monotonic() - t0
-    t.join()
+    # If the quick requests waited for the slow one, they would wait for ever: let it
+    # end after a minute, so the test fails (below) instead of hanging.
+    guard = threading.Timer(60, go.touch)
+    guard.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline, "the slow command never started"
+            time.sleep(0.05)
+        quick = [_client(child_dir).exec(["echo", str(i)]) for i in range(3)]
+        assert not slow, "the quick requests waited for the slow one"
+    finally:
+        go.touch()
+        guard.cancel()
+        t.join(60)
     assert [q["stdout"] for q in quick] == ["0\n", "1\n", "2\n"]
-    assert quick_s < 2.5, "the quick requests waited for the slow one"
     assert slow["r"]["status"] == "exited"  # type: ignore[index]
 
 
-def test_output_streams_while_the_command_runs(child_dir: Path) -> None:
-    seen: list[tuple[float, bytes]] = []
+def test_output_streams_while_the_command_runs(child_dir: Path, tmp_path: Path) -> None:
+    """The command goes on only once the test has received its first line, so a first
+    line held back to the end shows as a timed-out command (it was: the first line came
+    more than 1.5 s before the end of a command that slept 2 s, a timing)."""
+    go = tmp_path / "got-one"
+    seen: list[bytes] = []
     errs: list[bytes] = []
+
+    def out(b: bytes) -> None:
+        seen.append(b)
+        if b"".join(seen).startswith(b"one\n"):
+            go.touch()
+
     r = _client(child_dir).exec(
-        ["sh", "-c", "echo one; sleep 1; echo two >&2; sleep 1; echo three"],
-        on_stdout=lambda b: seen.append((time.monotonic(), b)), on_stderr=errs.append)
-    end = time.monotonic()
-    assert b"".join(b for _, b in seen) == b"one\nthree\n"
+        ["sh", "-c", f"echo one; while [ ! -e {go} ]; do sleep 0.05; done; "
+                     "echo two >&2; echo three"],
+        on_stdout=out, on_stderr=errs.append, timeout=60)
+    assert r["status"] == "exited", ("the first line arrived only at the end", r)
+    assert b"".join(seen) == b"one\nthree\n"
     assert b"".join(errs) == b"two\n"
-    assert end - seen[0][0] > 1.5, "the first line arrived only at the end"
-    assert r["status"] == "exited" and r["stdout"] == ""
+    assert r["stdout"] == ""
 
 
 def test_large_output_arrives_whole(child_dir: Path, tmp_path: Path) -> None:
@@ -136,8 +158,14 @@ def test_background_process_stdin_wait_and_bad_input(child_dir: Path) -> None:
     with pytest.raises(NotFound):
         c.request("proc_kill", {"handle": "p999999"})
     done = c.request("proc_start", {"argv": ["true"]})
-    deadline = time.monotonic() + 10
-    while c.request("proc_list")["processes"][-1]["running"] and time.monotonic() < deadline:
+
+    def running() -> bool:
+        return any(p["handle"] == done["handle"] and p["running"]
+                   for p in c.request("proc_list")["processes"])
+
+    deadline = time.monotonic() + 60
+    while running():
+        assert time.monotonic() < deadline, "`true` never ended"
         time.sleep(0.05)
     with pytest.raises(Conflict, match="already ended"):
         c.request("proc_kill", {"handle": done["handle"]})
@@ -149,7 +177,7 @@ def test_wait_with_a_timeout_returns_while_running(child_dir: Path) -> None:
     c = _client(child_dir)
     h = c.request("proc_start", {"argv": ["sh", "-c", "echo early; sleep 300"]})
     out: list[bytes] = []
-    w = c.request("proc_wait", {"handle": h["handle"], "timeout": 1},
+    w = c.request("proc_wait", {"handle": h["handle"], "timeout": 5},
                   on_event=lambda ev, b: out.append(b))
     assert w["running"] is True and b"".join(out) == b"early\n"
     c.request("proc_kill", {"handle": h["handle"], "signal": "TERM"})
@@ -170,7 +198,7 @@ def test_a_client_that_goes_away_cancels_its_command(child_dir: Path, tmp_path: 
     rid_thread = threading.Thread(target=lambda: _swallow(
         lambda: c.exec(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"])))
     rid_thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not pidfile.exists() or not pidfile.read_text().strip():
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -419,7 +419,9 @@ def test_a_client_hello_must_arrive_in_time(
             s.sendall(first[:20])  # and nothing more
             started = time.monotonic()
             assert s.recv(4096) == b""  # the proxy gave up and closed
-            assert time.monotonic() - started < 5
+            # At the 0.5 s given, not the default 10 s (ProxyLimits.hello_seconds); was
+            # < 5 s, room a loaded machine could use up.
+            assert time.monotonic() - started < 8
         got = recorder.connection()
     finally:
         proxy.stop()

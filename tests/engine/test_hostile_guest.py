@@ -130,7 +130,7 @@ def hostile(tmp_path: Path) -> Iterator[Path]:
 
     thread = threading.Thread(target=relay, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not (tmp_path / "agent-mux.sock").exists():
         assert time.monotonic() < deadline, "the relay did not listen"
         time.sleep(0.01)

@@ -705,6 +705,7 @@ def test_a_dripping_working_set_leaves_its_chunks_to_readers(
         start = time.monotonic()
         streaming.start()
         while not source._inflight:  # the stream's claims are made
+            assert time.monotonic() < start + 60 and streaming.is_alive(), "no claims made"
             time.sleep(0.01)
         victim = next(d for d in chunks if d in layout.by_chunk)
         segment = layout.by_chunk[victim][0]

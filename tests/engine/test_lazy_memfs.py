@@ -58,7 +58,9 @@ def _serving(ops: CountingFile, mnt: Path) -> Iterator[Path]:
     try:
         yield mnt / memfs.FILE_NAME
     finally:
+        deadline = time.monotonic() + 60  # the mount's thread died first: fail, not hang
         while not tokens:
+            assert time.monotonic() < deadline and thread.is_alive(), "the FUSE loop never ran"
             time.sleep(0.01)
         trio.from_thread.run_sync(pyfuse3.terminate, trio_token=tokens[0])
         thread.join(30)

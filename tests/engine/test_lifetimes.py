@@ -67,10 +67,15 @@ def test_deadline_kills_without_a_daemon_and_extend_moves_it(
     extended = plain(backend.extend(kept["id"], ExtendRequest(seconds=120)))
     assert extended["time_left_s"] > 100
     assert extended["timeout_s"] == 123  # the lifetime a resume would give again
-    assert watchdog.running_pid() is not None
-    _until("the short-lived child to be killed", lambda: _gone(short["id"]), 60)
+    # Started detached by the spawn, it holds its lock once its interpreter has started
+    # and imported the engine (was asserted at once: a loaded machine is not there yet).
+    _until("the watchdog to run", lambda: watchdog.running_pid() is not None, 60)
+    # Its directory goes last (after QEMU, cgroups, netns), and not at once (rmtree: its
+    # record may be gone while the rest is not yet): wait for that, not for the listing.
+    short_dir = engine_env["FORKD_RUN"] / "children" / short["id"]
+    _until("the short-lived child to be killed", lambda: not short_dir.exists(), 60)
+    assert _gone(short["id"])
     assert short["pid"] not in qemu_pids(engine_env["FORKD_RUN"])
-    assert not (engine_env["FORKD_RUN"] / "children" / short["id"]).exists()
     info = plain(backend.sandbox(kept["id"]))
     assert info["status"] == "running" and info["time_left_s"] > 90
     ch.kill(kept["id"])

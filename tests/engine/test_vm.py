@@ -270,9 +270,8 @@ def test_build_is_cached(
     from forkd.engine import recipe
     from forkd.engine.build import build
 
-    t0 = time.monotonic()
     res = build(store, recipe.load(tiny_recipe), tiny)
-    assert res.cached and time.monotonic() - t0 < 10
+    assert res.cached  # found, not built again (was also: in < 10 s, a speed goal)
     cfg = store.config(store.resolve(tiny))
     assert cfg.compat is not None and cfg.compat.machine == "microvm"
     assert cfg.compat.accelerators == [res.accel] and cfg.recipe is not None

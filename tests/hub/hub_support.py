@@ -245,6 +245,28 @@ def org_with_pusher(hub: HubServer) -> tuple[str, tuple[str, str], tuple[str, st
     return org, alice, bob
 
 
+@contextmanager
+def authorized() -> Iterator[threading.Event]:
+    """An event set once the hub (in this process) has authorized a registry request
+    (``Ctx.allow`` returned): a test that withdraws a right "while the request runs"
+    waits for it, not for a fixed time after sending (a loaded machine's hub could
+    authorize after the withdrawal, refusing the request as it began instead)."""
+    from forkd.hub.oci import common
+
+    done = threading.Event()
+    real = common.Ctx.allow
+
+    async def allow(ctx: common.Ctx, action: str) -> None:
+        await real(ctx, action)
+        done.set()
+
+    common.Ctx.allow = allow  # type: ignore[method-assign]
+    try:
+        yield done
+    finally:
+        common.Ctx.allow = real  # type: ignore[method-assign]
+
+
 class SlowBody:
     """A request body that drips: ``parts`` sent one by one, the first at once, the
     others only after ``go_on`` is set and then ``gap`` seconds apart. ``sent`` counts

@@ -7,7 +7,7 @@ import threading
 import time
 
 import httpx
-from hub_support import HubServer, error_code, push_blob, sha
+from hub_support import TIMEOUT, HubServer, error_code, push_blob, sha
 
 
 def _stored(hub: HubServer, digest: str) -> bool:
@@ -161,7 +161,7 @@ def test_interrupted_chunk_is_resumed(hub: HubServer, user: tuple[str, str]) -> 
         )
         time.sleep(0.5)  # let the server write what arrived before the connection drops
     with hub.client(auth=user) as c:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + TIMEOUT  # was 10 s: short for a loaded machine
         while True:  # the server notices the disconnect asynchronously
             r = c.get(location)
             assert r.status_code == 204

@@ -307,7 +307,13 @@ def test_retention_rule_compacts_deep_chains(
             fresh = Store(tmp_path / "fresh")
             assert fresh.assemble(f"{repo}:deep-flat").memory.read_bytes() == images[2].read_bytes()
             assert fresh.config(got.digest).compacted_from.reason == "auto-depth"  # type: ignore[union-attr]
-        [entry] = [e for e in _audit(server) if e["action"] == "manifest.compact"]
+        # The background compaction writes its record after the tag is registered (what
+        # the loop above waited for): wait for the record itself.
+        deadline = time.monotonic() + TIMEOUT
+        while not (done := [e for e in _audit(server) if e["action"] == "manifest.compact"]):
+            assert time.monotonic() < deadline, "the retention compaction was not audited"
+            time.sleep(0.1)
+        [entry] = done
         assert entry["actor"] == "(retention)" and entry["reason"] == "auto-depth"
         assert entry["source"] == f"deep@{deep.digest}"
         assert shallow.digest != deep.digest

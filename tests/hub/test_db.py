@@ -42,35 +42,48 @@ def test_a_locked_database_does_not_stall_the_event_loop(tmp_path: Path) -> None
         "INSERT INTO namespaces (name, kind, created_at) "
         "VALUES ('x', 'org', '2026-01-01 00:00:00.000000')"
     )
-    hold_s = 0.6
-    releaser = threading.Timer(hold_s, lambda: (holder.execute("COMMIT"), holder.close()))
+    # The lock is let go once the event loop has ticked TICKS times during the read: a
+    # loop the read blocked never gets there (then the lock goes after 30 s and the count
+    # below fails). It was let go after 0.6 s, and 15 of the ~55 ticks were asked for: a
+    # loaded machine's loop could tick fewer.
+    ticks_wanted = 20
+    state: dict[str, int] = {"ticks": 0, "from": -1}
 
-    async def go() -> tuple[object, float, int]:
+    def release() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if state["from"] >= 0 and state["ticks"] - state["from"] >= ticks_wanted:
+                break
+            time.sleep(0.005)
+        holder.execute("COMMIT")
+        holder.close()
+
+    releaser = threading.Thread(target=release)
+
+    async def go() -> tuple[object, int]:
         db = Database(url)
-        ticks = 0
 
         async def ticker() -> None:
-            nonlocal ticks
             while True:
                 await asyncio.sleep(0.01)
-                ticks += 1
+                state["ticks"] += 1
 
         task = asyncio.create_task(ticker())
         try:
             await asyncio.sleep(0.02)
+            state["from"] = state["ticks"]
             releaser.start()
-            start = time.perf_counter()
             found = await db.read(accounts.find_namespace, "x")
-            return found, time.perf_counter() - start, ticks
+            return found, state["ticks"] - state["from"]
         finally:
             task.cancel()
             await db.close()
 
-    found, waited, ticks = asyncio.run(go())
+    found, ticks = asyncio.run(go())
+    releaser.join(60)
     assert isinstance(found, Namespace) and found.name == "x"  # read after the commit
-    assert waited >= hold_s * 0.8
-    # The loop ran while the read waited: ~55 ticks of 10 ms (blocked: none).
-    assert INLINE_BUSY_TIMEOUT_S < 0.2 and ticks >= 15, ticks
+    # The loop ran while the read waited (blocked: none).
+    assert INLINE_BUSY_TIMEOUT_S < 0.2 and ticks >= ticks_wanted, ticks
 
 
 def test_concurrent_writes_all_commit_and_failures_roll_back(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from hub_support import (
     SlowBody,
     api_token,
     audited,
+    authorized,
     error_code,
     org_with_pusher,
     push_blob,
@@ -223,9 +224,12 @@ def test_an_upload_whose_push_is_withdrawn_while_it_drips_keeps_nothing(
                     return c.patch(where, content=body)
                 return c.put(where, params={"digest": sha(whole)}, content=body)
 
-        with ThreadPoolExecutor(1) as pool:
+        with authorized() as allowed, ThreadPoolExecutor(1) as pool:
             pending = pool.submit(send)
             assert body.sent_first.wait(TIMEOUT)
+            # Withdrawn once the hub has authorized the request (a fixed sleep after the
+            # first bytes could come first on a loaded machine: refused as it began).
+            assert allowed.wait(TIMEOUT), "the hub never authorized the request"
             time.sleep(2 * RECHECK_S)  # the request's first check is due
             withdraw(hub, org, alice, bob, token_id)
             body.go_on.set()

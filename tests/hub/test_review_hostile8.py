@@ -37,6 +37,7 @@ from hub_support import (
     OCI_MANIFEST,
     HubServer,
     artifact,
+    authorized,
     error_code,
     org_with_pusher,
     sha,
@@ -70,9 +71,11 @@ def _while_sending(
     hub: HubServer, send: Any, body: _SlowBody, withdraw: Any, *, session_row: bool
 ) -> httpx.Response:
     """Send a request with ``body`` in a thread, run ``withdraw`` once the hub is reading
-    its body (it has opened its upload session row, or had a second to), then let the
-    rest of the body go."""
-    with ThreadPoolExecutor(1) as pool:
+    its body (it has opened its upload session row, or authorized the request: was "or
+    had a second to", and a loaded machine's hub could authorize after the withdrawal,
+    refusing the request as it began instead of while it ran), then let the rest of the
+    body go."""
+    with authorized() as allowed, ThreadPoolExecutor(1) as pool:
         before = _open_sessions(hub)
         pending = pool.submit(send)
         assert body.sent_first.wait(TIMEOUT)
@@ -82,7 +85,7 @@ def _while_sending(
                 assert time.monotonic() < deadline, "the upload never began"
                 time.sleep(0.02)
         else:
-            time.sleep(1.0)
+            assert allowed.wait(TIMEOUT), "the hub never authorized the request"
         withdraw()
         body.go_on.set()
         return pending.result(TIMEOUT)
