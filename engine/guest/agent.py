@@ -551,10 +551,7 @@ class Proc:
 
     def _pump_reads(self, fd: int, sink: Sink) -> None:
         """A PTY (no splice from it): read until EOF, gathering what is already there
-        into frames of up to CHUNK. poll, not select: with many processes running the
-        PTY's descriptor can be past select's 1024."""
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        into frames of up to CHUNK."""
         while True:
             try:
                 data = os.read(fd, CHUNK)
@@ -564,7 +561,7 @@ class Proc:
                 return
             if len(data) < CHUNK:
                 more = bytearray(data)
-                while len(more) < CHUNK and poller.poll(0):
+                while len(more) < CHUNK and select.select([fd], [], [], 0)[0]:
                     try:
                         piece = os.read(fd, CHUNK - len(more))
                     except OSError:
@@ -1325,8 +1322,6 @@ def serve(port: str) -> None:
     global CHANNEL
     fd = os.open(port, os.O_RDWR)
     events = _port_events(fd)
-    idle = select.poll()  # not select(): no descriptor number is too high for it
-    idle.register(events, select.POLLIN)
     CHANNEL = Channel(fd)
     CHANNEL.send({"hello": {"protocol": PROTOCOL, "agent": "forkd-agent",
                             "versions": list(ACCEPTED_VERSIONS), **op_ping({})}})
@@ -1344,7 +1339,7 @@ def serve(port: str) -> None:
             # pipe before reading again. No periodic wake-ups while idle.
             buf.clear()
             scanned = 0
-            idle.poll(IDLE_WAIT_S * 1000)
+            select.select([events], [], [], IDLE_WAIT_S)
             with contextlib.suppress(OSError):
                 os.read(events, 4096)
             continue
