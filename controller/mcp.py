@@ -353,9 +353,15 @@ class BranchTags:
         maker = self.maker(ref, digest)
         return maker is not None and maker != calling_client()
 
-    def may_fork(self, tag: str) -> None:
-        """NotFound when ``tag`` is a branch another client made here."""
-        if self.anothers(tag):
+    def may_fork(self, tag: str, local: bool = True) -> None:
+        """NotFound when ``tag`` is a branch another client made here, and the same NotFound
+        (its very text) when it is no tag of the store (``local``: not a lazy fork's hub
+        reference): the engine's own answer to a missing tag differed, so a client told a
+        hidden branch of another from a name nobody used (that the other client's tag
+        exists, and its name: what the other client works on)."""
+        if self.anothers(tag) or (local and self.controller is not None
+                                  and _is_ref(tag) and private_owner(tag) is None
+                                  and self._digest(tag) is None):
             raise NotFound(
                 f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
                 "list_snapshots lists, which leave out the branches other clients of this "
@@ -396,6 +402,15 @@ class BranchTags:
     def made(self, ref: str, digest: str) -> None:
         with self._lock:
             self._made[ref] = (calling_client(), digest)
+
+
+def _is_ref(text: str) -> bool:
+    """``text`` parses as a local tag, NAME[:TAG] (else the engine says what is wrong)."""
+    try:
+        parse_ref(text)
+    except InvalidInput:
+        return False
+    return True
 
 
 class SandboxScope:
@@ -767,7 +782,7 @@ class Tools:
         memory_limit_mib: int | None,
         lazy: bool = False,
     ) -> dict[str, Any]:
-        self.branches.may_fork(tag)
+        self.branches.may_fork(tag, local=not lazy)
         options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s
