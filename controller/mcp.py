@@ -21,7 +21,7 @@ import functools
 import json
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -76,6 +76,7 @@ MAX_CODE_CHARS = 1 << 20  # run_code: the code; run_command: the command line, s
 # write_file: its content's characters (MAX_FILE_BYTES of base64), refused as it arrives,
 # before it is encoded or decoded (each a copy); the bytes are then held to MAX_FILE_BYTES
 MAX_CONTENT_CHARS = (MAX_FILE_BYTES * 4) // 3 + 4
+MAX_BRANCHES_PER_CLIENT = 64  # branch_sandbox tags one HTTP client (address) holds at once
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -309,13 +310,20 @@ class BranchTags:
     checked is branched without it, so one another client made meanwhile is a Conflict,
     never replaced."""
 
-    def __init__(self, controller: Controller | None = None, everything: bool = False) -> None:
+    def __init__(self, controller: Controller | None = None, everything: bool = False,
+                 per_client: int | None = None) -> None:
         # tag: the client (calling_client) that made it, and the digest its branch made
         self._made: dict[str, tuple[tuple[str | None, str | None], str]] = {}
+        self._when: dict[str, int] = {}  # tag: when it was noted (self._noted then)
+        self._noted = 0
+        self._starting: dict[str, int] = {}  # address: branches it is making
         self._lock = threading.Lock()
         self._branching: dict[str, tuple[threading.Lock, int]] = {}  # tag: lock, users
         self.controller = controller
         self.everything = everything
+        self.per_client = MAX_BRANCHES_PER_CLIENT if per_client is None else per_client
+        # whether an MCP session is still open (http_server sets it; None: stdio)
+        self.session_open: Callable[[str], bool] | None = None
 
     def _digest(self, ref: str) -> str | None:
         """What ``ref`` names now; None when there is no such tag."""
@@ -338,6 +346,7 @@ class BranchTags:
             with self._lock:
                 if self._made.get(ref) == entry:
                     del self._made[ref]
+                    del self._when[ref]
             return None
         return entry[0]
 
@@ -353,20 +362,21 @@ class BranchTags:
         maker = self.maker(ref, digest)
         return maker is not None and maker != calling_client()
 
-    def may_fork(self, tag: str, local: bool = True) -> None:
-        """NotFound when ``tag`` is a branch another client made here, and the same NotFound
-        (its very text) when it is no tag of the store (``local``: not a lazy fork's hub
-        reference): the engine's own answer to a missing tag differed, so a client told a
-        hidden branch of another from a name nobody used (that the other client's tag
-        exists, and its name: what the other client works on)."""
-        if self.anothers(tag) or (local and self.controller is not None
-                                  and _is_ref(tag) and private_owner(tag) is None
-                                  and self._digest(tag) is None):
-            raise NotFound(
-                f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
-                "list_snapshots lists, which leave out the branches other clients of this "
-                "server made (their sandboxes' state); branch your own sandbox, or fork "
-                "from a snapshot that was built or pulled")
+    def may_fork(self, tag: str) -> None:
+        """NotFound when ``tag`` is a branch another client made here."""
+        if self.anothers(tag):
+            self.not_found(tag)
+
+    def not_found(self, tag: str) -> NoReturn:
+        """The NotFound of a fork of ``tag``, another client's branch or no tag at all
+        (Tools._spawn): the same text either way. The engine's own answer to a missing tag
+        differed, so a client told a hidden branch of another from a name nobody used
+        (that the other's tag exists, and its name: what the other client works on)."""
+        raise NotFound(
+            f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
+            "list_snapshots lists, which leave out the branches other clients of this "
+            "server made (their sandboxes' state); branch your own sandbox, or fork "
+            "from a snapshot that was built or pulled")
 
     def may_replace(self, ref: str) -> bool:
         """The ``force`` a branch to ``ref`` asked to replace it may pass to the engine:
@@ -399,9 +409,77 @@ class BranchTags:
                 else:
                     del self._branching[ref]
 
-    def made(self, ref: str, digest: str) -> None:
+    @contextlib.contextmanager
+    def admitted(self, ref: str) -> Iterator[None]:
+        """Room for one more branch of the calling client (its address, every session of
+        it) while the block makes it, or TooManyRequests: a client holds at most
+        ``per_client`` branches made here that still name what it branched, and the ones
+        it is making. A branch is a diff layer of the sandbox's memory and disk in the
+        store, and nothing bounded how many one client made: its branch_sandbox to one new
+        tag after another filled the host's disk. Replacing its own tag (``force``) is no
+        new one. Over stdio (one client, the operator's): not counted."""
+        address = REQUEST_CLIENT.get()
+        if address is None:
+            yield
+            return
         with self._lock:
-            self._made[ref] = (calling_client(), digest)
+            mark = self._noted
+        now = {s.ref: s.digest for s in self.controller.snapshots()} if self.controller else {}
+        with self._lock:
+            mine = [t for t, ((who, _), digest) in self._made.items() if who == address
+                    and (self._when[t] > mark or now.get(t) == digest)]
+            held = len(mine) + self._starting.get(address, 0)
+            if ref not in mine and held + 1 > self.per_client:
+                raise TooManyRequests(
+                    f"this client ({address}) holds {held} branches made with "
+                    f"branch_sandbox on this server, the most one client may "
+                    f"({self.per_client}; each is a layer of a sandbox's memory and disk in "
+                    "the store): branch to one of your tags again with force=true, or end "
+                    "the MCP session that made some (a session's branches are removed "
+                    "when it ends)")
+            self._starting[address] = self._starting.get(address, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting[address] -= 1
+                if self._starting[address] <= 0:
+                    del self._starting[address]
+
+    def made(self, ref: str, digest: str) -> bool:
+        """Note ``ref`` (naming ``digest``) as the calling client's branch; False, noting
+        nothing, when its MCP session has already ended (ended ran for it: the caller
+        removes the branch, nobody may reach it)."""
+        client = calling_client()
+        with self._lock:
+            session = client[1]
+            if (session is not None and self.session_open is not None
+                    and not self.session_open(session)):
+                return False
+            self._noted += 1
+            self._made[ref] = (client, digest)
+            self._when[ref] = self._noted
+        return True
+
+    def ended(self, session: str | None = None) -> list[tuple[str, str]]:
+        """The branches (tag, digest) the ended MCP session ``session`` made (every
+        session's, None: the server stops), forgotten here: the caller removes the ones
+        that still name them (remove_branches). A session's branches were hidden from
+        every other client for as long as the server ran, and nobody's once it ended
+        (another session is another client): they filled the store, out of everyone's
+        reach, and once the server restarted (its memory of makers gone) they were
+        every client's to fork, the maker's sandbox state, files and keys. None with
+        ``everything``, where any session forks them."""
+        if self.everything:
+            return []
+        with self._lock:
+            refs = [t for t, ((_, s), _) in self._made.items()
+                    if session is None or s == session]
+            gone = [(t, self._made[t][1]) for t in refs]
+            for t in refs:
+                del self._made[t]
+                del self._when[t]
+        return gone
 
 
 def _is_ref(text: str) -> bool:
@@ -506,6 +584,19 @@ class SandboxScope:
                 f"no child {sandbox_id} among the sandboxes this MCP client may use: the "
                 "ones it created with create_sandboxes or fork_from_branch, and the ones "
                 "the operator named (forkd mcp --sandbox ID); list_sandboxes shows them")
+
+
+def remove_branches(branches: BranchTags, made: list[tuple[str, str]]) -> None:
+    """Remove each tag of ``made`` (tag, digest: branches of an MCP session that ended)
+    that still names that branch, as far as it goes: one removed or replaced meanwhile
+    (by the operator) is left, a failure leaves the rest to be removed. A branch of one
+    of these tags made on this server meanwhile waits (BranchTags.branching)."""
+    if branches.controller is None:
+        return
+    for ref, digest in made:
+        with contextlib.suppress(ForkdError), branches.branching(ref):
+            if branches._digest(ref) == digest:
+                branches.controller.backend.delete_snapshot(ref)
 
 
 def kill_all(controller: Controller, ids: list[str]) -> None:
@@ -700,12 +791,14 @@ class Tools:
 
     def __init__(self, controller: Controller, token: Token | None = None,
                  sandboxes: SandboxShares | None = None,
-                 scope: SandboxScope | None = None) -> None:
+                 scope: SandboxScope | None = None,
+                 branches: BranchTags | None = None) -> None:
         self.controller = controller
         self.token = token
         self.sandboxes = sandboxes
         self.scope = scope if scope is not None else SandboxScope()
-        self.branches = BranchTags(controller, everything=self.scope.everything)
+        self.branches = (branches if branches is not None
+                         else BranchTags(controller, everything=self.scope.everything))
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox, when the calling client may act on it (SandboxScope)."""
@@ -782,7 +875,7 @@ class Tools:
         memory_limit_mib: int | None,
         lazy: bool = False,
     ) -> dict[str, Any]:
-        self.branches.may_fork(tag, local=not lazy)
+        self.branches.may_fork(tag)
         options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s
@@ -795,7 +888,13 @@ class Tools:
         # daemon the spawn's connection is cut and the daemon kills them (app.unclaimed);
         # in process, or when the stop came after the daemon's answer, they are killed here.
         with admitted as own, Revocation(self.token) as revocation:
-            started = self.controller.spawn_sandboxes(tag, n, **options)
+            try:
+                started = self.controller.spawn_sandboxes(tag, n, **options)
+            except NotFound:
+                # no such tag: the answer to another client's branch (BranchTags.not_found)
+                if not lazy and _is_ref(tag) and self.branches._digest(tag) is None:
+                    self.branches.not_found(tag)
+                raise
             if revocation.stop():
                 for sb in started:
                     with contextlib.suppress(ForkdError):
@@ -948,8 +1047,14 @@ class Tools:
         with self.branches.branching(ref):
             if force:
                 force = self.branches.may_replace(ref)
-            result = sb.branch(ref, force=force)
-            self.branches.made(ref, result.digest)
+            with self.branches.admitted(ref):
+                result = sb.branch(ref, force=force)
+                kept = self.branches.made(ref, result.digest)
+        if not kept:
+            remove_branches(self.branches, [(ref, result.digest)])
+            raise ForkdError(
+                f"this MCP session ended while it branched to {shown(ref)}, so the branch "
+                "was removed (a session's branches end with it); open a new session")
         return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
@@ -1077,13 +1182,15 @@ TOOL_NAMES = (
 def build_server(controller: Controller, token: Token | None = None,
                  calls: ToolCalls | None = None,
                  sandboxes: SandboxShares | None = None,
-                 scope: SandboxScope | None = None) -> MCPServer[Any]:
+                 scope: SandboxScope | None = None,
+                 branches: BranchTags | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
     callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
     callers' tool calls in flight, in all and per client (None: not counted, stdio's one
     caller); ``sandboxes``: the sandboxes each HTTP caller runs through a daemon (None:
     not counted here); ``scope``: the sandboxes beyond its own each client may act on
-    (SandboxScope; default: none)."""
+    (SandboxScope; default: none); ``branches``: the branch tags each client made
+    (BranchTags; default: a new one)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -1096,7 +1203,7 @@ def build_server(controller: Controller, token: Token | None = None,
             "each one you created when done."
         ),
     )
-    tools = Tools(controller, token, sandboxes, scope)
+    tools = Tools(controller, token, sandboxes, scope, branches)
     for name in TOOL_NAMES:
         tool = getattr(tools, name)
         if calls is not None:
@@ -1142,15 +1249,16 @@ def http_server(
     default); ``scope``: the sandboxes beyond its own each client may act on. The
     sandboxes a session created are killed when it ends (kill_when_ended)."""
     scope = scope if scope is not None else SandboxScope()
+    branches = BranchTags(controller, everything=scope.everything)
     mcp = build_server(controller, token, ToolCalls.of(controller),
                        sandboxes if sandboxes is not None else SandboxShares.of(controller),
-                       scope)
+                       scope, branches)
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
     sessions = mcp.session_manager
-    kill_when_ended(sessions, scope, controller)
+    kill_when_ended(sessions, scope, controller, branches)
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
@@ -1160,23 +1268,39 @@ def http_server(
     return uvicorn.Server(config)
 
 
-def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller) -> None:
+def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller,
+                    branches: BranchTags | None = None) -> None:
     """Kill the sandboxes of each MCP session of ``sessions`` (the SDK's session manager)
-    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), in
-    a thread of their own (a kill waits on the engine; the event loop does not). A session
-    ended because the server stops leaves them (its restart forgets who made what; the
-    operator names them with --sandbox). The SDK discards every ended session through
+    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), and
+    remove the branches it made (``branches``, BranchTags.ended), in a thread of their own
+    (a kill waits on the engine; the event loop does not). A session ended because the
+    server stops leaves its sandboxes (its restart forgets who made what; the operator
+    names them with --sandbox) but not its branches: the restarted server, which forgot
+    their makers too, would list them to every client and fork them for any; they are
+    removed before the server ends. The SDK discards every ended session through
     ``_discard_session``, which this wraps."""
-    scope.session_open = lambda sid: sid in sessions._server_instances
+    open_now: Callable[[str], bool] = lambda sid: sid in sessions._server_instances  # noqa: E731
+    scope.session_open = open_now
+    if branches is not None:
+        branches.session_open = open_now
     discard = sessions._discard_session
+
+    def ended(ids: list[str], made: list[tuple[str, str]]) -> None:
+        kill_all(controller, ids)
+        if branches is not None:
+            remove_branches(branches, made)
 
     async def discarded(session_id: str, transport: Any) -> None:
         await discard(session_id, transport)
-        if sessions._task_group is None:
-            return  # the server stops: not a session's end
+        made = branches.ended(session_id) if branches is not None else []
+        if sessions._task_group is None:  # the server stops: its branches, before it ends
+            if made:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(ended, [], made)
+            return
         ids = scope.ended(session_id)
-        if ids:
-            threading.Thread(target=kill_all, args=(controller, ids), daemon=True,
+        if ids or made:
+            threading.Thread(target=ended, args=(ids, made), daemon=True,
                              name="forkd-mcp-session-ended").start()
 
     sessions._discard_session = discarded

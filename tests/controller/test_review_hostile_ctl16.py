@@ -14,14 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_support import as_client, branch_as_tag
+from daemon_support import McpClient, as_client, branch_as_tag, listed_refs
+from net_support import free_port, running, wait_until
 
+from forkd.controller import app, mcp
 from forkd.controller import backend as backend_mod
-from forkd.controller import mcp
 from forkd.controller.api import SpawnRequest, SpawnResult
 from forkd.controller.sdk import Controller
 from forkd.engine.branch import BranchResult
-from forkd.errors import ForkdError, NotFound
+from forkd.engine.errors import TooManyRequests
+from forkd.engine.lifecycle import private_owner
+from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.store.store import Store
 from forkd.synthetic import write_base
 
@@ -42,7 +45,8 @@ def store(place: Path, tmp_path: Path) -> Store:
 
 @pytest.fixture
 def engine(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """A branch tags ``base:latest`` anew; a spawn records the tag and raises Asked."""
+    """A branch tags ``base:latest`` anew; a spawn of a tag the store lacks is the engine's
+    NotFound, of any other it records the tag and raises Asked."""
     spawned: list[str] = []
 
     def branch(store: Store, child_id: str, tag: str, force: bool = False) -> BranchResult:
@@ -50,6 +54,8 @@ def engine(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return result
 
     def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
+        if private_owner(req.tag) is None:  # the engine refuses those before it looks
+            self.store.resolve(req.tag)
         spawned.append(req.tag)
         raise Asked(req.tag)
 
@@ -87,3 +93,116 @@ def test_another_clients_branch_is_refused_as_a_tag_nobody_made(
                 tools.create_sandboxes(tag)
     with as_client("127.0.0.1", "session-a"), pytest.raises(Asked):
         tools.fork_from_branch("secret-work:1")  # its maker's, as before
+
+
+# -- a session's branches (2) and a client's (3)
+TOKEN = b"t" * 43
+
+
+def _tags(store: Store) -> set[str]:
+    return set(store.tags.read())
+
+
+def _branch(client: McpClient, tag: str, **arguments: Any) -> None:
+    said = client.tool_text("branch_sandbox", sandbox_id="sb-1", tag=tag, **arguments)
+    assert '"isError":false' in said.replace(" ", ""), said
+
+
+def _mcp(scope: mcp.SandboxScope) -> tuple[Any, str]:
+    """`forkd mcp --transport http` in process (the engine's branch standing in), not
+    started, and its URL."""
+    port = free_port()
+    web = mcp.http_server(Controller(local=True), "127.0.0.1", port, "/mcp",
+                          app.Token(TOKEN), session_idle_s=30.0, scope=scope)
+    return web, f"http://127.0.0.1:{port}"
+
+
+def test_a_session_that_ends_removes_its_branches(
+        store: Store, engine: list[str], request: pytest.FixtureRequest,
+        tmp_path: Path) -> None:
+    """Before: A's branches stayed in the store after its session ended, forkable by no MCP
+    client (hidden from B, and A's next session is another client) until the server
+    restarted and forgot their maker: then every client's. Now A's DELETE removes them;
+    B's stay, and so does one the operator put under A's name meanwhile."""
+    web, url = _mcp(mcp.SandboxScope(["sb-1"]))
+    with running(web):
+        a, b = McpClient(url, TOKEN), McpClient(url, TOKEN)
+        request.addfinalizer(b.http.close)
+        _branch(a, "a-old:1")
+        _branch(a, "a-work:1")
+        _branch(b, "b-work:1")
+        store.remove("a-old:1")
+        image = tmp_path / "operators.img"
+        write_base(image, 1 << 20, seed=161, random_share=1.0)
+        store.import_layer("a-old:1", memory=image)  # the operator's, under A's old name
+        operators = store.resolve("a-old:1")
+        assert a.http.delete("/mcp", headers=a.session).status_code < 300
+        a.http.close()
+        # removed in the order made: once a-work:1 is gone, a-old:1 was decided
+        wait_until("A's branch removed", lambda: "a-work:1" not in _tags(store), 15)
+        assert store.resolve("a-old:1") == operators
+        assert {"b-work:1", "base:latest"} <= _tags(store)
+        with as_client("127.0.0.1", "another"):
+            tools = mcp.Tools(Controller(local=True))
+            assert "a-work:1" not in listed_refs(tools)
+
+
+def test_the_server_stopping_removes_every_sessions_branches(
+        store: Store, engine: list[str]) -> None:
+    """Before: the server stopped with A's branch in the store, and the next server, knowing
+    no maker, listed it to every client and forked it for any. Now the branches of every
+    session are removed before the server ends; with ``--all-sandboxes`` (any session
+    forks any branch) they stay."""
+    for everything in (False, True):
+        web, url = _mcp(mcp.SandboxScope(["sb-1"], everything=everything))
+        tag = f"kept-{everything}:1".lower()
+        with running(web):
+            client = McpClient(url, TOKEN)
+            _branch(client, tag)
+            client.http.close()
+        if everything:
+            assert tag in _tags(store)
+        else:
+            wait_until("the branch removed", lambda t=tag: t not in _tags(store), 15)
+
+
+def test_a_branch_made_as_its_session_ended_is_removed(
+        store: Store, engine: list[str]) -> None:
+    """A branch_sandbox whose session ended while the engine branched would have noted a
+    branch for a session that no longer is, never removed: it is removed, and the call
+    says so."""
+    branches = mcp.BranchTags(Controller(local=True))
+    branches.session_open = lambda session: False
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]),
+                      branches=branches)
+    with (as_client("127.0.0.1", "gone"),
+          pytest.raises(ForkdError, match="session ended while it branched")):
+        tools.branch_sandbox("sb-1", "late:1")
+    assert "late:1" not in _tags(store)
+
+
+def test_one_client_holds_a_bounded_number_of_branches(
+        store: Store, engine: list[str]) -> None:
+    """Before: one client's branch_sandbox to new tags, one after another, each put a layer
+    of the sandbox's memory and disk in the store, without end. Now a client (an address,
+    all its sessions) holds at most ``per_client``: past it TooManyRequests, nothing made;
+    its own tag replaced with force is no new one; another address has its own; a branch
+    the operator removed gives its place back."""
+    branches = mcp.BranchTags(Controller(local=True), per_client=2)
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]),
+                      branches=branches)
+    with as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "one:1")
+    with as_client("127.0.0.1", "session-b"):
+        tools.branch_sandbox("sb-1", "two:1")
+        with pytest.raises(TooManyRequests, match=r"holds 2 branches .* \(2;"):
+            tools.branch_sandbox("sb-1", "three:1")
+        tools.branch_sandbox("sb-1", "two:1", force=True)  # its own, replaced
+        with pytest.raises(Conflict):
+            tools.branch_sandbox("sb-1", "one:1", force=True)  # A's session's, not B's
+    assert "three:1" not in _tags(store)
+    with as_client("10.0.0.2", "session-c"):
+        tools.branch_sandbox("sb-1", "other:1")
+    store.remove("one:1")
+    with as_client("127.0.0.1", "session-a"):
+        tools.branch_sandbox("sb-1", "three:1")
