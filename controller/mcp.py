@@ -52,6 +52,7 @@ from forkd.controller.backend import (
     Stopped,
     Transfer,
     client_share,
+    lazy_remote,
 )
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
@@ -362,9 +363,14 @@ class BranchTags:
         maker = self.maker(ref, digest)
         return maker is not None and maker != calling_client()
 
-    def may_fork(self, tag: str) -> None:
-        """NotFound when ``tag`` is a branch another client made here."""
+    def may_fork(self, tag: str, lazy: bool = False) -> None:
+        """NotFound when ``tag`` is a branch another client made here; for a ``lazy`` fork
+        (whose tag is to be a hub reference) what a name nobody used that is no hub
+        reference is (backend.lazy_remote: the daemon said the hidden tag was a local
+        snapshot, another text)."""
         if self.anothers(tag):
+            if lazy:
+                lazy_remote(tag)
             self.not_found(tag)
 
     def not_found(self, tag: str) -> NoReturn:
@@ -875,7 +881,7 @@ class Tools:
         memory_limit_mib: int | None,
         lazy: bool = False,
     ) -> dict[str, Any]:
-        self.branches.may_fork(tag)
+        self.branches.may_fork(tag, lazy)
         options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s

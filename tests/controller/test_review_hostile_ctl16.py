@@ -1,15 +1,17 @@
-"""The MCP server and the engine's sandbox ids against the sixteenth hostile review. No VM:
+"""The MCP server against the sixteenth hostile review. No VM:
 the engine's branch and spawn stand in where a branch is made (they tag an existing layer),
 and the real apps and protocols on uvicorn where a session ends.
 
 1. A fork of another client's hidden branch was NotFound in the MCP server's words ("no
    snapshot T among those this MCP client may fork"), a fork of a tag nobody made was the
-   engine's ("no tag T in …"): a client told which names other clients had branched to,
-   and so what they worked on. Now both are the same answer, word for word.
+   engine's ("no tag T in …"), and with ``lazy`` the daemon called the hidden one "a local
+   snapshot tag": a client told which names other clients had branched to, and so what
+   they worked on. Now both are the same answer, word for word.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,11 @@ def engine(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         result: BranchResult = branch_as_tag(store, tag, force)
         return result
 
+    real_spawn = backend_mod.LocalBackend.spawn
+
     def spawn(self: Any, req: SpawnRequest) -> SpawnResult:
+        if req.lazy:  # the daemon's checks of a lazy fork's tag, which refuse what follows
+            return real_spawn(self, req)
         if private_owner(req.tag) is None:  # the engine refuses those before it looks
             self.store.resolve(req.tag)
         spawned.append(req.tag)
@@ -76,7 +82,8 @@ def test_another_clients_branch_is_refused_as_a_tag_nobody_made(
     """Before: client B's fork_from_branch of A's hidden branch ``secret-work:1`` was "no
     snapshot secret-work:1 among those this MCP client may fork", of ``never-made:1`` the
     engine's "no tag never-made:1 in …": B learnt every name A branched to. Now both are
-    the same NotFound, word for word, through every tool that forks; nothing starts."""
+    the same NotFound, word for word, through every tool that forks, and the same
+    InvalidInput for a lazy fork (no hub reference); nothing starts."""
     tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(["sb-1"]))
     with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "secret-work:1")
@@ -85,6 +92,15 @@ def test_another_clients_branch_is_refused_as_a_tag_nobody_made(
             hidden = _refusal(call, "secret-work:1")
             assert hidden == _refusal(call, "never-made:1")
             assert hidden == _refusal(call, "never-made")  # NAME alone: NAME:latest
+        for lazy in (True, False):
+            create = functools.partial(tools.create_sandboxes, lazy=lazy)
+            with pytest.raises(ForkdError) as hidden_lazy:
+                create("secret-work:1")
+            with pytest.raises(ForkdError) as missing_lazy:
+                create("never-made:1")
+            assert type(hidden_lazy.value) is type(missing_lazy.value)
+            assert (str(hidden_lazy.value).replace("secret-work:1", "TAG")
+                    == str(missing_lazy.value).replace("never-made:1", "TAG"))
         assert engine == []
         # a paused sandbox's saved state is the engine's to refuse, there or not
         store.tag("forkd-paused/sb-1:a", "base:latest")
