@@ -41,6 +41,7 @@ from forkd.engine.commands import (
     check_timeout,
 )
 from forkd.engine.errors import AgentError
+from forkd.engine.paths import unix_address
 from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
 from forkd.names import inert, shown
@@ -651,7 +652,8 @@ def _relay_client(sock: Path, alive: Callable[[], bool] | None) -> AgentClient:
         raise AgentError(f"no relay socket {sock}")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(str(sock))
+        with unix_address(sock) as address:
+            s.connect(address)
     except OSError:
         s.close()
         raise
@@ -731,7 +733,8 @@ class Relay:
         self.sel = selectors.DefaultSelector()
         self.agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.agent.settimeout(10.0)
-        self.agent.connect(str(d / "agent.sock"))
+        with unix_address(d / "agent.sock") as address:
+            self.agent.connect(address)
         self.agent.setblocking(False)
         self.agent_in = bytearray()
         self.agent_out = bytearray()
@@ -755,7 +758,8 @@ class Relay:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(str(tmp))
+        with unix_address(tmp) as address:
+            s.bind(address)
         os.chmod(tmp, 0o600)
         s.listen(64)
         s.setblocking(False)

@@ -11,7 +11,12 @@ and the real apps and protocols on uvicorn where a session ends.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import socket
+import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +28,11 @@ from forkd.controller import app, mcp
 from forkd.controller import backend as backend_mod
 from forkd.controller.api import SpawnRequest, SpawnResult
 from forkd.controller.sdk import Controller
+from forkd.engine.agent_client import RELAY_SOCKET, connect_child, relay_main
 from forkd.engine.branch import BranchResult
 from forkd.engine.errors import TooManyRequests
-from forkd.engine.lifecycle import private_owner
+from forkd.engine.lifecycle import ID_RE, new_id, private_owner
+from forkd.engine.paths import fits_sun_path, unix_address
 from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.store.store import Store
 from forkd.synthetic import write_base
@@ -222,3 +229,106 @@ def test_one_client_holds_a_bounded_number_of_branches(
     store.remove("one:1")
     with as_client("127.0.0.1", "session-a"):
         tools.branch_sandbox("sb-1", "three:1")
+
+
+# -- ids and the sockets' paths (4)
+class PingAgent:
+    """QEMU's agent chardev at ``path`` (bound as QEMU binds it, socket_arg from its working
+    directory: here through unix_address), answering every request with a pong."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with unix_address(path) as address:
+            self.listener.bind(address)
+        self.listener.listen(4)
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            self.conns.append(conn)
+            for line in conn.makefile("rb"):
+                req = json.loads(line)
+                if req.get("op") != "cancel":
+                    conn.sendall(json.dumps({"id": req["id"], "ok": True,
+                                             "result": {"pong": True}}).encode() + b"\n")
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.thread.join(10)
+
+
+def _long_child_dir(tmp_path: Path) -> Path:
+    """A child's directory under a run directory long enough that its sockets' paths are
+    past 108 bytes (as the VM test's tmp_path put them, with an id of 24 random bits)."""
+    d = tmp_path / ("r" * 60) / "children" / new_id("python:3.13")
+    d.mkdir(parents=True)
+    assert not fits_sun_path(d / "agent.sock")
+    return d
+
+
+def test_a_sandbox_id_has_64_random_bits() -> None:
+    """Before: ``<name>-<6 hex>``, 24 bits. Now 16 hex, still an id (ID_RE)."""
+    for ref in ("python:3.13", "a-very-long-snapshot-name-of-forty-characters:1", "---", "x"):
+        made = {new_id(ref) for _ in range(200)}
+        assert len(made) == 200
+        for sandbox_id in made:
+            assert ID_RE.fullmatch(sandbox_id), sandbox_id
+            assert len(sandbox_id.rsplit("-", 1)[1]) * 4 == 64, sandbox_id
+
+
+def test_a_childs_relay_serves_under_a_run_directory_past_sun_path(tmp_path: Path) -> None:
+    """Before: under a long run directory the child's relay could not connect to QEMU's
+    agent socket nor bind its own ('cannot start: AF_UNIX path too long'), and no client
+    reached the guest. Now it serves there as anywhere: its socket is bound, renamed into
+    place and connected to through the directory's /proc/self/fd."""
+    d = _long_child_dir(tmp_path)
+    agent = PingAgent(d / "agent.sock")
+    ended: list[int] = []
+    relay = threading.Thread(target=lambda: ended.append(relay_main(d)), daemon=True)
+    relay.start()
+    try:
+        wait_until("the relay listening", lambda: (d / RELAY_SOCKET).exists() or bool(ended),
+                   15)
+        assert not ended, "the relay did not start"
+        client = connect_child(d)
+        try:
+            assert client.request("ping", timeout=20) == {"pong": True}
+        finally:
+            client.close()
+    finally:
+        agent.close()  # as QEMU exiting: the relay ends
+        relay.join(15)
+    assert ended == [0]
+
+
+def test_qemu_binds_its_sockets_relative_to_the_childs_directory_when_too_long(
+        tmp_path: Path) -> None:
+    """Before: QEMU was told ``d/qmp.sock`` and ``d/agent.sock`` whole, and could not bind
+    them past 108 bytes. Now a path that does not fit is named relative to QEMU's working
+    directory (the child's, QemuVM.launch), the one that fits as before; a QEMU so started
+    is still recognised as the child's (pid_matches, by its working directory), and a
+    process elsewhere is not."""
+    from forkd.engine.qemu import VMConfig, build_argv, pid_matches
+
+    cfg = VMConfig(memory_mib=256, vcpus=1, accel="tcg", mem_path=Path("/x/mem"),
+                   share=False, disk=Path("/x/d.qcow2"), incoming=True)
+    d = _long_child_dir(tmp_path)
+    argv = " ".join(build_argv(cfg, d))
+    assert "unix:qmp.sock,server=on" in argv and "path=agent.sock,server=on" in argv
+    short = Path("/run/c1")
+    argv = " ".join(build_argv(cfg, short))
+    assert f"unix:{short}/qmp.sock," in argv and f"path={short}/agent.sock," in argv
+    here = subprocess.Popen(["sleep", "60"], cwd=d)
+    elsewhere = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
+    try:
+        assert pid_matches(here.pid, d)
+        assert not pid_matches(elsewhere.pid, d)
+    finally:
+        for p in (here, elsewhere):
+            p.kill()
+            p.wait()
