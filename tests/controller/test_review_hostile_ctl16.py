@@ -232,11 +232,17 @@ def test_one_client_holds_a_bounded_number_of_branches(
 
 
 # -- ids and the sockets' paths (4)
+def _pong(req: dict[str, Any]) -> bytes:
+    return json.dumps({"id": req["id"], "ok": True, "result": {"pong": True}}).encode() + b"\n"
+
+
 class PingAgent:
     """QEMU's agent chardev at ``path`` (bound as QEMU binds it, socket_arg from its working
-    directory: here through unix_address), answering every request with a pong."""
+    directory: here through unix_address), answering every request with ``answer`` (a
+    pong)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, answer: Any = _pong) -> None:
+        self.answer = answer
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with unix_address(path) as address:
             self.listener.bind(address)
@@ -252,8 +258,7 @@ class PingAgent:
             for line in conn.makefile("rb"):
                 req = json.loads(line)
                 if req.get("op") != "cancel":
-                    conn.sendall(json.dumps({"id": req["id"], "ok": True,
-                                             "result": {"pong": True}}).encode() + b"\n")
+                    conn.sendall(self.answer(req))
 
     def close(self) -> None:
         for c in self.conns:
@@ -332,3 +337,36 @@ def test_qemu_binds_its_sockets_relative_to_the_childs_directory_when_too_long(
         for p in (here, elsewhere):
             p.kill()
             p.wait()
+
+
+def test_an_event_header_past_the_relays_bound_is_a_broken_protocol(tmp_path: Path) -> None:
+    """Before: an event whose header line was 5,000 bytes (a padded field) was taken, its
+    payload read by its size, by a client connected to the agent, while the relay passes
+    that payload on as lines. Now it is the protocol's error, as a header of the agent's
+    size still streams."""
+    from forkd.engine.agent_client import EVENT_HEAD_MAX, AgentClient
+    from forkd.engine.errors import AgentError
+
+    def padded(pad: int) -> Any:
+        def answer(req: dict[str, Any]) -> bytes:
+            head = {"id": req["id"], "ev": "stdout", "size": 6, "pad": "x" * pad}
+            return json.dumps(head).encode() + b"\nhello\n" + _pong(req)
+        return answer
+
+    for pad, refused in ((10, False), (EVENT_HEAD_MAX, True)):
+        d = tmp_path / str(pad)
+        d.mkdir()
+        agent = PingAgent(d / "agent.sock", padded(pad))
+        client = AgentClient(d / "agent.sock")
+        heard: list[bytes] = []
+        on_event = functools.partial(lambda into, ev, data: into.append(data), heard)
+        try:
+            if refused:
+                with pytest.raises(AgentError, match=r"event header of .* over the 4096"):
+                    client.request("ping", timeout=20, on_event=on_event)
+            else:
+                assert client.request("ping", timeout=20, on_event=on_event) == {"pong": True}
+        finally:
+            client.close()
+            agent.close()
+        assert heard == ([] if refused else [b"hello\n"])
