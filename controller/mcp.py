@@ -17,10 +17,16 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import fcntl
 import functools
 import json
+import os
+import secrets
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator
+from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, ParamSpec, TypeVar
 
 import anyio
@@ -61,7 +67,7 @@ from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import ChildNotFound, TooManyRequests
 from forkd.engine.lifecycle import private_owner
-from forkd.engine.paths import hidden_host_paths
+from forkd.engine.paths import hidden_host_paths, run_dir
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.names import InertStream, inert, parse_ref, shown
 from forkd.shares import Shares
@@ -285,6 +291,84 @@ class SessionMark:
             MCP_SESSION.reset(mark)
 
 
+class BranchRecord:
+    """The branches an HTTP server's sessions made and has not removed yet, in a file of
+    its own under ``directory`` ($FORKD_RUN/mcp-branches: ``PID-HEX.json``) kept while the
+    server runs, beside a lock file it holds (flock) for as long. A server that ended
+    without removing them (killed, out of memory, its host's power) left them in the
+    store, and the next server, which knew no maker, listed them to every client and
+    forked them for any: the sandbox state of a session nobody has any more. A starting
+    server removes the branches of every record whose server is gone (its lock free),
+    those that still name what was branched (``sweep``)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = directory / f"{name}.json"
+        self._write({})
+        # locked before it has its name: a sweep never sees the lock of a live server free
+        taking = directory / f".{name}.lock"
+        self._fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        weakref.finalize(self, os.close, self._fd)  # the lock held while this lives
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.replace(taking, directory / f"{name}.lock")
+
+    @classmethod
+    def of_server(cls, controller: Controller) -> BranchRecord | None:
+        """The record of a starting HTTP server, in $FORKD_RUN/mcp-branches, once the
+        records of servers that are gone have been swept (their branches removed
+        through ``controller``); None where this process may not keep one there (a
+        server run as another user than $FORKD_RUN's), the branches then removed only
+        as their sessions end."""
+        try:
+            records = run_dir() / "mcp-branches"
+            cls.sweep(records, functools.partial(removed_all, controller))
+            return cls(records)
+        except (OSError, ForkdError) as exc:
+            print(f"forkd mcp: no record of branches ({error_text(exc)}): a branch of a "
+                  "session is removed when it ends, not after a crash", file=sys.stderr)
+            return None
+
+    def _write(self, made: dict[str, str]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(made))
+        os.replace(tmp, self.path)
+
+    def write(self, made: dict[str, str]) -> None:
+        """Record ``made`` (tag: digest), all this server's branches not yet removed."""
+        with contextlib.suppress(OSError):  # the branches are served all the same
+            self._write(made)
+
+    @staticmethod
+    def sweep(directory: Path, remove: Callable[[dict[str, str]], bool]) -> None:
+        """Hand each record left by a server that is gone to ``remove`` (tag: digest),
+        and delete it once ``remove`` says all its branches are gone (else the next
+        start tries again)."""
+        if not directory.is_dir():
+            return
+        for lock in sorted(directory.glob("*.lock")):
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its server runs
+                record = lock.with_suffix(".json")
+                try:
+                    made = json.loads(record.read_text())
+                except (OSError, ValueError):
+                    made = {}
+                if not isinstance(made, dict) or remove(
+                        {str(k): str(v) for k, v in made.items()}):
+                    record.unlink(missing_ok=True)
+                    lock.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+
+
 class BranchTags:
     """The tags each MCP client made with branch_sandbox on this server: the only existing
     tags its ``force`` may replace. A model told to by what it read (a prompt injection)
@@ -323,6 +407,9 @@ class BranchTags:
         self.controller = controller
         self.everything = everything
         self.per_client = MAX_BRANCHES_PER_CLIENT if per_client is None else per_client
+        # the branches made here not yet removed, kept in ``record`` (http_server's)
+        self.record: BranchRecord | None = None
+        self._recorded: dict[str, str] = {}
         # whether an MCP session is still open (http_server sets it; None: stdio)
         self.session_open: Callable[[str], bool] | None = None
 
@@ -348,6 +435,8 @@ class BranchTags:
                 if self._made.get(ref) == entry:
                     del self._made[ref]
                     del self._when[ref]
+                if self._recorded.get(ref) == entry[1]:
+                    self._note(ref, None)
             return None
         return entry[0]
 
@@ -465,7 +554,25 @@ class BranchTags:
             self._noted += 1
             self._made[ref] = (client, digest)
             self._when[ref] = self._noted
+            self._note(ref, digest)
         return True
+
+    def _note(self, ref: str, digest: str | None) -> None:
+        """``ref`` recorded as naming this server's branch ``digest`` (None: no longer),
+        under self._lock."""
+        if digest is None:
+            if self._recorded.pop(ref, None) is None:
+                return
+        else:
+            self._recorded[ref] = digest
+        if self.record is not None:
+            self.record.write(dict(self._recorded))
+
+    def removed(self, ref: str, digest: str) -> None:
+        """``ref`` no longer names this server's branch ``digest`` (removed, or replaced)."""
+        with self._lock:
+            if self._recorded.get(ref) == digest:
+                self._note(ref, None)
 
     def ended(self, session: str | None = None) -> list[tuple[str, str]]:
         """The branches (tag, digest) the ended MCP session ``session`` made (every
@@ -603,6 +710,21 @@ def remove_branches(branches: BranchTags, made: list[tuple[str, str]]) -> None:
         with contextlib.suppress(ForkdError), branches.branching(ref):
             if branches._digest(ref) == digest:
                 branches.controller.backend.delete_snapshot(ref)
+            branches.removed(ref, digest)
+
+
+def removed_all(controller: Controller, made: dict[str, str]) -> bool:
+    """Remove each tag of ``made`` (tag: digest, a gone server's record) that still names
+    that digest; whether none of them does any more (the record may go)."""
+    branches = BranchTags(controller)
+    left = False
+    for ref, digest in made.items():
+        try:
+            if branches._digest(ref) == digest:
+                controller.backend.delete_snapshot(ref)
+        except ForkdError:
+            left = True
+    return not left
 
 
 def kill_all(controller: Controller, ids: list[str]) -> None:
@@ -1256,6 +1378,8 @@ def http_server(
     sandboxes a session created are killed when it ends (kill_when_ended)."""
     scope = scope if scope is not None else SandboxScope()
     branches = BranchTags(controller, everything=scope.everything)
+    if not scope.everything:  # there any session forks any branch: they stay
+        branches.record = BranchRecord.of_server(controller)
     mcp = build_server(controller, token, ToolCalls.of(controller),
                        sandboxes if sandboxes is not None else SandboxShares.of(controller),
                        scope, branches)

@@ -1,12 +1,42 @@
-"""The MCP server against the sixteenth hostile review. No VM:
-the engine's branch and spawn stand in where a branch is made (they tag an existing layer),
-and the real apps and protocols on uvicorn where a session ends.
+"""The MCP server, and the engine beneath it, against the sixteenth hostile review. No VM
+(tests/controller/test_review_hostile_ctl16_vm.py has 4 with real VMs): the engine's branch
+and spawn stand in where a branch is made (they tag an existing layer), the real apps and
+protocols on uvicorn where a session ends, a stand-in agent where the relay serves.
 
 1. A fork of another client's hidden branch was NotFound in the MCP server's words ("no
    snapshot T among those this MCP client may fork"), a fork of a tag nobody made was the
    engine's ("no tag T in …"), and with ``lazy`` the daemon called the hidden one "a local
    snapshot tag": a client told which names other clients had branched to, and so what
    they worked on. Now both are the same answer, word for word.
+2. A session's branches (branch_sandbox tags) outlived it: hidden from every other client
+   while the server ran, nobody's once the session ended (another session is another
+   client), they filled the store out of everyone's reach, and once the server restarted
+   (its memory of makers gone) every client listed and forked them, the maker's sandbox
+   state, files and keys. Now a session's branches are removed when it ends (DELETE, idle,
+   the server stopping; not with ``--all-sandboxes``), the ones still naming its branch;
+   one made while its session ended is removed at once. A server that ended without
+   removing them (killed, crashed) left them for the next to publish: now each HTTP
+   server keeps the branches it has not removed in a record under $FORKD_RUN (locked
+   while it runs), and a starting server removes those of every server that is gone.
+3. Nothing bounded the branches one client made: branch_sandbox to one new tag after
+   another put a layer of a sandbox's memory and disk in the store each time, until the
+   host's disk was full. Now one client (an address) holds at most
+   mcp.MAX_BRANCHES_PER_CLIENT made on the server that still name its branch, counting
+   the ones it is making; replacing its own (``force``) is not a new one.
+4. A sandbox id had 24 random bits (lifecycle.new_id): it came round among a long-running
+   host's ids, and whatever still held the old one (an MCP client's scope until it next
+   listed, a script, an operator acting on a log) reached another client's new sandbox by
+   it. Longer ids had been tried and taken back: a child's sockets are under
+   ``$FORKD_RUN/children/ID/``, and a long run directory put them past AF_UNIX's 108
+   bytes. Now the host binds and connects to a socket whose path is too long through
+   /proc/self/fd of its directory (paths.unix_address: the relay's, QEMU's agent and QMP
+   sockets), QEMU binds its own by a name relative to its working directory, the child's
+   (qemu.socket_arg), and an id has 64 random bits.
+5. An event's header line past 4096 bytes: the relay read no payload size from it (and so
+   passed the payload's bytes on as lines, a guest program's output parsed as frames),
+   while a client read the size and took that many bytes (through the relay, the next
+   frames). Now a client refuses such a header as a broken protocol, as the relay
+   ignores it (agent_client.EVENT_HEAD_MAX, one bound for both).
 """
 
 from __future__ import annotations
@@ -370,3 +400,55 @@ def test_an_event_header_past_the_relays_bound_is_a_broken_protocol(tmp_path: Pa
             client.close()
             agent.close()
         assert heard == ([] if refused else [b"hello\n"])
+
+
+def _records() -> dict[str, Any]:
+    """The branch records under this test's $FORKD_RUN: file name, what it holds."""
+    from forkd.engine.paths import run_path
+
+    return {p.name: json.loads(p.read_text())
+            for p in sorted((run_path() / "mcp-branches").glob("*.json"))}
+
+
+def test_a_server_records_its_branches_until_they_are_removed(
+        store: Store, engine: list[str]) -> None:
+    """Each HTTP server keeps the branches it made and has not removed in its record, so
+    that one left behind by a crash is removed by the next server."""
+    web, url = _mcp(mcp.SandboxScope(["sb-1"]))
+    with running(web):
+        client = McpClient(url, TOKEN)
+        _branch(client, "recorded:1")
+        assert list(_records().values()) == [{"recorded:1": store.resolve("recorded:1")}]
+        assert client.http.delete("/mcp", headers=client.session).status_code < 300
+        client.http.close()
+        wait_until("the record emptied", lambda: list(_records().values()) == [{}], 15)
+    assert "recorded:1" not in _tags(store)
+
+
+def test_a_starting_server_removes_the_branches_a_gone_server_left(
+        store: Store, engine: list[str], tmp_path: Path) -> None:
+    """Before: a server killed with branches of its sessions in the store left them to the
+    next, which knew no maker: every client listed and forked them. Now a starting server
+    removes the branches a gone server's record names, those still naming what it
+    branched (a tag the operator used again stays), and leaves a running server's."""
+    from forkd.engine.paths import run_dir
+
+    records = run_dir() / "mcp-branches"
+    records.mkdir()
+    for tag in ("gone:1", "moved:1", "live:1"):
+        store.tag(tag, "base:latest")
+    left = {"gone:1": store.resolve("gone:1"), "moved:1": store.resolve("moved:1")}
+    (records / "4242-dead.json").write_text(json.dumps(left))
+    (records / "4242-dead.lock").write_text("")  # nobody holds it: its server is gone
+    store.remove("moved:1")
+    image = tmp_path / "operators.img"
+    write_base(image, 1 << 20, seed=162, random_share=1.0)
+    store.import_layer("moved:1", memory=image)  # the operator's, under the old name
+    live = mcp.BranchRecord(records)  # a server that runs
+    live.write({"live:1": store.resolve("live:1")})
+    _mcp(mcp.SandboxScope(["sb-1"]))  # a server starts
+    assert "gone:1" not in _tags(store)
+    assert {"moved:1", "live:1"} <= _tags(store)
+    assert "4242-dead.json" not in _records()
+    assert not (records / "4242-dead.lock").exists()
+    assert _records()[live.path.name] == {"live:1": store.resolve("live:1")}
