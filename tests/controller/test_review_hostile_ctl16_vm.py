@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.vm
+
 TOKEN = "ctl16-vm-token-0123456789abcdef"
 TINY_TAG = "ctl16/tiny:latest"
 REPO = Path(__file__).resolve().parents[2]
