@@ -301,8 +301,8 @@ def pid_matches(pid: int, d: Path) -> bool:
         return True
     if fits_sun_path(d / "agent.sock"):
         return False
-    try:
-        return os.readlink(f"/proc/{pid}/cwd") == str(d)
+    try:  # the same directory, however $FORKD_RUN reaches it (a symlink on the way)
+        return os.path.samefile(f"/proc/{pid}/cwd", d)
     except OSError:
         return False
 

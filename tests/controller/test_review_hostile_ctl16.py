@@ -360,8 +360,11 @@ def test_qemu_binds_its_sockets_relative_to_the_childs_directory_when_too_long(
     assert f"unix:{short}/qmp.sock," in argv and f"path={short}/agent.sock," in argv
     here = subprocess.Popen(["sleep", "60"], cwd=d)
     elsewhere = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
+    linked = tmp_path / ("l" * 80)  # $FORKD_RUN reached through a symlink
+    linked.symlink_to(d.parent)
     try:
         assert pid_matches(here.pid, d)
+        assert pid_matches(here.pid, linked / d.name)
         assert not pid_matches(elsewhere.pid, d)
     finally:
         for p in (here, elsewhere):
