@@ -544,12 +544,12 @@ class BranchTags:
     def made(self, ref: str, digest: str) -> bool:
         """Note ``ref`` (naming ``digest``) as the calling client's branch; False, noting
         nothing, when its MCP session has already ended (ended ran for it: the caller
-        removes the branch, nobody may reach it)."""
+        removes the branch, nobody may reach it; with ``everything`` any session does)."""
         client = calling_client()
         with self._lock:
             session = client[1]
             if (session is not None and self.session_open is not None
-                    and not self.session_open(session)):
+                    and not self.everything and not self.session_open(session)):
                 return False
             self._noted += 1
             self._made[ref] = (client, digest)

@@ -232,6 +232,14 @@ def test_a_branch_made_as_its_session_ended_is_removed(
           pytest.raises(ForkdError, match="session ended while it branched")):
         tools.branch_sandbox("sb-1", "late:1")
     assert "late:1" not in _tags(store)
+    # --all-sandboxes: any session forks it, it stays
+    branches = mcp.BranchTags(Controller(local=True), everything=True)
+    branches.session_open = lambda session: False
+    tools = mcp.Tools(Controller(local=True), scope=mcp.SandboxScope(everything=True),
+                      branches=branches)
+    with as_client("127.0.0.1", "gone"):
+        tools.branch_sandbox("sb-1", "late:1")
+    assert "late:1" in _tags(store)
 
 
 def test_one_client_holds_a_bounded_number_of_branches(
