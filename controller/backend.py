@@ -170,6 +170,21 @@ def _local_tag(store: Store, text: str) -> bool:
     return True
 
 
+def lazy_remote(tag: str) -> Any:
+    """The hub reference a lazy spawn's ``tag`` is (registry.reference.Remote), or the
+    InvalidInput saying it is none (the MCP server answers a fork of another client's
+    hidden branch with it too, as it would a name nobody used)."""
+    from forkd.registry.reference import parse_remote
+
+    try:
+        return parse_remote(tag)
+    except InvalidInput as exc:
+        raise InvalidInput(
+            "lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got "
+            f"{shown(tag)}: {exc}"
+        ) from None
+
+
 def _refuse_paused_source(tag: str) -> None:
     """A paused sandbox's saved state (``forkd-paused/ID:a|b``) is that sandbox's alone:
     only its resume starts from it, so no spawn or pool clones it."""
@@ -751,7 +766,6 @@ class LocalBackend:
         (docs/engine.md, "Lazy fork"), once the request is checked: the tag must name a hub
         reference and no pool (its processes wait on a local tag)."""
         from forkd.engine.lazy import fork as lazy_fork
-        from forkd.registry.reference import parse_remote
 
         if req.prewarm is not None:
             raise InvalidInput(
@@ -763,14 +777,7 @@ class LocalBackend:
                 f"lazy needs a hub reference, [HUB/]NS/NAME[:TAG], and {shown(req.tag)} is a local "
                 "snapshot tag: spawn it without lazy, or name the hub it comes from"
             )
-        try:
-            remote = parse_remote(req.tag)
-        except InvalidInput as exc:
-            raise InvalidInput(
-                "lazy needs a hub reference, [HUB/]NS/NAME[:TAG], as the tag, got "
-                f"{shown(req.tag)}: {exc}"
-            ) from None
-        check_lazy_hub(remote.hub)
+        check_lazy_hub(lazy_remote(req.tag).hub)
         return lazy_fork.fork
 
     def sandboxes(self) -> list[SandboxInfo]:

@@ -17,11 +17,17 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import fcntl
 import functools
 import json
+import os
+import secrets
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -52,6 +58,7 @@ from forkd.controller.backend import (
     Stopped,
     Transfer,
     client_share,
+    lazy_remote,
 )
 from forkd.controller.sdk import Controller, Sandbox, command_argv, stdin_bytes
 from forkd.controller.server import DEFAULT_LIMITS, Limits, bounded_config
@@ -60,7 +67,7 @@ from forkd.engine import children as ch
 from forkd.engine.agent_client import REQUEST_CLIENT
 from forkd.engine.errors import ChildNotFound, TooManyRequests
 from forkd.engine.lifecycle import private_owner
-from forkd.engine.paths import hidden_host_paths
+from forkd.engine.paths import hidden_host_paths, run_dir
 from forkd.errors import Conflict, ForkdError, InvalidInput, NotFound
 from forkd.names import InertStream, inert, parse_ref, shown
 from forkd.shares import Shares
@@ -76,6 +83,7 @@ MAX_CODE_CHARS = 1 << 20  # run_code: the code; run_command: the command line, s
 # write_file: its content's characters (MAX_FILE_BYTES of base64), refused as it arrives,
 # before it is encoded or decoded (each a copy); the bytes are then held to MAX_FILE_BYTES
 MAX_CONTENT_CHARS = (MAX_FILE_BYTES * 4) // 3 + 4
+MAX_BRANCHES_PER_CLIENT = 64  # branch_sandbox tags one HTTP client (address) holds at once
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -283,6 +291,84 @@ class SessionMark:
             MCP_SESSION.reset(mark)
 
 
+class BranchRecord:
+    """The branches an HTTP server's sessions made and has not removed yet, in a file of
+    its own under ``directory`` ($FORKD_RUN/mcp-branches: ``PID-HEX.json``) kept while the
+    server runs, beside a lock file it holds (flock) for as long. A server that ended
+    without removing them (killed, out of memory, its host's power) left them in the
+    store, and the next server, which knew no maker, listed them to every client and
+    forked them for any: the sandbox state of a session nobody has any more. A starting
+    server removes the branches of every record whose server is gone (its lock free),
+    those that still name what was branched (``sweep``)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = directory / f"{name}.json"
+        self._write({})
+        # locked before it has its name: a sweep never sees the lock of a live server free
+        taking = directory / f".{name}.lock"
+        self._fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        weakref.finalize(self, os.close, self._fd)  # the lock held while this lives
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.replace(taking, directory / f"{name}.lock")
+
+    @classmethod
+    def of_server(cls, controller: Controller) -> BranchRecord | None:
+        """The record of a starting HTTP server, in $FORKD_RUN/mcp-branches, once the
+        records of servers that are gone have been swept (their branches removed
+        through ``controller``); None where this process may not keep one there (a
+        server run as another user than $FORKD_RUN's), the branches then removed only
+        as their sessions end."""
+        try:
+            records = run_dir() / "mcp-branches"
+            cls.sweep(records, functools.partial(removed_all, controller))
+            return cls(records)
+        except (OSError, ForkdError) as exc:
+            print(f"forkd mcp: no record of branches ({error_text(exc)}): a branch of a "
+                  "session is removed when it ends, not after a crash", file=sys.stderr)
+            return None
+
+    def _write(self, made: dict[str, str]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(made))
+        os.replace(tmp, self.path)
+
+    def write(self, made: dict[str, str]) -> None:
+        """Record ``made`` (tag: digest), all this server's branches not yet removed."""
+        with contextlib.suppress(OSError):  # the branches are served all the same
+            self._write(made)
+
+    @staticmethod
+    def sweep(directory: Path, remove: Callable[[dict[str, str]], bool]) -> None:
+        """Hand each record left by a server that is gone to ``remove`` (tag: digest),
+        and delete it once ``remove`` says all its branches are gone (else the next
+        start tries again)."""
+        if not directory.is_dir():
+            return
+        for lock in sorted(directory.glob("*.lock")):
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its server runs
+                record = lock.with_suffix(".json")
+                try:
+                    made = json.loads(record.read_text())
+                except (OSError, ValueError):
+                    made = {}
+                if not isinstance(made, dict) or remove(
+                        {str(k): str(v) for k, v in made.items()}):
+                    record.unlink(missing_ok=True)
+                    lock.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+
+
 class BranchTags:
     """The tags each MCP client made with branch_sandbox on this server: the only existing
     tags its ``force`` may replace. A model told to by what it read (a prompt injection)
@@ -309,13 +395,23 @@ class BranchTags:
     checked is branched without it, so one another client made meanwhile is a Conflict,
     never replaced."""
 
-    def __init__(self, controller: Controller | None = None, everything: bool = False) -> None:
+    def __init__(self, controller: Controller | None = None, everything: bool = False,
+                 per_client: int | None = None) -> None:
         # tag: the client (calling_client) that made it, and the digest its branch made
         self._made: dict[str, tuple[tuple[str | None, str | None], str]] = {}
+        self._when: dict[str, int] = {}  # tag: when it was noted (self._noted then)
+        self._noted = 0
+        self._starting: dict[str, int] = {}  # address: branches it is making
         self._lock = threading.Lock()
         self._branching: dict[str, tuple[threading.Lock, int]] = {}  # tag: lock, users
         self.controller = controller
         self.everything = everything
+        self.per_client = MAX_BRANCHES_PER_CLIENT if per_client is None else per_client
+        # the branches made here not yet removed, kept in ``record`` (http_server's)
+        self.record: BranchRecord | None = None
+        self._recorded: dict[str, str] = {}
+        # whether an MCP session is still open (http_server sets it; None: stdio)
+        self.session_open: Callable[[str], bool] | None = None
 
     def _digest(self, ref: str) -> str | None:
         """What ``ref`` names now; None when there is no such tag."""
@@ -338,6 +434,9 @@ class BranchTags:
             with self._lock:
                 if self._made.get(ref) == entry:
                     del self._made[ref]
+                    del self._when[ref]
+                if self._recorded.get(ref) == entry[1]:
+                    self._note(ref, None)
             return None
         return entry[0]
 
@@ -353,14 +452,26 @@ class BranchTags:
         maker = self.maker(ref, digest)
         return maker is not None and maker != calling_client()
 
-    def may_fork(self, tag: str) -> None:
-        """NotFound when ``tag`` is a branch another client made here."""
+    def may_fork(self, tag: str, lazy: bool = False) -> None:
+        """NotFound when ``tag`` is a branch another client made here; for a ``lazy`` fork
+        (whose tag is to be a hub reference) what a name nobody used that is no hub
+        reference is (backend.lazy_remote: the daemon said the hidden tag was a local
+        snapshot, another text)."""
         if self.anothers(tag):
-            raise NotFound(
-                f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
-                "list_snapshots lists, which leave out the branches other clients of this "
-                "server made (their sandboxes' state); branch your own sandbox, or fork "
-                "from a snapshot that was built or pulled")
+            if lazy:
+                lazy_remote(tag)
+            self.not_found(tag)
+
+    def not_found(self, tag: str) -> NoReturn:
+        """The NotFound of a fork of ``tag``, another client's branch or no tag at all
+        (Tools._spawn): the same text either way. The engine's own answer to a missing tag
+        differed, so a client told a hidden branch of another from a name nobody used
+        (that the other's tag exists, and its name: what the other client works on)."""
+        raise NotFound(
+            f"no snapshot {shown(tag)} among those this MCP client may fork: the tags "
+            "list_snapshots lists, which leave out the branches other clients of this "
+            "server made (their sandboxes' state); branch your own sandbox, or fork "
+            "from a snapshot that was built or pulled")
 
     def may_replace(self, ref: str) -> bool:
         """The ``force`` a branch to ``ref`` asked to replace it may pass to the engine:
@@ -393,9 +504,104 @@ class BranchTags:
                 else:
                     del self._branching[ref]
 
-    def made(self, ref: str, digest: str) -> None:
+    @contextlib.contextmanager
+    def admitted(self, ref: str) -> Iterator[None]:
+        """Room for one more branch of the calling client (its address, every session of
+        it) while the block makes it, or TooManyRequests: a client holds at most
+        ``per_client`` branches made here that still name what it branched, and the ones
+        it is making. A branch is a diff layer of the sandbox's memory and disk in the
+        store, and nothing bounded how many one client made: its branch_sandbox to one new
+        tag after another filled the host's disk. Replacing its own tag (``force``) is no
+        new one. Over stdio (one client, the operator's): not counted."""
+        address = REQUEST_CLIENT.get()
+        if address is None:
+            yield
+            return
         with self._lock:
-            self._made[ref] = (calling_client(), digest)
+            mark = self._noted
+        now = {s.ref: s.digest for s in self.controller.snapshots()} if self.controller else {}
+        with self._lock:
+            mine = [t for t, ((who, _), digest) in self._made.items() if who == address
+                    and (self._when[t] > mark or now.get(t) == digest)]
+            held = len(mine) + self._starting.get(address, 0)
+            if ref not in mine and held + 1 > self.per_client:
+                raise TooManyRequests(
+                    f"this client ({address}) holds {held} branches made with "
+                    f"branch_sandbox on this server, the most one client may "
+                    f"({self.per_client}; each is a layer of a sandbox's memory and disk in "
+                    "the store): branch to one of your tags again with force=true, or end "
+                    "the MCP session that made some (a session's branches are removed "
+                    "when it ends)")
+            self._starting[address] = self._starting.get(address, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting[address] -= 1
+                if self._starting[address] <= 0:
+                    del self._starting[address]
+
+    def made(self, ref: str, digest: str) -> bool:
+        """Note ``ref`` (naming ``digest``) as the calling client's branch; False, noting
+        nothing, when its MCP session has already ended (ended ran for it: the caller
+        removes the branch, nobody may reach it; with ``everything`` any session does)."""
+        client = calling_client()
+        with self._lock:
+            session = client[1]
+            if (session is not None and self.session_open is not None
+                    and not self.everything and not self.session_open(session)):
+                return False
+            self._noted += 1
+            self._made[ref] = (client, digest)
+            self._when[ref] = self._noted
+            self._note(ref, digest)
+        return True
+
+    def _note(self, ref: str, digest: str | None) -> None:
+        """``ref`` recorded as naming this server's branch ``digest`` (None: no longer),
+        under self._lock."""
+        if digest is None:
+            if self._recorded.pop(ref, None) is None:
+                return
+        else:
+            self._recorded[ref] = digest
+        if self.record is not None:
+            self.record.write(dict(self._recorded))
+
+    def removed(self, ref: str, digest: str) -> None:
+        """``ref`` no longer names this server's branch ``digest`` (removed, or replaced)."""
+        with self._lock:
+            if self._recorded.get(ref) == digest:
+                self._note(ref, None)
+
+    def ended(self, session: str | None = None) -> list[tuple[str, str]]:
+        """The branches (tag, digest) the ended MCP session ``session`` made (every
+        session's, None: the server stops), forgotten here: the caller removes the ones
+        that still name them (remove_branches). A session's branches were hidden from
+        every other client for as long as the server ran, and nobody's once it ended
+        (another session is another client): they filled the store, out of everyone's
+        reach, and once the server restarted (its memory of makers gone) they were
+        every client's to fork, the maker's sandbox state, files and keys. None with
+        ``everything``, where any session forks them."""
+        if self.everything:
+            return []
+        with self._lock:
+            refs = [t for t, ((_, s), _) in self._made.items()
+                    if session is None or s == session]
+            gone = [(t, self._made[t][1]) for t in refs]
+            for t in refs:
+                del self._made[t]
+                del self._when[t]
+        return gone
+
+
+def _is_ref(text: str) -> bool:
+    """``text`` parses as a local tag, NAME[:TAG] (else the engine says what is wrong)."""
+    try:
+        parse_ref(text)
+    except InvalidInput:
+        return False
+    return True
 
 
 class SandboxScope:
@@ -491,6 +697,34 @@ class SandboxScope:
                 f"no child {sandbox_id} among the sandboxes this MCP client may use: the "
                 "ones it created with create_sandboxes or fork_from_branch, and the ones "
                 "the operator named (forkd mcp --sandbox ID); list_sandboxes shows them")
+
+
+def remove_branches(branches: BranchTags, made: list[tuple[str, str]]) -> None:
+    """Remove each tag of ``made`` (tag, digest: branches of an MCP session that ended)
+    that still names that branch, as far as it goes: one removed or replaced meanwhile
+    (by the operator) is left, a failure leaves the rest to be removed. A branch of one
+    of these tags made on this server meanwhile waits (BranchTags.branching)."""
+    if branches.controller is None:
+        return
+    for ref, digest in made:
+        with contextlib.suppress(ForkdError), branches.branching(ref):
+            if branches._digest(ref) == digest:
+                branches.controller.backend.delete_snapshot(ref)
+            branches.removed(ref, digest)
+
+
+def removed_all(controller: Controller, made: dict[str, str]) -> bool:
+    """Remove each tag of ``made`` (tag: digest, a gone server's record) that still names
+    that digest; whether none of them does any more (the record may go)."""
+    branches = BranchTags(controller)
+    left = False
+    for ref, digest in made.items():
+        try:
+            if branches._digest(ref) == digest:
+                controller.backend.delete_snapshot(ref)
+        except ForkdError:
+            left = True
+    return not left
 
 
 def kill_all(controller: Controller, ids: list[str]) -> None:
@@ -685,12 +919,14 @@ class Tools:
 
     def __init__(self, controller: Controller, token: Token | None = None,
                  sandboxes: SandboxShares | None = None,
-                 scope: SandboxScope | None = None) -> None:
+                 scope: SandboxScope | None = None,
+                 branches: BranchTags | None = None) -> None:
         self.controller = controller
         self.token = token
         self.sandboxes = sandboxes
         self.scope = scope if scope is not None else SandboxScope()
-        self.branches = BranchTags(controller, everything=self.scope.everything)
+        self.branches = (branches if branches is not None
+                         else BranchTags(controller, everything=self.scope.everything))
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """The sandbox, when the calling client may act on it (SandboxScope)."""
@@ -767,7 +1003,7 @@ class Tools:
         memory_limit_mib: int | None,
         lazy: bool = False,
     ) -> dict[str, Any]:
-        self.branches.may_fork(tag)
+        self.branches.may_fork(tag, lazy)
         options: dict[str, Any] = {"lazy": True} if lazy else {}
         if timeout_s is not None:
             options["timeout"] = timeout_s
@@ -780,7 +1016,13 @@ class Tools:
         # daemon the spawn's connection is cut and the daemon kills them (app.unclaimed);
         # in process, or when the stop came after the daemon's answer, they are killed here.
         with admitted as own, Revocation(self.token) as revocation:
-            started = self.controller.spawn_sandboxes(tag, n, **options)
+            try:
+                started = self.controller.spawn_sandboxes(tag, n, **options)
+            except NotFound:
+                # no such tag: the answer to another client's branch (BranchTags.not_found)
+                if not lazy and _is_ref(tag) and self.branches._digest(tag) is None:
+                    self.branches.not_found(tag)
+                raise
             if revocation.stop():
                 for sb in started:
                     with contextlib.suppress(ForkdError):
@@ -933,8 +1175,14 @@ class Tools:
         with self.branches.branching(ref):
             if force:
                 force = self.branches.may_replace(ref)
-            result = sb.branch(ref, force=force)
-            self.branches.made(ref, result.digest)
+            with self.branches.admitted(ref):
+                result = sb.branch(ref, force=force)
+                kept = self.branches.made(ref, result.digest)
+        if not kept:
+            remove_branches(self.branches, [(ref, result.digest)])
+            raise ForkdError(
+                f"this MCP session ended while it branched to {shown(ref)}, so the branch "
+                "was removed (a session's branches end with it); open a new session")
         return {"branch": plain(result)}
 
     def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
@@ -1062,13 +1310,15 @@ TOOL_NAMES = (
 def build_server(controller: Controller, token: Token | None = None,
                  calls: ToolCalls | None = None,
                  sandboxes: SandboxShares | None = None,
-                 scope: SandboxScope | None = None) -> MCPServer[Any]:
+                 scope: SandboxScope | None = None,
+                 branches: BranchTags | None = None) -> MCPServer[Any]:
     """The MCP server with every tool of ``Tools`` on ``controller``; ``token``: the HTTP
     callers' (its revocation stops the commands they run, Revocation); ``calls``: the HTTP
     callers' tool calls in flight, in all and per client (None: not counted, stdio's one
     caller); ``sandboxes``: the sandboxes each HTTP caller runs through a daemon (None:
     not counted here); ``scope``: the sandboxes beyond its own each client may act on
-    (SandboxScope; default: none)."""
+    (SandboxScope; default: none); ``branches``: the branch tags each client made
+    (BranchTags; default: a new one)."""
     server: MCPServer[Any] = MCPServer(
         name="forkd",
         version=forkd.__version__,
@@ -1081,7 +1331,7 @@ def build_server(controller: Controller, token: Token | None = None,
             "each one you created when done."
         ),
     )
-    tools = Tools(controller, token, sandboxes, scope)
+    tools = Tools(controller, token, sandboxes, scope, branches)
     for name in TOOL_NAMES:
         tool = getattr(tools, name)
         if calls is not None:
@@ -1127,15 +1377,18 @@ def http_server(
     default); ``scope``: the sandboxes beyond its own each client may act on. The
     sandboxes a session created are killed when it ends (kill_when_ended)."""
     scope = scope if scope is not None else SandboxScope()
+    branches = BranchTags(controller, everything=scope.everything)
+    if not scope.everything:  # there any session forks any branch: they stay
+        branches.record = BranchRecord.of_server(controller)
     mcp = build_server(controller, token, ToolCalls.of(controller),
                        sandboxes if sandboxes is not None else SandboxShares.of(controller),
-                       scope)
+                       scope, branches)
     app = mcp.streamable_http_app(
         streamable_http_path=path, host=host, max_sessions=max_sessions,
         session_idle_timeout=session_idle_s,
     )
     sessions = mcp.session_manager
-    kill_when_ended(sessions, scope, controller)
+    kill_when_ended(sessions, scope, controller, branches)
     shared = SessionShare(app, lambda sid: sid in sessions._server_instances,
                           max_sessions_per_client, max_sessions)
     told = SessionErrors(shared, max_sessions, session_idle_s)
@@ -1145,23 +1398,39 @@ def http_server(
     return uvicorn.Server(config)
 
 
-def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller) -> None:
+def kill_when_ended(sessions: Any, scope: SandboxScope, controller: Controller,
+                    branches: BranchTags | None = None) -> None:
     """Kill the sandboxes of each MCP session of ``sessions`` (the SDK's session manager)
-    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), in
-    a thread of their own (a kill waits on the engine; the event loop does not). A session
-    ended because the server stops leaves them (its restart forgets who made what; the
-    operator names them with --sandbox). The SDK discards every ended session through
+    once the session ends, by its client's DELETE or closed idle (SandboxScope.ended), and
+    remove the branches it made (``branches``, BranchTags.ended), in a thread of their own
+    (a kill waits on the engine; the event loop does not). A session ended because the
+    server stops leaves its sandboxes (its restart forgets who made what; the operator
+    names them with --sandbox) but not its branches: the restarted server, which forgot
+    their makers too, would list them to every client and fork them for any; they are
+    removed before the server ends. The SDK discards every ended session through
     ``_discard_session``, which this wraps."""
-    scope.session_open = lambda sid: sid in sessions._server_instances
+    open_now: Callable[[str], bool] = lambda sid: sid in sessions._server_instances  # noqa: E731
+    scope.session_open = open_now
+    if branches is not None:
+        branches.session_open = open_now
     discard = sessions._discard_session
+
+    def ended(ids: list[str], made: list[tuple[str, str]]) -> None:
+        kill_all(controller, ids)
+        if branches is not None:
+            remove_branches(branches, made)
 
     async def discarded(session_id: str, transport: Any) -> None:
         await discard(session_id, transport)
-        if sessions._task_group is None:
-            return  # the server stops: not a session's end
+        made = branches.ended(session_id) if branches is not None else []
+        if sessions._task_group is None:  # the server stops: its branches, before it ends
+            if made:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(ended, [], made)
+            return
         ids = scope.ended(session_id)
-        if ids:
-            threading.Thread(target=kill_all, args=(controller, ids), daemon=True,
+        if ids or made:
+            threading.Thread(target=ended, args=(ids, made), daemon=True,
                              name="forkd-mcp-session-ended").start()
 
     sessions._discard_session = discarded

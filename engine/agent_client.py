@@ -41,6 +41,7 @@ from forkd.engine.commands import (
     check_timeout,
 )
 from forkd.engine.errors import AgentError
+from forkd.engine.paths import unix_address
 from forkd.engine.qmp import MAX_LINE, LineSocket, LineTooLong, connect_unix
 from forkd.errors import Conflict, NotFound
 from forkd.names import inert, shown
@@ -67,6 +68,10 @@ REPLY_MARGIN_S = 30.0  # host wait beyond a request's own guest-side timeout
 # an event's binary payload: the agent sends at most 1 MiB (engine/guest/agent.py CHUNK); a
 # hostile one sending more must not make each queued frame of a stream 16 times larger
 MAX_EVENT = 2 << 20
+# An event's header line (with its newline) at most: the relay reads a payload's size from
+# no longer one (it skips no payload after it), and a client refuses one (AgentClient),
+# so the two never disagree about where the payload ends. The agent's are ~60 bytes.
+EVENT_HEAD_MAX = 4096
 DEFAULT_REQUEST_S = 30.0  # quick ops (ping, fixup, put, get, proc_*) without their own timeout
 # bytes of a frame outside its strings (keys, numbers, brackets): a parser makes up to ~20
 # times as much memory of them, so a 64 MiB line of ``[],[],..`` held 1.4 GB of the host
@@ -462,6 +467,13 @@ class AgentClient:
             frame = parse_frame(line, structure)
             if frame is None:
                 continue  # an incomplete frame the agent dropped (its host went away)
+            if "ev" in frame and len(line) > EVENT_HEAD_MAX:
+                # the relay skips no payload after such a header: its bytes went on as lines
+                # (a guest program's output parsed as frames), and this client read the
+                # next frames as the payload (or, connected directly, took it whole)
+                raise ProtocolViolation(
+                    f"an event header of {len(line)} bytes, over the {EVENT_HEAD_MAX} a "
+                    "payload's size is read from")
             return frame
 
     def ping(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -651,7 +663,8 @@ def _relay_client(sock: Path, alive: Callable[[], bool] | None) -> AgentClient:
         raise AgentError(f"no relay socket {sock}")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(str(sock))
+        with unix_address(sock) as address:
+            s.connect(address)
     except OSError:
         s.close()
         raise
@@ -701,7 +714,7 @@ _REQ_HEAD = re.compile(rb'\{"id": ?("(?:[^"\\]|\\.)*"|-?\d+)')
 def _event_size(head: bytes) -> int:
     """The payload size an event's header line announces (0 when it has none or a bad one:
     then the stream resynchronises at the next line)."""
-    if len(head) > 4096:
+    if len(head) > EVENT_HEAD_MAX:
         return 0
     try:
         frame = parse_frame(head)
@@ -731,7 +744,8 @@ class Relay:
         self.sel = selectors.DefaultSelector()
         self.agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.agent.settimeout(10.0)
-        self.agent.connect(str(d / "agent.sock"))
+        with unix_address(d / "agent.sock") as address:
+            self.agent.connect(address)
         self.agent.setblocking(False)
         self.agent_in = bytearray()
         self.agent_out = bytearray()
@@ -755,7 +769,8 @@ class Relay:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(str(tmp))
+        with unix_address(tmp) as address:
+            s.bind(address)
         os.chmod(tmp, 0o600)
         s.listen(64)
         s.setblocking(False)

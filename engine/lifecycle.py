@@ -176,10 +176,17 @@ def _bad_record(path: Path, why: str) -> HostError:
                      f"and remove {path.parent} by hand")
 
 
+ID_RANDOM_BYTES = 8  # 64 random bits in an id (16 hex)
+
+
 def new_id(ref: str) -> str:
-    """A fresh child id from the snapshot's name: ``<name>-<6 hex>``."""
+    """A fresh child id from the snapshot's name: ``<name>-<16 hex>``. With 24 random bits
+    an id came round among a long-running host's ids (one in 16 M per fork, per id
+    remembered), and whatever still held the old one (a client's scope, a script, a
+    log someone acts on) reached another client's new sandbox by it. Its length no
+    longer reaches a socket's path (paths.unix_address, qemu.socket_arg)."""
     base = re.sub(r"[^a-z0-9]+", "-", ref.split("/")[-1].split(":")[0].lower()).strip("-")
-    return f"{base[:20] or 'vm'}-{secrets.token_hex(3)}"
+    return f"{base[:20] or 'vm'}-{secrets.token_hex(ID_RANDOM_BYTES)}"
 
 
 def child_dir(child_id: str) -> Path:

@@ -18,10 +18,37 @@ $FORKD_RUN (default /run/forkd, else $XDG_RUNTIME_DIR/forkd)
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from forkd.private import private_dir
+
+# The longest AF_UNIX address (sun_path is 108 bytes with its NUL).
+SUN_PATH_MAX = 107
+
+
+def fits_sun_path(path: Path | str) -> bool:
+    return len(os.fsencode(str(path))) <= SUN_PATH_MAX
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """``path`` as an AF_UNIX address to bind or connect to while the block runs: itself
+    when it fits sun_path, else the same file named through /proc/self/fd of its
+    directory (opened O_PATH for the block), which is as short whatever the directory.
+    A child's sockets are under $FORKD_RUN/children/<id>/: a long run directory with a
+    longer id put them past 108 bytes ('AF_UNIX path too long'), and so the ids were
+    kept short, 24 random bits that came round among a long-running host's ids."""
+    if fits_sun_path(path):
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 def cache_path() -> Path:

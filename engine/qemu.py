@@ -20,6 +20,7 @@ from pathlib import Path
 
 from forkd.engine import hugepages, qcow2
 from forkd.engine.errors import HostError, VMMError
+from forkd.engine.paths import fits_sun_path
 from forkd.engine.qmp import QMP
 from forkd.names import inert
 
@@ -144,9 +145,9 @@ def build_argv(cfg: VMConfig, d: Path, disk_fds: tuple[int, ...] = (),
         "-object", (f"memory-backend-file,id=mem,size={cfg.memory_mib}M,"
                     f"mem-path={cfg.mem_path},share={'on' if cfg.share else 'off'}"),
         *serial_args(cfg, d),
-        "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
+        "-qmp", f"unix:{socket_arg(d, 'qmp.sock')},server=on,wait=off",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={d / 'agent.sock'},server=on,wait=off",
+        "-chardev", f"socket,id=agent,path={socket_arg(d, 'agent.sock')},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=agent",
         "-drive", f"id=d0,file={disk},format=qcow2,if=none,cache={cfg.disk_cache}"
                   + drive_throttling(cfg)
@@ -197,6 +198,15 @@ def accel_option(accel: str) -> str:
 SERIAL_RING = "serial0"
 SERIAL_RING_BYTES = 1 << 20  # a child's console: the last MiB it wrote, in QEMU's memory
 LOG_TAIL_BYTES = 64 << 10  # what log_tail reads of the end of a log file
+
+
+def socket_arg(d: Path, name: str) -> str:
+    """The path QEMU binds its socket ``d/name`` by: the whole path when it fits sun_path,
+    else ``name``, relative to QEMU's working directory, which is ``d`` (QemuVM.launch):
+    a long $FORKD_RUN with a child's id put the whole path past 108 bytes, and QEMU could
+    not start ('UNIX socket path … is too long'). The host connects to either through
+    paths.unix_address."""
+    return str(d / name) if fits_sun_path(d / name) else name
 
 
 def serial_args(cfg: VMConfig, d: Path) -> list[str]:
@@ -280,12 +290,21 @@ def pid_alive(pid: int) -> bool:
 
 def pid_matches(pid: int, d: Path) -> bool:
     """The pid is still the QEMU we started in directory d (guards against pid reuse): its
-    command line names files in d (``d/qmp.sock``, not a directory whose name extends d's)."""
+    command line names files in d (``d/qmp.sock``, not a directory whose name extends d's),
+    or, when d is too long for its sockets' paths (socket_arg: they are named relative to
+    it), it runs in d."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return (str(d).rstrip("/") + "/").encode() in cmd
+    if (str(d).rstrip("/") + "/").encode() in cmd:
+        return True
+    if fits_sun_path(d / "agent.sock"):
+        return False
+    try:  # the same directory, however $FORKD_RUN reaches it (a symlink on the way)
+        return os.path.samefile(f"/proc/{pid}/cwd", d)
+    except OSError:
+        return False
 
 
 def _reap(pid: int) -> None:
@@ -353,6 +372,7 @@ class QemuVM:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, close_fds=True,
                                              pass_fds=passed, env=qemu_environment(),
+                                             cwd=self.dir,  # its sockets' paths (socket_arg)
                                              start_new_session=self.detach)
         except FileNotFoundError as e:
             raise HostError(f"{QEMU} not found: apt-get install -y qemu-system-x86") from e

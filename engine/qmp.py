@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from forkd.engine.errors import VMMError
+from forkd.engine.paths import unix_address
 
 
 class _State(enum.Enum):
@@ -26,7 +27,8 @@ def connect_unix(path: Path, deadline: float, alive: Callable[[], bool] | None =
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            s.connect(str(path))
+            with unix_address(path) as address:
+                s.connect(address)
             return s
         except OSError as e:
             s.close()
