@@ -21,7 +21,9 @@ from net_support import free_port, running, wait_healthy, wait_until  # noqa: F4
 from forkd.controller.backend import CALLER_STOP
 from forkd.engine import children as ch
 from forkd.engine.lifecycle import ChildInfo
+from forkd.errors import ForkdError
 from forkd.store.store import Store
+from forkd.synthetic import write_base
 
 
 @contextlib.contextmanager
@@ -127,6 +129,20 @@ def as_client(address: str, session: str | None = None) -> Iterator[None]:
     finally:
         mcp.MCP_SESSION.reset(mcp_session)
         REQUEST_CLIENT.reset(client)
+
+
+class Asked(ForkdError):
+    """A stand-in spawn was asked to fork (the tag got past the tool's checks)."""
+
+
+def store_with_base(tmp_path: Path, seed: int) -> Store:
+    """The store of the test's FORKD_HOME (its ``place`` fixture set), holding
+    ``base:latest``: a 1 MiB random memory image."""
+    store = Store.open()
+    image = tmp_path / "base.img"
+    write_base(image, 1 << 20, seed=seed, random_share=1.0)
+    store.import_layer("base:latest", memory=image)
+    return store
 
 
 def branch_as_tag(store: Store, tag: str, force: bool = False) -> Any:

@@ -8,32 +8,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_support import as_client, branch_as_tag, listed_refs
+from daemon_support import Asked, as_client, branch_as_tag, listed_refs, store_with_base
 
 from forkd.controller import backend as backend_mod
 from forkd.controller import mcp
 from forkd.controller.api import SpawnRequest, SpawnResult
 from forkd.controller.sdk import Controller
 from forkd.engine.branch import BranchResult
-from forkd.errors import ForkdError, NotFound
+from forkd.errors import NotFound
 from forkd.store.store import Store
-from forkd.synthetic import write_base
 
 ANY_SANDBOX = mcp.SandboxScope(everything=True)
 
-
-class Asked(ForkdError):
-    """The stand-in spawn was asked to fork (the tag got past the tool's checks)."""
 
 
 @pytest.fixture
 def based(place: Path, tmp_path: Path) -> Store:
     """The store of this test's FORKD_HOME, holding ``base:latest``."""
-    store = Store.open()
-    image = tmp_path / "base.img"
-    write_base(image, 1 << 20, seed=14, random_share=1.0)
-    store.import_layer("base:latest", memory=image)
-    return store
+    return store_with_base(tmp_path, seed=14)
 
 
 @pytest.fixture

@@ -51,7 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_support import McpClient, as_client, branch_as_tag, listed_refs
+from daemon_support import (
+    Asked,
+    McpClient,
+    as_client,
+    branch_as_tag,
+    listed_refs,
+    store_with_base,
+)
 from net_support import free_port, running, wait_until
 
 from forkd.controller import app, mcp
@@ -68,18 +75,10 @@ from forkd.store.store import Store
 from forkd.synthetic import write_base
 
 
-class Asked(ForkdError):
-    """The stand-in spawn was asked to fork (the tag got past the tool's checks)."""
-
-
 @pytest.fixture
 def store(place: Path, tmp_path: Path) -> Store:
     """The store of this test's FORKD_HOME, holding ``base:latest``."""
-    opened = Store.open()
-    image = tmp_path / "base.img"
-    write_base(image, 1 << 20, seed=16, random_share=1.0)
-    opened.import_layer("base:latest", memory=image)
-    return opened
+    return store_with_base(tmp_path, seed=16)
 
 
 @pytest.fixture
