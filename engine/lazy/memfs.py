@@ -303,12 +303,10 @@ def mount(ops: MemoryFile, mountpoint: str) -> None:
     pyfuse3.init(ops, mountpoint, options)
 
 
-def no_read_ahead(mountpoint: str) -> None:
-    """The kernel reads no more of the file mounted at ``mountpoint`` than a reader
-    touches: the mount's read-ahead set to 0 (``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``,
-    the numbers from /proc/self/mountinfo: a stat of the mount point would wait for this
-    server, which does not serve yet). A mapping QEMU advises MADV_HUGEPAGE is read 4 MiB
-    at a time all the same: its children start without the advice (engine/hugepages.py)."""
+def read_ahead_setting(mountpoint: str) -> Path:
+    """The read-ahead setting of the file system mounted at ``mountpoint``
+    (``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``, the numbers from /proc/self/mountinfo: a
+    stat of the mount point would wait for this server, which does not serve yet)."""
     point = str(Path(mountpoint).parent.resolve() / Path(mountpoint).name)
     device = None
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
@@ -318,13 +316,26 @@ def no_read_ahead(mountpoint: str) -> None:
                 device = fields[2]
     if device is None:
         raise ForkdError(f"{point} is not mounted: no read-ahead to turn off")
-    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
+    return Path("/sys/class/bdi") / device / "read_ahead_kb"
+
+
+def no_read_ahead(mountpoint: str) -> None:
+    """The kernel reads no more of the file mounted at ``mountpoint`` than a reader
+    touches: the mount's read-ahead set to 0 (``read_ahead_setting``; root). Every lazy
+    mount has it: around a page that is not in the page cache the kernel otherwise asks
+    for 128 KiB, and where the working set is already in the page cache the rest of that
+    window is memory no child touched, whose chunks a new host fetches from the hub
+    before the faulting page is answered; the server pushes the window's chunks that are
+    here after each read anyway (``_push``). A mapping QEMU advises MADV_HUGEPAGE is read
+    4 MiB at a time all the same: lazy children start without the advice
+    (engine/hugepages.py)."""
+    setting = read_ahead_setting(mountpoint)
     try:
         setting.write_text("0")
     except OSError as exc:
-        raise ForkdError(f"could not turn off read-ahead on the lazy mount {point} "
-                         f"({setting}: {exc.strerror}); recording the pages a child touches "
-                         "needs root and a writable /sys") from exc
+        raise ForkdError(f"could not turn off read-ahead on the lazy mount {mountpoint} "
+                         f"({setting}: {exc.strerror}); it needs root and a writable "
+                         "/sys") from exc
 
 
 def _unescape(field: str) -> str:

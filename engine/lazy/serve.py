@@ -289,8 +289,12 @@ def serve(d: Path) -> int:
         overlay = server.start_disk()
         memfs.mount(server.ops, str(mnt))
         try:
-            if server.spec.record_pages:
+            try:
                 memfs.no_read_ahead(str(mnt))
+            except ForkdError as exc:
+                if server.spec.record_pages:  # a recording needs each page read alone
+                    raise
+                log.info("%s: read-ahead stays on", exc)
             server.write_ready(overlay)
             log.info("serving %s at %s", server.spec.name, mnt)
             signal.signal(signal.SIGTERM, lambda *_: setattr(server, "stopping", True))

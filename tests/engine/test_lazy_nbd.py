@@ -675,3 +675,30 @@ def test_two_stores_serving_one_snapshot_have_a_socket_each(
         while pid_alive(b.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not pid_alive(b.pid) and not b.disk.exists()
+
+
+def test_a_serving_mount_has_its_read_ahead_off(
+        template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lazy server's memory mount reads what a child touches and no more
+    (memfs.no_read_ahead): around a page missing from the page cache the kernel asked for
+    128 KiB, and where the working set was pushed already the rest of that window is
+    memory no child touched, whose chunks a new host fetched from the hub before the
+    touched page was answered. Before, only a recording's mount had it off."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("a FUSE mount needs root and /dev/fuse")
+    from forkd.engine.lazy import fork as lazy
+    from forkd.engine.lazy import memfs
+    from forkd.engine.qemu import pid_alive
+
+    monkeypatch.setenv("FORKD_RUN", str(tmp_path / "run"))
+    shutil.copytree(template, tmp_path / "home")
+    store = Store(tmp_path / "home")
+    with lazy.holding(store, open_local(store, REF), None, None, prefetch=False) as snap:
+        setting = memfs.read_ahead_setting(str(snap.memory.parent))
+        assert setting.read_text().strip() == "0"
+        with snap.memory.open("rb") as f:  # and it serves
+            assert f.read(4096) == store.assemble(REF).memory.read_bytes()[:4096]
+    deadline = time.monotonic() + 30
+    while pid_alive(snap.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(snap.pid), "the server did not exit once its file was closed"
