@@ -1,0 +1,146 @@
+"""Hostile review 27: the OCI Distribution surface and its races.
+
+1. On PostgreSQL, a tag moved by a manifest push while a ``DELETE`` of that tag ran was a
+   500: the push read the tag's row, then updated it after the deletion had committed
+   (0 rows: SQLAlchemy's StaleDataError), and the manifest was stored but not tagged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from hub_support import (
+    EMPTY_CONFIG,
+    EMPTY_MEDIA,
+    OCI_MANIFEST,
+    HubServer,
+    artifact,
+    push_blob,
+    sha,
+    unique_name,
+)
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def pg_hub(postgres_url: str, tmp_path: Path) -> Iterator[HubServer]:
+    server = HubServer(tmp_path / "hub", {"database_url": postgres_url}).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _manifest(c: Any, repo: str, payload: bytes) -> bytes:
+    """A one-layer artifact's manifest whose blobs are in ``repo`` (not pushed itself)."""
+    push_blob(c, repo, EMPTY_CONFIG)
+    layer = push_blob(c, repo, payload)
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": "application/vnd.example.test",
+        "config": {"mediaType": EMPTY_MEDIA, "digest": sha(EMPTY_CONFIG), "size": 2},
+        "layers": [
+            {"mediaType": "application/octet-stream", "digest": layer, "size": len(payload)}
+        ],
+    }
+    return json.dumps(doc).encode()
+
+
+class _RowHolder:
+    """A transaction of its own that runs ``statement`` (holding the rows it changes) and
+    commits only once ``waiters`` other transactions wait for it (``pg_locks``)."""
+
+    def __init__(self, url: str, statement: str, *args: object, waiters: int = 1) -> None:
+        self.url, self.statement, self.args, self.waiters = url, statement, args, waiters
+        self.held = threading.Event()
+        self.done = threading.Event()
+        self.failed: list[BaseException] = []
+        self.changed = ""
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _RowHolder:
+        self.thread.start()
+        assert self.held.wait(TIMEOUT)
+        assert not self.failed, self.failed
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.thread.join(TIMEOUT)
+        assert not self.failed, self.failed
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._hold())
+        except BaseException as exc:  # the test reports it
+            self.failed.append(exc)
+        finally:
+            self.held.set()
+            self.done.set()
+
+    async def _hold(self) -> None:
+        conn = await asyncpg.connect(self.url)
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted"
+        try:
+            async with conn.transaction():
+                self.changed = await conn.execute(self.statement, *self.args)
+                self.held.set()
+                deadline = time.monotonic() + TIMEOUT
+                while (await conn.fetchval(waiting) or 0) < self.waiters:
+                    assert time.monotonic() < deadline, "no transaction came to wait"
+                    await asyncio.sleep(0.02)
+        finally:
+            await conn.close()
+
+
+def _pg_url(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+# -- 1. a tag deleted while a push moves it ------------------------------------------------
+def test_tag_deleted_while_a_push_moves_it_is_moved(pg_hub: HubServer, postgres_url: str) -> None:
+    """Before: with a ``DELETE /v2/NAME/manifests/TAG`` committing while a push moved that
+    tag (PostgreSQL: the push read the row, then updated it), the push was a 500 and its
+    manifest stood untagged. Now the push sets the tag in one statement (insert, or
+    update the row there is): 201, and the tag names the pushed manifest."""
+    alice = pg_hub.add_user(unique_name("alice"))
+    repo = f"{alice[0]}/app"
+    with pg_hub.client(alice) as c:
+        artifact(c, repo, b"first", tag="v1")
+        body = _manifest(c, repo, b"second")
+        with _RowHolder(
+            _pg_url(postgres_url), "DELETE FROM tags WHERE name = $1", "v1"
+        ) as holder:
+            assert holder.changed == "DELETE 1"
+            r = c.put(f"/v2/{repo}/manifests/v1", content=body,
+                      headers={"Content-Type": OCI_MANIFEST})
+        assert r.status_code == 201, r.text
+        got = c.get(f"/v2/{repo}/manifests/v1", headers={"Accept": OCI_MANIFEST})
+        assert got.status_code == 200, got.text
+        assert got.headers["Docker-Content-Digest"] == sha(body)
+
+
+def test_tag_deleted_twice_at_once_is_deleted_once(pg_hub: HubServer, postgres_url: str) -> None:
+    """Before: a ``DELETE`` of a tag that another deletion removed while it waited for the
+    row (PostgreSQL) deleted nothing and answered 202, as if it had. Now the deletion is
+    one statement whose row count decides: 404 MANIFEST_UNKNOWN."""
+    alice = pg_hub.add_user(unique_name("alice"))
+    repo = f"{alice[0]}/app"
+    with pg_hub.client(alice) as c:
+        artifact(c, repo, b"first", tag="v1")
+        with _RowHolder(
+            _pg_url(postgres_url), "DELETE FROM tags WHERE name = $1", "v1"
+        ) as holder:
+            assert holder.changed == "DELETE 1"
+            r = c.delete(f"/v2/{repo}/manifests/v1")
+        assert r.status_code == 404, r.text
+        assert r.json()["errors"][0]["code"] == "MANIFEST_UNKNOWN"
