@@ -495,6 +495,10 @@ async def _append_locked(
     """``_append`` into ``f``, the session's file, which the caller opened and locked."""
     content_range = ctx.request.headers.get("content-range")
     _current(ctx.hub, upload_id, f)
+    if ctx.hub.shared is None:
+        # In use from now: the file's time of change is the session's idleness, and the
+        # bytes this request writes may sit in its buffer a while (``_stream_into``).
+        os.utime(f.fileno())
     recorded = await _recorded(ctx.hub, upload_id, f)
     f.seek(0, 2)
     start = f.tell()  # where this request's bytes begin in the file
@@ -610,11 +614,14 @@ async def _stream_into(
                 if hasher is not None:
                     hasher.update(chunk)
                 ctx.hub.metrics.bytes_in.inc(len(chunk))
-                if shared and time.monotonic() - touched > every:
+                if time.monotonic() - touched > every:
                     # Still in use: a shared session's idleness is its row's (other replicas'
-                    # sweeps read it), which nothing else moves until this request ends.
+                    # sweeps read it), which nothing else moves until this request ends; a
+                    # file's is its time of change, which buffered bytes leave behind.
                     touched = time.monotonic()
-                    if not await ctx.hub.db.write(touch, upload_id):
+                    if not shared:
+                        os.utime(f.fileno())
+                    elif not await ctx.hub.db.write(touch, upload_id):
                         raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
         try:
             await check()  # the last byte may have come long after the last check

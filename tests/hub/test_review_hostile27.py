@@ -2,13 +2,19 @@
 
 1. On PostgreSQL, a tag moved by a manifest push while a ``DELETE`` of that tag ran was a
    500: the push read the tag's row, then updated it after the deletion had committed
-   (0 rows: SQLAlchemy's StaleDataError), and the manifest was stored but not tagged.
+   (0 rows: SQLAlchemy's StaleDataError), and the manifest was stored but not tagged;
+   a tag deleted twice at once answered 202 twice.
+2. An upload session a request was writing was judged by its file's time of change,
+   which buffered writes leave behind: ``forkd hub gc`` (and the hub's sweep) expired
+   it under the request, which wrote on into a deleted file and answered 202 for bytes
+   that were gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,11 +28,14 @@ from hub_support import (
     EMPTY_MEDIA,
     OCI_MANIFEST,
     HubServer,
+    SlowBody,
     artifact,
     push_blob,
     sha,
     unique_name,
 )
+
+from forkd.hub.storage import UploadArea
 
 TIMEOUT = 60
 
@@ -144,3 +153,51 @@ def test_tag_deleted_twice_at_once_is_deleted_once(pg_hub: HubServer, postgres_u
             r = c.delete(f"/v2/{repo}/manifests/v1")
         assert r.status_code == 404, r.text
         assert r.json()["errors"][0]["code"] == "MANIFEST_UNKNOWN"
+
+
+# -- 2. an upload session being written is not expired ------------------------------------
+def _wait(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.02)
+
+
+def test_upload_being_written_is_not_expired(hub: HubServer, user: tuple[str, str]) -> None:
+    """Before: a ``PATCH`` whose bytes had not reached the file yet (buffered) left the
+    session's file as old as before the request, and ``forkd hub gc`` run then deleted
+    the session under it: the ``PATCH`` answered 202, the session was gone (404) and its
+    bytes lost. Now a writing request keeps its session's file fresh from its start, and
+    the sweep never removes a file a request holds (its lock): the session keeps all."""
+    repo = f"{user[0]}/app"
+    uploads = UploadArea(hub.data_dir / "uploads")
+    with hub.client(user) as c:
+        r = c.post(f"/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        location = r.headers["Location"]
+        upload_id = location.rsplit("/", 1)[1]
+        body = SlowBody([b"a" * 100, b"b" * 100])
+        answers: list[Any] = []
+        octets = {"Content-Type": "application/octet-stream"}
+        patch = threading.Thread(
+            target=lambda: answers.append(c.patch(location, content=body, headers=octets))
+        )
+        patch.start()
+        try:
+            assert body.sent_first.wait(TIMEOUT)
+            _wait(lambda: uploads.in_use(upload_id), "the PATCH taking the session's lock")
+            # As a request that began near the idle timeout, its first bytes still in its
+            # buffer, leaves it a while later: ten hours old as far as the file says.
+            old = time.time() - 10 * 3600
+            os.utime(uploads.path(upload_id), (old, old))
+            hub.cli("gc", "--upload-ttl-hours", "1")
+        finally:
+            body.go_on.set()
+            patch.join(TIMEOUT)
+        assert answers and answers[0].status_code == 202, answers and answers[0].text
+        status = c.get(location)
+        assert status.status_code == 204, status.text
+        assert status.headers["Range"] == "0-199"
+        data = body.data
+        r = c.put(f"{location}?digest={sha(data)}")
+        assert r.status_code == 201, r.text
