@@ -544,6 +544,16 @@ async def _append_locked(
             offset,
             f"chunk has {written} bytes, Content-Range said {expected_len}",
         )
+    if ctx.hub.shared is None:
+        # Still the session's file, now that the bytes are in it: a session cancelled or
+        # expired while they came was deleted under this request, which must not answer
+        # 202 and a Range for it (a shared session's ``_commit`` finds its row gone).
+        try:
+            ctx.hub.uploads.check_current(upload_id, f)
+        except NotFound:
+            raise _unknown(
+                upload_id, "was cancelled or expired while this request wrote it"
+            ) from None
     if commit:
         await _commit(ctx.hub, upload_id, offset, written, f)
     return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
@@ -668,7 +678,13 @@ def _store(
         hashed = received.digest if received.size == size else None
         actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
         dg.check(digest, actual, f"upload {upload_id}")
-        hub.blobs.link_in(hub.uploads.path(upload_id), digest)
+        # Hashing a big file takes a while, and a cancellation meanwhile deletes it: the
+        # file is checked again, and one gone before the link is the session's end.
+        _current(hub, upload_id, f)
+        try:
+            hub.blobs.link_in(hub.uploads.path(upload_id), digest)
+        except FileNotFoundError:
+            raise _unknown(upload_id, "was cancelled while this request stored it") from None
     elif hub.blobs.has(digest):
         # The store would skip known content unread: check the client's bytes here.
         dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")

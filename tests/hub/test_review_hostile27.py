@@ -7,7 +7,9 @@
 2. An upload session a request was writing was judged by its file's time of change,
    which buffered writes leave behind: ``forkd hub gc`` (and the hub's sweep) expired
    it under the request, which wrote on into a deleted file and answered 202 for bytes
-   that were gone.
+   that were gone; a session cancelled (``DELETE``) while a ``PATCH`` wrote it left that
+   ``PATCH`` answering 202 and a ``Range`` for a session that no longer existed, and one
+   cancelled while its closing ``PUT`` hashed the bytes made that ``PUT`` a 500.
 """
 
 from __future__ import annotations
@@ -201,3 +203,83 @@ def test_upload_being_written_is_not_expired(hub: HubServer, user: tuple[str, st
         data = body.data
         r = c.put(f"{location}?digest={sha(data)}")
         assert r.status_code == 201, r.text
+
+
+def test_patch_into_a_session_cancelled_meanwhile_is_refused(
+    hub: HubServer, user: tuple[str, str]
+) -> None:
+    """Before: a ``PATCH`` still streaming when its session was cancelled (``DELETE`` of
+    the upload) wrote on into the deleted file and answered 202 with a ``Range``, for a
+    session that was gone. Now a ``PATCH`` checks, once its bytes are written, that its
+    file is still the session's: 404 BLOB_UPLOAD_UNKNOWN."""
+    repo = f"{user[0]}/app"
+    uploads = UploadArea(hub.data_dir / "uploads")
+    with hub.client(user) as c:
+        r = c.post(f"/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        location = r.headers["Location"]
+        upload_id = location.rsplit("/", 1)[1]
+        body = SlowBody([b"a" * 100, b"b" * 100])
+        answers: list[Any] = []
+        octets = {"Content-Type": "application/octet-stream"}
+        patch = threading.Thread(
+            target=lambda: answers.append(c.patch(location, content=body, headers=octets))
+        )
+        patch.start()
+        try:
+            assert body.sent_first.wait(TIMEOUT)
+            _wait(lambda: uploads.in_use(upload_id), "the PATCH taking the session's lock")
+            with hub.client(user) as other:
+                cancelled = other.delete(location)
+            assert cancelled.status_code == 204, cancelled.text
+        finally:
+            body.go_on.set()
+            patch.join(TIMEOUT)
+        assert answers, "the PATCH never answered"
+        assert answers[0].status_code == 404, answers[0].text
+        assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
+        assert c.get(location).status_code == 404
+
+
+def test_put_of_a_session_cancelled_while_hashed_is_refused(
+    hub: HubServer, user: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a closing ``PUT`` checked that its file was the session's, then hashed it
+    (seconds for gigabytes), then linked it into the store by name: a ``DELETE`` of the
+    upload meanwhile made the link a FileNotFoundError, a 500. Now the file is checked
+    again after the hash and a link that finds it gone is 404 BLOB_UPLOAD_UNKNOWN."""
+    from forkd.hub.oci import uploads as upload_routes
+
+    hashing, go_on = threading.Event(), threading.Event()
+    of_file = upload_routes.dg.of_file
+
+    def held_hash(*args: Any, **kwargs: Any) -> str:
+        hashing.set()
+        assert go_on.wait(TIMEOUT)
+        return of_file(*args, **kwargs)
+
+    monkeypatch.setattr(upload_routes.dg, "of_file", held_hash)
+    repo = f"{user[0]}/app"
+    data = b"c" * 300
+    with hub.client(user) as c:
+        r = c.post(f"/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        location = r.headers["Location"]
+        assert c.patch(location, content=data).status_code == 202
+        answers: list[Any] = []
+        put = threading.Thread(
+            target=lambda: answers.append(c.put(f"{location}?digest={sha(data)}"))
+        )
+        put.start()
+        try:
+            assert hashing.wait(TIMEOUT)
+            with hub.client(user) as other:
+                cancelled = other.delete(location)
+            assert cancelled.status_code == 204, cancelled.text
+        finally:
+            go_on.set()
+            put.join(TIMEOUT)
+        assert answers, "the PUT never answered"
+        assert answers[0].status_code == 404, answers[0].text
+        assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
+        assert c.head(f"/v2/{repo}/blobs/{sha(data)}").status_code == 404
