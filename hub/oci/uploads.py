@@ -661,7 +661,19 @@ def _store(
     """Verify the session's bytes against ``digest`` and store them (a thread); return the
     upload's size (the blob's once verified). ``f``: the session's file, locked by the
     caller throughout. The bytes: ``chunks`` (shared sessions' recorded chunks, in the
-    bucket), then the file."""
+    bucket), then the file. Bytes that vanish meanwhile (the session cancelled or expired:
+    its chunks deleted from the bucket, its file unlinked) end the session, 404
+    BLOB_UPLOAD_UNKNOWN, as on every other request to it."""
+    try:
+        return _store_now(hub, upload_id, digest, received, chunks, f)
+    except (NotFound, FileNotFoundError):
+        raise _unknown(upload_id, "was cancelled or expired while this request stored it") from None
+
+
+def _store_now(
+    hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _Chunks, f: BinaryIO
+) -> int:
+    """``_store``."""
     f.seek(0)
     _current(hub, upload_id, f)
     size = chunks.size + os.fstat(f.fileno()).st_size
@@ -681,10 +693,7 @@ def _store(
         # Hashing a big file takes a while, and a cancellation meanwhile deletes it: the
         # file is checked again, and one gone before the link is the session's end.
         _current(hub, upload_id, f)
-        try:
-            hub.blobs.link_in(hub.uploads.path(upload_id), digest)
-        except FileNotFoundError:
-            raise _unknown(upload_id, "was cancelled while this request stored it") from None
+        hub.blobs.link_in(hub.uploads.path(upload_id), digest)
     elif hub.blobs.has(digest):
         # The store would skip known content unread: check the client's bytes here.
         dg.check(digest, dg.of_file(f, dg.algorithm_of(digest)), f"upload {upload_id}")

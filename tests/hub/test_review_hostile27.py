@@ -9,7 +9,8 @@
    it under the request, which wrote on into a deleted file and answered 202 for bytes
    that were gone; a session cancelled (``DELETE``) while a ``PATCH`` wrote it left that
    ``PATCH`` answering 202 and a ``Range`` for a session that no longer existed, and one
-   cancelled while its closing ``PUT`` hashed the bytes made that ``PUT`` a 500.
+   cancelled while its closing ``PUT`` hashed the bytes (or, with S3, read its chunks)
+   made that ``PUT`` a 500.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hub_support import (
     sha,
     unique_name,
 )
+from s3_hub_support import S3Hub
 
 from forkd.hub.storage import UploadArea
 
@@ -283,3 +285,48 @@ def test_put_of_a_session_cancelled_while_hashed_is_refused(
         assert answers[0].status_code == 404, answers[0].text
         assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
         assert c.head(f"/v2/{repo}/blobs/{sha(data)}").status_code == 404
+
+
+def test_s3_put_of_a_session_cancelled_while_read_is_refused(
+    s3_hub: S3Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before (S3, shared sessions): a closing ``PUT`` reading the session's chunks from
+    the bucket when a ``DELETE`` of the upload removed them failed on the missing object:
+    a 500. Now it is 404 BLOB_UPLOAD_UNKNOWN, and nothing of the upload is left in the
+    bucket (the fixture checks)."""
+    from forkd.hub.shared_uploads import SharedUploads
+
+    reading, go_on = threading.Event(), threading.Event()
+    read = SharedUploads.read
+
+    def held_read(self: SharedUploads, upload_id: str, names: Any) -> Iterator[bytes]:
+        reading.set()
+        assert go_on.wait(TIMEOUT)
+        yield from read(self, upload_id, names)
+
+    monkeypatch.setattr(SharedUploads, "read", held_read)
+    user = s3_hub.add_user(unique_name("carol"))
+    repo = f"{user[0]}/app"
+    data = b"d" * 300
+    with s3_hub.client(user) as c:
+        r = c.post(f"/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        location = r.headers["Location"]
+        r = c.patch(location, content=data, headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 202, r.text
+        answers: list[Any] = []
+        put = threading.Thread(
+            target=lambda: answers.append(c.put(f"{location}?digest={sha(data)}"))
+        )
+        put.start()
+        try:
+            assert reading.wait(TIMEOUT)
+            with s3_hub.client(user) as other:
+                cancelled = other.delete(location)
+            assert cancelled.status_code == 204, cancelled.text
+        finally:
+            go_on.set()
+            put.join(TIMEOUT)
+        assert answers, "the PUT never answered"
+        assert answers[0].status_code == 404, answers[0].text
+        assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
