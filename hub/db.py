@@ -322,11 +322,20 @@ class Database:
         self, table: Any, values: dict[str, Any], keys: list[str], touch: str
     ) -> Insert:
         """Insert, or on conflict set column ``touch`` to the new value (a "last linked" time)."""
+        return self.upsert(table, values, keys, [touch])
+
+    def upsert(
+        self, table: Any, values: dict[str, Any], keys: list[str], changed: list[str]
+    ) -> Insert:
+        """Insert, or on conflict set the ``changed`` columns to their new values: one
+        statement, so a row another transaction deletes meanwhile is inserted again (a
+        read of the row, then an update of it, updated nothing: StaleDataError)."""
+        set_ = {column: values[column] for column in changed}
         if self.is_sqlite:
             lite = sqlite.insert(table).values(**values)
-            return lite.on_conflict_do_update(index_elements=keys, set_={touch: values[touch]})
+            return lite.on_conflict_do_update(index_elements=keys, set_=set_)
         pg = postgresql.insert(table).values(**values)
-        return pg.on_conflict_do_update(index_elements=keys, set_={touch: values[touch]})
+        return pg.on_conflict_do_update(index_elements=keys, set_=set_)
 
     def write_lock(self, session: Session) -> None:
         """Writers that link or reference blobs take this; GC takes ``lock_for_gc``.

@@ -168,23 +168,37 @@ async def expire_uploads(
     if shared is not None:
         return await expire_shared(db, uploads, shared, idle, dry_run=dry_run)
     stale_ts = time.time() - idle.total_seconds()
-    found: list[str] = []
+    # The files first, each judged and deleted under its lock (``remove_if_idle``): a
+    # request writing one holds it, and its bytes may still be in its buffer, the file's
+    # time of change behind them; then the rows of the files that are gone.
+    found = _expired_files(uploads, stale_ts, dry_run=dry_run)
     async with db.transaction() as session:
         sessions = set((await session.scalars(select(Upload.id))).all())
-        for name in sorted(os.listdir(uploads.root)):
-            try:
-                expired = (uploads.root / name).stat().st_mtime < stale_ts
-            except FileNotFoundError:  # finished or cancelled meanwhile
-                continue
-            if UPLOAD_ID_RE.match(name) and expired:
-                found.append(name)
         found += sorted(s for s in sessions if not (uploads.root / s).exists() and s not in found)
         if not dry_run:
             for batch in _batches(found):
                 await session.execute(delete(Upload).where(Upload.id.in_(batch)))
-    if not dry_run:
-        for upload_id in found:
-            uploads.remove(upload_id)
+    return found
+
+
+def _expired_files(uploads: UploadArea, stale_ts: float, *, dry_run: bool) -> list[str]:
+    """The upload area's files (sessions', or shared sessions' staging files) unchanged
+    since ``stale_ts`` that no request holds, deleted unless ``dry_run``."""
+    found: list[str] = []
+    for name in sorted(os.listdir(uploads.root)):
+        if not UPLOAD_ID_RE.match(name):
+            continue
+        try:
+            expired = (uploads.root / name).stat().st_mtime < stale_ts
+        except FileNotFoundError:  # finished or cancelled meanwhile
+            continue
+        if not expired:
+            continue
+        if dry_run:
+            if not uploads.in_use(name):
+                found.append(name)
+        elif uploads.remove_if_idle(name, stale_ts):
+            found.append(name)
     return found
 
 
@@ -215,17 +229,10 @@ async def expire_shared(
             for batch in _batches(found):
                 await session.execute(delete(Upload).where(Upload.id.in_(batch)))
     stray = await anyio.to_thread.run_sync(shared.stray_sessions, known, oldest)
-    stale_ts = oldest.timestamp()
-    staging = []
-    for name in sorted(os.listdir(uploads.root)):
-        with contextlib.suppress(FileNotFoundError):
-            if UPLOAD_ID_RE.match(name) and (uploads.root / name).stat().st_mtime < stale_ts:
-                staging.append(name)
+    staging = _expired_files(uploads, oldest.timestamp(), dry_run=dry_run)
     if not dry_run:
         for upload_id in [*found, *stray]:
             await anyio.to_thread.run_sync(shared.delete_session, upload_id)
-        for name in staging:
-            uploads.remove(name)
     return sorted({*found, *stray, *staging})
 
 

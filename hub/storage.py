@@ -89,6 +89,21 @@ class UploadArea:
                 return True
             return False
 
+    def remove_if_idle(self, upload_id: str, before: float) -> bool:
+        """Delete the session's file if it last changed before ``before`` (a time stamp)
+        and no request holds its lock; True if it was deleted (or is gone). Judged and
+        deleted under the lock, so a request writing it (whose bytes may still be in its
+        buffer, the file's time of change behind them) keeps it, and one that opens it
+        afterwards finds it gone (``check_current``)."""
+        with self._unless_locked(upload_id) as f:
+            if f is None:
+                return not self.path(upload_id).exists()
+            if os.fstat(f.fileno()).st_mtime >= before:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(upload_id))
+            return True
+
     def in_use(self, upload_id: str) -> bool:
         """Whether a request of this process (or another on this data directory) holds
         the lock of the session's file (with shared sessions: its staging file)."""

@@ -462,12 +462,21 @@ def record_manifest(
     if references:  # one executemany, not a statement per reference
         session.execute(db.insert_ignore(ManifestReference.__table__), references)
     if tag is not None:
-        row = session.get(Tag, (repo_id, tag))
-        if row is None:
-            session.add(Tag(repository_id=repo_id, name=tag, manifest_digest=pushed.digest))
-        else:
-            row.manifest_digest = pushed.digest
-            row.updated_at = utcnow()
+        # One statement: a DELETE of the tag committing meanwhile (it takes no repository
+        # lock) cannot make this update nothing (it inserts the tag again).
+        session.execute(
+            db.upsert(
+                Tag,
+                {
+                    "repository_id": repo_id,
+                    "name": tag,
+                    "manifest_digest": pushed.digest,
+                    "updated_at": utcnow(),
+                },
+                ["repository_id", "name"],
+                ["manifest_digest", "updated_at"],
+            )
+        )
     session.execute(update(Repository).where(Repository.id == repo_id).values(updated_at=utcnow()))
 
 
@@ -600,10 +609,13 @@ def _delete(session: Session, ctx: Ctx, repo_id: int, reference: str) -> None:
     db.write_lock(session)
     if not _is_digest(reference):
         ctx.still(session, "delete")
-        tag = session.get(Tag, (repo_id, reference))
-        if tag is None:
+        # One statement, whose row count says whether the tag was there: a push or a
+        # deletion of it committing meanwhile cannot make this delete nothing unseen.
+        gone = session.execute(
+            delete(Tag).where(Tag.repository_id == repo_id, Tag.name == reference)
+        )
+        if not getattr(gone, "rowcount", 0):
             raise RegistryError(Code.MANIFEST_UNKNOWN, f"tag {reference} not in {name}")
-        session.delete(tag)
         return
     # No push of an index naming this manifest can commit between the check and the delete.
     db.write_lock(session)

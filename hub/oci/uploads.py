@@ -495,6 +495,10 @@ async def _append_locked(
     """``_append`` into ``f``, the session's file, which the caller opened and locked."""
     content_range = ctx.request.headers.get("content-range")
     _current(ctx.hub, upload_id, f)
+    if ctx.hub.shared is None:
+        # In use from now: the file's time of change is the session's idleness, and the
+        # bytes this request writes may sit in its buffer a while (``_stream_into``).
+        os.utime(f.fileno())
     recorded = await _recorded(ctx.hub, upload_id, f)
     f.seek(0, 2)
     start = f.tell()  # where this request's bytes begin in the file
@@ -540,6 +544,16 @@ async def _append_locked(
             offset,
             f"chunk has {written} bytes, Content-Range said {expected_len}",
         )
+    if ctx.hub.shared is None:
+        # Still the session's file, now that the bytes are in it: a session cancelled or
+        # expired while they came was deleted under this request, which must not answer
+        # 202 and a Range for it (a shared session's ``_commit`` finds its row gone).
+        try:
+            ctx.hub.uploads.check_current(upload_id, f)
+        except NotFound:
+            raise _unknown(
+                upload_id, "was cancelled or expired while this request wrote it"
+            ) from None
     if commit:
         await _commit(ctx.hub, upload_id, offset, written, f)
     return _Received(offset + written, room.quota, hasher.digest() if hasher else None)
@@ -610,11 +624,14 @@ async def _stream_into(
                 if hasher is not None:
                     hasher.update(chunk)
                 ctx.hub.metrics.bytes_in.inc(len(chunk))
-                if shared and time.monotonic() - touched > every:
+                if time.monotonic() - touched > every:
                     # Still in use: a shared session's idleness is its row's (other replicas'
-                    # sweeps read it), which nothing else moves until this request ends.
+                    # sweeps read it), which nothing else moves until this request ends; a
+                    # file's is its time of change, which buffered bytes leave behind.
                     touched = time.monotonic()
-                    if not await ctx.hub.db.write(touch, upload_id):
+                    if not shared:
+                        os.utime(f.fileno())
+                    elif not await ctx.hub.db.write(touch, upload_id):
                         raise _unknown(upload_id, "is gone (finished or cancelled meanwhile)")
         try:
             await check()  # the last byte may have come long after the last check
@@ -644,7 +661,19 @@ def _store(
     """Verify the session's bytes against ``digest`` and store them (a thread); return the
     upload's size (the blob's once verified). ``f``: the session's file, locked by the
     caller throughout. The bytes: ``chunks`` (shared sessions' recorded chunks, in the
-    bucket), then the file."""
+    bucket), then the file. Bytes that vanish meanwhile (the session cancelled or expired:
+    its chunks deleted from the bucket, its file unlinked) end the session, 404
+    BLOB_UPLOAD_UNKNOWN, as on every other request to it."""
+    try:
+        return _store_now(hub, upload_id, digest, received, chunks, f)
+    except (NotFound, FileNotFoundError):
+        raise _unknown(upload_id, "was cancelled or expired while this request stored it") from None
+
+
+def _store_now(
+    hub: Hub, upload_id: str, digest: str, received: _Received, chunks: _Chunks, f: BinaryIO
+) -> int:
+    """``_store``."""
     f.seek(0)
     _current(hub, upload_id, f)
     size = chunks.size + os.fstat(f.fileno()).st_size
@@ -661,6 +690,9 @@ def _store(
         hashed = received.digest if received.size == size else None
         actual = hashed or dg.of_file(f, dg.algorithm_of(digest))
         dg.check(digest, actual, f"upload {upload_id}")
+        # Hashing a big file takes a while, and a cancellation meanwhile deletes it: the
+        # file is checked again, and one gone before the link is the session's end.
+        _current(hub, upload_id, f)
         hub.blobs.link_in(hub.uploads.path(upload_id), digest)
     elif hub.blobs.has(digest):
         # The store would skip known content unread: check the client's bytes here.
