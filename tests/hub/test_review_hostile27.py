@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -167,6 +168,29 @@ def _wait(condition: Any, what: str) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def _patch_held(hub: HubServer, c: Any, location: str) -> Iterator[tuple[str, SlowBody, list[Any]]]:
+    """A PATCH of 200 bytes to ``location`` from another thread, held after its first 100
+    once it holds the session's lock: (the upload id, its body, its answer once given).
+    On leaving, the rest is sent and the PATCH waited for."""
+    uploads = UploadArea(hub.data_dir / "uploads")
+    upload_id = location.rsplit("/", 1)[1]
+    body = SlowBody([b"a" * 100, b"b" * 100])
+    answers: list[Any] = []
+    octets = {"Content-Type": "application/octet-stream"}
+    patch = threading.Thread(
+        target=lambda: answers.append(c.patch(location, content=body, headers=octets))
+    )
+    patch.start()
+    try:
+        assert body.sent_first.wait(TIMEOUT)
+        _wait(lambda: uploads.in_use(upload_id), "the PATCH taking the session's lock")
+        yield upload_id, body, answers
+    finally:
+        body.go_on.set()
+        patch.join(TIMEOUT)
+
+
 def test_upload_being_written_is_not_expired(hub: HubServer, user: tuple[str, str]) -> None:
     """Before: a ``PATCH`` whose bytes had not reached the file yet (buffered) left the
     session's file as old as before the request, and ``forkd hub gc`` run then deleted
@@ -179,25 +203,12 @@ def test_upload_being_written_is_not_expired(hub: HubServer, user: tuple[str, st
         r = c.post(f"/v2/{repo}/blobs/uploads/")
         assert r.status_code == 202, r.text
         location = r.headers["Location"]
-        upload_id = location.rsplit("/", 1)[1]
-        body = SlowBody([b"a" * 100, b"b" * 100])
-        answers: list[Any] = []
-        octets = {"Content-Type": "application/octet-stream"}
-        patch = threading.Thread(
-            target=lambda: answers.append(c.patch(location, content=body, headers=octets))
-        )
-        patch.start()
-        try:
-            assert body.sent_first.wait(TIMEOUT)
-            _wait(lambda: uploads.in_use(upload_id), "the PATCH taking the session's lock")
+        with _patch_held(hub, c, location) as (upload_id, body, answers):
             # As a request that began near the idle timeout, its first bytes still in its
             # buffer, leaves it a while later: ten hours old as far as the file says.
             old = time.time() - 10 * 3600
             os.utime(uploads.path(upload_id), (old, old))
             hub.cli("gc", "--upload-ttl-hours", "1")
-        finally:
-            body.go_on.set()
-            patch.join(TIMEOUT)
         assert answers and answers[0].status_code == 202, answers and answers[0].text
         status = c.get(location)
         assert status.status_code == 204, status.text
@@ -215,28 +226,14 @@ def test_patch_into_a_session_cancelled_meanwhile_is_refused(
     session that was gone. Now a ``PATCH`` checks, once its bytes are written, that its
     file is still the session's: 404 BLOB_UPLOAD_UNKNOWN."""
     repo = f"{user[0]}/app"
-    uploads = UploadArea(hub.data_dir / "uploads")
     with hub.client(user) as c:
         r = c.post(f"/v2/{repo}/blobs/uploads/")
         assert r.status_code == 202, r.text
         location = r.headers["Location"]
-        upload_id = location.rsplit("/", 1)[1]
-        body = SlowBody([b"a" * 100, b"b" * 100])
-        answers: list[Any] = []
-        octets = {"Content-Type": "application/octet-stream"}
-        patch = threading.Thread(
-            target=lambda: answers.append(c.patch(location, content=body, headers=octets))
-        )
-        patch.start()
-        try:
-            assert body.sent_first.wait(TIMEOUT)
-            _wait(lambda: uploads.in_use(upload_id), "the PATCH taking the session's lock")
+        with _patch_held(hub, c, location) as (_, _, answers):
             with hub.client(user) as other:
                 cancelled = other.delete(location)
             assert cancelled.status_code == 204, cancelled.text
-        finally:
-            body.go_on.set()
-            patch.join(TIMEOUT)
         assert answers, "the PATCH never answered"
         assert answers[0].status_code == 404, answers[0].text
         assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
