@@ -240,6 +240,34 @@ def test_patch_into_a_session_cancelled_meanwhile_is_refused(
         assert c.get(location).status_code == 404
 
 
+def _put_refused_when_cancelled(
+    hub: Any,
+    user: tuple[str, str],
+    c: Any,
+    location: str,
+    data: bytes,
+    held: threading.Event,
+    go_on: threading.Event,
+) -> None:
+    """The closing PUT of ``data`` to ``location`` from another thread; once it is inside
+    the step the test holds (``held`` set) the upload is cancelled on another connection,
+    then the PUT goes on (``go_on``): it must answer 404 BLOB_UPLOAD_UNKNOWN."""
+    answers: list[Any] = []
+    put = threading.Thread(target=lambda: answers.append(c.put(f"{location}?digest={sha(data)}")))
+    put.start()
+    try:
+        assert held.wait(TIMEOUT)
+        with hub.client(user) as other:
+            cancelled = other.delete(location)
+        assert cancelled.status_code == 204, cancelled.text
+    finally:
+        go_on.set()
+        put.join(TIMEOUT)
+    assert answers, "the PUT never answered"
+    assert answers[0].status_code == 404, answers[0].text
+    assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
+
+
 def test_put_of_a_session_cancelled_while_hashed_is_refused(
     hub: HubServer, user: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,22 +293,7 @@ def test_put_of_a_session_cancelled_while_hashed_is_refused(
         assert r.status_code == 202, r.text
         location = r.headers["Location"]
         assert c.patch(location, content=data).status_code == 202
-        answers: list[Any] = []
-        put = threading.Thread(
-            target=lambda: answers.append(c.put(f"{location}?digest={sha(data)}"))
-        )
-        put.start()
-        try:
-            assert hashing.wait(TIMEOUT)
-            with hub.client(user) as other:
-                cancelled = other.delete(location)
-            assert cancelled.status_code == 204, cancelled.text
-        finally:
-            go_on.set()
-            put.join(TIMEOUT)
-        assert answers, "the PUT never answered"
-        assert answers[0].status_code == 404, answers[0].text
-        assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
+        _put_refused_when_cancelled(hub, user, c, location, data, hashing, go_on)
         assert c.head(f"/v2/{repo}/blobs/{sha(data)}").status_code == 404
 
 
@@ -311,19 +324,4 @@ def test_s3_put_of_a_session_cancelled_while_read_is_refused(
         location = r.headers["Location"]
         r = c.patch(location, content=data, headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 202, r.text
-        answers: list[Any] = []
-        put = threading.Thread(
-            target=lambda: answers.append(c.put(f"{location}?digest={sha(data)}"))
-        )
-        put.start()
-        try:
-            assert reading.wait(TIMEOUT)
-            with s3_hub.client(user) as other:
-                cancelled = other.delete(location)
-            assert cancelled.status_code == 204, cancelled.text
-        finally:
-            go_on.set()
-            put.join(TIMEOUT)
-        assert answers, "the PUT never answered"
-        assert answers[0].status_code == 404, answers[0].text
-        assert answers[0].json()["errors"][0]["code"] == "BLOB_UPLOAD_UNKNOWN"
+        _put_refused_when_cancelled(s3_hub, user, c, location, data, reading, go_on)
