@@ -369,6 +369,14 @@ class BranchRecord:
                 os.close(fd)
 
 
+def tag_digest(controller: Controller, ref: str) -> str | None:
+    """What tag ``ref`` names now; None when there is no such tag."""
+    try:
+        return str(controller.backend.snapshot(ref)["digest"])
+    except NotFound:
+        return None
+
+
 class BranchTags:
     """The tags each MCP client made with branch_sandbox on this server: the only existing
     tags its ``force`` may replace. A model told to by what it read (a prompt injection)
@@ -415,12 +423,7 @@ class BranchTags:
 
     def _digest(self, ref: str) -> str | None:
         """What ``ref`` names now; None when there is no such tag."""
-        if self.controller is None:
-            return None
-        try:
-            return str(self.controller.backend.snapshot(ref)["digest"])
-        except NotFound:
-            return None
+        return None if self.controller is None else tag_digest(self.controller, ref)
 
     def maker(self, ref: str, digest: str | None = None) -> tuple[str | None, str | None] | None:
         """The client that made ``ref`` with branch_sandbox here, while the tag still names
@@ -708,20 +711,24 @@ def remove_branches(branches: BranchTags, made: list[tuple[str, str]]) -> None:
         return
     for ref, digest in made:
         with contextlib.suppress(ForkdError), branches.branching(ref):
-            if branches._digest(ref) == digest:
-                branches.controller.backend.delete_snapshot(ref)
+            remove_branch(branches.controller, ref, digest)
             branches.removed(ref, digest)
+
+
+def remove_branch(controller: Controller, ref: str, digest: str) -> None:
+    """Delete tag ``ref`` if it still names the branch ``digest`` (one the operator
+    removed or replaced meanwhile is left)."""
+    if tag_digest(controller, ref) == digest:
+        controller.backend.delete_snapshot(ref)
 
 
 def removed_all(controller: Controller, made: dict[str, str]) -> bool:
     """Remove each tag of ``made`` (tag: digest, a gone server's record) that still names
     that digest; whether none of them does any more (the record may go)."""
-    branches = BranchTags(controller)
     left = False
     for ref, digest in made.items():
         try:
-            if branches._digest(ref) == digest:
-                controller.backend.delete_snapshot(ref)
+            remove_branch(controller, ref, digest)
         except ForkdError:
             left = True
     return not left
